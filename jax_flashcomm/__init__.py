@@ -1,0 +1,10 @@
+"""jax_flashcomm: faster tensor-parallel collectives for JAX.
+
+Low-bit quantized collectives (Flash Communication, arXiv 2412.04964) and ring-decomposed
+collective matmuls (Flash-Overlap, arXiv 2604.24013), as drop-ins for ``jax.lax``.
+"""
+
+from jax_flashcomm import codec
+
+__all__ = ["codec"]
+__version__ = "0.1.0"
