@@ -1,0 +1,46 @@
+"""Test setup: 8 virtual CPU devices, and meshes of both axis types.
+
+The device count must be set before jax is imported, so this runs first.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("ci", max_examples=60, deadline=None, derandomize=True)
+settings.register_profile("dev", max_examples=25, deadline=None)
+settings.register_profile("thorough", max_examples=500, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+AXIS_TYPES = {
+    "explicit": jax.sharding.AxisType.Explicit,
+    "auto": jax.sharding.AxisType.Auto,
+}
+
+
+@pytest.fixture(params=sorted(AXIS_TYPES))
+def axis_type(request):
+    """Every mesh-using test runs on Explicit and on Auto axes."""
+    return AXIS_TYPES[request.param]
+
+
+def make_mesh(shape, names, axis_type):
+    """A mesh over the first prod(shape) CPU devices with one axis type for all axes."""
+    n = 1
+    for size in shape:
+        n *= size
+    return jax.make_mesh(
+        shape, names, axis_types=(axis_type,) * len(names), devices=jax.devices()[:n]
+    )
+
+
+@pytest.fixture
+def mesh_factory(axis_type):
+    """``mesh_factory(shape, names)`` builds a mesh of the parametrized axis type."""
+    return lambda shape, names: make_mesh(shape, names, axis_type)
