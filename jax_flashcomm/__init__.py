@@ -5,6 +5,7 @@ collective matmuls (Flash-Overlap, arXiv 2604.24013), as drop-ins for ``jax.lax`
 """
 
 from jax_flashcomm import codec
+from jax_flashcomm.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 
-__all__ = ["codec"]
+__all__ = ["codec", "all_gather_matmul", "matmul_reduce_scatter"]
 __version__ = "0.1.0"

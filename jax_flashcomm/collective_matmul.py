@@ -1,0 +1,368 @@
+"""Ring-decomposed collective matmuls (Flash-Overlap, arXiv 2604.24013).
+
+Both functions are called inside ``jax.shard_map`` on the local shards, like ``jax.lax``
+collectives, and return what the unfused pair returns:
+
+* ``all_gather_matmul(x, w, ax)    == lax.all_gather(x, ax, axis=axis, tiled=True) @ w``
+* ``matmul_reduce_scatter(x, w, ax) == lax.psum_scatter(x @ w, ax, scatter_dimension=axis,
+  tiled=True)``
+
+Instead of one all-gather (or reduce-scatter) followed (preceded) by one big dot, they run N-1
+``ppermute`` steps around the ring of ``axis_name`` and, in every step, the partial dot that
+needs (or produces) a chunk already here. The permute issued in step k and the dot of step k do
+not depend on each other, so a runtime with asynchronous collectives (XLA:GPU/TPU) can run them
+concurrently. All-gather computes on the local chunk first; reduce-scatter computes the slice
+that stays on this rank last, so no step waits on the network with nothing to do ("no tail").
+
+What XLA does with it: each step lowers to one ``collective-permute`` (gloo on CPU processes,
+NCCL send/recv on GPU) and one ``dot`` (a YNNPACK/Eigen custom fusion on CPU, cuBLAS on GPU); the
+placement of a product into the output is a ``dynamic-update-slice`` that buffer assignment does
+in place, and the accumulate of the reduce-scatter ring is an elementwise add fused into a loop
+fusion. None of that needs an FFI kernel in the exact variant. XLA:CPU executes a
+``collective-permute`` synchronously on the thread that runs the module, so on CPU the permute and
+the dot of a step run one after the other (see ``docs/overlap.md``).
+
+The custom VJPs use each other: the transpose of all-gather-matmul is matmul-reduce-scatter (for
+dx) plus a local product with the gathered chunks kept from the forward ring (for dw); the
+transpose of matmul-reduce-scatter is an all-gather-matmul ring of the cotangent whose gathered
+chunks also give dw.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation and varying-axes bookkeeping
+# ---------------------------------------------------------------------------------------------
+
+
+def _vma(a) -> frozenset:
+    """The mesh axes ``a`` varies over inside shard_map (empty outside)."""
+    aval = jax.typeof(a)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        mat = getattr(aval, "manual_axis_type", None)
+        vma = getattr(mat, "varying", frozenset())
+    return frozenset(vma)
+
+
+def _axis_names(axis_name) -> tuple:
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def _axis_size(axis_name, fn: str) -> int:
+    names = _axis_names(axis_name)
+    if not names or not all(isinstance(a, str) for a in names):
+        raise TypeError(f"{fn}: axis_name must be a mesh axis name (str) or a tuple of them, "
+                        f"got {axis_name!r}")
+    try:
+        return lax.axis_size(names if len(names) > 1 else names[0])
+    except NameError:
+        raise ValueError(f"{fn}: axis_name {axis_name!r} is not a bound mesh axis; call it inside "
+                         "jax.shard_map over a mesh that has this axis") from None
+
+
+def _check_operands(fn: str, x, w, axis: int) -> int:
+    """Checks dtypes and shapes; returns ``axis`` normalized to a non-negative index."""
+    for name, a in (("x", x), ("w", w)):
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+            raise TypeError(f"{fn}: {name} must be an array, got {type(a).__name__}")
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            raise TypeError(f"{fn}: {name} must have a floating dtype, got {a.dtype}")
+    if w.ndim != 2:
+        raise ValueError(f"{fn}: w must be 2-D (contraction, columns), got shape {w.shape}")
+    if x.ndim < 2:
+        raise ValueError(f"{fn}: x must have at least 2 dims (rows, contraction), got {x.shape}")
+    if x.shape[-1] != w.shape[0]:
+        raise ValueError(f"{fn}: shapes do not contract: x.shape[-1]={x.shape[-1]} (of x "
+                         f"{x.shape}) != w.shape[0]={w.shape[0]} (of w {w.shape})")
+    if not isinstance(axis, int) or not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"{fn}: axis={axis!r} is not a dimension of x (ndim {x.ndim})")
+    axis %= x.ndim
+    if axis == x.ndim - 1:
+        raise ValueError(f"{fn}: axis={axis} is the contraction dimension of x; the row axis "
+                         "must be another one")
+    return axis
+
+
+def _match_vma(x, w, axis_name):
+    """Makes x and w vary over the same axes (theirs plus ``axis_name``).
+
+    The custom VJPs then return cotangents of the right type; where an operand was invariant
+    over an axis, autodiff of the ``pcast`` sums its cotangent over that axis.
+    """
+    want = _vma(x) | _vma(w) | frozenset(_axis_names(axis_name))
+
+    def cast(a):
+        missing = tuple(sorted(want - _vma(a)))
+        return lax.pcast(a, missing, to="varying") if missing else a
+
+    return cast(x), cast(w)
+
+
+def _codec_fns():
+    try:
+        from jax_flashcomm import codec
+
+        return codec.quantize, codec.dequantize
+    except (ImportError, AttributeError):
+        raise ValueError("quantized all_gather_matmul needs the codec: "
+                         "jax_flashcomm.codec.quantize/dequantize are not available") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# The two rings
+# ---------------------------------------------------------------------------------------------
+
+
+def _perms(n: int):
+    fwd = [(i, (i + 1) % n) for i in range(n)]  # r sends to r+1
+    bwd = [(i, (i - 1) % n) for i in range(n)]  # r sends to r-1
+    return fwd, bwd
+
+
+def _send(payload, axis_name, perm):
+    return jax.tree.map(lambda a: lax.ppermute(a, axis_name, perm), payload)
+
+
+def _ag_ring(x, axis_name, axis, bidirectional, consume, state, quant=None):
+    """Ring all-gather of ``x`` along ``axis``; ``consume(state, chunk, start)`` each piece.
+
+    ``start`` is the piece's row offset in the gathered array. The local chunk comes first. In
+    every step the permute that brings the next piece is issued on the piece already here, so it
+    does not depend on that step's ``consume`` (nor the other way round).
+    ``quant=(bits, group_size)``: pieces travel as codec payloads, quantized once on this rank
+    and never re-quantized; every piece (the local one too) is consumed dequantized, so the
+    result is that of gathering ``dequantize(quantize(x))``.
+    """
+    n = _axis_size(axis_name, "all_gather_matmul")
+    idx = lax.axis_index(axis_name)
+    m = x.shape[axis]
+    fwd, bwd = _perms(n)
+    if quant is None:
+        enc, dec = (lambda a: a), (lambda p, like: p)
+    else:
+        quantize, dequantize = _codec_fns()
+        bits, group_size = quant
+
+        def enc(a):
+            return quantize(a, bits=bits, group_size=group_size)
+
+        def dec(p, like):
+            y = dequantize(p, dtype=like.dtype)
+            if y.shape != like.shape:  # wire format pads the flattened operand
+                y = y.reshape(-1)[: math.prod(like.shape)].reshape(like.shape)
+            return y
+
+    if not bidirectional:
+        payload = enc(x)
+        for k in range(n):
+            nxt = _send(payload, axis_name, fwd) if k < n - 1 else None
+            state = consume(state, dec(payload, x), ((idx - k) % n) * m)
+            payload = nxt
+        return state
+
+    h = m // 2  # lower half travels r -> r+1, upper half r -> r-1
+    lo, hi = jnp.split(x, [h], axis=axis)
+    plo, phi = enc(lo), enc(hi)
+    for k in range(n):
+        nlo = _send(plo, axis_name, fwd) if k < n - 1 else None
+        nhi = _send(phi, axis_name, bwd) if k < n - 1 else None
+        if k == 0 and quant is None:
+            state = consume(state, x, idx * m)  # whole local chunk: one dot, not two
+        else:
+            state = consume(state, dec(plo, lo), ((idx - k) % n) * m)
+            state = consume(state, dec(phi, hi), ((idx + k) % n) * m + h)
+        plo, phi = nlo, nhi
+    return state
+
+
+def _rs_ring(block_fn, axis_name, n, m_out, axis, bidirectional):
+    """Ring reduce-scatter of partial products computed block by block.
+
+    ``block_fn(start, size)`` returns this rank's partial product for rows
+    ``[start, start + size)`` (along ``axis``) of the unscattered result. The accumulator of
+    block b starts on rank b+1 and travels r -> r+1, so each rank computes its own block last; the
+    permute of step s carries the sum of steps < s and does not depend on step s's product.
+    Bidirectional: the lower half of every block travels r -> r+1, the upper half r -> r-1.
+    """
+    idx = lax.axis_index(axis_name)
+    fwd, bwd = _perms(n)
+    if not bidirectional:
+        acc = None
+        for s in range(n):
+            p = block_fn(((idx - 1 - s) % n) * m_out, m_out)  # s = n-1: this rank's block
+            acc = p if acc is None else lax.ppermute(acc, axis_name, fwd) + p
+        return acc
+
+    h = m_out // 2
+    lo = hi = None
+    for s in range(n - 1):
+        plo = block_fn(((idx - 1 - s) % n) * m_out, h)
+        phi = block_fn(((idx + 1 + s) % n) * m_out + h, m_out - h)
+        lo = plo if lo is None else lax.ppermute(lo, axis_name, fwd) + plo
+        hi = phi if hi is None else lax.ppermute(hi, axis_name, bwd) + phi
+    own = block_fn(idx * m_out, m_out)  # whole own block: one dot, not two
+    if n == 1:
+        return own
+    own_lo, own_hi = jnp.split(own, [h], axis=axis)
+    return jnp.concatenate(
+        [lax.ppermute(lo, axis_name, fwd) + own_lo, lax.ppermute(hi, axis_name, bwd) + own_hi],
+        axis=axis,
+    )
+
+
+def _agmm_impl(x, w, axis_name, axis, bidirectional, quant, keep_gathered):
+    """Ring all-gather-matmul; also returns the gathered x when ``keep_gathered``."""
+    n = _axis_size(axis_name, "all_gather_matmul")
+    rows = x.shape[axis] * n
+    out_shape = x.shape[:axis] + (rows,) + x.shape[axis + 1 : -1] + (w.shape[1],)
+    out = jnp.zeros(out_shape, jnp.result_type(x.dtype, w.dtype))
+    gathered = None
+    if keep_gathered:
+        gathered = jnp.zeros(x.shape[:axis] + (rows,) + x.shape[axis + 1 :], x.dtype)
+
+    def consume(state, chunk, start):
+        out, gathered = state
+        out = lax.dynamic_update_slice_in_dim(out, jnp.matmul(chunk, w), start, axis)
+        if gathered is not None:
+            gathered = lax.dynamic_update_slice_in_dim(gathered, chunk, start, axis)
+        return out, gathered
+
+    return _ag_ring(x, axis_name, axis, bidirectional, consume, (out, gathered), quant)
+
+
+def _mrs_impl(x, w, axis_name, axis, bidirectional):
+    n = _axis_size(axis_name, "matmul_reduce_scatter")
+    m_out = x.shape[axis] // n
+
+    def block_fn(start, size):
+        return jnp.matmul(lax.dynamic_slice_in_dim(x, start, size, axis), w)
+
+    return _rs_ring(block_fn, axis_name, n, m_out, axis, bidirectional)
+
+
+def _contract_rows(a, b):
+    """``a^T b`` over every dim but the last: the weight gradient of ``a @ w``."""
+    dims = tuple(range(a.ndim - 1))
+    return jnp.tensordot(a, b, axes=(dims, dims))
+
+
+# ---------------------------------------------------------------------------------------------
+# Custom VJPs: each uses the other
+# ---------------------------------------------------------------------------------------------
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _agmm(x, w, axis_name, axis, bidirectional, quant):
+    return _agmm_impl(x, w, axis_name, axis, bidirectional, quant, False)[0]
+
+
+def _agmm_fwd(x, w, axis_name, axis, bidirectional, quant):
+    out, gathered = _agmm_impl(x, w, axis_name, axis, bidirectional, quant, True)
+    return out, (gathered, w)
+
+
+def _agmm_bwd(axis_name, axis, bidirectional, quant, res, dy):
+    gathered, w = res
+    # dx = psum_scatter(dy @ w^T): a matmul-reduce-scatter ring. Quantized: straight-through.
+    dx = _mrs(dy, w.T, axis_name, axis, bidirectional)
+    dw = _contract_rows(gathered, dy)  # the chunks the forward ring already brought here
+    return dx.astype(gathered.dtype), dw.astype(w.dtype)
+
+
+_agmm.defvjp(_agmm_fwd, _agmm_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _mrs(x, w, axis_name, axis, bidirectional):
+    return _mrs_impl(x, w, axis_name, axis, bidirectional)
+
+
+def _mrs_fwd(x, w, axis_name, axis, bidirectional):
+    return _mrs_impl(x, w, axis_name, axis, bidirectional), (x, w)
+
+
+def _mrs_bwd(axis_name, axis, bidirectional, res, dy):
+    x, w = res
+    # dx = all_gather(dy) @ w^T: an all-gather-matmul ring, whose gathered dy also gives dw.
+    dx, dy_gathered = _agmm_impl(dy, w.T, axis_name, axis, bidirectional, None, True)
+    dw = _contract_rows(x, dy_gathered)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_mrs.defvjp(_mrs_fwd, _mrs_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------
+
+
+def all_gather_matmul(x, w, axis_name, *, axis=0, bidirectional=False, bits=None,
+                      group_size=128):
+    """``lax.all_gather(x, axis_name, axis=axis, tiled=True) @ w`` as an overlapped ring.
+
+    Call inside ``jax.shard_map``. ``x``: this rank's rows (``x.shape[axis]`` of them) with the
+    contraction dimension last; ``w``: ``(K, n_local)``, this rank's columns. Returns the
+    ``(..., N * x.shape[axis], ..., n_local)`` product: N-1 ``ppermute`` steps, each overlapped
+    with the dot of the chunk already here, the local chunk first.
+
+    ``bidirectional``: half of every chunk (split along ``axis``, which must then be even)
+    travels each way round the ring: 2(N-1) permutes of half the bytes each, so both directions
+    of a full-duplex link carry half the traffic.
+    ``bits``: quantized variant (needs ``jax_flashcomm.codec``). Each chunk is quantized once,
+    with groups of ``group_size``, and travels unchanged; every chunk, the local one included, is
+    dequantized before its dot, so the result is ``all_gather(dequantize(quantize(x))) @ w`` and
+    its error is one quantization whatever N is. Gradients pass straight through the quantizer.
+    """
+    fn = "all_gather_matmul"
+    axis = _check_operands(fn, x, w, axis)
+    _axis_size(axis_name, fn)
+    if bidirectional and x.shape[axis] % 2:
+        raise ValueError(f"{fn}: bidirectional=True splits each chunk in two halves, so "
+                         f"x.shape[{axis}]={x.shape[axis]} must be even")
+    quant = None
+    if bits is not None:
+        if not isinstance(bits, int) or isinstance(bits, bool) or not 2 <= bits <= 8:
+            raise ValueError(f"{fn}: bits must be an int in 2..8 or None, got {bits!r}")
+        if not isinstance(group_size, int) or group_size <= 0 or group_size % 8:
+            raise ValueError(f"{fn}: group_size must be a positive multiple of 8, "
+                             f"got {group_size!r}")
+        _codec_fns()
+        quant = (bits, group_size)
+    x, w = _match_vma(x, w, axis_name)
+    return _agmm(x, w, axis_name, axis, bool(bidirectional), quant)
+
+
+def matmul_reduce_scatter(x, w, axis_name, *, axis=0, bidirectional=False):
+    """``lax.psum_scatter(x @ w, axis_name, scatter_dimension=axis, tiled=True)`` as a ring.
+
+    Call inside ``jax.shard_map``. ``x``: ``(..., M, ..., K_local)``, this rank's slice of the
+    contraction dimension; ``w``: ``(K_local, n)``. Returns this rank's ``M / N`` rows of the sum
+    over ranks. Partial products travel the ring and are accumulated (in the result dtype, like
+    ``psum_scatter``); the block that stays here is computed last. Exact: nothing is quantized.
+
+    ``bidirectional``: the two halves of every block (``M / N`` must be even) travel opposite
+    ways round the ring.
+    """
+    fn = "matmul_reduce_scatter"
+    axis = _check_operands(fn, x, w, axis)
+    n = _axis_size(axis_name, fn)
+    if x.shape[axis] % n:
+        raise ValueError(f"{fn}: rows not divisible: x.shape[{axis}]={x.shape[axis]} is not a "
+                         f"multiple of the size {n} of axis {axis_name!r}")
+    if bidirectional and (x.shape[axis] // n) % 2:
+        raise ValueError(f"{fn}: bidirectional=True splits each output block in two halves, so "
+                         f"x.shape[{axis}] / {n} = {x.shape[axis] // n} must be even")
+    x, w = _match_vma(x, w, axis_name)
+    return _mrs(x, w, axis_name, axis, bool(bidirectional))
