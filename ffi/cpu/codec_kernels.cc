@@ -1,0 +1,218 @@
+// XLA FFI handlers of the codec on CPU: quantize, dequantize, dequantize_sum and
+// dequantize_sum_quantize (docs/format.md). One handler per op; the arithmetic is in
+// ffi/include/flashcomm/codec.h, shared with the CUDA kernels.
+#include "flashcomm/cpu_kernels.h"
+
+#include <cstdint>
+#include <vector>
+
+#include "flashcomm/cpu_codec.h"
+#include "flashcomm/ffi_checks.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace flashcomm {
+namespace cpu {
+namespace {
+
+template <typename T>
+void QuantizeAll(const void* x, int64_t n_groups, int64_t g, int bits, uint8_t* codes,
+                 uint16_t* scale, uint16_t* zero) {
+  const auto* xs = static_cast<const typename T::Storage*>(x);
+  std::vector<float> buf(static_cast<size_t>(g));
+  const int64_t nbytes = group_bytes(g, bits);
+  for (int64_t k = 0; k < n_groups; ++k) {
+    load_group<T>(xs + k * g, g, buf.data());
+    quantize_group(buf.data(), g, bits, codes + k * nbytes, scale + k, zero + k);
+  }
+}
+
+template <typename T>
+void DequantizeAll(const uint8_t* codes, const uint16_t* scale, const uint16_t* zero,
+                   int64_t n_groups, int64_t g, int bits, void* y) {
+  auto* ys = static_cast<typename T::Storage*>(y);
+  std::vector<float> buf(static_cast<size_t>(g));
+  const int64_t nbytes = group_bytes(g, bits);
+  for (int64_t k = 0; k < n_groups; ++k) {
+    decode_group(codes + k * nbytes, scale[k], zero[k], g, bits, false, buf.data());
+    store_group<T>(buf.data(), g, ys + k * g);
+  }
+}
+
+// Sum over the chunk axis in order 0..n-1, in f32, of chunk c's group k, into buf.
+void SumGroup(const PayloadView& in, int64_t batch, int64_t k, float* buf) {
+  for (int64_t c = 0; c < in.chunks; ++c) {
+    const int64_t group = (batch * in.chunks + c) * in.groups_per_chunk + k;
+    decode_group(in.codes + group * in.group_bytes, in.scale[group], in.zero[group],
+                 in.group_size, in.bits, c > 0, buf);
+  }
+}
+
+template <typename T>
+void DequantizeSumAll(const PayloadView& in, void* y) {
+  auto* ys = static_cast<typename T::Storage*>(y);
+  std::vector<float> buf(static_cast<size_t>(in.group_size));
+  for (int64_t b = 0; b < in.batch; ++b) {
+    for (int64_t k = 0; k < in.groups_per_chunk; ++k) {
+      SumGroup(in, b, k, buf.data());
+      store_group<T>(buf.data(), in.group_size,
+                     ys + (b * in.groups_per_chunk + k) * in.group_size);
+    }
+  }
+}
+
+}  // namespace
+
+ffi::Error Quantize(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U8>> codes,
+                    ffi::Result<ffi::Buffer<ffi::BF16>> scale,
+                    ffi::Result<ffi::Buffer<ffi::BF16>> zero, int32_t bits,
+                    int64_t group_size) {
+  int64_t n_groups = 0;
+  if (ffi::Error e = CheckQuantizeShapes(x, *codes, *scale, *zero, bits, group_size, &n_groups);
+      e.failure()) {
+    return e;
+  }
+  uint8_t* c = codes->typed_data();
+  uint16_t* s = scale->typed_data();
+  uint16_t* z = zero->typed_data();
+  switch (x.element_type()) {
+    case ffi::F32:
+      QuantizeAll<F32>(x.untyped_data(), n_groups, group_size, bits, c, s, z);
+      return ffi::Error::Success();
+    case ffi::BF16:
+      QuantizeAll<BF16>(x.untyped_data(), n_groups, group_size, bits, c, s, z);
+      return ffi::Error::Success();
+    case ffi::F16:
+      QuantizeAll<F16>(x.untyped_data(), n_groups, group_size, bits, c, s, z);
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument("flashcomm_quantize: x must be f32, bf16 or f16");
+  }
+}
+
+ffi::Error Dequantize(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
+                      ffi::Buffer<ffi::BF16> zero, ffi::Result<ffi::AnyBuffer> y, int32_t bits,
+                      int64_t group_size) {
+  int64_t n_groups = 0;
+  if (ffi::Error e = CheckDequantizeShapes(codes, scale, zero, *y, bits, group_size, &n_groups);
+      e.failure()) {
+    return e;
+  }
+  const uint8_t* c = codes.typed_data();
+  const uint16_t* s = scale.typed_data();
+  const uint16_t* z = zero.typed_data();
+  switch (y->element_type()) {
+    case ffi::F32:
+      DequantizeAll<F32>(c, s, z, n_groups, group_size, bits, y->untyped_data());
+      return ffi::Error::Success();
+    case ffi::BF16:
+      DequantizeAll<BF16>(c, s, z, n_groups, group_size, bits, y->untyped_data());
+      return ffi::Error::Success();
+    case ffi::F16:
+      DequantizeAll<F16>(c, s, z, n_groups, group_size, bits, y->untyped_data());
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument("flashcomm_dequantize: y must be f32, bf16 or f16");
+  }
+}
+
+ffi::Error DequantizeSum(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
+                         ffi::Buffer<ffi::BF16> zero, ffi::Result<ffi::AnyBuffer> y,
+                         int32_t bits, int64_t group_size) {
+  PayloadView in;
+  if (ffi::Error e = ViewChunkedPayload(codes, scale, zero, bits, group_size, &in); e.failure()) {
+    return e;
+  }
+  if (y->element_count() != size_t(in.batch * in.groups_per_chunk * group_size)) {
+    return ffi::Error::InvalidArgument("flashcomm_dequantize_sum: y has the wrong size");
+  }
+  switch (y->element_type()) {
+    case ffi::F32:
+      DequantizeSumAll<F32>(in, y->untyped_data());
+      return ffi::Error::Success();
+    case ffi::BF16:
+      DequantizeSumAll<BF16>(in, y->untyped_data());
+      return ffi::Error::Success();
+    case ffi::F16:
+      DequantizeSumAll<F16>(in, y->untyped_data());
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument("flashcomm_dequantize_sum: y must be f32, bf16 or f16");
+  }
+}
+
+ffi::Error DequantizeSumQuantize(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
+                                 ffi::Buffer<ffi::BF16> zero,
+                                 ffi::Result<ffi::Buffer<ffi::U8>> out_codes,
+                                 ffi::Result<ffi::Buffer<ffi::BF16>> out_scale,
+                                 ffi::Result<ffi::Buffer<ffi::BF16>> out_zero, int32_t bits,
+                                 int32_t out_bits, int64_t group_size) {
+  PayloadView in;
+  if (ffi::Error e = ViewChunkedPayload(codes, scale, zero, bits, group_size, &in); e.failure()) {
+    return e;
+  }
+  if (out_bits < kMinBits || out_bits > kMaxBits) {
+    return ffi::Error::InvalidArgument("flashcomm_dequantize_sum_quantize: out_bits not in 2..8");
+  }
+  const int64_t n_out = in.batch * in.groups_per_chunk;
+  const int64_t out_nbytes = group_bytes(group_size, out_bits);
+  if (out_scale->element_count() != size_t(n_out) || out_zero->element_count() != size_t(n_out) ||
+      out_codes->element_count() != size_t(n_out * out_nbytes)) {
+    return ffi::Error::InvalidArgument(
+        "flashcomm_dequantize_sum_quantize: output payload has the wrong size");
+  }
+  std::vector<float> buf(static_cast<size_t>(group_size));
+  for (int64_t b = 0; b < in.batch; ++b) {
+    for (int64_t k = 0; k < in.groups_per_chunk; ++k) {
+      SumGroup(in, b, k, buf.data());
+      const int64_t o = b * in.groups_per_chunk + k;
+      quantize_group(buf.data(), group_size, out_bits, out_codes->typed_data() + o * out_nbytes,
+                     out_scale->typed_data() + o, out_zero->typed_data() + o);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace cpu
+}  // namespace flashcomm
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommQuantizeCpu, flashcomm::cpu::Quantize,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()              // x: (..., group_size)
+                                  .Ret<ffi::Buffer<ffi::U8>>()        // codes: (..., group bytes)
+                                  .Ret<ffi::Buffer<ffi::BF16>>()      // scale: (...)
+                                  .Ret<ffi::Buffer<ffi::BF16>>()      // zero: (...)
+                                  .Attr<int32_t>("bits")              // code width, 2..8
+                                  .Attr<int64_t>("group_size"));      // multiple of 8
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeCpu, flashcomm::cpu::Dequantize,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U8>>()        // codes: (..., group bytes)
+                                  .Arg<ffi::Buffer<ffi::BF16>>()      // scale: (...)
+                                  .Arg<ffi::Buffer<ffi::BF16>>()      // zero: (...)
+                                  .Ret<ffi::AnyBuffer>()              // y: (..., group_size)
+                                  .Attr<int32_t>("bits")              // code width, 2..8
+                                  .Attr<int64_t>("group_size"));      // multiple of 8
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeSumCpu, flashcomm::cpu::DequantizeSum,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // codes: (..., N, G/chunk, bytes)
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // scale: (..., N, G/chunk)
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // zero: (..., N, G/chunk)
+                                  .Ret<ffi::AnyBuffer>()          // y: (..., G/chunk * group_size)
+                                  .Attr<int32_t>("bits")          // code width of the input
+                                  .Attr<int64_t>("group_size"));  // multiple of 8
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeSumQuantizeCpu,
+                              flashcomm::cpu::DequantizeSumQuantize,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // codes: (..., N, G/chunk, bytes)
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // scale: (..., N, G/chunk)
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // zero: (..., N, G/chunk)
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // codes: (..., G/chunk, bytes')
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // scale: (..., G/chunk)
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // zero: (..., G/chunk)
+                                  .Attr<int32_t>("bits")          // code width of the input
+                                  .Attr<int32_t>("out_bits")      // code width of the output
+                                  .Attr<int64_t>("group_size"));  // multiple of 8

@@ -1,0 +1,250 @@
+// The jax_flashcomm wire format: the arithmetic of every codec implementation.
+//
+// These functions are the single definition of the codec math (docs/format.md). The CPU
+// kernels (ffi/cpu) and the CUDA kernels (ffi/cuda) both call them, so the CPU tests exercise
+// the arithmetic the GPU runs; the pure-jnp twin (jax_flashcomm/codec/reference.py) mirrors
+// them operation for operation. Every float operation here is a single IEEE f32 operation
+// (mul and add are never contracted into an FMA), so the codes are bit-identical everywhere.
+#ifndef FLASHCOMM_CODEC_H_
+#define FLASHCOMM_CODEC_H_
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define FC_HD __host__ __device__ __forceinline__
+#else
+#define FC_HD inline
+#endif
+
+namespace flashcomm {
+
+constexpr int kMinBits = 2;
+constexpr int kMaxBits = 8;
+constexpr int kBlock = 8;  // codes are packed per block of 8 values: 8 * bits bits = bits bytes
+constexpr float kFltMin = 1.17549435082228750797e-38f;  // smallest normal f32
+constexpr float kFltMax = 3.40282346638528859812e+38f;
+constexpr uint16_t kBf16NaN = 0x7FC0;
+constexpr uint16_t kBf16Lowest = 0xFF7F;  // most negative finite bf16, -3.3895e38
+
+FC_HD uint32_t float_to_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+#endif
+}
+
+FC_HD float bits_to_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+
+// Single-rounding f32 arithmetic, never contracted (nvcc contracts a*b+c by default).
+FC_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+FC_HD float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+FC_HD bool is_finite(float f) { return (float_to_bits(f) & 0x7F800000u) != 0x7F800000u; }
+
+// ---- 16-bit float conversions (software, identical on host and device) ----
+
+FC_HD float bf16_to_float(uint16_t h) { return bits_to_float(uint32_t(h) << 16); }
+
+// f32 -> bf16, round to nearest even; NaN stays NaN (quiet), like XLA's convert.
+FC_HD uint16_t bf16_from_float(float f) {
+  uint32_t u = float_to_bits(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((u >> 16) | 0x0040u);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+// f32 -> bf16 rounded toward -inf (finite input). May return -inf past the bf16 range.
+FC_HD uint16_t bf16_round_down(float f) {
+  uint32_t u = float_to_bits(f);
+  uint32_t truncated = u & 0xFFFF0000u;  // toward zero
+  if ((u & 0x80000000u) && (u & 0x0000FFFFu)) truncated += 0x10000u;  // negative: one more ulp
+  return uint16_t(truncated >> 16);
+}
+
+// f32 -> bf16 rounded toward +inf (finite input).
+FC_HD uint16_t bf16_round_up(float f) {
+  uint32_t u = float_to_bits(f);
+  uint32_t truncated = u & 0xFFFF0000u;
+  if (!(u & 0x80000000u) && (u & 0x0000FFFFu)) truncated += 0x10000u;
+  return uint16_t(truncated >> 16);
+}
+
+FC_HD float f16_to_float(uint16_t h) {
+  uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1Fu;
+  uint32_t man = h & 0x3FFu;
+  if (exp == 0x1Fu) return bits_to_float(sign | 0x7F800000u | (man << 13));  // inf / nan
+  if (exp == 0) {
+    // zero or subnormal: man * 2^-24, exact in f32 (a normal f32)
+    float mag = float(man) * 5.9604644775390625e-08f;
+    return (sign ? -mag : mag);
+  }
+  return bits_to_float(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+// f32 -> f16, round to nearest even, overflow to inf, subnormals kept; NaN stays NaN.
+FC_HD uint16_t f16_from_float(float f) {
+  uint32_t u = float_to_bits(f);
+  uint16_t sign = uint16_t((u >> 16) & 0x8000u);
+  uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return uint16_t(sign | 0x7E00u | ((a >> 13) & 0x3FFu));
+  if (a >= 0x477FF000u) return uint16_t(sign | 0x7C00u);  // >= 65520 rounds to inf
+  if (a >= 0x38800000u) {                                   // normal f16
+    uint32_t r = a - 0x38000000u;                           // rebias exponent 127 -> 15
+    r += 0xFFFu + ((r >> 13) & 1u);
+    return uint16_t(sign | (r >> 13));
+  }
+  if (a < 0x33000000u) return sign;  // below half the smallest subnormal: zero
+  // subnormal f16: value = m * 2^-24 with m = a_mantissa_with_hidden >> shift
+  uint32_t e = a >> 23;
+  uint32_t m = (a & 0x7FFFFFu) | 0x800000u;
+  uint32_t shift = 126u - e;  // in 14..24
+  uint32_t q = m >> shift;
+  uint32_t rem = m & ((1u << shift) - 1u);
+  uint32_t half = 1u << (shift - 1u);
+  if (rem > half || (rem == half && (q & 1u))) ++q;
+  return uint16_t(sign | q);
+}
+
+// ---- the codec ----
+
+FC_HD int max_code(int bits) { return (1 << bits) - 1; }
+FC_HD int64_t group_bytes(int64_t group_size, int bits) { return group_size * bits / 8; }
+
+struct GroupParams {
+  uint16_t scale_bits;  // bf16 as stored on the wire
+  uint16_t zero_bits;   // bf16 as stored on the wire
+  float scale;          // the stored values, decoded
+  float zero;
+  float inv_scale;      // 1/scale in f32, 0 where scale is 0 or the group is not finite
+};
+
+// Per-group quantization parameters from the group's min (lo), max (hi) and finiteness.
+// zero = lo rounded toward -inf to bf16; scale = (hi - zero) * f32(1 / (2^bits - 1)) rounded toward
+// +inf to bf16 and at least the smallest normal f32 when the range is not zero (so no
+// flush-to-zero mode can turn a non-constant group into a constant one). A group holding NaN
+// or Inf stores scale = NaN, zero = 0 and all-zero codes: it decodes to NaN everywhere.
+FC_HD GroupParams group_params(float lo, float hi, bool finite, int bits) {
+  GroupParams p;
+  if (!finite) {
+    p.scale_bits = kBf16NaN;
+    p.zero_bits = 0;
+    p.scale = bf16_to_float(kBf16NaN);
+    p.zero = 0.0f;
+    p.inv_scale = 0.0f;
+    return p;
+  }
+  // 1/levels rounded to f32, then multiplied: what XLA makes of a division by a constant.
+  const float inv_levels = 1.0f / float(max_code(bits));
+  uint16_t zero_bits = bf16_round_down(lo);
+  if (zero_bits == 0xFF80u) zero_bits = kBf16Lowest;  // lo below the bf16 range: clamp
+  const float zero = bf16_to_float(zero_bits);
+  float range = add_rn(hi, -zero);
+  float scale;
+  if (is_finite(range)) {
+    scale = mul_rn(range, inv_levels);
+  } else {  // hi - zero overflows f32: scale first
+    scale = add_rn(mul_rn(hi, inv_levels), -mul_rn(zero, inv_levels));
+  }
+  if (range > 0.0f && !(scale >= kFltMin)) scale = kFltMin;
+  p.zero_bits = zero_bits;
+  p.zero = zero;
+  p.scale_bits = bf16_round_up(scale);
+  p.scale = bf16_to_float(p.scale_bits);
+  p.inv_scale = p.scale > 0.0f ? 1.0f / p.scale : 0.0f;
+  return p;
+}
+
+// Parameters read back from the wire (scale NaN marks a non-finite group).
+FC_HD GroupParams stored_params(uint16_t scale_bits, uint16_t zero_bits) {
+  GroupParams p;
+  p.scale_bits = scale_bits;
+  p.zero_bits = zero_bits;
+  p.scale = bf16_to_float(scale_bits);
+  p.zero = bf16_to_float(zero_bits);
+  p.inv_scale = p.scale > 0.0f ? 1.0f / p.scale : 0.0f;
+  return p;
+}
+
+// q = clamp(round_half_even((x - zero) * inv_scale), 0, 2^bits - 1). Clamping before rounding
+// gives the same code, and lets the round be the exact f32 trick v + 2^23 - 2^23 (0 <= v < 2^23).
+FC_HD uint32_t encode(float x, const GroupParams& p, float levels) {
+  float v = mul_rn(add_rn(x, -p.zero), p.inv_scale);
+  v = v > 0.0f ? v : 0.0f;  // also maps NaN to 0
+  v = v < levels ? v : levels;
+  const float kMagic = 8388608.0f;  // 2^23
+  v = add_rn(add_rn(v, kMagic), -kMagic);
+  return uint32_t(v);
+}
+
+// x' = q * scale + zero, two roundings.
+FC_HD float decode(uint32_t q, const GroupParams& p) {
+  return add_rn(mul_rn(float(q), p.scale), p.zero);
+}
+
+// Pack 8 codes of `bits` bits LSB-first into `bits` bytes.
+FC_HD void pack_block(const uint32_t* q, int bits, uint8_t* out) {
+  uint64_t acc = 0;
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int j = 0; j < kBlock; ++j) acc |= uint64_t(q[j]) << (j * bits);
+  for (int k = 0; k < bits; ++k) out[k] = uint8_t(acc >> (8 * k));
+}
+
+// Unpack 8 codes of `bits` bits from `bits` bytes.
+FC_HD void unpack_block(const uint8_t* in, int bits, uint32_t* q) {
+  uint64_t acc = 0;
+  for (int k = 0; k < bits; ++k) acc |= uint64_t(in[k]) << (8 * k);
+  const uint64_t mask = (uint64_t(1) << bits) - 1;
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int j = 0; j < kBlock; ++j) q[j] = uint32_t((acc >> (j * bits)) & mask);
+}
+
+// Element loads and stores for the three operand dtypes, as f32.
+struct F32 {
+  using Storage = float;
+  static FC_HD float load(float v) { return v; }
+  static FC_HD float store(float v) { return v; }
+};
+struct BF16 {
+  using Storage = uint16_t;
+  static FC_HD float load(uint16_t v) { return bf16_to_float(v); }
+  static FC_HD uint16_t store(float v) { return bf16_from_float(v); }
+};
+struct F16 {
+  using Storage = uint16_t;
+  static FC_HD float load(uint16_t v) { return f16_to_float(v); }
+  static FC_HD uint16_t store(float v) { return f16_from_float(v); }
+};
+
+}  // namespace flashcomm
+
+#endif  // FLASHCOMM_CODEC_H_

@@ -1,0 +1,12 @@
+// Declarations of the CPU FFI handler symbols (defined in ffi/cpu/codec_kernels.cc).
+#ifndef FLASHCOMM_CPU_KERNELS_H_
+#define FLASHCOMM_CPU_KERNELS_H_
+
+#include "xla/ffi/api/api.h"
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommQuantizeCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommDequantizeCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommDequantizeSumCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommDequantizeSumQuantizeCpu);
+
+#endif  // FLASHCOMM_CPU_KERNELS_H_

@@ -1,0 +1,90 @@
+// Host-side argument checks shared by the CPU and CUDA handlers. The Python wrappers validate
+// everything at trace time; these checks make a handler called directly return an
+// ffi::Error instead of reading or writing out of bounds.
+#ifndef FLASHCOMM_FFI_CHECKS_H_
+#define FLASHCOMM_FFI_CHECKS_H_
+
+#include <cstdint>
+
+#include "flashcomm/codec.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace flashcomm {
+
+namespace ffi = xla::ffi;
+
+// A payload with a chunk axis: codes (batch..., chunks, groups_per_chunk, group_bytes),
+// scale and zero (batch..., chunks, groups_per_chunk).
+struct PayloadView {
+  const uint8_t* codes;
+  const uint16_t* scale;
+  const uint16_t* zero;
+  int64_t batch;
+  int64_t chunks;
+  int64_t groups_per_chunk;
+  int64_t group_size;
+  int64_t group_bytes;
+  int bits;
+};
+
+inline ffi::Error CheckCodecAttrs(int32_t bits, int64_t group_size) {
+  if (bits < kMinBits || bits > kMaxBits) {
+    return ffi::Error::InvalidArgument("flashcomm: bits must be in 2..8");
+  }
+  if (group_size <= 0 || group_size % kBlock != 0) {
+    return ffi::Error::InvalidArgument("flashcomm: group_size must be a positive multiple of 8");
+  }
+  return ffi::Error::Success();
+}
+
+template <typename X, typename C, typename S>
+ffi::Error CheckQuantizeShapes(const X& x, const C& codes, const S& scale, const S& zero,
+                               int32_t bits, int64_t group_size, int64_t* n_groups) {
+  if (ffi::Error e = CheckCodecAttrs(bits, group_size); e.failure()) return e;
+  const int64_t n = int64_t(x.element_count());
+  if (n % group_size != 0) {
+    return ffi::Error::InvalidArgument("flashcomm: operand size is not a multiple of group_size");
+  }
+  *n_groups = n / group_size;
+  if (int64_t(scale.element_count()) != *n_groups || int64_t(zero.element_count()) != *n_groups ||
+      int64_t(codes.element_count()) != *n_groups * group_bytes(group_size, bits)) {
+    return ffi::Error::InvalidArgument("flashcomm: payload shapes do not match the operand");
+  }
+  return ffi::Error::Success();
+}
+
+template <typename C, typename S, typename Y>
+ffi::Error CheckDequantizeShapes(const C& codes, const S& scale, const S& zero, const Y& y,
+                                 int32_t bits, int64_t group_size, int64_t* n_groups) {
+  return CheckQuantizeShapes(y, codes, scale, zero, bits, group_size, n_groups);
+}
+
+template <typename C, typename S>
+ffi::Error ViewChunkedPayload(const C& codes, const S& scale, const S& zero, int32_t bits,
+                              int64_t group_size, PayloadView* view) {
+  if (ffi::Error e = CheckCodecAttrs(bits, group_size); e.failure()) return e;
+  const auto dims = scale.dimensions();
+  if (dims.size() < 2) {
+    return ffi::Error::InvalidArgument("flashcomm: chunked scale must have rank >= 2");
+  }
+  view->chunks = dims[dims.size() - 2];
+  view->groups_per_chunk = dims[dims.size() - 1];
+  const int64_t n = int64_t(scale.element_count());
+  const int64_t per_batch = view->chunks * view->groups_per_chunk;
+  view->batch = per_batch == 0 ? 0 : n / per_batch;
+  view->group_size = group_size;
+  view->group_bytes = group_bytes(group_size, bits);
+  view->bits = bits;
+  if (int64_t(zero.element_count()) != n ||
+      int64_t(codes.element_count()) != n * view->group_bytes) {
+    return ffi::Error::InvalidArgument("flashcomm: payload codes/scale/zero do not match");
+  }
+  view->codes = codes.typed_data();
+  view->scale = scale.typed_data();
+  view->zero = zero.typed_data();
+  return ffi::Error::Success();
+}
+
+}  // namespace flashcomm
+
+#endif  // FLASHCOMM_FFI_CHECKS_H_

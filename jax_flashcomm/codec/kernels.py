@@ -1,0 +1,105 @@
+"""The FFI codec kernels: registration of the compiled targets and their ``ffi_call``\\ s.
+
+The CPU module (``_flashcomm_cpu``) is built by ``pip install``; the CUDA module
+(``_flashcomm_cuda``) only with ``FLASHCOMM_CUDA=ON``. Both register the same target names.
+Importing this module never needs a GPU or the CUDA runtime.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+import numpy as np
+import jax.numpy as jnp
+
+from jax_flashcomm.codec import spec
+
+TARGETS = (
+    "flashcomm_quantize",
+    "flashcomm_dequantize",
+    "flashcomm_dequantize_sum",
+    "flashcomm_dequantize_sum_quantize",
+)
+_PLATFORMS = {"cpu": "_flashcomm_cpu", "cuda": "_flashcomm_cuda"}
+_XLA_PLATFORM = {"cpu": "cpu", "cuda": "CUDA"}
+_available: dict[str, bool] = {}
+_import_errors: dict[str, str] = {}
+
+
+def _register(platform: str) -> bool:
+    try:
+        module = importlib.import_module(f"jax_flashcomm.{_PLATFORMS[platform]}")
+    except ImportError as err:
+        _import_errors[platform] = str(err)
+        return False
+    for name, capsule in module.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform=_XLA_PLATFORM[platform])
+    return True
+
+
+def available(platform: str) -> bool:
+    """Whether the FFI kernels for ``platform`` ("cpu" or "cuda") are built and registered."""
+    if platform not in _PLATFORMS:
+        return False
+    if platform not in _available:
+        _available[platform] = _register(platform)
+    return _available[platform]
+
+
+def require(platform: str) -> None:
+    """Raise a clear error when FFI kernels for ``platform`` are asked for but not built."""
+    if not available(platform):
+        how = ("pip install . (builds the CPU kernels)" if platform == "cpu"
+               else "FLASHCOMM_CUDA=ON pip install . (needs nvcc)")
+        raise RuntimeError(
+            f"jax_flashcomm: the {platform} FFI kernels are not built "
+            f"({_import_errors.get(platform, 'no such platform')}); install with {how}, "
+            "or pass backend='jnp' to use the pure-JAX codec")
+
+
+def _like(x, shape, dtype):
+    """Result type of ``x``'s kind (varying over the same mesh axes) with a new shape/dtype."""
+    return jax.typeof(x).update(shape=tuple(shape), dtype=np.dtype(dtype), sharding=None)
+
+
+def quantize(v, *, bits: int, group_size: int):
+    """``v`` ``(..., group_size)`` of f32/bf16/f16 -> (codes, scale, zero)."""
+    lead = v.shape[:-1]
+    call = jax.ffi.ffi_call(
+        "flashcomm_quantize",
+        (_like(v, (*lead, spec.group_bytes(group_size, bits)), jnp.uint8),
+         _like(v, lead, jnp.bfloat16), _like(v, lead, jnp.bfloat16)),
+        vmap_method="broadcast_all",
+    )
+    return tuple(call(v, bits=np.int32(bits), group_size=np.int64(group_size)))
+
+
+def dequantize(codes, scale, zero, *, bits: int, group_size: int, dtype):
+    call = jax.ffi.ffi_call(
+        "flashcomm_dequantize", _like(codes, (*scale.shape, group_size), dtype),
+        vmap_method="broadcast_all",
+    )
+    return call(codes, scale, zero, bits=np.int32(bits), group_size=np.int64(group_size))
+
+
+def dequantize_sum(codes, scale, zero, *, bits: int, group_size: int, dtype):
+    """Chunked ``(..., N, groups, bytes)`` -> f32-summed ``(..., groups, group_size)``."""
+    out_shape = (*scale.shape[:-2], scale.shape[-1], group_size)
+    call = jax.ffi.ffi_call(
+        "flashcomm_dequantize_sum", _like(codes, out_shape, dtype), vmap_method="broadcast_all"
+    )
+    return call(codes, scale, zero, bits=np.int32(bits), group_size=np.int64(group_size))
+
+
+def dequantize_sum_quantize(codes, scale, zero, *, bits: int, out_bits: int, group_size: int):
+    """Chunked payload -> f32 sum over N -> payload ``(..., groups, ...)`` at ``out_bits``."""
+    groups = (*scale.shape[:-2], scale.shape[-1])
+    call = jax.ffi.ffi_call(
+        "flashcomm_dequantize_sum_quantize",
+        (_like(codes, (*groups, spec.group_bytes(group_size, out_bits)), jnp.uint8),
+         _like(codes, groups, jnp.bfloat16), _like(codes, groups, jnp.bfloat16)),
+        vmap_method="broadcast_all",
+    )
+    return tuple(call(codes, scale, zero, bits=np.int32(bits), out_bits=np.int32(out_bits),
+                      group_size=np.int64(group_size)))

@@ -1,0 +1,69 @@
+"""The quantized payload: a pytree of the wire arrays plus static metadata."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Payload:
+    """Codes and per-group parameters of a quantized operand (docs/format.md).
+
+    ``codes`` is uint8 ``(..., groups, group_size * bits / 8)``; ``scale`` and ``zero`` are bf16
+    ``(..., groups)``. The leading ``...`` axes are chunk or batch axes that collectives move
+    around. ``shape`` and ``dtype`` describe the operand that :func:`dequantize` rebuilds.
+    A payload is a pytree whose leaves are the three arrays, so it passes through ``jit``,
+    ``vmap``, ``lax.all_to_all``, ``lax.ppermute`` and ``lax.all_gather`` unchanged.
+    """
+
+    codes: jax.Array
+    scale: jax.Array
+    zero: jax.Array
+    bits: int = dataclasses.field(metadata=dict(static=True))
+    group_size: int = dataclasses.field(metadata=dict(static=True))
+    shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    dtype: np.dtype = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def num_groups(self) -> int:
+        return self.scale.shape[-1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the wire: codes plus scale and zero."""
+        return self.codes.size + 2 * self.scale.size + 2 * self.zero.size
+
+    def map_arrays(self, fn, **meta) -> "Payload":
+        """Apply ``fn`` to codes, scale and zero (e.g. a reshape or a collective)."""
+        return dataclasses.replace(
+            self, codes=fn(self.codes), scale=fn(self.scale), zero=fn(self.zero), **meta
+        )
+
+    def split_groups(self, chunks: int) -> "Payload":
+        """View the group axis as ``(chunks, groups // chunks)``, for all_to_all and sums."""
+        def split(a, trailing):
+            lead = a.shape[: a.ndim - 1 - trailing]
+            return a.reshape(*lead, chunks, a.shape[a.ndim - 1 - trailing] // chunks,
+                             *a.shape[a.ndim - trailing:])
+        return dataclasses.replace(
+            self, codes=split(self.codes, 1), scale=split(self.scale, 0), zero=split(self.zero, 0)
+        )
+
+    def merge_groups(self) -> "Payload":
+        """Inverse of :meth:`split_groups`: fold ``(chunks, groups)`` back into one axis."""
+        def merge(a, trailing):
+            lead = a.shape[: a.ndim - 2 - trailing]
+            return a.reshape(*lead, -1, *a.shape[a.ndim - trailing:])
+        return dataclasses.replace(
+            self, codes=merge(self.codes, 1), scale=merge(self.scale, 0), zero=merge(self.zero, 0)
+        )
+
+
+jax.tree_util.register_dataclass(
+    Payload,
+    data_fields=["codes", "scale", "zero"],
+    meta_fields=["bits", "group_size", "shape", "dtype"],
+)

@@ -1,0 +1,155 @@
+"""The pure-jnp twin of the codec kernels: runs on any backend (CPU, GPU, TPU).
+
+It mirrors ffi/include/flashcomm/codec.h operation for operation, so its codes are
+bit-identical to the FFI kernels' (tests/test_codec_parity.py holds them to it). All functions
+work on grouped arrays: values ``(..., group_size)`` and payload arrays ``(..., groups, bytes)``.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_flashcomm.codec import spec
+
+_U32 = jnp.uint32
+
+
+def _f32_bits(x):
+    return lax.bitcast_convert_type(x.astype(jnp.float32), _U32)
+
+
+def _bits_f32(u):
+    return lax.bitcast_convert_type(u.astype(_U32), jnp.float32)
+
+
+def bf16_bits_to_f32(bits16):
+    """bf16 bit patterns (uint16/uint32) to f32, exactly."""
+    return _bits_f32(bits16.astype(_U32) << 16)
+
+
+def bf16_to_bits(a):
+    return lax.bitcast_convert_type(a, jnp.uint16)
+
+
+def bits_to_bf16(bits16):
+    return lax.bitcast_convert_type(bits16.astype(jnp.uint16), jnp.bfloat16)
+
+
+def bf16_round_down(x):
+    """f32 -> bf16 bits rounded toward -inf."""
+    u = _f32_bits(x)
+    truncated = u & _U32(0xFFFF0000)
+    bump = ((u >> 31) == 1) & ((u & _U32(0xFFFF)) != 0)
+    return jnp.where(bump, truncated + _U32(0x10000), truncated) >> 16
+
+
+def bf16_round_up(x):
+    """f32 -> bf16 bits rounded toward +inf."""
+    u = _f32_bits(x)
+    truncated = u & _U32(0xFFFF0000)
+    bump = ((u >> 31) == 0) & ((u & _U32(0xFFFF)) != 0)
+    return jnp.where(bump, truncated + _U32(0x10000), truncated) >> 16
+
+
+def group_params(v, bits: int):
+    """Stored (scale_bits, zero_bits) and decoded (scale, zero, inv_scale) per group of ``v``."""
+    inv_levels = np.float32(1) / np.float32((1 << bits) - 1)
+    lo = jnp.min(v, axis=-1)
+    hi = jnp.max(v, axis=-1)
+    finite = jnp.all(jnp.isfinite(v), axis=-1)
+    lo = jnp.where(lo == 0, jnp.float32(0), lo)  # canonical +0 (see codec.h)
+    hi = jnp.where(hi == 0, jnp.float32(0), hi)
+    zero_bits = bf16_round_down(lo)
+    zero_bits = jnp.where(zero_bits == spec.BF16_NEG_INF_BITS, _U32(spec.BF16_LOWEST_BITS), zero_bits)
+    zero = bf16_bits_to_f32(zero_bits)
+    rng = hi - zero
+    scale = jnp.where(jnp.isfinite(rng), rng * inv_levels, hi * inv_levels - zero * inv_levels)
+    scale = jnp.where((rng > 0) & ~(scale >= spec.FLT_MIN), spec.FLT_MIN, scale)
+    scale_bits = bf16_round_up(scale)
+    scale = bf16_bits_to_f32(scale_bits)
+    inv_scale = jnp.where(scale > 0, jnp.float32(1) / jnp.where(scale > 0, scale, 1), 0)
+    scale_bits = jnp.where(finite, scale_bits, _U32(spec.BF16_NAN_BITS))
+    zero_bits = jnp.where(finite, zero_bits, _U32(0))
+    zero = jnp.where(finite, zero, jnp.float32(0))
+    inv_scale = jnp.where(finite, inv_scale, jnp.float32(0))
+    return scale_bits, zero_bits, zero, inv_scale, finite
+
+
+def encode(v, zero, inv_scale, finite, bits: int):
+    """Codes ``clamp(round_half_even((v - zero) * inv_scale), 0, 2^bits - 1)`` as uint32."""
+    levels = jnp.float32((1 << bits) - 1)
+    t = (v - zero[..., None]) * inv_scale[..., None]
+    t = jnp.where(t > 0, t, jnp.float32(0))
+    t = jnp.where(t < levels, t, levels)
+    q = lax.round(t, lax.RoundingMethod.TO_NEAREST_EVEN).astype(_U32)
+    return jnp.where(finite[..., None], q, _U32(0))
+
+
+def pack(q, bits: int):
+    """uint32 codes ``(..., G)`` -> uint8 ``(..., G * bits / 8)``, LSB-first per block of 8."""
+    if bits == 8:
+        return q.astype(jnp.uint8)
+    lead, g = q.shape[:-1], q.shape[-1]
+    blocks = q.reshape(*lead, g // spec.BLOCK, spec.BLOCK, 1)
+    bitplanes = (blocks >> jnp.arange(bits, dtype=_U32)) & _U32(1)  # (..., G/8, 8, bits)
+    bytes_bits = bitplanes.reshape(*lead, g // spec.BLOCK, bits, 8)
+    packed = jnp.sum(bytes_bits << jnp.arange(8, dtype=_U32), axis=-1)
+    return packed.reshape(*lead, g * bits // 8).astype(jnp.uint8)
+
+
+def unpack(codes, bits: int, group_size: int):
+    """uint8 ``(..., G * bits / 8)`` -> uint32 codes ``(..., G)``."""
+    if bits == 8:
+        return codes.astype(_U32)
+    lead = codes.shape[:-1]
+    byts = codes.astype(_U32).reshape(*lead, group_size // spec.BLOCK, bits, 1)
+    bitplanes = (byts >> jnp.arange(8, dtype=_U32)) & _U32(1)  # (..., G/8, bits, 8)
+    per_value = bitplanes.reshape(*lead, group_size // spec.BLOCK, spec.BLOCK, bits)
+    q = jnp.sum(per_value << jnp.arange(bits, dtype=_U32), axis=-1)
+    return q.reshape(*lead, group_size)
+
+
+def quantize_groups(v, bits: int):
+    """f32 groups ``(..., G)`` -> (codes uint8, scale bf16, zero bf16)."""
+    v = v.astype(jnp.float32)
+    scale_bits, zero_bits, zero, inv_scale, finite = group_params(v, bits)
+    q = encode(v, zero, inv_scale, finite, bits)
+    return pack(q, bits), bits_to_bf16(scale_bits), bits_to_bf16(zero_bits)
+
+
+def decode_groups(codes, scale, zero, bits: int, group_size: int):
+    """(codes, scale, zero) -> f32 groups ``(..., G)``: ``q * scale + zero``."""
+    q = unpack(codes, bits, group_size).astype(jnp.float32)
+    return q * scale.astype(jnp.float32)[..., None] + zero.astype(jnp.float32)[..., None]
+
+
+def sum_chunks(codes, scale, zero, bits: int, group_size: int):
+    """Decode chunked payload arrays ``(..., N, groups, bytes)`` and sum over N in f32, in order."""
+    decoded = decode_groups(codes, scale, zero, bits, group_size)  # (..., N, groups, G)
+    n = decoded.shape[-3]
+    acc = decoded[..., 0, :, :]
+    for i in range(1, n):
+        acc = acc + decoded[..., i, :, :]
+    return acc
+
+
+
+def quantize(v, *, bits: int, group_size: int):
+    del group_size
+    return quantize_groups(v, bits)
+
+
+def dequantize(codes, scale, zero, *, bits: int, group_size: int, dtype):
+    return decode_groups(codes, scale, zero, bits, group_size).astype(dtype)
+
+
+def dequantize_sum(codes, scale, zero, *, bits: int, group_size: int, dtype):
+    return sum_chunks(codes, scale, zero, bits, group_size).astype(dtype)
+
+
+def dequantize_sum_quantize(codes, scale, zero, *, bits: int, out_bits: int, group_size: int):
+    return quantize_groups(sum_chunks(codes, scale, zero, bits, group_size), out_bits)
+
+

@@ -1,0 +1,72 @@
+"""The codec's parameters and their validation (the wire format is docs/format.md).
+
+Every public entry point validates here, at trace time, so bad input gets a clear Python
+exception that names the argument instead of reaching a kernel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import jax.numpy as jnp
+
+MIN_BITS = 2
+MAX_BITS = 8
+BLOCK = 8  # codes are packed per block of 8 values: 8 * bits bits = bits bytes
+DEFAULT_GROUP_SIZE = 128
+FLT_MIN = np.float32(np.finfo(np.float32).tiny)
+BF16_NAN_BITS = 0x7FC0
+BF16_NEG_INF_BITS = 0xFF80
+BF16_LOWEST_BITS = 0xFF7F
+
+#: Operand dtypes the codec accepts. Accumulation is always f32.
+SUPPORTED_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+BACKENDS = ("auto", "ffi", "jnp")
+
+
+def check_bits(bits, name: str = "bits") -> int:
+    """``bits`` must be an int in 2..8."""
+    if isinstance(bits, (bool, np.bool_)) or not isinstance(bits, (int, np.integer)):
+        raise TypeError(f"{name} must be an int in {MIN_BITS}..{MAX_BITS}, got {bits!r}")
+    if not MIN_BITS <= int(bits) <= MAX_BITS:
+        raise ValueError(f"{name} must be in {MIN_BITS}..{MAX_BITS}, got {bits}")
+    return int(bits)
+
+
+def check_group_size(group_size, name: str = "group_size") -> int:
+    """``group_size`` must be a positive multiple of 8."""
+    if isinstance(group_size, (bool, np.bool_)) or not isinstance(group_size, (int, np.integer)):
+        raise TypeError(f"{name} must be a positive multiple of {BLOCK}, got {group_size!r}")
+    if group_size <= 0 or group_size % BLOCK:
+        raise ValueError(f"{name} must be a positive multiple of {BLOCK}, got {group_size}")
+    return int(group_size)
+
+
+def check_dtype(dtype, name: str = "x") -> np.dtype:
+    """The operand dtype must be f32, bf16 or f16."""
+    dtype = np.dtype(dtype)
+    if dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        raise TypeError(f"{name} must have dtype {names}; got {dtype}")
+    return dtype
+
+
+def check_backend(backend) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def group_bytes(group_size: int, bits: int) -> int:
+    """Bytes of packed codes per group."""
+    return group_size * bits // 8
+
+
+def padded_size(size: int, group_size: int, multiple: int = 1) -> int:
+    """``size`` rounded up to a multiple of ``multiple * group_size`` (at least one group)."""
+    unit = multiple * group_size
+    return max(unit, -(-size // unit) * unit)
+
+
+def wire_bytes_per_element(bits: int, group_size: int) -> float:
+    """Bytes one payload carries per operand element: codes plus the bf16 scale and zero."""
+    return (group_bytes(group_size, bits) + 4) / group_size
