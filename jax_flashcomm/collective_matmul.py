@@ -30,7 +30,6 @@ chunks also give dw.
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import jax
@@ -134,13 +133,32 @@ def _send(payload, axis_name, perm):
     return jax.tree.map(lambda a: lax.ppermute(a, axis_name, perm), payload)
 
 
+def _pack(tree):
+    """The leaves of a pytree of arrays as one flat uint8 buffer (see ``_unpack``)."""
+    leaves = jax.tree.leaves(tree)
+    return jnp.concatenate([lax.bitcast_convert_type(a, jnp.uint8).reshape(-1) for a in leaves])
+
+
+def _unpack(buf, like):
+    """Inverse of ``_pack``, given the pytree of ShapeDtypeStructs ``like``."""
+    leaves, treedef = jax.tree.flatten(like)
+    out, offset = [], 0
+    for leaf in leaves:
+        width = jnp.dtype(leaf.dtype).itemsize
+        seg = buf[offset : offset + leaf.size * width]
+        offset += leaf.size * width
+        seg = seg.reshape(leaf.shape + ((width,) if width > 1 else ()))
+        out.append(lax.bitcast_convert_type(seg, leaf.dtype))
+    return treedef.unflatten(out)
+
+
 def _ag_ring(x, axis_name, axis, bidirectional, consume, state, quant=None):
     """Ring all-gather of ``x`` along ``axis``; ``consume(state, chunk, start)`` each piece.
 
     ``start`` is the piece's row offset in the gathered array. The local chunk comes first. In
     every step the permute that brings the next piece is issued on the piece already here, so it
     does not depend on that step's ``consume`` (nor the other way round).
-    ``quant=(bits, group_size)``: pieces travel as codec payloads, quantized once on this rank
+    ``quant=(bits, group_size, codec_backend)``: pieces travel as codec payloads, quantized once on this rank
     and never re-quantized; every piece (the local one too) is consumed dequantized, so the
     result is that of gathering ``dequantize(quantize(x))``.
     """
@@ -152,16 +170,18 @@ def _ag_ring(x, axis_name, axis, bidirectional, consume, state, quant=None):
         enc, dec = (lambda a: a), (lambda p, like: p)
     else:
         quantize, dequantize = _codec_fns()
-        bits, group_size = quant
+        bits, group_size, backend = quant
+        layouts = {}
 
-        def enc(a):
-            return quantize(a, bits=bits, group_size=group_size)
+        def enc(a):  # quantize once, then one uint8 buffer: one permute per step, not three
+            payload = quantize(a, bits=bits, group_size=group_size, backend=backend)
+            layouts[a.shape] = jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape, b.dtype),
+                                            payload)
+            return _pack(payload)
 
-        def dec(p, like):
-            y = dequantize(p, dtype=like.dtype)
-            if y.shape != like.shape:  # wire format pads the flattened operand
-                y = y.reshape(-1)[: math.prod(like.shape)].reshape(like.shape)
-            return y
+        def dec(buf, like):  # the payload knows its operand's shape
+            return dequantize(_unpack(buf, layouts[like.shape]), dtype=like.dtype,
+                              backend=backend)
 
     if not bidirectional:
         payload = enc(x)
@@ -309,7 +329,7 @@ _mrs.defvjp(_mrs_fwd, _mrs_bwd)
 
 
 def all_gather_matmul(x, w, axis_name, *, axis=0, bidirectional=False, bits=None,
-                      group_size=128):
+                      group_size=128, codec_backend="jnp"):
     """``lax.all_gather(x, axis_name, axis=axis, tiled=True) @ w`` as an overlapped ring.
 
     Call inside ``jax.shard_map``. ``x``: this rank's rows (``x.shape[axis]`` of them) with the
@@ -324,6 +344,10 @@ def all_gather_matmul(x, w, axis_name, *, axis=0, bidirectional=False, bits=None
     with groups of ``group_size``, and travels unchanged; every chunk, the local one included, is
     dequantized before its dot, so the result is ``all_gather(dequantize(quantize(x))) @ w`` and
     its error is one quantization whatever N is. Gradients pass straight through the quantizer.
+    The payload (codes, scales, zeros) travels as one uint8 buffer: one permute per step.
+    ``codec_backend``: the codec's ``backend`` ("jnp", "ffi" or "auto"). The default is the jnp
+    twin: its dequantize is elementwise, so XLA fuses it into the loop fusion that feeds the
+    chunk's dot instead of materializing it through an opaque FFI call.
     """
     fn = "all_gather_matmul"
     axis = _check_operands(fn, x, w, axis)
@@ -339,7 +363,7 @@ def all_gather_matmul(x, w, axis_name, *, axis=0, bidirectional=False, bits=None
             raise ValueError(f"{fn}: group_size must be a positive multiple of 8, "
                              f"got {group_size!r}")
         _codec_fns()
-        quant = (bits, group_size)
+        quant = (bits, group_size, codec_backend)
     x, w = _match_vma(x, w, axis_name)
     return _agmm(x, w, axis_name, axis, bool(bidirectional), quant)
 

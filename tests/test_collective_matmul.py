@@ -208,3 +208,59 @@ def test_axis_name_type_error(mesh4):
     with pytest.raises(TypeError, match="axis_name must be a mesh axis name"):
         _trace(lambda a, b: all_gather_matmul(a, b, 3), mesh4, np.zeros((8, 16), np.float32),
                np.zeros((16, 8), np.float32), *AG_SPECS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantized all-gather-matmul: one quantization whatever N is
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bidirectional", [False, True], ids=["uni", "bidi"])
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_quantized_is_one_quantization(mesh_factory, n, bidirectional):
+    """bits=4: the value (and dw) equal gathering dequantize(quantize(chunk)) up to f32
+    reassociation (bound of the module docstring), dx passes straight through (= the exact dx),
+    and the error against the exact product is at most one quantization: (|error| of each chunk,
+    from codec.error_bound) @ |w|, the same bound for every N. Each half of a chunk holds 2 whole
+    groups (4 * 16 / 2 = 32 = 2 * 16), so the halves of the bidirectional ring hold the same
+    groups as the whole chunk."""
+    from jax_flashcomm import codec
+
+    mesh = mesh_factory((n,), ("i",))
+    x, w, ct, in_specs, out_spec, _, ref, kc = _problem("ag", "i", None, n, np.float32)
+    q = dict(bits=4, group_size=16, backend="jnp")
+
+    def deq(a):
+        return codec.dequantize(codec.quantize(a, **q), backend="jnp")
+
+    def ours(a, b):
+        return all_gather_matmul(a, b, "i", bidirectional=bidirectional, bits=4, group_size=16)
+
+    def qref(a, b):
+        return lax.all_gather(deq(a), "i", tiled=True) @ b
+
+    def err_bound(a, b):
+        e = codec.error_bound(codec.quantize(a, **q))
+        return lax.all_gather(e, "i", tiled=True) @ jnp.abs(b)
+
+    run = lambda f, *a: _value_and_vjp(f, mesh, in_specs, out_spec, *a)  # noqa: E731
+    got, want_q, want = run(ours, x, w, ct), run(qref, x, w, ct), run(ref, x, w, ct)
+    # Groups are runs of 16 row-major elements and a chunk is 4 * 16 = 64 of them, so quantizing
+    # the global x gives the same groups as quantizing each chunk: |deq(x)| gives the sums.
+    xq = np.asarray(deq(jnp.asarray(x)))
+    sums_q = run(ref, np.abs(xq), np.abs(w), np.abs(ct))
+    sums = run(ref, np.abs(x), np.abs(w), np.abs(ct))
+    bound = lambda s: 2 * (kc + n + 1) * U32 * s  # noqa: E731
+    assert np.all(np.abs(got[0] - want_q[0]) <= bound(sums_q[0])), "value: gathered dequantized"
+    assert np.all(np.abs(got[1] - want[1]) <= bound(sums[1])), "dx is straight-through (exact)"
+    assert np.all(np.abs(got[2] - want_q[2]) <= bound(sums_q[2])), "dw uses the dequantized x"
+    one_q = run(err_bound, x, w, ct)[0]
+    err = np.abs(got[0] - want[0])
+    assert np.all(err <= one_q + bound(sums_q[0]) + bound(sums[0])), "more than one quantization"
+    assert err.max() > 0, "the quantized path was not taken"
+
+
+def test_quantized_needs_valid_bits(mesh4):
+    with pytest.raises(ValueError, match="bits must be an int in 2..8"):
+        _trace(lambda a, b: all_gather_matmul(a, b, "i", bits=1), mesh4,
+               np.zeros((8, 16), np.float32), np.zeros((16, 8), np.float32), *AG_SPECS)
