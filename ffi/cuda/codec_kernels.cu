@@ -1,0 +1,486 @@
+// XLA FFI handlers of the codec on CUDA: quantize, dequantize, dequantize_sum and
+// dequantize_sum_quantize, with the same targets, operands, attributes and layouts as the CPU
+// handlers (ffi/cpu/codec_kernels.cc, docs/format.md). This file holds only launch geometry,
+// memory access and warp reductions; every codec operation is a call into
+// ffi/include/flashcomm/codec.h, the arithmetic the CPU kernels run, so results are
+// bit-identical to the CPU ones (built with --fmad=false; codec.h uses __fmul_rn/__fadd_rn).
+//
+// Geometry (docs/cuda.md):
+// - quantize and dequantize_sum_quantize: one warp per group, kWarpsPerBlock warps per block,
+//   grid-stride over groups. Lane l handles the group's 8-element blocks l, l + 32, ...; the
+//   warp reduces min / max (__shfl_xor_sync) and finiteness (__all_sync); every lane derives
+//   the group's parameters with flashcomm::group_params; lane 0 stores scale and zero; each
+//   lane encodes and packs its blocks. A lane keeps its first block in registers between the
+//   range pass and the encode pass (groups of up to 256 values are read once); further blocks
+//   are read (or, for the fused op, decoded and summed) again in the encode pass.
+// - dequantize and dequantize_sum: one thread per 8-element block, grid-stride. The fused sum
+//   decodes chunks 0..N-1 in order and accumulates in f32 exactly like the CPU kernel.
+#include "flashcomm/cuda_kernels.h"
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "flashcomm/codec.h"
+#include "flashcomm/ffi_checks.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace flashcomm {
+namespace cuda {
+namespace {
+
+constexpr int kWarp = 32;
+constexpr unsigned kFullMask = 0xFFFFFFFFu;
+constexpr int kThreads = 256;  // threads per block
+constexpr int kWarpsPerBlock = kThreads / kWarp;
+constexpr int64_t kMaxGrid = int64_t(1) << 15;  // grid-stride beyond this many blocks
+// Resident blocks per SM asked of ptxas (__launch_bounds__), i.e. a register cap of
+// 65536 / (256 * k): 64 registers for the elementwise and quantize kernels (half occupancy or
+// more), 128 for the fused dequantize-sum-quantize, which needs ~80-100 without spilling.
+// Without a minimum ptxas targeted 32 registers for QuantizeKernel<F16> on sm_80 and spilled.
+constexpr int kMinBlocks = 4;
+constexpr int kMinBlocksFused = 2;
+
+int GridFor(int64_t items, int64_t items_per_block) {
+  const int64_t blocks = (items + items_per_block - 1) / items_per_block;
+  return int(blocks < kMaxGrid ? blocks : kMaxGrid);
+}
+
+bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// ---- memory access: one block of 8 elements as f32 ----
+
+// `vec`: the buffer is 16-byte aligned, so every block (8 elements of 2 or 4 bytes, at a
+// multiple of 8 elements) can be moved with 16-byte vector accesses. Warp-uniform.
+template <typename T>
+__device__ __forceinline__ void load_block(const typename T::Storage* __restrict__ p, bool vec,
+                                           float* v) {
+  if constexpr (sizeof(typename T::Storage) == 4) {
+    if (vec) {
+      const float4 a = reinterpret_cast<const float4*>(p)[0];
+      const float4 b = reinterpret_cast<const float4*>(p)[1];
+      v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+      v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+      return;
+    }
+  } else {
+    if (vec) {
+      const uint4 a = reinterpret_cast<const uint4*>(p)[0];
+      const uint32_t w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        v[2 * i] = T::load(uint16_t(w[i] & 0xFFFFu));
+        v[2 * i + 1] = T::load(uint16_t(w[i] >> 16));
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kBlock; ++j) v[j] = T::load(p[j]);
+}
+
+template <typename T>
+__device__ __forceinline__ void store_block(const float* v, bool vec,
+                                            typename T::Storage* __restrict__ p) {
+  if constexpr (sizeof(typename T::Storage) == 4) {
+    if (vec) {
+      reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+      reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+      return;
+    }
+  } else {
+    if (vec) {
+      uint32_t w[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        w[i] = uint32_t(T::store(v[2 * i])) | (uint32_t(T::store(v[2 * i + 1])) << 16);
+      }
+      reinterpret_cast<uint4*>(p)[0] = make_uint4(w[0], w[1], w[2], w[3]);
+      return;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kBlock; ++j) p[j] = T::store(v[j]);
+}
+
+// Decode block `blk` of group `group` of a payload into v.
+__device__ __forceinline__ void decode_block(const uint8_t* __restrict__ codes,
+                                             const uint16_t* __restrict__ scale,
+                                             const uint16_t* __restrict__ zero, int64_t group,
+                                             int64_t gbytes, int64_t blk, int bits, float* v) {
+  const GroupParams p = stored_params(scale[group], zero[group]);
+  uint32_t q[kBlock];
+  unpack_block(codes + group * gbytes + blk * bits, bits, q);
+#pragma unroll
+  for (int j = 0; j < kBlock; ++j) v[j] = decode(q[j], p);
+}
+
+// f32 sum over the chunk axis, in order 0..N-1, of block `blk` of output group `out_group`
+// (= batch * groups_per_chunk + k): acc = chunk 0, then acc = acc + chunk c, like the CPU.
+__device__ __forceinline__ void sum_block(const PayloadView& in, int64_t out_group, int64_t blk,
+                                          float* acc) {
+  const int64_t b = out_group / in.groups_per_chunk;
+  const int64_t k = out_group - b * in.groups_per_chunk;
+  for (int64_t c = 0; c < in.chunks; ++c) {
+    const int64_t group = (b * in.chunks + c) * in.groups_per_chunk + k;
+    float d[kBlock];
+    decode_block(in.codes, in.scale, in.zero, group, in.group_bytes, blk, in.bits, d);
+    if (c == 0) {
+#pragma unroll
+      for (int j = 0; j < kBlock; ++j) acc[j] = d[j];
+    } else {
+#pragma unroll
+      for (int j = 0; j < kBlock; ++j) acc[j] = add_rn(acc[j], d[j]);
+    }
+  }
+}
+
+// ---- warp-per-group quantization ----
+
+// Running min / max / finiteness over one block, with the CPU's comparisons.
+__device__ __forceinline__ void block_range(const float* v, float& lo, float& hi, bool& finite) {
+#pragma unroll
+  for (int j = 0; j < kBlock; ++j) {
+    lo = v[j] < lo ? v[j] : lo;
+    hi = v[j] > hi ? v[j] : hi;
+    finite = finite && is_finite(v[j]);
+  }
+}
+
+// Warp-wide min / max / all-finite. Lanes without blocks hold (+inf, -inf, true). Every lane
+// gets the same result: for finite groups min and max do not depend on the reduction order
+// except for the sign of zero, which is canonicalized to +0 as in cpu::group_range; for
+// non-finite groups lo and hi are not used.
+__device__ __forceinline__ void warp_range(float& lo, float& hi, bool& finite) {
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset >>= 1) {
+    const float l = __shfl_xor_sync(kFullMask, lo, offset);
+    const float h = __shfl_xor_sync(kFullMask, hi, offset);
+    lo = l < lo ? l : lo;
+    hi = h > hi ? h : hi;
+  }
+  finite = __all_sync(kFullMask, finite) != 0;
+  lo = lo == 0.0f ? 0.0f : lo;
+  hi = hi == 0.0f ? 0.0f : hi;
+}
+
+__device__ __forceinline__ void encode_block(const float* v, const GroupParams& p, bool finite,
+                                             float levels, int bits, uint8_t* __restrict__ out) {
+  uint32_t q[kBlock];
+#pragma unroll
+  for (int j = 0; j < kBlock; ++j) q[j] = finite ? encode(v[j], p, levels) : 0u;
+  pack_block(q, bits, out);
+}
+
+// Quantize group `group` (nblocks blocks, produced by source(blk, v)) with the calling warp.
+// Called by all 32 lanes of the warp (the group index is warp-uniform).
+template <typename Source>
+__device__ __forceinline__ void quantize_group_warp(const Source& source, int64_t group,
+                                                    int64_t nblocks, int bits, int lane,
+                                                    uint8_t* __restrict__ codes,
+                                                    uint16_t* __restrict__ scale,
+                                                    uint16_t* __restrict__ zero) {
+  float lo = bits_to_float(0x7F800000u);   // +inf
+  float hi = bits_to_float(0xFF800000u);   // -inf
+  bool finite = true;
+  const bool has_first = lane < nblocks;
+  float first[kBlock];
+  if (has_first) {
+    source(group, lane, first);
+    block_range(first, lo, hi, finite);
+  }
+  for (int64_t blk = lane + kWarp; blk < nblocks; blk += kWarp) {
+    float v[kBlock];
+    source(group, blk, v);
+    block_range(v, lo, hi, finite);
+  }
+  warp_range(lo, hi, finite);
+  const GroupParams p = group_params(lo, hi, finite, bits);
+  if (lane == 0) {
+    scale[group] = p.scale_bits;
+    zero[group] = p.zero_bits;
+  }
+  const float levels = float(max_code(bits));
+  uint8_t* out = codes + group * group_bytes(nblocks * kBlock, bits);
+  if (has_first) encode_block(first, p, finite, levels, bits, out + int64_t(lane) * bits);
+  for (int64_t blk = lane + kWarp; blk < nblocks; blk += kWarp) {
+    float v[kBlock];
+    source(group, blk, v);
+    encode_block(v, p, finite, levels, bits, out + blk * bits);
+  }
+}
+
+template <typename T>
+struct LoadSource {
+  const typename T::Storage* __restrict__ x;
+  int64_t group_size;
+  bool vec;
+  __device__ __forceinline__ void operator()(int64_t group, int64_t blk, float* v) const {
+    load_block<T>(x + group * group_size + blk * kBlock, vec, v);
+  }
+};
+
+struct SumSource {
+  PayloadView in;
+  __device__ __forceinline__ void operator()(int64_t group, int64_t blk, float* v) const {
+    sum_block(in, group, blk, v);
+  }
+};
+
+// ---- kernels ----
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
+    QuantizeKernel(const typename T::Storage* __restrict__ x, int64_t n_groups,
+                   int64_t group_size, int bits, bool vec, uint8_t* __restrict__ codes,
+                   uint16_t* __restrict__ scale, uint16_t* __restrict__ zero) {
+  const int lane = int(threadIdx.x) % kWarp;
+  const int64_t warps = int64_t(gridDim.x) * kWarpsPerBlock;
+  const LoadSource<T> source{x, group_size, vec};
+  for (int64_t g = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp; g < n_groups;
+       g += warps) {
+    quantize_group_warp(source, g, group_size / kBlock, bits, lane, codes, scale, zero);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, kMinBlocksFused)
+    DequantizeSumQuantizeKernel(PayloadView in, int64_t n_out, int out_bits,
+                                uint8_t* __restrict__ codes, uint16_t* __restrict__ scale,
+                                uint16_t* __restrict__ zero) {
+  const int lane = int(threadIdx.x) % kWarp;
+  const int64_t warps = int64_t(gridDim.x) * kWarpsPerBlock;
+  const SumSource source{in};
+  for (int64_t g = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp; g < n_out;
+       g += warps) {
+    quantize_group_warp(source, g, in.group_size / kBlock, out_bits, lane, codes, scale, zero);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
+    DequantizeKernel(const uint8_t* __restrict__ codes, const uint16_t* __restrict__ scale,
+                     const uint16_t* __restrict__ zero, int64_t n_groups, int64_t group_size,
+                     int bits, bool vec, typename T::Storage* __restrict__ y) {
+  const int64_t nblocks = group_size / kBlock;
+  const int64_t gbytes = group_bytes(group_size, bits);
+  const int64_t total = n_groups * nblocks;
+  const int64_t stride = int64_t(gridDim.x) * kThreads;
+  for (int64_t t = int64_t(blockIdx.x) * kThreads + threadIdx.x; t < total; t += stride) {
+    const int64_t g = t / nblocks;
+    float v[kBlock];
+    decode_block(codes, scale, zero, g, gbytes, t - g * nblocks, bits, v);
+    store_block<T>(v, vec, y + t * kBlock);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
+    DequantizeSumKernel(PayloadView in, int64_t n_out, bool vec,
+                        typename T::Storage* __restrict__ y) {
+  const int64_t nblocks = in.group_size / kBlock;
+  const int64_t total = n_out * nblocks;
+  const int64_t stride = int64_t(gridDim.x) * kThreads;
+  for (int64_t t = int64_t(blockIdx.x) * kThreads + threadIdx.x; t < total; t += stride) {
+    const int64_t g = t / nblocks;
+    float acc[kBlock];
+    sum_block(in, g, t - g * nblocks, acc);
+    store_block<T>(acc, vec, y + t * kBlock);
+  }
+}
+
+// ---- host side ----
+
+ffi::Error LaunchStatus(const char* op) {
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    return ffi::Error::Internal(std::string(op) + ": CUDA kernel launch failed: " +
+                                cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
+  }
+  return ffi::Error::Success();
+}
+
+template <typename T>
+ffi::Error LaunchQuantize(cudaStream_t stream, const void* x, int64_t n_groups,
+                          int64_t group_size, int bits, uint8_t* codes, uint16_t* scale,
+                          uint16_t* zero) {
+  if (n_groups == 0) return ffi::Error::Success();
+  const auto* xs = static_cast<const typename T::Storage*>(x);
+  QuantizeKernel<T><<<GridFor(n_groups, kWarpsPerBlock), kThreads, 0, stream>>>(
+      xs, n_groups, group_size, bits, Aligned16(xs), codes, scale, zero);
+  return LaunchStatus("flashcomm_quantize");
+}
+
+template <typename T>
+ffi::Error LaunchDequantize(cudaStream_t stream, const uint8_t* codes, const uint16_t* scale,
+                            const uint16_t* zero, int64_t n_groups, int64_t group_size,
+                            int bits, void* y) {
+  const int64_t total = n_groups * (group_size / kBlock);
+  if (total == 0) return ffi::Error::Success();
+  auto* ys = static_cast<typename T::Storage*>(y);
+  DequantizeKernel<T><<<GridFor(total, kThreads), kThreads, 0, stream>>>(
+      codes, scale, zero, n_groups, group_size, bits, Aligned16(ys), ys);
+  return LaunchStatus("flashcomm_dequantize");
+}
+
+template <typename T>
+ffi::Error LaunchDequantizeSum(cudaStream_t stream, const PayloadView& in, void* y) {
+  const int64_t n_out = in.batch * in.groups_per_chunk;
+  const int64_t total = n_out * (in.group_size / kBlock);
+  if (total == 0) return ffi::Error::Success();
+  auto* ys = static_cast<typename T::Storage*>(y);
+  DequantizeSumKernel<T><<<GridFor(total, kThreads), kThreads, 0, stream>>>(in, n_out,
+                                                                           Aligned16(ys), ys);
+  return LaunchStatus("flashcomm_dequantize_sum");
+}
+
+}  // namespace
+
+ffi::Error Quantize(cudaStream_t stream, ffi::AnyBuffer x,
+                    ffi::Result<ffi::Buffer<ffi::U8>> codes,
+                    ffi::Result<ffi::Buffer<ffi::BF16>> scale,
+                    ffi::Result<ffi::Buffer<ffi::BF16>> zero, int32_t bits,
+                    int64_t group_size) {
+  int64_t n_groups = 0;
+  if (ffi::Error e = CheckQuantizeShapes(x, *codes, *scale, *zero, bits, group_size, &n_groups);
+      e.failure()) {
+    return e;
+  }
+  uint8_t* c = codes->typed_data();
+  uint16_t* s = scale->typed_data();
+  uint16_t* z = zero->typed_data();
+  switch (x.element_type()) {
+    case ffi::F32:
+      return LaunchQuantize<F32>(stream, x.untyped_data(), n_groups, group_size, bits, c, s, z);
+    case ffi::BF16:
+      return LaunchQuantize<BF16>(stream, x.untyped_data(), n_groups, group_size, bits, c, s, z);
+    case ffi::F16:
+      return LaunchQuantize<F16>(stream, x.untyped_data(), n_groups, group_size, bits, c, s, z);
+    default:
+      return ffi::Error::InvalidArgument("flashcomm_quantize: x must be f32, bf16 or f16");
+  }
+}
+
+ffi::Error Dequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
+                      ffi::Buffer<ffi::BF16> scale, ffi::Buffer<ffi::BF16> zero,
+                      ffi::Result<ffi::AnyBuffer> y, int32_t bits, int64_t group_size) {
+  int64_t n_groups = 0;
+  if (ffi::Error e = CheckDequantizeShapes(codes, scale, zero, *y, bits, group_size, &n_groups);
+      e.failure()) {
+    return e;
+  }
+  const uint8_t* c = codes.typed_data();
+  const uint16_t* s = scale.typed_data();
+  const uint16_t* z = zero.typed_data();
+  switch (y->element_type()) {
+    case ffi::F32:
+      return LaunchDequantize<F32>(stream, c, s, z, n_groups, group_size, bits,
+                                   y->untyped_data());
+    case ffi::BF16:
+      return LaunchDequantize<BF16>(stream, c, s, z, n_groups, group_size, bits,
+                                    y->untyped_data());
+    case ffi::F16:
+      return LaunchDequantize<F16>(stream, c, s, z, n_groups, group_size, bits,
+                                   y->untyped_data());
+    default:
+      return ffi::Error::InvalidArgument("flashcomm_dequantize: y must be f32, bf16 or f16");
+  }
+}
+
+ffi::Error DequantizeSum(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
+                         ffi::Buffer<ffi::BF16> scale, ffi::Buffer<ffi::BF16> zero,
+                         ffi::Result<ffi::AnyBuffer> y, int32_t bits, int64_t group_size) {
+  PayloadView in;
+  if (ffi::Error e = ViewChunkedPayload(codes, scale, zero, bits, group_size, &in); e.failure()) {
+    return e;
+  }
+  if (y->element_count() != size_t(in.batch * in.groups_per_chunk * group_size)) {
+    return ffi::Error::InvalidArgument("flashcomm_dequantize_sum: y has the wrong size");
+  }
+  switch (y->element_type()) {
+    case ffi::F32:
+      return LaunchDequantizeSum<F32>(stream, in, y->untyped_data());
+    case ffi::BF16:
+      return LaunchDequantizeSum<BF16>(stream, in, y->untyped_data());
+    case ffi::F16:
+      return LaunchDequantizeSum<F16>(stream, in, y->untyped_data());
+    default:
+      return ffi::Error::InvalidArgument("flashcomm_dequantize_sum: y must be f32, bf16 or f16");
+  }
+}
+
+ffi::Error DequantizeSumQuantize(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
+                                 ffi::Buffer<ffi::BF16> scale, ffi::Buffer<ffi::BF16> zero,
+                                 ffi::Result<ffi::Buffer<ffi::U8>> out_codes,
+                                 ffi::Result<ffi::Buffer<ffi::BF16>> out_scale,
+                                 ffi::Result<ffi::Buffer<ffi::BF16>> out_zero, int32_t bits,
+                                 int32_t out_bits, int64_t group_size) {
+  PayloadView in;
+  if (ffi::Error e = ViewChunkedPayload(codes, scale, zero, bits, group_size, &in); e.failure()) {
+    return e;
+  }
+  if (out_bits < kMinBits || out_bits > kMaxBits) {
+    return ffi::Error::InvalidArgument("flashcomm_dequantize_sum_quantize: out_bits not in 2..8");
+  }
+  const int64_t n_out = in.batch * in.groups_per_chunk;
+  const int64_t out_nbytes = group_bytes(group_size, out_bits);
+  if (out_scale->element_count() != size_t(n_out) || out_zero->element_count() != size_t(n_out) ||
+      out_codes->element_count() != size_t(n_out * out_nbytes)) {
+    return ffi::Error::InvalidArgument(
+        "flashcomm_dequantize_sum_quantize: output payload has the wrong size");
+  }
+  if (n_out == 0) return ffi::Error::Success();
+  DequantizeSumQuantizeKernel<<<GridFor(n_out, kWarpsPerBlock), kThreads, 0, stream>>>(
+      in, n_out, out_bits, out_codes->typed_data(), out_scale->typed_data(),
+      out_zero->typed_data());
+  return LaunchStatus("flashcomm_dequantize_sum_quantize");
+}
+
+}  // namespace cuda
+}  // namespace flashcomm
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommQuantizeCuda, flashcomm::cuda::Quantize,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Arg<ffi::AnyBuffer>()              // x: (..., group_size)
+                                  .Ret<ffi::Buffer<ffi::U8>>()        // codes: (..., group bytes)
+                                  .Ret<ffi::Buffer<ffi::BF16>>()      // scale: (...)
+                                  .Ret<ffi::Buffer<ffi::BF16>>()      // zero: (...)
+                                  .Attr<int32_t>("bits")              // code width, 2..8
+                                  .Attr<int64_t>("group_size"));      // multiple of 8
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeCuda, flashcomm::cuda::Dequantize,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Arg<ffi::Buffer<ffi::U8>>()        // codes: (..., group bytes)
+                                  .Arg<ffi::Buffer<ffi::BF16>>()      // scale: (...)
+                                  .Arg<ffi::Buffer<ffi::BF16>>()      // zero: (...)
+                                  .Ret<ffi::AnyBuffer>()              // y: (..., group_size)
+                                  .Attr<int32_t>("bits")              // code width, 2..8
+                                  .Attr<int64_t>("group_size"));      // multiple of 8
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeSumCuda, flashcomm::cuda::DequantizeSum,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // codes: (..., N, G/chunk, bytes)
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // scale: (..., N, G/chunk)
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // zero: (..., N, G/chunk)
+                                  .Ret<ffi::AnyBuffer>()          // y: (..., G/chunk * group_size)
+                                  .Attr<int32_t>("bits")          // code width of the input
+                                  .Attr<int64_t>("group_size"));  // multiple of 8
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeSumQuantizeCuda,
+                              flashcomm::cuda::DequantizeSumQuantize,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // codes: (..., N, G/chunk, bytes)
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // scale: (..., N, G/chunk)
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // zero: (..., N, G/chunk)
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // codes: (..., G/chunk, bytes')
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // scale: (..., G/chunk)
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // zero: (..., G/chunk)
+                                  .Attr<int32_t>("bits")          // code width of the input
+                                  .Attr<int32_t>("out_bits")      // code width of the output
+                                  .Attr<int64_t>("group_size"));  // multiple of 8
