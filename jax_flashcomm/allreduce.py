@@ -1,0 +1,158 @@
+"""Flash AllReduce: a quantized ``psum`` with the call shape and result type of ``lax.psum``.
+
+The two-step algorithm of Flash Communication (arXiv 2412.04964), for N ranks:
+
+1. quantize the (flattened, zero-padded) operand into N chunks at ``rs_bits``;
+2. ``all_to_all``: chunk i of every rank goes to rank i;
+3. dequantize the N received chunks, sum them in f32 and quantize the sum at ``ag_bits``
+   (one fused codec op);
+4. ``all_gather`` the summed chunks (an all-gather whose result is replicated: the type
+   ``lax.psum`` gives) and dequantize.
+
+Exactly two quantizations whatever N is. Every rank decodes the same gathered bytes with the
+same kernel, so the result is bit-identical on every rank. Per element, with ``b1_r`` the
+phase-1 bound of rank r's chunk and ``b2`` the phase-2 bound (both from the stored scales,
+:func:`jax_flashcomm.codec.error_bound`): ``|y - sum_r x_r| <= sum_r b1_r + b2`` plus f32
+summation rounding.
+
+Autodiff is straight-through: psum is linear, so the cotangent of ``x`` is that of ``y`` cast
+back to varying (what ``lax.psum``'s transpose does). Where ``x`` is not varying over a reduced
+axis, lax inserts a ``pvary`` whose transpose all-reduces the cotangent; here that all-reduce is
+``lax.psum`` or, with ``grad="quantized"``, this quantized psum.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+
+from jax_flashcomm import _common
+from jax_flashcomm import _codec_ffi as codec
+from jax_flashcomm.policy import DEFAULT_MIN_BYTES, CommConfig, decide, make_config
+
+__all__ = ["psum", "pmean"]
+
+
+def psum(x, axis_name, *, axis_index_groups=None, bits: int | None = 8,
+         rs_bits: int | None = None, ag_bits: int | None = None, group_size: int = 128,
+         min_bytes: int = DEFAULT_MIN_BYTES, backend: str = "auto", grad: str = "exact",
+         config: CommConfig | None = None):
+    """Quantized all-reduce sum over mesh axes ``axis_name``: a drop-in for ``lax.psum``.
+
+    Args:
+      x: an array or pytree of arrays (f32, bf16 or f16 for the quantized path), any shape.
+      axis_name: a mesh axis name or a tuple of them (reduced over all of them).
+      axis_index_groups: not supported (must be None), as with ``lax.psum`` under check_vma.
+      bits: bits per value of both phases; ``None`` is the exact setting (``lax.psum``).
+      rs_bits, ag_bits: per-phase overrides (reduce-scatter/all-to-all, all-gather).
+      group_size: values per quantization group (a multiple of 8).
+      min_bytes: the size policy: leaves of fewer bytes per rank use ``lax.psum``.
+      backend: codec backend, "auto", "ffi" or "jnp".
+      grad: "exact" or "quantized" collectives for cotangents that need an all-reduce.
+      config: a :class:`CommConfig`; when given it replaces all the option arguments above.
+
+    Returns:
+      The sum, of ``x``'s structure, shapes and dtypes, invariant over the reduced axes.
+    """
+    if config is None:
+        config = make_config(bits=bits, rs_bits=rs_bits, ag_bits=ag_bits, group_size=group_size,
+                             min_bytes=min_bytes, backend=backend, grad=grad)
+    config = make_config(config)
+    if axis_index_groups is not None:
+        raise NotImplementedError("jax_flashcomm.psum: axis_index_groups is not supported")
+    axes = _common.normalize_axes(axis_name)
+    return jax.tree.map(lambda leaf: _psum_leaf(leaf, axes, config), x)
+
+
+def pmean(x, axis_name, **options):
+    """``psum(x, axis_name, **options) / N``, like ``lax.pmean``."""
+    n = _common.axis_size(_common.normalize_axes(axis_name))
+    return jax.tree.map(lambda v: v / n, psum(x, axis_name, **options))
+
+
+def _psum_leaf(x, axes, config: CommConfig):
+    if config.exact:
+        return lax.psum(x, axes)
+    _common.check_float(x, "x")
+    n = _common.axis_size(axes)
+    decision = decide("psum", axes, x.shape, x.dtype, n, config)
+    if not decision.quantized:
+        return lax.psum(x, axes)
+    if x.size == 0:
+        return lax.psum(x, axes)
+    return _qpsum(vary(x, axes, config), axes, config)
+
+
+# --- making the operand varying: pvary with an (optionally quantized) psum as transpose -------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _vary(x, axes, config):
+    return lax.pcast(x, axes, to="varying")
+
+
+def _vary_fwd(x, axes, config):
+    return _vary(x, axes, config), None
+
+
+def _vary_bwd(axes, config, _, ct):
+    if config.grad == "quantized":
+        return (psum(ct, axes, config=config),)
+    return (lax.psum(ct, axes),)
+
+
+_vary.defvjp(_vary_fwd, _vary_bwd)
+
+
+def vary(x, axes, config: CommConfig):
+    """``x`` made varying over ``axes`` (as lax collectives do implicitly).
+
+    The transpose all-reduces the cotangent: exactly, or quantized with ``grad="quantized"``.
+    """
+    missing = _common.missing_axes(x, axes)
+    return _vary(x, missing, config) if missing else x
+
+
+def to_varying(ct, axes):
+    """Cast ``ct`` to varying over ``axes`` (no communication): psum's transpose."""
+    missing = _common.missing_axes(ct, axes)
+    return lax.pcast(ct, missing, to="varying") if missing else ct
+
+
+# --- the two-step all-reduce -------------------------------------------------------------------
+
+def two_step(x, axes, config: CommConfig):
+    """Run the two-step all-reduce on a varying ``x``; also return both phases' payloads.
+
+    Returns ``(y, p1, p2)``: ``p1`` is this rank's phase-1 payload of the whole operand
+    (varying), ``p2`` the gathered phase-2 payload (replicated) with ``x``'s shape, so
+    ``codec.error_bound`` of each gives the per-element bounds of the two quantizations.
+    """
+    n = _common.axis_size(axes)
+    g, b1, b2 = config.group_size, config.phase1_bits, config.phase2_bits
+    p1 = codec.quantize(x, bits=b1, group_size=g, num_chunks=n, backend=config.backend)
+    chunks = _common.pack(p1.split_groups(n))                     # (N, groups/N, bytes)
+    received = lax.all_to_all(chunks, axes, 0, 0, tiled=False)    # [i] = chunk from rank i
+    recv = _common.unpack(received, bits=b1, group_size=g, shape=x.shape, dtype=x.dtype)
+    summed = codec.dequantize_sum_quantize(recv, bits=b2, backend=config.backend)
+    gathered = _common.all_gather_invariant(_common.pack(summed), axes, axis=0, tiled=True)
+    p2 = _common.unpack(gathered, bits=b2, group_size=g, shape=x.shape, dtype=x.dtype)
+    y = codec.dequantize(p2, backend=config.backend)
+    return y, p1, p2
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _qpsum(x, axes, config):
+    return two_step(x, axes, config)[0]
+
+
+def _qpsum_fwd(x, axes, config):
+    return _qpsum(x, axes, config), None
+
+
+def _qpsum_bwd(axes, config, _, ct):
+    return (to_varying(ct, axes),)
+
+
+_qpsum.defvjp(_qpsum_fwd, _qpsum_bwd)

@@ -1,0 +1,216 @@
+"""Quantized ``psum_scatter`` and ``all_gather``: drop-ins for their ``lax`` namesakes.
+
+``psum_scatter``: each rank quantizes its operand in N chunks (chunk i = the slice rank i
+keeps, zero-padded to whole groups), one ``all_to_all`` moves chunk i to rank i, which
+dequantizes the N chunks and sums them in f32. One quantization; per element the error is at
+most ``sum_r b1_r`` (the phase-1 bounds of the N ranks' chunks) plus f32 summation rounding.
+
+``all_gather``: each rank quantizes its operand once, the payloads are gathered and every rank
+decodes all of them (its own too), so the gathered array is bit-identical on every rank. One
+quantization: the error is ``codec.error_bound`` of the sender's payload.
+
+Both keep the result types of lax (varying over the axes) and their keyword arguments
+(``scatter_dimension``/``axis``, ``tiled``). They are each other's transpose: the cotangent
+collective is the exact lax one, or this quantized one with ``grad="quantized"``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_flashcomm import _common
+from jax_flashcomm import _codec_ffi as codec
+from jax_flashcomm.allreduce import vary
+from jax_flashcomm.policy import DEFAULT_MIN_BYTES, CommConfig, decide, make_config
+
+__all__ = ["psum_scatter", "all_gather"]
+
+
+def _config(config, **options) -> CommConfig:
+    return make_config(config) if config is not None else make_config(**options)
+
+
+def _check_dim(dim, ndim, name):
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{name} must be an int, got {dim!r}")
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"{name}={dim} is out of range for an operand of rank {ndim}")
+    return dim % ndim
+
+
+# --- psum_scatter ---------------------------------------------------------------------------------
+
+def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, axis_index_groups=None,
+                 tiled: bool = False, bits: int | None = 8, group_size: int = 128,
+                 min_bytes: int = DEFAULT_MIN_BYTES, backend: str = "auto",
+                 grad: str = "exact", config: CommConfig | None = None):
+    """Quantized reduce-scatter: a drop-in for ``lax.psum_scatter``.
+
+    Rank i gets the sum over ranks of slice i of ``x`` along ``scatter_dimension`` (that
+    dimension removed when ``tiled=False``, where its size must be N; divided by N when
+    ``tiled=True``). ``bits=None`` is exactly ``lax.psum_scatter``; below ``min_bytes`` per rank
+    the lax op is used. ``config`` (a :class:`CommConfig`) replaces the option arguments.
+    """
+    config = _config(config, bits=bits, group_size=group_size, min_bytes=min_bytes,
+                     backend=backend, grad=grad)
+    if axis_index_groups is not None:
+        raise NotImplementedError("jax_flashcomm.psum_scatter: axis_index_groups is not "
+                                  "supported")
+    axes = _common.normalize_axes(axis_name)
+    return jax.tree.map(
+        lambda leaf: _psum_scatter_leaf(leaf, axes, scatter_dimension, bool(tiled), config), x)
+
+
+def _psum_scatter_leaf(x, axes, dim, tiled, config):
+    n = _common.axis_size(axes)
+    dim = _check_dim(dim, jnp.ndim(x), "scatter_dimension")
+    size = x.shape[dim]
+    if tiled and size % n:
+        raise ValueError(f"psum_scatter: scatter_dimension {dim} has size {size}, not a "
+                         f"multiple of the axis size {n}")
+    if not tiled and size != n:
+        raise ValueError(f"psum_scatter: with tiled=False scatter_dimension {dim} must have "
+                         f"the axis size {n}, got {size}")
+    if config.exact:
+        return lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=tiled)
+    _common.check_float(x, "x")
+    decision = decide("psum_scatter", axes, x.shape, x.dtype, n, config, phases=("rs",))
+    if not decision.quantized or x.size == 0:
+        return lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=tiled)
+    return _qpsum_scatter(vary(x, axes, config), axes, dim, tiled, config)
+
+
+def _chunked(x, n, dim):
+    """``x`` as ``(N, M)``: row i is the (flattened) slice that rank i keeps."""
+    moved = jnp.moveaxis(x, dim, 0)
+    return moved.reshape(n, -1), moved.shape[1:]
+
+
+def reduce_scatter_parts(x, axes, dim, tiled, config: CommConfig):
+    """Quantized reduce-scatter of a varying ``x``; also returns this rank's payload.
+
+    Returns ``(y, p1)``: ``p1`` holds this rank's N chunks ``(N, groups, ...)``, its ``shape``
+    the padded chunk ``(Mp,)``, so ``codec.error_bound(p1)`` is ``(N, Mp)``.
+    """
+    n = _common.axis_size(axes)
+    g, bits = config.group_size, config.phase1_bits
+    rows, rest = _chunked(x, n, dim)                               # (N, M)
+    m = rows.shape[1]
+    mp = -(-m // g) * g
+    if mp != m:
+        rows = jnp.pad(rows, ((0, 0), (0, mp - m)))
+    p1 = codec.quantize(rows, bits=bits, group_size=g, num_chunks=n, backend=config.backend)
+    p1 = _common.with_meta(p1.split_groups(n), shape=(mp,))
+    received = lax.all_to_all(_common.pack(p1), axes, 0, 0, tiled=False)
+    recv = _common.unpack(received, bits=bits, group_size=g, shape=(mp,), dtype=x.dtype)
+    summed = codec.dequantize_sum(recv, backend=config.backend)[:m]
+    rest = tuple(rest)
+    if tiled:
+        out = summed.reshape(x.shape[dim] // n, *rest)
+        out = jnp.moveaxis(out, 0, dim)
+    else:
+        out = summed.reshape(rest)
+    return out, p1
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _qpsum_scatter(x, axes, dim, tiled, config):
+    return reduce_scatter_parts(x, axes, dim, tiled, config)[0]
+
+
+def _qpsum_scatter_fwd(x, axes, dim, tiled, config):
+    return _qpsum_scatter(x, axes, dim, tiled, config), None
+
+
+def _qpsum_scatter_bwd(axes, dim, tiled, config, _, ct):
+    ct = _common_vary_exact(ct, axes)
+    if config.grad == "quantized":
+        return (all_gather(ct, axes, axis=dim, tiled=tiled, config=config),)
+    return (lax.all_gather(ct, axes, axis=dim, tiled=tiled),)
+
+
+_qpsum_scatter.defvjp(_qpsum_scatter_fwd, _qpsum_scatter_bwd)
+
+
+def _common_vary_exact(ct, axes):
+    """Cotangents of varying results are varying; make sure (instantiated zeros may not be)."""
+    missing = _common.missing_axes(ct, axes)
+    return lax.pcast(ct, missing, to="varying") if missing else ct
+
+
+# --- all_gather -----------------------------------------------------------------------------------
+
+def all_gather(x, axis_name, *, axis: int = 0, axis_index_groups=None, tiled: bool = False,
+               bits: int | None = 8, group_size: int = 128,
+               min_bytes: int = DEFAULT_MIN_BYTES, backend: str = "auto",
+               grad: str = "exact", config: CommConfig | None = None):
+    """Quantized all-gather: a drop-in for ``lax.all_gather``.
+
+    Stacks the N ranks' operands on a new dimension ``axis`` (``tiled=False``) or concatenates
+    them along ``axis`` (``tiled=True``). ``bits=None`` is exactly ``lax.all_gather``; below
+    ``min_bytes`` per rank the lax op is used. ``config`` replaces the option arguments.
+    """
+    config = _config(config, bits=bits, group_size=group_size, min_bytes=min_bytes,
+                     backend=backend, grad=grad)
+    if axis_index_groups is not None:
+        raise NotImplementedError("jax_flashcomm.all_gather: axis_index_groups is not "
+                                  "supported")
+    axes = _common.normalize_axes(axis_name)
+    return jax.tree.map(lambda leaf: _all_gather_leaf(leaf, axes, axis, bool(tiled), config), x)
+
+
+def _all_gather_leaf(x, axes, axis, tiled, config):
+    n = _common.axis_size(axes)
+    ndim = jnp.ndim(x)
+    axis = _check_dim(axis, ndim if tiled else ndim + 1, "axis")
+    if tiled and ndim == 0:
+        raise ValueError("all_gather: tiled=True needs an operand of rank >= 1")
+    if config.exact:
+        return lax.all_gather(x, axes, axis=axis, tiled=tiled)
+    _common.check_float(x, "x")
+    decision = decide("all_gather", axes, x.shape, x.dtype, n, config, phases=("ag",))
+    if not decision.quantized or x.size == 0:
+        return lax.all_gather(x, axes, axis=axis, tiled=tiled)
+    return _qall_gather(vary(x, axes, config), axes, axis, tiled, config)
+
+
+def all_gather_parts(x, axes, axis, tiled, config: CommConfig):
+    """Quantized all-gather of a varying ``x``; also returns the gathered payload.
+
+    Returns ``(y, p)``: ``p`` holds the N ranks' payloads ``(N, groups, ...)`` with ``x``'s
+    shape, so ``codec.error_bound(p)`` is ``(N, *x.shape)``.
+    """
+    g, bits = config.group_size, config.phase2_bits
+    p = codec.quantize(x, bits=bits, group_size=g, backend=config.backend)
+    gathered = lax.all_gather(_common.pack(p), axes, axis=0, tiled=False)  # (N, groups, bytes)
+    pg = _common.unpack(gathered, bits=bits, group_size=g, shape=x.shape, dtype=x.dtype)
+    stacked = codec.dequantize(pg, backend=config.backend)          # (N, *x.shape)
+    out = jnp.moveaxis(stacked, 0, axis)
+    if tiled:
+        shape = list(x.shape)
+        shape[axis] *= stacked.shape[0]
+        out = out.reshape(shape)
+    return out, pg
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _qall_gather(x, axes, axis, tiled, config):
+    return all_gather_parts(x, axes, axis, tiled, config)[0]
+
+
+def _qall_gather_fwd(x, axes, axis, tiled, config):
+    return _qall_gather(x, axes, axis, tiled, config), None
+
+
+def _qall_gather_bwd(axes, axis, tiled, config, _, ct):
+    ct = _common_vary_exact(ct, axes)
+    if config.grad == "quantized":
+        return (psum_scatter(ct, axes, scatter_dimension=axis, tiled=tiled, config=config),)
+    return (lax.psum_scatter(ct, axes, scatter_dimension=axis, tiled=tiled),)
+
+
+_qall_gather.defvjp(_qall_gather_fwd, _qall_gather_bwd)
