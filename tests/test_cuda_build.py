@@ -88,7 +88,8 @@ def ptxas_report(tmp_path_factory):
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS]
     reports = {}
     for src in CUDA_SOURCES:
-        cmd = [nvcc, "-std=c++17", "-O3", "--fmad=false", "-Xptxas=-v",
+        cmd = [nvcc, "-std=c++17", "-O3", "--fmad=false", "-ftz=false", "-prec-div=true",
+               "-prec-sqrt=true", "-Xptxas=-v",
                "-Werror=all-warnings", "-Xcompiler=-Wall,-Wextra,-Werror,-ffp-contract=off",
                "-Xcompiler=-fPIC", f"-I{ROOT / 'ffi' / 'include'}",
                f"-isystem={jax.ffi.include_dir()}", *gencode,
