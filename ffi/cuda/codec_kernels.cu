@@ -272,6 +272,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     const int64_t g = t / nblocks;
     float v[kBlock];
     decode_block(codes, scale, zero, g, gbytes, t - g * nblocks, bits, v);
+    // A dequantized operand is saturated to its dtype's finite range, as on the CPU (the sums
+    // of dequantize_sum are not).
+#pragma unroll
+    for (int j = 0; j < kBlock; ++j) v[j] = saturate(v[j], T::kMax);
     store_block<T>(v, vec, y + t * kBlock);
   }
 }
