@@ -36,7 +36,7 @@ void DequantizeAll(const uint8_t* codes, const uint16_t* scale, const uint16_t* 
   const int64_t nbytes = group_bytes(g, bits);
   for (int64_t k = 0; k < n_groups; ++k) {
     decode_group(codes + k * nbytes, scale[k], zero[k], g, bits, false, buf.data());
-    store_group<T>(buf.data(), g, ys + k * g);
+    store_group<T>(buf.data(), g, /*saturating=*/true, ys + k * g);
   }
 }
 
@@ -56,7 +56,7 @@ void DequantizeSumAll(const PayloadView& in, void* y) {
   for (int64_t b = 0; b < in.batch; ++b) {
     for (int64_t k = 0; k < in.groups_per_chunk; ++k) {
       SumGroup(in, b, k, buf.data());
-      store_group<T>(buf.data(), in.group_size,
+      store_group<T>(buf.data(), in.group_size, /*saturating=*/false,
                      ys + (b * in.groups_per_chunk + k) * in.group_size);
     }
   }

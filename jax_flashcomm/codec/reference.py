@@ -65,7 +65,8 @@ def group_params(v, bits: int):
     zero_bits = jnp.where(zero_bits == spec.BF16_NEG_INF_BITS, _U32(spec.BF16_LOWEST_BITS), zero_bits)
     zero = bf16_bits_to_f32(zero_bits)
     rng = hi - zero
-    scale = jnp.where(jnp.isfinite(rng), rng * inv_levels, hi * inv_levels - zero * inv_levels)
+    halves = (hi * np.float32(0.5) - zero * np.float32(0.5)) * inv_levels * np.float32(2)
+    scale = jnp.where(jnp.isfinite(rng), rng * inv_levels, halves)
     scale = jnp.where((rng > 0) & ~(scale >= spec.FLT_MIN), spec.FLT_MIN, scale)
     scale_bits = bf16_round_up(scale)
     scale = bf16_bits_to_f32(scale_bits)
@@ -120,9 +121,14 @@ def quantize_groups(v, bits: int):
 
 
 def decode_groups(codes, scale, zero, bits: int, group_size: int):
-    """(codes, scale, zero) -> f32 groups ``(..., G)``: ``q * scale + zero``."""
+    """(codes, scale, zero) -> f32 groups ``(..., G)``: ``fma(q, scale, zero)`` (see codec.h)."""
     q = unpack(codes, bits, group_size).astype(jnp.float32)
-    return q * scale.astype(jnp.float32)[..., None] + zero.astype(jnp.float32)[..., None]
+    scale = scale.astype(jnp.float32)[..., None]
+    zero = zero.astype(jnp.float32)[..., None]
+    prod = q * scale
+    half = np.float32(0.5)
+    from_halves = (q * (scale * half) + zero * half) * np.float32(2)
+    return jnp.where(jnp.isfinite(prod), prod + zero, from_halves)
 
 
 def sum_chunks(codes, scale, zero, bits: int, group_size: int):
@@ -141,8 +147,14 @@ def quantize(v, *, bits: int, group_size: int):
     return quantize_groups(v, bits)
 
 
+def saturate(v, dtype):
+    """Clamp to the finite range of ``dtype``; NaN passes through (see codec.h)."""
+    top = np.float32(jnp.finfo(dtype).max)
+    return jnp.where(v > top, top, jnp.where(v < -top, -top, v))
+
+
 def dequantize(codes, scale, zero, *, bits: int, group_size: int, dtype):
-    return decode_groups(codes, scale, zero, bits, group_size).astype(dtype)
+    return saturate(decode_groups(codes, scale, zero, bits, group_size), dtype).astype(dtype)
 
 
 def dequantize_sum(codes, scale, zero, *, bits: int, group_size: int, dtype):

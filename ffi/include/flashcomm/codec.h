@@ -168,8 +168,8 @@ FC_HD GroupParams group_params(float lo, float hi, bool finite, int bits) {
   float scale;
   if (is_finite(range)) {
     scale = mul_rn(range, inv_levels);
-  } else {  // hi - zero overflows f32: scale first
-    scale = add_rn(mul_rn(hi, inv_levels), -mul_rn(zero, inv_levels));
+  } else {  // hi - zero overflows f32: halve first (exact for values this large)
+    scale = mul_rn(mul_rn(add_rn(mul_rn(hi, 0.5f), -mul_rn(zero, 0.5f)), inv_levels), 2.0f);
   }
   if (range > 0.0f && !(scale >= kFltMin)) scale = kFltMin;
   p.zero_bits = zero_bits;
@@ -202,9 +202,15 @@ FC_HD uint32_t encode(float x, const GroupParams& p, float levels) {
   return uint32_t(v);
 }
 
-// x' = q * scale + zero, two roundings.
+// x' = fma(q, scale, zero): one rounding. q * scale is exact in f32 (a code of at most 8 bits
+// times a bf16 of 8 significant bits), so mul then add is the fma, and an XLA that contracts
+// the two into one instruction computes the same bits. Where q * scale overflows (groups
+// spanning more than FLT_MAX) the sum is formed from halves, which is exact up to the final
+// doubling.
 FC_HD float decode(uint32_t q, const GroupParams& p) {
-  return add_rn(mul_rn(float(q), p.scale), p.zero);
+  const float prod = mul_rn(float(q), p.scale);
+  if (is_finite(prod)) return add_rn(prod, p.zero);
+  return mul_rn(add_rn(mul_rn(float(q), mul_rn(p.scale, 0.5f)), mul_rn(p.zero, 0.5f)), 2.0f);
 }
 
 // Pack 8 codes of `bits` bits LSB-first into `bits` bytes.
@@ -228,19 +234,27 @@ FC_HD void unpack_block(const uint8_t* in, int bits, uint32_t* q) {
   for (int j = 0; j < kBlock; ++j) q[j] = uint32_t((acc >> (j * bits)) & mask);
 }
 
+// Clamp to [-max, max]; NaN passes through. A dequantized operand is saturated to its dtype's
+// finite range: its values came from that dtype, and the top of a group's grid may overshoot
+// the group's max by part of a step (65504 at 2 bits decodes to 3 * 21888 = 65664).
+FC_HD float saturate(float v, float max) { return v > max ? max : (v < -max ? -max : v); }
+
 // Element loads and stores for the three operand dtypes, as f32.
 struct F32 {
   using Storage = float;
+  static constexpr float kMax = kFltMax;
   static FC_HD float load(float v) { return v; }
   static FC_HD float store(float v) { return v; }
 };
 struct BF16 {
   using Storage = uint16_t;
+  static constexpr float kMax = 3.38953138925153547590e+38f;  // 0x7F7F
   static FC_HD float load(uint16_t v) { return bf16_to_float(v); }
   static FC_HD uint16_t store(float v) { return bf16_from_float(v); }
 };
 struct F16 {
   using Storage = uint16_t;
+  static constexpr float kMax = 65504.0f;
   static FC_HD float load(uint16_t v) { return f16_to_float(v); }
   static FC_HD uint16_t store(float v) { return f16_from_float(v); }
 };

@@ -84,10 +84,14 @@ inline void load_group(const typename T::Storage* x, int64_t g, float* out) {
   for (int64_t i = 0; i < g; ++i) out[i] = T::load(x[i]);
 }
 
-// Store g f32 values as T.
+// Store g f32 values as T; saturated to T's finite range when `saturating`.
 template <typename T>
-inline void store_group(const float* v, int64_t g, typename T::Storage* y) {
-  for (int64_t i = 0; i < g; ++i) y[i] = T::store(v[i]);
+inline void store_group(const float* v, int64_t g, bool saturating, typename T::Storage* y) {
+  if (saturating) {
+    for (int64_t i = 0; i < g; ++i) y[i] = T::store(saturate(v[i], T::kMax));
+  } else {
+    for (int64_t i = 0; i < g; ++i) y[i] = T::store(v[i]);
+  }
 }
 
 }  // namespace cpu

@@ -1,0 +1,41 @@
+"""Test inputs for the codec: groups of every kind the wire format has to survive."""
+
+import numpy as np
+import jax.numpy as jnp
+
+KINDS = ("gaussian", "offset", "constant", "huge", "tiny", "denormal", "mixed_sign_spike",
+         "zeros", "two_values")
+
+
+def group_of_kind(rng, kind, group_size, dtype):
+    """One group of ``group_size`` values of ``kind``, representable in ``dtype``."""
+    finfo = jnp.finfo(dtype)
+    if kind == "gaussian":
+        v = rng.standard_normal(group_size) * 3.0 + 0.5
+    elif kind == "offset":  # a narrow range far from zero (1000.0 .. 1000.5)
+        v = 1000.0 + rng.uniform(0.0, 0.5, group_size)
+    elif kind == "constant":
+        v = np.full(group_size, rng.standard_normal() * 10)
+    elif kind == "huge":  # near the dtype's largest finite value, both signs
+        v = rng.uniform(-0.9, 0.9, group_size) * float(finfo.max)
+    elif kind == "tiny":  # smallest normals
+        v = rng.uniform(1.0, 4.0, group_size) * float(finfo.tiny)
+    elif kind == "denormal":
+        v = rng.uniform(-1.0, 1.0, group_size) * float(finfo.tiny) * 0.5
+    elif kind == "mixed_sign_spike":
+        v = rng.standard_normal(group_size) * 0.01
+        v[rng.integers(group_size)] = 80.0
+    elif kind == "zeros":
+        v = np.where(rng.random(group_size) < 0.5, -0.0, 0.0)
+    elif kind == "two_values":
+        v = np.where(rng.random(group_size) < 0.5, -1.5, 2.25)
+    else:
+        raise ValueError(kind)
+    return np.asarray(v, np.float64)
+
+
+def structured(rng, n_groups, group_size, dtype, kinds=KINDS):
+    """``n_groups`` groups cycling through ``kinds``, as an array of ``dtype``."""
+    groups = [group_of_kind(rng, kinds[i % len(kinds)], group_size, dtype)
+              for i in range(n_groups)]
+    return jnp.asarray(np.concatenate(groups).astype(np.float32)).astype(dtype)
