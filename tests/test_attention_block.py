@@ -107,7 +107,7 @@ def test_nnx_module_is_the_pure_block(mesh_factory):
         xs = jax.device_put(x, NamedSharding(mesh, xspec))
         y = nnx.jit(lambda m, a: m(a))(module, xs)
         y_pure = jax.jit(pure)(xs, module.w_qkv[...], module.w_o[...])
-        grads = nnx.grad(lambda m, a: (m(a) ** 2).sum())(module, xs)
+        grads = nnx.jit(nnx.grad(lambda m, a: (m(a) ** 2).sum()))(module, xs)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(y_pure))
     assert grads.w_qkv[...].shape == module.w_qkv[...].shape
     assert grads.w_o[...].shape == module.w_o[...].shape
