@@ -54,7 +54,7 @@ def bf16_round_up(x):
 
 
 def group_params(v, bits: int):
-    """Stored (scale_bits, zero_bits) and decoded (scale, zero, inv_scale) per group of ``v``."""
+    """Per group of ``v``: stored (scale_bits, zero_bits), and zero, pre, inv_scale, finite."""
     inv_levels = np.float32(1) / np.float32((1 << bits) - 1)
     lo = jnp.min(v, axis=-1)
     hi = jnp.max(v, axis=-1)
@@ -70,18 +70,26 @@ def group_params(v, bits: int):
     scale = jnp.where((rng > 0) & ~(scale >= spec.FLT_MIN), spec.FLT_MIN, scale)
     scale_bits = bf16_round_up(scale)
     scale = bf16_bits_to_f32(scale_bits)
-    inv_scale = jnp.where(scale > 0, jnp.float32(1) / jnp.where(scale > 0, scale, 1), 0)
+    pre, inv_scale = inverse(scale)
     scale_bits = jnp.where(finite, scale_bits, _U32(spec.BF16_NAN_BITS))
     zero_bits = jnp.where(finite, zero_bits, _U32(0))
     zero = jnp.where(finite, zero, jnp.float32(0))
     inv_scale = jnp.where(finite, inv_scale, jnp.float32(0))
-    return scale_bits, zero_bits, zero, inv_scale, finite
+    pre = jnp.where(finite, pre, jnp.float32(1))
+    return scale_bits, zero_bits, zero, pre, inv_scale, finite
 
 
-def encode(v, zero, inv_scale, finite, bits: int):
-    """Codes ``clamp(round_half_even((v - zero) * inv_scale), 0, 2^bits - 1)`` as uint32."""
+def inverse(scale):
+    """(pre, inv_scale): 1/scale, scaled by 2^64 where it would be denormal (see codec.h)."""
+    pre = jnp.where(scale >= np.float32(2.0**120), np.float32(2.0**-64), np.float32(1))
+    safe = jnp.where(scale > 0, scale * pre, np.float32(1))
+    return pre, jnp.where(scale > 0, np.float32(1) / safe, np.float32(0))
+
+
+def encode(v, zero, pre, inv_scale, finite, bits: int):
+    """Codes ``clamp(round_half_even((v * pre - zero * pre) * inv_scale), 0, 2^bits - 1)``."""
     levels = jnp.float32((1 << bits) - 1)
-    t = (v - zero[..., None]) * inv_scale[..., None]
+    t = (v * pre[..., None] - (zero * pre)[..., None]) * inv_scale[..., None]
     t = jnp.where(t > 0, t, jnp.float32(0))
     t = jnp.where(t < levels, t, levels)
     q = lax.round(t, lax.RoundingMethod.TO_NEAREST_EVEN).astype(_U32)
@@ -115,8 +123,8 @@ def unpack(codes, bits: int, group_size: int):
 def quantize_groups(v, bits: int):
     """f32 groups ``(..., G)`` -> (codes uint8, scale bf16, zero bf16)."""
     v = v.astype(jnp.float32)
-    scale_bits, zero_bits, zero, inv_scale, finite = group_params(v, bits)
-    q = encode(v, zero, inv_scale, finite, bits)
+    scale_bits, zero_bits, zero, pre, inv_scale, finite = group_params(v, bits)
+    q = encode(v, zero, pre, inv_scale, finite, bits)
     return pack(q, bits), bits_to_bf16(scale_bits), bits_to_bf16(zero_bits)
 
 

@@ -142,7 +142,22 @@ struct GroupParams {
   float scale;          // the stored values, decoded
   float zero;
   float inv_scale;      // 1/scale in f32, 0 where scale is 0 or the group is not finite
+  float pre;            // 1, or 2^-64 for huge groups (scale >= 2^120), see set_inverse
+  float zero_pre;       // zero * pre
 };
+
+// 2^120: any group whose range overflows f32 has scale > 2^128 / 255 > 2^120, and 1/scale is
+// denormal from 2^126 on.
+constexpr float kHugeScale = 1.32922799578491587290e+36f;
+constexpr float kTwoPowMinus64 = 5.42101086242752217004e-20f;
+
+// Huge groups (scale >= 2^120) encode in units of 2^64: x - zero could overflow f32 and 1/scale
+// could be denormal (and flushed to zero). Scaling by a power of two is exact.
+FC_HD void set_inverse(GroupParams* p) {
+  p->pre = p->scale >= kHugeScale ? kTwoPowMinus64 : 1.0f;
+  p->zero_pre = mul_rn(p->zero, p->pre);
+  p->inv_scale = p->scale > 0.0f ? 1.0f / mul_rn(p->scale, p->pre) : 0.0f;
+}
 
 // Per-group quantization parameters from the group's min (lo), max (hi) and finiteness.
 // zero = lo rounded toward -inf to bf16; scale = (hi - zero) * f32(1 / (2^bits - 1)) rounded toward
@@ -157,6 +172,8 @@ FC_HD GroupParams group_params(float lo, float hi, bool finite, int bits) {
     p.scale = bf16_to_float(kBf16NaN);
     p.zero = 0.0f;
     p.inv_scale = 0.0f;
+    p.pre = 1.0f;
+    p.zero_pre = 0.0f;
     return p;
   }
   // 1/levels rounded to f32, then multiplied: what XLA makes of a division by a constant.
@@ -176,7 +193,7 @@ FC_HD GroupParams group_params(float lo, float hi, bool finite, int bits) {
   p.zero = zero;
   p.scale_bits = bf16_round_up(scale);
   p.scale = bf16_to_float(p.scale_bits);
-  p.inv_scale = p.scale > 0.0f ? 1.0f / p.scale : 0.0f;
+  set_inverse(&p);
   return p;
 }
 
@@ -187,14 +204,15 @@ FC_HD GroupParams stored_params(uint16_t scale_bits, uint16_t zero_bits) {
   p.zero_bits = zero_bits;
   p.scale = bf16_to_float(scale_bits);
   p.zero = bf16_to_float(zero_bits);
-  p.inv_scale = p.scale > 0.0f ? 1.0f / p.scale : 0.0f;
+  set_inverse(&p);
   return p;
 }
 
-// q = clamp(round_half_even((x - zero) * inv_scale), 0, 2^bits - 1). Clamping before rounding
-// gives the same code, and lets the round be the exact f32 trick v + 2^23 - 2^23 (0 <= v < 2^23).
+// q = clamp(round_half_even((x * pre - zero * pre) * inv_scale), 0, 2^bits - 1). Clamping
+// before rounding gives the same code, and lets the round be the exact f32 trick
+// v + 2^23 - 2^23.
 FC_HD uint32_t encode(float x, const GroupParams& p, float levels) {
-  float v = mul_rn(add_rn(x, -p.zero), p.inv_scale);
+  float v = mul_rn(add_rn(mul_rn(x, p.pre), -p.zero_pre), p.inv_scale);
   v = v > 0.0f ? v : 0.0f;  // also maps NaN to 0
   v = v < levels ? v : levels;
   const float kMagic = 8388608.0f;  // 2^23
