@@ -12,6 +12,7 @@ import importlib
 import jax
 import numpy as np
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_flashcomm.codec import spec
 
@@ -59,8 +60,11 @@ def require(platform: str) -> None:
 
 
 def _like(x, shape, dtype):
-    """Result type of ``x``'s kind (varying over the same mesh axes) with a new shape/dtype."""
-    return jax.typeof(x).update(shape=tuple(shape), dtype=np.dtype(dtype), sharding=None)
+    """Result type of ``x``'s kind (same mesh, varying over the same manual axes) with a new
+    shape and dtype, unsharded along its dimensions."""
+    aval = jax.typeof(x)
+    sharding = NamedSharding(aval.sharding.mesh, PartitionSpec(*([None] * len(shape))))
+    return aval.update(shape=tuple(shape), dtype=np.dtype(dtype), sharding=sharding)
 
 
 def quantize(v, *, bits: int, group_size: int):
