@@ -13,7 +13,7 @@ and reports each quantized time against the faster of the two exact ones. Two se
     with ``tc tbf`` inside a private network namespace (``benchmarks/netns.py``): a
     bandwidth-bound link, what PCIe is to a GPU.
 
-Re-run (root; ~6 min on 2 cores)::
+Re-run (root; ~15 min on 2 cores)::
 
     /work/venv/bin/python benchmarks/allreduce.py              # -> docs/allreduce.{json,png}
     /work/venv/bin/python benchmarks/allreduce.py --quick      # 2 sizes, fewer repetitions
