@@ -149,16 +149,18 @@ def error_bound(payload: Payload, *, dtype=None):
     scale = p.scale.astype(jnp.float32)
     zero = p.zero.astype(jnp.float32)
     levels = float((1 << p.bits) - 1)
-    top = jnp.maximum(jnp.abs(zero), jnp.abs(zero + scale * levels))
+    # In halves: a group's span scale * levels may exceed FLT_MAX (its half never does).
+    half_span = 0.5 * scale * levels
+    half_top = jnp.maximum(jnp.abs(0.5 * zero), jnp.abs(0.5 * zero + half_span))
     eps32 = float(np.finfo(np.float32).eps)
     # XLA on CPU and GPU flushes f32 denormals: a difference x - zero or a decoded value below
     # the smallest normal becomes 0 (and so does 0.5 * scale when scale is that small here),
     # hence the absolute 3 * FLT_MIN.
-    bound = (0.5 * scale + 4 * eps32 * scale * levels + eps32 * top
+    bound = (0.5 * scale + 8 * eps32 * half_span + 2 * eps32 * half_top
              + 3 * float(spec.FLT_MIN))
     if dtype != np.float32:
         info = jnp.finfo(dtype)
-        bound = bound + 0.5 * float(info.eps) * top + 0.5 * float(info.smallest_subnormal)
+        bound = bound + float(info.eps) * half_top + 0.5 * float(info.smallest_subnormal)
     per_elem = jnp.broadcast_to(bound[..., None], (*bound.shape, p.group_size))
     return _restore(per_elem, p.shape)
 
