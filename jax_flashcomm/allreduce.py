@@ -29,7 +29,7 @@ import jax
 from jax import lax
 
 from jax_flashcomm import _common
-from jax_flashcomm import _codec_ffi as codec
+from jax_flashcomm import codec
 from jax_flashcomm.policy import DEFAULT_MIN_BYTES, CommConfig, decide, make_config
 
 __all__ = ["psum", "pmean"]

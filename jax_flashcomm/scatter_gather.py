@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_flashcomm import _common
-from jax_flashcomm import _codec_ffi as codec
+from jax_flashcomm import codec
 from jax_flashcomm.allreduce import vary
 from jax_flashcomm.policy import DEFAULT_MIN_BYTES, CommConfig, decide, make_config
 

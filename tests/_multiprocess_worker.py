@@ -23,7 +23,7 @@ jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=
                            initialization_timeout=60)
 
 import jax_flashcomm as fc  # noqa: E402
-from jax_flashcomm import _codec_ffi as codec  # noqa: E402
+from jax_flashcomm import codec  # noqa: E402
 from jax_flashcomm import allreduce  # noqa: E402
 from jax_flashcomm.policy import CommConfig  # noqa: E402
 

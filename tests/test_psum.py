@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_flashcomm as fc
 from jax_flashcomm import allreduce
-from jax_flashcomm import _codec_ffi as codec
+from jax_flashcomm import codec
 from jax_flashcomm.policy import CommConfig
 
 EPS32 = float(np.finfo(np.float32).eps)

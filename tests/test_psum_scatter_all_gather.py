@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_flashcomm as fc
-from jax_flashcomm import _codec_ffi as codec
+from jax_flashcomm import codec
 from jax_flashcomm import scatter_gather as sg
 from jax_flashcomm.policy import CommConfig
 
