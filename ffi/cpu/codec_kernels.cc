@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "flashcomm/cpu_codec.h"
+#include "flashcomm/cpu_ops.h"
 #include "flashcomm/ffi_checks.h"
 #include "xla/ffi/api/ffi.h"
 

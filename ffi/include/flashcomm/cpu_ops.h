@@ -1,0 +1,51 @@
+// Plain C++ entry points of the CPU codec handlers (defined in ffi/cpu/codec_kernels.cc).
+//
+// These are the functions the XLA_FFI_DEFINE_HANDLER_SYMBOL handlers (cpu_kernels.h) bind:
+// XLA decodes the call frame into these arguments and calls them. Declared here so that the
+// C++ tests (ffi/tests/codec_cpu_test.cc) can call the handler bodies, shape checks included,
+// on buffers they own, without going through the XLA FFI C API.
+#ifndef FLASHCOMM_CPU_OPS_H_
+#define FLASHCOMM_CPU_OPS_H_
+
+#include <cstdint>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace flashcomm {
+namespace cpu {
+
+// x (..., group_size) f32/bf16/f16 -> codes (..., group_size * bits / 8) u8, scale and zero
+// (...) bf16.
+xla::ffi::Error Quantize(xla::ffi::AnyBuffer x, xla::ffi::Result<xla::ffi::Buffer<xla::ffi::U8>> codes,
+                         xla::ffi::Result<xla::ffi::Buffer<xla::ffi::BF16>> scale,
+                         xla::ffi::Result<xla::ffi::Buffer<xla::ffi::BF16>> zero, int32_t bits,
+                         int64_t group_size);
+
+// codes, scale, zero -> y (..., group_size) f32/bf16/f16, saturated to y's finite range.
+xla::ffi::Error Dequantize(xla::ffi::Buffer<xla::ffi::U8> codes,
+                           xla::ffi::Buffer<xla::ffi::BF16> scale,
+                           xla::ffi::Buffer<xla::ffi::BF16> zero,
+                           xla::ffi::Result<xla::ffi::AnyBuffer> y, int32_t bits,
+                           int64_t group_size);
+
+// codes (..., N, G, bytes), scale and zero (..., N, G) -> y (..., G * group_size): the f32 sum
+// over the N chunks in order 0..N-1, stored as y's dtype.
+xla::ffi::Error DequantizeSum(xla::ffi::Buffer<xla::ffi::U8> codes,
+                              xla::ffi::Buffer<xla::ffi::BF16> scale,
+                              xla::ffi::Buffer<xla::ffi::BF16> zero,
+                              xla::ffi::Result<xla::ffi::AnyBuffer> y, int32_t bits,
+                              int64_t group_size);
+
+// As DequantizeSum, then the f32 sum is quantized again with out_bits.
+xla::ffi::Error DequantizeSumQuantize(xla::ffi::Buffer<xla::ffi::U8> codes,
+                                      xla::ffi::Buffer<xla::ffi::BF16> scale,
+                                      xla::ffi::Buffer<xla::ffi::BF16> zero,
+                                      xla::ffi::Result<xla::ffi::Buffer<xla::ffi::U8>> out_codes,
+                                      xla::ffi::Result<xla::ffi::Buffer<xla::ffi::BF16>> out_scale,
+                                      xla::ffi::Result<xla::ffi::Buffer<xla::ffi::BF16>> out_zero,
+                                      int32_t bits, int32_t out_bits, int64_t group_size);
+
+}  // namespace cpu
+}  // namespace flashcomm
+
+#endif  // FLASHCOMM_CPU_OPS_H_
