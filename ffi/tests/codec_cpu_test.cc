@@ -571,6 +571,16 @@ void TestInvalidArguments() {
     CHECK(e.failure() && e.errc() == ffi::ErrorCode::kInvalidArgument && untouched,
           std::string("quantize rejects ") + b.what);
   }
+  {
+    Codes codes({16}, XLA_FFI_DataType_U8, 0xA5);
+    Bf16s scale({2}, XLA_FFI_DataType_BF16, 0xBEEF), zero({1}, XLA_FFI_DataType_BF16, 0xBEEF);
+    ffi::Error e = CallQuantize(x.view(), codes, scale, zero, 4, 16);
+    CHECK(e.failure() && codes.data[0] == 0xA5 && zero.data[0] == 0xBEEF,
+          "quantize rejects zero one short");
+    Array<float> y({2, 16}, XLA_FFI_DataType_F32, 7.0f);
+    e = CallDequantize(codes, scale, zero, y.view(), 4, 16);
+    CHECK(e.failure() && y.data[0] == 7.0f, "dequantize rejects zero one short");
+  }
   // Wrong dtype.
   Array<int32_t> xi({1, 8}, XLA_FFI_DataType_S32);
   Codes c8({1, 4}, XLA_FFI_DataType_U8);
