@@ -22,11 +22,7 @@ void QuantizeAll(const void* x, int64_t n_groups, int64_t g, int bits, uint8_t* 
                  uint16_t* scale, uint16_t* zero) {
   const auto* xs = static_cast<const typename T::Storage*>(x);
   std::vector<float> buf(static_cast<size_t>(g));
-  const int64_t nbytes = group_bytes(g, bits);
-  for (int64_t k = 0; k < n_groups; ++k) {
-    load_group<T>(xs + k * g, g, buf.data());
-    quantize_group(buf.data(), g, bits, codes + k * nbytes, scale + k, zero + k);
-  }
+  quantize_groups<T>(xs, n_groups, g, bits, buf.data(), codes, scale, zero);
 }
 
 template <typename T>
@@ -34,11 +30,7 @@ void DequantizeAll(const uint8_t* codes, const uint16_t* scale, const uint16_t* 
                    int64_t n_groups, int64_t g, int bits, void* y) {
   auto* ys = static_cast<typename T::Storage*>(y);
   std::vector<float> buf(static_cast<size_t>(g));
-  const int64_t nbytes = group_bytes(g, bits);
-  for (int64_t k = 0; k < n_groups; ++k) {
-    decode_group(codes + k * nbytes, scale[k], zero[k], g, bits, false, buf.data());
-    store_group<T>(buf.data(), g, /*saturating=*/true, ys + k * g);
-  }
+  dequantize_groups<T>(codes, scale, zero, n_groups, g, bits, buf.data(), ys);
 }
 
 // Sum over the chunk axis in order 0..n-1, in f32, of chunk c's group k, into buf.

@@ -208,16 +208,62 @@ FC_HD GroupParams stored_params(uint16_t scale_bits, uint16_t zero_bits) {
   return p;
 }
 
-// q = clamp(round_half_even((x * pre - zero * pre) * inv_scale), 0, 2^bits - 1). Clamping
-// before rounding gives the same code, and lets the round be the exact f32 trick
-// v + 2^23 - 2^23.
-FC_HD uint32_t encode(float x, const GroupParams& p, float levels) {
-  float v = mul_rn(add_rn(mul_rn(x, p.pre), -p.zero_pre), p.inv_scale);
+// ---- per-value arithmetic, generic over lanes ----
+// Each function below is written once for a "lane" type F: a scalar float (host and device),
+// or on the host a SIMD vector of floats (Lanes, GCC vector extensions) that the CPU kernels
+// use. The operations are the same IEEE ops in the same order either way.
+
+FC_HD float clamp_code(float v, float levels) {
   v = v > 0.0f ? v : 0.0f;  // also maps NaN to 0
-  v = v < levels ? v : levels;
-  const float kMagic = 8388608.0f;  // 2^23
-  v = add_rn(add_rn(v, kMagic), -kMagic);
-  return uint32_t(v);
+  return v < levels ? v : levels;
+}
+
+FC_HD float select_finite(float test, float if_finite, float otherwise) {
+  return is_finite(test) ? if_finite : otherwise;
+}
+
+#if !defined(__CUDACC__)
+// 16 f32 lanes on the host (one AVX-512 register, two AVX2 ones, four SSE ones).
+typedef float Lanes __attribute__((vector_size(64)));
+typedef uint32_t ULanes __attribute__((vector_size(64)));
+typedef int32_t ILanes __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+
+inline Lanes mul_rn(Lanes a, float b) { return a * b; }
+inline Lanes mul_rn(Lanes a, Lanes b) { return a * b; }
+inline Lanes add_rn(Lanes a, float b) { return a + b; }
+inline Lanes add_rn(Lanes a, Lanes b) { return a + b; }
+inline Lanes clamp_code(Lanes v, float levels) {
+  const Lanes zero = Lanes{} + 0.0f;
+  const Lanes top = Lanes{} + levels;
+  v = v > 0.0f ? v : zero;
+  return v < levels ? v : top;
+}
+// Bit reinterpretation between same-sized vectors (a vector cast, not a conversion).
+inline ULanes lanes_bits(Lanes a) { return (ULanes)a; }
+inline Lanes bits_lanes(ULanes u) { return (Lanes)u; }
+inline Lanes select_finite(Lanes test, Lanes if_finite, Lanes otherwise) {
+  const ULanes exp = lanes_bits(test) & 0x7F800000u;
+  return exp != 0x7F800000u ? if_finite : otherwise;
+}
+#endif
+
+// (x * pre - zero * pre) * inv_scale clamped to [0, 2^bits - 1], plus 2^23. In
+// [2^23, 2^24) the f32 spacing is 1, so the add rounds half-to-even and the low mantissa bits
+// of the result are the code: q = bits(encode_biased(x)) - 0x4B000000.
+template <typename F>
+FC_HD F encode_biased(F x, const GroupParams& p, float levels) {
+  F v = mul_rn(add_rn(mul_rn(x, p.pre), -p.zero_pre), p.inv_scale);
+  v = clamp_code(v, levels);
+  return add_rn(v, 8388608.0f);  // 2^23
+}
+
+constexpr uint32_t kEncodeBias = 0x4B000000u;  // bits of 2^23
+
+// q = clamp(round_half_even((x * pre - zero * pre) * inv_scale), 0, 2^bits - 1). Clamping
+// before rounding gives the same code.
+FC_HD uint32_t encode(float x, const GroupParams& p, float levels) {
+  return float_to_bits(encode_biased(x, p, levels)) - kEncodeBias;
 }
 
 // x' = fma(q, scale, zero): one rounding. q * scale is exact in f32 (a code of at most 8 bits
@@ -225,11 +271,15 @@ FC_HD uint32_t encode(float x, const GroupParams& p, float levels) {
 // the two into one instruction computes the same bits. Where q * scale overflows (groups
 // spanning more than FLT_MAX) the sum is formed from halves, which is exact up to the final
 // doubling.
-FC_HD float decode(uint32_t q, const GroupParams& p) {
-  const float prod = mul_rn(float(q), p.scale);
-  if (is_finite(prod)) return add_rn(prod, p.zero);
-  return mul_rn(add_rn(mul_rn(float(q), mul_rn(p.scale, 0.5f)), mul_rn(p.zero, 0.5f)), 2.0f);
+template <typename F>
+FC_HD F decode_lanes(F q, const GroupParams& p) {
+  const F prod = mul_rn(q, p.scale);
+  const F direct = add_rn(prod, p.zero);
+  const F halves = mul_rn(add_rn(mul_rn(q, mul_rn(p.scale, 0.5f)), mul_rn(p.zero, 0.5f)), 2.0f);
+  return select_finite(prod, direct, halves);
 }
+
+FC_HD float decode(uint32_t q, const GroupParams& p) { return decode_lanes(float(q), p); }
 
 // Pack 8 codes of `bits` bits LSB-first into `bits` bytes.
 FC_HD void pack_block(const uint32_t* q, int bits, uint8_t* out) {
