@@ -21,8 +21,7 @@ template <typename T>
 void QuantizeAll(const void* x, int64_t n_groups, int64_t g, int bits, uint8_t* codes,
                  uint16_t* scale, uint16_t* zero) {
   const auto* xs = static_cast<const typename T::Storage*>(x);
-  std::vector<float> buf(static_cast<size_t>(g));
-  quantize_groups<T>(xs, n_groups, g, bits, buf.data(), codes, scale, zero);
+  quantize_groups<T>(xs, n_groups, g, bits, codes, scale, zero);
 }
 
 template <typename T>

@@ -55,25 +55,28 @@ __attribute__((always_inline)) inline Lanes load_lanes_t<BF16>(const uint16_t* x
   return bits_lanes(u);
 }
 
-// Lane-wise min/max reduced to one value (exact whatever the order: min and max of floats
-// are order-independent apart from signed zeros, which the caller canonicalizes).
+// Lane-wise min/max reduced to one value by halving (exact whatever the order: min and max of
+// floats are order-independent apart from signed zeros, which the caller canonicalizes).
 __attribute__((always_inline)) inline float reduce_min(Lanes a) {
-  float r = a[0];
-  for (int j = 1; j < kLanes; ++j) r = a[j] < r ? a[j] : r;
-  return r;
+  a = __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7) < a
+          ? __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7)
+          : a;
+  a = __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11) < a
+          ? __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11)
+          : a;
+  a = __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13) < a
+          ? __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13)
+          : a;
+  return a[1] < a[0] ? a[1] : a[0];
 }
 __attribute__((always_inline)) inline float reduce_max(Lanes a) {
-  float r = a[0];
-  for (int j = 1; j < kLanes; ++j) r = a[j] > r ? a[j] : r;
-  return r;
+  return -reduce_min(-a);
 }
 
-// One group of T's min, max and finiteness (g a multiple of 8); with STORE, also the group as
-// f32 in buf.
-template <typename T, bool STORE>
+// One group of T's min, max and finiteness (g a multiple of 8).
+template <typename T>
 __attribute__((always_inline)) inline void load_range(const typename T::Storage* x, int64_t g,
-                                                      float* buf, float* lo, float* hi,
-                                                      bool* finite) {
+                                                      float* lo, float* hi, bool* finite) {
   float l = T::load(x[0]), h = l;
   bool ok = true;
   int64_t i = 0;
@@ -82,18 +85,18 @@ __attribute__((always_inline)) inline void load_range(const typename T::Storage*
     ILanes bad_l = ILanes{};
     for (; i + kLanes <= g; i += kLanes) {
       const Lanes a = load_lanes_t<T>(x + i);
-      if (STORE) std::memcpy(buf + i, &a, sizeof a);
       lo_l = a < lo_l ? a : lo_l;
       hi_l = a > hi_l ? a : hi_l;
       bad_l |= (lanes_bits(a) & 0x7F800000u) == 0x7F800000u;
     }
     l = reduce_min(lo_l);
     h = reduce_max(hi_l);
-    for (int j = 0; j < kLanes; ++j) ok = ok && bad_l[j] == 0;
+    const ILanes folded = bad_l | __builtin_shufflevector(bad_l, bad_l, 8, 9, 10, 11, 12, 13, 14,
+                                                         15, 0, 1, 2, 3, 4, 5, 6, 7);
+    for (int j = 0; j < kLanes / 2; ++j) ok = ok && folded[j] == 0;
   }
   for (; i < g; ++i) {
     const float a = T::load(x[i]);
-    if (STORE) buf[i] = a;
     l = a < l ? a : l;
     h = a > h ? a : h;
     ok = ok && is_finite(a);
@@ -130,8 +133,11 @@ __attribute__((always_inline)) inline void unpack_block_t(const uint8_t* in, uin
   for (int j = 0; j < kBlock; ++j) q[j] = uint8_t((acc >> (j * BITS)) & mask);
 }
 
-template <int BITS>
-__attribute__((always_inline)) inline void encode_pack(const float* v, int64_t g, const GroupParams& p, uint8_t* codes) {
+// Encode and pack one group of T (read again from x: it is in L1 after the range pass, and
+// widening bf16 again is cheaper than storing and reloading f32).
+template <typename T, int BITS>
+__attribute__((always_inline)) inline void encode_pack(const typename T::Storage* v, int64_t g,
+                                                       const GroupParams& p, uint8_t* codes) {
   const float levels = float(max_code(BITS));
   uint8_t staged[kChunk];
   for (int64_t i0 = 0; i0 < g; i0 += kChunk) {
@@ -140,17 +146,32 @@ __attribute__((always_inline)) inline void encode_pack(const float* v, int64_t g
     uint8_t* q = BITS == 8 ? out : staged;  // 8-bit codes are their own packing
     int64_t j = 0;
     for (; j + kLanes <= n; j += kLanes) {
-      const Lanes biased = encode_biased(load_lanes(v + i0 + j), p, levels);
+      const Lanes biased = encode_biased(load_lanes_t<T>(v + i0 + j), p, levels);
       const ULanes code = lanes_bits(biased) - kEncodeBias;
       const ByteLanes bytes = __builtin_convertvector(code, ByteLanes);
       std::memcpy(q + j, &bytes, kLanes);
     }
-    for (; j < n; ++j) q[j] = uint8_t(encode(v[i0 + j], p, levels));
+    for (; j < n; ++j) q[j] = uint8_t(encode(T::load(v[i0 + j]), p, levels));
     if (BITS == 4) {  // the same LSB-first layout, as one vectorizable loop
       for (int64_t k = 0; k < n / 2; ++k) out[k] = uint8_t(q[2 * k] | (q[2 * k + 1] << 4));
     } else if (BITS != 8) {
       for (int64_t b = 0; b < n; b += kBlock) pack_block_t<BITS>(q + b, out + b / kBlock * BITS);
     }
+  }
+}
+
+// Unpack n codes (n a multiple of 8) into one byte each.
+template <int BITS>
+__attribute__((always_inline)) inline void unpack_chunk(const uint8_t* in, int64_t n, uint8_t* q) {
+  if (BITS == 8) {
+    std::memcpy(q, in, size_t(n));
+  } else if (BITS == 4) {  // the same LSB-first layout, as one vectorizable loop
+    for (int64_t k = 0; k < n / 2; ++k) {
+      q[2 * k] = uint8_t(in[k] & 0x0F);
+      q[2 * k + 1] = uint8_t(in[k] >> 4);
+    }
+  } else {
+    for (int64_t b = 0; b < n; b += kBlock) unpack_block_t<BITS>(in + b / kBlock * BITS, q + b);
   }
 }
 
@@ -160,7 +181,7 @@ __attribute__((always_inline)) inline void decode_unpacked(const uint8_t* codes,
   uint8_t q[kChunk];
   for (int64_t i0 = 0; i0 < g; i0 += kChunk) {
     const int64_t n = g - i0 < kChunk ? g - i0 : kChunk;
-    for (int64_t b = 0; b < n; b += kBlock) unpack_block_t<BITS>(codes + (i0 + b) / kBlock * BITS, q + b);
+    unpack_chunk<BITS>(codes + i0 / kBlock * BITS, n, q);
     float* o = out + i0;
     int64_t j = 0;
     for (; j + kLanes <= n; j += kLanes) {
@@ -176,14 +197,11 @@ __attribute__((always_inline)) inline void decode_unpacked(const uint8_t* codes,
 
 template <typename T>
 __attribute__((always_inline)) inline void quantize_one(const typename T::Storage* x, int64_t g,
-                                                        int bits, float* buf, uint8_t* codes,
+                                                        int bits, uint8_t* codes,
                                                         uint16_t* scale, uint16_t* zero) {
-  // f32 input is encoded in place; other dtypes are widened into buf on the range pass.
-  constexpr bool kWiden = !std::is_same<T, F32>::value;
   float lo, hi;
   bool finite;
-  load_range<T, kWiden>(x, g, buf, &lo, &hi, &finite);
-  const float* v = kWiden ? buf : reinterpret_cast<const float*>(x);
+  load_range<T>(x, g, &lo, &hi, &finite);
   const GroupParams p = group_params(lo, hi, finite, bits);
   *scale = p.scale_bits;
   *zero = p.zero_bits;
@@ -192,32 +210,32 @@ __attribute__((always_inline)) inline void quantize_one(const typename T::Storag
     return;
   }
   switch (bits) {
-    case 2: return encode_pack<2>(v, g, p, codes);
-    case 3: return encode_pack<3>(v, g, p, codes);
-    case 4: return encode_pack<4>(v, g, p, codes);
-    case 5: return encode_pack<5>(v, g, p, codes);
-    case 6: return encode_pack<6>(v, g, p, codes);
-    case 7: return encode_pack<7>(v, g, p, codes);
-    default: return encode_pack<8>(v, g, p, codes);
+    case 2: return encode_pack<T, 2>(x, g, p, codes);
+    case 3: return encode_pack<T, 3>(x, g, p, codes);
+    case 4: return encode_pack<T, 4>(x, g, p, codes);
+    case 5: return encode_pack<T, 5>(x, g, p, codes);
+    case 6: return encode_pack<T, 6>(x, g, p, codes);
+    case 7: return encode_pack<T, 7>(x, g, p, codes);
+    default: return encode_pack<T, 8>(x, g, p, codes);
   }
 }
 
 // Quantize n_groups groups of g elements of T: codes (g * bits / 8 bytes each), bf16 scale
-// and zero. buf is scratch of g floats.
+// and zero.
 template <typename T>
 FC_MULTIVERSION void quantize_groups(const typename T::Storage* x, int64_t n_groups, int64_t g,
-                                     int bits, float* buf, uint8_t* codes, uint16_t* scale,
+                                     int bits, uint8_t* codes, uint16_t* scale,
                                      uint16_t* zero) {
   const int64_t nbytes = group_bytes(g, bits);
   for (int64_t k = 0; k < n_groups; ++k) {
-    quantize_one<T>(x + k * g, g, bits, buf, codes + k * nbytes, scale + k, zero + k);
+    quantize_one<T>(x + k * g, g, bits, codes + k * nbytes, scale + k, zero + k);
   }
 }
 
 // Quantize one group of f32 values: its codes (g * bits / 8 bytes), bf16 scale and zero.
 FC_MULTIVERSION inline void quantize_group(const float* v, int64_t g, int bits, uint8_t* codes,
                                            uint16_t* scale, uint16_t* zero) {
-  quantize_one<F32>(v, g, bits, nullptr, codes, scale, zero);
+  quantize_one<F32>(v, g, bits, codes, scale, zero);
 }
 
 // Decode one group into f32 values; accumulate (out += decoded) when `accumulate`.
@@ -280,16 +298,52 @@ __attribute__((always_inline)) inline void store_values(const float* v, int64_t 
   for (; i < g; ++i) y[i] = T::store(saturating ? flashcomm::saturate(v[i], T::kMax) : v[i]);
 }
 
+// Decode groups straight into T, saturated to T's finite range.
+template <typename T, int BITS>
+__attribute__((always_inline)) inline void dequantize_all(const uint8_t* codes,
+                                                          const uint16_t* scale,
+                                                          const uint16_t* zero, int64_t n_groups,
+                                                          int64_t g, typename T::Storage* y) {
+  uint8_t q[kChunk];
+  for (int64_t k = 0; k < n_groups; ++k) {
+    const GroupParams p = stored_params(scale[k], zero[k]);
+    const uint8_t* in = codes + k * group_bytes(g, BITS);
+    typename T::Storage* out = y + k * g;
+    for (int64_t i0 = 0; i0 < g; i0 += kChunk) {
+      const int64_t n = g - i0 < kChunk ? g - i0 : kChunk;
+      const uint8_t* qs = q;
+      if (BITS == 8) {
+        qs = in + i0;  // 8-bit codes need no unpacking
+      } else {
+        unpack_chunk<BITS>(in + i0 / kBlock * BITS, n, q);
+      }
+      int64_t j = 0;
+      for (; j + kLanes <= n; j += kLanes) {
+        ByteLanes bytes;
+        std::memcpy(&bytes, qs + j, kLanes);
+        const Lanes d = decode_lanes(__builtin_convertvector(bytes, Lanes), p);
+        store_lanes_t<T>(saturate(d, T::kMax), out + i0 + j);
+      }
+      for (; j < n; ++j) out[i0 + j] = T::store(flashcomm::saturate(decode(qs[j], p), T::kMax));
+    }
+  }
+}
+
 // Dequantize n_groups groups into T, saturated to T's finite range (the operand's values came
 // from T). buf is scratch of g floats.
 template <typename T>
 FC_MULTIVERSION void dequantize_groups(const uint8_t* codes, const uint16_t* scale,
                                        const uint16_t* zero, int64_t n_groups, int64_t g,
                                        int bits, float* buf, typename T::Storage* y) {
-  const int64_t nbytes = group_bytes(g, bits);
-  for (int64_t k = 0; k < n_groups; ++k) {
-    decode_one(codes + k * nbytes, scale[k], zero[k], g, bits, false, buf);
-    store_values<T>(buf, g, /*saturating=*/true, y + k * g);
+  (void)buf;
+  switch (bits) {
+    case 2: return dequantize_all<T, 2>(codes, scale, zero, n_groups, g, y);
+    case 3: return dequantize_all<T, 3>(codes, scale, zero, n_groups, g, y);
+    case 4: return dequantize_all<T, 4>(codes, scale, zero, n_groups, g, y);
+    case 5: return dequantize_all<T, 5>(codes, scale, zero, n_groups, g, y);
+    case 6: return dequantize_all<T, 6>(codes, scale, zero, n_groups, g, y);
+    case 7: return dequantize_all<T, 7>(codes, scale, zero, n_groups, g, y);
+    default: return dequantize_all<T, 8>(codes, scale, zero, n_groups, g, y);
   }
 }
 
