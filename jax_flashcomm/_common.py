@@ -48,6 +48,11 @@ def axis_size(axes: tuple) -> int:
     return math.prod(int(lax.axis_size(a)) for a in axes)
 
 
+def leaf_name(path) -> str:
+    """``x`` plus the pytree path of a leaf (``x['a'][0]``), for error messages."""
+    return "x" + jax.tree_util.keystr(path)
+
+
 def check_float(x, name: str = "x"):
     """The quantized paths take f32, bf16 or f16 leaves only."""
     dtype = getattr(x, "dtype", None)

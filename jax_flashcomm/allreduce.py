@@ -63,7 +63,8 @@ def psum(x, axis_name, *, axis_index_groups=None, bits: int | None = 8,
     if axis_index_groups is not None:
         raise NotImplementedError("jax_flashcomm.psum: axis_index_groups is not supported")
     axes = _common.normalize_axes(axis_name)
-    return jax.tree.map(lambda leaf: _psum_leaf(leaf, axes, config), x)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: _psum_leaf(leaf, axes, config, _common.leaf_name(path)), x)
 
 
 def pmean(x, axis_name, **options):
@@ -72,10 +73,10 @@ def pmean(x, axis_name, **options):
     return jax.tree.map(lambda v: v / n, psum(x, axis_name, **options))
 
 
-def _psum_leaf(x, axes, config: CommConfig):
+def _psum_leaf(x, axes, config: CommConfig, name: str = "x"):
     if config.exact:
         return lax.psum(x, axes)
-    _common.check_float(x, "x")
+    _common.check_float(x, name)
     n = _common.axis_size(axes)
     decision = decide("psum", axes, x.shape, x.dtype, n, config)
     if not decision.quantized:

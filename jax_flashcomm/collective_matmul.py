@@ -363,7 +363,12 @@ def all_gather_matmul(x, w, axis_name, *, axis=0, bidirectional=False, bits=None
             raise ValueError(f"{fn}: group_size must be a positive multiple of 8, "
                              f"got {group_size!r}")
         _codec_fns()
-        quant = (bits, group_size, codec_backend)
+        from jax_flashcomm.codec import spec
+
+        spec.check_dtype(x.dtype, f"{fn}: x (quantized with bits={bits})")
+        spec.check_backend(codec_backend)
+        # An empty chunk has nothing to quantize: the exact ring of nothing is the result.
+        quant = (bits, group_size, codec_backend) if x.size else None
     x, w = _match_vma(x, w, axis_name)
     return _agmm(x, w, axis_name, axis, bool(bidirectional), quant)
 

@@ -122,6 +122,8 @@ def decide(op: str, axes: tuple, shape, dtype, axis_size: int, config: CommConfi
         quantized, reason = False, "bits=None (exact setting)"
     elif axis_size == 1:
         quantized, reason = False, "axis size 1: nothing to communicate"
+    elif nbytes == 0:
+        quantized, reason = False, "empty operand: nothing to communicate"
     elif nbytes < config.min_bytes:
         quantized, reason = False, f"{nbytes} B < min_bytes={config.min_bytes} (latency-bound)"
     else:

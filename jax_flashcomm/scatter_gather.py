@@ -61,11 +61,14 @@ def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, axis_index_groups=
         raise NotImplementedError("jax_flashcomm.psum_scatter: axis_index_groups is not "
                                   "supported")
     axes = _common.normalize_axes(axis_name)
-    return jax.tree.map(
-        lambda leaf: _psum_scatter_leaf(leaf, axes, scatter_dimension, bool(tiled), config), x)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: _psum_scatter_leaf(leaf, axes, scatter_dimension, bool(tiled), config,
+                                              _common.leaf_name(path)), x)
 
 
-def _psum_scatter_leaf(x, axes, dim, tiled, config):
+def _psum_scatter_leaf(x, axes, dim, tiled, config, name="x"):
+    if not config.exact:
+        _common.check_float(x, name)
     n = _common.axis_size(axes)
     dim = _check_dim(dim, jnp.ndim(x), "scatter_dimension")
     size = x.shape[dim]
@@ -77,7 +80,6 @@ def _psum_scatter_leaf(x, axes, dim, tiled, config):
                          f"the axis size {n}, got {size}")
     if config.exact:
         return lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=tiled)
-    _common.check_float(x, "x")
     decision = decide("psum_scatter", axes, x.shape, x.dtype, n, config, phases=("rs",))
     if not decision.quantized or x.size == 0:
         return lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=tiled)
@@ -160,10 +162,14 @@ def all_gather(x, axis_name, *, axis: int = 0, axis_index_groups=None, tiled: bo
         raise NotImplementedError("jax_flashcomm.all_gather: axis_index_groups is not "
                                   "supported")
     axes = _common.normalize_axes(axis_name)
-    return jax.tree.map(lambda leaf: _all_gather_leaf(leaf, axes, axis, bool(tiled), config), x)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: _all_gather_leaf(leaf, axes, axis, bool(tiled), config,
+                                            _common.leaf_name(path)), x)
 
 
-def _all_gather_leaf(x, axes, axis, tiled, config):
+def _all_gather_leaf(x, axes, axis, tiled, config, name="x"):
+    if not config.exact:
+        _common.check_float(x, name)
     n = _common.axis_size(axes)
     ndim = jnp.ndim(x)
     axis = _check_dim(axis, ndim if tiled else ndim + 1, "axis")
@@ -171,7 +177,6 @@ def _all_gather_leaf(x, axes, axis, tiled, config):
         raise ValueError("all_gather: tiled=True needs an operand of rank >= 1")
     if config.exact:
         return lax.all_gather(x, axes, axis=axis, tiled=tiled)
-    _common.check_float(x, "x")
     decision = decide("all_gather", axes, x.shape, x.dtype, n, config, phases=("ag",))
     if not decision.quantized or x.size == 0:
         return lax.all_gather(x, axes, axis=axis, tiled=tiled)

@@ -83,9 +83,34 @@ def quantize(x, *, bits: int = 8, group_size: int = DEFAULT_GROUP_SIZE, num_chun
                    shape=tuple(x.shape), dtype=dtype)
 
 
-def _check_payload(payload, name="payload") -> Payload:
+def _check_payload(payload, name="payload", *, covers_shape: bool = False) -> Payload:
+    """A :class:`Payload` whose arrays agree with each other and with its metadata.
+
+    A payload is a pytree, so its arrays can be swapped, sliced or rebuilt independently of its
+    static fields; a mismatch would make the kernels reject it at run time and the jnp twin
+    broadcast it into a wrong result. ``covers_shape``: its groups (the last group axis) must
+    hold at least the ``prod(shape)`` values to rebuild.
+    """
     if not isinstance(payload, Payload):
         raise TypeError(f"{name} must be a jax_flashcomm.codec.Payload, got {type(payload)}")
+    p = payload
+    spec.check_bits(p.bits, f"{name}.bits")
+    spec.check_group_size(p.group_size, f"{name}.group_size")
+    for field, want in (("codes", np.dtype(jnp.uint8)), ("scale", np.dtype(jnp.bfloat16)),
+                        ("zero", np.dtype(jnp.bfloat16))):
+        got = getattr(getattr(p, field), "dtype", None)
+        if got is None or np.dtype(got) != want:
+            raise TypeError(f"{name}.{field} must be a {want} array, got {got}")
+    nb = spec.group_bytes(p.group_size, p.bits)
+    if p.scale.ndim < 1 or p.zero.shape != p.scale.shape or p.codes.shape != (*p.scale.shape, nb):
+        raise ValueError(
+            f"{name} arrays do not match: codes {p.codes.shape}, scale {p.scale.shape}, zero "
+            f"{p.zero.shape}; want scale == zero == (..., groups) and codes (..., groups, {nb}) "
+            f"for bits={p.bits}, group_size={p.group_size}")
+    if covers_shape and p.scale.shape[-1] * p.group_size < math.prod(p.shape):
+        raise ValueError(
+            f"{name} has {p.scale.shape[-1]} groups of {p.group_size} values, fewer than the "
+            f"{math.prod(p.shape)} of its shape {p.shape}")
     return payload
 
 
@@ -97,7 +122,7 @@ def _restore(flat, shape):
 
 def dequantize(payload: Payload, *, dtype=None, backend: str = "auto"):
     """Rebuild the operand: ``q * scale + zero`` in f32, cast to ``dtype`` (default: x's)."""
-    p = _check_payload(payload)
+    p = _check_payload(payload, covers_shape=True)
     dtype = spec.check_dtype(p.dtype if dtype is None else dtype, "dtype")
     groups = _dispatch("dequantize", p.codes, p.scale, p.zero, backend=backend, bits=p.bits,
                        group_size=p.group_size, dtype=dtype)
@@ -144,7 +169,7 @@ def error_bound(payload: Payload, *, dtype=None):
     the flush to zero of f32 values below the smallest normal, and the final rounding to
     ``dtype`` (docs/format.md derives it). NaN marks groups that hold NaN or Inf. Shape: the operand's.
     """
-    p = _check_payload(payload)
+    p = _check_payload(payload, covers_shape=True)
     dtype = spec.check_dtype(p.dtype if dtype is None else dtype, "dtype")
     scale = p.scale.astype(jnp.float32)
     zero = p.zero.astype(jnp.float32)
