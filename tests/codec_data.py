@@ -4,7 +4,7 @@ import numpy as np
 import jax.numpy as jnp
 
 KINDS = ("gaussian", "offset", "constant", "huge", "tiny", "denormal", "mixed_sign_spike",
-         "zeros", "two_values")
+         "zeros", "two_values", "extremes", "lowest")
 
 
 def group_of_kind(rng, kind, group_size, dtype):
@@ -25,6 +25,11 @@ def group_of_kind(rng, kind, group_size, dtype):
     elif kind == "mixed_sign_spike":
         v = rng.standard_normal(group_size) * 0.01
         v[rng.integers(group_size)] = 80.0
+    elif kind == "extremes":  # the dtype's largest finite values, both signs
+        v = np.where(rng.random(group_size) < 0.5, -1.0, 1.0) * float(finfo.max)
+        v[rng.integers(group_size)] = 0.0
+    elif kind == "lowest":  # the bottom of the range only (for f32: below the lowest bf16)
+        v = -float(finfo.max) * (1.0 - rng.uniform(0, 2e-3, group_size))
     elif kind == "zeros":
         v = np.where(rng.random(group_size) < 0.5, -0.0, 0.0)
     elif kind == "two_values":

@@ -162,6 +162,11 @@ def dequantize_sum_quantize(payload: Payload, *, bits: int | None = None,
                    shape=(scale.shape[-1] * p.group_size,), dtype=p.dtype)
 
 
+def _bf16_bits(a):
+    """bf16 array -> its uint16 bit patterns."""
+    return lax.bitcast_convert_type(a, jnp.uint16)
+
+
 def error_bound(payload: Payload, *, dtype=None):
     """Per-element bound on ``|dequantize(quantize(x)) - x|``, from the stored scales.
 
@@ -174,18 +179,22 @@ def error_bound(payload: Payload, *, dtype=None):
     scale = p.scale.astype(jnp.float32)
     zero = p.zero.astype(jnp.float32)
     levels = float((1 << p.bits) - 1)
-    # In halves: a group's span scale * levels may exceed FLT_MAX (its half never does).
-    half_span = 0.5 * scale * levels
-    half_top = jnp.maximum(jnp.abs(0.5 * zero), jnp.abs(0.5 * zero + half_span))
+    # In quarters: a group's span scale * levels may reach 2 * FLT_MAX (a quarter never
+    # overflows, and the terms below are exact multiples of it).
+    quarter_span = 0.25 * scale * levels
+    quarter_top = jnp.maximum(jnp.abs(0.25 * zero), jnp.abs(0.25 * zero + quarter_span))
     eps32 = float(np.finfo(np.float32).eps)
-    # XLA on CPU and GPU flushes f32 denormals: a difference x - zero or a decoded value below
-    # the smallest normal becomes 0 (and so does 0.5 * scale when scale is that small here),
-    # hence the absolute 3 * FLT_MIN.
-    bound = (0.5 * scale + 8 * eps32 * half_span + 2 * eps32 * half_top
+    # XLA on CPU flushes f32 denormals (FTZ and DAZ): a difference x - zero or a decoded value
+    # below the smallest normal becomes 0 (and so does 0.5 * scale when scale is that small
+    # here), hence the absolute 3 * FLT_MIN.
+    bound = (0.5 * scale + 16 * eps32 * quarter_span + 4 * eps32 * quarter_top
              + 3 * float(spec.FLT_MIN))
+    # f32 values below the lowest finite bf16 (-3.38953e38) sit under a group's clamped zero.
+    clamped = _bf16_bits(p.zero) == spec.BF16_LOWEST_BITS
+    bound = bound + jnp.where(clamped, float(spec.FLT_MAX_MINUS_BF16_LOWEST), 0.0)
     if dtype != np.float32:
         info = jnp.finfo(dtype)
-        bound = bound + float(info.eps) * half_top + 0.5 * float(info.smallest_subnormal)
+        bound = bound + 2 * float(info.eps) * quarter_top + 0.5 * float(info.smallest_subnormal)
     per_elem = jnp.broadcast_to(bound[..., None], (*bound.shape, p.group_size))
     return _restore(per_elem, p.shape)
 

@@ -65,6 +65,7 @@ def group_params(v, bits: int):
     zero_bits = jnp.where(zero_bits == spec.BF16_NEG_INF_BITS, _U32(spec.BF16_LOWEST_BITS), zero_bits)
     zero = bf16_bits_to_f32(zero_bits)
     rng = hi - zero
+    rng = jnp.where(rng > 0, rng, jnp.float32(0))  # groups below the lowest bf16 (see codec.h)
     halves = (hi * np.float32(0.5) - zero * np.float32(0.5)) * inv_levels * np.float32(2)
     scale = jnp.where(jnp.isfinite(rng), rng * inv_levels, halves)
     scale = jnp.where((rng > 0) & ~(scale >= spec.FLT_MIN), spec.FLT_MIN, scale)

@@ -17,6 +17,8 @@ FLT_MIN = np.float32(np.finfo(np.float32).tiny)
 BF16_NAN_BITS = 0x7FC0
 BF16_NEG_INF_BITS = 0xFF80
 BF16_LOWEST_BITS = 0xFF7F
+#: f32's lowest value lies this far below bf16's lowest (the zero's clamp): 1.33e36.
+FLT_MAX_MINUS_BF16_LOWEST = np.float32(np.float64(np.finfo(np.float32).max) - 3.3895313892515355e38)
 
 #: Operand dtypes the codec accepts. Accumulation is always f32.
 SUPPORTED_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))

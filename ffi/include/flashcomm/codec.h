@@ -181,7 +181,10 @@ FC_HD GroupParams group_params(float lo, float hi, bool finite, int bits) {
   uint16_t zero_bits = bf16_round_down(lo);
   if (zero_bits == 0xFF80u) zero_bits = kBf16Lowest;  // lo below the bf16 range: clamp
   const float zero = bf16_to_float(zero_bits);
+  // A group entirely below the lowest finite bf16 (f32 values under -3.38953e38) has hi < zero:
+  // it is stored as a constant group at the clamped zero.
   float range = add_rn(hi, -zero);
+  range = range > 0.0f ? range : 0.0f;
   float scale;
   if (is_finite(range)) {
     scale = mul_rn(range, inv_levels);
