@@ -78,12 +78,26 @@ def _psum_scatter_leaf(x, axes, dim, tiled, config, name="x"):
     if not tiled and size != n:
         raise ValueError(f"psum_scatter: with tiled=False scatter_dimension {dim} must have "
                          f"the axis size {n}, got {size}")
+    if x.size == 0:
+        return _empty_scatter(x, axes, dim, tiled, n)
     if config.exact:
         return lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=tiled)
     decision = decide("psum_scatter", axes, x.shape, x.dtype, n, config, phases=("rs",))
     if not decision.quantized or x.size == 0:
         return lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=tiled)
     return _qpsum_scatter(vary(x, axes, config), axes, dim, tiled, config)
+
+
+def _empty_scatter(x, axes, dim, tiled, n):
+    """The (empty) result of reducing an empty operand, without a collective: XLA rejects a
+    reduce-scatter whose scattered dimension has size 0, which lax.psum_scatter emits."""
+    shape = list(x.shape)
+    if tiled:
+        shape[dim] //= n
+    else:
+        del shape[dim]
+    out = jnp.zeros(shape, x.dtype) + jnp.sum(x).astype(x.dtype)  # x's varying axes, no values
+    return _common_vary_exact(out, axes)
 
 
 def _chunked(x, n, dim):
