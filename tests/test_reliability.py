@@ -575,8 +575,9 @@ def test_peak_temp_memory(op, mesh_shape, axes, dtype, bits):
     n = math.prod(mesh_shape[names.index(a)] for a in axes)
     if op == "all_gather":
         receive = n * math.prod(local) // 128 * (spec.group_bytes(128, bits) + 4)
-        # the receive buffer, plus at most 64 B of scalars (measured: 0 or 24 B)
-        assert m.temp_size_in_bytes <= max(2 * operand, receive + 64), (m.temp_size_in_bytes,
-                                                                        receive)
+        # the receive buffer, plus at most 64 B of scalars (measured: 24 B)
+        assert m.temp_size_in_bytes <= receive + 64, (m.temp_size_in_bytes, receive)
+        if receive + 64 <= 2 * operand:
+            assert m.temp_size_in_bytes <= 2 * operand
     else:
         assert m.temp_size_in_bytes <= 2 * operand, m.temp_size_in_bytes / operand
