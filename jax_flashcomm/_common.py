@@ -79,14 +79,15 @@ def pack(p: Payload):
     return jnp.concatenate([p.codes, scale, zero], axis=-1)
 
 
-def unpack(buf, *, bits: int, group_size: int, shape, dtype) -> Payload:
-    """Inverse of :func:`pack`; ``shape``/``dtype`` describe the operand to rebuild."""
+def unpack(buf, *, bits: int, group_size: int, shape, dtype, rotation: int = 0) -> Payload:
+    """Inverse of :func:`pack`; ``shape``/``dtype`` describe the operand to rebuild (and
+    ``rotation`` its codec rotation, which the wire record does not carry)."""
     nb = spec.group_bytes(group_size, bits)
     codes = buf[..., :nb]
     scale = lax.bitcast_convert_type(buf[..., nb:nb + 2], jnp.bfloat16)
     zero = lax.bitcast_convert_type(buf[..., nb + 2:nb + 4], jnp.bfloat16)
     return Payload(codes, scale, zero, bits=bits, group_size=group_size, shape=tuple(shape),
-                   dtype=np.dtype(dtype))
+                   dtype=np.dtype(dtype), rotation=rotation)
 
 
 def with_meta(p: Payload, **meta) -> Payload:

@@ -39,7 +39,9 @@ class CommConfig:
     ``ag_bits`` override ``bits`` for the reduce-scatter (all-to-all) and all-gather phases of
     the two-step all-reduce (e.g. ``rs_bits=4, ag_bits=8``). ``min_bytes`` is the size policy's
     threshold on the per-rank operand bytes; ``grad`` picks exact or quantized collectives for
-    cotangents; ``backend`` is the codec backend ("auto", "ffi", "jnp").
+    cotangents; ``backend`` is the codec backend ("auto", "ffi", "jnp"). ``rotation``
+    quantizes each group's (signed) Walsh-Hadamard transform (needs a power-of-two
+    ``group_size``): outlier channels then no longer set the step of their groups.
     """
 
     bits: int | None = 8
@@ -49,6 +51,9 @@ class CommConfig:
     min_bytes: int = DEFAULT_MIN_BYTES
     backend: str = "auto"
     grad: str = "exact"
+    #: Rotation of every group before quantization (docs/format.md, "Rotation"; docs/outliers.md
+    #: measures it): 0 none (the default), 1 Hadamard, 2 signed Hadamard, or their names.
+    rotation: int = 0
 
     def __post_init__(self):
         if self.bits is not None:
@@ -61,6 +66,8 @@ class CommConfig:
             raise ValueError("bits=None is the exact setting; rs_bits/ag_bits need bits set "
                              f"(got rs_bits={self.rs_bits}, ag_bits={self.ag_bits})")
         spec.check_group_size(self.group_size, "group_size")
+        object.__setattr__(self, "rotation",
+                           spec.check_rotation(self.rotation, self.group_size, "rotation"))
         if (isinstance(self.min_bytes, (bool, np.bool_))
                 or not isinstance(self.min_bytes, (int, np.integer)) or self.min_bytes < 0):
             raise ValueError(f"min_bytes must be a non-negative int, got {self.min_bytes!r}")

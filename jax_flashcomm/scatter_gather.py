@@ -47,7 +47,7 @@ def _check_dim(dim, ndim, name):
 def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, axis_index_groups=None,
                  tiled: bool = False, bits: int | None = 8, group_size: int = 128,
                  min_bytes: int = DEFAULT_MIN_BYTES, backend: str = "auto",
-                 grad: str = "exact", config: CommConfig | None = None):
+                 grad: str = "exact", config: CommConfig | None = None, rotation=0):
     """Quantized reduce-scatter: a drop-in for ``lax.psum_scatter``.
 
     Rank i gets the sum over ranks of slice i of ``x`` along ``scatter_dimension`` (that
@@ -56,7 +56,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, axis_index_groups=
     the lax op is used. ``config`` (a :class:`CommConfig`) replaces the option arguments.
     """
     config = _config(config, bits=bits, group_size=group_size, min_bytes=min_bytes,
-                     backend=backend, grad=grad)
+                     backend=backend, grad=grad, rotation=rotation)
     if axis_index_groups is not None:
         raise NotImplementedError("jax_flashcomm.psum_scatter: axis_index_groups is not "
                                   "supported")
@@ -119,10 +119,12 @@ def reduce_scatter_parts(x, axes, dim, tiled, config: CommConfig):
     mp = -(-m // g) * g
     if mp != m:
         rows = jnp.pad(rows, ((0, 0), (0, mp - m)))
-    p1 = codec.quantize(rows, bits=bits, group_size=g, num_chunks=n, backend=config.backend)
+    p1 = codec.quantize(rows, bits=bits, group_size=g, num_chunks=n, backend=config.backend,
+                        rotation=config.rotation)
     p1 = _common.with_meta(p1.split_groups(n), shape=(mp,))
     received = lax.all_to_all(_common.pack(p1), axes, 0, 0, tiled=False)
-    recv = _common.unpack(received, bits=bits, group_size=g, shape=(mp,), dtype=x.dtype)
+    recv = _common.unpack(received, bits=bits, group_size=g, shape=(mp,), dtype=x.dtype,
+                          rotation=config.rotation)
     summed = codec.dequantize_sum(recv, backend=config.backend)[:m]
     rest = tuple(rest)
     if tiled:
@@ -163,7 +165,7 @@ def _common_vary_exact(ct, axes):
 def all_gather(x, axis_name, *, axis: int = 0, axis_index_groups=None, tiled: bool = False,
                bits: int | None = 8, group_size: int = 128,
                min_bytes: int = DEFAULT_MIN_BYTES, backend: str = "auto",
-               grad: str = "exact", config: CommConfig | None = None):
+               grad: str = "exact", config: CommConfig | None = None, rotation=0):
     """Quantized all-gather: a drop-in for ``lax.all_gather``.
 
     Stacks the N ranks' operands on a new dimension ``axis`` (``tiled=False``) or concatenates
@@ -171,7 +173,7 @@ def all_gather(x, axis_name, *, axis: int = 0, axis_index_groups=None, tiled: bo
     ``min_bytes`` per rank the lax op is used. ``config`` replaces the option arguments.
     """
     config = _config(config, bits=bits, group_size=group_size, min_bytes=min_bytes,
-                     backend=backend, grad=grad)
+                     backend=backend, grad=grad, rotation=rotation)
     if axis_index_groups is not None:
         raise NotImplementedError("jax_flashcomm.all_gather: axis_index_groups is not "
                                   "supported")
@@ -204,9 +206,11 @@ def all_gather_parts(x, axes, axis, tiled, config: CommConfig):
     shape, so ``codec.error_bound(p)`` is ``(N, *x.shape)``.
     """
     g, bits = config.group_size, config.phase2_bits
-    p = codec.quantize(x, bits=bits, group_size=g, backend=config.backend)
+    p = codec.quantize(x, bits=bits, group_size=g, backend=config.backend,
+                       rotation=config.rotation)
     gathered = lax.all_gather(_common.pack(p), axes, axis=0, tiled=False)  # (N, groups, bytes)
-    pg = _common.unpack(gathered, bits=bits, group_size=g, shape=x.shape, dtype=x.dtype)
+    pg = _common.unpack(gathered, bits=bits, group_size=g, shape=x.shape, dtype=x.dtype,
+                        rotation=config.rotation)
     stacked = codec.dequantize(pg, backend=config.backend)          # (N, *x.shape)
     out = jnp.moveaxis(stacked, 0, axis)
     if tiled:

@@ -34,6 +34,9 @@ EXPECTED_KERNELS = {
     "DequantizeKernel": 3,
     "DequantizeSumKernel": 3,
     "DequantizeSumQuantizeKernel": 1,
+    "QuantizeRotatedKernel": 3,  # rotation (docs/format.md "Rotation"): f32, bf16, f16
+    "DequantizeRotatedKernel": 3,
+    "DequantizeSumRotatedKernel": 3,
 }
 
 _ENTRY = re.compile(r"Compiling entry function '(?P<name>[^']+)' for 'sm_(?P<arch>\d+)'")

@@ -4,6 +4,7 @@
 #include "flashcomm/cpu_kernels.h"
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "flashcomm/cpu_codec.h"
@@ -24,6 +25,54 @@ void QuantizeAll(const void* x, int64_t n_groups, int64_t g, int bits, uint8_t* 
   quantize_groups<T>(xs, n_groups, g, bits, codes, scale, zero);
 }
 
+// Rotation attribute: 0 (none), 1 (Hadamard) or 2 (signed Hadamard); G a power of two.
+ffi::Error CheckRotation(int32_t rotation, int64_t group_size, const char* op) {
+  if (rotation < kRotationNone || rotation > kRotationSignedHadamard) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": rotation must be 0, 1 or 2");
+  }
+  if (rotation != kRotationNone && (group_size & (group_size - 1)) != 0) {
+    return ffi::Error::InvalidArgument(std::string(op) +
+                                       ": rotation needs a power-of-two group_size");
+  }
+  return ffi::Error::Success();
+}
+
+// Sign masks of rotation 2 (empty otherwise).
+std::vector<uint32_t> SignMasks(int32_t rotation, int64_t g) {
+  std::vector<uint32_t> masks;
+  if (rotation == kRotationSignedHadamard) {
+    masks.resize(static_cast<size_t>(g));
+    rotation_sign_masks(g, masks.data());
+  }
+  return masks;
+}
+
+template <typename T>
+void QuantizeAllRotated(const void* x, int64_t n_groups, int64_t g, int bits, int32_t rotation,
+                        uint8_t* codes, uint16_t* scale, uint16_t* zero) {
+  const auto* xs = static_cast<const typename T::Storage*>(x);
+  const std::vector<uint32_t> masks = SignMasks(rotation, g);
+  std::vector<float> buf(static_cast<size_t>(g));
+  quantize_groups_rotated<T>(xs, n_groups, g, bits, masks.empty() ? nullptr : masks.data(),
+                             buf.data(), codes, scale, zero);
+}
+
+// Dequantize rotated groups: decode to f32, inverse rotation, saturate and store.
+template <typename T>
+void DequantizeAllRotated(const uint8_t* codes, const uint16_t* scale, const uint16_t* zero,
+                          int64_t n_groups, int64_t g, int bits, int32_t rotation, void* y) {
+  auto* ys = static_cast<typename T::Storage*>(y);
+  const std::vector<uint32_t> masks = SignMasks(rotation, g);
+  const uint32_t* m = masks.empty() ? nullptr : masks.data();
+  std::vector<float> buf(static_cast<size_t>(g));
+  const int64_t nbytes = group_bytes(g, bits);
+  for (int64_t k = 0; k < n_groups; ++k) {
+    decode_group(codes + k * nbytes, scale[k], zero[k], g, bits, false, buf.data());
+    unrotate_group(buf.data(), g, m);
+    store_group<T>(buf.data(), g, /*saturating=*/true, ys + k * g);
+  }
+}
+
 template <typename T>
 void DequantizeAll(const uint8_t* codes, const uint16_t* scale, const uint16_t* zero,
                    int64_t n_groups, int64_t g, int bits, void* y) {
@@ -41,13 +90,17 @@ void SumGroup(const PayloadView& in, int64_t batch, int64_t k, float* buf) {
   }
 }
 
+// Sums in the rotated domain; with rotation, the inverse rotation runs once on the sum.
 template <typename T>
-void DequantizeSumAll(const PayloadView& in, void* y) {
+void DequantizeSumAll(const PayloadView& in, int32_t rotation, void* y) {
   auto* ys = static_cast<typename T::Storage*>(y);
   std::vector<float> buf(static_cast<size_t>(in.group_size));
+  const std::vector<uint32_t> masks = SignMasks(rotation, in.group_size);
+  const uint32_t* m = masks.empty() ? nullptr : masks.data();
   for (int64_t b = 0; b < in.batch; ++b) {
     for (int64_t k = 0; k < in.groups_per_chunk; ++k) {
       SumGroup(in, b, k, buf.data());
+      if (rotation != kRotationNone) unrotate_group(buf.data(), in.group_size, m);
       store_group<T>(buf.data(), in.group_size, /*saturating=*/false,
                      ys + (b * in.groups_per_chunk + k) * in.group_size);
     }
@@ -59,15 +112,34 @@ void DequantizeSumAll(const PayloadView& in, void* y) {
 ffi::Error Quantize(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U8>> codes,
                     ffi::Result<ffi::Buffer<ffi::BF16>> scale,
                     ffi::Result<ffi::Buffer<ffi::BF16>> zero, int32_t bits,
-                    int64_t group_size) {
+                    int64_t group_size, int32_t rotation) {
   int64_t n_groups = 0;
   if (ffi::Error e = CheckQuantizeShapes(x, *codes, *scale, *zero, bits, group_size, &n_groups);
       e.failure()) {
     return e;
   }
+  if (ffi::Error e = CheckRotation(rotation, group_size, "flashcomm_quantize"); e.failure()) {
+    return e;
+  }
   uint8_t* c = codes->typed_data();
   uint16_t* s = scale->typed_data();
   uint16_t* z = zero->typed_data();
+  if (rotation != kRotationNone) {
+    switch (x.element_type()) {
+      case ffi::F32:
+        QuantizeAllRotated<F32>(x.untyped_data(), n_groups, group_size, bits, rotation, c, s, z);
+        return ffi::Error::Success();
+      case ffi::BF16:
+        QuantizeAllRotated<BF16>(x.untyped_data(), n_groups, group_size, bits, rotation, c, s,
+                                 z);
+        return ffi::Error::Success();
+      case ffi::F16:
+        QuantizeAllRotated<F16>(x.untyped_data(), n_groups, group_size, bits, rotation, c, s, z);
+        return ffi::Error::Success();
+      default:
+        return ffi::Error::InvalidArgument("flashcomm_quantize: x must be f32, bf16 or f16");
+    }
+  }
   switch (x.element_type()) {
     case ffi::F32:
       QuantizeAll<F32>(x.untyped_data(), n_groups, group_size, bits, c, s, z);
@@ -85,15 +157,34 @@ ffi::Error Quantize(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U8>> codes,
 
 ffi::Error Dequantize(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
                       ffi::Buffer<ffi::BF16> zero, ffi::Result<ffi::AnyBuffer> y, int32_t bits,
-                      int64_t group_size) {
+                      int64_t group_size, int32_t rotation) {
   int64_t n_groups = 0;
   if (ffi::Error e = CheckDequantizeShapes(codes, scale, zero, *y, bits, group_size, &n_groups);
       e.failure()) {
     return e;
   }
+  if (ffi::Error e = CheckRotation(rotation, group_size, "flashcomm_dequantize"); e.failure()) {
+    return e;
+  }
   const uint8_t* c = codes.typed_data();
   const uint16_t* s = scale.typed_data();
   const uint16_t* z = zero.typed_data();
+  if (rotation != kRotationNone) {
+    void* out = y->untyped_data();
+    switch (y->element_type()) {
+      case ffi::F32:
+        DequantizeAllRotated<F32>(c, s, z, n_groups, group_size, bits, rotation, out);
+        return ffi::Error::Success();
+      case ffi::BF16:
+        DequantizeAllRotated<BF16>(c, s, z, n_groups, group_size, bits, rotation, out);
+        return ffi::Error::Success();
+      case ffi::F16:
+        DequantizeAllRotated<F16>(c, s, z, n_groups, group_size, bits, rotation, out);
+        return ffi::Error::Success();
+      default:
+        return ffi::Error::InvalidArgument("flashcomm_dequantize: y must be f32, bf16 or f16");
+    }
+  }
   switch (y->element_type()) {
     case ffi::F32:
       DequantizeAll<F32>(c, s, z, n_groups, group_size, bits, y->untyped_data());
@@ -111,9 +202,13 @@ ffi::Error Dequantize(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
 
 ffi::Error DequantizeSum(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
                          ffi::Buffer<ffi::BF16> zero, ffi::Result<ffi::AnyBuffer> y,
-                         int32_t bits, int64_t group_size) {
+                         int32_t bits, int64_t group_size, int32_t rotation) {
   PayloadView in;
   if (ffi::Error e = ViewChunkedPayload(codes, scale, zero, bits, group_size, &in); e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = CheckRotation(rotation, group_size, "flashcomm_dequantize_sum");
+      e.failure()) {
     return e;
   }
   if (y->element_count() != size_t(in.batch * in.groups_per_chunk * group_size)) {
@@ -121,13 +216,13 @@ ffi::Error DequantizeSum(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scal
   }
   switch (y->element_type()) {
     case ffi::F32:
-      DequantizeSumAll<F32>(in, y->untyped_data());
+      DequantizeSumAll<F32>(in, rotation, y->untyped_data());
       return ffi::Error::Success();
     case ffi::BF16:
-      DequantizeSumAll<BF16>(in, y->untyped_data());
+      DequantizeSumAll<BF16>(in, rotation, y->untyped_data());
       return ffi::Error::Success();
     case ffi::F16:
-      DequantizeSumAll<F16>(in, y->untyped_data());
+      DequantizeSumAll<F16>(in, rotation, y->untyped_data());
       return ffi::Error::Success();
     default:
       return ffi::Error::InvalidArgument("flashcomm_dequantize_sum: y must be f32, bf16 or f16");
@@ -176,7 +271,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommQuantizeCpu, flashcomm::cpu::Quantize,
                                   .Ret<ffi::Buffer<ffi::BF16>>()      // scale: (...)
                                   .Ret<ffi::Buffer<ffi::BF16>>()      // zero: (...)
                                   .Attr<int32_t>("bits")              // code width, 2..8
-                                  .Attr<int64_t>("group_size"));      // multiple of 8
+                                  .Attr<int64_t>("group_size")        // multiple of 8
+                                  .Attr<int32_t>("rotation"));        // 0, 1 or 2
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeCpu, flashcomm::cpu::Dequantize,
                               ffi::Ffi::Bind()
@@ -185,7 +281,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeCpu, flashcomm::cpu::Dequantize
                                   .Arg<ffi::Buffer<ffi::BF16>>()      // zero: (...)
                                   .Ret<ffi::AnyBuffer>()              // y: (..., group_size)
                                   .Attr<int32_t>("bits")              // code width, 2..8
-                                  .Attr<int64_t>("group_size"));      // multiple of 8
+                                  .Attr<int64_t>("group_size")        // multiple of 8
+                                  .Attr<int32_t>("rotation"));        // 0, 1 or 2
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeSumCpu, flashcomm::cpu::DequantizeSum,
                               ffi::Ffi::Bind()
@@ -194,7 +291,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeSumCpu, flashcomm::cpu::Dequant
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // zero: (..., N, G/chunk)
                                   .Ret<ffi::AnyBuffer>()          // y: (..., G/chunk * group_size)
                                   .Attr<int32_t>("bits")          // code width of the input
-                                  .Attr<int64_t>("group_size"));  // multiple of 8
+                                  .Attr<int64_t>("group_size")    // multiple of 8
+                                  .Attr<int32_t>("rotation"));    // 0, 1 or 2
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeSumQuantizeCpu,
                               flashcomm::cpu::DequantizeSumQuantize,

@@ -295,6 +295,125 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   }
 }
 
+// ---- rotation (codec.h, docs/format.md "Rotation"): one warp per group, the group in shared
+// memory (kWarpsPerBlock * G floats per block, G <= kMaxRotatedGroup). Each butterfly stage
+// is split over the lanes; every output is the same single add or subtract as on the CPU. ----
+
+constexpr int64_t kMaxRotatedGroup = 1024;  // 8 warps * 1024 * 4 B = 32 KB of shared memory
+
+__device__ __forceinline__ void warp_hadamard_scaled(float* s, int g, int lane) {
+  for (int h = 1, log_h = 0; h < g; h *= 2, ++log_h) {
+    for (int p = lane; p < g / 2; p += kWarp) {
+      const int j = ((p >> log_h) << (log_h + 1)) + (p & (h - 1));
+      const float a = s[j], b = s[j + h];
+      s[j] = add_rn(a, b);
+      s[j + h] = add_rn(a, -b);
+    }
+    __syncwarp();
+  }
+  const float c = rotation_scale(g);
+  for (int i = lane; i < g; i += kWarp) s[i] = mul_rn(s[i], c);
+  __syncwarp();
+}
+
+struct SharedSource {
+  const float* s;
+  __device__ __forceinline__ void operator()(int64_t, int64_t blk, float* v) const {
+#pragma unroll
+    for (int j = 0; j < kBlock; ++j) v[j] = s[blk * kBlock + j];
+  }
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
+    QuantizeRotatedKernel(const typename T::Storage* __restrict__ x, int64_t n_groups,
+                          int group_size, int bits, int rotation, bool vec,
+                          uint8_t* __restrict__ codes, uint16_t* __restrict__ scale,
+                          uint16_t* __restrict__ zero) {
+  extern __shared__ float smem[];
+  const int lane = int(threadIdx.x) % kWarp;
+  float* s = smem + (threadIdx.x / kWarp) * group_size;
+  const int nblocks = group_size / kBlock;
+  const int64_t warps = int64_t(gridDim.x) * kWarpsPerBlock;
+  const SharedSource source{s};
+  for (int64_t g = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp; g < n_groups;
+       g += warps) {
+    for (int blk = lane; blk < nblocks; blk += kWarp) {
+      float v[kBlock];
+      load_block<T>(x + g * group_size + blk * kBlock, vec, v);
+#pragma unroll
+      for (int j = 0; j < kBlock; ++j) {
+        const int i = blk * kBlock + j;
+        s[i] = rotation == kRotationSignedHadamard ? apply_sign(v[j], uint32_t(i)) : v[j];
+      }
+    }
+    __syncwarp();
+    warp_hadamard_scaled(s, group_size, lane);
+    quantize_group_warp(source, g, nblocks, bits, lane, codes, scale, zero);
+    __syncwarp();  // the next group overwrites s
+  }
+}
+
+// Inverse rotation of the group in s, then store (saturated for dequantize, not for sums).
+template <typename T>
+__device__ __forceinline__ void unrotate_store(float* s, int group_size, int rotation,
+                                               bool saturating, bool vec, int lane,
+                                               typename T::Storage* __restrict__ y) {
+  __syncwarp();
+  warp_hadamard_scaled(s, group_size, lane);
+  for (int blk = lane; blk < group_size / kBlock; blk += kWarp) {
+    float v[kBlock];
+#pragma unroll
+    for (int j = 0; j < kBlock; ++j) {
+      const int i = blk * kBlock + j;
+      v[j] = rotation == kRotationSignedHadamard ? apply_sign(s[i], uint32_t(i)) : s[i];
+      if (saturating) v[j] = saturate(v[j], T::kMax);
+    }
+    store_block<T>(v, vec, y + blk * kBlock);
+  }
+  __syncwarp();
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
+    DequantizeRotatedKernel(const uint8_t* __restrict__ codes,
+                            const uint16_t* __restrict__ scale,
+                            const uint16_t* __restrict__ zero, int64_t n_groups, int group_size,
+                            int bits, int rotation, bool vec, typename T::Storage* __restrict__ y) {
+  extern __shared__ float smem[];
+  const int lane = int(threadIdx.x) % kWarp;
+  float* s = smem + (threadIdx.x / kWarp) * group_size;
+  const int64_t gbytes = group_bytes(group_size, bits);
+  const int64_t warps = int64_t(gridDim.x) * kWarpsPerBlock;
+  for (int64_t g = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp; g < n_groups;
+       g += warps) {
+    for (int blk = lane; blk < group_size / kBlock; blk += kWarp) {
+      decode_block(codes, scale, zero, g, gbytes, blk, bits, s + blk * kBlock);
+    }
+    unrotate_store<T>(s, group_size, rotation, /*saturating=*/true, vec, lane,
+                      y + g * group_size);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
+    DequantizeSumRotatedKernel(PayloadView in, int64_t n_out, int rotation, bool vec,
+                               typename T::Storage* __restrict__ y) {
+  extern __shared__ float smem[];
+  const int lane = int(threadIdx.x) % kWarp;
+  const int group_size = int(in.group_size);
+  float* s = smem + (threadIdx.x / kWarp) * group_size;
+  const int64_t warps = int64_t(gridDim.x) * kWarpsPerBlock;
+  for (int64_t g = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp; g < n_out;
+       g += warps) {
+    for (int blk = lane; blk < group_size / kBlock; blk += kWarp) {
+      sum_block(in, g, blk, s + blk * kBlock);
+    }
+    unrotate_store<T>(s, group_size, rotation, /*saturating=*/false, vec, lane,
+                      y + g * group_size);
+  }
+}
+
 // ---- host side ----
 
 ffi::Error LaunchStatus(const char* op) {
@@ -340,21 +459,93 @@ ffi::Error LaunchDequantizeSum(cudaStream_t stream, const PayloadView& in, void*
   return LaunchStatus("flashcomm_dequantize_sum");
 }
 
+ffi::Error CheckRotation(int32_t rotation, int64_t group_size, const char* op) {
+  if (rotation < kRotationNone || rotation > kRotationSignedHadamard) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": rotation must be 0, 1 or 2");
+  }
+  if (rotation != kRotationNone && ((group_size & (group_size - 1)) != 0 ||
+                                    group_size > kMaxRotatedGroup)) {
+    return ffi::Error::InvalidArgument(
+        std::string(op) + ": rotation needs a power-of-two group_size of at most 1024 on CUDA");
+  }
+  return ffi::Error::Success();
+}
+
+size_t RotatedSharedBytes(int64_t group_size) {
+  return size_t(kWarpsPerBlock) * size_t(group_size) * sizeof(float);
+}
+
+template <typename T>
+ffi::Error LaunchQuantizeRotated(cudaStream_t stream, const void* x, int64_t n_groups,
+                                 int64_t group_size, int bits, int rotation, uint8_t* codes,
+                                 uint16_t* scale, uint16_t* zero) {
+  if (n_groups == 0) return ffi::Error::Success();
+  const auto* xs = static_cast<const typename T::Storage*>(x);
+  QuantizeRotatedKernel<T><<<GridFor(n_groups, kWarpsPerBlock), kThreads,
+                             RotatedSharedBytes(group_size), stream>>>(
+      xs, n_groups, int(group_size), bits, rotation, Aligned16(xs), codes, scale, zero);
+  return LaunchStatus("flashcomm_quantize");
+}
+
+template <typename T>
+ffi::Error LaunchDequantizeRotated(cudaStream_t stream, const uint8_t* codes,
+                                   const uint16_t* scale, const uint16_t* zero,
+                                   int64_t n_groups, int64_t group_size, int bits, int rotation,
+                                   void* y) {
+  if (n_groups == 0) return ffi::Error::Success();
+  auto* ys = static_cast<typename T::Storage*>(y);
+  DequantizeRotatedKernel<T><<<GridFor(n_groups, kWarpsPerBlock), kThreads,
+                               RotatedSharedBytes(group_size), stream>>>(
+      codes, scale, zero, n_groups, int(group_size), bits, rotation, Aligned16(ys), ys);
+  return LaunchStatus("flashcomm_dequantize");
+}
+
+template <typename T>
+ffi::Error LaunchDequantizeSumRotated(cudaStream_t stream, const PayloadView& in, int rotation,
+                                      void* y) {
+  const int64_t n_out = in.batch * in.groups_per_chunk;
+  if (n_out == 0) return ffi::Error::Success();
+  auto* ys = static_cast<typename T::Storage*>(y);
+  DequantizeSumRotatedKernel<T><<<GridFor(n_out, kWarpsPerBlock), kThreads,
+                                  RotatedSharedBytes(in.group_size), stream>>>(
+      in, n_out, rotation, Aligned16(ys), ys);
+  return LaunchStatus("flashcomm_dequantize_sum");
+}
+
 }  // namespace
 
 ffi::Error Quantize(cudaStream_t stream, ffi::AnyBuffer x,
                     ffi::Result<ffi::Buffer<ffi::U8>> codes,
                     ffi::Result<ffi::Buffer<ffi::BF16>> scale,
                     ffi::Result<ffi::Buffer<ffi::BF16>> zero, int32_t bits,
-                    int64_t group_size) {
+                    int64_t group_size, int32_t rotation) {
   int64_t n_groups = 0;
   if (ffi::Error e = CheckQuantizeShapes(x, *codes, *scale, *zero, bits, group_size, &n_groups);
       e.failure()) {
     return e;
   }
+  if (ffi::Error e = CheckRotation(rotation, group_size, "flashcomm_quantize"); e.failure()) {
+    return e;
+  }
   uint8_t* c = codes->typed_data();
   uint16_t* s = scale->typed_data();
   uint16_t* z = zero->typed_data();
+  if (rotation != kRotationNone) {
+    const void* xd = x.untyped_data();
+    switch (x.element_type()) {
+      case ffi::F32:
+        return LaunchQuantizeRotated<F32>(stream, xd, n_groups, group_size, bits, rotation, c, s,
+                                          z);
+      case ffi::BF16:
+        return LaunchQuantizeRotated<BF16>(stream, xd, n_groups, group_size, bits, rotation, c,
+                                           s, z);
+      case ffi::F16:
+        return LaunchQuantizeRotated<F16>(stream, xd, n_groups, group_size, bits, rotation, c, s,
+                                          z);
+      default:
+        return ffi::Error::InvalidArgument("flashcomm_quantize: x must be f32, bf16 or f16");
+    }
+  }
   switch (x.element_type()) {
     case ffi::F32:
       return LaunchQuantize<F32>(stream, x.untyped_data(), n_groups, group_size, bits, c, s, z);
@@ -369,15 +560,35 @@ ffi::Error Quantize(cudaStream_t stream, ffi::AnyBuffer x,
 
 ffi::Error Dequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
                       ffi::Buffer<ffi::BF16> scale, ffi::Buffer<ffi::BF16> zero,
-                      ffi::Result<ffi::AnyBuffer> y, int32_t bits, int64_t group_size) {
+                      ffi::Result<ffi::AnyBuffer> y, int32_t bits, int64_t group_size,
+                      int32_t rotation) {
   int64_t n_groups = 0;
   if (ffi::Error e = CheckDequantizeShapes(codes, scale, zero, *y, bits, group_size, &n_groups);
       e.failure()) {
     return e;
   }
+  if (ffi::Error e = CheckRotation(rotation, group_size, "flashcomm_dequantize"); e.failure()) {
+    return e;
+  }
   const uint8_t* c = codes.typed_data();
   const uint16_t* s = scale.typed_data();
   const uint16_t* z = zero.typed_data();
+  if (rotation != kRotationNone) {
+    void* yd = y->untyped_data();
+    switch (y->element_type()) {
+      case ffi::F32:
+        return LaunchDequantizeRotated<F32>(stream, c, s, z, n_groups, group_size, bits,
+                                            rotation, yd);
+      case ffi::BF16:
+        return LaunchDequantizeRotated<BF16>(stream, c, s, z, n_groups, group_size, bits,
+                                             rotation, yd);
+      case ffi::F16:
+        return LaunchDequantizeRotated<F16>(stream, c, s, z, n_groups, group_size, bits,
+                                            rotation, yd);
+      default:
+        return ffi::Error::InvalidArgument("flashcomm_dequantize: y must be f32, bf16 or f16");
+    }
+  }
   switch (y->element_type()) {
     case ffi::F32:
       return LaunchDequantize<F32>(stream, c, s, z, n_groups, group_size, bits,
@@ -395,13 +606,31 @@ ffi::Error Dequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
 
 ffi::Error DequantizeSum(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
                          ffi::Buffer<ffi::BF16> scale, ffi::Buffer<ffi::BF16> zero,
-                         ffi::Result<ffi::AnyBuffer> y, int32_t bits, int64_t group_size) {
+                         ffi::Result<ffi::AnyBuffer> y, int32_t bits, int64_t group_size,
+                         int32_t rotation) {
   PayloadView in;
   if (ffi::Error e = ViewChunkedPayload(codes, scale, zero, bits, group_size, &in); e.failure()) {
     return e;
   }
   if (y->element_count() != size_t(in.batch * in.groups_per_chunk * group_size)) {
     return ffi::Error::InvalidArgument("flashcomm_dequantize_sum: y has the wrong size");
+  }
+  if (ffi::Error e = CheckRotation(rotation, group_size, "flashcomm_dequantize_sum");
+      e.failure()) {
+    return e;
+  }
+  if (rotation != kRotationNone) {
+    switch (y->element_type()) {
+      case ffi::F32:
+        return LaunchDequantizeSumRotated<F32>(stream, in, rotation, y->untyped_data());
+      case ffi::BF16:
+        return LaunchDequantizeSumRotated<BF16>(stream, in, rotation, y->untyped_data());
+      case ffi::F16:
+        return LaunchDequantizeSumRotated<F16>(stream, in, rotation, y->untyped_data());
+      default:
+        return ffi::Error::InvalidArgument(
+            "flashcomm_dequantize_sum: y must be f32, bf16 or f16");
+    }
   }
   switch (y->element_type()) {
     case ffi::F32:
@@ -453,7 +682,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommQuantizeCuda, flashcomm::cuda::Quantize,
                                   .Ret<ffi::Buffer<ffi::BF16>>()      // scale: (...)
                                   .Ret<ffi::Buffer<ffi::BF16>>()      // zero: (...)
                                   .Attr<int32_t>("bits")              // code width, 2..8
-                                  .Attr<int64_t>("group_size"));      // multiple of 8
+                                  .Attr<int64_t>("group_size")        // multiple of 8
+                                  .Attr<int32_t>("rotation"));        // 0, 1 or 2
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeCuda, flashcomm::cuda::Dequantize,
                               ffi::Ffi::Bind()
@@ -463,7 +693,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeCuda, flashcomm::cuda::Dequanti
                                   .Arg<ffi::Buffer<ffi::BF16>>()      // zero: (...)
                                   .Ret<ffi::AnyBuffer>()              // y: (..., group_size)
                                   .Attr<int32_t>("bits")              // code width, 2..8
-                                  .Attr<int64_t>("group_size"));      // multiple of 8
+                                  .Attr<int64_t>("group_size")        // multiple of 8
+                                  .Attr<int32_t>("rotation"));        // 0, 1 or 2
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeSumCuda, flashcomm::cuda::DequantizeSum,
                               ffi::Ffi::Bind()
@@ -473,7 +704,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeSumCuda, flashcomm::cuda::Dequa
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // zero: (..., N, G/chunk)
                                   .Ret<ffi::AnyBuffer>()          // y: (..., G/chunk * group_size)
                                   .Attr<int32_t>("bits")          // code width of the input
-                                  .Attr<int64_t>("group_size"));  // multiple of 8
+                                  .Attr<int64_t>("group_size")    // multiple of 8
+                                  .Attr<int32_t>("rotation"));    // 0, 1 or 2
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeSumQuantizeCuda,
                               flashcomm::cuda::DequantizeSumQuantize,

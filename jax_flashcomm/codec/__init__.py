@@ -62,14 +62,18 @@ def _as_groups(x, group_size: int, num_chunks: int):
 
 
 def quantize(x, *, bits: int = 8, group_size: int = DEFAULT_GROUP_SIZE, num_chunks: int = 1,
-             backend: str = "auto") -> Payload:
+             backend: str = "auto", rotation=0) -> Payload:
     """Quantize ``x`` (f32, bf16 or f16, any shape) to ``bits`` per value in groups.
 
     ``x`` is flattened and zero-padded to a multiple of ``num_chunks * group_size`` so the
     groups split evenly into ``num_chunks`` chunks (one per rank in a collective).
+    ``rotation`` (0/"none", 1/"hadamard", 2/"signed_hadamard"; needs a power-of-two
+    ``group_size``) quantizes each group's orthonormal Walsh-Hadamard transform instead of the
+    group (docs/format.md, "Rotation"); decoding applies the inverse.
     """
     bits = spec.check_bits(bits)
     group_size = spec.check_group_size(group_size)
+    rotation = spec.check_rotation(rotation, group_size)
     x = jnp.asarray(x)
     dtype = spec.check_dtype(x.dtype, "x")
     if x.size == 0:
@@ -78,9 +82,9 @@ def quantize(x, *, bits: int = 8, group_size: int = DEFAULT_GROUP_SIZE, num_chun
         raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
     groups = _as_groups(x, group_size, int(num_chunks))
     codes, scale, zero = _dispatch("quantize", groups, backend=backend, bits=bits,
-                                   group_size=group_size)
+                                   group_size=group_size, rotation=rotation)
     return Payload(codes, scale, zero, bits=bits, group_size=group_size,
-                   shape=tuple(x.shape), dtype=dtype)
+                   shape=tuple(x.shape), dtype=dtype, rotation=rotation)
 
 
 def _check_payload(payload, name="payload", *, covers_shape: bool = False) -> Payload:
@@ -96,6 +100,7 @@ def _check_payload(payload, name="payload", *, covers_shape: bool = False) -> Pa
     p = payload
     spec.check_bits(p.bits, f"{name}.bits")
     spec.check_group_size(p.group_size, f"{name}.group_size")
+    spec.check_rotation(p.rotation, p.group_size, f"{name}.rotation")
     for field, want in (("codes", np.dtype(jnp.uint8)), ("scale", np.dtype(jnp.bfloat16)),
                         ("zero", np.dtype(jnp.bfloat16))):
         got = getattr(getattr(p, field), "dtype", None)
@@ -125,7 +130,7 @@ def dequantize(payload: Payload, *, dtype=None, backend: str = "auto"):
     p = _check_payload(payload, covers_shape=True)
     dtype = spec.check_dtype(p.dtype if dtype is None else dtype, "dtype")
     groups = _dispatch("dequantize", p.codes, p.scale, p.zero, backend=backend, bits=p.bits,
-                       group_size=p.group_size, dtype=dtype)
+                       group_size=p.group_size, dtype=dtype, rotation=p.rotation)
     return _restore(groups, p.shape)
 
 
@@ -137,12 +142,14 @@ def _check_chunked(p: Payload):
 
 
 def dequantize_sum(payload: Payload, *, dtype=None, backend: str = "auto"):
-    """Sum the chunks of a chunked payload in f32 (in chunk order): ``(..., groups * G)``."""
+    """Sum the chunks of a chunked payload in f32 (in chunk order): ``(..., groups * G)``.
+
+    A rotated payload is summed in the rotated domain and rotated back once."""
     p = _check_payload(payload)
     _check_chunked(p)
     dtype = spec.check_dtype(p.dtype if dtype is None else dtype, "dtype")
     groups = _dispatch("dequantize_sum", p.codes, p.scale, p.zero, backend=backend, bits=p.bits,
-                       group_size=p.group_size, dtype=dtype)
+                       group_size=p.group_size, dtype=dtype, rotation=p.rotation)
     return groups.reshape(*groups.shape[:-2], -1)
 
 
@@ -150,7 +157,9 @@ def dequantize_sum_quantize(payload: Payload, *, bits: int | None = None,
                             backend: str = "auto") -> Payload:
     """Sum the chunks of a chunked payload in f32 and quantize the sum at ``bits``.
 
-    The result describes a flat operand of ``groups * group_size`` values.
+    The result describes a flat operand of ``groups * group_size`` values. A rotated payload
+    stays rotated: the sum is formed and re-quantized in the rotated domain (the transform is
+    linear), and the result carries the same ``rotation``.
     """
     p = _check_payload(payload)
     _check_chunked(p)
@@ -159,7 +168,7 @@ def dequantize_sum_quantize(payload: Payload, *, bits: int | None = None,
                                    backend=backend, bits=p.bits, out_bits=out_bits,
                                    group_size=p.group_size)
     return Payload(codes, scale, zero, bits=out_bits, group_size=p.group_size,
-                   shape=(scale.shape[-1] * p.group_size,), dtype=p.dtype)
+                   shape=(scale.shape[-1] * p.group_size,), dtype=p.dtype, rotation=p.rotation)
 
 
 def _bf16_bits(a):
@@ -176,6 +185,19 @@ def error_bound(payload: Payload, *, dtype=None):
     """
     p = _check_payload(payload, covers_shape=True)
     dtype = spec.check_dtype(p.dtype if dtype is None else dtype, "dtype")
+    if p.rotation:
+        rot_bound, top = _group_bound(p, np.dtype(np.float32))
+        bound = rotation_bound(rot_bound, top, p.group_size, dtype)
+        per_elem = jnp.broadcast_to(bound[..., None], (*bound.shape, p.group_size))
+        return _restore(per_elem, p.shape)
+    bound, _ = _group_bound(p, dtype)
+    per_elem = jnp.broadcast_to(bound[..., None], (*bound.shape, p.group_size))
+    return _restore(per_elem, p.shape)
+
+
+def _group_bound(p: Payload, dtype):
+    """Per group: the elementwise bound of the codes' domain (see error_bound), and
+    ``top = max(|zero|, |zero + scale * L|)``, which bounds every decoded value."""
     scale = p.scale.astype(jnp.float32)
     zero = p.zero.astype(jnp.float32)
     levels = float((1 << p.bits) - 1)
@@ -195,7 +217,31 @@ def error_bound(payload: Payload, *, dtype=None):
     if dtype != np.float32:
         info = jnp.finfo(dtype)
         bound = bound + 2 * float(info.eps) * quarter_top + 0.5 * float(info.smallest_subnormal)
-    per_elem = jnp.broadcast_to(bound[..., None], (*bound.shape, p.group_size))
-    return _restore(per_elem, p.shape)
+    return bound, 4 * quarter_top
+
+
+def rotation_bound(rot_bound, top, group_size: int, dtype):
+    """Elementwise bound in the operand's domain from a rotated-domain one (per group).
+
+    ``rot_bound`` bounds every element's error in the rotated domain (f32 values), ``top`` every
+    rotated value's magnitude (both ``(..., groups)``). The inverse rotation is orthonormal, so a
+    group's error has 2-norm at most ``sqrt(G) * rot_bound``, and so has every element. Added:
+    the f32 rounding of the forward and inverse transforms (``log2 G`` butterfly stages and one
+    scaling, each at most ``u`` relative in 2-norm, on groups of 2-norm at most
+    ``sqrt(G) * (top + rot_bound)``), their flush to zero, and the final cast to ``dtype``
+    (docs/format.md, "Rotation").
+    """
+    g = int(group_size)
+    k = g.bit_length() - 1
+    sq = float(np.sqrt(g))
+    eps32 = float(np.finfo(np.float32).eps)
+    norm = sq * (top + rot_bound)
+    bound = (sq * rot_bound * (1 + 4 * eps32) + 2 * (k + 2) * eps32 * norm
+             + 2 * (k + 4) * sq * float(spec.FLT_MIN))
+    dtype = np.dtype(dtype)
+    if dtype != np.float32:
+        info = jnp.finfo(dtype)
+        bound = bound + float(info.eps) * norm + 0.5 * float(info.smallest_subnormal)
+    return bound
 
 

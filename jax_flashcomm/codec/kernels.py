@@ -67,7 +67,7 @@ def _like(x, shape, dtype):
     return aval.update(shape=tuple(shape), dtype=np.dtype(dtype), sharding=sharding)
 
 
-def quantize(v, *, bits: int, group_size: int):
+def quantize(v, *, bits: int, group_size: int, rotation: int = 0):
     """``v`` ``(..., group_size)`` of f32/bf16/f16 -> (codes, scale, zero)."""
     lead = v.shape[:-1]
     call = jax.ffi.ffi_call(
@@ -76,24 +76,28 @@ def quantize(v, *, bits: int, group_size: int):
          _like(v, lead, jnp.bfloat16), _like(v, lead, jnp.bfloat16)),
         vmap_method="broadcast_all",
     )
-    return tuple(call(v, bits=np.int32(bits), group_size=np.int64(group_size)))
+    return tuple(call(v, bits=np.int32(bits), group_size=np.int64(group_size),
+                      rotation=np.int32(rotation)))
 
 
-def dequantize(codes, scale, zero, *, bits: int, group_size: int, dtype):
+def dequantize(codes, scale, zero, *, bits: int, group_size: int, dtype, rotation: int = 0):
     call = jax.ffi.ffi_call(
         "flashcomm_dequantize", _like(codes, (*scale.shape, group_size), dtype),
         vmap_method="broadcast_all",
     )
-    return call(codes, scale, zero, bits=np.int32(bits), group_size=np.int64(group_size))
+    return call(codes, scale, zero, bits=np.int32(bits), group_size=np.int64(group_size),
+                rotation=np.int32(rotation))
 
 
-def dequantize_sum(codes, scale, zero, *, bits: int, group_size: int, dtype):
+def dequantize_sum(codes, scale, zero, *, bits: int, group_size: int, dtype,
+                   rotation: int = 0):
     """Chunked ``(..., N, groups, bytes)`` -> f32-summed ``(..., groups, group_size)``."""
     out_shape = (*scale.shape[:-2], scale.shape[-1], group_size)
     call = jax.ffi.ffi_call(
         "flashcomm_dequantize_sum", _like(codes, out_shape, dtype), vmap_method="broadcast_all"
     )
-    return call(codes, scale, zero, bits=np.int32(bits), group_size=np.int64(group_size))
+    return call(codes, scale, zero, bits=np.int32(bits), group_size=np.int64(group_size),
+                rotation=np.int32(rotation))
 
 
 def dequantize_sum_quantize(codes, scale, zero, *, bits: int, out_bits: int, group_size: int):

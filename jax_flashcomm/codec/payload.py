@@ -26,6 +26,9 @@ class Payload:
     group_size: int = dataclasses.field(metadata=dict(static=True))
     shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     dtype: np.dtype = dataclasses.field(metadata=dict(static=True))
+    #: 0: the codes are of the values; 1 or 2: of the group's (signed) Hadamard rotation
+    #: (docs/format.md, "Rotation"); decoding applies the inverse.
+    rotation: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     @property
     def num_groups(self) -> int:
@@ -65,5 +68,5 @@ class Payload:
 jax.tree_util.register_dataclass(
     Payload,
     data_fields=["codes", "scale", "zero"],
-    meta_fields=["bits", "group_size", "shape", "dtype"],
+    meta_fields=["bits", "group_size", "shape", "dtype", "rotation"],
 )

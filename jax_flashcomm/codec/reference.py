@@ -151,8 +151,60 @@ def sum_chunks(codes, scale, zero, bits: int, group_size: int):
 
 
 
-def quantize(v, *, bits: int, group_size: int):
+def rotation_scale(group_size: int) -> np.float32:
+    """RN(1/sqrt(G)) as an f32 (codec.h rotation_scale)."""
+    return np.float32(1.0 / np.sqrt(np.float64(group_size)))
+
+
+def rotation_sign_bits(group_size: int) -> np.ndarray:
+    """codec.h rotation_sign_bit(i) << 31 for i in 0..G-1 (uint32; 0x80000000 means -1)."""
+    i = np.arange(group_size, dtype=np.uint64)
+    m = np.uint64(0xFFFFFFFF)
+    h = (i * np.uint64(0x9E3779B1)) & m
+    h ^= h >> np.uint64(15)
+    h = (h * np.uint64(0x85EBCA77)) & m
+    h ^= h >> np.uint64(13)
+    h = (h * np.uint64(0xC2B2AE35)) & m
+    h ^= h >> np.uint64(16)
+    return ((h >> np.uint64(31)) << np.uint64(31)).astype(np.uint32)
+
+
+def apply_signs(v):
+    """Flip the sign bit where rotation 2's sign is -1 (exact)."""
+    signs = jnp.asarray(rotation_sign_bits(v.shape[-1]))
+    return lax.bitcast_convert_type(_f32_bits(v) ^ signs, jnp.float32)
+
+
+def hadamard_scaled(v):
+    """Unnormalized Walsh-Hadamard butterflies over the last axis (stage h = 1, 2, ..., G/2,
+    codec.h hadamard_butterflies), then one multiply by RN(1/sqrt(G))."""
+    lead, g = v.shape[:-1], v.shape[-1]
+    h = 1
+    while h < g:
+        w = v.reshape(*lead, g // (2 * h), 2, h)
+        a, b = w[..., 0, :], w[..., 1, :]
+        v = jnp.stack([a + b, a - b], axis=-2).reshape(*lead, g)
+        h *= 2
+    return v * rotation_scale(g)
+
+
+def rotate(v, rotation: int):
+    """Forward rotation of f32 groups ``(..., G)``: ``H (D v) / sqrt(G)``."""
+    if rotation == 2:
+        v = apply_signs(v)
+    return hadamard_scaled(v)
+
+
+def unrotate(v, rotation: int):
+    """Inverse rotation: ``D (H v) / sqrt(G)``."""
+    v = hadamard_scaled(v)
+    return apply_signs(v) if rotation == 2 else v
+
+
+def quantize(v, *, bits: int, group_size: int, rotation: int = 0):
     del group_size
+    if rotation:
+        return quantize_groups(rotate(v.astype(jnp.float32), rotation), bits)
     return quantize_groups(v, bits)
 
 
@@ -162,12 +214,18 @@ def saturate(v, dtype):
     return jnp.where(v > top, top, jnp.where(v < -top, -top, v))
 
 
-def dequantize(codes, scale, zero, *, bits: int, group_size: int, dtype):
-    return saturate(decode_groups(codes, scale, zero, bits, group_size), dtype).astype(dtype)
+def dequantize(codes, scale, zero, *, bits: int, group_size: int, dtype, rotation: int = 0):
+    v = decode_groups(codes, scale, zero, bits, group_size)
+    if rotation:
+        v = unrotate(v, rotation)
+    return saturate(v, dtype).astype(dtype)
 
 
-def dequantize_sum(codes, scale, zero, *, bits: int, group_size: int, dtype):
-    return sum_chunks(codes, scale, zero, bits, group_size).astype(dtype)
+def dequantize_sum(codes, scale, zero, *, bits: int, group_size: int, dtype, rotation: int = 0):
+    v = sum_chunks(codes, scale, zero, bits, group_size)
+    if rotation:
+        v = unrotate(v, rotation)
+    return v.astype(dtype)
 
 
 def dequantize_sum_quantize(codes, scale, zero, *, bits: int, out_bits: int, group_size: int):

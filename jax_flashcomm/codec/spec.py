@@ -52,6 +52,30 @@ def check_dtype(dtype, name: str = "x") -> np.dtype:
     return dtype
 
 
+#: Rotations of a group before quantization (docs/format.md, "Rotation"): none, the
+#: orthonormal Walsh-Hadamard transform, or the transform after a fixed +-1 sign vector.
+ROTATIONS = (0, 1, 2)
+ROTATION_NAMES = {None: 0, "none": 0, "hadamard": 1, "signed_hadamard": 2}
+
+
+def check_rotation(rotation, group_size: int | None = None, name: str = "rotation") -> int:
+    """``rotation`` is 0/None/"none", 1/"hadamard" or 2/"signed_hadamard"; a rotation needs a
+    power-of-two ``group_size``."""
+    if isinstance(rotation, str) or rotation is None:
+        if rotation not in ROTATION_NAMES:
+            raise ValueError(f"{name} must be one of {tuple(k for k in ROTATION_NAMES if k)} or "
+                             f"{ROTATIONS}, got {rotation!r}")
+        rotation = ROTATION_NAMES[rotation]
+    if isinstance(rotation, (bool, np.bool_)) or not isinstance(rotation, (int, np.integer)):
+        raise TypeError(f"{name} must be an int in {ROTATIONS} or a name, got {rotation!r}")
+    if int(rotation) not in ROTATIONS:
+        raise ValueError(f"{name} must be in {ROTATIONS}, got {rotation}")
+    rotation = int(rotation)
+    if rotation and group_size is not None and group_size & (group_size - 1):
+        raise ValueError(f"{name}={rotation} needs a power-of-two group_size, got {group_size}")
+    return rotation
+
+
 def check_backend(backend) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

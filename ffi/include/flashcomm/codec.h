@@ -305,6 +305,62 @@ FC_HD void unpack_block(const uint8_t* in, int bits, uint32_t* q) {
   for (int j = 0; j < kBlock; ++j) q[j] = uint32_t((acc >> (j * bits)) & mask);
 }
 
+// ---- rotation (docs/format.md, "Rotation") ----
+// rotation = 1: each group is multiplied by the orthonormal Walsh-Hadamard matrix H/sqrt(G)
+// before quantization, and by it again (its own inverse) after decoding. rotation = 2 also
+// multiplies by a fixed diagonal of +-1 signs: forward x -> H (D x) / sqrt(G), inverse
+// y -> D (H y) / sqrt(G). G must be a power of two. The butterflies are plain f32 adds and
+// subtracts (one rounding each, stage h = 1, 2, 4, ..., G/2: v[j], v[j+h] <- v[j] + v[j+h],
+// v[j] - v[j+h] for every j with bit h clear); the 1/sqrt(G) scaling is one multiply per value
+// after the last stage, and the sign is applied exactly (it flips the sign bit).
+constexpr int kRotationNone = 0;
+constexpr int kRotationHadamard = 1;
+constexpr int kRotationSignedHadamard = 2;
+
+// RN(1/sqrt(G)) for G = 2^k: 2^-(k/2), times RN(1/sqrt(2)) when k is odd (both exact scalings
+// of a correctly rounded constant).
+FC_HD float rotation_scale(int64_t g) {
+  float c = 1.0f;
+  int k = 0;
+  while ((int64_t(1) << k) < g) ++k;
+  for (int i = 0; i < k / 2; ++i) c = c * 0.5f;
+  if (k & 1) c = c * 0.70710678118654752440f;
+  return c;
+}
+
+// The sign of position i (0 <= i < G) of rotation 2: bit 31 of a 32-bit integer hash of i
+// (a murmur3-style finalizer of i * 0x9E3779B1). 1 means -1.
+FC_HD uint32_t rotation_sign_bit(uint32_t i) {
+  uint32_t h = i * 0x9E3779B1u;
+  h ^= h >> 15;
+  h *= 0x85EBCA77u;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  h ^= h >> 16;
+  return h >> 31;
+}
+
+// Flip the sign of v when position i's sign is -1 (exact, also for NaN and zeros).
+FC_HD float apply_sign(float v, uint32_t i) {
+  return bits_to_float(float_to_bits(v) ^ (rotation_sign_bit(i) << 31));
+}
+
+// In-place unnormalized Walsh-Hadamard butterflies over g values (g a power of two), in the
+// normative stage order. Scalar reference; the CPU and CUDA kernels run the same butterflies
+// with other loop orders (each output of a stage is one add or subtract of the same two
+// values, so the order of the butterflies within a stage does not change any bit).
+FC_HD void hadamard_butterflies(float* v, int64_t g) {
+  for (int64_t h = 1; h < g; h *= 2) {
+    for (int64_t j0 = 0; j0 < g; j0 += 2 * h) {
+      for (int64_t j = j0; j < j0 + h; ++j) {
+        const float a = v[j], b = v[j + h];
+        v[j] = add_rn(a, b);
+        v[j + h] = add_rn(a, -b);
+      }
+    }
+  }
+}
+
 // Clamp to [-max, max]; NaN passes through. A dequantized operand is saturated to its dtype's
 // finite range: its values came from that dtype, and the top of a group's grid may overshoot
 // the group's max by part of a step (65504 at 2 bits decodes to 3 * 21888 = 65664).

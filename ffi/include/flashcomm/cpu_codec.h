@@ -354,6 +354,94 @@ FC_MULTIVERSION void store_group(const float* v, int64_t g, bool saturating,
   store_values<T>(v, g, saturating, y);
 }
 
+// ---- rotation (codec.h, docs/format.md "Rotation") ----
+
+// Sign masks of rotation 2 for positions 0..g-1: 0x80000000 where the sign is -1, else 0.
+inline void rotation_sign_masks(int64_t g, uint32_t* masks) {
+  for (int64_t i = 0; i < g; ++i) masks[i] = rotation_sign_bit(uint32_t(i)) << 31;
+}
+
+// One butterfly stage of distance H < kLanes inside each vector of 16 values: lanes with bit H
+// clear get a + b, the others a - b (a = the lane with bit H clear, b = its partner), the same
+// operands and operations as hadamard_butterflies.
+template <int H>
+__attribute__((always_inline)) inline Lanes butterfly_in_lanes(Lanes v) {
+  Lanes p;
+  if (H == 1) p = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  if (H == 2) p = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  if (H == 4) p = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  if (H == 8) p = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  const ILanes lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  return (lane & H) == 0 ? v + p : p - v;
+}
+
+// Unnormalized Walsh-Hadamard butterflies over g values (g a power of two), then * c.
+__attribute__((always_inline)) inline void hadamard_scaled(float* v, int64_t g, float c) {
+  if (g < kLanes) {
+    hadamard_butterflies(v, g);
+    for (int64_t i = 0; i < g; ++i) v[i] = v[i] * c;
+    return;
+  }
+  for (int64_t j = 0; j < g; j += kLanes) {  // stages 1, 2, 4, 8 inside each vector
+    Lanes a = load_lanes(v + j);
+    a = butterfly_in_lanes<1>(a);
+    a = butterfly_in_lanes<2>(a);
+    a = butterfly_in_lanes<4>(a);
+    a = butterfly_in_lanes<8>(a);
+    std::memcpy(v + j, &a, sizeof a);
+  }
+  for (int64_t h = kLanes; h < g; h *= 2) {
+    for (int64_t j0 = 0; j0 < g; j0 += 2 * h) {
+      for (int64_t j = j0; j < j0 + h; j += kLanes) {
+        const Lanes a = load_lanes(v + j), b = load_lanes(v + j + h);
+        const Lanes s = a + b, d = a - b;
+        std::memcpy(v + j, &s, sizeof s);
+        std::memcpy(v + j + h, &d, sizeof d);
+      }
+    }
+  }
+  for (int64_t j = 0; j < g; j += kLanes) {
+    const Lanes a = load_lanes(v + j) * c;
+    std::memcpy(v + j, &a, sizeof a);
+  }
+}
+
+// Flip signs where masks has the sign bit (rotation 2); nothing when masks is null.
+__attribute__((always_inline)) inline void apply_sign_masks(float* v, int64_t g,
+                                                            const uint32_t* masks) {
+  if (masks == nullptr) return;
+  for (int64_t i = 0; i < g; ++i) v[i] = bits_to_float(float_to_bits(v[i]) ^ masks[i]);
+}
+
+// Quantize n_groups rotated groups of T: each group is widened to f32 in buf (g floats),
+// signed (masks non-null: rotation 2), transformed, scaled by c, then quantized as f32.
+template <typename T>
+FC_MULTIVERSION void quantize_groups_rotated(const typename T::Storage* x, int64_t n_groups,
+                                             int64_t g, int bits, const uint32_t* masks,
+                                             float* buf, uint8_t* codes, uint16_t* scale,
+                                             uint16_t* zero) {
+  const int64_t nbytes = group_bytes(g, bits);
+  const float c = rotation_scale(g);
+  for (int64_t k = 0; k < n_groups; ++k) {
+    const typename T::Storage* xs = x + k * g;
+    int64_t i = 0;
+    for (; i + kLanes <= g; i += kLanes) {
+      const Lanes a = load_lanes_t<T>(xs + i);
+      std::memcpy(buf + i, &a, sizeof a);
+    }
+    for (; i < g; ++i) buf[i] = T::load(xs[i]);
+    apply_sign_masks(buf, g, masks);
+    hadamard_scaled(buf, g, c);
+    quantize_one<F32>(buf, g, bits, codes + k * nbytes, scale + k, zero + k);
+  }
+}
+
+// The inverse rotation of one decoded f32 group in place: butterflies, * c, then the signs.
+FC_MULTIVERSION inline void unrotate_group(float* v, int64_t g, const uint32_t* masks) {
+  hadamard_scaled(v, g, rotation_scale(g));
+  apply_sign_masks(v, g, masks);
+}
+
 }  // namespace cpu
 }  // namespace flashcomm
 

@@ -14,19 +14,22 @@
 namespace flashcomm {
 namespace cpu {
 
+// rotation: 0 none, 1 Hadamard, 2 signed Hadamard of each group (codec.h; docs/format.md).
+// Quantize rotates before quantizing; Dequantize and DequantizeSum rotate back (the sum once,
+// in the rotated domain); DequantizeSumQuantize stays in the rotated domain.
 // x (..., group_size) f32/bf16/f16 -> codes (..., group_size * bits / 8) u8, scale and zero
 // (...) bf16.
 xla::ffi::Error Quantize(xla::ffi::AnyBuffer x, xla::ffi::Result<xla::ffi::Buffer<xla::ffi::U8>> codes,
                          xla::ffi::Result<xla::ffi::Buffer<xla::ffi::BF16>> scale,
                          xla::ffi::Result<xla::ffi::Buffer<xla::ffi::BF16>> zero, int32_t bits,
-                         int64_t group_size);
+                         int64_t group_size, int32_t rotation);
 
 // codes, scale, zero -> y (..., group_size) f32/bf16/f16, saturated to y's finite range.
 xla::ffi::Error Dequantize(xla::ffi::Buffer<xla::ffi::U8> codes,
                            xla::ffi::Buffer<xla::ffi::BF16> scale,
                            xla::ffi::Buffer<xla::ffi::BF16> zero,
                            xla::ffi::Result<xla::ffi::AnyBuffer> y, int32_t bits,
-                           int64_t group_size);
+                           int64_t group_size, int32_t rotation);
 
 // codes (..., N, G, bytes), scale and zero (..., N, G) -> y (..., G * group_size): the f32 sum
 // over the N chunks in order 0..N-1, stored as y's dtype.
@@ -34,7 +37,7 @@ xla::ffi::Error DequantizeSum(xla::ffi::Buffer<xla::ffi::U8> codes,
                               xla::ffi::Buffer<xla::ffi::BF16> scale,
                               xla::ffi::Buffer<xla::ffi::BF16> zero,
                               xla::ffi::Result<xla::ffi::AnyBuffer> y, int32_t bits,
-                              int64_t group_size);
+                              int64_t group_size, int32_t rotation);
 
 // As DequantizeSum, then the f32 sum is quantized again with out_bits.
 xla::ffi::Error DequantizeSumQuantize(xla::ffi::Buffer<xla::ffi::U8> codes,
