@@ -375,46 +375,72 @@ __attribute__((always_inline)) inline Lanes butterfly_in_lanes(Lanes v) {
   return (lane & H) == 0 ? v + p : p - v;
 }
 
-// Unnormalized Walsh-Hadamard butterflies over g values (g a power of two), then * c.
-__attribute__((always_inline)) inline void hadamard_scaled(float* v, int64_t g, float c) {
-  if (g < kLanes) {
-    hadamard_butterflies(v, g);
-    for (int64_t i = 0; i < g; ++i) v[i] = v[i] * c;
-    return;
-  }
-  for (int64_t j = 0; j < g; j += kLanes) {  // stages 1, 2, 4, 8 inside each vector
-    Lanes a = load_lanes(v + j);
+__attribute__((always_inline)) inline Lanes xor_masks(Lanes a, const uint32_t* masks) {
+  ULanes m;
+  std::memcpy(&m, masks, sizeof m);
+  return bits_lanes(lanes_bits(a) ^ m);
+}
+
+// The last operations of a rotation on 16 values: * c, then (inverse) the signs in post.
+__attribute__((always_inline)) inline Lanes finish_lanes(Lanes a, float c,
+                                                         const uint32_t* post) {
+  a = a * c;
+  return post != nullptr ? xor_masks(a, post) : a;
+}
+
+// Forward or inverse rotation of one group of g values of T (g a power of two >= kLanes) into
+// the f32 buffer v: signs `pre` (forward rotation 2), the butterflies of codec.h's
+// hadamard_butterflies, * c, signs `post` (inverse rotation 2); null masks are skipped. Every
+// value goes through the same IEEE operations in the same order as the scalar reference; the
+// passes are only fused: stages 1, 2, 4, 8 run inside each vector of 16 as it is loaded, and
+// the scaling (and signs) ride on the last stage.
+template <typename T>
+__attribute__((always_inline)) inline void rotate_group(const typename T::Storage* x, int64_t g,
+                                                        float c, const uint32_t* pre,
+                                                        const uint32_t* post, float* v) {
+  for (int64_t j = 0; j < g; j += kLanes) {
+    Lanes a = load_lanes_t<T>(x + j);
+    if (pre != nullptr) a = xor_masks(a, pre + j);
     a = butterfly_in_lanes<1>(a);
     a = butterfly_in_lanes<2>(a);
     a = butterfly_in_lanes<4>(a);
     a = butterfly_in_lanes<8>(a);
+    if (g == kLanes) a = finish_lanes(a, c, post);
     std::memcpy(v + j, &a, sizeof a);
   }
   for (int64_t h = kLanes; h < g; h *= 2) {
+    const bool last = 2 * h == g;
     for (int64_t j0 = 0; j0 < g; j0 += 2 * h) {
       for (int64_t j = j0; j < j0 + h; j += kLanes) {
         const Lanes a = load_lanes(v + j), b = load_lanes(v + j + h);
-        const Lanes s = a + b, d = a - b;
-        std::memcpy(v + j, &s, sizeof s);
-        std::memcpy(v + j + h, &d, sizeof d);
+        Lanes sum = a + b, diff = a - b;
+        if (last) {
+          sum = finish_lanes(sum, c, post == nullptr ? nullptr : post + j);
+          diff = finish_lanes(diff, c, post == nullptr ? nullptr : post + j + h);
+        }
+        std::memcpy(v + j, &sum, sizeof sum);
+        std::memcpy(v + j + h, &diff, sizeof diff);
       }
     }
   }
-  for (int64_t j = 0; j < g; j += kLanes) {
-    const Lanes a = load_lanes(v + j) * c;
-    std::memcpy(v + j, &a, sizeof a);
+}
+
+// Scalar path for groups smaller than one vector (g = 8).
+__attribute__((always_inline)) inline void rotate_small(float* v, int64_t g, float c,
+                                                        const uint32_t* pre,
+                                                        const uint32_t* post) {
+  if (pre != nullptr) {
+    for (int64_t i = 0; i < g; ++i) v[i] = bits_to_float(float_to_bits(v[i]) ^ pre[i]);
+  }
+  hadamard_butterflies(v, g);
+  for (int64_t i = 0; i < g; ++i) v[i] = v[i] * c;
+  if (post != nullptr) {
+    for (int64_t i = 0; i < g; ++i) v[i] = bits_to_float(float_to_bits(v[i]) ^ post[i]);
   }
 }
 
-// Flip signs where masks has the sign bit (rotation 2); nothing when masks is null.
-__attribute__((always_inline)) inline void apply_sign_masks(float* v, int64_t g,
-                                                            const uint32_t* masks) {
-  if (masks == nullptr) return;
-  for (int64_t i = 0; i < g; ++i) v[i] = bits_to_float(float_to_bits(v[i]) ^ masks[i]);
-}
-
-// Quantize n_groups rotated groups of T: each group is widened to f32 in buf (g floats),
-// signed (masks non-null: rotation 2), transformed, scaled by c, then quantized as f32.
+// Quantize n_groups rotated groups of T: each group is rotated into buf (g floats; signed when
+// masks is non-null: rotation 2), then quantized as f32.
 template <typename T>
 FC_MULTIVERSION void quantize_groups_rotated(const typename T::Storage* x, int64_t n_groups,
                                              int64_t g, int bits, const uint32_t* masks,
@@ -424,22 +450,23 @@ FC_MULTIVERSION void quantize_groups_rotated(const typename T::Storage* x, int64
   const float c = rotation_scale(g);
   for (int64_t k = 0; k < n_groups; ++k) {
     const typename T::Storage* xs = x + k * g;
-    int64_t i = 0;
-    for (; i + kLanes <= g; i += kLanes) {
-      const Lanes a = load_lanes_t<T>(xs + i);
-      std::memcpy(buf + i, &a, sizeof a);
+    if (g >= kLanes) {
+      rotate_group<T>(xs, g, c, masks, nullptr, buf);
+    } else {
+      for (int64_t i = 0; i < g; ++i) buf[i] = T::load(xs[i]);
+      rotate_small(buf, g, c, masks, nullptr);
     }
-    for (; i < g; ++i) buf[i] = T::load(xs[i]);
-    apply_sign_masks(buf, g, masks);
-    hadamard_scaled(buf, g, c);
     quantize_one<F32>(buf, g, bits, codes + k * nbytes, scale + k, zero + k);
   }
 }
 
 // The inverse rotation of one decoded f32 group in place: butterflies, * c, then the signs.
 FC_MULTIVERSION inline void unrotate_group(float* v, int64_t g, const uint32_t* masks) {
-  hadamard_scaled(v, g, rotation_scale(g));
-  apply_sign_masks(v, g, masks);
+  if (g >= kLanes) {
+    rotate_group<F32>(v, g, rotation_scale(g), nullptr, masks, v);
+  } else {
+    rotate_small(v, g, rotation_scale(g), nullptr, masks);
+  }
 }
 
 }  // namespace cpu
