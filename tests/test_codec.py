@@ -180,3 +180,36 @@ def test_constants_match_header():
     assert f"kMinBits = {spec.MIN_BITS};" in header and f"kMaxBits = {spec.MAX_BITS};" in header
     assert f"kBlock = {spec.BLOCK};" in header
     assert f"kBf16NaN = 0x{spec.BF16_NAN_BITS:04X};" in header
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_fused_sum_partial_overflow_falls_back(n):
+    """Chunks whose running f32 sum overflows (+3e38 ... -3e38) but whose exact sum is finite
+    sum to a finite value, identically in the kernel and the twin; chunks that overflow for
+    real give Inf."""
+    g = 16
+    half = (n + 1) // 2
+    signs = np.array([1.0] * half + [-1.0] * (n - half), np.float32)
+    x = np.outer(signs, np.linspace(1.0, 0.5, g, dtype=np.float32) * 3e38).astype(np.float32)
+    p = codec.quantize(jnp.asarray(x.ravel()), bits=8, group_size=g, num_chunks=n)
+    p = p.split_groups(n)
+    decoded = np.asarray(codec.dequantize_sum(p, dtype=jnp.float32, backend="jnp"))
+    np.testing.assert_array_equal(
+        decoded.view(np.uint32),
+        np.asarray(codec.dequantize_sum(p, dtype=jnp.float32, backend="ffi")).view(np.uint32))
+    assert np.all(np.isfinite(decoded))
+    exact = x.astype(np.float64).sum(axis=0)
+    per_chunk = [codec.error_bound(p.map_arrays(lambda a, i=i: a[i], shape=(g,)))
+                 for i in range(n)]
+    # each chunk's quantization error, plus n f32 roundings of partial sums of at most n*3e38
+    eps32 = float(np.finfo(np.float32).eps)
+    bound = (np.sum([np.asarray(b, np.float64) for b in per_chunk], axis=0)
+             + n * (eps32 / 2) * n * 3e38)
+    assert np.all(np.abs(decoded - exact) <= bound)
+    same_sign = np.abs(x)
+    total = same_sign.astype(np.float64).sum(axis=0)
+    both = codec.quantize(jnp.asarray(same_sign.ravel()), bits=8, group_size=g, num_chunks=n)
+    summed = np.asarray(codec.dequantize_sum(both.split_groups(n), dtype=jnp.float32))
+    flt_max = float(np.finfo(np.float32).max)
+    assert np.all(np.isinf(summed[total > 1.01 * flt_max]))
+    assert np.all(np.isfinite(summed[total < 0.99 * flt_max]))

@@ -83,10 +83,35 @@ void DequantizeAll(const uint8_t* codes, const uint16_t* scale, const uint16_t* 
 
 // Sum over the chunk axis in order 0..n-1, in f32, of chunk c's group k, into buf.
 void SumGroup(const PayloadView& in, int64_t batch, int64_t k, float* buf) {
+  bool chunks_finite = true;
   for (int64_t c = 0; c < in.chunks; ++c) {
     const int64_t group = (batch * in.chunks + c) * in.groups_per_chunk + k;
     decode_group(in.codes + group * in.group_bytes, in.scale[group], in.zero[group],
                  in.group_size, in.bits, c > 0, buf);
+    chunks_finite = chunks_finite && is_finite(bf16_to_float(in.scale[group]));
+  }
+  if (!chunks_finite) return;
+  // The overflow fallback of codec.h (sum_shift): rare, so scalar.
+  const int s = sum_shift(in.chunks);
+  const float down = pow2f(-s), up = pow2f(s);
+  for (int64_t i = 0; i < in.group_size; i += kBlock) {
+    bool overflowed = false;
+    for (int j = 0; j < kBlock; ++j) overflowed = overflowed || !is_finite(buf[i + j]);
+    if (!overflowed) continue;
+    float scaled[kBlock] = {};
+    for (int64_t c = 0; c < in.chunks; ++c) {
+      const int64_t group = (batch * in.chunks + c) * in.groups_per_chunk + k;
+      const GroupParams p = stored_params(in.scale[group], in.zero[group]);
+      uint32_t q[kBlock];
+      unpack_block(in.codes + group * in.group_bytes + (i / kBlock) * in.bits, in.bits, q);
+      for (int j = 0; j < kBlock; ++j) {
+        const float d = mul_rn(decode(q[j], p), down);
+        scaled[j] = c == 0 ? d : add_rn(scaled[j], d);
+      }
+    }
+    for (int j = 0; j < kBlock; ++j) {
+      if (!is_finite(buf[i + j])) buf[i + j] = mul_rn(scaled[j], up);
+    }
   }
 }
 

@@ -136,6 +136,33 @@ __device__ __forceinline__ void sum_block(const PayloadView& in, int64_t out_gro
       for (int j = 0; j < kBlock; ++j) acc[j] = add_rn(acc[j], d[j]);
     }
   }
+  // The overflow fallback of codec.h (sum_shift): only where a plain sum is not finite and every
+  // chunk's group is.
+  bool overflowed = false;
+#pragma unroll
+  for (int j = 0; j < kBlock; ++j) overflowed = overflowed || !is_finite(acc[j]);
+  if (!overflowed) return;
+  for (int64_t c = 0; c < in.chunks; ++c) {
+    const int64_t group = (b * in.chunks + c) * in.groups_per_chunk + k;
+    if (!is_finite(bf16_to_float(in.scale[group]))) return;
+  }
+  const int s = sum_shift(in.chunks);
+  const float down = pow2f(-s), up = pow2f(s);
+  float scaled[kBlock] = {};
+  for (int64_t c = 0; c < in.chunks; ++c) {
+    const int64_t group = (b * in.chunks + c) * in.groups_per_chunk + k;
+    float d[kBlock];
+    decode_block(in.codes, in.scale, in.zero, group, in.group_bytes, blk, in.bits, d);
+#pragma unroll
+    for (int j = 0; j < kBlock; ++j) {
+      const float v = mul_rn(d[j], down);
+      scaled[j] = c == 0 ? v : add_rn(scaled[j], v);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kBlock; ++j) {
+    if (!is_finite(acc[j])) acc[j] = mul_rn(scaled[j], up);
+  }
 }
 
 // ---- warp-per-group quantization ----

@@ -147,7 +147,19 @@ def sum_chunks(codes, scale, zero, bits: int, group_size: int):
     acc = decoded[..., 0, :, :]
     for i in range(1, n):
         acc = acc + decoded[..., i, :, :]
-    return acc
+    # The overflow fallback (codec.h sum_shift): where a plain sum is not finite and every
+    # chunk's group is, sum the values scaled by 2^-s and scale back by 2^s.
+    shift = 1
+    while (1 << shift) < n:
+        shift += 1
+    down, up = np.float32(2.0**-shift), np.float32(2.0**shift)
+    # The barrier keeps XLA from factoring (a*c + b*c) * (1/c) back into the plain sum.
+    terms = lax.optimization_barrier(decoded * down)
+    scaled = terms[..., 0, :, :]
+    for i in range(1, n):
+        scaled = scaled + terms[..., i, :, :]
+    chunks_finite = jnp.all(jnp.isfinite(scale.astype(jnp.float32)), axis=-2)[..., None]
+    return jnp.where(jnp.isfinite(acc) | ~chunks_finite, acc, scaled * up)
 
 
 

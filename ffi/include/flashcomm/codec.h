@@ -284,6 +284,20 @@ FC_HD F decode_lanes(F q, const GroupParams& p) {
 
 FC_HD float decode(uint32_t q, const GroupParams& p) { return decode_lanes(float(q), p); }
 
+// ---- the fused sum's overflow fallback ----
+// The fused ops add N decoded chunks in f32 in chunk order. A running total can overflow
+// although the exact sum is finite (+3e38 + 3e38 - 3e38 - 3e38). Where an element's plain sum is
+// not finite and every chunk's group is finite, that element is summed again from the decoded
+// values scaled by 2^-s (s = sum_shift(N), so no partial sum can overflow) and the result is
+// multiplied by 2^s: exact scalings, and Inf only where the exact sum itself overflows f32.
+FC_HD int sum_shift(int64_t chunks) {
+  int s = 1;
+  while ((int64_t(1) << s) < chunks) ++s;
+  return s;
+}
+
+FC_HD float pow2f(int e) { return bits_to_float(uint32_t(127 + e) << 23); }  // -126 <= e <= 127
+
 // Pack 8 codes of `bits` bits LSB-first into `bits` bytes.
 FC_HD void pack_block(const uint32_t* q, int bits, uint8_t* out) {
   uint64_t acc = 0;
