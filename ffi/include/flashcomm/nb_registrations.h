@@ -1,0 +1,27 @@
+// The registrations() dict both nanobind modules (CPU, CUDA) export: target name -> capsule of
+// the XLA FFI handler, the same names on every platform. Host-only (never included by .cu).
+#ifndef FLASHCOMM_NB_REGISTRATIONS_H_
+#define FLASHCOMM_NB_REGISTRATIONS_H_
+
+#include <nanobind/nanobind.h>
+
+#include "xla/ffi/api/c_api.h"
+
+namespace flashcomm {
+
+using Handler = XLA_FFI_Error*(XLA_FFI_CallFrame*);
+
+inline nanobind::dict Registrations(Handler* quantize, Handler* dequantize,
+                                    Handler* dequantize_sum, Handler* dequantize_sum_quantize) {
+  auto capsule = [](Handler* fn) { return nanobind::capsule(reinterpret_cast<void*>(fn)); };
+  nanobind::dict d;
+  d["flashcomm_quantize"] = capsule(quantize);
+  d["flashcomm_dequantize"] = capsule(dequantize);
+  d["flashcomm_dequantize_sum"] = capsule(dequantize_sum);
+  d["flashcomm_dequantize_sum_quantize"] = capsule(dequantize_sum_quantize);
+  return d;
+}
+
+}  // namespace flashcomm
+
+#endif  // FLASHCOMM_NB_REGISTRATIONS_H_
