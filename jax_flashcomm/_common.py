@@ -72,6 +72,13 @@ def missing_axes(x, axes: tuple) -> tuple:
     return tuple(a for a in axes if a not in have)
 
 
+def to_varying(ct, axes: tuple):
+    """Cast ``ct`` to varying over ``axes`` (no communication): psum's transpose, and the type of
+    a cotangent whose instantiated zeros may not be varying yet."""
+    missing = missing_axes(ct, axes)
+    return lax.pcast(ct, missing, to="varying") if missing else ct
+
+
 def pack(p: Payload):
     """Payload -> one uint8 buffer ``(..., groups, codes_bytes + 4)``."""
     scale = lax.bitcast_convert_type(p.scale, jnp.uint8)

@@ -118,12 +118,6 @@ def vary(x, axes, config: CommConfig):
     return _vary(x, missing, config) if missing else x
 
 
-def to_varying(ct, axes):
-    """Cast ``ct`` to varying over ``axes`` (no communication): psum's transpose."""
-    missing = _common.missing_axes(ct, axes)
-    return lax.pcast(ct, missing, to="varying") if missing else ct
-
-
 # --- the two-step all-reduce -------------------------------------------------------------------
 
 def two_step(x, axes, config: CommConfig):
@@ -160,7 +154,7 @@ def _qpsum_fwd(x, axes, config):
 
 
 def _qpsum_bwd(axes, config, _, ct):
-    return (to_varying(ct, axes),)
+    return (_common.to_varying(ct, axes),)
 
 
 _qpsum.defvjp(_qpsum_fwd, _qpsum_bwd)

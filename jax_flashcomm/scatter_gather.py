@@ -97,7 +97,7 @@ def _empty_scatter(x, axes, dim, tiled, n):
     else:
         del shape[dim]
     out = jnp.zeros(shape, x.dtype) + jnp.sum(x).astype(x.dtype)  # x's varying axes, no values
-    return _common_vary_exact(out, axes)
+    return _common.to_varying(out, axes)
 
 
 def _chunked(x, n, dim):
@@ -145,19 +145,13 @@ def _qpsum_scatter_fwd(x, axes, dim, tiled, config):
 
 
 def _qpsum_scatter_bwd(axes, dim, tiled, config, _, ct):
-    ct = _common_vary_exact(ct, axes)
+    ct = _common.to_varying(ct, axes)
     if config.grad == "quantized":
         return (all_gather(ct, axes, axis=dim, tiled=tiled, config=config),)
     return (lax.all_gather(ct, axes, axis=dim, tiled=tiled),)
 
 
 _qpsum_scatter.defvjp(_qpsum_scatter_fwd, _qpsum_scatter_bwd)
-
-
-def _common_vary_exact(ct, axes):
-    """Cotangents of varying results are varying; make sure (instantiated zeros may not be)."""
-    missing = _common.missing_axes(ct, axes)
-    return lax.pcast(ct, missing, to="varying") if missing else ct
 
 
 # --- all_gather -----------------------------------------------------------------------------------
@@ -230,7 +224,7 @@ def _qall_gather_fwd(x, axes, axis, tiled, config):
 
 
 def _qall_gather_bwd(axes, axis, tiled, config, _, ct):
-    ct = _common_vary_exact(ct, axes)
+    ct = _common.to_varying(ct, axes)
     if config.grad == "quantized":
         return (psum_scatter(ct, axes, scatter_dimension=axis, tiled=tiled, config=config),)
     return (lax.psum_scatter(ct, axes, scatter_dimension=axis, tiled=tiled),)
