@@ -264,16 +264,13 @@ ffi::Error DequantizeSumQuantize(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF
   if (ffi::Error e = ViewChunkedPayload(codes, scale, zero, bits, group_size, &in); e.failure()) {
     return e;
   }
-  if (out_bits < kMinBits || out_bits > kMaxBits) {
-    return ffi::Error::InvalidArgument("flashcomm_dequantize_sum_quantize: out_bits not in 2..8");
+  int64_t n_out = 0;
+  if (ffi::Error e = CheckSumQuantizeOutputs(in, *out_codes, *out_scale, *out_zero, out_bits,
+                                             &n_out);
+      e.failure()) {
+    return e;
   }
-  const int64_t n_out = in.batch * in.groups_per_chunk;
   const int64_t out_nbytes = group_bytes(group_size, out_bits);
-  if (out_scale->element_count() != size_t(n_out) || out_zero->element_count() != size_t(n_out) ||
-      out_codes->element_count() != size_t(n_out * out_nbytes)) {
-    return ffi::Error::InvalidArgument(
-        "flashcomm_dequantize_sum_quantize: output payload has the wrong size");
-  }
   std::vector<float> buf(static_cast<size_t>(group_size));
   for (int64_t b = 0; b < in.batch; ++b) {
     for (int64_t k = 0; k < in.groups_per_chunk; ++k) {

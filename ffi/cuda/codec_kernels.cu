@@ -681,15 +681,11 @@ ffi::Error DequantizeSumQuantize(cudaStream_t stream, ffi::Buffer<ffi::U8> codes
   if (ffi::Error e = ViewChunkedPayload(codes, scale, zero, bits, group_size, &in); e.failure()) {
     return e;
   }
-  if (out_bits < kMinBits || out_bits > kMaxBits) {
-    return ffi::Error::InvalidArgument("flashcomm_dequantize_sum_quantize: out_bits not in 2..8");
-  }
-  const int64_t n_out = in.batch * in.groups_per_chunk;
-  const int64_t out_nbytes = group_bytes(group_size, out_bits);
-  if (out_scale->element_count() != size_t(n_out) || out_zero->element_count() != size_t(n_out) ||
-      out_codes->element_count() != size_t(n_out * out_nbytes)) {
-    return ffi::Error::InvalidArgument(
-        "flashcomm_dequantize_sum_quantize: output payload has the wrong size");
+  int64_t n_out = 0;
+  if (ffi::Error e = CheckSumQuantizeOutputs(in, *out_codes, *out_scale, *out_zero, out_bits,
+                                             &n_out);
+      e.failure()) {
+    return e;
   }
   if (n_out == 0) return ffi::Error::Success();
   DequantizeSumQuantizeKernel<<<GridFor(n_out, kWarpsPerBlock), kThreads, 0, stream>>>(

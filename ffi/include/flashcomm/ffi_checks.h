@@ -85,6 +85,25 @@ ffi::Error ViewChunkedPayload(const C& codes, const S& scale, const S& zero, int
   return ffi::Error::Success();
 }
 
+// The output payload of dequantize_sum_quantize: out_bits in range and (batch..., groups)
+// groups of out_bits codes.
+template <typename C, typename S>
+ffi::Error CheckSumQuantizeOutputs(const PayloadView& in, const C& out_codes, const S& out_scale,
+                                   const S& out_zero, int32_t out_bits, int64_t* n_out) {
+  if (out_bits < kMinBits || out_bits > kMaxBits) {
+    return ffi::Error::InvalidArgument("flashcomm_dequantize_sum_quantize: out_bits not in 2..8");
+  }
+  *n_out = in.batch * in.groups_per_chunk;
+  const int64_t out_nbytes = group_bytes(in.group_size, out_bits);
+  if (int64_t(out_scale.element_count()) != *n_out ||
+      int64_t(out_zero.element_count()) != *n_out ||
+      int64_t(out_codes.element_count()) != *n_out * out_nbytes) {
+    return ffi::Error::InvalidArgument(
+        "flashcomm_dequantize_sum_quantize: output payload has the wrong size");
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace flashcomm
 
 #endif  // FLASHCOMM_FFI_CHECKS_H_
