@@ -179,7 +179,7 @@ __device__ __forceinline__ void block_range(const float* v, float& lo, float& hi
 
 // Warp-wide min / max / all-finite. Lanes without blocks hold (+inf, -inf, true). Every lane
 // gets the same result: for finite groups min and max do not depend on the reduction order
-// except for the sign of zero, which is canonicalized to +0 as in cpu::group_range; for
+// except for the sign of zero, which is canonicalized to +0 as in cpu::load_range; for
 // non-finite groups lo and hi are not used.
 __device__ __forceinline__ void warp_range(float& lo, float& hi, bool& finite) {
 #pragma unroll
