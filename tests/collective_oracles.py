@@ -30,6 +30,17 @@ from jax.sharding import PartitionSpec as P
 import jax_flashcomm as fc
 from jax_flashcomm import allreduce, codec, scatter_gather
 
+
+# The meshes every collective is checked on: (mesh shape, mesh axis names, reduced axes).
+MESH_CASES = (
+    ((2,), ("i",), ("i",)),
+    ((4,), ("i",), ("i",)),
+    ((8,), ("i",), ("i",)),
+    ((2, 4), ("a", "b"), ("a",)),
+    ((2, 4), ("a", "b"), ("b",)),
+    ((2, 4), ("a", "b"), ("a", "b")),
+)
+
 EPS32 = float(np.finfo(np.float32).eps)
 FLT_MIN = float(np.finfo(np.float32).tiny)
 

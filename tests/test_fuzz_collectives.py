@@ -34,15 +34,6 @@ from conftest import make_mesh
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 GROUP_SIZES = (8, 16, 24, 64, 128, 256)
-# (mesh shape, names, reduced axes)
-MESH_CASES = (
-    ((2,), ("i",), ("i",)),
-    ((4,), ("i",), ("i",)),
-    ((8,), ("i",), ("i",)),
-    ((2, 4), ("a", "b"), ("a",)),
-    ((2, 4), ("a", "b"), ("b",)),
-    ((2, 4), ("a", "b"), ("a", "b")),
-)
 DIM_SIZES = (1, 2, 3, 8, 17, 40, 130)
 
 _PROFILE_EXAMPLES = settings.default.max_examples
@@ -80,7 +71,7 @@ def _values(rng, shape, dtype, n_ranks, magnitude, kind):
 
 @st.composite
 def collective_case(draw, min_rank=0):
-    shape_, names, axes = draw(st.sampled_from(MESH_CASES))
+    shape_, names, axes = draw(st.sampled_from(oracles.MESH_CASES))
     local = tuple(draw(st.lists(st.sampled_from(DIM_SIZES), min_size=min_rank, max_size=3)))
     dtype = draw(st.sampled_from(DTYPES))
     exact = draw(st.integers(0, 9)) == 0  # ~10% of the examples: the bits=None setting

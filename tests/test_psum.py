@@ -18,17 +18,10 @@ from jax_flashcomm import allreduce
 from jax_flashcomm import codec
 from jax_flashcomm.policy import CommConfig
 
+from collective_oracles import MESH_CASES
+
 EPS32 = float(np.finfo(np.float32).eps)
 
-# (mesh shape, mesh axis names, reduced axes)
-CASES = [
-    ((2,), ("i",), ("i",)),
-    ((4,), ("i",), ("i",)),
-    ((8,), ("i",), ("i",)),
-    ((2, 4), ("a", "b"), ("a",)),
-    ((2, 4), ("a", "b"), ("b",)),
-    ((2, 4), ("a", "b"), ("a", "b")),
-]
 
 
 def _put(mesh, x):
@@ -64,7 +57,7 @@ def _run(mesh, axes, x, config, local_shape):
     return [np.asarray(o) for o in f(_put(mesh, x))]
 
 
-@pytest.mark.parametrize("mesh_shape,names,axes", CASES)
+@pytest.mark.parametrize("mesh_shape,names,axes", MESH_CASES)
 def test_psum_parity_and_bound(mesh_factory, mesh_shape, names, axes):
     mesh = mesh_factory(mesh_shape, names)
     n_dev = math.prod(mesh_shape)
