@@ -375,6 +375,98 @@ FC_HD void hadamard_butterflies(float* v, int64_t g) {
   }
 }
 
+// ---- spike reserving (docs/format.md, "Spike reserving") ----
+// spikes = k: per group, the k values of largest magnitude travel as bf16 beside the codes,
+// with their positions, and the remaining values set the group's range. The group's record on
+// the wire is its codes, then k bf16 values (2 bytes each, little-endian), then k positions
+// (1 byte each for G <= 256, else 2 bytes little-endian).
+constexpr int kMaxSpikes = 16;
+
+FC_HD int64_t position_bytes(int64_t group_size) { return group_size <= 256 ? 1 : 2; }
+FC_HD int64_t spike_bytes(int64_t group_size, int spikes) {
+  return int64_t(spikes) * (2 + position_bytes(group_size));
+}
+// Bytes of one group's record in the codes array: packed codes plus the spike record.
+FC_HD int64_t record_bytes(int64_t group_size, int bits, int spikes) {
+  return group_bytes(group_size, bits) + spike_bytes(group_size, spikes);
+}
+
+// The ranking key of a value: its magnitude's bit pattern (a total order on |x|: NaN above
+// inf above every finite value; no float compare, so no flush-to-zero mode changes it).
+FC_HD uint32_t spike_key(float v) { return float_to_bits(v) & 0x7FFFFFFFu; }
+
+// Select the k positions of largest key in v[0..g), in descending key order, ties to the
+// lowest position (what k rounds of "first argmax of the keys not yet taken" give). One pass
+// with an insertion-sorted list of k: a value enters only if its key beats the k-th.
+FC_HD void select_spikes(const float* v, int64_t g, int k, int32_t* pos) {
+  uint32_t keys[kMaxSpikes];
+  int n = 0;
+  for (int64_t i = 0; i < g; ++i) {
+    const uint32_t key = spike_key(v[i]);
+    if (n == k && !(key > keys[k - 1])) continue;
+    int j = n < k ? n++ : k - 1;
+    while (j > 0 && key > keys[j - 1]) {  // strictly greater: equal keys keep lower positions first
+      keys[j] = keys[j - 1];
+      pos[j] = pos[j - 1];
+      --j;
+    }
+    keys[j] = key;
+    pos[j] = int32_t(i);
+  }
+}
+
+// The first position of v[0..g) that is not a spike: its value stands in for the spikes in
+// the range and encode passes (so they do not widen the range). k < g, so one exists.
+FC_HD int64_t first_kept(const int32_t* pos, int k) {
+  for (int64_t f = 0;; ++f) {
+    bool taken = false;
+    for (int j = 0; j < k; ++j) taken = taken || pos[j] == f;
+    if (!taken) return f;
+  }
+}
+
+// A spike's stored value: bf16 rounded to nearest even, saturated to the finite bf16 range
+// (a finite f32 above 3.3895e38 would round to inf), NaN for a non-finite group.
+FC_HD uint16_t spike_bits(float v, bool group_finite) {
+  if (!group_finite) return kBf16NaN;
+  const uint16_t h = bf16_from_float(v);
+  if ((h & 0x7FFFu) == 0x7F80u) return uint16_t((h & 0x8000u) | 0x7F7Fu);
+  return h;
+}
+
+// Write a group's spike record (values then positions) after its codes.
+FC_HD void store_spikes(const uint16_t* values, const int32_t* pos, int k, int64_t g,
+                        uint8_t* rec) {
+  for (int j = 0; j < k; ++j) {
+    rec[2 * j] = uint8_t(values[j]);
+    rec[2 * j + 1] = uint8_t(values[j] >> 8);
+  }
+  uint8_t* p = rec + 2 * k;
+  const int64_t pb = position_bytes(g);
+  for (int j = 0; j < k; ++j) {
+    p[pb * j] = uint8_t(pos[j]);
+    if (pb == 2) p[pb * j + 1] = uint8_t(pos[j] >> 8);
+  }
+}
+
+// Spike j of a record: its f32 value and position (a position >= G, only possible in a
+// tampered payload, is never written: decode skips it).
+FC_HD float spike_value(const uint8_t* rec, int j) {
+  return bf16_to_float(uint16_t(rec[2 * j] | (uint16_t(rec[2 * j + 1]) << 8)));
+}
+FC_HD int64_t spike_position(const uint8_t* rec, int k, int64_t g, int j) {
+  const uint8_t* p = rec + 2 * k;
+  return position_bytes(g) == 2 ? int64_t(p[2 * j] | (p[2 * j + 1] << 8)) : int64_t(p[j]);
+}
+
+// Overwrite a decoded f32 group's spike positions with the spikes, in record order.
+FC_HD void apply_spikes(const uint8_t* rec, int k, int64_t g, float* d) {
+  for (int j = 0; j < k; ++j) {
+    const int64_t p = spike_position(rec, k, g, j);
+    if (p < g) d[p] = spike_value(rec, j);
+  }
+}
+
 // Clamp to [-max, max]; NaN passes through. A dequantized operand is saturated to its dtype's
 // finite range: its values came from that dtype, and the top of a group's grid may overshoot
 // the group's max by part of a step (65504 at 2 bits decodes to 3 * 21888 = 65664).

@@ -23,31 +23,36 @@ struct PayloadView {
   int64_t chunks;
   int64_t groups_per_chunk;
   int64_t group_size;
-  int64_t group_bytes;
+  int64_t group_bytes;  // of one group's record: packed codes, then the spike record
   int bits;
+  int spikes;
 };
 
-inline ffi::Error CheckCodecAttrs(int32_t bits, int64_t group_size) {
+inline ffi::Error CheckCodecAttrs(int32_t bits, int64_t group_size, int32_t spikes) {
   if (bits < kMinBits || bits > kMaxBits) {
     return ffi::Error::InvalidArgument("flashcomm: bits must be in 2..8");
   }
   if (group_size <= 0 || group_size % kBlock != 0) {
     return ffi::Error::InvalidArgument("flashcomm: group_size must be a positive multiple of 8");
   }
+  if (spikes < 0 || spikes > kMaxSpikes || spikes >= group_size) {
+    return ffi::Error::InvalidArgument("flashcomm: spikes must be in 0..16 and below group_size");
+  }
   return ffi::Error::Success();
 }
 
 template <typename X, typename C, typename S>
 ffi::Error CheckQuantizeShapes(const X& x, const C& codes, const S& scale, const S& zero,
-                               int32_t bits, int64_t group_size, int64_t* n_groups) {
-  if (ffi::Error e = CheckCodecAttrs(bits, group_size); e.failure()) return e;
+                               int32_t bits, int64_t group_size, int32_t spikes,
+                               int64_t* n_groups) {
+  if (ffi::Error e = CheckCodecAttrs(bits, group_size, spikes); e.failure()) return e;
   const int64_t n = int64_t(x.element_count());
   if (n % group_size != 0) {
     return ffi::Error::InvalidArgument("flashcomm: operand size is not a multiple of group_size");
   }
   *n_groups = n / group_size;
   if (int64_t(scale.element_count()) != *n_groups || int64_t(zero.element_count()) != *n_groups ||
-      int64_t(codes.element_count()) != *n_groups * group_bytes(group_size, bits)) {
+      int64_t(codes.element_count()) != *n_groups * record_bytes(group_size, bits, spikes)) {
     return ffi::Error::InvalidArgument("flashcomm: payload shapes do not match the operand");
   }
   return ffi::Error::Success();
@@ -55,14 +60,15 @@ ffi::Error CheckQuantizeShapes(const X& x, const C& codes, const S& scale, const
 
 template <typename C, typename S, typename Y>
 ffi::Error CheckDequantizeShapes(const C& codes, const S& scale, const S& zero, const Y& y,
-                                 int32_t bits, int64_t group_size, int64_t* n_groups) {
-  return CheckQuantizeShapes(y, codes, scale, zero, bits, group_size, n_groups);
+                                 int32_t bits, int64_t group_size, int32_t spikes,
+                                 int64_t* n_groups) {
+  return CheckQuantizeShapes(y, codes, scale, zero, bits, group_size, spikes, n_groups);
 }
 
 template <typename C, typename S>
 ffi::Error ViewChunkedPayload(const C& codes, const S& scale, const S& zero, int32_t bits,
-                              int64_t group_size, PayloadView* view) {
-  if (ffi::Error e = CheckCodecAttrs(bits, group_size); e.failure()) return e;
+                              int64_t group_size, int32_t spikes, PayloadView* view) {
+  if (ffi::Error e = CheckCodecAttrs(bits, group_size, spikes); e.failure()) return e;
   const auto dims = scale.dimensions();
   if (dims.size() < 2) {
     return ffi::Error::InvalidArgument("flashcomm: chunked scale must have rank >= 2");
@@ -73,8 +79,9 @@ ffi::Error ViewChunkedPayload(const C& codes, const S& scale, const S& zero, int
   const int64_t per_batch = view->chunks * view->groups_per_chunk;
   view->batch = per_batch == 0 ? 0 : n / per_batch;
   view->group_size = group_size;
-  view->group_bytes = group_bytes(group_size, bits);
+  view->group_bytes = record_bytes(group_size, bits, spikes);
   view->bits = bits;
+  view->spikes = spikes;
   if (int64_t(zero.element_count()) != n ||
       int64_t(codes.element_count()) != n * view->group_bytes) {
     return ffi::Error::InvalidArgument("flashcomm: payload codes/scale/zero do not match");
@@ -86,7 +93,7 @@ ffi::Error ViewChunkedPayload(const C& codes, const S& scale, const S& zero, int
 }
 
 // The output payload of dequantize_sum_quantize: out_bits in range and (batch..., groups)
-// groups of out_bits codes.
+// groups of out_bits codes (with the input's spikes).
 template <typename C, typename S>
 ffi::Error CheckSumQuantizeOutputs(const PayloadView& in, const C& out_codes, const S& out_scale,
                                    const S& out_zero, int32_t out_bits, int64_t* n_out) {
@@ -94,7 +101,7 @@ ffi::Error CheckSumQuantizeOutputs(const PayloadView& in, const C& out_codes, co
     return ffi::Error::InvalidArgument("flashcomm_dequantize_sum_quantize: out_bits not in 2..8");
   }
   *n_out = in.batch * in.groups_per_chunk;
-  const int64_t out_nbytes = group_bytes(in.group_size, out_bits);
+  const int64_t out_nbytes = record_bytes(in.group_size, out_bits, in.spikes);
   if (int64_t(out_scale.element_count()) != *n_out ||
       int64_t(out_zero.element_count()) != *n_out ||
       int64_t(out_codes.element_count()) != *n_out * out_nbytes) {
