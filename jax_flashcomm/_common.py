@@ -2,7 +2,7 @@
 
 A codec :class:`~jax_flashcomm.codec.Payload` has three arrays (codes, scale, zero). Sending
 them as three collectives triples the per-collective latency, so the collectives here move one
-uint8 buffer per phase: ``(..., groups, G*bits/8 + 4)`` = codes, then the bf16 scale and zero
+uint8 buffer per phase: ``(..., groups, record + 4)`` = codes (and spike record), then the bf16 scale and zero
 as two bytes each (:func:`pack` / :func:`unpack`). The bytes are the payload's, unchanged.
 """
 
@@ -86,15 +86,16 @@ def pack(p: Payload):
     return jnp.concatenate([p.codes, scale, zero], axis=-1)
 
 
-def unpack(buf, *, bits: int, group_size: int, shape, dtype, rotation: int = 0) -> Payload:
+def unpack(buf, *, bits: int, group_size: int, shape, dtype, rotation: int = 0,
+           spikes: int = 0) -> Payload:
     """Inverse of :func:`pack`; ``shape``/``dtype`` describe the operand to rebuild (and
-    ``rotation`` its codec rotation, which the wire record does not carry)."""
-    nb = spec.group_bytes(group_size, bits)
+    ``rotation``/``spikes`` its codec options, which the wire record does not carry)."""
+    nb = spec.record_bytes(group_size, bits, spikes)
     codes = buf[..., :nb]
     scale = lax.bitcast_convert_type(buf[..., nb:nb + 2], jnp.bfloat16)
     zero = lax.bitcast_convert_type(buf[..., nb + 2:nb + 4], jnp.bfloat16)
     return Payload(codes, scale, zero, bits=bits, group_size=group_size, shape=tuple(shape),
-                   dtype=np.dtype(dtype), rotation=rotation)
+                   dtype=np.dtype(dtype), rotation=rotation, spikes=spikes)
 
 
 def with_meta(p: Payload, **meta) -> Payload:

@@ -38,7 +38,7 @@ __all__ = ["psum", "pmean"]
 def psum(x, axis_name, *, axis_index_groups=None, bits: int | None = 8,
          rs_bits: int | None = None, ag_bits: int | None = None, group_size: int = 128,
          min_bytes: int = DEFAULT_MIN_BYTES, backend: str = "auto", grad: str = "exact",
-         config: CommConfig | None = None, rotation=0):
+         config: CommConfig | None = None, rotation=0, spikes: int = 0):
     """Quantized all-reduce sum over mesh axes ``axis_name``: a drop-in for ``lax.psum``.
 
     Args:
@@ -55,13 +55,16 @@ def psum(x, axis_name, *, axis_index_groups=None, bits: int | None = 8,
       rotation: 0 (none), 1/"hadamard" or 2/"signed_hadamard": quantize each group's
         orthonormal Walsh-Hadamard transform; the sum is formed and re-quantized in the rotated
         domain and rotated back once, after the all-gather (docs/outliers.md).
+      spikes: per group, keep the k largest-magnitude values in bf16 with their positions
+        (0..16; both phases; after the rotation if any; docs/format.md "Spike reserving").
 
     Returns:
       The sum, of ``x``'s structure, shapes and dtypes, invariant over the reduced axes.
     """
     if config is None:
         config = make_config(bits=bits, rs_bits=rs_bits, ag_bits=ag_bits, group_size=group_size,
-                             min_bytes=min_bytes, backend=backend, grad=grad, rotation=rotation)
+                             min_bytes=min_bytes, backend=backend, grad=grad, rotation=rotation,
+                             spikes=spikes)
     config = make_config(config)
     if axis_index_groups is not None:
         raise NotImplementedError("jax_flashcomm.psum: axis_index_groups is not supported")
@@ -129,17 +132,17 @@ def two_step(x, axes, config: CommConfig):
     """
     n = _common.axis_size(axes)
     g, b1, b2 = config.group_size, config.phase1_bits, config.phase2_bits
-    rot = config.rotation
+    rot, k = config.rotation, config.spikes
     p1 = codec.quantize(x, bits=b1, group_size=g, num_chunks=n, backend=config.backend,
-                        rotation=rot)
+                        rotation=rot, spikes=k)
     chunks = _common.pack(p1.split_groups(n))                     # (N, groups/N, bytes)
     received = lax.all_to_all(chunks, axes, 0, 0, tiled=False)    # [i] = chunk from rank i
     recv = _common.unpack(received, bits=b1, group_size=g, shape=x.shape, dtype=x.dtype,
-                          rotation=rot)
+                          rotation=rot, spikes=k)
     summed = codec.dequantize_sum_quantize(recv, bits=b2, backend=config.backend)
     gathered = _common.all_gather_invariant(_common.pack(summed), axes, axis=0, tiled=True)
     p2 = _common.unpack(gathered, bits=b2, group_size=g, shape=x.shape, dtype=x.dtype,
-                        rotation=rot)
+                        rotation=rot, spikes=k)
     y = codec.dequantize(p2, backend=config.backend)
     return y, p1, p2
 

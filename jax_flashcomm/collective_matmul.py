@@ -158,7 +158,7 @@ def _ag_ring(x, axis_name, axis, bidirectional, consume, state, quant=None):
     ``start`` is the piece's row offset in the gathered array. The local chunk comes first. In
     every step the permute that brings the next piece is issued on the piece already here, so it
     does not depend on that step's ``consume`` (nor the other way round).
-    ``quant=(bits, group_size, codec_backend, rotation)``: pieces travel as codec payloads, quantized once on this rank
+    ``quant=(bits, group_size, codec_backend, rotation, spikes)``: pieces travel as codec payloads, quantized once on this rank
     and never re-quantized; every piece (the local one too) is consumed dequantized, so the
     result is that of gathering ``dequantize(quantize(x))``.
     """
@@ -170,12 +170,12 @@ def _ag_ring(x, axis_name, axis, bidirectional, consume, state, quant=None):
         enc, dec = (lambda a: a), (lambda p, like: p)
     else:
         quantize, dequantize = _codec_fns()
-        bits, group_size, backend, rotation = quant
+        bits, group_size, backend, rotation, spikes = quant
         layouts = {}
 
         def enc(a):  # quantize once, then one uint8 buffer: one permute per step, not three
             payload = quantize(a, bits=bits, group_size=group_size, backend=backend,
-                               rotation=rotation)
+                               rotation=rotation, spikes=spikes)
             layouts[a.shape] = jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape, b.dtype),
                                             payload)
             return _pack(payload)
@@ -330,7 +330,7 @@ _mrs.defvjp(_mrs_fwd, _mrs_bwd)
 
 
 def all_gather_matmul(x, w, axis_name, *, axis=0, bidirectional=False, bits=None,
-                      group_size=128, codec_backend="jnp", rotation=0):
+                      group_size=128, codec_backend="jnp", rotation=0, spikes=0):
     """``lax.all_gather(x, axis_name, axis=axis, tiled=True) @ w`` as an overlapped ring.
 
     Call inside ``jax.shard_map``. ``x``: this rank's rows (``x.shape[axis]`` of them) with the
@@ -350,7 +350,8 @@ def all_gather_matmul(x, w, axis_name, *, axis=0, bidirectional=False, bits=None
     twin: its dequantize is elementwise, so XLA fuses it into the loop fusion that feeds the
     chunk's dot instead of materializing it through an opaque FFI call.
     ``rotation``: the codec's group rotation (0 none, 1 Hadamard, 2 signed Hadamard; needs a
-    power-of-two ``group_size``), docs/format.md "Rotation".
+    power-of-two ``group_size``), docs/format.md "Rotation". ``spikes``: values per group kept in
+    bf16 with their positions (0..16), docs/format.md "Spike reserving".
     """
     fn = "all_gather_matmul"
     axis = _check_operands(fn, x, w, axis)
@@ -372,7 +373,8 @@ def all_gather_matmul(x, w, axis_name, *, axis=0, bidirectional=False, bits=None
         spec.check_backend(codec_backend)
         # An empty chunk has nothing to quantize: the exact ring of nothing is the result.
         rotation = spec.check_rotation(rotation, group_size)
-        quant = (bits, group_size, codec_backend, rotation) if x.size else None
+        spikes = spec.check_spikes(spikes, group_size)
+        quant = (bits, group_size, codec_backend, rotation, spikes) if x.size else None
     x, w = _match_vma(x, w, axis_name)
     return _agmm(x, w, axis_name, axis, bool(bidirectional), quant)
 

@@ -42,6 +42,7 @@ class CommConfig:
     cotangents; ``backend`` is the codec backend ("auto", "ffi", "jnp"). ``rotation``
     quantizes each group's (signed) Walsh-Hadamard transform (needs a power-of-two
     ``group_size``): outlier channels then no longer set the step of their groups.
+    ``spikes`` keeps each group's k largest-magnitude values in bf16 beside the codes.
     """
 
     bits: int | None = 8
@@ -54,6 +55,9 @@ class CommConfig:
     #: Rotation of every group before quantization (docs/format.md, "Rotation"; docs/outliers.md
     #: measures it): 0 none (the default), 1 Hadamard, 2 signed Hadamard, or their names.
     rotation: int = 0
+    #: Values per group kept in bf16 with their positions (docs/format.md, "Spike reserving";
+    #: docs/outliers.md measures it): 0 (the default) to 16, below group_size.
+    spikes: int = 0
 
     def __post_init__(self):
         if self.bits is not None:
@@ -68,6 +72,7 @@ class CommConfig:
         spec.check_group_size(self.group_size, "group_size")
         object.__setattr__(self, "rotation",
                            spec.check_rotation(self.rotation, self.group_size, "rotation"))
+        spec.check_spikes(self.spikes, self.group_size, "spikes")
         if (isinstance(self.min_bytes, (bool, np.bool_))
                 or not isinstance(self.min_bytes, (int, np.integer)) or self.min_bytes < 0):
             raise ValueError(f"min_bytes must be a non-negative int, got {self.min_bytes!r}")

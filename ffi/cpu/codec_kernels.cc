@@ -9,6 +9,7 @@
 
 #include "flashcomm/cpu_codec.h"
 #include "flashcomm/cpu_ops.h"
+#include "flashcomm/cpu_spikes.h"
 #include "flashcomm/ffi_checks.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -82,12 +83,18 @@ void DequantizeAll(const uint8_t* codes, const uint16_t* scale, const uint16_t* 
 }
 
 // Sum over the chunk axis in order 0..n-1, in f32, of chunk c's group k, into buf.
-void SumGroup(const PayloadView& in, int64_t batch, int64_t k, float* buf) {
+// With spikes, each chunk's decoded group (spikes put back) is added through tmp.
+void SumGroup(const PayloadView& in, int64_t batch, int64_t k, float* tmp, float* buf) {
   bool chunks_finite = true;
   for (int64_t c = 0; c < in.chunks; ++c) {
     const int64_t group = (batch * in.chunks + c) * in.groups_per_chunk + k;
-    decode_group(in.codes + group * in.group_bytes, in.scale[group], in.zero[group],
-                 in.group_size, in.bits, c > 0, buf);
+    if (in.spikes > 0) {
+      decode_spiked_group(in.codes + group * in.group_bytes, in.scale[group], in.zero[group],
+                          in.group_size, in.bits, in.spikes, c > 0, tmp, buf);
+    } else {
+      decode_group(in.codes + group * in.group_bytes, in.scale[group], in.zero[group],
+                   in.group_size, in.bits, c > 0, buf);
+    }
     chunks_finite = chunks_finite && is_finite(bf16_to_float(in.scale[group]));
   }
   if (!chunks_finite) return;
@@ -102,10 +109,11 @@ void SumGroup(const PayloadView& in, int64_t batch, int64_t k, float* buf) {
     for (int64_t c = 0; c < in.chunks; ++c) {
       const int64_t group = (batch * in.chunks + c) * in.groups_per_chunk + k;
       const GroupParams p = stored_params(in.scale[group], in.zero[group]);
-      uint32_t q[kBlock];
-      unpack_block(in.codes + group * in.group_bytes + (i / kBlock) * in.bits, in.bits, q);
+      float decoded[kBlock];
+      decode_spiked_block(in.codes + group * in.group_bytes, p, in.group_size, in.bits,
+                          in.spikes, i / kBlock, decoded);
       for (int j = 0; j < kBlock; ++j) {
-        const float d = mul_rn(decode(q[j], p), down);
+        const float d = mul_rn(decoded[j], down);
         scaled[j] = c == 0 ? d : add_rn(scaled[j], d);
       }
     }
@@ -119,16 +127,58 @@ void SumGroup(const PayloadView& in, int64_t batch, int64_t k, float* buf) {
 template <typename T>
 void DequantizeSumAll(const PayloadView& in, int32_t rotation, void* y) {
   auto* ys = static_cast<typename T::Storage*>(y);
-  std::vector<float> buf(static_cast<size_t>(in.group_size));
+  std::vector<float> buf(static_cast<size_t>(in.group_size)), tmp(buf.size());
   const std::vector<uint32_t> masks = SignMasks(rotation, in.group_size);
   const uint32_t* m = masks.empty() ? nullptr : masks.data();
   for (int64_t b = 0; b < in.batch; ++b) {
     for (int64_t k = 0; k < in.groups_per_chunk; ++k) {
-      SumGroup(in, b, k, buf.data());
+      SumGroup(in, b, k, tmp.data(), buf.data());
       if (rotation != kRotationNone) unrotate_group(buf.data(), in.group_size, m);
       store_group<T>(buf.data(), in.group_size, /*saturating=*/false,
                      ys + (b * in.groups_per_chunk + k) * in.group_size);
     }
+  }
+}
+
+
+// Quantize with k spikes per group (any rotation): each group is widened (and rotated) into
+// buf, then quantize_spiked_group writes its record.
+template <typename T>
+void QuantizeAllSpiked(const void* x, int64_t n_groups, int64_t g, int bits, int32_t rotation,
+                       int spikes, uint8_t* codes, uint16_t* scale, uint16_t* zero) {
+  const auto* xs = static_cast<const typename T::Storage*>(x);
+  const std::vector<uint32_t> masks = SignMasks(rotation, g);
+  const uint32_t* m = masks.empty() ? nullptr : masks.data();
+  std::vector<float> buf(static_cast<size_t>(g));
+  const int64_t stride = record_bytes(g, bits, spikes);
+  const float c = rotation_scale(g);
+  for (int64_t k = 0; k < n_groups; ++k) {
+    const typename T::Storage* group = xs + k * g;
+    if (rotation != kRotationNone && g >= kLanes) {
+      rotate_group<T>(group, g, c, m, nullptr, buf.data());
+    } else {
+      for (int64_t i = 0; i < g; ++i) buf[i] = T::load(group[i]);
+      if (rotation != kRotationNone) rotate_small(buf.data(), g, c, m, nullptr);
+    }
+    quantize_spiked_group(buf.data(), g, bits, spikes, codes + k * stride, scale + k, zero + k);
+  }
+}
+
+// Dequantize with k spikes per group: decode, put the spikes back, rotate back, saturate, store.
+template <typename T>
+void DequantizeAllSpiked(const uint8_t* codes, const uint16_t* scale, const uint16_t* zero,
+                         int64_t n_groups, int64_t g, int bits, int32_t rotation, int spikes,
+                         void* y) {
+  auto* ys = static_cast<typename T::Storage*>(y);
+  const std::vector<uint32_t> masks = SignMasks(rotation, g);
+  const uint32_t* m = masks.empty() ? nullptr : masks.data();
+  std::vector<float> buf(static_cast<size_t>(g));
+  const int64_t stride = record_bytes(g, bits, spikes);
+  for (int64_t k = 0; k < n_groups; ++k) {
+    decode_spiked_group(codes + k * stride, scale[k], zero[k], g, bits, spikes, false, nullptr,
+                        buf.data());
+    if (rotation != kRotationNone) unrotate_group(buf.data(), g, m);
+    store_group<T>(buf.data(), g, /*saturating=*/true, ys + k * g);
   }
 }
 
@@ -137,9 +187,10 @@ void DequantizeSumAll(const PayloadView& in, int32_t rotation, void* y) {
 ffi::Error Quantize(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U8>> codes,
                     ffi::Result<ffi::Buffer<ffi::BF16>> scale,
                     ffi::Result<ffi::Buffer<ffi::BF16>> zero, int32_t bits,
-                    int64_t group_size, int32_t rotation) {
+                    int64_t group_size, int32_t rotation, int32_t spikes) {
   int64_t n_groups = 0;
-  if (ffi::Error e = CheckQuantizeShapes(x, *codes, *scale, *zero, bits, group_size, &n_groups);
+  if (ffi::Error e = CheckQuantizeShapes(x, *codes, *scale, *zero, bits, group_size, spikes,
+                                         &n_groups);
       e.failure()) {
     return e;
   }
@@ -149,6 +200,22 @@ ffi::Error Quantize(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U8>> codes,
   uint8_t* c = codes->typed_data();
   uint16_t* s = scale->typed_data();
   uint16_t* z = zero->typed_data();
+  if (spikes > 0) {
+    const void* xs = x.untyped_data();
+    switch (x.element_type()) {
+      case ffi::F32:
+        QuantizeAllSpiked<F32>(xs, n_groups, group_size, bits, rotation, spikes, c, s, z);
+        return ffi::Error::Success();
+      case ffi::BF16:
+        QuantizeAllSpiked<BF16>(xs, n_groups, group_size, bits, rotation, spikes, c, s, z);
+        return ffi::Error::Success();
+      case ffi::F16:
+        QuantizeAllSpiked<F16>(xs, n_groups, group_size, bits, rotation, spikes, c, s, z);
+        return ffi::Error::Success();
+      default:
+        return ffi::Error::InvalidArgument("flashcomm_quantize: x must be f32, bf16 or f16");
+    }
+  }
   if (rotation != kRotationNone) {
     switch (x.element_type()) {
       case ffi::F32:
@@ -182,9 +249,10 @@ ffi::Error Quantize(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U8>> codes,
 
 ffi::Error Dequantize(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
                       ffi::Buffer<ffi::BF16> zero, ffi::Result<ffi::AnyBuffer> y, int32_t bits,
-                      int64_t group_size, int32_t rotation) {
+                      int64_t group_size, int32_t rotation, int32_t spikes) {
   int64_t n_groups = 0;
-  if (ffi::Error e = CheckDequantizeShapes(codes, scale, zero, *y, bits, group_size, &n_groups);
+  if (ffi::Error e = CheckDequantizeShapes(codes, scale, zero, *y, bits, group_size, spikes,
+                                           &n_groups);
       e.failure()) {
     return e;
   }
@@ -194,6 +262,22 @@ ffi::Error Dequantize(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
   const uint8_t* c = codes.typed_data();
   const uint16_t* s = scale.typed_data();
   const uint16_t* z = zero.typed_data();
+  if (spikes > 0) {
+    void* out = y->untyped_data();
+    switch (y->element_type()) {
+      case ffi::F32:
+        DequantizeAllSpiked<F32>(c, s, z, n_groups, group_size, bits, rotation, spikes, out);
+        return ffi::Error::Success();
+      case ffi::BF16:
+        DequantizeAllSpiked<BF16>(c, s, z, n_groups, group_size, bits, rotation, spikes, out);
+        return ffi::Error::Success();
+      case ffi::F16:
+        DequantizeAllSpiked<F16>(c, s, z, n_groups, group_size, bits, rotation, spikes, out);
+        return ffi::Error::Success();
+      default:
+        return ffi::Error::InvalidArgument("flashcomm_dequantize: y must be f32, bf16 or f16");
+    }
+  }
   if (rotation != kRotationNone) {
     void* out = y->untyped_data();
     switch (y->element_type()) {
@@ -227,9 +311,10 @@ ffi::Error Dequantize(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
 
 ffi::Error DequantizeSum(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
                          ffi::Buffer<ffi::BF16> zero, ffi::Result<ffi::AnyBuffer> y,
-                         int32_t bits, int64_t group_size, int32_t rotation) {
+                         int32_t bits, int64_t group_size, int32_t rotation, int32_t spikes) {
   PayloadView in;
-  if (ffi::Error e = ViewChunkedPayload(codes, scale, zero, bits, group_size, &in); e.failure()) {
+  if (ffi::Error e = ViewChunkedPayload(codes, scale, zero, bits, group_size, spikes, &in);
+      e.failure()) {
     return e;
   }
   if (ffi::Error e = CheckRotation(rotation, group_size, "flashcomm_dequantize_sum");
@@ -259,9 +344,10 @@ ffi::Error DequantizeSumQuantize(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF
                                  ffi::Result<ffi::Buffer<ffi::U8>> out_codes,
                                  ffi::Result<ffi::Buffer<ffi::BF16>> out_scale,
                                  ffi::Result<ffi::Buffer<ffi::BF16>> out_zero, int32_t bits,
-                                 int32_t out_bits, int64_t group_size) {
+                                 int32_t out_bits, int64_t group_size, int32_t spikes) {
   PayloadView in;
-  if (ffi::Error e = ViewChunkedPayload(codes, scale, zero, bits, group_size, &in); e.failure()) {
+  if (ffi::Error e = ViewChunkedPayload(codes, scale, zero, bits, group_size, spikes, &in);
+      e.failure()) {
     return e;
   }
   int64_t n_out = 0;
@@ -270,14 +356,20 @@ ffi::Error DequantizeSumQuantize(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF
       e.failure()) {
     return e;
   }
-  const int64_t out_nbytes = group_bytes(group_size, out_bits);
-  std::vector<float> buf(static_cast<size_t>(group_size));
+  const int64_t out_nbytes = record_bytes(group_size, out_bits, spikes);
+  std::vector<float> buf(static_cast<size_t>(group_size)), tmp(buf.size());
   for (int64_t b = 0; b < in.batch; ++b) {
     for (int64_t k = 0; k < in.groups_per_chunk; ++k) {
-      SumGroup(in, b, k, buf.data());
+      SumGroup(in, b, k, tmp.data(), buf.data());
       const int64_t o = b * in.groups_per_chunk + k;
-      quantize_group(buf.data(), group_size, out_bits, out_codes->typed_data() + o * out_nbytes,
-                     out_scale->typed_data() + o, out_zero->typed_data() + o);
+      uint8_t* rec = out_codes->typed_data() + o * out_nbytes;
+      uint16_t* s = out_scale->typed_data() + o;
+      uint16_t* z = out_zero->typed_data() + o;
+      if (spikes > 0) {
+        quantize_spiked_group(buf.data(), group_size, out_bits, spikes, rec, s, z);
+      } else {
+        quantize_group(buf.data(), group_size, out_bits, rec, s, z);
+      }
     }
   }
   return ffi::Error::Success();
@@ -294,7 +386,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommQuantizeCpu, flashcomm::cpu::Quantize,
                                   .Ret<ffi::Buffer<ffi::BF16>>()      // zero: (...)
                                   .Attr<int32_t>("bits")              // code width, 2..8
                                   .Attr<int64_t>("group_size")        // multiple of 8
-                                  .Attr<int32_t>("rotation"));        // 0, 1 or 2
+                                  .Attr<int32_t>("rotation")          // 0, 1 or 2
+                                  .Attr<int32_t>("spikes"));          // kept per group, 0..16
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeCpu, flashcomm::cpu::Dequantize,
                               ffi::Ffi::Bind()
@@ -304,7 +397,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeCpu, flashcomm::cpu::Dequantize
                                   .Ret<ffi::AnyBuffer>()              // y: (..., group_size)
                                   .Attr<int32_t>("bits")              // code width, 2..8
                                   .Attr<int64_t>("group_size")        // multiple of 8
-                                  .Attr<int32_t>("rotation"));        // 0, 1 or 2
+                                  .Attr<int32_t>("rotation")          // 0, 1 or 2
+                                  .Attr<int32_t>("spikes"));          // kept per group, 0..16
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeSumCpu, flashcomm::cpu::DequantizeSum,
                               ffi::Ffi::Bind()
@@ -314,7 +408,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeSumCpu, flashcomm::cpu::Dequant
                                   .Ret<ffi::AnyBuffer>()          // y: (..., G/chunk * group_size)
                                   .Attr<int32_t>("bits")          // code width of the input
                                   .Attr<int64_t>("group_size")    // multiple of 8
-                                  .Attr<int32_t>("rotation"));    // 0, 1 or 2
+                                  .Attr<int32_t>("rotation")      // 0, 1 or 2
+                                  .Attr<int32_t>("spikes"));      // kept per group, 0..16
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeSumQuantizeCpu,
                               flashcomm::cpu::DequantizeSumQuantize,
@@ -327,4 +422,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeSumQuantizeCpu,
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // zero: (..., G/chunk)
                                   .Attr<int32_t>("bits")          // code width of the input
                                   .Attr<int32_t>("out_bits")      // code width of the output
-                                  .Attr<int64_t>("group_size"));  // multiple of 8
+                                  .Attr<int64_t>("group_size")    // multiple of 8
+                                  .Attr<int32_t>("spikes"));      // in and out, 0..16

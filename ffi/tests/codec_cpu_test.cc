@@ -101,14 +101,14 @@ ffi::Error CallQuantize(const XLA_FFI_Buffer* x, Codes& codes, Bf16s& scale, Bf1
                         int bits, int64_t g) {
   return cpu::Quantize(ffi::AnyBuffer(x), ffi::Buffer<ffi::U8>(codes.view()),
                        ffi::Buffer<ffi::BF16>(scale.view()), ffi::Buffer<ffi::BF16>(zero.view()),
-                       bits, g, /*rotation=*/0);
+                       bits, g, /*rotation=*/0, /*spikes=*/0);
 }
 
 ffi::Error CallDequantize(const Codes& codes, const Bf16s& scale, const Bf16s& zero,
                           const XLA_FFI_Buffer* y, int bits, int64_t g) {
   return cpu::Dequantize(ffi::Buffer<ffi::U8>(codes.view()), ffi::Buffer<ffi::BF16>(scale.view()),
                          ffi::Buffer<ffi::BF16>(zero.view()), ffi::AnyBuffer(y), bits, g,
-                         /*rotation=*/0);
+                         /*rotation=*/0, /*spikes=*/0);
 }
 
 ffi::Error CallDequantizeSum(const Codes& codes, const Bf16s& scale, const Bf16s& zero,
@@ -116,7 +116,7 @@ ffi::Error CallDequantizeSum(const Codes& codes, const Bf16s& scale, const Bf16s
   return cpu::DequantizeSum(ffi::Buffer<ffi::U8>(codes.view()),
                             ffi::Buffer<ffi::BF16>(scale.view()),
                             ffi::Buffer<ffi::BF16>(zero.view()), ffi::AnyBuffer(y), bits, g,
-                         /*rotation=*/0);
+                         /*rotation=*/0, /*spikes=*/0);
 }
 
 ffi::Error CallDequantizeSumQuantize(const Codes& codes, const Bf16s& scale, const Bf16s& zero,
@@ -126,7 +126,7 @@ ffi::Error CallDequantizeSumQuantize(const Codes& codes, const Bf16s& scale, con
       ffi::Buffer<ffi::U8>(codes.view()), ffi::Buffer<ffi::BF16>(scale.view()),
       ffi::Buffer<ffi::BF16>(zero.view()), ffi::Buffer<ffi::U8>(out_codes.view()),
       ffi::Buffer<ffi::BF16>(out_scale.view()), ffi::Buffer<ffi::BF16>(out_zero.view()), bits,
-      out_bits, g);
+      out_bits, g, /*spikes=*/0);
 }
 
 // ---------------------------------------------------------------------------------------------

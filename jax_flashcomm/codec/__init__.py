@@ -30,6 +30,7 @@ __all__ = [
     "dequantize_sum",
     "dequantize_sum_quantize",
     "error_bound",
+    "spike_bound",
     "wire_bytes_per_element",
     "DEFAULT_GROUP_SIZE",
 ]
@@ -62,18 +63,21 @@ def _as_groups(x, group_size: int, num_chunks: int):
 
 
 def quantize(x, *, bits: int = 8, group_size: int = DEFAULT_GROUP_SIZE, num_chunks: int = 1,
-             backend: str = "auto", rotation=0) -> Payload:
+             backend: str = "auto", rotation=0, spikes: int = 0) -> Payload:
     """Quantize ``x`` (f32, bf16 or f16, any shape) to ``bits`` per value in groups.
 
     ``x`` is flattened and zero-padded to a multiple of ``num_chunks * group_size`` so the
     groups split evenly into ``num_chunks`` chunks (one per rank in a collective).
     ``rotation`` (0/"none", 1/"hadamard", 2/"signed_hadamard"; needs a power-of-two
     ``group_size``) quantizes each group's orthonormal Walsh-Hadamard transform instead of the
-    group (docs/format.md, "Rotation"); decoding applies the inverse.
+    group (docs/format.md, "Rotation"); decoding applies the inverse. ``spikes`` (0..16, below
+    ``group_size``) keeps each group's k largest-magnitude values in bf16 beside the codes
+    (docs/format.md, "Spike reserving"), after the rotation if there is one.
     """
     bits = spec.check_bits(bits)
     group_size = spec.check_group_size(group_size)
     rotation = spec.check_rotation(rotation, group_size)
+    spikes = spec.check_spikes(spikes, group_size)
     x = jnp.asarray(x)
     dtype = spec.check_dtype(x.dtype, "x")
     if x.size == 0:
@@ -82,9 +86,9 @@ def quantize(x, *, bits: int = 8, group_size: int = DEFAULT_GROUP_SIZE, num_chun
         raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
     groups = _as_groups(x, group_size, int(num_chunks))
     codes, scale, zero = _dispatch("quantize", groups, backend=backend, bits=bits,
-                                   group_size=group_size, rotation=rotation)
+                                   group_size=group_size, rotation=rotation, spikes=spikes)
     return Payload(codes, scale, zero, bits=bits, group_size=group_size,
-                   shape=tuple(x.shape), dtype=dtype, rotation=rotation)
+                   shape=tuple(x.shape), dtype=dtype, rotation=rotation, spikes=spikes)
 
 
 def _check_payload(payload, name="payload", *, covers_shape: bool = False) -> Payload:
@@ -101,17 +105,18 @@ def _check_payload(payload, name="payload", *, covers_shape: bool = False) -> Pa
     spec.check_bits(p.bits, f"{name}.bits")
     spec.check_group_size(p.group_size, f"{name}.group_size")
     spec.check_rotation(p.rotation, p.group_size, f"{name}.rotation")
+    spec.check_spikes(p.spikes, p.group_size, f"{name}.spikes")
     for field, want in (("codes", np.dtype(jnp.uint8)), ("scale", np.dtype(jnp.bfloat16)),
                         ("zero", np.dtype(jnp.bfloat16))):
         got = getattr(getattr(p, field), "dtype", None)
         if got is None or np.dtype(got) != want:
             raise TypeError(f"{name}.{field} must be a {want} array, got {got}")
-    nb = spec.group_bytes(p.group_size, p.bits)
+    nb = spec.record_bytes(p.group_size, p.bits, p.spikes)
     if p.scale.ndim < 1 or p.zero.shape != p.scale.shape or p.codes.shape != (*p.scale.shape, nb):
         raise ValueError(
             f"{name} arrays do not match: codes {p.codes.shape}, scale {p.scale.shape}, zero "
             f"{p.zero.shape}; want scale == zero == (..., groups) and codes (..., groups, {nb}) "
-            f"for bits={p.bits}, group_size={p.group_size}")
+            f"for bits={p.bits}, group_size={p.group_size}, spikes={p.spikes}")
     if covers_shape and p.scale.shape[-1] * p.group_size < math.prod(p.shape):
         raise ValueError(
             f"{name} has {p.scale.shape[-1]} groups of {p.group_size} values, fewer than the "
@@ -130,7 +135,8 @@ def dequantize(payload: Payload, *, dtype=None, backend: str = "auto"):
     p = _check_payload(payload, covers_shape=True)
     dtype = spec.check_dtype(p.dtype if dtype is None else dtype, "dtype")
     groups = _dispatch("dequantize", p.codes, p.scale, p.zero, backend=backend, bits=p.bits,
-                       group_size=p.group_size, dtype=dtype, rotation=p.rotation)
+                       group_size=p.group_size, dtype=dtype, rotation=p.rotation,
+                       spikes=p.spikes)
     return _restore(groups, p.shape)
 
 
@@ -149,7 +155,8 @@ def dequantize_sum(payload: Payload, *, dtype=None, backend: str = "auto"):
     _check_chunked(p)
     dtype = spec.check_dtype(p.dtype if dtype is None else dtype, "dtype")
     groups = _dispatch("dequantize_sum", p.codes, p.scale, p.zero, backend=backend, bits=p.bits,
-                       group_size=p.group_size, dtype=dtype, rotation=p.rotation)
+                       group_size=p.group_size, dtype=dtype, rotation=p.rotation,
+                       spikes=p.spikes)
     return groups.reshape(*groups.shape[:-2], -1)
 
 
@@ -166,9 +173,10 @@ def dequantize_sum_quantize(payload: Payload, *, bits: int | None = None,
     out_bits = p.bits if bits is None else spec.check_bits(bits)
     codes, scale, zero = _dispatch("dequantize_sum_quantize", p.codes, p.scale, p.zero,
                                    backend=backend, bits=p.bits, out_bits=out_bits,
-                                   group_size=p.group_size)
+                                   group_size=p.group_size, spikes=p.spikes)
     return Payload(codes, scale, zero, bits=out_bits, group_size=p.group_size,
-                   shape=(scale.shape[-1] * p.group_size,), dtype=p.dtype, rotation=p.rotation)
+                   shape=(scale.shape[-1] * p.group_size,), dtype=p.dtype, rotation=p.rotation,
+                   spikes=p.spikes)
 
 
 def _bf16_bits(a):
@@ -186,13 +194,54 @@ def error_bound(payload: Payload, *, dtype=None):
     p = _check_payload(payload, covers_shape=True)
     dtype = spec.check_dtype(p.dtype if dtype is None else dtype, "dtype")
     if p.rotation:
-        rot_bound, top = _group_bound(p, np.dtype(np.float32))
+        rot_bound, top = rotated_domain_bound(p)
         bound = rotation_bound(rot_bound, top, p.group_size, dtype)
         per_elem = jnp.broadcast_to(bound[..., None], (*bound.shape, p.group_size))
         return _restore(per_elem, p.shape)
     bound, _ = _group_bound(p, dtype)
     per_elem = jnp.broadcast_to(bound[..., None], (*bound.shape, p.group_size))
+    if p.spikes:
+        values, positions = _spikes(p)
+        iota = lax.broadcasted_iota(jnp.uint32, per_elem.shape, per_elem.ndim - 1)
+        spike_b = spike_bound(values, dtype)
+        for j in range(p.spikes):
+            per_elem = jnp.where(iota == positions[..., j:j + 1], spike_b[..., j:j + 1], per_elem)
     return _restore(per_elem, p.shape)
+
+
+def _spikes(p: Payload):
+    """A spiked payload's spike values (f32) and positions (uint32), ``(..., groups, k)``."""
+    nb = spec.group_bytes(p.group_size, p.bits)
+    values = reference.bf16_bits_to_f32(reference._from_le_bytes(p.codes[..., nb:nb + 2 * p.spikes], 2))
+    positions = reference._from_le_bytes(p.codes[..., nb + 2 * p.spikes:],
+                                         spec.position_bytes(p.group_size))
+    return values, positions
+
+
+def spike_bound(values, dtype):
+    """Bound on ``|x - s|`` of a spike stored as ``s`` (f32): bf16 round-to-nearest
+    (``2^-8 |s|``), subnormals stored as zero (below ``FLT_MIN``), the saturation of values
+    above the largest bf16, and the cast to ``dtype`` (docs/format.md, "Spike reserving")."""
+    mag = jnp.abs(values)
+    bound = mag * np.float32(2.0**-8) + 2 * float(spec.FLT_MIN)
+    saturated = mag == np.float32(3.3895313892515355e38)
+    bound = bound + jnp.where(saturated, float(spec.FLT_MAX_MINUS_BF16_LOWEST), 0.0)
+    dtype = np.dtype(dtype)
+    if dtype != np.float32:
+        info = jnp.finfo(dtype)
+        bound = bound + float(info.eps) * mag + 0.5 * float(info.smallest_subnormal)
+    return bound
+
+
+def rotated_domain_bound(p: Payload):
+    """Per group of a payload's f32 (rotated-domain) values: the elementwise error bound and
+    ``top``, a bound on every decoded value's magnitude; spikes included."""
+    bound, top = _group_bound(p, np.dtype(np.float32))
+    if p.spikes:
+        values, _ = _spikes(p)
+        bound = jnp.maximum(bound, jnp.max(spike_bound(values, np.float32), axis=-1))
+        top = jnp.maximum(top, jnp.max(jnp.abs(values), axis=-1))
+    return bound, top
 
 
 def _group_bound(p: Payload, dtype):

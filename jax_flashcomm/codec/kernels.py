@@ -67,47 +67,49 @@ def _like(x, shape, dtype):
     return aval.update(shape=tuple(shape), dtype=np.dtype(dtype), sharding=sharding)
 
 
-def quantize(v, *, bits: int, group_size: int, rotation: int = 0):
+def quantize(v, *, bits: int, group_size: int, rotation: int = 0, spikes: int = 0):
     """``v`` ``(..., group_size)`` of f32/bf16/f16 -> (codes, scale, zero)."""
     lead = v.shape[:-1]
     call = jax.ffi.ffi_call(
         "flashcomm_quantize",
-        (_like(v, (*lead, spec.group_bytes(group_size, bits)), jnp.uint8),
+        (_like(v, (*lead, spec.record_bytes(group_size, bits, spikes)), jnp.uint8),
          _like(v, lead, jnp.bfloat16), _like(v, lead, jnp.bfloat16)),
         vmap_method="broadcast_all",
     )
     return tuple(call(v, bits=np.int32(bits), group_size=np.int64(group_size),
-                      rotation=np.int32(rotation)))
+                      rotation=np.int32(rotation), spikes=np.int32(spikes)))
 
 
-def dequantize(codes, scale, zero, *, bits: int, group_size: int, dtype, rotation: int = 0):
+def dequantize(codes, scale, zero, *, bits: int, group_size: int, dtype, rotation: int = 0,
+               spikes: int = 0):
     call = jax.ffi.ffi_call(
         "flashcomm_dequantize", _like(codes, (*scale.shape, group_size), dtype),
         vmap_method="broadcast_all",
     )
     return call(codes, scale, zero, bits=np.int32(bits), group_size=np.int64(group_size),
-                rotation=np.int32(rotation))
+                rotation=np.int32(rotation), spikes=np.int32(spikes))
 
 
 def dequantize_sum(codes, scale, zero, *, bits: int, group_size: int, dtype,
-                   rotation: int = 0):
+                   rotation: int = 0, spikes: int = 0):
     """Chunked ``(..., N, groups, bytes)`` -> f32-summed ``(..., groups, group_size)``."""
     out_shape = (*scale.shape[:-2], scale.shape[-1], group_size)
     call = jax.ffi.ffi_call(
         "flashcomm_dequantize_sum", _like(codes, out_shape, dtype), vmap_method="broadcast_all"
     )
     return call(codes, scale, zero, bits=np.int32(bits), group_size=np.int64(group_size),
-                rotation=np.int32(rotation))
+                rotation=np.int32(rotation), spikes=np.int32(spikes))
 
 
-def dequantize_sum_quantize(codes, scale, zero, *, bits: int, out_bits: int, group_size: int):
+def dequantize_sum_quantize(codes, scale, zero, *, bits: int, out_bits: int, group_size: int,
+                            spikes: int = 0):
     """Chunked payload -> f32 sum over N -> payload ``(..., groups, ...)`` at ``out_bits``."""
     groups = (*scale.shape[:-2], scale.shape[-1])
     call = jax.ffi.ffi_call(
         "flashcomm_dequantize_sum_quantize",
-        (_like(codes, (*groups, spec.group_bytes(group_size, out_bits)), jnp.uint8),
+        (_like(codes, (*groups, spec.record_bytes(group_size, out_bits, spikes)), jnp.uint8),
          _like(codes, groups, jnp.bfloat16), _like(codes, groups, jnp.bfloat16)),
         vmap_method="broadcast_all",
     )
     return tuple(call(codes, scale, zero, bits=np.int32(bits), out_bits=np.int32(out_bits),
-                      group_size=np.int64(group_size)))
+                      group_size=np.int64(group_size), spikes=np.int32(spikes)))

@@ -12,7 +12,7 @@ import numpy as np
 class Payload:
     """Codes and per-group parameters of a quantized operand (docs/format.md).
 
-    ``codes`` is uint8 ``(..., groups, group_size * bits / 8)``; ``scale`` and ``zero`` are bf16
+    ``codes`` is uint8 ``(..., groups, group_size * bits / 8 + spike bytes)``; ``scale`` and ``zero`` are bf16
     ``(..., groups)``. The leading ``...`` axes are chunk or batch axes that collectives move
     around. ``shape`` and ``dtype`` describe the operand that :func:`dequantize` rebuilds.
     A payload is a pytree whose leaves are the three arrays, so it passes through ``jit``,
@@ -29,6 +29,9 @@ class Payload:
     #: 0: the codes are of the values; 1 or 2: of the group's (signed) Hadamard rotation
     #: (docs/format.md, "Rotation"); decoding applies the inverse.
     rotation: int = dataclasses.field(default=0, metadata=dict(static=True))
+    #: k > 0: each group's k largest-magnitude values travel as bf16 with their positions after
+    #: its codes, in the codes array (docs/format.md, "Spike reserving").
+    spikes: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     @property
     def num_groups(self) -> int:
@@ -36,7 +39,7 @@ class Payload:
 
     @property
     def nbytes(self) -> int:
-        """Bytes on the wire: codes plus scale and zero."""
+        """Bytes on the wire: codes (and spike records) plus scale and zero."""
         return self.codes.size + 2 * self.scale.size + 2 * self.zero.size
 
     def map_arrays(self, fn, **meta) -> "Payload":
@@ -68,5 +71,5 @@ class Payload:
 jax.tree_util.register_dataclass(
     Payload,
     data_fields=["codes", "scale", "zero"],
-    meta_fields=["bits", "group_size", "shape", "dtype", "rotation"],
+    meta_fields=["bits", "group_size", "shape", "dtype", "rotation", "spikes"],
 )

@@ -53,12 +53,14 @@ def bf16_round_up(x):
     return jnp.where(bump, truncated + _U32(0x10000), truncated) >> 16
 
 
-def group_params(v, bits: int):
-    """Per group of ``v``: stored (scale_bits, zero_bits), and zero, pre, inv_scale, finite."""
+def group_params(v, bits: int, finite=None):
+    """Per group of ``v``: stored (scale_bits, zero_bits), and zero, pre, inv_scale, finite.
+    ``finite`` (per group) overrides whether the group counts as finite (spike reserving)."""
     inv_levels = np.float32(1) / np.float32((1 << bits) - 1)
     lo = jnp.min(v, axis=-1)
     hi = jnp.max(v, axis=-1)
-    finite = jnp.all(jnp.isfinite(v), axis=-1)
+    if finite is None:
+        finite = jnp.all(jnp.isfinite(v), axis=-1)
     lo = jnp.where(lo == 0, jnp.float32(0), lo)  # canonical +0 (see codec.h)
     hi = jnp.where(hi == 0, jnp.float32(0), hi)
     zero_bits = bf16_round_down(lo)
@@ -121,28 +123,91 @@ def unpack(codes, bits: int, group_size: int):
     return q.reshape(*lead, group_size)
 
 
-def quantize_groups(v, bits: int):
-    """f32 groups ``(..., G)`` -> (codes uint8, scale bf16, zero bf16)."""
+# ---- spike reserving (codec.h select_spikes ..., docs/format.md "Spike reserving") ----
+
+def select_spikes(v, spikes: int):
+    """Positions ``(..., k)`` int32 of the k largest ``|v|`` per group (key: the magnitude's
+    bits), in descending order, ties to the lowest position: k rounds of first-argmax."""
+    keys = (_f32_bits(v) & _U32(0x7FFFFFFF)).astype(jnp.int32)
+    iota = lax.broadcasted_iota(jnp.int32, v.shape, v.ndim - 1)
+    positions = []
+    for _ in range(spikes):
+        p = jnp.argmax(keys, axis=-1).astype(jnp.int32)
+        positions.append(p)
+        keys = jnp.where(iota == p[..., None], jnp.int32(-1), keys)
+    return jnp.stack(positions, axis=-1)
+
+
+def spike_value_bits(v, finite):
+    """bf16 bits (uint32) of the spikes: round to nearest even, saturated to the finite bf16
+    range, subnormals as signed zeros; NaN (0x7FC0) in non-finite groups."""
+    u = _f32_bits(v)
+    rounded = (u + _U32(0x7FFF) + ((u >> 16) & _U32(1))) >> 16
+    h = jnp.where((u & _U32(0x7FFFFFFF)) > _U32(0x7F800000), (u >> 16) | _U32(0x40), rounded)
+    h = jnp.where((h & _U32(0x7FFF)) == _U32(0x7F80), (h & _U32(0x8000)) | _U32(0x7F7F), h)
+    h = jnp.where((h & _U32(0x7F80)) == 0, h & _U32(0x8000), h)  # subnormal: a signed zero
+    return jnp.where(finite[..., None], h, _U32(spec.BF16_NAN_BITS))
+
+
+def _le_bytes(x, nbytes: int):
+    """uint32 ``(..., k)`` -> uint8 ``(..., k * nbytes)``, each little-endian."""
+    parts = [(x >> (8 * i)) & _U32(0xFF) for i in range(nbytes)]
+    return jnp.stack(parts, axis=-1).reshape(*x.shape[:-1], -1).astype(jnp.uint8)
+
+
+def _from_le_bytes(b, nbytes: int):
+    """uint8 ``(..., k * nbytes)`` -> uint32 ``(..., k)``."""
+    b = b.astype(_U32).reshape(*b.shape[:-1], -1, nbytes)
+    return sum(b[..., i] << (8 * i) for i in range(nbytes))
+
+
+def quantize_groups(v, bits: int, spikes: int = 0):
+    """f32 groups ``(..., G)`` -> (codes uint8, scale bf16, zero bf16); with ``spikes`` the codes
+    array holds each group's spike record after its codes."""
     v = v.astype(jnp.float32)
-    scale_bits, zero_bits, zero, pre, inv_scale, finite = group_params(v, bits)
+    if not spikes:
+        scale_bits, zero_bits, zero, pre, inv_scale, finite = group_params(v, bits)
+        q = encode(v, zero, pre, inv_scale, finite, bits)
+        return pack(q, bits), bits_to_bf16(scale_bits), bits_to_bf16(zero_bits)
+    g = v.shape[-1]
+    pos = select_spikes(v, spikes)
+    iota = lax.broadcasted_iota(jnp.int32, v.shape, v.ndim - 1)
+    is_spike = jnp.any(iota[..., None] == pos[..., None, :], axis=-1)
+    first_kept = jnp.argmax(~is_spike, axis=-1)
+    stand_in = jnp.take_along_axis(v, first_kept[..., None], axis=-1)
+    kept = jnp.take_along_axis(v, pos, axis=-1)
+    finite = jnp.all(jnp.isfinite(v), axis=-1)
+    v = jnp.where(is_spike, stand_in, v)
+    scale_bits, zero_bits, zero, pre, inv_scale, finite = group_params(v, bits, finite)
     q = encode(v, zero, pre, inv_scale, finite, bits)
-    return pack(q, bits), bits_to_bf16(scale_bits), bits_to_bf16(zero_bits)
+    record = [pack(q, bits), _le_bytes(spike_value_bits(kept, finite), 2),
+              _le_bytes(pos.astype(_U32), spec.position_bytes(g))]
+    return jnp.concatenate(record, axis=-1), bits_to_bf16(scale_bits), bits_to_bf16(zero_bits)
 
 
-def decode_groups(codes, scale, zero, bits: int, group_size: int):
-    """(codes, scale, zero) -> f32 groups ``(..., G)``: ``fma(q, scale, zero)`` (see codec.h)."""
-    q = unpack(codes, bits, group_size).astype(jnp.float32)
+def decode_groups(codes, scale, zero, bits: int, group_size: int, spikes: int = 0):
+    """(codes, scale, zero) -> f32 groups ``(..., G)``: ``fma(q, scale, zero)`` (see codec.h),
+    then the spikes written over their positions, in record order."""
+    nb = spec.group_bytes(group_size, bits)
+    q = unpack(codes[..., :nb], bits, group_size).astype(jnp.float32)
     scale = scale.astype(jnp.float32)[..., None]
     zero = zero.astype(jnp.float32)[..., None]
     prod = q * scale
     half = np.float32(0.5)
     from_halves = (q * (scale * half) + zero * half) * np.float32(2)
-    return jnp.where(jnp.isfinite(prod), prod + zero, from_halves)
+    d = jnp.where(jnp.isfinite(prod), prod + zero, from_halves)
+    if spikes:
+        values = bf16_bits_to_f32(_from_le_bytes(codes[..., nb:nb + 2 * spikes], 2))
+        pos = _from_le_bytes(codes[..., nb + 2 * spikes:], spec.position_bytes(group_size))
+        iota = lax.broadcasted_iota(_U32, d.shape, d.ndim - 1)
+        for j in range(spikes):
+            d = jnp.where(iota == pos[..., j:j + 1], values[..., j:j + 1], d)
+    return d
 
 
-def sum_chunks(codes, scale, zero, bits: int, group_size: int):
+def sum_chunks(codes, scale, zero, bits: int, group_size: int, spikes: int = 0):
     """Decode chunked payload arrays ``(..., N, groups, bytes)`` and sum over N in f32, in order."""
-    decoded = decode_groups(codes, scale, zero, bits, group_size)  # (..., N, groups, G)
+    decoded = decode_groups(codes, scale, zero, bits, group_size, spikes)  # (..., N, groups, G)
     n = decoded.shape[-3]
     acc = decoded[..., 0, :, :]
     for i in range(1, n):
@@ -213,11 +278,11 @@ def unrotate(v, rotation: int):
     return apply_signs(v) if rotation == 2 else v
 
 
-def quantize(v, *, bits: int, group_size: int, rotation: int = 0):
+def quantize(v, *, bits: int, group_size: int, rotation: int = 0, spikes: int = 0):
     del group_size
     if rotation:
-        return quantize_groups(rotate(v.astype(jnp.float32), rotation), bits)
-    return quantize_groups(v, bits)
+        return quantize_groups(rotate(v.astype(jnp.float32), rotation), bits, spikes)
+    return quantize_groups(v, bits, spikes)
 
 
 def saturate(v, dtype):
@@ -226,21 +291,25 @@ def saturate(v, dtype):
     return jnp.where(v > top, top, jnp.where(v < -top, -top, v))
 
 
-def dequantize(codes, scale, zero, *, bits: int, group_size: int, dtype, rotation: int = 0):
-    v = decode_groups(codes, scale, zero, bits, group_size)
+def dequantize(codes, scale, zero, *, bits: int, group_size: int, dtype, rotation: int = 0,
+               spikes: int = 0):
+    v = decode_groups(codes, scale, zero, bits, group_size, spikes)
     if rotation:
         v = unrotate(v, rotation)
     return saturate(v, dtype).astype(dtype)
 
 
-def dequantize_sum(codes, scale, zero, *, bits: int, group_size: int, dtype, rotation: int = 0):
-    v = sum_chunks(codes, scale, zero, bits, group_size)
+def dequantize_sum(codes, scale, zero, *, bits: int, group_size: int, dtype, rotation: int = 0,
+                   spikes: int = 0):
+    v = sum_chunks(codes, scale, zero, bits, group_size, spikes)
     if rotation:
         v = unrotate(v, rotation)
     return v.astype(dtype)
 
 
-def dequantize_sum_quantize(codes, scale, zero, *, bits: int, out_bits: int, group_size: int):
-    return quantize_groups(sum_chunks(codes, scale, zero, bits, group_size), out_bits)
+def dequantize_sum_quantize(codes, scale, zero, *, bits: int, out_bits: int, group_size: int,
+                            spikes: int = 0):
+    return quantize_groups(sum_chunks(codes, scale, zero, bits, group_size, spikes), out_bits,
+                           spikes)
 
 

@@ -76,6 +76,24 @@ def check_rotation(rotation, group_size: int | None = None, name: str = "rotatio
     return rotation
 
 
+#: Spike reserving (docs/format.md, "Spike reserving"): at most this many values per group
+#: travel as bf16 beside the codes.
+MAX_SPIKES = 16
+
+
+def check_spikes(spikes, group_size: int | None = None, name: str = "spikes") -> int:
+    """``spikes`` (values kept in bf16 per group) is an int in 0..16, below ``group_size``."""
+    if spikes is None:
+        return 0
+    if isinstance(spikes, (bool, np.bool_)) or not isinstance(spikes, (int, np.integer)):
+        raise TypeError(f"{name} must be an int in 0..{MAX_SPIKES}, got {spikes!r}")
+    if not 0 <= int(spikes) <= MAX_SPIKES:
+        raise ValueError(f"{name} must be in 0..{MAX_SPIKES}, got {spikes}")
+    if group_size is not None and int(spikes) >= group_size:
+        raise ValueError(f"{name}={spikes} must be below group_size={group_size}")
+    return int(spikes)
+
+
 def check_backend(backend) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -87,12 +105,28 @@ def group_bytes(group_size: int, bits: int) -> int:
     return group_size * bits // 8
 
 
+def position_bytes(group_size: int) -> int:
+    """Bytes of one spike position: 1 for G <= 256, else 2."""
+    return 1 if group_size <= 256 else 2
+
+
+def spike_bytes(group_size: int, spikes: int) -> int:
+    """Bytes of a group's spike record: k bf16 values and k positions."""
+    return spikes * (2 + position_bytes(group_size))
+
+
+def record_bytes(group_size: int, bits: int, spikes: int = 0) -> int:
+    """Bytes per group of a payload's codes array: packed codes, then the spike record."""
+    return group_bytes(group_size, bits) + spike_bytes(group_size, spikes)
+
+
 def padded_size(size: int, group_size: int, multiple: int = 1) -> int:
     """``size`` rounded up to a multiple of ``multiple * group_size`` (at least one group)."""
     unit = multiple * group_size
     return max(unit, -(-size // unit) * unit)
 
 
-def wire_bytes_per_element(bits: int, group_size: int) -> float:
-    """Bytes one payload carries per operand element: codes plus the bf16 scale and zero."""
-    return (group_bytes(group_size, bits) + 4) / group_size
+def wire_bytes_per_element(bits: int, group_size: int, spikes: int = 0) -> float:
+    """Bytes one payload carries per operand element: codes, spike record, bf16 scale and
+    zero."""
+    return (record_bytes(group_size, bits, spikes) + 4) / group_size

@@ -426,11 +426,14 @@ FC_HD int64_t first_kept(const int32_t* pos, int k) {
 }
 
 // A spike's stored value: bf16 rounded to nearest even, saturated to the finite bf16 range
-// (a finite f32 above 3.3895e38 would round to inf), NaN for a non-finite group.
+// (a finite f32 above 3.3895e38 would round to inf), a subnormal result stored as a zero of
+// its sign (decoded values are never denormal, whatever a platform's flush-to-zero mode does
+// with them), NaN for a non-finite group.
 FC_HD uint16_t spike_bits(float v, bool group_finite) {
   if (!group_finite) return kBf16NaN;
   const uint16_t h = bf16_from_float(v);
   if ((h & 0x7FFFu) == 0x7F80u) return uint16_t((h & 0x8000u) | 0x7F7Fu);
+  if ((h & 0x7F80u) == 0) return uint16_t(h & 0x8000u);
   return h;
 }
 

@@ -195,29 +195,34 @@ __attribute__((always_inline)) inline void decode_unpacked(const uint8_t* codes,
   }
 }
 
+// Quantize one group; `others_finite` false makes it a non-finite group whatever its values
+// (spike reserving: a non-finite spike). Returns whether the group is finite.
 template <typename T>
-__attribute__((always_inline)) inline void quantize_one(const typename T::Storage* x, int64_t g,
+__attribute__((always_inline)) inline bool quantize_one(const typename T::Storage* x, int64_t g,
                                                         int bits, uint8_t* codes,
-                                                        uint16_t* scale, uint16_t* zero) {
+                                                        uint16_t* scale, uint16_t* zero,
+                                                        bool others_finite = true) {
   float lo, hi;
   bool finite;
   load_range<T>(x, g, &lo, &hi, &finite);
+  finite = finite && others_finite;
   const GroupParams p = group_params(lo, hi, finite, bits);
   *scale = p.scale_bits;
   *zero = p.zero_bits;
   if (!finite) {
     std::memset(codes, 0, size_t(group_bytes(g, bits)));
-    return;
+    return false;
   }
   switch (bits) {
-    case 2: return encode_pack<T, 2>(x, g, p, codes);
-    case 3: return encode_pack<T, 3>(x, g, p, codes);
-    case 4: return encode_pack<T, 4>(x, g, p, codes);
-    case 5: return encode_pack<T, 5>(x, g, p, codes);
-    case 6: return encode_pack<T, 6>(x, g, p, codes);
-    case 7: return encode_pack<T, 7>(x, g, p, codes);
-    default: return encode_pack<T, 8>(x, g, p, codes);
+    case 2: encode_pack<T, 2>(x, g, p, codes); break;
+    case 3: encode_pack<T, 3>(x, g, p, codes); break;
+    case 4: encode_pack<T, 4>(x, g, p, codes); break;
+    case 5: encode_pack<T, 5>(x, g, p, codes); break;
+    case 6: encode_pack<T, 6>(x, g, p, codes); break;
+    case 7: encode_pack<T, 7>(x, g, p, codes); break;
+    default: encode_pack<T, 8>(x, g, p, codes); break;
   }
+  return true;
 }
 
 // Quantize n_groups groups of g elements of T: codes (g * bits / 8 bytes each), bf16 scale

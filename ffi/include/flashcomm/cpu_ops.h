@@ -17,19 +17,23 @@ namespace cpu {
 // rotation: 0 none, 1 Hadamard, 2 signed Hadamard of each group (codec.h; docs/format.md).
 // Quantize rotates before quantizing; Dequantize and DequantizeSum rotate back (the sum once,
 // in the rotated domain); DequantizeSumQuantize stays in the rotated domain.
+// spikes: per group, the k largest-magnitude values kept in bf16 after the codes (codec.h
+// select_spikes; docs/format.md "Spike reserving"); the codes arrays hold record_bytes per group.
 // x (..., group_size) f32/bf16/f16 -> codes (..., group_size * bits / 8) u8, scale and zero
 // (...) bf16.
 xla::ffi::Error Quantize(xla::ffi::AnyBuffer x, xla::ffi::Result<xla::ffi::Buffer<xla::ffi::U8>> codes,
                          xla::ffi::Result<xla::ffi::Buffer<xla::ffi::BF16>> scale,
                          xla::ffi::Result<xla::ffi::Buffer<xla::ffi::BF16>> zero, int32_t bits,
-                         int64_t group_size, int32_t rotation);
+                         int64_t group_size, int32_t rotation,
+                         int32_t spikes);
 
 // codes, scale, zero -> y (..., group_size) f32/bf16/f16, saturated to y's finite range.
 xla::ffi::Error Dequantize(xla::ffi::Buffer<xla::ffi::U8> codes,
                            xla::ffi::Buffer<xla::ffi::BF16> scale,
                            xla::ffi::Buffer<xla::ffi::BF16> zero,
                            xla::ffi::Result<xla::ffi::AnyBuffer> y, int32_t bits,
-                           int64_t group_size, int32_t rotation);
+                           int64_t group_size, int32_t rotation,
+                         int32_t spikes);
 
 // codes (..., N, G, bytes), scale and zero (..., N, G) -> y (..., G * group_size): the f32 sum
 // over the N chunks in order 0..N-1, stored as y's dtype.
@@ -37,7 +41,8 @@ xla::ffi::Error DequantizeSum(xla::ffi::Buffer<xla::ffi::U8> codes,
                               xla::ffi::Buffer<xla::ffi::BF16> scale,
                               xla::ffi::Buffer<xla::ffi::BF16> zero,
                               xla::ffi::Result<xla::ffi::AnyBuffer> y, int32_t bits,
-                              int64_t group_size, int32_t rotation);
+                              int64_t group_size, int32_t rotation,
+                         int32_t spikes);
 
 // As DequantizeSum, then the f32 sum is quantized again with out_bits.
 xla::ffi::Error DequantizeSumQuantize(xla::ffi::Buffer<xla::ffi::U8> codes,
@@ -46,7 +51,8 @@ xla::ffi::Error DequantizeSumQuantize(xla::ffi::Buffer<xla::ffi::U8> codes,
                                       xla::ffi::Result<xla::ffi::Buffer<xla::ffi::U8>> out_codes,
                                       xla::ffi::Result<xla::ffi::Buffer<xla::ffi::BF16>> out_scale,
                                       xla::ffi::Result<xla::ffi::Buffer<xla::ffi::BF16>> out_zero,
-                                      int32_t bits, int32_t out_bits, int64_t group_size);
+                                      int32_t bits, int32_t out_bits, int64_t group_size,
+                                      int32_t spikes);
 
 }  // namespace cpu
 }  // namespace flashcomm

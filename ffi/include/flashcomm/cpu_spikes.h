@@ -1,0 +1,65 @@
+// Host loops of spike reserving (docs/format.md, "Spike reserving"): quantize a group with its
+// k largest-magnitude values kept in bf16, and put them back after decoding. The arithmetic is
+// codec.h's (select_spikes, spike_bits, apply_spikes); the codes are cpu_codec.h's.
+#ifndef FLASHCOMM_CPU_SPIKES_H_
+#define FLASHCOMM_CPU_SPIKES_H_
+
+#include <cstdint>
+
+#include "flashcomm/codec.h"
+#include "flashcomm/cpu_codec.h"
+
+namespace flashcomm {
+namespace cpu {
+
+// Quantize one f32 group v (g values; overwritten: the spikes are replaced by the first kept
+// value) with k spikes into its record rec (codes, then the spike record), scale and zero.
+FC_MULTIVERSION inline void quantize_spiked_group(float* v, int64_t g, int bits, int k,
+                                                  uint8_t* rec, uint16_t* scale,
+                                                  uint16_t* zero) {
+  int32_t pos[kMaxSpikes];
+  float kept[kMaxSpikes];
+  select_spikes(v, g, k, pos);
+  bool spikes_finite = true;
+  for (int j = 0; j < k; ++j) {
+    kept[j] = v[pos[j]];
+    spikes_finite = spikes_finite && is_finite(kept[j]);
+  }
+  const float stand_in = v[first_kept(pos, k)];
+  for (int j = 0; j < k; ++j) v[pos[j]] = stand_in;
+  const bool finite = quantize_one<F32>(v, g, bits, rec, scale, zero, spikes_finite);
+  uint16_t values[kMaxSpikes];
+  for (int j = 0; j < k; ++j) values[j] = spike_bits(kept[j], finite);
+  store_spikes(values, pos, k, g, rec + group_bytes(g, bits));
+}
+
+// Decode one group's record into f32 values, spikes put back; accumulate (out += decoded)
+// when `accumulate`, through tmp (g floats) so the sum adds the spiked values.
+FC_MULTIVERSION inline void decode_spiked_group(const uint8_t* rec, uint16_t scale,
+                                                uint16_t zero, int64_t g, int bits, int k,
+                                                bool accumulate, float* tmp, float* out) {
+  float* d = accumulate ? tmp : out;
+  decode_group(rec, scale, zero, g, bits, false, d);
+  apply_spikes(rec + group_bytes(g, bits), k, g, d);
+  if (accumulate) {
+    for (int64_t i = 0; i < g; ++i) out[i] = add_rn(out[i], d[i]);
+  }
+}
+
+// Eight decoded values (block b of a group's record), spikes put back.
+inline void decode_spiked_block(const uint8_t* rec, const GroupParams& p, int64_t g, int bits,
+                                int k, int64_t block, float* d) {
+  uint32_t q[kBlock];
+  unpack_block(rec + block * bits, bits, q);
+  for (int j = 0; j < kBlock; ++j) d[j] = decode(q[j], p);
+  const uint8_t* spikes = rec + group_bytes(g, bits);
+  for (int j = 0; j < k; ++j) {
+    const int64_t at = spike_position(spikes, k, g, j) - block * kBlock;
+    if (at >= 0 && at < kBlock) d[at] = spike_value(spikes, j);
+  }
+}
+
+}  // namespace cpu
+}  // namespace flashcomm
+
+#endif  // FLASHCOMM_CPU_SPIKES_H_
