@@ -14,9 +14,10 @@ Options (same group size G, same bits in both phases):
 * ``plain``: per-group min/max (the shipped format);
 * ``hadamard`` / ``signed_hadamard``: codec ``rotation=1`` / ``2`` (docs/format.md, "Rotation");
   same wire bytes as plain;
-* ``spikes{k}`` (**simulated**, not in the codec yet): per group the k largest |x| travel as
-  bf16 values plus 1-byte positions (``G <= 256``) or 2-byte ones, are excluded from min/max
-  and overwrite their decoded slots; built from the jnp twin's functions, both phases.
+* ``spikes{k}``: codec ``spikes=k`` (docs/format.md, "Spike reserving"): per group the k
+  largest |x| travel as bf16 values plus 1-byte positions (``G <= 256``) or 2-byte ones, are
+  excluded from min/max and overwrite their decoded slots, in both phases;
+* ``signed_hadamard+spikes1``: both (spikes selected in the rotated domain).
 
 The all-reduce is the two-step algorithm of ``jax_flashcomm.psum`` run with the codec ops on one
 device (quantize each rank's operand in N chunks, f32 sum of the N decoded chunks in rank order
@@ -50,15 +51,18 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jax_flashcomm import codec  # noqa: E402
-from jax_flashcomm.codec import reference, spec  # noqa: E402
+from jax_flashcomm.codec import spec  # noqa: E402
 
 N_RANKS = 4
 CHANNELS = 4096
 OUTLIER_CHANNELS = np.array([11, 523, 1100, 1999, 2048, 2900, 3333, 4000])
 OUTLIER_FACTORS = np.linspace(20.0, 100.0, len(OUTLIER_CHANNELS))
 OFFSET = 3.0
-OPTIONS = ("plain", "hadamard", "signed_hadamard", "spikes1", "spikes4")
-ROTATION = {"plain": 0, "hadamard": 1, "signed_hadamard": 2}
+OPTIONS = ("plain", "hadamard", "signed_hadamard", "spikes1", "spikes4",
+           "signed_hadamard+spikes1")
+#: option -> codec (rotation, spikes)
+CODEC_OPTIONS = {"plain": (0, 0), "hadamard": (1, 0), "signed_hadamard": (2, 0),
+                 "spikes1": (0, 1), "spikes4": (0, 4), "signed_hadamard+spikes1": (2, 1)}
 
 
 def make_data(kind: str, tokens: int, seed: int = 0) -> np.ndarray:
@@ -76,24 +80,18 @@ def make_data(kind: str, tokens: int, seed: int = 0) -> np.ndarray:
     return x.astype(np.float32)
 
 
-def spike_bytes(k: int, g: int) -> int:
-    return k * (2 + (1 if g <= 256 else 2))
-
-
 def bytes_per_element(option: str, bits: int, g: int) -> float:
-    base = spec.wire_bytes_per_element(bits, g)
-    if option.startswith("spikes"):
-        return base + spike_bytes(int(option[6:]), g) / g
-    return base
+    return spec.wire_bytes_per_element(bits, g, CODEC_OPTIONS[option][1])
 
 
-# --- the two-step all-reduce with the codec ops (rotation options) ---------------------------
+# --- the two-step all-reduce with the codec ops ---------------------------------------------
 
-def psum_rotated(x, bits: int, g: int, rotation: int, backend: str):
+def psum_codec(x, bits: int, g: int, rotation: int, spikes: int, backend: str):
     """x (N, ...) -> the two-step all-reduce sum (what each rank gets), via the codec ops."""
     n = x.shape[0]
     payloads = [codec.quantize(x[r], bits=bits, group_size=g, num_chunks=n, rotation=rotation,
-                               backend=backend).split_groups(n) for r in range(n)]
+                               spikes=spikes, backend=backend).split_groups(n)
+                for r in range(n)]
     gathered = []
     for i in range(n):  # rank i receives chunk i of every rank
         recv = jax.tree.map(lambda *a: jnp.stack([v[i] for v in a]), *payloads)
@@ -101,47 +99,13 @@ def psum_rotated(x, bits: int, g: int, rotation: int, backend: str):
     full = jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *gathered)
         # the operand's shape, as psum's phase-2 payload
     full = full.__class__(full.codes, full.scale, full.zero, bits=bits, group_size=g,
-                          shape=x.shape[1:], dtype=x.dtype, rotation=rotation)
+                          shape=x.shape[1:], dtype=x.dtype, rotation=rotation, spikes=spikes)
     return codec.dequantize(full, backend=backend)
 
 
-# --- spike reserving, simulated with the jnp twin's functions -------------------------------
-
-def spike_roundtrip(v, bits: int, k: int):
-    """f32 groups (..., G) -> decoded groups: k largest |v| kept as bf16, rest quantized."""
-    g = v.shape[-1]
-    mag = jnp.abs(v)
-    # top-k by magnitude, ties to the lowest index (stable argsort of -|v|)
-    order = jnp.argsort(-mag, axis=-1, stable=True)
-    idx = order[..., :k]
-    is_spike = jnp.zeros(v.shape, bool)
-    is_spike = jnp.put_along_axis(is_spike, idx, True, axis=-1, inplace=False)
-    rest_min = jnp.min(jnp.where(is_spike, jnp.inf, v), axis=-1, keepdims=True)
-    filled = jnp.where(is_spike, rest_min, v)
-    codes, scale, zero = reference.quantize_groups(filled, bits)
-    dec = reference.decode_groups(codes, scale, zero, bits, g)
-    spikes = v.astype(jnp.bfloat16).astype(jnp.float32)
-    return jnp.where(is_spike, spikes, dec)
-
-
-def psum_spikes(x, bits: int, g: int, k: int):
-    n = x.shape[0]
-    flat = x.reshape(n, -1)
-    size = flat.shape[1]
-    padded = spec.padded_size(size, g, n)
-    flat = jnp.pad(flat, ((0, 0), (0, padded - size)))
-    dec = spike_roundtrip(flat.reshape(n, -1, g), bits, k)  # phase 1, every rank
-    acc = dec[0]
-    for r in range(1, n):  # f32 sum in rank order
-        acc = acc + dec[r]
-    out = spike_roundtrip(acc, bits, k)  # phase 2
-    return out.reshape(-1)[:size].reshape(x.shape[1:])
-
-
 def run_option(option, x, bits, g, backend):
-    if option in ROTATION:
-        return psum_rotated(x, bits, g, ROTATION[option], backend)
-    return psum_spikes(x, bits, g, int(option[6:]))
+    rotation, spikes = CODEC_OPTIONS[option]
+    return psum_codec(x, bits, g, rotation, spikes, backend)
 
 
 def rel_rms(y, x) -> float:
@@ -151,17 +115,17 @@ def rel_rms(y, x) -> float:
 
 # --- check against jax_flashcomm.psum ---------------------------------------------------------
 
-def check_against_psum(x, bits, g, rotation):
+def check_against_psum(x, bits, g, rotation, spikes):
     import jax_flashcomm as fc
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     mesh = jax.make_mesh((N_RANKS,), ("i",))
     f = jax.jit(jax.shard_map(
         lambda v: fc.psum(v[0], "i", bits=bits, group_size=g, min_bytes=0,
-                          rotation=rotation)[None],
+                          rotation=rotation, spikes=spikes)[None],
         mesh=mesh, in_specs=P("i"), out_specs=P("i")))
     y = np.asarray(f(jax.device_put(x, NamedSharding(mesh, P("i")))))
-    mine = np.asarray(jax.jit(lambda v: psum_rotated(v, bits, g, rotation, "auto"))(x))
+    mine = np.asarray(jax.jit(lambda v: psum_codec(v, bits, g, rotation, spikes, "auto"))(x))
     for r in range(N_RANKS):
         np.testing.assert_array_equal(y[r].view(np.uint32), mine.view(np.uint32))
 
@@ -228,8 +192,8 @@ def main():
     kinds = ("gauss", "heavy", "gauss+outliers", "heavy+outliers", "offset")
     data = {k: make_data(k, tokens, seed=i) for i, k in enumerate(kinds)}
     if args.check:
-        for rot in (0, 2):
-            check_against_psum(data["gauss+outliers"], 4, 128, rot)
+        for rot, k in ((0, 0), (2, 0), (0, 1), (2, 1)):
+            check_against_psum(data["gauss+outliers"], 4, 128, rot, k)
         print("check: codec-op simulation == jax_flashcomm.psum (4 devices) bit for bit")
     backend = "ffi" if codec.kernels.available("cpu") else "jnp"
     results = []

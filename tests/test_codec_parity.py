@@ -114,17 +114,19 @@ def operands(draw):
     return jnp.asarray(v.reshape(shape)).astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "group_size"))
-def _roundtrip_both(x, bits, group_size):
-    p_ffi = codec.quantize(x, bits=bits, group_size=group_size, backend="ffi")
-    p_jnp = codec.quantize(x, bits=bits, group_size=group_size, backend="jnp")
+@functools.partial(jax.jit, static_argnames=("bits", "group_size", "spikes"))
+def _roundtrip_both(x, bits, group_size, spikes=0):
+    q = dict(bits=bits, group_size=group_size, spikes=spikes)
+    p_ffi = codec.quantize(x, backend="ffi", **q)
+    p_jnp = codec.quantize(x, backend="jnp", **q)
     return (p_ffi, p_jnp, codec.dequantize(p_ffi, backend="ffi"),
             codec.dequantize(p_jnp, backend="jnp"), codec.error_bound(p_ffi))
 
 
-@given(x=operands(), bits=st.integers(2, 8), group_size=st.sampled_from([8, 16, 24, 128, 256]))
-def test_hypothesis_parity_and_bound(x, bits, group_size):
-    p_ffi, p_jnp, y_ffi, y_jnp, bound = _roundtrip_both(x, bits, group_size)
+@given(x=operands(), bits=st.integers(2, 8), group_size=st.sampled_from([8, 16, 24, 128, 256]),
+       spikes=st.sampled_from([0, 0, 1, 3, 7]))
+def test_hypothesis_parity_and_bound(x, bits, group_size, spikes):
+    p_ffi, p_jnp, y_ffi, y_jnp, bound = _roundtrip_both(x, bits, group_size, spikes)
     assert_payloads_equal(p_ffi, p_jnp)
     assert_bits_equal(y_ffi, y_jnp)
     err = np.abs(np.asarray(y_ffi, np.float64) - np.asarray(x, np.float64))

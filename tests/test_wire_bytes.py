@@ -76,3 +76,22 @@ def test_wire_bytes_per_element(n):
             assert ratios[bits] <= limit, (bits, ratios[bits])
     print(f"N={n}: wire bytes vs lax.psum ring: " +
           ", ".join(f"int{b} {r:.4f}x" for b, r in ratios.items()))
+
+
+@pytest.mark.parametrize("bits,spikes", [(4, 1), (4, 4), (8, 2)])
+def test_wire_bytes_with_spikes(bits, spikes):
+    """Spike reserving adds k * 3 bytes per group of 128 (bf16 value + 1-byte position) to each
+    phase's payload, and nothing else: the compiled HLO moves exactly that."""
+    n = 4
+    mesh = jax.make_mesh((n,), ("i",), devices=jax.devices()[:n])
+    elems = n * 128 * 64
+    x = jax.device_put(jnp.ones((n, elems), jnp.bfloat16), NamedSharding(mesh, P("i")))
+    f = jax.jit(jax.shard_map(
+        lambda v: fc.psum(v[0], "i", bits=bits, min_bytes=0, spikes=spikes), mesh=mesh,
+        in_specs=P("i"), out_specs=P()))
+    sent = wire_bytes(f.lower(x).compile().as_text(), n)
+    assert set(sent) == {"all-to-all", "all-gather"}, sent
+    expect = 2 * (n - 1) / n * elems * (128 * bits / 8 + 4 + 3 * spikes) / 128
+    assert sum(sent.values()) == pytest.approx(expect, rel=1e-12)
+    assert expect == pytest.approx(
+        2 * (n - 1) / n * elems * fc.codec.wire_bytes_per_element(bits, 128, spikes))

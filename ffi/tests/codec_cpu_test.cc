@@ -751,6 +751,97 @@ void TestConversions(Rng& rng) {
 
 }  // namespace
 
+// Spike reserving (docs/format.md): the k largest |x| of a group come back as their bf16
+// values at their positions (selected with ties to the lowest position), the other values
+// within the group's step; fused sums and a tampered position run clean under the sanitizers.
+void TestSpikes(Rng& rng, int64_t g, int k, int32_t rotation) {
+  const int bits = 4;
+  const int64_t groups = 4;
+  const int64_t rec = record_bytes(g, bits, k);
+  Array<float> x({groups, g}, XLA_FFI_DataType_F32);
+  for (auto& v : x.data) v = float(rng.normal());
+  for (int64_t r = 0; r < groups; ++r) x.data[size_t(r * g + (r * 7) % g)] *= 80.0f;
+  x.data[size_t(g + 1)] = 50.0f;  // a tie with another 50 in group 1
+  x.data[size_t(g + 3)] = -50.0f;
+  Codes codes({groups, rec}, XLA_FFI_DataType_U8);
+  Bf16s scale({groups}, XLA_FFI_DataType_BF16), zero({groups}, XLA_FFI_DataType_BF16);
+  ffi::Error e = cpu::Quantize(ffi::AnyBuffer(x.view()), ffi::Buffer<ffi::U8>(codes.view()),
+                               ffi::Buffer<ffi::BF16>(scale.view()),
+                               ffi::Buffer<ffi::BF16>(zero.view()), bits, g, rotation, k);
+  CHECK(e.success(), Fmt("spikes quantize g=%lld k=%d", (long long)g, k));
+  Array<float> y({groups, g}, XLA_FFI_DataType_F32);
+  e = cpu::Dequantize(ffi::Buffer<ffi::U8>(codes.view()), ffi::Buffer<ffi::BF16>(scale.view()),
+                      ffi::Buffer<ffi::BF16>(zero.view()), ffi::AnyBuffer(y.view()), bits, g,
+                      rotation, k);
+  CHECK(e.success(), "spikes dequantize");
+  if (rotation == kRotationNone) {
+    for (int64_t r = 0; r < groups; ++r) {
+      const float* xs = x.data.data() + r * g;
+      int32_t want[kMaxSpikes];
+      select_spikes(xs, g, k, want);
+      const uint8_t* sp = codes.data.data() + r * rec + group_bytes(g, bits);
+      const float step = bf16_to_float(scale.data[size_t(r)]);
+      for (int j = 0; j < k; ++j) {
+        CHECK(spike_position(sp, k, g, j) == want[j], Fmt("spike %d position", j));
+        CHECK(y.data[size_t(r * g + want[j])] == bf16_to_float(bf16_from_float(xs[want[j]])),
+              Fmt("spike %d value", j));
+      }
+      for (int64_t i = 0; i < g; ++i) {
+        bool spike = false;
+        for (int j = 0; j < k; ++j) spike = spike || want[j] == i;
+        if (!spike) {
+          CHECK(std::fabs(y.data[size_t(r * g + i)] - xs[i]) <= 0.5f * step * 1.001f + 1e-30f,
+                Fmt("kept value %lld within half a step", (long long)i));
+        }
+      }
+    }
+    // ties: group 1's two values of magnitude 50 at positions 1 and 3 are taken in that order
+    const uint8_t* sp1 = codes.data.data() + rec + group_bytes(g, bits);
+    if (k >= 2 && (7 % g) != 1 && (7 % g) != 3) {
+      int found1 = -1, found3 = -1;
+      for (int j = 0; j < k; ++j) {
+        if (spike_position(sp1, k, g, j) == 1) found1 = j;
+        if (spike_position(sp1, k, g, j) == 3) found3 = j;
+      }
+      CHECK(found1 >= 0 && found3 > found1, "ties to the lowest position first");
+    }
+  }
+  // the fused sums over 2 chunks of 2 groups, with spikes in and out
+  Codes chunked({2, 2, rec}, XLA_FFI_DataType_U8);
+  chunked.data = codes.data;
+  chunked.buf.data = chunked.data.data();
+  Bf16s cs({2, 2}, XLA_FFI_DataType_BF16), cz({2, 2}, XLA_FFI_DataType_BF16);
+  cs.data = scale.data, cz.data = zero.data;
+  cs.buf.data = cs.data.data(), cz.buf.data = cz.data.data();
+  Array<float> sum({2 * g}, XLA_FFI_DataType_F32);
+  e = cpu::DequantizeSum(ffi::Buffer<ffi::U8>(chunked.view()), ffi::Buffer<ffi::BF16>(cs.view()),
+                         ffi::Buffer<ffi::BF16>(cz.view()), ffi::AnyBuffer(sum.view()), bits, g,
+                         rotation, k);
+  CHECK(e.success(), "spikes dequantize_sum");
+  Codes oc({2, record_bytes(g, 8, k)}, XLA_FFI_DataType_U8);
+  Bf16s os({2}, XLA_FFI_DataType_BF16), oz({2}, XLA_FFI_DataType_BF16);
+  e = cpu::DequantizeSumQuantize(
+      ffi::Buffer<ffi::U8>(chunked.view()), ffi::Buffer<ffi::BF16>(cs.view()),
+      ffi::Buffer<ffi::BF16>(cz.view()), ffi::Buffer<ffi::U8>(oc.view()),
+      ffi::Buffer<ffi::BF16>(os.view()), ffi::Buffer<ffi::BF16>(oz.view()), bits, 8, g, k);
+  CHECK(e.success(), "spikes dequantize_sum_quantize");
+  // a tampered position past the group is skipped, not written
+  uint8_t* pos0 = codes.data.data() + group_bytes(g, bits) + 2 * k;
+  pos0[0] = 0xFF;
+  if (position_bytes(g) == 2) pos0[1] = 0xFF;
+  e = cpu::Dequantize(ffi::Buffer<ffi::U8>(codes.view()), ffi::Buffer<ffi::BF16>(scale.view()),
+                      ffi::Buffer<ffi::BF16>(zero.view()), ffi::AnyBuffer(y.view()), bits, g,
+                      rotation, k);
+  CHECK(e.success(), "tampered spike position");
+  // invalid spike counts are errors, not reads past the codes
+  for (int bad : {-1, kMaxSpikes + 1, int(g)}) {
+    e = cpu::Quantize(ffi::AnyBuffer(x.view()), ffi::Buffer<ffi::U8>(codes.view()),
+                      ffi::Buffer<ffi::BF16>(scale.view()), ffi::Buffer<ffi::BF16>(zero.view()),
+                      bits, g, rotation, bad);
+    CHECK(e.failure(), Fmt("spikes=%d rejected", bad));
+  }
+}
+
 int main() {
   Rng rng;
   TestPacking();
@@ -774,6 +865,13 @@ int main() {
     }
   }
   TestConversions(rng);
+  for (int64_t g : {16, 512}) {
+    for (int k : {1, 5}) {
+      for (int32_t rotation : {kRotationNone, kRotationSignedHadamard}) {
+        TestSpikes(rng, g, k, rotation);
+      }
+    }
+  }
   std::printf("%d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }
