@@ -38,7 +38,7 @@ __all__ = ["psum", "pmean"]
 def psum(x, axis_name, *, axis_index_groups=None, bits: int | None = 8,
          rs_bits: int | None = None, ag_bits: int | None = None, group_size: int = 128,
          min_bytes: int = DEFAULT_MIN_BYTES, backend: str = "auto", grad: str = "exact",
-         config: CommConfig | None = None, rotation=0, spikes: int = 0):
+         config: CommConfig | None = None, rotation=0, spikes="auto"):
     """Quantized all-reduce sum over mesh axes ``axis_name``: a drop-in for ``lax.psum``.
 
     Args:
@@ -57,6 +57,8 @@ def psum(x, axis_name, *, axis_index_groups=None, bits: int | None = 8,
         domain and rotated back once, after the all-gather (docs/outliers.md).
       spikes: per group, keep the k largest-magnitude values in bf16 with their positions
         (0..16; both phases; after the rotation if any; docs/format.md "Spike reserving").
+        "auto" (the default): 1 when both phases have at most 6 bits, else 0
+        (CommConfig.codec_spikes; docs/outliers.md measures why).
 
     Returns:
       The sum, of ``x``'s structure, shapes and dtypes, invariant over the reduced axes.
@@ -132,7 +134,7 @@ def two_step(x, axes, config: CommConfig):
     """
     n = _common.axis_size(axes)
     g, b1, b2 = config.group_size, config.phase1_bits, config.phase2_bits
-    rot, k = config.rotation, config.spikes
+    rot, k = config.rotation, config.codec_spikes
     p1 = codec.quantize(x, bits=b1, group_size=g, num_chunks=n, backend=config.backend,
                         rotation=rot, spikes=k)
     chunks = _common.pack(p1.split_groups(n))                     # (N, groups/N, bytes)

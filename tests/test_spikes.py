@@ -204,7 +204,14 @@ def test_validation():
         codec.quantize(x, bits=4, group_size=8, spikes=8)  # k must leave one value
     with pytest.raises(ValueError, match="spikes"):
         CommConfig(bits=4, group_size=8, spikes=8)
-    assert CommConfig().spikes == 0
+    # "auto" (the default): one spike per group when every phase has <= 6 bits
+    assert CommConfig().spikes == "auto" and CommConfig().codec_spikes == 0  # bits=8
+    assert CommConfig(bits=4).codec_spikes == 1 and CommConfig(bits=6).codec_spikes == 1
+    assert CommConfig(bits=4, ag_bits=8).codec_spikes == 0
+    assert CommConfig(bits=None).codec_spikes == 0
+    assert CommConfig(bits=4, spikes=3).codec_spikes == 3
+    with pytest.raises(TypeError, match="spikes"):
+        CommConfig(bits=4, spikes="many")
     assert codec.quantize(x, bits=4, group_size=32, spikes=None).spikes == 0
     p = codec.quantize(x, bits=4, group_size=32, spikes=2)
     # a payload whose codes do not hold the spike records is rejected at trace time

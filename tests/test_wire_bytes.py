@@ -65,7 +65,8 @@ def test_wire_bytes_per_element(n):
     ring = 2 * (n - 1) / n * elems * 2  # lax.psum as a ring all-reduce of the bf16 operand
     ratios = {}
     for bits, limit in ((8, 0.52), (6, None), (4, 0.28)):
-        sent = wire_bytes(compiled(lambda v: fc.psum(v, "i", bits=bits, min_bytes=0)), n)
+        sent = wire_bytes(compiled(lambda v: fc.psum(v, "i", bits=bits, min_bytes=0, spikes=0)),
+                          n)
         assert set(sent) == {"all-to-all", "all-gather"}, sent  # exactly the two steps
         total = sum(sent.values())
         ratios[bits] = total / ring
@@ -74,6 +75,14 @@ def test_wire_bytes_per_element(n):
         assert total == pytest.approx(expect, rel=1e-12)
         if limit is not None:
             assert ratios[bits] <= limit, (bits, ratios[bits])
+    # the defaults (spikes="auto": one spike per group at <= 6 bits) still meet both targets
+    for bits, spikes, limit in ((8, 0, 0.52), (4, 1, 0.28)):
+        total = sum(wire_bytes(compiled(lambda v: fc.psum(v, "i", bits=bits, min_bytes=0)),
+                               n).values())
+        assert total == pytest.approx(2 * (n - 1) / n * elems
+                                      * fc.codec.wire_bytes_per_element(bits, 128, spikes))
+        ratios[f"{bits} default"] = total / ring
+        assert total / ring <= limit, (bits, total / ring)
     print(f"N={n}: wire bytes vs lax.psum ring: " +
           ", ".join(f"int{b} {r:.4f}x" for b, r in ratios.items()))
 
