@@ -48,7 +48,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, axis_index_groups=
                  tiled: bool = False, bits: int | None = 8, group_size: int = 128,
                  min_bytes: int = DEFAULT_MIN_BYTES, backend: str = "auto",
                  grad: str = "exact", config: CommConfig | None = None, rotation=0,
-                 spikes: int = 0):
+                 spikes="auto"):
     """Quantized reduce-scatter: a drop-in for ``lax.psum_scatter``.
 
     Rank i gets the sum over ranks of slice i of ``x`` along ``scatter_dimension`` (that
@@ -121,11 +121,11 @@ def reduce_scatter_parts(x, axes, dim, tiled, config: CommConfig):
     if mp != m:
         rows = jnp.pad(rows, ((0, 0), (0, mp - m)))
     p1 = codec.quantize(rows, bits=bits, group_size=g, num_chunks=n, backend=config.backend,
-                        rotation=config.rotation, spikes=config.spikes)
+                        rotation=config.rotation, spikes=config.codec_spikes)
     p1 = _common.with_meta(p1.split_groups(n), shape=(mp,))
     received = lax.all_to_all(_common.pack(p1), axes, 0, 0, tiled=False)
     recv = _common.unpack(received, bits=bits, group_size=g, shape=(mp,), dtype=x.dtype,
-                          rotation=config.rotation, spikes=config.spikes)
+                          rotation=config.rotation, spikes=config.codec_spikes)
     summed = codec.dequantize_sum(recv, backend=config.backend)[:m]
     rest = tuple(rest)
     if tiled:
@@ -161,7 +161,7 @@ def all_gather(x, axis_name, *, axis: int = 0, axis_index_groups=None, tiled: bo
                bits: int | None = 8, group_size: int = 128,
                min_bytes: int = DEFAULT_MIN_BYTES, backend: str = "auto",
                grad: str = "exact", config: CommConfig | None = None, rotation=0,
-               spikes: int = 0):
+               spikes="auto"):
     """Quantized all-gather: a drop-in for ``lax.all_gather``.
 
     Stacks the N ranks' operands on a new dimension ``axis`` (``tiled=False``) or concatenates
@@ -203,10 +203,10 @@ def all_gather_parts(x, axes, axis, tiled, config: CommConfig):
     """
     g, bits = config.group_size, config.phase2_bits
     p = codec.quantize(x, bits=bits, group_size=g, backend=config.backend,
-                       rotation=config.rotation, spikes=config.spikes)
+                       rotation=config.rotation, spikes=config.codec_spikes)
     gathered = lax.all_gather(_common.pack(p), axes, axis=0, tiled=False)  # (N, groups, bytes)
     pg = _common.unpack(gathered, bits=bits, group_size=g, shape=x.shape, dtype=x.dtype,
-                        rotation=config.rotation, spikes=config.spikes)
+                        rotation=config.rotation, spikes=config.codec_spikes)
     stacked = codec.dequantize(pg, backend=config.backend)          # (N, *x.shape)
     out = jnp.moveaxis(stacked, 0, axis)
     if tiled:
