@@ -34,8 +34,12 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jax_flashcomm as fc  # noqa: E402
 
 N, TOKENS, HIDDEN = 8, 256, 4096
-SETTINGS = [dict(bits=8), dict(bits=6), dict(bits=4), dict(bits=8, rs_bits=4, ag_bits=8),
-            dict(bits=3), dict(bits=2)]
+# spikes=0: the base format; the defaults (spikes="auto": 1 spike per group at <= 6 bits) are
+# the "+ spike" rows.
+SETTINGS = [dict(bits=8, spikes=0), dict(bits=6, spikes=0), dict(bits=6, spikes=1),
+            dict(bits=4, spikes=0), dict(bits=4, spikes=1),
+            dict(bits=8, rs_bits=4, ag_bits=8, spikes=0), dict(bits=3, spikes=0),
+            dict(bits=3, spikes=1), dict(bits=2, spikes=0)]
 
 
 def data(kind, rng):
@@ -64,6 +68,7 @@ def main():
                                       mesh=mesh, in_specs=P("i"), out_specs=P()))
             name = (f"int{s['bits']}" if "rs_bits" not in s
                     else f"rs int{s['rs_bits']} / ag int{s['ag_bits']}")
+            name += " + 1 spike/group (default)" if s["spikes"] else ""
             results.append({"data": kind, "setting": name, "rel_rms": rel(f(x))})
     out = {"N": N, "group_size": 128, "shape_per_rank": [TOKENS, HIDDEN], "dtype": "bfloat16",
            "results": results,
