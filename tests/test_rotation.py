@@ -64,6 +64,33 @@ def test_parity_quantize_dequantize(rotation, group_size, dtype):
 
 @needs_ffi
 @pytest.mark.parametrize("rotation", [1, 2])
+@pytest.mark.parametrize("group_size", [16, 64, 256, 512, 1024])
+def test_parity_every_width_and_group_size(rotation, group_size):
+    """The CPU kernels' register-blocked paths (blocks of 16..128 values, then radix-2/4/8
+    passes) at every code width, into every output dtype, saturation included."""
+    rng = np.random.default_rng(7 * group_size + rotation)
+    x = _data(rng, (4, 2 * group_size))
+    x[1] *= 65504.0 / np.abs(x[1]).max()  # f16 outputs saturate at the top of the grid
+    x = jnp.asarray(x, jnp.float32)
+    for bits in range(2, 9):
+        pj = _quant(x, "jnp", bits=bits, group_size=group_size, rotation=rotation)
+        pf = _quant(x, "ffi", bits=bits, group_size=group_size, rotation=rotation)
+        for a, b in ((pj.codes, pf.codes), (pj.scale, pf.scale), (pj.zero, pf.zero)):
+            np.testing.assert_array_equal(_bits(a), _bits(b))
+        for out in (jnp.float32, jnp.bfloat16, jnp.float16):
+            yj = codec.dequantize(pf, dtype=out, backend="jnp")
+            yf = codec.dequantize(pf, dtype=out, backend="ffi")
+            np.testing.assert_array_equal(_bits(yj), _bits(yf))
+    chunked = _quant(x, "ffi", bits=4, group_size=group_size, num_chunks=2, rotation=rotation)
+    chunked = chunked.split_groups(2)
+    for out in (jnp.float32, jnp.bfloat16):
+        yj = codec.dequantize_sum(chunked, dtype=out, backend="jnp")
+        yf = codec.dequantize_sum(chunked, dtype=out, backend="ffi")
+        np.testing.assert_array_equal(_bits(yj), _bits(yf))
+
+
+@needs_ffi
+@pytest.mark.parametrize("rotation", [1, 2])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_parity_fused_sums(rotation, dtype):
     rng = np.random.default_rng(7)

@@ -58,7 +58,8 @@ void QuantizeAllRotated(const void* x, int64_t n_groups, int64_t g, int bits, in
                              buf.data(), codes, scale, zero);
 }
 
-// Dequantize rotated groups: decode to f32, inverse rotation, saturate and store.
+// Dequantize rotated groups: decode, inverse rotation, saturate and store, fused per group
+// (cpu_codec.h dequantize_groups_rotated).
 template <typename T>
 void DequantizeAllRotated(const uint8_t* codes, const uint16_t* scale, const uint16_t* zero,
                           int64_t n_groups, int64_t g, int bits, int32_t rotation, void* y) {
@@ -66,12 +67,7 @@ void DequantizeAllRotated(const uint8_t* codes, const uint16_t* scale, const uin
   const std::vector<uint32_t> masks = SignMasks(rotation, g);
   const uint32_t* m = masks.empty() ? nullptr : masks.data();
   std::vector<float> buf(static_cast<size_t>(g));
-  const int64_t nbytes = group_bytes(g, bits);
-  for (int64_t k = 0; k < n_groups; ++k) {
-    decode_group(codes + k * nbytes, scale[k], zero[k], g, bits, false, buf.data());
-    unrotate_group(buf.data(), g, m);
-    store_group<T>(buf.data(), g, /*saturating=*/true, ys + k * g);
-  }
+  dequantize_groups_rotated<T>(codes, scale, zero, n_groups, g, bits, m, buf.data(), ys);
 }
 
 template <typename T>
@@ -133,9 +129,12 @@ void DequantizeSumAll(const PayloadView& in, int32_t rotation, void* y) {
   for (int64_t b = 0; b < in.batch; ++b) {
     for (int64_t k = 0; k < in.groups_per_chunk; ++k) {
       SumGroup(in, b, k, tmp.data(), buf.data());
-      if (rotation != kRotationNone) unrotate_group(buf.data(), in.group_size, m);
-      store_group<T>(buf.data(), in.group_size, /*saturating=*/false,
-                     ys + (b * in.groups_per_chunk + k) * in.group_size);
+      typename T::Storage* out = ys + (b * in.groups_per_chunk + k) * in.group_size;
+      if (rotation != kRotationNone) {
+        unrotate_store_group<T>(buf.data(), in.group_size, m, out);  // the store fused in
+      } else {
+        store_group<T>(buf.data(), in.group_size, /*saturating=*/false, out);
+      }
     }
   }
 }
