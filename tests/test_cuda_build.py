@@ -4,8 +4,9 @@
   (device and host side), and ptxas reports 0 bytes of spill stores and loads for every kernel,
   with the expected set of kernels found for every architecture (so the check cannot pass on
   empty output).
-- Lowering for the "cuda" platform emits the four ``flashcomm_*`` custom calls (the targets
-  ``_flashcomm_cuda`` registers), as typed-FFI calls with the codec attributes.
+- Lowering for the "cuda" platform emits the four codec ``flashcomm_*`` custom calls (targets
+  ``_flashcomm_cuda`` registers), as typed-FFI calls with the codec attributes, including
+  ``spikes`` (spike reserving, docs/format.md).
 
 Nothing here runs on a GPU.
 """
@@ -28,16 +29,25 @@ from jax_flashcomm.codec import kernels
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CUDA_SOURCES = sorted((ROOT / "ffi" / "cuda").glob("*.cu"))
 ARCHS = ("80", "89", "90")
-# Kernel templates instantiated by ffi/cuda/codec_kernels.cu: name -> instances per arch.
+# Kernel templates instantiated by ffi/cuda/codec_kernels.cu: name -> instances per arch. Every
+# template has a kSpiked parameter (spike reserving: spikes = 0 and spikes > 0 are separate
+# instances), so each count is (dtypes) x 2.
 EXPECTED_KERNELS = {
-    "QuantizeKernel": 3,  # f32, bf16, f16
-    "DequantizeKernel": 3,
-    "DequantizeSumKernel": 3,
-    "DequantizeSumQuantizeKernel": 1,
-    "QuantizeRotatedKernel": 3,  # rotation (docs/format.md "Rotation"): f32, bf16, f16
-    "DequantizeRotatedKernel": 3,
-    "DequantizeSumRotatedKernel": 3,
+    "QuantizeKernel": 6,  # (f32, bf16, f16) x (spikes = 0, spikes > 0)
+    "DequantizeKernel": 6,
+    "DequantizeSumKernel": 6,
+    "DequantizeSumQuantizeKernel": 2,  # spikes = 0, spikes > 0
+    "QuantizeRotatedKernel": 6,  # rotation (docs/format.md "Rotation"): f32, bf16, f16 x 2
+    "DequantizeRotatedKernel": 6,
+    "DequantizeSumRotatedKernel": 6,
 }
+# The codec ops' FFI targets (kernels.TARGETS may list further targets of other ops).
+CODEC_TARGETS = (
+    "flashcomm_quantize",
+    "flashcomm_dequantize",
+    "flashcomm_dequantize_sum",
+    "flashcomm_dequantize_sum_quantize",
+)
 
 _ENTRY = re.compile(r"Compiling entry function '(?P<name>[^']+)' for 'sm_(?P<arch>\d+)'")
 _SPILL = re.compile(
@@ -164,17 +174,52 @@ def test_cuda_lowering_emits_the_ffi_targets(dtype):
 
     lowered = _lowered_for_cuda(f, x)
     calls = _custom_calls(lowered.as_text())
-    assert set(kernels.TARGETS) <= set(calls), sorted(calls)
-    for target in kernels.TARGETS:
+    assert set(CODEC_TARGETS) <= set(calls), sorted(calls)
+    for target in CODEC_TARGETS:
         (line,) = calls[target]
         assert "group_size = 128 : i64" in line, line
+        assert "spikes = 0 : i32" in line, line
     # Typed XLA FFI calls (what XLA_FFI_DEFINE_HANDLER_SYMBOL handlers are), one per target.
     hlo = [ln for ln in lowered.as_text(dialect="hlo").splitlines() if "custom-call(" in ln]
-    for target in kernels.TARGETS:
+    for target in CODEC_TARGETS:
         (line,) = [ln for ln in hlo if f'custom_call_target="{target}"' in ln]
         assert "api_version=API_VERSION_TYPED_FFI" in line, line
     assert "bits = 4 : i32" in calls["flashcomm_quantize"][0]
     assert "out_bits = 8 : i32" in calls["flashcomm_dequantize_sum_quantize"][0]
+
+
+@pytest.mark.parametrize("rotation", [0, 2])
+@pytest.mark.parametrize("spikes", [1, 5, 16])
+def test_cuda_lowering_carries_spikes(spikes, rotation):
+    """Spike reserving lowers to the same four targets, with the ``spikes`` attribute (the CUDA
+    handlers bind it and pick the spiked kernels when it is > 0)."""
+    x = jnp.linspace(-3.0, 5.0, 4 * 512, dtype=jnp.float32).reshape(4, 512).astype(jnp.bfloat16)
+
+    def f(x):
+        p = codec.quantize(x, bits=4, num_chunks=2, rotation=rotation, spikes=spikes,
+                           backend="ffi")
+        y = codec.dequantize(p, backend="ffi")
+        chunked = p.split_groups(2)
+        s = codec.dequantize_sum(chunked, backend="ffi")
+        q = codec.dequantize_sum_quantize(chunked, bits=8, backend="ffi")
+        return y, s, q
+
+    lowered = _lowered_for_cuda(f, x)
+    calls = _custom_calls(lowered.as_text())
+    assert set(CODEC_TARGETS) <= set(calls), sorted(calls)
+    for target in CODEC_TARGETS:
+        (line,) = calls[target]
+        assert f"spikes = {spikes} : i32" in line, line
+        if target != "flashcomm_dequantize_sum_quantize":  # no rotation attribute: unrotated
+            assert f"rotation = {rotation} : i32" in line, line
+    # The spike record widens the codes: G * 4 / 8 + k * (2 + 1) bytes per group at G = 128.
+    record = 128 * 4 // 8 + spikes * 3
+    assert f"x{record}xui8>" in calls["flashcomm_quantize"][0], calls["flashcomm_quantize"][0]
+    hlo = [ln for ln in lowered.as_text(dialect="hlo").splitlines() if "custom-call(" in ln]
+    for target in CODEC_TARGETS:
+        (line,) = [ln for ln in hlo if f'custom_call_target="{target}"' in ln]
+        assert "api_version=API_VERSION_TYPED_FFI" in line, line
+        assert f"spikes = {spikes} : i32" in line, line
 
 
 def test_cpu_lowering_uses_the_same_target_names():
