@@ -156,7 +156,7 @@ void QuantizeAllSpiked(const void* x, int64_t n_groups, int64_t g, int bits, int
     if (rotation != kRotationNone && g >= kLanes) {
       rotate_group<T>(group, g, c, m, nullptr, buf.data());
     } else {
-      for (int64_t i = 0; i < g; ++i) buf[i] = T::load(group[i]);
+      load_group<T>(group, g, buf.data());
       if (rotation != kRotationNone) rotate_small(buf.data(), g, c, m, nullptr);
     }
     quantize_spiked_group(buf.data(), g, bits, spikes, codes + k * stride, scale + k, zero + k);

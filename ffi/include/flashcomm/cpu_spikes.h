@@ -5,12 +5,81 @@
 #define FLASHCOMM_CPU_SPIKES_H_
 
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 #include "flashcomm/codec.h"
 #include "flashcomm/cpu_codec.h"
 
 namespace flashcomm {
 namespace cpu {
+
+// codec.h select_spikes, as its definition reads: k rounds of "the first position of the
+// largest key not yet taken". Each round is a vector max over the keys and a scan for its
+// first occurrence; a taken key becomes -1 (keys are non-negative as int32). keys: g scratch.
+// The lane-wise maximum of 16 int32 lanes, in lane 0 (halving shuffles).
+__attribute__((always_inline)) inline ILanes fold_max(ILanes m) {
+  ILanes p = __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  m = p > m ? p : m;
+  p = __builtin_shufflevector(m, m, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  m = p > m ? p : m;
+  p = __builtin_shufflevector(m, m, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  m = p > m ? p : m;
+  p = __builtin_shufflevector(m, m, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return p > m ? p : m;
+}
+
+__attribute__((always_inline)) inline int32_t max_key(const int32_t* keys, int64_t g) {
+  int64_t i = 0;
+  int32_t best = -1;
+  if (g >= kLanes) {
+    ILanes m;
+    std::memcpy(&m, keys, sizeof m);
+    for (i = kLanes; i + kLanes <= g; i += kLanes) {
+      ILanes a;
+      std::memcpy(&a, keys + i, sizeof a);
+      m = a > m ? a : m;
+    }
+    m = fold_max(m);
+    best = m[0];
+  }
+  for (; i < g; ++i) best = keys[i] > best ? keys[i] : best;
+  return best;
+}
+
+__attribute__((always_inline)) inline void select_spikes_lanes(const float* v, int64_t g, int k,
+                                                               int32_t* keys, int32_t* pos) {
+  int64_t i = 0;
+  for (; i + kLanes <= g; i += kLanes) {
+    const ILanes key = (ILanes)(lanes_bits(load_lanes(v + i)) & 0x7FFFFFFFu);
+    std::memcpy(keys + i, &key, sizeof key);
+  }
+  for (; i < g; ++i) keys[i] = int32_t(spike_key(v[i]));
+  for (int j = 0; j < k; ++j) {
+    const int32_t best = max_key(keys, g);
+    int64_t at = 0;
+    for (; at + kLanes <= g; at += kLanes) {  // the vector holding the first occurrence
+      ILanes a;
+      std::memcpy(&a, keys + at, sizeof a);
+      if (fold_max(a)[0] == best) break;
+    }
+    while (keys[at] != best) ++at;
+    pos[j] = int32_t(at);
+    keys[at] = -1;
+  }
+}
+
+// One group of T widened to f32 (exact), vector by vector.
+template <typename T>
+__attribute__((always_inline)) inline void load_group(const typename T::Storage* x, int64_t g,
+                                                      float* v) {
+  int64_t i = 0;
+  for (; i + kLanes <= g; i += kLanes) {
+    const Lanes a = load_lanes_t<T>(x + i);
+    std::memcpy(v + i, &a, sizeof a);
+  }
+  for (; i < g; ++i) v[i] = T::load(x[i]);
+}
 
 // Quantize one f32 group v (g values; overwritten: the spikes are replaced by the first kept
 // value) with k spikes into its record rec (codes, then the spike record), scale and zero.
@@ -19,7 +88,9 @@ FC_MULTIVERSION inline void quantize_spiked_group(float* v, int64_t g, int bits,
                                                   uint16_t* zero) {
   int32_t pos[kMaxSpikes];
   float kept[kMaxSpikes];
-  select_spikes(v, g, k, pos);
+  static thread_local std::vector<int32_t> keys;
+  if (int64_t(keys.size()) < g) keys.resize(size_t(g));
+  select_spikes_lanes(v, g, k, keys.data(), pos);
   bool spikes_finite = true;
   for (int j = 0; j < k; ++j) {
     kept[j] = v[pos[j]];
