@@ -131,3 +131,81 @@ def test_hypothesis_parity_and_bound(x, bits, group_size, spikes):
     assert_bits_equal(y_ffi, y_jnp)
     err = np.abs(np.asarray(y_ffi, np.float64) - np.asarray(x, np.float64))
     assert np.all(err <= np.asarray(bound, np.float64))
+
+
+# --- dequantize_into: one payload decoded into a slot of a larger buffer, in place ------------
+
+@functools.partial(jax.jit, static_argnames=("backend",))
+def _into(out, p, offset, backend):
+    return codec.dequantize_into(out, p, offset, backend=backend)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("rotation,spikes", [(0, 0), (2, 0), (0, 3), (1, 2)],
+                         ids=["plain", "rotation", "spikes", "rotation+spikes"])
+@pytest.mark.parametrize("bits", [3, 8])
+def test_dequantize_into_bit_identical(bits, rotation, spikes, dtype):
+    """FFI kernel == jnp twin bit for bit, and the chunk == dequantize of the payload (the
+    padding dropped), at traced offsets; everything else in out is kept."""
+    rng = np.random.default_rng(bits + 10 * rotation + 100 * spikes)
+    x = structured(rng, len(KINDS), 128, dtype).reshape(-1)[: len(KINDS) * 128 - 37]
+    x = x.reshape(-1, 3) if x.size % 3 == 0 else x  # any shape; count ends inside a group
+    p = codec.quantize(x, bits=bits, group_size=128, backend="ffi", rotation=rotation,
+                       spikes=spikes)
+    want = np.asarray(codec.dequantize(p, backend="ffi")).reshape(-1)
+    count = want.size
+    fill = jnp.asarray(rng.standard_normal(3 * count + 11), jnp.float32).astype(dtype)
+    out = fill.reshape(-1, 1)  # out may have any shape; it is addressed flat
+    for offset in (0, 5, count + 1, 2 * count + 11):
+        got_ffi = np.asarray(_into(out, p, jnp.int32(offset), "ffi")).reshape(-1)
+        got_jnp = np.asarray(_into(out, p, jnp.int32(offset), "jnp")).reshape(-1)
+        assert_bits_equal(got_ffi, got_jnp)
+        expect = np.asarray(fill).copy()
+        expect[offset: offset + count] = want
+        assert_bits_equal(got_ffi, expect)
+
+
+def test_dequantize_into_updates_in_place_in_a_loop():
+    """In a fori_loop the call is a custom call aliased to the carried buffer: no copy of it."""
+    x = jnp.arange(4 * 256, dtype=jnp.float32).reshape(4, 256).astype(jnp.bfloat16)
+    p = codec.quantize(x[0], bits=8, backend="ffi")
+
+    def f(out, p):
+        return jax.lax.fori_loop(
+            0, 4, lambda i, o: codec.dequantize_into(o, p, i * 256, backend="ffi"), out)
+
+    out = jnp.zeros((4, 256), jnp.bfloat16)
+    got = jax.jit(f)(out, p)
+    for r in range(4):
+        assert_bits_equal(got[r], codec.dequantize(p, backend="ffi"))
+    hlo = jax.jit(f).lower(out, p).compile().as_text()
+    assert 'custom_call_target="flashcomm_dequantize_into"' in hlo
+    assert "output_to_operand_aliasing={{}: (0, {})}" in hlo
+
+
+def test_dequantize_into_bounds():
+    p = codec.quantize(jnp.ones((300,), jnp.float32), bits=4, backend="ffi")
+    out = jnp.zeros((1000,), jnp.float32)
+    # static offsets and sizes are checked at trace time
+    for bad in (-1, 701, 1000):
+        with pytest.raises(ValueError, match="out of bounds"):
+            codec.dequantize_into(out, p, bad)
+    with pytest.raises(ValueError, match="more than out"):
+        codec.dequantize_into(jnp.zeros((299,), jnp.float32), p, 0)
+    with pytest.raises(TypeError):
+        codec.dequantize_into(out, p, 1.5)
+    with pytest.raises(TypeError):
+        codec.dequantize_into(out, p, True)
+    with pytest.raises(TypeError):
+        codec.dequantize_into(jnp.zeros((1000,), jnp.int32), p, 0)
+    with pytest.raises(ValueError, match="one operand's payload"):
+        codec.dequantize_into(out, codec.quantize(jnp.ones((2, 256)), num_chunks=2).split_groups(2),
+                              0)
+    want = np.asarray(codec.dequantize(p, backend="ffi"))
+    np.testing.assert_array_equal(np.asarray(codec.dequantize_into(out, p, 700))[700:], want)
+    # a traced offset out of range: the CPU kernel returns an error, nothing is written
+    f = jax.jit(lambda o, i: codec.dequantize_into(o, p, i, backend="ffi"))
+    for bad in (-1, 701, 2**31 - 1):
+        with pytest.raises(jax.errors.JaxRuntimeError, match="out of bounds"):
+            jax.block_until_ready(f(out, jnp.int32(bad)))
+    np.testing.assert_array_equal(np.asarray(f(out, jnp.int32(700)))[700:], want)

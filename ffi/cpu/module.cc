@@ -5,6 +5,7 @@
 NB_MODULE(_flashcomm_cpu, m) {
   m.def("registrations", []() {
     return flashcomm::Registrations(FlashcommQuantizeCpu, FlashcommDequantizeCpu,
-                                    FlashcommDequantizeSumCpu, FlashcommDequantizeSumQuantizeCpu);
+                                    FlashcommDequantizeSumCpu, FlashcommDequantizeSumQuantizeCpu,
+                                    FlashcommDequantizeIntoCpu);
   });
 }

@@ -8,6 +8,7 @@ NB_MODULE(_flashcomm_cuda, m) {
   m.def("registrations", []() {
     return flashcomm::Registrations(FlashcommQuantizeCuda, FlashcommDequantizeCuda,
                                     FlashcommDequantizeSumCuda,
-                                    FlashcommDequantizeSumQuantizeCuda);
+                                    FlashcommDequantizeSumQuantizeCuda,
+                                    FlashcommDequantizeIntoCuda);
   });
 }

@@ -3,10 +3,11 @@
 ``quantize`` turns an array into a :class:`Payload` (packed codes plus a bf16 scale and zero
 per group), ``dequantize`` turns it back, and the two fused ops used by the two-step
 all-reduce decode N received chunks, sum them in f32 and either return the sum or quantize it
-again. Each op runs as an XLA FFI kernel where one is built for the platform (CPU always, CUDA
-when built) and as the pure-jnp twin (:mod:`jax_flashcomm.codec.reference`) elsewhere, TPU
-included. ``backend`` overrides the choice: ``"ffi"`` (the kernels; an error if not built for
-the default backend) or ``"jnp"``.
+again; ``dequantize_into`` decodes one payload into a slot of a larger buffer in place (the
+ring all-gather's step). Each op runs as an XLA FFI kernel where one is built for the
+platform (CPU always, CUDA when built) and as the pure-jnp twin
+(:mod:`jax_flashcomm.codec.reference`) elsewhere, TPU included. ``backend`` overrides the
+choice: ``"ffi"`` (the kernels; an error if not built for the default backend) or ``"jnp"``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ __all__ = [
     "dequantize",
     "dequantize_sum",
     "dequantize_sum_quantize",
+    "dequantize_into",
     "error_bound",
     "spike_bound",
     "wire_bytes_per_element",
@@ -138,6 +140,62 @@ def dequantize(payload: Payload, *, dtype=None, backend: str = "auto"):
                        group_size=p.group_size, dtype=dtype, rotation=p.rotation,
                        spikes=p.spikes)
     return _restore(groups, p.shape)
+
+
+def _static_offset(offset):
+    """``offset`` as a Python int when it is known at trace time, else None (a tracer)."""
+    if isinstance(offset, (bool, np.bool_)):
+        raise TypeError(f"offset must be an integer, got {offset!r}")
+    if isinstance(offset, (int, np.integer)):
+        return int(offset)
+    if isinstance(offset, jax.core.Tracer):
+        return None
+    arr = np.asarray(offset)
+    if arr.ndim != 0 or not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"offset must be an integer scalar, got {arr.dtype}{list(arr.shape)}")
+    return int(arr)
+
+
+def dequantize_into(out, payload: Payload, offset, *, backend: str = "auto"):
+    """``out`` with the decoded ``payload`` written at flat element ``offset``.
+
+    ``payload`` is one operand's payload (``scale`` of shape ``(groups,)``; its ``shape``
+    gives the ``count = prod(shape)`` values written, the padding is dropped). ``out`` is an
+    f32/bf16/f16 array of any shape, addressed as its flat row-major view: elements
+    ``[offset, offset + count)`` get exactly the values ``dequantize(payload, dtype=out.dtype)``
+    has, and every other element keeps its value. ``offset`` is an int or an int32 scalar
+    array (it may be traced, e.g. a loop index). The FFI kernel updates ``out``'s buffer in
+    place (the result aliases operand 0), so inside a loop XLA writes each chunk without a
+    pass over ``out``. A static out-of-range ``offset`` (or ``count > out.size``) is rejected
+    here; a traced one is an error of the CPU kernel at run time (the CUDA kernel then writes
+    nothing; the jnp twin clamps it, like ``lax.dynamic_update_slice``).
+    """
+    p = _check_payload(payload)
+    if p.scale.ndim != 1:
+        raise ValueError(f"payload must be one operand's payload, scale (groups,); got scale "
+                         f"{p.scale.shape} (use one chunk of a chunked payload)")
+    _check_payload(p, covers_shape=True)
+    if not hasattr(out, "dtype") or not hasattr(out, "shape"):
+        raise TypeError(f"out must be an array, got {type(out)}")
+    spec.check_dtype(out.dtype, "out")
+    size, count = math.prod(out.shape), math.prod(p.shape)
+    if size > np.iinfo(np.int32).max:
+        raise ValueError(f"out has {size} elements; an int32 offset addresses at most 2^31 - 1")
+    if count > size:
+        raise ValueError(f"payload has {count} values, more than out's {size}")
+    static = _static_offset(offset)
+    if static is not None:
+        if not 0 <= static <= size - count:
+            raise ValueError(f"offset {static} + {count} values is out of bounds for out of "
+                             f"{size} elements")
+        offset = np.int32(static)
+    else:
+        if jnp.ndim(offset) != 0 or not jnp.issubdtype(offset.dtype, jnp.integer):
+            raise TypeError(f"offset must be an integer scalar, got {jax.typeof(offset)}")
+        offset = offset.astype(jnp.int32)
+    return _dispatch("dequantize_into", out, p.codes, p.scale, p.zero, offset, backend=backend,
+                     bits=p.bits, group_size=p.group_size, count=count, rotation=p.rotation,
+                     spikes=p.spikes)
 
 
 def _check_chunked(p: Payload):

@@ -21,6 +21,7 @@ TARGETS = (
     "flashcomm_dequantize",
     "flashcomm_dequantize_sum",
     "flashcomm_dequantize_sum_quantize",
+    "flashcomm_dequantize_into",
 )
 _PLATFORMS = {"cpu": "_flashcomm_cpu", "cuda": "_flashcomm_cuda"}
 _XLA_PLATFORM = {"cpu": "cpu", "cuda": "CUDA"}
@@ -113,3 +114,19 @@ def dequantize_sum_quantize(codes, scale, zero, *, bits: int, out_bits: int, gro
     )
     return tuple(call(codes, scale, zero, bits=np.int32(bits), out_bits=np.int32(out_bits),
                       group_size=np.int64(group_size), spikes=np.int32(spikes)))
+
+
+def dequantize_into(out, codes, scale, zero, offset, *, bits: int, group_size: int, count: int,
+                    rotation: int = 0, spikes: int = 0):
+    """Decode one payload ``(groups, ...)`` into ``out`` (any shape, flat row-major view) at
+    element ``offset`` (an int32 scalar operand): its first ``count`` values, cast to out's
+    dtype and saturated. The result is ``out`` itself (aliased to operand 0): XLA updates the
+    buffer in place. An out-of-range offset is an error of the CPU kernel (the CUDA kernel
+    writes nothing)."""
+    call = jax.ffi.ffi_call(
+        "flashcomm_dequantize_into", _like(out, out.shape, out.dtype),
+        input_output_aliases={0: 0}, vmap_method="sequential",
+    )
+    return call(out, codes, scale, zero, offset, bits=np.int32(bits),
+                group_size=np.int64(group_size), rotation=np.int32(rotation),
+                spikes=np.int32(spikes), count=np.int64(count))

@@ -313,3 +313,15 @@ def dequantize_sum_quantize(codes, scale, zero, *, bits: int, out_bits: int, gro
                            spikes)
 
 
+
+
+def dequantize_into(out, codes, scale, zero, offset, *, bits: int, group_size: int, count: int,
+                    rotation: int = 0, spikes: int = 0):
+    """``out`` (flat row-major view) with elements ``[offset, offset + count)`` replaced by the
+    first ``count`` decoded values of one payload, as the FFI kernel writes them. (An
+    out-of-range traced offset is clamped, as ``dynamic_update_slice`` does; the wrapper
+    rejects static ones.)"""
+    v = dequantize(codes, scale, zero, bits=bits, group_size=group_size, dtype=out.dtype,
+                   rotation=rotation, spikes=spikes)
+    flat = lax.dynamic_update_slice(out.reshape(-1), v.reshape(-1)[:count], (offset,))
+    return flat.reshape(out.shape)

@@ -1,4 +1,5 @@
-// Declarations of the CPU FFI handler symbols (defined in ffi/cpu/codec_kernels.cc).
+// Declarations of the CPU FFI handler symbols (defined in ffi/cpu/codec_kernels.cc, and
+// ffi/cpu/gather_kernels.cc for FlashcommDequantizeIntoCpu).
 #ifndef FLASHCOMM_CPU_KERNELS_H_
 #define FLASHCOMM_CPU_KERNELS_H_
 
@@ -8,5 +9,6 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommQuantizeCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommDequantizeCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommDequantizeSumCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommDequantizeSumQuantizeCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommDequantizeIntoCpu);
 
 #endif  // FLASHCOMM_CPU_KERNELS_H_

@@ -1,4 +1,5 @@
-// Declarations of the CUDA FFI handler symbols (defined in ffi/cuda/codec_kernels.cu).
+// Declarations of the CUDA FFI handler symbols (defined in ffi/cuda/codec_kernels.cu, and
+// ffi/cuda/gather_kernels.cu for FlashcommDequantizeIntoCuda).
 // Deliberately free of CUDA headers: ffi/cuda/module.cc (nanobind, host compiler) includes it.
 #ifndef FLASHCOMM_CUDA_KERNELS_H_
 #define FLASHCOMM_CUDA_KERNELS_H_
@@ -9,5 +10,6 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommQuantizeCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommDequantizeCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommDequantizeSumCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommDequantizeSumQuantizeCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommDequantizeIntoCuda);
 
 #endif  // FLASHCOMM_CUDA_KERNELS_H_

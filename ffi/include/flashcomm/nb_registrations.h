@@ -12,13 +12,15 @@ namespace flashcomm {
 using Handler = XLA_FFI_Error*(XLA_FFI_CallFrame*);
 
 inline nanobind::dict Registrations(Handler* quantize, Handler* dequantize,
-                                    Handler* dequantize_sum, Handler* dequantize_sum_quantize) {
+                                    Handler* dequantize_sum, Handler* dequantize_sum_quantize,
+                                    Handler* dequantize_into) {
   auto capsule = [](Handler* fn) { return nanobind::capsule(reinterpret_cast<void*>(fn)); };
   nanobind::dict d;
   d["flashcomm_quantize"] = capsule(quantize);
   d["flashcomm_dequantize"] = capsule(dequantize);
   d["flashcomm_dequantize_sum"] = capsule(dequantize_sum);
   d["flashcomm_dequantize_sum_quantize"] = capsule(dequantize_sum_quantize);
+  d["flashcomm_dequantize_into"] = capsule(dequantize_into);
   return d;
 }
 

@@ -1,0 +1,157 @@
+// XLA FFI handler of flashcomm_dequantize_into on CPU: decode one payload (one chunk of a
+// gather) straight into a slot of a larger output buffer, in place (the output is aliased to
+// operand 0), so a ring all-gather can fill its output one received payload at a time without
+// a receive buffer of N payloads or a dynamic-update-slice over the output.
+//
+// The values written are those of flashcomm_dequantize of the same payload (the same
+// per-group functions of cpu_codec.h / cpu_spikes.h, rotation and spikes included), cut to the
+// chunk's `count` elements (the payload's zero padding is dropped) and stored at the element
+// offset given by a runtime int32 scalar operand. An offset that would put the chunk out of
+// bounds is an InvalidArgument error: nothing is written.
+#include "flashcomm/cpu_gather.h"
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "flashcomm/codec.h"
+#include "flashcomm/cpu_codec.h"
+#include "flashcomm/cpu_kernels.h"
+#include "flashcomm/cpu_spikes.h"
+#include "flashcomm/ffi_checks.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace flashcomm {
+namespace cpu {
+namespace {
+
+constexpr const char* kOp = "flashcomm_dequantize_into";
+
+ffi::Error Invalid(const std::string& what) {
+  return ffi::Error::InvalidArgument(std::string(kOp) + ": " + what);
+}
+
+// Decode the ceil(count / g) groups that hold the chunk's count values into y (count elements
+// of T). Whole groups are decoded in place; a last, partial group through a scratch group.
+// The per-group paths are Dequantize's (codec_kernels.cc): dequantize_groups without rotation
+// or spikes, else decode (spikes put back), inverse rotation, saturating store.
+template <typename T>
+void DecodeInto(const uint8_t* codes, const uint16_t* scale, const uint16_t* zero, int64_t g,
+                int bits, int32_t rotation, int32_t spikes, int64_t count,
+                typename T::Storage* y) {
+  using S = typename T::Storage;
+  const int64_t full = count / g;
+  const int64_t tail = count - full * g;
+  const int64_t stride = record_bytes(g, bits, spikes);
+  std::vector<float> buf(static_cast<size_t>(g));
+  std::vector<S> last(tail > 0 ? static_cast<size_t>(g) : 0);
+  if (spikes == 0 && rotation == kRotationNone) {
+    dequantize_groups<T>(codes, scale, zero, full, g, bits, buf.data(), y);
+    if (tail > 0) {
+      dequantize_groups<T>(codes + full * stride, scale + full, zero + full, 1, g, bits,
+                           buf.data(), last.data());
+      std::memcpy(y + full * g, last.data(), static_cast<size_t>(tail) * sizeof(S));
+    }
+    return;
+  }
+  std::vector<uint32_t> masks;
+  if (rotation == kRotationSignedHadamard) {
+    masks.resize(static_cast<size_t>(g));
+    rotation_sign_masks(g, masks.data());
+  }
+  const uint32_t* m = masks.empty() ? nullptr : masks.data();
+  const int64_t groups = full + (tail > 0 ? 1 : 0);
+  for (int64_t k = 0; k < groups; ++k) {
+    if (spikes > 0) {
+      decode_spiked_group(codes + k * stride, scale[k], zero[k], g, bits, spikes, false, nullptr,
+                          buf.data());
+    } else {
+      decode_group(codes + k * stride, scale[k], zero[k], g, bits, false, buf.data());
+    }
+    if (rotation != kRotationNone) unrotate_group(buf.data(), g, m);
+    store_group<T>(buf.data(), g, /*saturating=*/true, k < full ? y + k * g : last.data());
+  }
+  if (tail > 0) std::memcpy(y + full * g, last.data(), static_cast<size_t>(tail) * sizeof(S));
+}
+
+}  // namespace
+
+ffi::Error DequantizeInto(ffi::AnyBuffer out_in, ffi::Buffer<ffi::U8> codes,
+                          ffi::Buffer<ffi::BF16> scale, ffi::Buffer<ffi::BF16> zero,
+                          ffi::Buffer<ffi::S32> offset, ffi::Result<ffi::AnyBuffer> out,
+                          int32_t bits, int64_t group_size, int32_t rotation, int32_t spikes,
+                          int64_t count) {
+  if (ffi::Error e = CheckCodecAttrs(bits, group_size, spikes); e.failure()) return e;
+  if (rotation < kRotationNone || rotation > kRotationSignedHadamard) {
+    return Invalid("rotation must be 0, 1 or 2");
+  }
+  if (rotation != kRotationNone && (group_size & (group_size - 1)) != 0) {
+    return Invalid("rotation needs a power-of-two group_size");
+  }
+  const int64_t n_groups = int64_t(scale.element_count());
+  if (int64_t(zero.element_count()) != n_groups ||
+      int64_t(codes.element_count()) != n_groups * record_bytes(group_size, bits, spikes)) {
+    return Invalid("payload codes/scale/zero do not match");
+  }
+  if (count < 0 || count > n_groups * group_size) {
+    return Invalid("count is negative or more than the payload's groups hold");
+  }
+  const ffi::DataType type = out->element_type();
+  if (type != ffi::F32 && type != ffi::BF16 && type != ffi::F16) {
+    return Invalid("out must be f32, bf16 or f16");
+  }
+  const int64_t size = int64_t(out->element_count());
+  if (out_in.element_type() != type || int64_t(out_in.element_count()) != size) {
+    return Invalid("the result does not match operand 0 (out)");
+  }
+  if (offset.element_count() != 1) return Invalid("offset must be an int32 scalar");
+  const int64_t at = int64_t(offset.typed_data()[0]);
+  if (at < 0 || count > size || at > size - count) {
+    return Invalid("offset " + std::to_string(at) + " + chunk size " + std::to_string(count) +
+                   " is out of bounds for out of " + std::to_string(size) + " elements");
+  }
+  const size_t item = type == ffi::F32 ? 4 : 2;
+  if (out->untyped_data() != out_in.untyped_data()) {  // XLA aliases them; be safe if not
+    std::memcpy(out->untyped_data(), out_in.untyped_data(), static_cast<size_t>(size) * item);
+  }
+  if (count == 0) return ffi::Error::Success();
+  const uint8_t* c = codes.typed_data();
+  const uint16_t* s = scale.typed_data();
+  const uint16_t* z = zero.typed_data();
+  char* base = static_cast<char*>(out->untyped_data()) + static_cast<size_t>(at) * item;
+  switch (type) {
+    case ffi::F32:
+      DecodeInto<F32>(c, s, z, group_size, bits, rotation, spikes, count,
+                      reinterpret_cast<float*>(base));
+      break;
+    case ffi::BF16:
+      DecodeInto<BF16>(c, s, z, group_size, bits, rotation, spikes, count,
+                       reinterpret_cast<uint16_t*>(base));
+      break;
+    default:
+      DecodeInto<F16>(c, s, z, group_size, bits, rotation, spikes, count,
+                      reinterpret_cast<uint16_t*>(base));
+      break;
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace cpu
+}  // namespace flashcomm
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeIntoCpu, flashcomm::cpu::DequantizeInto,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()              // out: f32/bf16/f16
+                                  .Arg<ffi::Buffer<ffi::U8>>()        // codes: (groups, bytes)
+                                  .Arg<ffi::Buffer<ffi::BF16>>()      // scale: (groups,)
+                                  .Arg<ffi::Buffer<ffi::BF16>>()      // zero: (groups,)
+                                  .Arg<ffi::Buffer<ffi::S32>>()       // offset: () element offset
+                                  .Ret<ffi::AnyBuffer>()              // out, aliased to operand 0
+                                  .Attr<int32_t>("bits")              // code width, 2..8
+                                  .Attr<int64_t>("group_size")        // multiple of 8
+                                  .Attr<int32_t>("rotation")          // 0, 1 or 2
+                                  .Attr<int32_t>("spikes")            // kept per group, 0..16
+                                  .Attr<int64_t>("count"));           // the chunk's elements
