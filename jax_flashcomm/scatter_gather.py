@@ -5,9 +5,12 @@ keeps, zero-padded to whole groups), one ``all_to_all`` moves chunk i to rank i,
 dequantizes the N chunks and sums them in f32. One quantization; per element the error is at
 most ``sum_r b1_r`` (the phase-1 bounds of the N ranks' chunks) plus f32 summation rounding.
 
-``all_gather``: each rank quantizes its operand once, the payloads are gathered and every rank
-decodes all of them (its own too), so the gathered array is bit-identical on every rank. One
-quantization: the error is ``codec.error_bound`` of the sender's payload.
+``all_gather``: each rank quantizes its operand once; the packed payloads go N-1 steps round
+a ring (``ppermute``), and each step decodes the payload in hand straight into its sender's
+slot of the output (``codec.dequantize_into``, in place), so no rank ever holds more than one
+received payload. Every rank decodes every payload (its own too) with the same kernel, so the
+gathered array is bit-identical on every rank and to decoding the gathered payloads at once.
+One quantization: the error is ``codec.error_bound`` of the sender's payload.
 
 Both keep the result types of lax (varying over the axes) and their keyword arguments
 (``scatter_dimension``/``axis``, ``tiled``). They are each other's transpose: the cotangent
@@ -17,9 +20,11 @@ collective is the exact lax one, or this quantized one with ``grad="quantized"``
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jax_flashcomm import _common
@@ -196,24 +201,108 @@ def _all_gather_leaf(x, axes, axis, tiled, config, name="x"):
 
 
 def all_gather_parts(x, axes, axis, tiled, config: CommConfig):
-    """Quantized all-gather of a varying ``x``; also returns the gathered payload.
+    """Quantized all-gather of a varying ``x``; also returns this rank's payload.
 
-    Returns ``(y, p)``: ``p`` holds the N ranks' payloads ``(N, groups, ...)`` with ``x``'s
-    shape, so ``codec.error_bound(p)`` is ``(N, *x.shape)``.
+    Returns ``(y, p)``: ``p`` is this rank's payload of ``x`` (``x``'s shape);
+    :func:`gather_payloads` of it gives every sender's, whose ``codec.error_bound`` is
+    ``(N, *x.shape)``.
     """
-    g, bits = config.group_size, config.phase2_bits
-    p = codec.quantize(x, bits=bits, group_size=g, backend=config.backend,
-                       rotation=config.rotation, spikes=config.codec_spikes)
-    gathered = lax.all_gather(_common.pack(p), axes, axis=0, tiled=False)  # (N, groups, bytes)
-    pg = _common.unpack(gathered, bits=bits, group_size=g, shape=x.shape, dtype=x.dtype,
-                        rotation=config.rotation, spikes=config.codec_spikes)
+    p = codec.quantize(x, bits=config.phase2_bits, group_size=config.group_size,
+                       backend=config.backend, rotation=config.rotation,
+                       spikes=config.codec_spikes)
+    n = _common.axis_size(axes)
+    if n * x.size > np.iinfo(np.int32).max:  # beyond an int32 element offset
+        return _decode_gathered(gather_payloads(p, axes), axis, tiled, config), p
+    return _ring_gather(x, p, axes, axis, tiled, config), p
+
+
+def gather_payloads(p, axes):
+    """Every rank's payload ``p``, gathered in rank order: ``(N, groups, ...)`` with ``p``'s
+    shape (one ``lax.all_gather`` of the packed payloads). For error bounds in tests; the
+    all-gather itself never holds them all."""
+    gathered = lax.all_gather(_common.pack(p), axes, axis=0, tiled=False)
+    return _common.unpack(gathered, bits=p.bits, group_size=p.group_size, shape=p.shape,
+                          dtype=p.dtype, rotation=p.rotation, spikes=p.spikes)
+
+
+def _decode_gathered(pg, axis, tiled, config):
+    """The gathered array from gathered payloads ``(N, ...)``, decoded at once (the one-shot
+    all-gather; used when the output is too large for int32 offsets, and as the tests' oracle
+    of the ring)."""
     stacked = codec.dequantize(pg, backend=config.backend)          # (N, *x.shape)
     out = jnp.moveaxis(stacked, 0, axis)
     if tiled:
-        shape = list(x.shape)
+        shape = list(pg.shape)
         shape[axis] *= stacked.shape[0]
         out = out.reshape(shape)
-    return out, pg
+    return out
+
+
+def _gathered_shape(shape, n, axis, tiled):
+    if tiled:
+        return (*shape[:axis], n * shape[axis], *shape[axis + 1:])
+    return (*shape[:axis], n, *shape[axis:])
+
+
+def _ring_gather(x, p, axes, axis, tiled, config):
+    """The ring: N decodes into one output buffer, N-1 ``ppermute`` steps of a packed payload.
+
+    Step k (k = 0 .. N-1) decodes the payload in hand, which came from the rank k places back
+    on the ring, into that rank's slot, then (k < N-1) passes it on to the next rank. The slots
+    are ``lax.all_gather``'s: ranks in the linearized index over ``axes``, in that order.
+
+    When the slots are contiguous in the output (every dimension before ``axis`` has size 1,
+    e.g. ``axis=0``) the output buffer is the result itself, written in place by
+    ``codec.dequantize_into``: temp is about three payloads. Otherwise the payloads are decoded
+    into an ``(N, *x.shape)`` buffer that is then transposed into place (a copy of the output,
+    held with it).
+    """
+    n = _common.axis_size(axes)
+    size = x.size
+    contiguous = math.prod(x.shape[:axis]) == 1
+    shape = _gathered_shape(x.shape, n, axis, tiled) if contiguous else (n, *x.shape)
+    out = jnp.zeros(shape, x.dtype)
+    vma = tuple(_common.varying_axes(x))
+    if vma:
+        out = lax.pcast(out, vma, to="varying")
+    # The ring runs over the axes in mesh order: ppermute numbers ranks that way whatever the
+    # order of the tuple it is given, while lax.all_gather (and axis_index) number them in
+    # the order of ``axes``. ``slot`` maps a ring position to its all_gather slot.
+    mesh_names = tuple(jax.sharding.get_abstract_mesh().axis_names)
+    ring_axes = tuple(a for a in mesh_names if a in axes)
+    if len(ring_axes) != len(axes):  # pragma: no cover - axes always belong to the mesh
+        ring_axes = axes
+    sizes = [int(lax.axis_size(a)) for a in ring_axes]
+    coords = np.stack(np.unravel_index(np.arange(n), sizes), axis=-1)     # ring pos -> coords
+    order = [ring_axes.index(a) for a in axes]
+    slots = np.ravel_multi_index(tuple(coords[:, order].T), [sizes[i] for i in order])
+    me = lax.axis_index(ring_axes)
+    ring = [(j, (j + 1) % n) for j in range(n)]
+
+    def slot(pos):
+        if np.array_equal(slots, np.arange(n)):
+            return pos
+        return jnp.asarray(slots, jnp.int32)[pos]
+
+    def unpack(buf):
+        return _common.unpack(buf, bits=p.bits, group_size=p.group_size, shape=p.shape,
+                              dtype=p.dtype, rotation=p.rotation, spikes=p.spikes)
+
+    def decode(out, buf, k):
+        sender = slot((me + n - k) % n)
+        return codec.dequantize_into(out, unpack(buf), sender * size, backend=config.backend)
+
+    def step(k, carry):
+        out, buf = carry
+        return decode(out, buf, k), lax.ppermute(buf, ring_axes, ring)
+
+    out, buf = lax.fori_loop(0, n - 1, step, (out, _common.pack(p)))
+    out = decode(out, buf, n - 1)
+    if not contiguous:
+        out = jnp.moveaxis(out, 0, axis)
+        if tiled:
+            out = out.reshape(_gathered_shape(x.shape, n, axis, tiled))
+    return out
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))

@@ -78,9 +78,9 @@ def _program(op, mesh, axes, local_shape, dtype, config, opts):
             y = fc.all_gather(v, ax, config=config, **opts)
             axis = opts["axis"] % (v.ndim + 1 - opts["tiled"])
             ref = lax.all_gather(v, axes, axis=axis, tiled=opts["tiled"])
-            y2, pg = scatter_gather.all_gather_parts(
+            y2, p = scatter_gather.all_gather_parts(
                 allreduce.vary(v, axes, config), axes, axis, opts["tiled"], config)
-            extra = (y2, codec.error_bound(pg))
+            extra = (y2, codec.error_bound(scatter_gather.gather_payloads(p, axes)))
         else:
             raise ValueError(op)
         return tuple(r[None] for r in (y, ref) + extra)

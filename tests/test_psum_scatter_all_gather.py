@@ -13,9 +13,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_flashcomm as fc
-from jax_flashcomm import codec
+from jax_flashcomm import allreduce, codec
 from jax_flashcomm import scatter_gather as sg
 from jax_flashcomm.policy import CommConfig
+
+from conftest import make_mesh
 
 EPS32 = float(np.finfo(np.float32).eps)
 CASES = [((4,), ("i",), ("i",)), ((2, 4), ("a", "b"), ("b",)),
@@ -50,11 +52,16 @@ def _ag_checks(xl, axes, axis, tiled, cfg):
     y = fc.all_gather(xl, axes, axis=axis, tiled=tiled, config=cfg)
     ref = lax.all_gather(xl, axes, axis=axis, tiled=tiled)
     exact = fc.all_gather(xl, axes, axis=axis, tiled=tiled, bits=None)
-    y2, pg = sg.all_gather_parts(xl, axes, axis, tiled, cfg)
+    y2, p = sg.all_gather_parts(xl, axes, axis, tiled, cfg)
+    pg = sg.gather_payloads(p, axes)
     b = jnp.moveaxis(codec.error_bound(pg), 0, axis).reshape(y.shape)
     assert jax.typeof(y).mat.varying == jax.typeof(ref).mat.varying
+    # the ring == decoding all gathered payloads at once (the one-shot gather), bit for bit
+    one_shot = sg._decode_gathered(pg, axis, tiled, cfg)
+    same = jnp.all(lax.bitcast_convert_type(y, jnp.uint32)
+                   == lax.bitcast_convert_type(one_shot, jnp.uint32))
     return (jnp.all(jnp.abs(y - ref) <= b), jnp.max(jnp.abs(y - ref) / b),
-            jnp.all(exact == ref), jnp.all(y == y2)), y
+            jnp.all(exact == ref), jnp.all(y == y2) & same), y
 
 
 @pytest.mark.parametrize("mesh_shape,names,axes", CASES)
@@ -168,3 +175,47 @@ def test_vjps(mesh_factory):
                     g_rs, apply(lambda c: fc.all_gather(c, "i", min_bytes=0, **ag), w_rs))
                 np.testing.assert_array_equal(
                     g_ag, apply(lambda c: fc.psum_scatter(c, "i", min_bytes=0, **rs), w_ag))
+
+
+RING_CASES = [((2,), ("i",), ("i",)), ((8,), ("i",), ("i",)), ((2, 4), ("a", "b"), ("b",)),
+              ((2, 4), ("a", "b"), ("a",)), ((2, 4), ("a", "b"), ("a", "b")),
+              ((2, 4), ("a", "b"), ("b", "a"))]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
+                         ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("rotation,spikes,backend", [(0, 0, "ffi"), (2, 2, "ffi"),
+                                                     (0, 1, "jnp")])
+@pytest.mark.parametrize("mesh_shape,names,axes", RING_CASES,
+                         ids=["2", "8", "2x4-b", "2x4-a", "2x4-ab", "2x4-ba"])
+def test_ring_all_gather_equals_one_shot(mesh_shape, names, axes, rotation, spikes, backend,
+                                         dtype):
+    """The ring all-gather (N-1 ppermutes, each payload decoded into its slot) gives the bits of
+    gathering every payload and decoding them at once, for every axis / tiled, contiguous slots
+    or not, multi-axis gathers in lax's rank order, rotation, spikes, both codec backends."""
+    mesh = make_mesh(mesh_shape, names, jax.sharding.AxisType.Explicit)
+    rng = np.random.default_rng(len(axes) + sum(mesh_shape))
+    local = (1, 3, 50)  # 150 values: not a whole number of groups
+    x = (rng.standard_normal((math.prod(mesh_shape), *local)) * 10).astype(np.float32)
+    x[:, 0, 1, 3] = np.nan
+    cfg = CommConfig(bits=4, min_bytes=0, rotation=rotation, spikes=spikes, backend=backend,
+                     group_size=32)
+
+    def body(xl):
+        ok = []
+        for v, axis, tiled in ((xl, 0, True), (xl[0], 0, True), (xl, 1, True), (xl[0], 1, True),
+                               (xl, 0, False), (xl, 1, False), (xl[0], 2, False)):
+            v = allreduce.vary(v.astype(dtype), axes, cfg)
+            y, p = sg.all_gather_parts(v, axes, axis, tiled, cfg)
+            one_shot = sg._decode_gathered(sg.gather_payloads(p, axes), axis, tiled, cfg)
+            ok.append(jnp.all(lax.bitcast_convert_type(y, jnp.uint16 if dtype != jnp.float32
+                                                       else jnp.uint32)
+                              == lax.bitcast_convert_type(one_shot, jnp.uint16
+                                                          if dtype != jnp.float32
+                                                          else jnp.uint32)))
+            assert y.shape == lax.all_gather(v, axes, axis=axis, tiled=tiled).shape
+        return jnp.stack(ok)[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(names), out_specs=P(names)))
+    ok = np.asarray(f(_put(mesh, x)))
+    assert ok.all(), ok

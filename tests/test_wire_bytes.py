@@ -28,24 +28,63 @@ def _nbytes(types: str) -> int:
     return total
 
 
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\{\s*$")
+_WHILE = re.compile(r"\swhile\(.*?body=%?([\w.\-]+)")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def _runs_per_call(hlo: str) -> dict:
+    """Computation name -> its instruction lines and how many times it runs per call of the
+    program: a while body runs its loop's known trip count times its caller's count, every
+    other computation once (a while loop without a known trip count fails the test)."""
+    lines: dict = {}
+    current = None
+    for line in hlo.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            current = m.group(1)
+            lines[current] = []
+        elif current is not None:
+            lines[current].append(line)
+    caller: dict = {}
+    for name, body in lines.items():
+        for line in body:
+            w = _WHILE.search(line)
+            if w:
+                t = _TRIPS.search(line)
+                assert t, f"while loop without a known trip count: {line.strip()[:160]}"
+                caller[w.group(1)] = (name, int(t.group(1)))
+
+    def runs(name, depth=0):
+        assert depth < 64, "while loops nested too deep (a cycle?)"
+        if name not in caller:
+            return 1
+        parent, trips = caller[name]
+        return trips * runs(parent, depth + 1)
+
+    return {name: (body, runs(name)) for name, body in lines.items()}
+
+
 def wire_bytes(hlo: str, n: int) -> dict:
     """Bytes each device sends, per collective kind, from compiled HLO text.
 
     all-to-all: (N-1)/N of its operands (the own chunk stays); all-gather: its operand to N-1
     peers = (N-1)/N of the result; all-reduce: 2(N-1)/N of the operand (ring);
     reduce-scatter: (N-1)/N of the operand = (N-1) x result; collective-permute: the operand.
+    A collective inside a while loop's body counts once per iteration (its known trip count).
     """
     sent: dict = {}
-    for line in hlo.splitlines():
-        m = _OP.search(line)
-        if not m:
-            continue
-        assert not m.group(3), f"async collective not handled: {line.strip()[:120]}"
-        kind, result = m.group(2), _nbytes(m.group(1))
-        factor = {"all-to-all": (n - 1) / n, "all-gather": (n - 1) / n,
-                  "all-reduce": 2 * (n - 1) / n, "reduce-scatter": n - 1,
-                  "collective-permute": 1.0}[kind]
-        sent[kind] = sent.get(kind, 0.0) + factor * result
+    for body, runs in _runs_per_call(hlo).values():
+        for line in body:
+            m = _OP.search(line)
+            if not m:
+                continue
+            assert not m.group(3), f"async collective not handled: {line.strip()[:120]}"
+            kind, result = m.group(2), _nbytes(m.group(1))
+            factor = {"all-to-all": (n - 1) / n, "all-gather": (n - 1) / n,
+                      "all-reduce": 2 * (n - 1) / n, "reduce-scatter": n - 1,
+                      "collective-permute": 1.0}[kind]
+            sent[kind] = sent.get(kind, 0.0) + runs * factor * result
     return sent
 
 
@@ -104,3 +143,26 @@ def test_wire_bytes_with_spikes(bits, spikes):
     assert sum(sent.values()) == pytest.approx(expect, rel=1e-12)
     assert expect == pytest.approx(
         2 * (n - 1) / n * elems * fc.codec.wire_bytes_per_element(bits, 128, spikes))
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("bits,spikes", [(8, 0), (4, 0), (4, 2)])
+def test_all_gather_wire_bytes(n, bits, spikes):
+    """The ring all-gather sends each rank's payload N-1 times (one collective-permute per ring
+    step, inside a while loop for N > 2): exactly (N-1) payloads per rank, as one all-gather
+    of the payloads would."""
+    mesh = jax.make_mesh((n,), ("i",), devices=jax.devices()[:n])
+    elems = n * 128 * 64
+    x = jax.device_put(jnp.ones((n, 2, elems // 2), jnp.bfloat16), NamedSharding(mesh, P("i")))
+    payload = elems // 128 * (128 * bits // 8 + 4 + 3 * spikes)
+    for axis, tiled in ((0, True), (1, True), (0, False)):
+        f = jax.jit(jax.shard_map(
+            lambda v: fc.all_gather(v[0], "i", axis=axis, tiled=tiled, bits=bits, min_bytes=0,
+                                    spikes=spikes)[None],
+            mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+        hlo = f.lower(x).compile().as_text()
+        sent = wire_bytes(hlo, n)
+        assert set(sent) == {"collective-permute"}, sent
+        assert sent["collective-permute"] == (n - 1) * payload, (axis, tiled, sent)
+        if n > 2:
+            assert " while(" in hlo  # the count above went through the loop's trip count
