@@ -7,7 +7,13 @@ one thread):
   (may be cache-resident) and of 512 MiB (main memory: the bandwidth the target refers to);
 * ``quantize`` and ``dequantize`` with the FFI kernels (``backend="ffi"``), and with the
   pure-jnp twin for reference, at 8, 6, 4 bits, G = 128;
-* the fused ``dequantize_sum_quantize`` of 8 chunks (the middle of the two-step all-reduce).
+* the fused ``dequantize_sum_quantize`` of 8 chunks (the middle of the two-step all-reduce);
+* the rotation section (issue 6): quantize and dequantize with rotation 0 (plain), 1
+  (Hadamard) and 2 (signed Hadamard) for f32/bf16/f16 operands, bits 8, 6, 4 and G = 32, 128,
+  512, on an operand of ``--rotation-mib`` MiB of bf16 (the same element count for every
+  dtype). The three rotations' calls alternate, round after round, and each ratio is the
+  median over the rounds of rotated time / plain time of the same round, so a change in
+  machine load hits both sides alike.
 
 Throughput is GB/s of the operand (bf16 bytes in for quantize, bf16 bytes out for dequantize).
 Each figure is the median of ``--reps`` timed calls after a warm-up. The process is re-executed
@@ -17,12 +23,14 @@ not the kernel's; the first lines of the output say which mode ran).
 
 Target (issue 2): quantize of bf16 input at >= 25% of memcpy bandwidth at int8 and int4. Both
 ratios are printed: against main-memory memcpy (the target) and against memcpy of the same
-size (a stricter figure when the operand fits in the last-level cache).
+size (a stricter figure when the operand fits in the last-level cache). Target (issue 6): with
+rotation, at most 2x the plain codec's time.
 
 Re-run::
 
     python benchmarks/codec.py                 # -> docs/codec.json
     python benchmarks/codec.py --quick
+    python benchmarks/codec.py --rotation-only # only the rotation section of docs/codec.json
 """
 
 from __future__ import annotations
@@ -85,21 +93,110 @@ def measure(size_bytes, dtype, bits, backend, reps):
             "fused_sum_quantize_gbps": x.nbytes / t_f / 1e9}
 
 
+def interleaved_times(fns, reps):
+    """Seconds of reps calls of each of fns, their calls alternating (after a warm-up call each):
+    times[i][k] is fns[i]'s k-th call, made right after fns[i - 1]'s."""
+    for fn in fns:
+        jax.block_until_ready(fn())
+    times = [[] for _ in fns]
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[i].append(time.perf_counter() - t0)
+    return times
+
+
+ROTATIONS = (0, 1, 2)
+
+
+def measure_rotation(n, dtype, bits, group_size, reps):
+    """Quantize and dequantize times for rotation 0, 1 and 2 (FFI kernels), alternating."""
+    x = jax.random.normal(jax.random.key(0), (n,), dtype)
+    quantizers = [jax.jit(lambda a, r=r: codec.quantize(a, bits=bits, group_size=group_size,
+                                                          rotation=r, backend="ffi"))
+                  for r in ROTATIONS]
+    dequantize = jax.jit(lambda p: codec.dequantize(p, backend="ffi"))
+    payloads = [q(x) for q in quantizers]
+    t_q = interleaved_times([lambda q=q: q(x) for q in quantizers], reps)
+    t_d = interleaved_times([lambda p=p: dequantize(p) for p in payloads], reps)
+
+    def ratio(times, r):  # median over the rounds of (rotated / plain) in the same round
+        return statistics.median(a / b for a, b in zip(times[r], times[0]))
+
+    rows = []
+    for r in ROTATIONS:
+        tq, td = statistics.median(t_q[r]), statistics.median(t_d[r])
+        rows.append(dict(dtype=jnp.dtype(dtype).name, bits=bits, group_size=group_size,
+                         rotation=r, elements=n, quantize_ms=tq * 1e3, dequantize_ms=td * 1e3,
+                         quantize_min_ms=min(t_q[r]) * 1e3, dequantize_min_ms=min(t_d[r]) * 1e3,
+                         quantize_gbps=x.nbytes / tq / 1e9, dequantize_gbps=x.nbytes / td / 1e9,
+                         quantize_vs_plain=ratio(t_q, r), dequantize_vs_plain=ratio(t_d, r)))
+    return rows
+
+
+def rotation_section(mib, reps):
+    n = int(mib * MIB) // 2  # elements of a bf16 operand of `mib` MiB; the same n for every dtype
+    print(f"\nrotation (issue 6): {n} elements ({mib:g} MiB of bf16), median of {reps} rounds "
+          f"of alternating calls; x plain = median over the rounds of the time / the plain "
+          f"(rotation 0) time of the same round; target <= 2")
+    print(f"{'dtype':>8} {'bits':>4} {'G':>4} {'rot':>3} {'quant ms':>9} {'x plain':>7} "
+          f"{'dequant ms':>10} {'x plain':>7}")
+    rows = []
+    for dtype in (jnp.bfloat16, jnp.float32, jnp.float16):
+        for bits in (8, 6, 4):
+            for group_size in (32, 128, 512):
+                for row in measure_rotation(n, dtype, bits, group_size, reps):
+                    rows.append(row)
+                    print(f"{row['dtype']:>8} {bits:4d} {group_size:4d} {row['rotation']:3d} "
+                          f"{row['quantize_ms']:9.2f} {row['quantize_vs_plain']:7.2f} "
+                          f"{row['dequantize_ms']:10.2f} {row['dequantize_vs_plain']:7.2f}",
+                          flush=True)
+    rotated = [r for r in rows if r["rotation"] != 0]
+    worst_q = max(r["quantize_vs_plain"] for r in rotated)
+    worst_d = max(r["dequantize_vs_plain"] for r in rotated)
+    print(f"rotated / plain, worst: quantize {worst_q:.2f}, dequantize {worst_d:.2f} "
+          f"(target <= 2: {'met' if max(worst_q, worst_d) <= 2 else 'NOT met'})")
+    meta = dict(machine=f"{platform.machine()} {os.cpu_count()} cores", jax=jax.__version__,
+                command="python benchmarks/codec.py --rotation-only", malloc_env=_MALLOC_ENV,
+                elements=n, operand_mib_bf16=mib, reps=reps, load_average=os.getloadavg(),
+                backend="ffi",
+                note="*_ms: median of reps calls; *_vs_plain: median over the reps rounds of "
+                "time / rotation 0's time in the same round (calls of the three rotations "
+                "alternate, so a change in machine load hits them alike)")
+    return dict(meta=meta, rows=rows)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="one size, fewer repetitions")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--out", default=str(REPO / "docs" / "codec.json"))
+    parser.add_argument("--rotation-only", action="store_true",
+                        help="only the rotation section (the rest of --out is kept)")
+    parser.add_argument("--rotation-mib", type=float, default=8.0,
+                        help="operand size of the rotation section, MiB of bf16")
+    parser.add_argument("--rotation-reps", type=int, default=21)
     args = parser.parse_args()
     if not kernels.available("cpu"):
         raise SystemExit("the CPU FFI kernels are not built: pip install . first")
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
+          f"jax {jax.__version__}; malloc mmap threshold "
+          f"{os.environ.get('MALLOC_MMAP_THRESHOLD_')}; load average {os.getloadavg()[0]:.2f}")
+    out = Path(args.out)
+    if args.rotation_only:
+        rotation = rotation_section(args.rotation_mib, args.rotation_reps)
+        data = json.loads(out.read_text()) if out.exists() else {}
+        data["rotation"] = rotation
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(data, indent=1))
+        print(f"wrote the rotation section of {out}")
+        return
     sizes = [8 * MIB] if args.quick else [1 * MIB, 8 * MIB, 32 * MIB]
     reps = 5 if args.quick else args.reps
     rows = []
     dram = memcpy_gbps(512 * MIB, 5)
     print(f"memcpy, 512 MiB (main memory, one core): {dram:.2f} GB/s")
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
-          f"jax {jax.__version__}; malloc mmap threshold {os.environ.get('MALLOC_MMAP_THRESHOLD_')}")
     print(f"{'size':>6} {'dtype':>8} {'bits':>4} {'backend':>7} {'memcpy':>8} {'quant':>7} "
           f"{'q/dram':>7} {'q/same':>7} {'dequant':>7} {'fused':>7}   (GB/s)")
     for size in sizes:
@@ -127,10 +224,11 @@ def main():
     print(f"\nquantize bf16 (int8, int4) / main-memory memcpy: worst {worst:.2f} "
           f"(target >= 0.25: {'met' if worst >= 0.25 else 'NOT met'}); "
           f"/ same-size memcpy: worst {worst_same:.2f}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    rotation = rotation_section(args.rotation_mib, 5 if args.quick else args.rotation_reps)
+    out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(machine=f"{platform.machine()} {os.cpu_count()} cores", jax=jax.__version__,
                 command="python benchmarks/codec.py", malloc_env=_MALLOC_ENV, reps=reps)
-    Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    out.write_text(json.dumps(dict(meta=meta, rows=rows, rotation=rotation), indent=1))
     print(f"wrote {args.out}")
 
 
