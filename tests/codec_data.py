@@ -44,3 +44,18 @@ def structured(rng, n_groups, group_size, dtype, kinds=KINDS):
     groups = [group_of_kind(rng, kinds[i % len(kinds)], group_size, dtype)
               for i in range(n_groups)]
     return jnp.asarray(np.concatenate(groups).astype(np.float32)).astype(dtype)
+
+
+def bit_view(a):
+    """An array's bits: uint16 for 2-byte dtypes, uint8 otherwise (for bit-equality asserts)."""
+    a = np.asarray(a)
+    return a.view(np.uint16) if a.dtype.itemsize == 2 else a.view(np.uint8)
+
+
+def jit_quantize(x, backend, **options):
+    """``codec.quantize`` under jit with the given backend."""
+    import jax
+    from jax_flashcomm import codec
+
+    return jax.jit(lambda v: codec.quantize(v, backend=backend, **options))(x)
+

@@ -20,13 +20,11 @@ from jax_flashcomm import allreduce, codec
 from jax_flashcomm.codec import kernels, reference
 from jax_flashcomm.policy import CommConfig
 
+from codec_data import bit_view as _bits, jit_quantize as _quant
+
 EPS32 = float(np.finfo(np.float32).eps)
 needs_ffi = pytest.mark.skipif(not kernels.available("cpu"), reason="CPU kernels not built")
 
-
-def _bits(a):
-    a = np.asarray(a)
-    return a.view(np.uint16) if a.dtype.itemsize == 2 else a.view(np.uint8)
 
 
 def _data(rng, shape, kind="outliers"):
@@ -38,9 +36,6 @@ def _data(rng, shape, kind="outliers"):
         x = rng.standard_t(3, shape).astype(np.float32)
     return x
 
-
-def _quant(x, backend, **kw):
-    return jax.jit(lambda v: codec.quantize(v, backend=backend, **kw))(x)
 
 
 @needs_ffi

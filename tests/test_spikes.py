@@ -17,15 +17,13 @@ from jax_flashcomm import codec
 from jax_flashcomm.codec import kernels, reference, spec
 from jax_flashcomm.policy import CommConfig
 
+from codec_data import bit_view as _bits, jit_quantize as _quant
+
 import collective_oracles as oracles
 
 needs_ffi = pytest.mark.skipif(not kernels.available("cpu"), reason="CPU kernels not built")
 BF16_MAX = 3.3895313892515355e38
 
-
-def _bits(a):
-    a = np.asarray(a)
-    return a.view(np.uint16) if a.dtype.itemsize == 2 else a.view(np.uint8)
 
 
 def _groups(rng, g, dtype):
@@ -47,9 +45,6 @@ def _groups(rng, g, dtype):
         x[7, 3] = 3.4e38  # rounds past the largest bf16: saturates
     return jnp.asarray(x, dtype)
 
-
-def _quant(x, backend, **kw):
-    return jax.jit(lambda v: codec.quantize(v, backend=backend, **kw))(x)
 
 
 @needs_ffi
