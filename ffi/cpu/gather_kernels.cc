@@ -13,12 +13,11 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
-#include <vector>
 
 #include "flashcomm/codec.h"
-#include "flashcomm/cpu_codec.h"
+#include "flashcomm/cpu_dispatch.h"
 #include "flashcomm/cpu_kernels.h"
-#include "flashcomm/cpu_spikes.h"
+#include "flashcomm/cpu_ops.h"
 #include "flashcomm/ffi_checks.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -32,49 +31,6 @@ constexpr const char* kOp = "flashcomm_dequantize_into";
 
 ffi::Error Invalid(const std::string& what) {
   return ffi::Error::InvalidArgument(std::string(kOp) + ": " + what);
-}
-
-// Decode the ceil(count / g) groups that hold the chunk's count values into y (count elements
-// of T). Whole groups are decoded in place; a last, partial group through a scratch group.
-// The per-group paths are Dequantize's (codec_kernels.cc): dequantize_groups without rotation
-// or spikes, else decode (spikes put back), inverse rotation, saturating store.
-template <typename T>
-void DecodeInto(const uint8_t* codes, const uint16_t* scale, const uint16_t* zero, int64_t g,
-                int bits, int32_t rotation, int32_t spikes, int64_t count,
-                typename T::Storage* y) {
-  using S = typename T::Storage;
-  const int64_t full = count / g;
-  const int64_t tail = count - full * g;
-  const int64_t stride = record_bytes(g, bits, spikes);
-  std::vector<float> buf(static_cast<size_t>(g));
-  std::vector<S> last(tail > 0 ? static_cast<size_t>(g) : 0);
-  if (spikes == 0 && rotation == kRotationNone) {
-    dequantize_groups<T>(codes, scale, zero, full, g, bits, buf.data(), y);
-    if (tail > 0) {
-      dequantize_groups<T>(codes + full * stride, scale + full, zero + full, 1, g, bits,
-                           buf.data(), last.data());
-      std::memcpy(y + full * g, last.data(), static_cast<size_t>(tail) * sizeof(S));
-    }
-    return;
-  }
-  std::vector<uint32_t> masks;
-  if (rotation == kRotationSignedHadamard) {
-    masks.resize(static_cast<size_t>(g));
-    rotation_sign_masks(g, masks.data());
-  }
-  const uint32_t* m = masks.empty() ? nullptr : masks.data();
-  const int64_t groups = full + (tail > 0 ? 1 : 0);
-  for (int64_t k = 0; k < groups; ++k) {
-    if (spikes > 0) {
-      decode_spiked_group(codes + k * stride, scale[k], zero[k], g, bits, spikes, false, nullptr,
-                          buf.data());
-    } else {
-      decode_group(codes + k * stride, scale[k], zero[k], g, bits, false, buf.data());
-    }
-    if (rotation != kRotationNone) unrotate_group(buf.data(), g, m);
-    store_group<T>(buf.data(), g, /*saturating=*/true, k < full ? y + k * g : last.data());
-  }
-  if (tail > 0) std::memcpy(y + full * g, last.data(), static_cast<size_t>(tail) * sizeof(S));
 }
 
 }  // namespace
@@ -118,24 +74,11 @@ ffi::Error DequantizeInto(ffi::AnyBuffer out_in, ffi::Buffer<ffi::U8> codes,
     std::memcpy(out->untyped_data(), out_in.untyped_data(), static_cast<size_t>(size) * item);
   }
   if (count == 0) return ffi::Error::Success();
-  const uint8_t* c = codes.typed_data();
-  const uint16_t* s = scale.typed_data();
-  const uint16_t* z = zero.typed_data();
+  DType dtype;
+  ToDType(type, &dtype);
   char* base = static_cast<char*>(out->untyped_data()) + static_cast<size_t>(at) * item;
-  switch (type) {
-    case ffi::F32:
-      DecodeInto<F32>(c, s, z, group_size, bits, rotation, spikes, count,
-                      reinterpret_cast<float*>(base));
-      break;
-    case ffi::BF16:
-      DecodeInto<BF16>(c, s, z, group_size, bits, rotation, spikes, count,
-                       reinterpret_cast<uint16_t*>(base));
-      break;
-    default:
-      DecodeInto<F16>(c, s, z, group_size, bits, rotation, spikes, count,
-                      reinterpret_cast<uint16_t*>(base));
-      break;
-  }
+  kernels().dequantize_into(dtype, codes.typed_data(), scale.typed_data(), zero.typed_data(),
+                            group_size, bits, rotation, spikes, count, base);
   return ffi::Error::Success();
 }
 

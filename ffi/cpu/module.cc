@@ -1,4 +1,12 @@
-// nanobind module exposing the CPU handlers as PyCapsules for jax.ffi.register_ffi_target.
+// nanobind module exposing the CPU handlers as PyCapsules for jax.ffi.register_ffi_target, and
+// the choice of the codec's instruction-set build (cpu_dispatch.h).
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "flashcomm/cpu_dispatch.h"
 #include "flashcomm/cpu_kernels.h"
 #include "flashcomm/nb_registrations.h"
 
@@ -8,4 +16,17 @@ NB_MODULE(_flashcomm_cpu, m) {
                                     FlashcommDequantizeSumCpu, FlashcommDequantizeSumQuantizeCpu,
                                     FlashcommDequantizeIntoCpu);
   });
+  m.def("cpu_isa", []() { return std::string(flashcomm::cpu::kernels().isa); },
+        "The instruction-set build the codec kernels run (avx512, avx2, baseline or neon).");
+  m.def("supported_isas", &flashcomm::cpu::supported_isas,
+        "The builds this CPU can run, best first.");
+  m.def("cpu_features", &flashcomm::cpu::cpu_features,
+        "The vector features the CPU reports, as text.");
+  m.def(
+      "set_cpu_isa",
+      [](const std::string& name) {
+        const std::string error = flashcomm::cpu::set_isa(name);
+        if (!error.empty()) throw std::invalid_argument(error);
+      },
+      "Run the codec kernels with the named build from now on ('auto': the best supported).");
 }

@@ -35,7 +35,12 @@ __all__ = [
     "spike_bound",
     "wire_bytes_per_element",
     "DEFAULT_GROUP_SIZE",
+    "cpu_isa",
+    "cpu_isas",
+    "use_cpu_isa",
 ]
+
+from jax_flashcomm.codec.kernels import cpu_isa, cpu_isas, use_cpu_isa  # noqa: E402
 
 _JAX_TO_FFI_PLATFORM = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}
 

@@ -7,7 +7,9 @@ Importing this module never needs a GPU or the CUDA runtime.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
 
 import jax
 import numpy as np
@@ -35,9 +37,62 @@ def _register(platform: str) -> bool:
     except ImportError as err:
         _import_errors[platform] = str(err)
         return False
+    if platform == "cpu":
+        _apply_isa_env(module)
     for name, capsule in module.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform=_XLA_PLATFORM[platform])
     return True
+
+
+ISA_ENV = "FLASHCOMM_CPU_ISA"
+
+
+def _apply_isa_env(module) -> None:
+    """Honour ``FLASHCOMM_CPU_ISA`` (avx512 | avx2 | baseline, on aarch64 neon | baseline, or
+    auto): a build the CPU cannot run, or an unknown name, is an error here, at load."""
+    name = os.environ.get(ISA_ENV, "").strip()
+    if name:
+        try:
+            module.set_cpu_isa(name)
+        except ValueError as err:
+            raise RuntimeError(f"jax_flashcomm: {err}") from None
+
+
+def _cpu_module():
+    if not available("cpu"):
+        require("cpu")
+    return importlib.import_module("jax_flashcomm._flashcomm_cpu")
+
+
+def cpu_isa() -> str:
+    """The instruction-set build the CPU codec kernels run: ``"avx512"`` (16 f32 lanes),
+    ``"avx2"`` (8), ``"baseline"`` (SSE2 on x86-64, 4) or ``"neon"`` (aarch64, 4). The best the
+    CPU supports unless ``FLASHCOMM_CPU_ISA`` names another."""
+    return _cpu_module().cpu_isa()
+
+
+def cpu_isas() -> list[str]:
+    """The builds this CPU can run, best first."""
+    return list(_cpu_module().supported_isas())
+
+
+def cpu_features() -> str:
+    """The CPU's vector features as the kernel library sees them (for reports)."""
+    return _cpu_module().cpu_features()
+
+
+@contextlib.contextmanager
+def use_cpu_isa(name: str):
+    """Run the CPU codec kernels with build ``name`` inside the block (tests and benchmarks:
+    compiled executables call the kernel library at run time, so no recompilation is needed).
+    Raises ValueError for a build this CPU cannot run."""
+    module = _cpu_module()
+    previous = module.cpu_isa()
+    module.set_cpu_isa(name)
+    try:
+        yield
+    finally:
+        module.set_cpu_isa(previous)
 
 
 def available(platform: str) -> bool:

@@ -17,7 +17,16 @@
 #define FC_HD inline
 #endif
 
+// Each CPU instruction-set build of the kernels (ffi/cpu/isa_kernels.cc, compiled once per ISA
+// with its own -m flags) defines FLASHCOMM_ISA, so every inline function of these headers gets
+// an ISA-specific symbol: the linker can never merge an AVX-512 copy of an inline function
+// into the baseline build's callers. Everything else (handlers, CUDA, tests) uses `generic`.
+#ifndef FLASHCOMM_ISA
+#define FLASHCOMM_ISA generic
+#endif
+
 namespace flashcomm {
+inline namespace FLASHCOMM_ISA {
 
 constexpr int kMinBits = 2;
 constexpr int kMaxBits = 8;
@@ -226,11 +235,17 @@ FC_HD float select_finite(float test, float if_finite, float otherwise) {
 }
 
 #if !defined(__CUDACC__)
-// 16 f32 lanes on the host (one AVX-512 register, two AVX2 ones, four SSE ones).
-typedef float Lanes __attribute__((vector_size(64)));
-typedef uint32_t ULanes __attribute__((vector_size(64)));
-typedef int32_t ILanes __attribute__((vector_size(64)));
-constexpr int kLanes = 16;
+// FLASHCOMM_LANES f32 lanes on the host: one vector register of the ISA the file is compiled
+// for (16 on AVX-512, 8 on AVX2, 4 on SSE2 and NEON). Wider types than the registers make GCC
+// split them through the stack.
+#ifndef FLASHCOMM_LANES
+#define FLASHCOMM_LANES 4
+#endif
+constexpr int kLanes = FLASHCOMM_LANES;
+static_assert(kLanes == 4 || kLanes == 8 || kLanes == 16, "FLASHCOMM_LANES: 4, 8 or 16");
+typedef float Lanes __attribute__((vector_size(4 * kLanes)));
+typedef uint32_t ULanes __attribute__((vector_size(4 * kLanes)));
+typedef int32_t ILanes __attribute__((vector_size(4 * kLanes)));
 
 inline Lanes mul_rn(Lanes a, float b) { return a * b; }
 inline Lanes mul_rn(Lanes a, Lanes b) { return a * b; }
@@ -495,6 +510,7 @@ struct F16 {
   static FC_HD uint16_t store(float v) { return f16_from_float(v); }
 };
 
+}  // inline namespace FLASHCOMM_ISA
 }  // namespace flashcomm
 
 #endif  // FLASHCOMM_CODEC_H_

@@ -1,10 +1,10 @@
 // Host loops over one group for the codec (docs/format.md). The arithmetic is codec.h; these
-// loops only arrange it so the compiler vectorizes it: the code width is a template parameter
-// (constant shifts), the range pass keeps 8 independent lanes, encode and decode are
-// branch-free elementwise loops, and packing works on blocks of 8 codes. The entry points are
-// compiled for AVX-512, AVX2 and baseline x86-64 and picked at load time (target_clones):
-// every operation is a correctly rounded IEEE op (no FMA contraction), so all three give the
-// same bits.
+// loops only arrange it in vectors of kLanes f32 lanes (cpu_simd.h): the code width is a
+// template parameter (constant shifts), the range pass keeps independent lanes, encode and
+// decode are branch-free elementwise loops, and packing works on blocks of 8 codes. This file
+// is compiled once per instruction set (ffi/cpu/isa_kernels.cc, kLanes = the ISA's register
+// width) and the build is picked at load time (ffi/cpu/dispatch.cc): every operation is a
+// correctly rounded IEEE op (no FMA contraction), so every build gives the same bits.
 #ifndef FLASHCOMM_CPU_CODEC_H_
 #define FLASHCOMM_CPU_CODEC_H_
 
@@ -13,33 +13,18 @@
 #include <type_traits>
 
 #include "flashcomm/codec.h"
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
-    !defined(FLASHCOMM_NO_MULTIVERSION)
-#define FC_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define FC_MULTIVERSION
-#endif
+#include "flashcomm/cpu_simd.h"
 
 namespace flashcomm {
+inline namespace FLASHCOMM_ISA {
 namespace cpu {
 
 constexpr int64_t kChunk = 256;  // codes staged per pass (group sizes may be larger)
 
-typedef uint8_t ByteLanes __attribute__((vector_size(kLanes)));
-
-__attribute__((always_inline)) inline Lanes load_lanes(const float* v) {
-  Lanes a;
-  std::memcpy(&a, v, sizeof a);
-  return a;
-}
-
-typedef uint16_t HalfLanes __attribute__((vector_size(2 * kLanes)));
-
 // kLanes elements of T as f32 lanes.
 template <typename T>
 __attribute__((always_inline)) inline Lanes load_lanes_t(const typename T::Storage* x) {
-  Lanes a;
+  Lanes a = {};
   for (int j = 0; j < kLanes; ++j) a[j] = T::load(x[j]);
   return a;
 }
@@ -49,28 +34,7 @@ __attribute__((always_inline)) inline Lanes load_lanes_t<F32>(const float* x) {
 }
 template <>
 __attribute__((always_inline)) inline Lanes load_lanes_t<BF16>(const uint16_t* x) {
-  HalfLanes h;
-  std::memcpy(&h, x, sizeof h);
-  const ULanes u = __builtin_convertvector(h, ULanes) << 16;
-  return bits_lanes(u);
-}
-
-// Lane-wise min/max reduced to one value by halving (exact whatever the order: min and max of
-// floats are order-independent apart from signed zeros, which the caller canonicalizes).
-__attribute__((always_inline)) inline float reduce_min(Lanes a) {
-  a = __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7) < a
-          ? __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7)
-          : a;
-  a = __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11) < a
-          ? __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11)
-          : a;
-  a = __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13) < a
-          ? __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13)
-          : a;
-  return a[1] < a[0] ? a[1] : a[0];
-}
-__attribute__((always_inline)) inline float reduce_max(Lanes a) {
-  return -reduce_min(-a);
+  return bits_lanes(widen_halves(x) << 16);
 }
 
 // One group of T's min, max and finiteness (g a multiple of 8).
@@ -91,9 +55,7 @@ __attribute__((always_inline)) inline void load_range(const typename T::Storage*
     }
     l = reduce_min(lo_l);
     h = reduce_max(hi_l);
-    const ILanes folded = bad_l | __builtin_shufflevector(bad_l, bad_l, 8, 9, 10, 11, 12, 13, 14,
-                                                         15, 0, 1, 2, 3, 4, 5, 6, 7);
-    for (int j = 0; j < kLanes / 2; ++j) ok = ok && folded[j] == 0;
+    ok = !any_lane(bad_l);
   }
   for (; i < g; ++i) {
     const float a = T::load(x[i]);
@@ -147,9 +109,7 @@ __attribute__((always_inline)) inline void encode_pack(const typename T::Storage
     int64_t j = 0;
     for (; j + kLanes <= n; j += kLanes) {
       const Lanes biased = encode_biased(load_lanes_t<T>(v + i0 + j), p, levels);
-      const ULanes code = lanes_bits(biased) - kEncodeBias;
-      const ByteLanes bytes = __builtin_convertvector(code, ByteLanes);
-      std::memcpy(q + j, &bytes, kLanes);
+      narrow_bytes(lanes_bits(biased) - kEncodeBias, q + j);
     }
     for (; j < n; ++j) q[j] = uint8_t(encode(T::load(v[i0 + j]), p, levels));
     if (BITS == 4) {  // the same LSB-first layout, as one vectorizable loop
@@ -185,11 +145,9 @@ __attribute__((always_inline)) inline void decode_unpacked(const uint8_t* codes,
     float* o = out + i0;
     int64_t j = 0;
     for (; j + kLanes <= n; j += kLanes) {
-      ByteLanes bytes;
-      std::memcpy(&bytes, q + j, kLanes);
-      Lanes d = decode_lanes(__builtin_convertvector(bytes, Lanes), p);
+      Lanes d = decode_lanes(widen_bytes(q + j), p);
       if (accumulate) d = add_rn(load_lanes(o + j), d);
-      std::memcpy(o + j, &d, sizeof d);
+      store_lanes(o + j, d);
     }
     for (; j < n; ++j) o[j] = accumulate ? add_rn(o[j], decode(q[j], p)) : decode(q[j], p);
   }
@@ -228,7 +186,7 @@ __attribute__((always_inline)) inline bool quantize_one(const typename T::Storag
 // Quantize n_groups groups of g elements of T: codes (g * bits / 8 bytes each), bf16 scale
 // and zero.
 template <typename T>
-FC_MULTIVERSION void quantize_groups(const typename T::Storage* x, int64_t n_groups, int64_t g,
+void quantize_groups(const typename T::Storage* x, int64_t n_groups, int64_t g,
                                      int bits, uint8_t* codes, uint16_t* scale,
                                      uint16_t* zero) {
   const int64_t nbytes = group_bytes(g, bits);
@@ -238,7 +196,7 @@ FC_MULTIVERSION void quantize_groups(const typename T::Storage* x, int64_t n_gro
 }
 
 // Quantize one group of f32 values: its codes (g * bits / 8 bytes), bf16 scale and zero.
-FC_MULTIVERSION inline void quantize_group(const float* v, int64_t g, int bits, uint8_t* codes,
+inline void quantize_group(const float* v, int64_t g, int bits, uint8_t* codes,
                                            uint16_t* scale, uint16_t* zero) {
   quantize_one<F32>(v, g, bits, codes, scale, zero);
 }
@@ -259,7 +217,7 @@ __attribute__((always_inline)) inline void decode_one(const uint8_t* codes, uint
   }
 }
 
-FC_MULTIVERSION inline void decode_group(const uint8_t* codes, uint16_t scale, uint16_t zero,
+inline void decode_group(const uint8_t* codes, uint16_t scale, uint16_t zero,
                                          int64_t g, int bits, bool accumulate, float* out) {
   decode_one(codes, scale, zero, g, bits, accumulate, out);
 }
@@ -278,9 +236,7 @@ __attribute__((always_inline)) inline void store_lanes_t<BF16>(Lanes v, uint16_t
   const ULanes u = lanes_bits(v);  // bf16_from_float, lane-wise
   const ULanes nan = (u >> 16) | 0x0040u;
   const ULanes rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  const ULanes r = (u & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded;
-  const HalfLanes h = __builtin_convertvector(r, HalfLanes);
-  std::memcpy(y, &h, sizeof h);
+  narrow_halves((u & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded, y);
 }
 
 __attribute__((always_inline)) inline Lanes saturate(Lanes v, float max) {
@@ -324,9 +280,7 @@ __attribute__((always_inline)) inline void dequantize_all(const uint8_t* codes,
       }
       int64_t j = 0;
       for (; j + kLanes <= n; j += kLanes) {
-        ByteLanes bytes;
-        std::memcpy(&bytes, qs + j, kLanes);
-        const Lanes d = decode_lanes(__builtin_convertvector(bytes, Lanes), p);
+        const Lanes d = decode_lanes(widen_bytes(qs + j), p);
         store_lanes_t<T>(saturate(d, T::kMax), out + i0 + j);
       }
       for (; j < n; ++j) out[i0 + j] = T::store(flashcomm::saturate(decode(qs[j], p), T::kMax));
@@ -337,7 +291,7 @@ __attribute__((always_inline)) inline void dequantize_all(const uint8_t* codes,
 // Dequantize n_groups groups into T, saturated to T's finite range (the operand's values came
 // from T). buf is scratch of g floats.
 template <typename T>
-FC_MULTIVERSION void dequantize_groups(const uint8_t* codes, const uint16_t* scale,
+void dequantize_groups(const uint8_t* codes, const uint16_t* scale,
                                        const uint16_t* zero, int64_t n_groups, int64_t g,
                                        int bits, float* buf, typename T::Storage* y) {
   (void)buf;
@@ -354,7 +308,7 @@ FC_MULTIVERSION void dequantize_groups(const uint8_t* codes, const uint16_t* sca
 
 // Store g f32 values as T; saturated to T's finite range when `saturating`.
 template <typename T>
-FC_MULTIVERSION void store_group(const float* v, int64_t g, bool saturating,
+void store_group(const float* v, int64_t g, bool saturating,
                                  typename T::Storage* y) {
   store_values<T>(v, g, saturating, y);
 }
@@ -366,18 +320,22 @@ inline void rotation_sign_masks(int64_t g, uint32_t* masks) {
   for (int64_t i = 0; i < g; ++i) masks[i] = rotation_sign_bit(uint32_t(i)) << 31;
 }
 
-// One butterfly stage of distance H < kLanes inside each vector of 16 values: lanes with bit H
-// clear get a + b, the others a - b (a = the lane with bit H clear, b = its partner), the same
-// operands and operations as hadamard_butterflies.
+// One butterfly stage of distance H < kLanes inside each vector of kLanes values: lanes with
+// bit H clear get a + b, the others a - b (a = the lane with bit H clear, b = its partner), the
+// same operands and operations as hadamard_butterflies.
 template <int H>
 __attribute__((always_inline)) inline Lanes butterfly_in_lanes(Lanes v) {
-  Lanes p;
-  if (H == 1) p = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-  if (H == 2) p = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  if (H == 4) p = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  if (H == 8) p = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  const ILanes lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  return (lane & H) == 0 ? v + p : p - v;
+  const Lanes p = permute_xor<H>(v);
+  return (kLaneIndex & H) == 0 ? v + p : p - v;
+}
+
+// Every stage of distance 1, 2, ..., kLanes / 2 (the stages inside one vector), in order.
+__attribute__((always_inline)) inline Lanes butterflies_in_lanes(Lanes v) {
+  v = butterfly_in_lanes<1>(v);
+  v = butterfly_in_lanes<2>(v);
+  if constexpr (kLanes >= 8) v = butterfly_in_lanes<4>(v);
+  if constexpr (kLanes >= 16) v = butterfly_in_lanes<8>(v);
+  return v;
 }
 
 __attribute__((always_inline)) inline Lanes xor_masks(Lanes a, const uint32_t* masks) {
@@ -386,7 +344,7 @@ __attribute__((always_inline)) inline Lanes xor_masks(Lanes a, const uint32_t* m
   return bits_lanes(lanes_bits(a) ^ m);
 }
 
-// The last operations of a rotation on 16 values: * c, then (inverse) the signs in post.
+// The last operations of a rotation on kLanes values: * c, then (inverse) the signs in post.
 __attribute__((always_inline)) inline Lanes finish_lanes(Lanes a, float c,
                                                          const uint32_t* post) {
   a = a * c;
@@ -397,7 +355,7 @@ __attribute__((always_inline)) inline Lanes finish_lanes(Lanes a, float c,
 // the f32 buffer v: signs `pre` (forward rotation 2), the butterflies of codec.h's
 // hadamard_butterflies, * c, signs `post` (inverse rotation 2); null masks are skipped. Every
 // value goes through the same IEEE operations in the same order as the scalar reference; the
-// passes are only fused: stages 1, 2, 4, 8 run inside each vector of 16 as it is loaded, and
+// passes are only fused: stages 1 .. kLanes / 2 run inside each vector as it is loaded, and
 // the scaling (and signs) ride on the last stage.
 template <typename T>
 __attribute__((always_inline)) inline void rotate_group(const typename T::Storage* x, int64_t g,
@@ -406,10 +364,7 @@ __attribute__((always_inline)) inline void rotate_group(const typename T::Storag
   for (int64_t j = 0; j < g; j += kLanes) {
     Lanes a = load_lanes_t<T>(x + j);
     if (pre != nullptr) a = xor_masks(a, pre + j);
-    a = butterfly_in_lanes<1>(a);
-    a = butterfly_in_lanes<2>(a);
-    a = butterfly_in_lanes<4>(a);
-    a = butterfly_in_lanes<8>(a);
+    a = butterflies_in_lanes(a);
     if (g == kLanes) a = finish_lanes(a, c, post);
     std::memcpy(v + j, &a, sizeof a);
   }
@@ -430,7 +385,7 @@ __attribute__((always_inline)) inline void rotate_group(const typename T::Storag
   }
 }
 
-// Scalar path for groups smaller than one vector (g = 8).
+// Scalar path for groups smaller than one vector (g = 8 with 16 lanes).
 __attribute__((always_inline)) inline void rotate_small(float* v, int64_t g, float c,
                                                         const uint32_t* pre,
                                                         const uint32_t* post) {
@@ -445,7 +400,7 @@ __attribute__((always_inline)) inline void rotate_small(float* v, int64_t g, flo
 }
 
 // The inverse rotation of one decoded f32 group in place: butterflies, * c, then the signs.
-FC_MULTIVERSION inline void unrotate_group(float* v, int64_t g, const uint32_t* masks) {
+inline void unrotate_group(float* v, int64_t g, const uint32_t* masks) {
   if (g >= kLanes) {
     rotate_group<F32>(v, g, rotation_scale(g), nullptr, masks, v);
   } else {
@@ -456,16 +411,16 @@ FC_MULTIVERSION inline void unrotate_group(float* v, int64_t g, const uint32_t* 
 // ---- register-blocked rotation ----
 // The kernels below run the same butterflies (same operands, same IEEE ops, same stage order
 // per value) as rotate_group, arranged so that each value goes through memory as few times as
-// possible: a block of NV vectors (16 * NV values, NV <= 8) runs every stage that stays inside
-// it (h = 1 .. 8 * NV) in registers as it is loaded or decoded; the stages across blocks run
+// possible: a block of NV vectors (kLanes * NV values, NV <= 8) runs every stage that stays
+// inside it (h = 1 .. kLanes * NV / 2) in registers as it is loaded or decoded; the stages across blocks run
 // over the f32 buffer up to three at a time (radix 8: the vectors j, j + h, ..., j + 7h); and
 // the last stage is fused with the scaling, the signs, the saturation and the store of the
 // output. A block may run its stages before another block has run earlier ones: the stages of
 // one block only read the block's own values, so every value still sees the stages in order.
 
 // The stages that cross vectors inside an array of NV vectors: vector distance HV, 2 HV, ...,
-// NV / 2 (value distance 16 HV ... when the vectors are consecutive; h * HV when they are h
-// apart).
+// NV / 2 (value distance kLanes * HV ... when the vectors are consecutive; h * HV when they are
+// h apart).
 template <int NV, int HV = 1>
 __attribute__((always_inline)) inline void cross_stages(Lanes* v) {
   if constexpr (HV < NV) {
@@ -480,20 +435,15 @@ __attribute__((always_inline)) inline void cross_stages(Lanes* v) {
   }
 }
 
-// Stages h = 1, 2, ..., 8 * NV of NV consecutive vectors held in registers.
+// Stages h = 1, 2, ..., kLanes * NV / 2 of NV consecutive vectors held in registers.
 template <int NV>
 __attribute__((always_inline)) inline void butterflies_block(Lanes* v) {
 #pragma GCC unroll 8
-  for (int i = 0; i < NV; ++i) {
-    v[i] = butterfly_in_lanes<1>(v[i]);
-    v[i] = butterfly_in_lanes<2>(v[i]);
-    v[i] = butterfly_in_lanes<4>(v[i]);
-    v[i] = butterfly_in_lanes<8>(v[i]);
-  }
+  for (int i = 0; i < NV; ++i) v[i] = butterflies_in_lanes(v[i]);
   cross_stages<NV>(v);
 }
 
-// The end of a rotation for 16 values: * c, the signs in post (null: none), saturation to T's
+// The end of a rotation for kLanes values: * c, the signs in post (null: none), saturation to T's
 // finite range when SATURATE, and the store as T.
 template <typename T, bool SATURATE>
 __attribute__((always_inline)) inline void finish_store(Lanes a, float c, const uint32_t* post,
@@ -547,6 +497,7 @@ __attribute__((always_inline)) inline void butterflies_tail_store(float* v, int6
   }
 }
 
+#if FLASHCOMM_LANES == 16
 // The 16 codes of BITS bits (BITS in 2..8) packed LSB-first at in (2 * BITS bytes), as f32
 // lanes: code j is bits [j * BITS, (j + 1) * BITS) of the little-endian bytes, i.e. the 16-bit
 // pair at byte j * BITS / 8 shifted right by j * BITS % 8 (a code never spans more than two
@@ -602,6 +553,7 @@ __attribute__((always_inline)) inline Lanes load_codes16_wide(const uint8_t* in)
                                               13, 14, 15);
   return __builtin_convertvector((ILanes)code, Lanes);  // exact: codes < 256
 }
+#endif  // FLASHCOMM_LANES == 16
 
 // Unpack n codes of `bits` bits (n a multiple of 8) into one byte each.
 __attribute__((always_inline)) inline void unpack_codes(const uint8_t* in, int64_t n, int bits,
@@ -617,12 +569,12 @@ __attribute__((always_inline)) inline void unpack_codes(const uint8_t* in, int64
   }
 }
 
-// Rotated dequantize of n_groups groups of g = 16 * NV * m values (m >= 1; m > 1 only with
-// NV = 8): per block of 16 * NV values, decode and the in-block stages in registers; then the
-// stages across blocks; the last stage with * c, the signs (post, or null), saturation and the
-// store as T. The codes are BITS wide (8, 6 and 4: loaded straight into lanes), or with
-// BITS = 0 `bits` wide (unpacked through a byte buffer).
-// buf is scratch of g floats (unused when g = 16 * NV).
+// Rotated dequantize of n_groups groups of g = kLanes * NV * m values (m >= 1; m > 1 only with
+// NV = 8): per block of kLanes * NV values, decode and the in-block stages in registers; then
+// the stages across blocks; the last stage with * c, the signs (post, or null), saturation and
+// the store as T. The codes are BITS wide (8, 6 and 4 with 16 lanes: loaded straight into
+// lanes), or with BITS = 0 `bits` wide (unpacked through a byte buffer).
+// buf is scratch of g floats (unused when g = kLanes * NV).
 template <typename T, int NV, int BITS>
 __attribute__((always_inline)) inline void dequantize_rotated_all(
     const uint8_t* codes, const uint16_t* scale, const uint16_t* zero, int64_t n_groups,
@@ -642,16 +594,16 @@ __attribute__((always_inline)) inline void dequantize_rotated_all(
       for (int i = 0; i < NV; ++i) {
         Lanes codes_f;
         if constexpr (BITS == 0) {
-          ByteLanes bytes;
-          std::memcpy(&bytes, q + kLanes * i, kLanes);
-          codes_f = __builtin_convertvector(bytes, Lanes);
+          codes_f = widen_bytes(q + kLanes * i);
         } else {
+#if FLASHCOMM_LANES == 16
           const uint8_t* at = in + (b0 + kLanes * i) / kBlock * BITS;
           if constexpr (BITS == 6) {
             codes_f = load_codes16_wide<BITS>(at);
           } else {
             codes_f = load_codes16<BITS>(at);
           }
+#endif
         }
         v[i] = decode_lanes(codes_f, p);
       }
@@ -673,12 +625,16 @@ template <typename T, int NV>
 __attribute__((always_inline)) inline void dequantize_rotated_bits(
     const uint8_t* codes, const uint16_t* scale, const uint16_t* zero, int64_t n_groups,
     int64_t g, int bits, const uint32_t* post, float* buf, typename T::Storage* y) {
-  switch (bits) {
-    case 8: return dequantize_rotated_all<T, NV, 8>(codes, scale, zero, n_groups, g, 8, post, buf, y);
-    case 6: return dequantize_rotated_all<T, NV, 6>(codes, scale, zero, n_groups, g, 6, post, buf, y);
-    case 4: return dequantize_rotated_all<T, NV, 4>(codes, scale, zero, n_groups, g, 4, post, buf, y);
-    default:
-      return dequantize_rotated_all<T, NV, 0>(codes, scale, zero, n_groups, g, bits, post, buf, y);
+  if constexpr (kLanes != 16) {  // the direct code loads are written for 16 lanes
+    return dequantize_rotated_all<T, NV, 0>(codes, scale, zero, n_groups, g, bits, post, buf, y);
+  } else {
+    switch (bits) {
+      case 8: return dequantize_rotated_all<T, NV, 8>(codes, scale, zero, n_groups, g, 8, post, buf, y);
+      case 6: return dequantize_rotated_all<T, NV, 6>(codes, scale, zero, n_groups, g, 6, post, buf, y);
+      case 4: return dequantize_rotated_all<T, NV, 4>(codes, scale, zero, n_groups, g, 4, post, buf, y);
+      default:
+        return dequantize_rotated_all<T, NV, 0>(codes, scale, zero, n_groups, g, bits, post, buf, y);
+    }
   }
 }
 
@@ -686,12 +642,12 @@ __attribute__((always_inline)) inline void dequantize_rotated_bits(
 // rotation (masks: rotation 2's signs, or null for rotation 1), store. buf is scratch of g
 // floats.
 template <typename T>
-FC_MULTIVERSION void dequantize_groups_rotated(const uint8_t* codes, const uint16_t* scale,
+void dequantize_groups_rotated(const uint8_t* codes, const uint16_t* scale,
                                                const uint16_t* zero, int64_t n_groups, int64_t g,
                                                int bits, const uint32_t* masks, float* buf,
                                                typename T::Storage* y) {
-  switch (g) {
-    case 8: {  // smaller than a vector: scalar
+  if constexpr (kLanes > kBlock) {  // a group smaller than a vector (G = 8): scalar
+    if (g < kLanes) {
       const int64_t nbytes = group_bytes(g, bits);
       const float c = rotation_scale(g);
       for (int64_t k = 0; k < n_groups; ++k) {
@@ -701,11 +657,19 @@ FC_MULTIVERSION void dequantize_groups_rotated(const uint8_t* codes, const uint1
       }
       return;
     }
-    case 16: return dequantize_rotated_bits<T, 1>(codes, scale, zero, n_groups, g, bits, masks, buf, y);
-    case 32: return dequantize_rotated_bits<T, 2>(codes, scale, zero, n_groups, g, bits, masks, buf, y);
-    case 64: return dequantize_rotated_bits<T, 4>(codes, scale, zero, n_groups, g, bits, masks, buf, y);
-    default: return dequantize_rotated_bits<T, 8>(codes, scale, zero, n_groups, g, bits, masks, buf, y);
   }
+  if constexpr (kLanes >= kBlock) {  // blocks of whole 8-code packing blocks only
+    if (g == kLanes) {
+      return dequantize_rotated_bits<T, 1>(codes, scale, zero, n_groups, g, bits, masks, buf, y);
+    }
+  }
+  if (g == 2 * kLanes) {
+    return dequantize_rotated_bits<T, 2>(codes, scale, zero, n_groups, g, bits, masks, buf, y);
+  }
+  if (g == 4 * kLanes) {
+    return dequantize_rotated_bits<T, 4>(codes, scale, zero, n_groups, g, bits, masks, buf, y);
+  }
+  return dequantize_rotated_bits<T, 8>(codes, scale, zero, n_groups, g, bits, masks, buf, y);
 }
 
 // The inverse rotation of one f32 group v (g >= kLanes) with the store fused into its last
@@ -735,18 +699,17 @@ __attribute__((always_inline)) inline void unrotate_store_blocks(float* v, int64
 // The inverse rotation of one f32 group (the fused sum), stored as T without saturation: the
 // butterflies, * c, the signs (masks, or null), the store. v is overwritten.
 template <typename T>
-FC_MULTIVERSION void unrotate_store_group(float* v, int64_t g, const uint32_t* masks,
+void unrotate_store_group(float* v, int64_t g, const uint32_t* masks,
                                           typename T::Storage* y) {
   const float c = rotation_scale(g);
-  switch (g) {
-    case 8:
-      rotate_small(v, g, c, nullptr, masks);
-      return store_values<T>(v, g, /*saturating=*/false, y);
-    case 16: return unrotate_store_blocks<1, T>(v, g, c, masks, y);
-    case 32: return unrotate_store_blocks<2, T>(v, g, c, masks, y);
-    case 64: return unrotate_store_blocks<4, T>(v, g, c, masks, y);
-    default: return unrotate_store_blocks<8, T>(v, g, c, masks, y);
+  if (g < kLanes) {
+    rotate_small(v, g, c, nullptr, masks);
+    return store_values<T>(v, g, /*saturating=*/false, y);
   }
+  if (g == kLanes) return unrotate_store_blocks<1, T>(v, g, c, masks, y);
+  if (g == 2 * kLanes) return unrotate_store_blocks<2, T>(v, g, c, masks, y);
+  if (g == 4 * kLanes) return unrotate_store_blocks<4, T>(v, g, c, masks, y);
+  return unrotate_store_blocks<8, T>(v, g, c, masks, y);
 }
 
 // Forward rotation of n_groups groups of T into buf, block by block (signs pre, or null), then
@@ -782,7 +745,7 @@ __attribute__((always_inline)) inline void quantize_rotated_all(
 // Quantize n_groups rotated groups of T: each group is rotated into buf (g floats; signed when
 // masks is non-null: rotation 2), then quantized as f32.
 template <typename T>
-FC_MULTIVERSION void quantize_groups_rotated(const typename T::Storage* x, int64_t n_groups,
+void quantize_groups_rotated(const typename T::Storage* x, int64_t n_groups,
                                              int64_t g, int bits, const uint32_t* masks,
                                              float* buf, uint8_t* codes, uint16_t* scale,
                                              uint16_t* zero) {
@@ -805,6 +768,7 @@ FC_MULTIVERSION void quantize_groups_rotated(const typename T::Storage* x, int64
 }
 
 }  // namespace cpu
+}  // inline namespace FLASHCOMM_ISA
 }  // namespace flashcomm
 
 #endif  // FLASHCOMM_CPU_CODEC_H_

@@ -9,10 +9,21 @@
 
 #include <cstdint>
 
+#include "flashcomm/cpu_dispatch.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace flashcomm {
 namespace cpu {
+
+// The codec's operand dtypes (f32, bf16, f16); false for any other.
+inline bool ToDType(xla::ffi::DataType type, DType* dtype) {
+  switch (type) {
+    case xla::ffi::DataType::F32: *dtype = DType::kF32; return true;
+    case xla::ffi::DataType::BF16: *dtype = DType::kBF16; return true;
+    case xla::ffi::DataType::F16: *dtype = DType::kF16; return true;
+    default: return false;
+  }
+}
 
 // rotation: 0 none, 1 Hadamard, 2 signed Hadamard of each group (codec.h; docs/format.md).
 // Quantize rotates before quantizing; Dequantize and DequantizeSum rotate back (the sum once,

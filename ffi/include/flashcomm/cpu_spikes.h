@@ -6,47 +6,33 @@
 
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 #include "flashcomm/codec.h"
 #include "flashcomm/cpu_codec.h"
+#include "flashcomm/cpu_simd.h"
 
 namespace flashcomm {
+inline namespace FLASHCOMM_ISA {
 namespace cpu {
-
-// codec.h select_spikes, as its definition reads: k rounds of "the first position of the
-// largest key not yet taken". Each round is a vector max over the keys and a scan for its
-// first occurrence; a taken key becomes -1 (keys are non-negative as int32). keys: g scratch.
-// The lane-wise maximum of 16 int32 lanes, in lane 0 (halving shuffles).
-__attribute__((always_inline)) inline ILanes fold_max(ILanes m) {
-  ILanes p = __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  m = p > m ? p : m;
-  p = __builtin_shufflevector(m, m, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  m = p > m ? p : m;
-  p = __builtin_shufflevector(m, m, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  m = p > m ? p : m;
-  p = __builtin_shufflevector(m, m, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-  return p > m ? p : m;
-}
 
 __attribute__((always_inline)) inline int32_t max_key(const int32_t* keys, int64_t g) {
   int64_t i = 0;
   int32_t best = -1;
   if (g >= kLanes) {
-    ILanes m;
-    std::memcpy(&m, keys, sizeof m);
+    ILanes m = load_ilanes(keys);
     for (i = kLanes; i + kLanes <= g; i += kLanes) {
-      ILanes a;
-      std::memcpy(&a, keys + i, sizeof a);
+      const ILanes a = load_ilanes(keys + i);
       m = a > m ? a : m;
     }
-    m = fold_max(m);
-    best = m[0];
+    best = reduce_imax(m);
   }
   for (; i < g; ++i) best = keys[i] > best ? keys[i] : best;
   return best;
 }
 
+// codec.h select_spikes, as its definition reads: k rounds of "the first position of the
+// largest key not yet taken". Each round is a vector max over the keys and a scan for its
+// first occurrence; a taken key becomes -1 (keys are non-negative as int32). keys: g scratch.
 __attribute__((always_inline)) inline void select_spikes_lanes(const float* v, int64_t g, int k,
                                                                int32_t* keys, int32_t* pos) {
   int64_t i = 0;
@@ -59,9 +45,7 @@ __attribute__((always_inline)) inline void select_spikes_lanes(const float* v, i
     const int32_t best = max_key(keys, g);
     int64_t at = 0;
     for (; at + kLanes <= g; at += kLanes) {  // the vector holding the first occurrence
-      ILanes a;
-      std::memcpy(&a, keys + at, sizeof a);
-      if (fold_max(a)[0] == best) break;
+      if (any_lane(load_ilanes(keys + at) == best)) break;
     }
     while (keys[at] != best) ++at;
     pos[j] = int32_t(at);
@@ -83,14 +67,12 @@ __attribute__((always_inline)) inline void load_group(const typename T::Storage*
 
 // Quantize one f32 group v (g values; overwritten: the spikes are replaced by the first kept
 // value) with k spikes into its record rec (codes, then the spike record), scale and zero.
-FC_MULTIVERSION inline void quantize_spiked_group(float* v, int64_t g, int bits, int k,
-                                                  uint8_t* rec, uint16_t* scale,
-                                                  uint16_t* zero) {
+// keys is scratch of g int32.
+inline void quantize_spiked_group(float* v, int64_t g, int bits, int k, uint8_t* rec,
+                                  uint16_t* scale, uint16_t* zero, int32_t* keys) {
   int32_t pos[kMaxSpikes];
   float kept[kMaxSpikes];
-  static thread_local std::vector<int32_t> keys;
-  if (int64_t(keys.size()) < g) keys.resize(size_t(g));
-  select_spikes_lanes(v, g, k, keys.data(), pos);
+  select_spikes_lanes(v, g, k, keys, pos);
   bool spikes_finite = true;
   for (int j = 0; j < k; ++j) {
     kept[j] = v[pos[j]];
@@ -106,7 +88,7 @@ FC_MULTIVERSION inline void quantize_spiked_group(float* v, int64_t g, int bits,
 
 // Decode one group's record into f32 values, spikes put back; accumulate (out += decoded)
 // when `accumulate`, through tmp (g floats) so the sum adds the spiked values.
-FC_MULTIVERSION inline void decode_spiked_group(const uint8_t* rec, uint16_t scale,
+inline void decode_spiked_group(const uint8_t* rec, uint16_t scale,
                                                 uint16_t zero, int64_t g, int bits, int k,
                                                 bool accumulate, float* tmp, float* out) {
   float* d = accumulate ? tmp : out;
@@ -131,6 +113,7 @@ inline void decode_spiked_block(const uint8_t* rec, const GroupParams& p, int64_
 }
 
 }  // namespace cpu
+}  // inline namespace FLASHCOMM_ISA
 }  // namespace flashcomm
 
 #endif  // FLASHCOMM_CPU_SPIKES_H_

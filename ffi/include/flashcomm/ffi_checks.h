@@ -7,26 +7,12 @@
 #include <cstdint>
 
 #include "flashcomm/codec.h"
+#include "flashcomm/payload_view.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace flashcomm {
 
 namespace ffi = xla::ffi;
-
-// A payload with a chunk axis: codes (batch..., chunks, groups_per_chunk, group_bytes),
-// scale and zero (batch..., chunks, groups_per_chunk).
-struct PayloadView {
-  const uint8_t* codes;
-  const uint16_t* scale;
-  const uint16_t* zero;
-  int64_t batch;
-  int64_t chunks;
-  int64_t groups_per_chunk;
-  int64_t group_size;
-  int64_t group_bytes;  // of one group's record: packed codes, then the spike record
-  int bits;
-  int spikes;
-};
 
 inline ffi::Error CheckCodecAttrs(int32_t bits, int64_t group_size, int32_t spikes) {
   if (bits < kMinBits || bits > kMaxBits) {

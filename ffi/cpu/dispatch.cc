@@ -1,0 +1,155 @@
+// The choice of the CPU codec's instruction-set build (cpu_dispatch.h): the best build the CPU
+// can run, or the one FLASHCOMM_CPU_ISA names, decided once on first use; set_isa switches
+// (the Python module and the C++ tests use it to run every build).
+#include "flashcomm/cpu_dispatch.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+// One declaration per build compiled in (ffi/cpu/isa_kernels.cc; CMake defines the
+// FLASHCOMM_HAVE_ISA_* macros for the builds it compiles). The builds' namespaces are inline
+// namespaces of flashcomm there; declared here as plain ones (same symbols), so that
+// flashcomm::cpu stays unambiguous in this file.
+#define FC_DECLARE_ISA(ns)                                    \
+  namespace flashcomm {                                       \
+  namespace ns {                                              \
+  namespace cpu {                                             \
+  const ::flashcomm::cpu::CodecKernels& isa_kernels();        \
+  }                                                           \
+  }                                                           \
+  }
+#if defined(FLASHCOMM_HAVE_ISA_AVX512)
+FC_DECLARE_ISA(isa_avx512)
+#endif
+#if defined(FLASHCOMM_HAVE_ISA_AVX2)
+FC_DECLARE_ISA(isa_avx2)
+#endif
+#if defined(FLASHCOMM_HAVE_ISA_NEON)
+FC_DECLARE_ISA(isa_neon)
+#endif
+FC_DECLARE_ISA(isa_baseline)
+#undef FC_DECLARE_ISA
+
+namespace flashcomm {
+namespace cpu {
+namespace {
+
+struct Build {
+  const char* name;
+  const CodecKernels& (*table)();
+  bool (*runs_here)();
+};
+
+[[maybe_unused]] bool Always() { return true; }
+
+#if defined(__x86_64__) || defined(__i386__)
+// x86-64-v4 (AVX-512 F/BW/CD/DQ/VL) and x86-64-v3 (AVX2, FMA, BMI1/2, F16C, LZCNT, MOVBE): the
+// levels the builds are compiled for (-march=x86-64-v4 / v3). libgcc checks that the OS saves
+// the vector registers too.
+[[maybe_unused]] bool HasV4() { return __builtin_cpu_supports("x86-64-v4"); }
+[[maybe_unused]] bool HasV3() { return __builtin_cpu_supports("x86-64-v3"); }
+#endif
+
+// Best first.
+const std::vector<Build>& Builds() {
+  static const std::vector<Build> builds = {
+#if defined(FLASHCOMM_HAVE_ISA_AVX512)
+      {"avx512", isa_avx512::cpu::isa_kernels, HasV4},
+#endif
+#if defined(FLASHCOMM_HAVE_ISA_AVX2)
+      {"avx2", isa_avx2::cpu::isa_kernels, HasV3},
+#endif
+#if defined(FLASHCOMM_HAVE_ISA_NEON)
+      {"neon", isa_neon::cpu::isa_kernels, Always},
+#endif
+      {"baseline", isa_baseline::cpu::isa_kernels, Always},
+  };
+  return builds;
+}
+
+const CodecKernels* Best() {
+  for (const Build& b : Builds()) {
+    if (b.runs_here()) return &b.table();
+  }
+  return &isa_baseline::cpu::isa_kernels();
+}
+
+// The table in use: FLASHCOMM_CPU_ISA's build when it names one this CPU runs, else the best.
+// (A bad FLASHCOMM_CPU_ISA is reported by the Python module when it loads, through set_isa.)
+const CodecKernels* Initial() {
+  const char* env = std::getenv("FLASHCOMM_CPU_ISA");
+  if (env != nullptr && *env != '\0') {
+    const std::string name(env);
+    for (const Build& b : Builds()) {
+      if (name == b.name && b.runs_here()) return &b.table();
+    }
+  }
+  return Best();
+}
+
+std::atomic<const CodecKernels*>& Active() {
+  static std::atomic<const CodecKernels*> active{Initial()};
+  return active;
+}
+
+}  // namespace
+
+const CodecKernels& kernels() { return *Active().load(std::memory_order_acquire); }
+
+std::vector<std::string> supported_isas() {
+  std::vector<std::string> names;
+  for (const Build& b : Builds()) {
+    if (b.runs_here()) names.emplace_back(b.name);
+  }
+  return names;
+}
+
+std::string cpu_features() {
+#if defined(__x86_64__) || defined(__i386__)
+#define FC_FEATURE(f) {f, static_cast<bool>(__builtin_cpu_supports(f))}
+  const struct {
+    const char* name;
+    bool present;
+  } features[] = {FC_FEATURE("avx512f"), FC_FEATURE("avx512bw"), FC_FEATURE("avx512dq"),
+                  FC_FEATURE("avx512vl"), FC_FEATURE("avx2"), FC_FEATURE("fma"),
+                  FC_FEATURE("bmi2"), FC_FEATURE("f16c"), FC_FEATURE("sse4.2")};
+#undef FC_FEATURE
+  std::string have, lack;
+  for (const auto& f : features) {
+    std::string& list = f.present ? have : lack;
+    list += list.empty() ? f.name : std::string(" ") + f.name;
+  }
+  return "x86-64 with sse2" + (have.empty() ? std::string() : " " + have) +
+         (lack.empty() ? std::string() : " (no " + lack + ")");
+#elif defined(__aarch64__)
+  return "aarch64 (Advanced SIMD / NEON is part of the architecture)";
+#else
+  return "an architecture without vector builds (baseline only)";
+#endif
+}
+
+std::string set_isa(const std::string& name) {
+  if (name == "auto" || name.empty()) {
+    Active().store(Best(), std::memory_order_release);
+    return "";
+  }
+  std::string known;
+  for (const Build& b : Builds()) {
+    if (name == b.name) {
+      if (!b.runs_here()) {
+        return "FLASHCOMM_CPU_ISA=" + name + ": this CPU cannot run the " + name +
+               " build; it is " + cpu_features();
+      }
+      Active().store(&b.table(), std::memory_order_release);
+      return "";
+    }
+    known += known.empty() ? b.name : std::string(", ") + b.name;
+  }
+  return "FLASHCOMM_CPU_ISA=" + name + " is not one of this library's builds (" + known +
+         ", or auto)";
+}
+
+}  // namespace cpu
+}  // namespace flashcomm

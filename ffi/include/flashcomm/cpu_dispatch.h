@@ -1,0 +1,62 @@
+// The CPU codec's instruction-set builds and the choice between them.
+//
+// ffi/cpu/isa_kernels.cc is compiled once per instruction set (its vector width fitting the
+// ISA's registers: 16 f32 lanes on AVX-512, 8 on AVX2, 4 on SSE2 and NEON), each build in its
+// own namespace, and each fills one CodecKernels table. The FFI handlers (compiled for the
+// baseline ISA) call through the table chosen once, when the library loads: the best the CPU
+// supports, or the one FLASHCOMM_CPU_ISA names (avx512 | avx2 | baseline; on aarch64 neon |
+// baseline). Every build runs the same codec.h arithmetic, so every build gives the same bits.
+#ifndef FLASHCOMM_CPU_DISPATCH_H_
+#define FLASHCOMM_CPU_DISPATCH_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "flashcomm/payload_view.h"
+
+namespace flashcomm {
+namespace cpu {
+
+enum class DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+// The handler bodies, after the shape and attribute checks (ffi/cpu/codec_kernels.cc,
+// ffi/cpu/gather_kernels.cc): plain pointers, validated sizes.
+struct CodecKernels {
+  const char* isa;  // "avx512", "avx2", "baseline" or "neon"
+  // x (n_groups * g of dtype) -> codes (n_groups * record_bytes), scale, zero.
+  void (*quantize)(DType dtype, const void* x, int64_t n_groups, int64_t g, int bits,
+                   int rotation, int spikes, uint8_t* codes, uint16_t* scale, uint16_t* zero);
+  // codes, scale, zero -> y (n_groups * g of dtype), saturated to dtype's finite range.
+  void (*dequantize)(DType dtype, const uint8_t* codes, const uint16_t* scale,
+                     const uint16_t* zero, int64_t n_groups, int64_t g, int bits, int rotation,
+                     int spikes, void* y);
+  // Chunked payload -> y (batch * groups_per_chunk * group_size of dtype): the f32 sum over the
+  // chunks in order, rotated back once when rotation != 0.
+  void (*dequantize_sum)(DType dtype, const PayloadView& in, int rotation, void* y);
+  // Chunked payload -> the f32 sum re-quantized at out_bits (same spikes, no rotation).
+  void (*dequantize_sum_quantize)(const PayloadView& in, int out_bits, uint8_t* codes,
+                                  uint16_t* scale, uint16_t* zero);
+  // The first `count` decoded values of a payload into y (dtype), saturated.
+  void (*dequantize_into)(DType dtype, const uint8_t* codes, const uint16_t* scale,
+                          const uint16_t* zero, int64_t g, int bits, int rotation, int spikes,
+                          int64_t count, void* y);
+};
+
+// The table in use (chosen on first use; see set_isa).
+const CodecKernels& kernels();
+
+// The ISA builds this CPU can run, best first (compiled in and supported by the CPU).
+std::vector<std::string> supported_isas();
+
+// What the CPU reports, for error messages: e.g. "x86-64 with avx2 fma (no avx512f)".
+std::string cpu_features();
+
+// Use the named build from now on ("auto": the best supported). Returns an empty string on
+// success, else the reason (unknown name, or a build the CPU cannot run).
+std::string set_isa(const std::string& name);
+
+}  // namespace cpu
+}  // namespace flashcomm
+
+#endif  // FLASHCOMM_CPU_DISPATCH_H_

@@ -1,0 +1,180 @@
+// The vector layer of the CPU kernels: kLanes f32 lanes (codec.h: 16 on AVX-512, 8 on AVX2, 4
+// on SSE2 and NEON) and the few operations on them that GCC's vector extensions do not turn into
+// good code on every ISA. Measured with g++ 12: converting 8 or 16 bytes to f32 lanes, and 32-bit
+// lanes to bytes, compile to one scalar insert per lane on every x86 ISA, so those use the ISA's
+// intrinsics here (selected by the -m flags of the translation unit). Everything is integer
+// work or exact conversions: no path can change a bit of the results.
+#ifndef FLASHCOMM_CPU_SIMD_H_
+#define FLASHCOMM_CPU_SIMD_H_
+
+#include <cstdint>
+#include <cstring>
+
+#include "flashcomm/codec.h"
+
+// FLASHCOMM_NO_INTRINSICS: the portable vector-extension code only (the aarch64 baseline build).
+#if !defined(FLASHCOMM_NO_INTRINSICS) && defined(FC_X86)
+#define FC_X86 1
+#include <immintrin.h>
+#elif !defined(FLASHCOMM_NO_INTRINSICS) && defined(FC_NEON)
+#define FC_NEON 1
+#include <arm_neon.h>
+#endif
+
+namespace flashcomm {
+inline namespace FLASHCOMM_ISA {
+namespace cpu {
+
+#define FC_ALWAYS_INLINE __attribute__((always_inline)) inline
+
+typedef uint8_t ByteLanes __attribute__((vector_size(kLanes)));
+typedef uint16_t HalfLanes __attribute__((vector_size(2 * kLanes)));
+
+// 0, 1, ..., kLanes - 1.
+#if FLASHCOMM_LANES == 16
+constexpr ILanes kLaneIndex = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#elif FLASHCOMM_LANES == 8
+constexpr ILanes kLaneIndex = {0, 1, 2, 3, 4, 5, 6, 7};
+#else
+constexpr ILanes kLaneIndex = {0, 1, 2, 3};
+#endif
+
+FC_ALWAYS_INLINE Lanes load_lanes(const float* v) {
+  Lanes a;
+  std::memcpy(&a, v, sizeof a);
+  return a;
+}
+FC_ALWAYS_INLINE void store_lanes(float* v, Lanes a) { std::memcpy(v, &a, sizeof a); }
+FC_ALWAYS_INLINE ILanes load_ilanes(const int32_t* v) {
+  ILanes a;
+  std::memcpy(&a, v, sizeof a);
+  return a;
+}
+
+// Lane i takes lane i ^ X (X < kLanes, a power of two): the partner of a butterfly or of a
+// halving reduction.
+template <int X, typename V>
+FC_ALWAYS_INLINE V permute_xor(V v) {
+  return __builtin_shuffle(v, kLaneIndex ^ X);
+}
+
+// Lane-wise min / max reduced to one value by halving (exact whatever the order: min and max of
+// floats are order-independent apart from signed zeros, which the callers canonicalize).
+FC_ALWAYS_INLINE float reduce_min(Lanes a) {
+  if constexpr (kLanes >= 16) a = permute_xor<8>(a) < a ? permute_xor<8>(a) : a;
+  if constexpr (kLanes >= 8) a = permute_xor<4>(a) < a ? permute_xor<4>(a) : a;
+  a = permute_xor<2>(a) < a ? permute_xor<2>(a) : a;
+  return a[1] < a[0] ? a[1] : a[0];
+}
+FC_ALWAYS_INLINE float reduce_max(Lanes a) { return -reduce_min(-a); }
+
+// The largest of the int32 lanes.
+FC_ALWAYS_INLINE int32_t reduce_imax(ILanes m) {
+  if constexpr (kLanes >= 16) m = permute_xor<8>(m) > m ? permute_xor<8>(m) : m;
+  if constexpr (kLanes >= 8) m = permute_xor<4>(m) > m ? permute_xor<4>(m) : m;
+  m = permute_xor<2>(m) > m ? permute_xor<2>(m) : m;
+  return m[1] > m[0] ? m[1] : m[0];
+}
+
+// Whether any lane is non-zero.
+FC_ALWAYS_INLINE bool any_lane(ILanes m) {
+  if constexpr (kLanes >= 16) m |= permute_xor<8>(m);
+  if constexpr (kLanes >= 8) m |= permute_xor<4>(m);
+  m |= permute_xor<2>(m);
+  return (m[0] | m[1]) != 0;
+}
+
+// kLanes bytes (codes) as f32 lanes (exact).
+FC_ALWAYS_INLINE Lanes widen_bytes(const uint8_t* p) {
+#if FLASHCOMM_LANES == 16 && defined(FC_X86) && defined(__AVX512F__)
+  const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return (Lanes)_mm512_cvtepi32_ps(w);
+#elif FLASHCOMM_LANES == 8 && defined(FC_X86) && defined(__AVX2__)
+  const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return (Lanes)_mm256_cvtepi32_ps(w);
+#elif FLASHCOMM_LANES == 4 && defined(FC_X86)
+  int32_t word;
+  std::memcpy(&word, p, 4);
+  const __m128i zero = _mm_setzero_si128();
+  const __m128i w = _mm_unpacklo_epi16(_mm_unpacklo_epi8(_mm_cvtsi32_si128(word), zero), zero);
+  return (Lanes)_mm_cvtepi32_ps(w);
+#elif FLASHCOMM_LANES == 4 && defined(FC_NEON)
+  uint32_t word;
+  std::memcpy(&word, p, 4);
+  const uint16x4_t h = vget_low_u16(vmovl_u8(vcreate_u8(word)));
+  return (Lanes)vcvtq_f32_u32(vmovl_u16(h));
+#else
+  ByteLanes b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, Lanes);
+#endif
+}
+
+// Store kLanes 32-bit lanes that are all below 256 as kLanes bytes.
+FC_ALWAYS_INLINE void narrow_bytes(ULanes u, uint8_t* p) {
+#if FLASHCOMM_LANES == 16 && defined(FC_X86) && defined(__AVX512F__)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8((__m512i)u));
+#elif FLASHCOMM_LANES == 8 && defined(FC_X86) && defined(__AVX2__)
+  const __m256i v = (__m256i)u;
+  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(w, w));
+#elif FLASHCOMM_LANES == 4 && defined(FC_X86)
+  const __m128i w = _mm_packs_epi32((__m128i)u, (__m128i)u);
+  const int32_t word = _mm_cvtsi128_si32(_mm_packus_epi16(w, w));
+  std::memcpy(p, &word, 4);
+#elif FLASHCOMM_LANES == 4 && defined(FC_NEON)
+  const uint16x4_t h = vmovn_u32((uint32x4_t)u);
+  const uint8x8_t b = vmovn_u16(vcombine_u16(h, h));
+  const uint32_t word = vget_lane_u32(vreinterpret_u32_u8(b), 0);
+  std::memcpy(p, &word, 4);
+#else
+  const ByteLanes b = __builtin_convertvector(u, ByteLanes);
+  std::memcpy(p, &b, sizeof b);
+#endif
+}
+
+// kLanes 16-bit values, zero-extended to 32-bit lanes.
+FC_ALWAYS_INLINE ULanes widen_halves(const uint16_t* p) {
+#if FLASHCOMM_LANES == 16 && defined(FC_X86) && defined(__AVX512F__)
+  return (ULanes)_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif FLASHCOMM_LANES == 8 && defined(FC_X86) && defined(__AVX2__)
+  return (ULanes)_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif FLASHCOMM_LANES == 4 && defined(FC_X86)
+  const __m128i h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return (ULanes)_mm_unpacklo_epi16(h, _mm_setzero_si128());
+#else
+  HalfLanes h;
+  std::memcpy(&h, p, sizeof h);
+  return __builtin_convertvector(h, ULanes);
+#endif
+}
+
+// Store kLanes 32-bit lanes that are all below 65536 as 16-bit values.
+FC_ALWAYS_INLINE void narrow_halves(ULanes u, uint16_t* p) {
+#if FLASHCOMM_LANES == 16 && defined(FC_X86) && defined(__AVX512F__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16((__m512i)u));
+#elif FLASHCOMM_LANES == 8 && defined(FC_X86) && defined(__AVX2__)
+  const __m256i v = (__m256i)u;
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+#elif FLASHCOMM_LANES == 4 && defined(FC_X86)
+  // No unsigned 32 -> 16 pack before SSE4.1: bias into the signed range and back.
+  const __m128i bias = _mm_set1_epi32(0x8000);
+  const __m128i w = _mm_packs_epi32(_mm_sub_epi32((__m128i)u, bias), _mm_setzero_si128());
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_add_epi16(w, _mm_set1_epi16(-0x8000)));
+#else
+  const HalfLanes h = __builtin_convertvector(u, HalfLanes);
+  std::memcpy(p, &h, sizeof h);
+#endif
+}
+
+// 32-bit lanes below 2^24 as f32 lanes (exact).
+FC_ALWAYS_INLINE Lanes int_lanes_to_float(ULanes u) {
+  return __builtin_convertvector((ILanes)u, Lanes);
+}
+
+}  // namespace cpu
+}  // inline namespace FLASHCOMM_ISA
+}  // namespace flashcomm
+
+#endif  // FLASHCOMM_CPU_SIMD_H_
