@@ -13,10 +13,10 @@
 #include "flashcomm/codec.h"
 
 // FLASHCOMM_NO_INTRINSICS: the portable vector-extension code only (the aarch64 baseline build).
-#if !defined(FLASHCOMM_NO_INTRINSICS) && defined(FC_X86)
+#if !defined(FLASHCOMM_NO_INTRINSICS) && defined(__SSE2__)
 #define FC_X86 1
 #include <immintrin.h>
-#elif !defined(FLASHCOMM_NO_INTRINSICS) && defined(FC_NEON)
+#elif !defined(FLASHCOMM_NO_INTRINSICS) && defined(__ARM_NEON)
 #define FC_NEON 1
 #include <arm_neon.h>
 #endif
@@ -165,6 +165,46 @@ FC_ALWAYS_INLINE void narrow_halves(ULanes u, uint16_t* p) {
 #else
   const HalfLanes h = __builtin_convertvector(u, HalfLanes);
   std::memcpy(p, &h, sizeof h);
+#endif
+}
+
+// 2 * kLanes bytes widened to 16 bits, as kLanes 32-bit lanes: lane i holds byte 2i in its low
+// half and byte 2i + 1 in its high half.
+FC_ALWAYS_INLINE ULanes widen_byte_pairs(const uint8_t* p) {
+#if FLASHCOMM_LANES == 16 && defined(FC_X86) && defined(__AVX512BW__)
+  return (ULanes)_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif FLASHCOMM_LANES == 8 && defined(FC_X86) && defined(__AVX2__)
+  return (ULanes)_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif FLASHCOMM_LANES == 4 && defined(FC_X86)
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return (ULanes)_mm_unpacklo_epi8(b, _mm_setzero_si128());
+#elif FLASHCOMM_LANES == 4 && defined(FC_NEON)
+  return (ULanes)vmovl_u8(vld1_u8(p));
+#else
+  typedef uint8_t Bytes2 __attribute__((vector_size(2 * kLanes)));
+  Bytes2 b;
+  std::memcpy(&b, p, sizeof b);
+  return (ULanes)__builtin_convertvector(b, HalfLanes);
+#endif
+}
+
+// Store kLanes 32-bit lanes, each two 16-bit values below 256 (low half first), as 2 * kLanes
+// bytes: the inverse of widen_byte_pairs.
+FC_ALWAYS_INLINE void narrow_byte_pairs(ULanes u, uint8_t* p) {
+#if FLASHCOMM_LANES == 16 && defined(FC_X86) && defined(__AVX512BW__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi16_epi8((__m512i)u));
+#elif FLASHCOMM_LANES == 8 && defined(FC_X86) && defined(__AVX2__)
+  const __m256i v = (__m256i)u;
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi16(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+#elif FLASHCOMM_LANES == 4 && defined(FC_X86)
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16((__m128i)u, (__m128i)u));
+#elif FLASHCOMM_LANES == 4 && defined(FC_NEON)
+  vst1_u8(p, vmovn_u16((uint16x8_t)u));
+#else
+  typedef uint8_t Bytes2 __attribute__((vector_size(2 * kLanes)));
+  const Bytes2 b = __builtin_convertvector((HalfLanes)u, Bytes2);
+  std::memcpy(p, &b, sizeof b);
 #endif
 }
 
