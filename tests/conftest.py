@@ -44,3 +44,23 @@ def make_mesh(shape, names, axis_type):
 def mesh_factory(axis_type):
     """``mesh_factory(shape, names)`` builds a mesh of the parametrized axis type."""
     return lambda shape, names: make_mesh(shape, names, axis_type)
+
+
+def _cpu_isas():
+    from jax_flashcomm.codec import kernels
+
+    return kernels.cpu_isas() if kernels.available("cpu") else ["none"]
+
+
+@pytest.fixture(params=_cpu_isas())
+def each_cpu_isa(request):
+    """Run the test once per instruction-set build of the CPU kernels this CPU supports
+    (avx512 / avx2 / baseline on x86-64, neon / baseline on aarch64): the codes must be the
+    same bits on every one. Compiled executables call the kernel library at run time, so the
+    switch needs no recompilation."""
+    if request.param == "none":
+        pytest.skip("the CPU FFI kernels are not built")
+    from jax_flashcomm.codec import kernels
+
+    with kernels.use_cpu_isa(request.param):
+        yield request.param

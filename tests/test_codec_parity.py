@@ -19,6 +19,10 @@ BITS = (2, 3, 4, 5, 6, 7, 8)
 GROUP_SIZES = (8, 32, 128, 512)
 
 
+
+# Every parity test runs on every instruction-set build of the CPU kernels (conftest.py).
+pytestmark = pytest.mark.usefixtures("each_cpu_isa")
+
 @pytest.fixture(autouse=True, scope="module")
 def cpu_kernels_built():
     assert kernels.available("cpu"), (

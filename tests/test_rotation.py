@@ -42,6 +42,7 @@ def _data(rng, shape, kind="outliers"):
 @pytest.mark.parametrize("rotation", [1, 2])
 @pytest.mark.parametrize("group_size", [8, 32, 128, 2048])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.usefixtures("each_cpu_isa")
 def test_parity_quantize_dequantize(rotation, group_size, dtype):
     rng = np.random.default_rng(group_size + rotation)
     x = jnp.asarray(_data(rng, (3, 2 * group_size + 5)), dtype)  # padding exercised
@@ -60,6 +61,7 @@ def test_parity_quantize_dequantize(rotation, group_size, dtype):
 @needs_ffi
 @pytest.mark.parametrize("rotation", [1, 2])
 @pytest.mark.parametrize("group_size", [16, 64, 256, 512, 1024])
+@pytest.mark.usefixtures("each_cpu_isa")
 def test_parity_every_width_and_group_size(rotation, group_size):
     """The CPU kernels' register-blocked paths (blocks of 16..128 values, then radix-2/4/8
     passes) at every code width, into every output dtype, saturation included."""
@@ -87,6 +89,7 @@ def test_parity_every_width_and_group_size(rotation, group_size):
 @needs_ffi
 @pytest.mark.parametrize("rotation", [1, 2])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.usefixtures("each_cpu_isa")
 def test_parity_fused_sums(rotation, dtype):
     rng = np.random.default_rng(7)
     g, n = 128, 4

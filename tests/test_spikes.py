@@ -51,6 +51,7 @@ def _groups(rng, g, dtype):
 @pytest.mark.parametrize("rotation", [0, 2])
 @pytest.mark.parametrize("group_size", [8, 32, 128, 512])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.usefixtures("each_cpu_isa")
 def test_parity_twin_and_kernels(rotation, group_size, dtype):
     rng = np.random.default_rng(group_size + rotation)
     x = _groups(rng, group_size, np.dtype(dtype))

@@ -1,6 +1,6 @@
 // The CPU codec's work, compiled once per instruction set: the build system compiles this file
-// with FLASHCOMM_ISA (the namespace of every symbol here and in the codec headers),
-// FLASHCOMM_LANES (16 / 8 / 4 f32 lanes), FLASHCOMM_ISA_NAME and the ISA's -m flags; the
+// with FLASHCOMM_ISA (isa_<name>: the namespace of every symbol here and in the codec headers),
+// FLASHCOMM_LANES (16 / 8 / 4 f32 lanes) and the ISA's -m flags; the
 // result is one CodecKernels table per ISA (cpu_dispatch.h). The handlers check shapes and
 // attributes first (codec_kernels.cc, gather_kernels.cc), so sizes here are valid.
 //
@@ -17,9 +17,11 @@
 #include "flashcomm/cpu_dispatch.h"
 #include "flashcomm/cpu_spikes.h"
 
-#if !defined(FLASHCOMM_ISA_NAME)
-#error "compile with -DFLASHCOMM_ISA=<namespace> -DFLASHCOMM_ISA_NAME=<name> -DFLASHCOMM_LANES=<n>"
+#if !defined(FLASHCOMM_ISA) || !defined(FLASHCOMM_LANES)
+#error "compile with -DFLASHCOMM_ISA=isa_<name> -DFLASHCOMM_LANES=<16, 8 or 4>"
 #endif
+#define FC_STRINGIFY(x) #x
+#define FC_STRING(x) FC_STRINGIFY(x)
 
 namespace flashcomm {
 inline namespace FLASHCOMM_ISA {
@@ -234,7 +236,8 @@ void DequantizeInto(DType dtype, const uint8_t* codes, const uint16_t* scale,
 
 // This build's table (declared per ISA in ffi/cpu/dispatch.cc).
 const CodecKernels& isa_kernels() {
-  static const CodecKernels table = {FLASHCOMM_ISA_NAME, Quantize, Dequantize, DequantizeSum,
+  // The build's name: FLASHCOMM_ISA without its "isa_" prefix.
+  static const CodecKernels table = {FC_STRING(FLASHCOMM_ISA) + 4, Quantize, Dequantize, DequantizeSum,
                                      DequantizeSumQuantize, DequantizeInto};
   return table;
 }

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "flashcomm/codec.h"
+#include "flashcomm/cpu_dispatch.h"
 #include "flashcomm/cpu_ops.h"
 #include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
@@ -842,7 +843,8 @@ void TestSpikes(Rng& rng, int64_t g, int k, int32_t rotation) {
   }
 }
 
-int main() {
+// Every test, with the kernels of the instruction-set build in use (cpu_dispatch.h).
+void RunAll() {
   Rng rng;
   TestPacking();
   TestHuge();
@@ -871,6 +873,17 @@ int main() {
         TestSpikes(rng, g, k, rotation);
       }
     }
+  }
+}
+
+int main() {
+  // Each instruction-set build this CPU runs (the codes must be the same bits on every one:
+  // the tests compare against the scalar codec.h reference).
+  for (const std::string& isa : cpu::supported_isas()) {
+    CHECK(cpu::set_isa(isa).empty(), "set_isa " + isa);
+    const int before = g_passed;
+    RunAll();
+    std::printf("ISA %s: %d checks\n", cpu::kernels().isa, g_passed - before);
   }
   std::printf("%d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;

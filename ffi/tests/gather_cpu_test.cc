@@ -262,7 +262,8 @@ void TestBounds() {
 
 }  // namespace
 
-int main() {
+// Every test, with the kernels of the instruction-set build in use (cpu_dispatch.h).
+void RunAll() {
   std::mt19937 rng(1234);
   for (int bits : {2, 4, 5, 8}) {
     for (int64_t g : {16, 128, 512}) {
@@ -276,6 +277,18 @@ int main() {
     }
   }
   TestBounds();
+}
+
+int main() {
+  for (const std::string& isa : cpu::supported_isas()) {
+    if (!cpu::set_isa(isa).empty()) {
+      std::printf("FAIL set_isa(%s)\n", isa.c_str());
+      return 1;
+    }
+    const int before = g_passed;
+    RunAll();
+    std::printf("ISA %s: %d checks\n", cpu::kernels().isa, g_passed - before);
+  }
   std::printf("%d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }

@@ -1,0 +1,41 @@
+"""What a benchmark ran on, for its first line and its JSON: the CPU model, its cores, the
+vector features the kernel library sees, and the instruction-set build of the CPU codec kernels
+in use (every speed figure depends on it: docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def describe() -> dict:
+    """The machine as a dict: cpu, cores, features, isa (the build in use), isas (supported)."""
+    info = {"cpu": cpu_model(), "machine": platform.machine(), "cores": os.cpu_count()}
+    try:
+        from jax_flashcomm.codec import kernels
+
+        if kernels.available("cpu"):
+            info.update(isa=kernels.cpu_isa(), isas=kernels.cpu_isas(),
+                        features=kernels.cpu_features())
+    except Exception as err:  # noqa: BLE001 - a report line must not fail the benchmark
+        info["isa_error"] = str(err)
+    return info
+
+
+def first_line() -> str:
+    """``CPU <model> (<cores> cores): kernels <isa> of [<isas>]; <features>``."""
+    d = describe()
+    isa = (f"CPU kernels {d['isa']} (builds this CPU runs: {', '.join(d['isas'])}); "
+           f"{d['features']}" if "isa" in d else "CPU kernels not built")
+    return f"CPU {d['cpu']} ({d['cores']} cores, {d['machine']}): {isa}"
