@@ -1,48 +1,31 @@
 """The CUDA kernels of flashcomm_dequantize_into (ffi/cuda/gather_kernels.cu) without a GPU:
 they compile for sm_80/89/90 without warnings or spills, every expected kernel is there, and
 lowering for "cuda" emits the target as a typed-FFI call aliased to its first operand.
-Nothing here runs on a GPU (tests/test_cuda_build.py does the same for the codec kernels)."""
+Nothing here runs on a GPU. The nvcc output is the one tests/test_cuda_build.py uses (the
+build's cuda_ptxas.log, or compiled once per session when there is none).
+"""
 
 from __future__ import annotations
 
-import subprocess
-
-import jax
 import jax.numpy as jnp
 import pytest
 
 from jax_flashcomm import codec
-from test_cuda_build import ARCHS, ROOT, _custom_calls, _lowered_for_cuda, _nvcc, parse_ptxas
+from test_cuda_build import ARCHS, _custom_calls, _kernel_base, _lowered_for_cuda
+from test_cuda_build import ptxas_report  # noqa: F401  (the session fixture, shared)
 
-SOURCE = ROOT / "ffi" / "cuda" / "gather_kernels.cu"
+SOURCE = "gather_kernels.cu"
 EXPECTED = {"DequantizeIntoKernel": 3, "DequantizeIntoRotatedKernel": 3}  # f32, bf16, f16
 
 
-@pytest.fixture(scope="module")
-def ptxas(tmp_path_factory):
-    nvcc = _nvcc()
-    if nvcc is None:
-        pytest.skip("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
-    out = tmp_path_factory.mktemp("cuda_gather") / "gather_kernels.o"
-    cmd = [nvcc, "-std=c++17", "-O3", "--fmad=false", "-ftz=false", "-prec-div=true",
-           "-prec-sqrt=true", "-Xptxas=-v", "-Werror=all-warnings",
-           "-Xcompiler=-Wall,-Wextra,-Werror,-ffp-contract=off", "-Xcompiler=-fPIC",
-           f"-I{ROOT / 'ffi' / 'include'}", f"-isystem={jax.ffi.include_dir()}",
-           *[f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS],
-           "-c", str(SOURCE), "-o", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    text = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"nvcc failed:\n{' '.join(cmd)}\n{text}"
-    return text, parse_ptxas(text)
-
-
-def test_gather_kernels_compile_clean_for_every_arch(ptxas):
-    text, records = ptxas
+def test_gather_kernels_compile_clean_for_every_arch(ptxas_report):  # noqa: F811
+    text, records = ptxas_report.outputs[SOURCE], ptxas_report.records(SOURCE)
     assert not [ln for ln in text.splitlines() if "warning" in ln.lower()]
     for arch in ARCHS:
         found: dict[str, int] = {}
         for r in (r for r in records if r["arch"] == arch):
-            name = max((k for k in EXPECTED if f"{len(k)}{k}" in r["name"]), key=len)
+            name = _kernel_base(r["name"], EXPECTED)
+            assert name is not None, f"unexpected kernel {r['name']} on sm_{arch}"
             found[name] = found.get(name, 0) + 1
             assert r["stores"] == 0 and r["loads"] == 0 and r["stack"] == 0, r
         assert found == EXPECTED, f"sm_{arch}: {found}"

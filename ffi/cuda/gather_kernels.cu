@@ -1,9 +1,8 @@
-// XLA FFI handler of flashcomm_dequantize_into on CUDA: decode one payload into a slot of a
-// larger output buffer in place (the result is aliased to operand 0), the ring all-gather's
-// step. Same target, operands, attributes and results as the CPU handler
-// (ffi/cpu/gather_kernels.cc); the values are those of flashcomm_dequantize (codec.h's decode,
-// the spikes put back in record order, the inverse rotation as in codec_kernels.cu, saturated
-// to the dtype), cut to the chunk's `count` values.
+// Kernels of flashcomm_dequantize_into on CUDA (handler: gather_handlers.cc): decode one
+// payload into a slot of a larger output buffer in place, the ring all-gather's step. The
+// values are those of flashcomm_dequantize (codec.h's decode, the spikes put back in record
+// order, the inverse rotation as in codec_dequantize.cu, saturated to the dtype), cut to the
+// chunk's `count` values.
 //
 // The element offset is an int32 scalar in device memory: the kernels read it, and an offset
 // that would put the chunk out of bounds makes them write nothing (the handler cannot see the
@@ -11,19 +10,13 @@
 //
 // Geometry: without rotation one thread per 8-value block of the chunk, grid-stride (16-byte
 // stores where the destination is aligned, which depends on the runtime offset); with
-// rotation one warp per group, the group in shared memory (as codec_kernels.cu).
-#include "flashcomm/cuda_kernels.h"
-
+// rotation one warp per group, the group in shared memory (as codec_dequantize.cu).
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <string>
 
 #include "flashcomm/codec.h"
-#include "flashcomm/ffi_checks.h"
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#include "launch.h"
 
 namespace flashcomm {
 namespace cuda {
@@ -34,8 +27,6 @@ constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / kWarp;
 constexpr int64_t kMaxGrid = int64_t(1) << 15;
 constexpr int kMinBlocks = 4;
-constexpr int64_t kMaxRotatedGroup = 1024;  // 8 warps * 1024 * 4 B = 32 KB of shared memory
-constexpr const char* kOp = "flashcomm_dequantize_into";
 
 int GridFor(int64_t items, int64_t items_per_block) {
   const int64_t blocks = (items + items_per_block - 1) / items_per_block;
@@ -123,7 +114,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 }
 
 // The inverse of the rotation's orthonormal Hadamard transform on the group in s, split over
-// the lanes: each output is the same single add or subtract as codec_kernels.cu and the CPU.
+// the lanes: each output is the same single add or subtract as codec_device.cuh and the CPU.
 __device__ __forceinline__ void warp_hadamard_scaled(float* s, int g, int lane) {
   for (int h = 1, log_h = 0; h < g; h *= 2, ++log_h) {
     for (int p = lane; p < g / 2; p += kWarp) {
@@ -177,20 +168,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   }
 }
 
-ffi::Error LaunchStatus() {
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    return ffi::Error::Internal(std::string(kOp) + ": CUDA kernel launch failed: " +
-                                cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
-  }
-  return ffi::Error::Success();
-}
+}  // namespace
 
 template <typename T>
-ffi::Error Launch(cudaStream_t stream, const uint8_t* codes, const uint16_t* scale,
-                  const uint16_t* zero, int64_t group_size, int bits, int rotation, int spikes,
-                  int64_t count, const int32_t* offset, int64_t size, void* out) {
-  if (count == 0) return ffi::Error::Success();
+cudaError_t LaunchDequantizeInto(cudaStream_t stream, const uint8_t* codes,
+                                 const uint16_t* scale, const uint16_t* zero,
+                                 int64_t group_size, int bits, int rotation, int spikes,
+                                 int64_t count, const int32_t* offset, int64_t size, void* out) {
+  if (count == 0) return cudaSuccess;
   auto* ys = static_cast<typename T::Storage*>(out);
   if (rotation != kRotationNone) {
     const int64_t n_groups = (count + group_size - 1) / group_size;
@@ -203,85 +188,17 @@ ffi::Error Launch(cudaStream_t stream, const uint8_t* codes, const uint16_t* sca
     DequantizeIntoKernel<T><<<GridFor(total, kThreads), kThreads, 0, stream>>>(
         codes, scale, zero, group_size, bits, spikes, count, offset, size, ys);
   }
-  return LaunchStatus();
+  return cudaGetLastError();
 }
 
-ffi::Error Invalid(const std::string& what) {
-  return ffi::Error::InvalidArgument(std::string(kOp) + ": " + what);
-}
-
-}  // namespace
-
-ffi::Error DequantizeInto(cudaStream_t stream, ffi::AnyBuffer out_in,
-                          ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
-                          ffi::Buffer<ffi::BF16> zero, ffi::Buffer<ffi::S32> offset,
-                          ffi::Result<ffi::AnyBuffer> out, int32_t bits, int64_t group_size,
-                          int32_t rotation, int32_t spikes, int64_t count) {
-  if (ffi::Error e = CheckCodecAttrs(bits, group_size, spikes); e.failure()) return e;
-  if (rotation < kRotationNone || rotation > kRotationSignedHadamard) {
-    return Invalid("rotation must be 0, 1 or 2");
-  }
-  if (rotation != kRotationNone &&
-      ((group_size & (group_size - 1)) != 0 || group_size > kMaxRotatedGroup)) {
-    return Invalid("rotation needs a power-of-two group_size of at most 1024 on CUDA");
-  }
-  const int64_t n_groups = int64_t(scale.element_count());
-  if (int64_t(zero.element_count()) != n_groups ||
-      int64_t(codes.element_count()) != n_groups * record_bytes(group_size, bits, spikes)) {
-    return Invalid("payload codes/scale/zero do not match");
-  }
-  if (count < 0 || count > n_groups * group_size) {
-    return Invalid("count is negative or more than the payload's groups hold");
-  }
-  const ffi::DataType type = out->element_type();
-  if (type != ffi::F32 && type != ffi::BF16 && type != ffi::F16) {
-    return Invalid("out must be f32, bf16 or f16");
-  }
-  const int64_t size = int64_t(out->element_count());
-  if (out_in.element_type() != type || int64_t(out_in.element_count()) != size) {
-    return Invalid("the result does not match operand 0 (out)");
-  }
-  if (count > size) return Invalid("the chunk is larger than out");
-  if (offset.element_count() != 1) return Invalid("offset must be an int32 scalar");
-  if (out->untyped_data() != out_in.untyped_data()) {  // XLA aliases them; be safe if not
-    const size_t bytes = size_t(size) * (type == ffi::F32 ? 4 : 2);
-    if (cudaMemcpyAsync(out->untyped_data(), out_in.untyped_data(), bytes,
-                        cudaMemcpyDeviceToDevice, stream) != cudaSuccess) {
-      return LaunchStatus();
-    }
-  }
-  const uint8_t* c = codes.typed_data();
-  const uint16_t* s = scale.typed_data();
-  const uint16_t* z = zero.typed_data();
-  const int32_t* off = offset.typed_data();
-  void* y = out->untyped_data();
-  switch (type) {
-    case ffi::F32:
-      return Launch<F32>(stream, c, s, z, group_size, bits, rotation, spikes, count, off, size,
-                         y);
-    case ffi::BF16:
-      return Launch<BF16>(stream, c, s, z, group_size, bits, rotation, spikes, count, off, size,
-                          y);
-    default:
-      return Launch<F16>(stream, c, s, z, group_size, bits, rotation, spikes, count, off, size,
-                         y);
-  }
-}
+#define INSTANTIATE(T)                                                                       \
+  template cudaError_t LaunchDequantizeInto<T>(cudaStream_t, const uint8_t*, const uint16_t*, \
+                                               const uint16_t*, int64_t, int, int, int,       \
+                                               int64_t, const int32_t*, int64_t, void*);
+INSTANTIATE(F32)
+INSTANTIATE(BF16)
+INSTANTIATE(F16)
+#undef INSTANTIATE
 
 }  // namespace cuda
 }  // namespace flashcomm
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeIntoCuda, flashcomm::cuda::DequantizeInto,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                                  .Arg<ffi::AnyBuffer>()          // out: f32/bf16/f16, any shape
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // codes: (groups, record bytes)
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // scale: (groups,)
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // zero: (groups,)
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // offset: () in device memory
-                                  .Ret<ffi::AnyBuffer>()          // out, aliased to operand 0
-                                  .Attr<int32_t>("bits")          // code width, 2..8
-                                  .Attr<int64_t>("group_size")    // multiple of 8
-                                  .Attr<int32_t>("rotation")      // 0, 1 or 2
-                                  .Attr<int32_t>("spikes")        // kept per group, 0..16
-                                  .Attr<int64_t>("count"));       // the chunk's elements

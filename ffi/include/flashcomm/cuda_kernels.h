@@ -1,5 +1,6 @@
-// Declarations of the CUDA FFI handler symbols (defined in ffi/cuda/codec_kernels.cu, and
-// ffi/cuda/gather_kernels.cu for FlashcommDequantizeIntoCuda).
+// Declarations of the CUDA FFI handler symbols (defined in ffi/cuda/codec_handlers.cc, and
+// ffi/cuda/gather_handlers.cc for FlashcommDequantizeIntoCuda; the kernels they launch are in
+// ffi/cuda/*.cu).
 // Deliberately free of CUDA headers: ffi/cuda/module.cc (nanobind, host compiler) includes it.
 #ifndef FLASHCOMM_CUDA_KERNELS_H_
 #define FLASHCOMM_CUDA_KERNELS_H_

@@ -1,0 +1,248 @@
+// XLA FFI handlers of the codec on CUDA: quantize, dequantize, dequantize_sum and
+// dequantize_sum_quantize, with the same targets, operands, attributes and layouts as the CPU
+// handlers (ffi/cpu/codec_kernels.cc, docs/format.md). They check the operands, pick the
+// kernel instance on the host (dtype, rotation, spikes > 0) and call its launcher (launch.h).
+// The kernels live in codec_quantize.cu, codec_dequantize.cu and codec_dequantize_sum.cu;
+// every codec operation there is a call into flashcomm/codec.h, so results are bit-identical
+// to the CPU ones (docs/cuda.md).
+//
+// Plain C++ (host compiler, CUDA runtime API only): XLA's ffi.h is parsed once here instead of
+// once per GPU architecture in every kernel file (docs/cuda.md, "Build time").
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+
+#include "flashcomm/codec.h"
+#include "flashcomm/cuda_kernels.h"
+#include "flashcomm/ffi_checks.h"
+#include "launch.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace flashcomm {
+namespace cuda {
+namespace {
+
+// The status of a launcher: Internal with the CUDA error's name and message if it failed.
+ffi::Error LaunchStatus(const char* op, cudaError_t err) {
+  if (err != cudaSuccess) {
+    return ffi::Error::Internal(std::string(op) + ": CUDA kernel launch failed: " +
+                                cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckRotation(int32_t rotation, int64_t group_size, const char* op) {
+  if (rotation < kRotationNone || rotation > kRotationSignedHadamard) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": rotation must be 0, 1 or 2");
+  }
+  if (rotation != kRotationNone && ((group_size & (group_size - 1)) != 0 ||
+                                    group_size > kMaxRotatedGroup)) {
+    return ffi::Error::InvalidArgument(
+        std::string(op) + ": rotation needs a power-of-two group_size of at most 1024 on CUDA");
+  }
+  return ffi::Error::Success();
+}
+
+// The launcher of one (rotated?, spiked?) path for a runtime element type: calls
+// launch(Tag<T>{}) with T = F32, BF16 or F16 and turns its cudaError_t into op's status.
+template <typename T>
+struct Tag {
+  using type = T;
+};
+
+template <typename Launch>
+ffi::Error ForDtype(ffi::DataType dtype, const char* op, const char* what, Launch launch) {
+  switch (dtype) {
+    case ffi::F32:
+      return LaunchStatus(op, launch(Tag<F32>{}));
+    case ffi::BF16:
+      return LaunchStatus(op, launch(Tag<BF16>{}));
+    case ffi::F16:
+      return LaunchStatus(op, launch(Tag<F16>{}));
+    default:
+      return ffi::Error::InvalidArgument(what);
+  }
+}
+
+}  // namespace
+
+ffi::Error Quantize(cudaStream_t stream, ffi::AnyBuffer x,
+                    ffi::Result<ffi::Buffer<ffi::U8>> codes,
+                    ffi::Result<ffi::Buffer<ffi::BF16>> scale,
+                    ffi::Result<ffi::Buffer<ffi::BF16>> zero, int32_t bits,
+                    int64_t group_size, int32_t rotation, int32_t spikes) {
+  int64_t n_groups = 0;
+  if (ffi::Error e = CheckQuantizeShapes(x, *codes, *scale, *zero, bits, group_size, spikes,
+                                         &n_groups);
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = CheckRotation(rotation, group_size, "flashcomm_quantize"); e.failure()) {
+    return e;
+  }
+  uint8_t* c = codes->typed_data();
+  uint16_t* s = scale->typed_data();
+  uint16_t* z = zero->typed_data();
+  const void* xd = x.untyped_data();
+  return ForDtype(x.element_type(), "flashcomm_quantize",
+                  "flashcomm_quantize: x must be f32, bf16 or f16", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if (rotation != kRotationNone) {
+      return spikes > 0 ? LaunchQuantizeRotated<T, true>(stream, xd, n_groups, group_size, bits,
+                                                         rotation, spikes, c, s, z)
+                        : LaunchQuantizeRotated<T, false>(stream, xd, n_groups, group_size,
+                                                          bits, rotation, 0, c, s, z);
+    }
+    return spikes > 0 ? LaunchQuantize<T, true>(stream, xd, n_groups, group_size, bits, spikes,
+                                                c, s, z)
+                      : LaunchQuantize<T, false>(stream, xd, n_groups, group_size, bits, 0, c,
+                                                 s, z);
+  });
+}
+
+ffi::Error Dequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
+                      ffi::Buffer<ffi::BF16> scale, ffi::Buffer<ffi::BF16> zero,
+                      ffi::Result<ffi::AnyBuffer> y, int32_t bits, int64_t group_size,
+                      int32_t rotation, int32_t spikes) {
+  int64_t n_groups = 0;
+  if (ffi::Error e = CheckDequantizeShapes(codes, scale, zero, *y, bits, group_size, spikes,
+                                           &n_groups);
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = CheckRotation(rotation, group_size, "flashcomm_dequantize"); e.failure()) {
+    return e;
+  }
+  const uint8_t* c = codes.typed_data();
+  const uint16_t* s = scale.typed_data();
+  const uint16_t* z = zero.typed_data();
+  void* yd = y->untyped_data();
+  return ForDtype(y->element_type(), "flashcomm_dequantize",
+                  "flashcomm_dequantize: y must be f32, bf16 or f16", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if (rotation != kRotationNone) {
+      return spikes > 0 ? LaunchDequantizeRotated<T, true>(stream, c, s, z, n_groups,
+                                                           group_size, bits, rotation, spikes,
+                                                           yd)
+                        : LaunchDequantizeRotated<T, false>(stream, c, s, z, n_groups,
+                                                            group_size, bits, rotation, 0, yd);
+    }
+    return spikes > 0 ? LaunchDequantize<T, true>(stream, c, s, z, n_groups, group_size, bits,
+                                                  spikes, yd)
+                      : LaunchDequantize<T, false>(stream, c, s, z, n_groups, group_size, bits,
+                                                   0, yd);
+  });
+}
+
+ffi::Error DequantizeSum(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
+                         ffi::Buffer<ffi::BF16> scale, ffi::Buffer<ffi::BF16> zero,
+                         ffi::Result<ffi::AnyBuffer> y, int32_t bits, int64_t group_size,
+                         int32_t rotation, int32_t spikes) {
+  PayloadView in;
+  if (ffi::Error e = ViewChunkedPayload(codes, scale, zero, bits, group_size, spikes, &in);
+      e.failure()) {
+    return e;
+  }
+  if (y->element_count() != size_t(in.batch * in.groups_per_chunk * group_size)) {
+    return ffi::Error::InvalidArgument("flashcomm_dequantize_sum: y has the wrong size");
+  }
+  if (ffi::Error e = CheckRotation(rotation, group_size, "flashcomm_dequantize_sum");
+      e.failure()) {
+    return e;
+  }
+  void* yd = y->untyped_data();
+  return ForDtype(y->element_type(), "flashcomm_dequantize_sum",
+                  "flashcomm_dequantize_sum: y must be f32, bf16 or f16", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if (rotation != kRotationNone) {
+      return spikes > 0 ? LaunchDequantizeSumRotated<T, true>(stream, in, rotation, yd)
+                        : LaunchDequantizeSumRotated<T, false>(stream, in, rotation, yd);
+    }
+    return spikes > 0 ? LaunchDequantizeSum<T, true>(stream, in, yd)
+                      : LaunchDequantizeSum<T, false>(stream, in, yd);
+  });
+}
+
+ffi::Error DequantizeSumQuantize(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
+                                 ffi::Buffer<ffi::BF16> scale, ffi::Buffer<ffi::BF16> zero,
+                                 ffi::Result<ffi::Buffer<ffi::U8>> out_codes,
+                                 ffi::Result<ffi::Buffer<ffi::BF16>> out_scale,
+                                 ffi::Result<ffi::Buffer<ffi::BF16>> out_zero, int32_t bits,
+                                 int32_t out_bits, int64_t group_size, int32_t spikes) {
+  PayloadView in;
+  if (ffi::Error e = ViewChunkedPayload(codes, scale, zero, bits, group_size, spikes, &in);
+      e.failure()) {
+    return e;
+  }
+  int64_t n_out = 0;
+  if (ffi::Error e = CheckSumQuantizeOutputs(in, *out_codes, *out_scale, *out_zero, out_bits,
+                                             &n_out);
+      e.failure()) {
+    return e;
+  }
+  uint8_t* c = out_codes->typed_data();
+  uint16_t* s = out_scale->typed_data();
+  uint16_t* z = out_zero->typed_data();
+  return LaunchStatus("flashcomm_dequantize_sum_quantize",
+                      spikes > 0 ? LaunchDequantizeSumQuantize<true>(stream, in, n_out,
+                                                                     out_bits, c, s, z)
+                                 : LaunchDequantizeSumQuantize<false>(stream, in, n_out,
+                                                                      out_bits, c, s, z));
+}
+
+}  // namespace cuda
+}  // namespace flashcomm
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommQuantizeCuda, flashcomm::cuda::Quantize,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Arg<ffi::AnyBuffer>()              // x: (..., group_size)
+                                  .Ret<ffi::Buffer<ffi::U8>>()        // codes: (..., group bytes)
+                                  .Ret<ffi::Buffer<ffi::BF16>>()      // scale: (...)
+                                  .Ret<ffi::Buffer<ffi::BF16>>()      // zero: (...)
+                                  .Attr<int32_t>("bits")              // code width, 2..8
+                                  .Attr<int64_t>("group_size")        // multiple of 8
+                                  .Attr<int32_t>("rotation")          // 0, 1 or 2
+                                  .Attr<int32_t>("spikes"));          // kept per group, 0..16
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeCuda, flashcomm::cuda::Dequantize,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Arg<ffi::Buffer<ffi::U8>>()        // codes: (..., group bytes)
+                                  .Arg<ffi::Buffer<ffi::BF16>>()      // scale: (...)
+                                  .Arg<ffi::Buffer<ffi::BF16>>()      // zero: (...)
+                                  .Ret<ffi::AnyBuffer>()              // y: (..., group_size)
+                                  .Attr<int32_t>("bits")              // code width, 2..8
+                                  .Attr<int64_t>("group_size")        // multiple of 8
+                                  .Attr<int32_t>("rotation")          // 0, 1 or 2
+                                  .Attr<int32_t>("spikes"));          // kept per group, 0..16
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeSumCuda, flashcomm::cuda::DequantizeSum,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // codes: (..., N, G/chunk, bytes)
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // scale: (..., N, G/chunk)
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // zero: (..., N, G/chunk)
+                                  .Ret<ffi::AnyBuffer>()          // y: (..., G/chunk * group_size)
+                                  .Attr<int32_t>("bits")          // code width of the input
+                                  .Attr<int64_t>("group_size")    // multiple of 8
+                                  .Attr<int32_t>("rotation")      // 0, 1 or 2
+                                  .Attr<int32_t>("spikes"));      // kept per group, 0..16
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeSumQuantizeCuda,
+                              flashcomm::cuda::DequantizeSumQuantize,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // codes: (..., N, G/chunk, bytes)
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // scale: (..., N, G/chunk)
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // zero: (..., N, G/chunk)
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // codes: (..., G/chunk, bytes')
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // scale: (..., G/chunk)
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // zero: (..., G/chunk)
+                                  .Attr<int32_t>("bits")          // code width of the input
+                                  .Attr<int32_t>("out_bits")      // code width of the output
+                                  .Attr<int64_t>("group_size")    // multiple of 8
+                                  .Attr<int32_t>("spikes"));      // in and out, 0..16

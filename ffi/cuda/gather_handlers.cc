@@ -1,0 +1,111 @@
+// XLA FFI handler of flashcomm_dequantize_into on CUDA: decode one payload into a slot of a
+// larger output buffer in place (the result is aliased to operand 0), the ring all-gather's
+// step. Same target, operands, attributes and results as the CPU handler
+// (ffi/cpu/gather_kernels.cc). It checks the operands and calls the launcher of
+// gather_kernels.cu (launch.h); plain C++, like codec_handlers.cc.
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+
+#include "flashcomm/codec.h"
+#include "flashcomm/cuda_kernels.h"
+#include "flashcomm/ffi_checks.h"
+#include "launch.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace flashcomm {
+namespace cuda {
+namespace {
+
+constexpr const char* kOp = "flashcomm_dequantize_into";
+
+ffi::Error LaunchStatus(cudaError_t err) {
+  if (err != cudaSuccess) {
+    return ffi::Error::Internal(std::string(kOp) + ": CUDA kernel launch failed: " +
+                                cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Invalid(const std::string& what) {
+  return ffi::Error::InvalidArgument(std::string(kOp) + ": " + what);
+}
+
+}  // namespace
+
+ffi::Error DequantizeInto(cudaStream_t stream, ffi::AnyBuffer out_in,
+                          ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
+                          ffi::Buffer<ffi::BF16> zero, ffi::Buffer<ffi::S32> offset,
+                          ffi::Result<ffi::AnyBuffer> out, int32_t bits, int64_t group_size,
+                          int32_t rotation, int32_t spikes, int64_t count) {
+  if (ffi::Error e = CheckCodecAttrs(bits, group_size, spikes); e.failure()) return e;
+  if (rotation < kRotationNone || rotation > kRotationSignedHadamard) {
+    return Invalid("rotation must be 0, 1 or 2");
+  }
+  if (rotation != kRotationNone &&
+      ((group_size & (group_size - 1)) != 0 || group_size > kMaxRotatedGroup)) {
+    return Invalid("rotation needs a power-of-two group_size of at most 1024 on CUDA");
+  }
+  const int64_t n_groups = int64_t(scale.element_count());
+  if (int64_t(zero.element_count()) != n_groups ||
+      int64_t(codes.element_count()) != n_groups * record_bytes(group_size, bits, spikes)) {
+    return Invalid("payload codes/scale/zero do not match");
+  }
+  if (count < 0 || count > n_groups * group_size) {
+    return Invalid("count is negative or more than the payload's groups hold");
+  }
+  const ffi::DataType type = out->element_type();
+  if (type != ffi::F32 && type != ffi::BF16 && type != ffi::F16) {
+    return Invalid("out must be f32, bf16 or f16");
+  }
+  const int64_t size = int64_t(out->element_count());
+  if (out_in.element_type() != type || int64_t(out_in.element_count()) != size) {
+    return Invalid("the result does not match operand 0 (out)");
+  }
+  if (count > size) return Invalid("the chunk is larger than out");
+  if (offset.element_count() != 1) return Invalid("offset must be an int32 scalar");
+  if (out->untyped_data() != out_in.untyped_data()) {  // XLA aliases them; be safe if not
+    const size_t bytes = size_t(size) * (type == ffi::F32 ? 4 : 2);
+    if (cudaMemcpyAsync(out->untyped_data(), out_in.untyped_data(), bytes,
+                        cudaMemcpyDeviceToDevice, stream) != cudaSuccess) {
+      return LaunchStatus(cudaGetLastError());
+    }
+  }
+  const uint8_t* c = codes.typed_data();
+  const uint16_t* s = scale.typed_data();
+  const uint16_t* z = zero.typed_data();
+  const int32_t* off = offset.typed_data();
+  void* y = out->untyped_data();
+  switch (type) {
+    case ffi::F32:
+      return LaunchStatus(LaunchDequantizeInto<F32>(stream, c, s, z, group_size, bits, rotation,
+                                                    spikes, count, off, size, y));
+    case ffi::BF16:
+      return LaunchStatus(LaunchDequantizeInto<BF16>(stream, c, s, z, group_size, bits, rotation,
+                                                     spikes, count, off, size, y));
+    default:
+      return LaunchStatus(LaunchDequantizeInto<F16>(stream, c, s, z, group_size, bits, rotation,
+                                                    spikes, count, off, size, y));
+  }
+}
+
+}  // namespace cuda
+}  // namespace flashcomm
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeIntoCuda, flashcomm::cuda::DequantizeInto,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Arg<ffi::AnyBuffer>()          // out: f32/bf16/f16, any shape
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // codes: (groups, record bytes)
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // scale: (groups,)
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // zero: (groups,)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // offset: () in device memory
+                                  .Ret<ffi::AnyBuffer>()          // out, aliased to operand 0
+                                  .Attr<int32_t>("bits")          // code width, 2..8
+                                  .Attr<int64_t>("group_size")    // multiple of 8
+                                  .Attr<int32_t>("rotation")      // 0, 1 or 2
+                                  .Attr<int32_t>("spikes")        // kept per group, 0..16
+                                  .Attr<int64_t>("count"));       // the chunk's elements

@@ -1,0 +1,73 @@
+// The kernel launchers of the CUDA module: the boundary between the kernel translation units
+// (ffi/cuda/*.cu, compiled by nvcc without the XLA headers) and the FFI handlers
+// (ffi/cuda/*_handlers.cc, plain C++ compiled by the host compiler). Keeping the two apart
+// saves parsing XLA's ffi.h once per GPU architecture (docs/cuda.md, "Build time").
+//
+// Each launcher enqueues one kernel on `stream` and returns cudaGetLastError(), or cudaSuccess
+// without launching when there is no work. T is F32, BF16 or F16 (flashcomm/codec.h) and
+// kSpiked picks the spikes > 0 instance; every (T, kSpiked) is explicitly instantiated in the
+// .cu file named for each launcher.
+#ifndef FLASHCOMM_CUDA_LAUNCH_H_
+#define FLASHCOMM_CUDA_LAUNCH_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "flashcomm/payload_view.h"
+
+// Calls X(T, kSpiked) for the six launcher instances: (f32, bf16, f16) x (spikes = 0, > 0).
+#define FLASHCOMM_CUDA_INSTANCES(X) \
+  X(F32, false) X(F32, true) X(BF16, false) X(BF16, true) X(F16, false) X(F16, true)
+
+namespace flashcomm {
+namespace cuda {
+
+// Rotated kernels hold the group in shared memory: 8 warps * 1024 * 4 B = 32 KB per block.
+constexpr int64_t kMaxRotatedGroup = 1024;
+
+// codec_quantize.cu
+template <typename T, bool kSpiked>
+cudaError_t LaunchQuantize(cudaStream_t stream, const void* x, int64_t n_groups,
+                           int64_t group_size, int bits, int spikes, uint8_t* codes,
+                           uint16_t* scale, uint16_t* zero);
+template <typename T, bool kSpiked>
+cudaError_t LaunchQuantizeRotated(cudaStream_t stream, const void* x, int64_t n_groups,
+                                  int64_t group_size, int bits, int rotation, int spikes,
+                                  uint8_t* codes, uint16_t* scale, uint16_t* zero);
+
+// codec_dequantize.cu
+template <typename T, bool kSpiked>
+cudaError_t LaunchDequantize(cudaStream_t stream, const uint8_t* codes, const uint16_t* scale,
+                             const uint16_t* zero, int64_t n_groups, int64_t group_size,
+                             int bits, int spikes, void* y);
+template <typename T, bool kSpiked>
+cudaError_t LaunchDequantizeRotated(cudaStream_t stream, const uint8_t* codes,
+                                    const uint16_t* scale, const uint16_t* zero,
+                                    int64_t n_groups, int64_t group_size, int bits,
+                                    int rotation, int spikes, void* y);
+
+// codec_dequantize_sum.cu
+template <typename T, bool kSpiked>
+cudaError_t LaunchDequantizeSum(cudaStream_t stream, const PayloadView& in, void* y);
+template <typename T, bool kSpiked>
+cudaError_t LaunchDequantizeSumRotated(cudaStream_t stream, const PayloadView& in,
+                                       int rotation, void* y);
+// Input and output records carry in.spikes spikes.
+template <bool kSpiked>
+cudaError_t LaunchDequantizeSumQuantize(cudaStream_t stream, const PayloadView& in,
+                                        int64_t n_out, int out_bits, uint8_t* codes,
+                                        uint16_t* scale, uint16_t* zero);
+
+// gather_kernels.cu: one payload decoded into out[*offset, *offset + count) (T = F32, BF16,
+// F16); `offset` is in device memory, `size` is out's element count.
+template <typename T>
+cudaError_t LaunchDequantizeInto(cudaStream_t stream, const uint8_t* codes,
+                                 const uint16_t* scale, const uint16_t* zero,
+                                 int64_t group_size, int bits, int rotation, int spikes,
+                                 int64_t count, const int32_t* offset, int64_t size, void* out);
+
+}  // namespace cuda
+}  // namespace flashcomm
+
+#endif  // FLASHCOMM_CUDA_LAUNCH_H_
