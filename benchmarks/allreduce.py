@@ -15,8 +15,8 @@ and reports each quantized time against the faster of the two exact ones. Two se
 
 Re-run (root; ~15 min on 2 cores)::
 
-    /work/venv/bin/python benchmarks/allreduce.py              # -> docs/allreduce.{json,png}
-    /work/venv/bin/python benchmarks/allreduce.py --quick      # 2 sizes, fewer repetitions
+    .venv/bin/python benchmarks/allreduce.py                # -> docs/allreduce.{json,png}
+    .venv/bin/python benchmarks/allreduce.py --quick        # 2 sizes, fewer repetitions
 """
 
 from __future__ import annotations

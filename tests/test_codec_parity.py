@@ -12,7 +12,7 @@ from hypothesis import given, strategies as st
 from jax_flashcomm import codec
 from jax_flashcomm.codec import kernels
 
-from codec_data import KINDS, structured
+from codec_data import KINDS, every_isa, structured
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 BITS = (2, 3, 4, 5, 6, 7, 8)
@@ -20,9 +20,8 @@ GROUP_SIZES = (8, 32, 128, 512)
 
 
 
-# Every parity test runs on every instruction-set build of the CPU kernels (conftest.py).
-pytestmark = pytest.mark.usefixtures("each_cpu_isa")
-
+# The FFI side of every parity test runs on every instruction-set build of the CPU kernels
+# (codec_data.every_isa: the same executable, each build's kernels, bit-equal results).
 @pytest.fixture(autouse=True, scope="module")
 def cpu_kernels_built():
     assert kernels.available("cpu"), (
@@ -47,7 +46,8 @@ def assert_bits_equal(a, b):
 
 
 def both(fn):
-    return jax.jit(lambda *a: fn(*a, backend="ffi")), jax.jit(lambda *a: fn(*a, backend="jnp"))
+    ffi = jax.jit(lambda *a: fn(*a, backend="ffi"))
+    return (lambda *a: every_isa(ffi, *a)), jax.jit(lambda *a: fn(*a, backend="jnp"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
@@ -130,7 +130,7 @@ def _roundtrip_both(x, bits, group_size, spikes=0):
 @given(x=operands(), bits=st.integers(2, 8), group_size=st.sampled_from([8, 16, 24, 128, 256]),
        spikes=st.sampled_from([0, 0, 1, 3, 7]))
 def test_hypothesis_parity_and_bound(x, bits, group_size, spikes):
-    p_ffi, p_jnp, y_ffi, y_jnp, bound = _roundtrip_both(x, bits, group_size, spikes)
+    p_ffi, p_jnp, y_ffi, y_jnp, bound = every_isa(_roundtrip_both, x, bits, group_size, spikes)
     assert_payloads_equal(p_ffi, p_jnp)
     assert_bits_equal(y_ffi, y_jnp)
     err = np.abs(np.asarray(y_ffi, np.float64) - np.asarray(x, np.float64))
@@ -161,7 +161,7 @@ def test_dequantize_into_bit_identical(bits, rotation, spikes, dtype):
     fill = jnp.asarray(rng.standard_normal(3 * count + 11), jnp.float32).astype(dtype)
     out = fill.reshape(-1, 1)  # out may have any shape; it is addressed flat
     for offset in (0, 5, count + 1, 2 * count + 11):
-        got_ffi = np.asarray(_into(out, p, jnp.int32(offset), "ffi")).reshape(-1)
+        got_ffi = np.asarray(every_isa(_into, out, p, jnp.int32(offset), "ffi")).reshape(-1)
         got_jnp = np.asarray(_into(out, p, jnp.int32(offset), "jnp")).reshape(-1)
         assert_bits_equal(got_ffi, got_jnp)
         expect = np.asarray(fill).copy()

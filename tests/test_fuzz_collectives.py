@@ -3,11 +3,11 @@ op and every collective, against the jnp twin (bit-identical) and against lax (e
 bit-equal; quantized within the elementwise bound from the stored scales, tests/collective_oracles).
 
 Example counts follow the active hypothesis profile (tests/conftest.py, ``HYPOTHESIS_PROFILE``):
-each collective property runs ``profile.max_examples // 4`` examples (CI profile: 15 each;
-thorough: 125 each) and the fused codec property half the CI profile's count (30) or all of
-the thorough one's (500), so
+each collective property runs ``profile.max_examples // 4`` examples, at least 10 (CI profile:
+10 each; thorough: 125 each) and the fused codec property half the CI profile's count (15) or
+all of the thorough one's (500), so
 
-    HYPOTHESIS_PROFILE=thorough /work/venv/bin/pytest tests/test_fuzz_collectives.py
+    HYPOTHESIS_PROFILE=thorough .venv/bin/pytest tests/test_fuzz_collectives.py
 
 runs 4 * 125 + 500 = 1000 examples (docs/reliability.md has the times).
 """

@@ -20,7 +20,7 @@ from jax_flashcomm import allreduce, codec
 from jax_flashcomm.codec import kernels, reference
 from jax_flashcomm.policy import CommConfig
 
-from codec_data import bit_view as _bits, jit_quantize as _quant
+from codec_data import bit_view as _bits, every_isa, jit_quantize as _quant
 
 EPS32 = float(np.finfo(np.float32).eps)
 needs_ffi = pytest.mark.skipif(not kernels.available("cpu"), reason="CPU kernels not built")
@@ -42,7 +42,6 @@ def _data(rng, shape, kind="outliers"):
 @pytest.mark.parametrize("rotation", [1, 2])
 @pytest.mark.parametrize("group_size", [8, 32, 128, 2048])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.usefixtures("each_cpu_isa")
 def test_parity_quantize_dequantize(rotation, group_size, dtype):
     rng = np.random.default_rng(group_size + rotation)
     x = jnp.asarray(_data(rng, (3, 2 * group_size + 5)), dtype)  # padding exercised
@@ -54,14 +53,13 @@ def test_parity_quantize_dequantize(rotation, group_size, dtype):
             np.testing.assert_array_equal(_bits(a), _bits(b))
         for out in (jnp.float32, dtype):
             yj = jax.jit(lambda p: codec.dequantize(p, dtype=out, backend="jnp"))(pf)
-            yf = jax.jit(lambda p: codec.dequantize(p, dtype=out, backend="ffi"))(pf)
+            yf = every_isa(jax.jit(lambda p: codec.dequantize(p, dtype=out, backend="ffi")), pf)
             np.testing.assert_array_equal(_bits(yj), _bits(yf))
 
 
 @needs_ffi
 @pytest.mark.parametrize("rotation", [1, 2])
 @pytest.mark.parametrize("group_size", [16, 64, 256, 512, 1024])
-@pytest.mark.usefixtures("each_cpu_isa")
 def test_parity_every_width_and_group_size(rotation, group_size):
     """The CPU kernels' register-blocked paths (blocks of 16..128 values, then radix-2/4/8
     passes) at every code width, into every output dtype, saturation included."""
@@ -76,20 +74,19 @@ def test_parity_every_width_and_group_size(rotation, group_size):
             np.testing.assert_array_equal(_bits(a), _bits(b))
         for out in (jnp.float32, jnp.bfloat16, jnp.float16):
             yj = codec.dequantize(pf, dtype=out, backend="jnp")
-            yf = codec.dequantize(pf, dtype=out, backend="ffi")
+            yf = every_isa(lambda: codec.dequantize(pf, dtype=out, backend="ffi"))
             np.testing.assert_array_equal(_bits(yj), _bits(yf))
     chunked = _quant(x, "ffi", bits=4, group_size=group_size, num_chunks=2, rotation=rotation)
     chunked = chunked.split_groups(2)
     for out in (jnp.float32, jnp.bfloat16):
         yj = codec.dequantize_sum(chunked, dtype=out, backend="jnp")
-        yf = codec.dequantize_sum(chunked, dtype=out, backend="ffi")
+        yf = every_isa(lambda: codec.dequantize_sum(chunked, dtype=out, backend="ffi"))
         np.testing.assert_array_equal(_bits(yj), _bits(yf))
 
 
 @needs_ffi
 @pytest.mark.parametrize("rotation", [1, 2])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.usefixtures("each_cpu_isa")
 def test_parity_fused_sums(rotation, dtype):
     rng = np.random.default_rng(7)
     g, n = 128, 4
@@ -103,7 +100,7 @@ def test_parity_fused_sums(rotation, dtype):
     for op in ("dequantize_sum", "dequantize_sum_quantize"):
         fn = getattr(codec, op)
         rj = jax.jit(lambda p: fn(p, backend="jnp"))(stacked)
-        rf = jax.jit(lambda p: fn(p, backend="ffi"))(stacked)
+        rf = every_isa(jax.jit(lambda p: fn(p, backend="ffi")), stacked)
         for a, b in zip(jax.tree.leaves(rj), jax.tree.leaves(rf)):
             np.testing.assert_array_equal(_bits(a), _bits(b))
     # dequantize_sum == inverse rotation of the rotated-domain sum of the decoded chunks

@@ -17,7 +17,7 @@ from jax_flashcomm import codec
 from jax_flashcomm.codec import kernels, reference, spec
 from jax_flashcomm.policy import CommConfig
 
-from codec_data import bit_view as _bits, jit_quantize as _quant
+from codec_data import bit_view as _bits, every_isa, jit_quantize as _quant
 
 import collective_oracles as oracles
 
@@ -51,7 +51,6 @@ def _groups(rng, g, dtype):
 @pytest.mark.parametrize("rotation", [0, 2])
 @pytest.mark.parametrize("group_size", [8, 32, 128, 512])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.usefixtures("each_cpu_isa")
 def test_parity_twin_and_kernels(rotation, group_size, dtype):
     rng = np.random.default_rng(group_size + rotation)
     x = _groups(rng, group_size, np.dtype(dtype))
@@ -65,18 +64,16 @@ def test_parity_twin_and_kernels(rotation, group_size, dtype):
             np.testing.assert_array_equal(_bits(a), _bits(b))
         for out in (jnp.float32, dtype):
             yj = jax.jit(lambda p: codec.dequantize(p, dtype=out, backend="jnp"))(pf)
-            yf = jax.jit(lambda p: codec.dequantize(p, dtype=out, backend="ffi"))(pf)
+            yf = every_isa(jax.jit(lambda p: codec.dequantize(p, dtype=out, backend="ffi")), pf)
             np.testing.assert_array_equal(_bits(yj), _bits(yf))
         chunked = pf.split_groups(pf.num_groups // 2) if pf.num_groups % 2 == 0 else pf
         chunked = pf.map_arrays(lambda a: a[None]) if chunked is pf else chunked
         for backend_pair in (("jnp", "ffi"),):
-            sj, sf = (jax.jit(lambda p, b=b: codec.dequantize_sum(p, dtype=jnp.float32,
-                                                                    backend=b))(chunked)
-                      for b in backend_pair)
+            sj, sf = (every_isa(jax.jit(lambda p, b=b: codec.dequantize_sum(
+                p, dtype=jnp.float32, backend=b)), chunked) for b in backend_pair)
             np.testing.assert_array_equal(_bits(sj), _bits(sf))
-            qj, qf = (jax.jit(lambda p, b=b: codec.dequantize_sum_quantize(p, bits=3,
-                                                                           backend=b))(chunked)
-                      for b in backend_pair)
+            qj, qf = (every_isa(jax.jit(lambda p, b=b: codec.dequantize_sum_quantize(
+                p, bits=3, backend=b)), chunked) for b in backend_pair)
             assert qj.spikes == qf.spikes == k
             for a, b in ((qj.codes, qf.codes), (qj.scale, qf.scale), (qj.zero, qf.zero)):
                 np.testing.assert_array_equal(_bits(a), _bits(b))

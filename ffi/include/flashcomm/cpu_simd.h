@@ -182,9 +182,10 @@ FC_ALWAYS_INLINE ULanes widen_byte_pairs(const uint8_t* p) {
   return (ULanes)vmovl_u8(vld1_u8(p));
 #else
   typedef uint8_t Bytes2 __attribute__((vector_size(2 * kLanes)));
+  typedef uint16_t Halves2 __attribute__((vector_size(4 * kLanes)));
   Bytes2 b;
   std::memcpy(&b, p, sizeof b);
-  return (ULanes)__builtin_convertvector(b, HalfLanes);
+  return (ULanes)__builtin_convertvector(b, Halves2);
 #endif
 }
 
@@ -203,7 +204,8 @@ FC_ALWAYS_INLINE void narrow_byte_pairs(ULanes u, uint8_t* p) {
   vst1_u8(p, vmovn_u16((uint16x8_t)u));
 #else
   typedef uint8_t Bytes2 __attribute__((vector_size(2 * kLanes)));
-  const Bytes2 b = __builtin_convertvector((HalfLanes)u, Bytes2);
+  typedef uint16_t Halves2 __attribute__((vector_size(4 * kLanes)));
+  const Bytes2 b = __builtin_convertvector((Halves2)u, Bytes2);
   std::memcpy(p, &b, sizeof b);
 #endif
 }
