@@ -225,17 +225,32 @@ template <int BITS>
 __attribute__((always_inline)) inline void decode_unpacked(const uint8_t* codes, int64_t g, const GroupParams& p,
                             bool accumulate, float* out) {
   uint8_t q[kChunk];
+  // q * scale cannot overflow (the usual case): decode is q * scale + zero, the same bits as
+  // decode_lanes without its fallback.
+  const bool direct = is_finite(mul_rn(float(max_code(BITS)), p.scale));
   for (int64_t i0 = 0; i0 < g; i0 += kChunk) {
     const int64_t n = g - i0 < kChunk ? g - i0 : kChunk;
-    unpack_chunk<BITS>(codes + i0 / kBlock * BITS, n, q);
+    const uint8_t* qs = q;
+    if (BITS == 8) {
+      qs = codes + i0;  // 8-bit codes need no unpacking
+    } else {
+      unpack_chunk<BITS>(codes + i0 / kBlock * BITS, n, q);
+    }
     float* o = out + i0;
     int64_t j = 0;
+    if (direct) {
+      for (; j + kLanes <= n; j += kLanes) {
+        Lanes d = add_rn(mul_rn(widen_bytes(qs + j), p.scale), p.zero);
+        if (accumulate) d = add_rn(load_lanes(o + j), d);
+        store_lanes(o + j, d);
+      }
+    }
     for (; j + kLanes <= n; j += kLanes) {
-      Lanes d = decode_lanes(widen_bytes(q + j), p);
+      Lanes d = decode_lanes(widen_bytes(qs + j), p);
       if (accumulate) d = add_rn(load_lanes(o + j), d);
       store_lanes(o + j, d);
     }
-    for (; j < n; ++j) o[j] = accumulate ? add_rn(o[j], decode(q[j], p)) : decode(q[j], p);
+    for (; j < n; ++j) o[j] = accumulate ? add_rn(o[j], decode(qs[j], p)) : decode(qs[j], p);
   }
 }
 
@@ -365,6 +380,43 @@ __attribute__((always_inline)) inline void store_values(const float* v, int64_t 
   for (; i < g; ++i) y[i] = T::store(saturating ? flashcomm::saturate(v[i], T::kMax) : v[i]);
 }
 
+// Whether every value of a group decodes to a finite value within [-max, max]: then q * scale
+// never overflows (decode_lanes's fallback is not needed) and saturation changes nothing, so
+// decoding is q * scale + zero alone, with the same bits. Decoding is monotonic in q (q * scale
+// is exact), so the group's values lie between zero (q = 0) and the decode of the top code.
+__attribute__((always_inline)) inline bool plain_group(const GroupParams& p, int bits, float max) {
+  const float levels = float(max_code(bits));
+  const float top = decode(uint32_t(max_code(bits)), p);
+  return is_finite(mul_rn(levels, p.scale)) && p.zero >= -max && top <= max;
+}
+
+// 2 * kLanes bf16 values per step from codes (one byte each), two to a lane; returns how many
+// values were written (a multiple of 2 * kLanes, at most n). PLAIN: the group is plain_group,
+// so decode is q * scale + zero and the values are finite and in range (no NaN case in the
+// rounding, no saturation).
+template <bool PLAIN>
+__attribute__((always_inline)) inline int64_t decode_bf16_pairs(const uint8_t* qs, int64_t n,
+                                                                const GroupParams& p,
+                                                                uint16_t* out) {
+  int64_t j = 0;
+  for (; j + 2 * kLanes <= n; j += 2 * kLanes) {
+    const ULanes c = widen_byte_pairs(qs + j);
+    const Lanes qe = int_lanes_to_float(c & 0xFFFFu), qo = int_lanes_to_float(c >> 16);
+    ULanes pair;
+    if constexpr (PLAIN) {
+      const ULanes e = lanes_bits(add_rn(mul_rn(qe, p.scale), p.zero));
+      const ULanes o = lanes_bits(add_rn(mul_rn(qo, p.scale), p.zero));
+      pair = ((e + 0x7FFFu + ((e >> 16) & 1u)) >> 16) |
+             ((o + 0x7FFFu + ((o >> 16) & 1u)) & 0xFFFF0000u);
+    } else {
+      pair = bf16_bits_lanes(saturate(decode_lanes(qe, p), BF16::kMax)) |
+             (bf16_bits_lanes(saturate(decode_lanes(qo, p), BF16::kMax)) << 16);
+    }
+    std::memcpy(out + j, &pair, sizeof pair);
+  }
+  return j;
+}
+
 // Decode groups straight into T, saturated to T's finite range.
 template <typename T, int BITS>
 __attribute__((always_inline)) inline void dequantize_all(const uint8_t* codes,
@@ -376,6 +428,7 @@ __attribute__((always_inline)) inline void dequantize_all(const uint8_t* codes,
     const GroupParams p = stored_params(scale[k], zero[k]);
     const uint8_t* in = codes + k * group_bytes(g, BITS);
     typename T::Storage* out = y + k * g;
+    const bool plain = plain_group(p, BITS, T::kMax);
     for (int64_t i0 = 0; i0 < g; i0 += kChunk) {
       const int64_t n = g - i0 < kChunk ? g - i0 : kChunk;
       const uint8_t* qs = q;
@@ -386,14 +439,8 @@ __attribute__((always_inline)) inline void dequantize_all(const uint8_t* codes,
       }
       int64_t j = 0;
       if constexpr (std::is_same_v<T, BF16>) {  // codes and values two to a lane
-        for (; j + 2 * kLanes <= n; j += 2 * kLanes) {
-          const ULanes c = widen_byte_pairs(qs + j);
-          const Lanes even = decode_lanes(int_lanes_to_float(c & 0xFFFFu), p);
-          const Lanes odd = decode_lanes(int_lanes_to_float(c >> 16), p);
-          const ULanes pair = bf16_bits_lanes(saturate(even, T::kMax)) |
-                              (bf16_bits_lanes(saturate(odd, T::kMax)) << 16);
-          std::memcpy(out + i0 + j, &pair, sizeof pair);
-        }
+        j = plain ? decode_bf16_pairs<true>(qs, n, p, out + i0)
+                  : decode_bf16_pairs<false>(qs, n, p, out + i0);
       }
       for (; j + kLanes <= n; j += kLanes) {
         const Lanes d = decode_lanes(widen_bytes(qs + j), p);
