@@ -70,14 +70,18 @@ def each_cpu_isa(request):
 
 # The fast developer loop, `pytest -m "not slow"` (README): these modules and tests are the
 # long-running ones of a full run (hypothesis fuzzing, multi-process gloo runs, nvcc compiles,
-# the exhaustive rotation/spike parity and reliability matrices: together ~80% of the suite's
-# time, docs/build.md). CI runs everything.
+# the exhaustive rotation/spike parity and reliability matrices, the gradient and ring-order
+# matrices: the longest of a measured full run, docs/build.md). CI runs everything.
 SLOW_MODULES = {
     "test_fuzz_collectives.py", "test_multiprocess.py", "test_multiprocess_failure.py",
     "test_cuda_build.py", "test_cuda_gather_build.py", "test_rotation.py", "test_spikes.py",
     "test_reliability.py",
 }
-SLOW_TESTS = {"test_hypothesis_parity_and_bound"}
+SLOW_TESTS = {
+    "test_hypothesis_parity_and_bound", "test_vjps", "test_psum_grad",
+    "test_ring_all_gather_equals_one_shot", "test_ring_attention_matches_unfused",
+    "test_quantized_is_one_quantization",
+}
 
 
 def pytest_collection_modifyitems(config, items):
