@@ -202,13 +202,16 @@ def main():
     reps = 2 if args.quick else args.reps
     if args.worker:
         return worker(sizes, reps, args.budget)
-    data = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                       "no GPU", "rate": args.rate, "sizes": sizes, "bits": list(BITS),
-            "group_size": 128, "dtype": "bfloat16",
-            "command": "/work/venv/bin/python benchmarks/allreduce.py " + " ".join(sys.argv[1:])}
-    if not args.skip_inproc:
+    if not args.skip_inproc:  # before jax is imported
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + " --xla_force_host_platform_device_count=8").strip()
+    from benchmarks import machine
+
+    print(machine.first_line(), flush=True)
+    data = {"machine": machine.describe(), "rate": args.rate, "sizes": sizes, "bits": list(BITS),
+            "group_size": 128, "dtype": "bfloat16",
+            "command": "python benchmarks/allreduce.py " + " ".join(sys.argv[1:])}
+    if not args.skip_inproc:
         data["inproc"] = run_inproc(sizes, reps, args.budget)
     data["netns"] = run_netns(args.nprocs, sizes, reps, args.budget, args.rate)
     Path(args.out + ".json").write_text(json.dumps(data, indent=1))
