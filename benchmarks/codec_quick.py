@@ -17,9 +17,7 @@ Compare the build of another commit with this one (docs/benchmarks.md did this f
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
 
 for key, value in {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20),
                    "MALLOC_TRIM_THRESHOLD_": str(2**32),
@@ -33,15 +31,10 @@ import jax.numpy as jnp  # noqa: E402
 
 from jax_flashcomm import codec  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from codec import median_seconds  # noqa: E402  (benchmarks/codec.py)
 
-def median_seconds(fn, reps=7):
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+REPS = 7
 
 
 def main():
@@ -53,9 +46,9 @@ def main():
         for bits in (8, 6, 4):
             def run(fn, *args):
                 if isa is None:
-                    return median_seconds(lambda: fn(*args))
+                    return median_seconds(lambda: fn(*args), REPS)
                 with codec.use_cpu_isa(isa):
-                    return median_seconds(lambda: fn(*args))
+                    return median_seconds(lambda: fn(*args), REPS)
             q = jax.jit(lambda a: codec.quantize(a, bits=bits, backend=backend))
             d = jax.jit(lambda p: codec.dequantize(p, backend=backend))
             f = jax.jit(lambda p: codec.dequantize_sum_quantize(p, backend=backend))
