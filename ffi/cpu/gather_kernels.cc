@@ -40,30 +40,13 @@ ffi::Error DequantizeInto(ffi::AnyBuffer out_in, ffi::Buffer<ffi::U8> codes,
                           ffi::Buffer<ffi::S32> offset, ffi::Result<ffi::AnyBuffer> out,
                           int32_t bits, int64_t group_size, int32_t rotation, int32_t spikes,
                           int64_t count) {
-  if (ffi::Error e = CheckCodecAttrs(bits, group_size, spikes); e.failure()) return e;
-  if (rotation < kRotationNone || rotation > kRotationSignedHadamard) {
-    return Invalid("rotation must be 0, 1 or 2");
-  }
-  if (rotation != kRotationNone && (group_size & (group_size - 1)) != 0) {
-    return Invalid("rotation needs a power-of-two group_size");
-  }
-  const int64_t n_groups = int64_t(scale.element_count());
-  if (int64_t(zero.element_count()) != n_groups ||
-      int64_t(codes.element_count()) != n_groups * record_bytes(group_size, bits, spikes)) {
-    return Invalid("payload codes/scale/zero do not match");
-  }
-  if (count < 0 || count > n_groups * group_size) {
-    return Invalid("count is negative or more than the payload's groups hold");
+  if (ffi::Error e = CheckDequantizeIntoArgs(out_in, codes, scale, zero, offset, *out, bits,
+                                             group_size, rotation, spikes, count, 0, "");
+      e.failure()) {
+    return e;
   }
   const ffi::DataType type = out->element_type();
-  if (type != ffi::F32 && type != ffi::BF16 && type != ffi::F16) {
-    return Invalid("out must be f32, bf16 or f16");
-  }
   const int64_t size = int64_t(out->element_count());
-  if (out_in.element_type() != type || int64_t(out_in.element_count()) != size) {
-    return Invalid("the result does not match operand 0 (out)");
-  }
-  if (offset.element_count() != 1) return Invalid("offset must be an int32 scalar");
   const int64_t at = int64_t(offset.typed_data()[0]);
   if (at < 0 || count > size || at > size - count) {
     return Invalid("offset " + std::to_string(at) + " + chunk size " + std::to_string(count) +
@@ -75,7 +58,7 @@ ffi::Error DequantizeInto(ffi::AnyBuffer out_in, ffi::Buffer<ffi::U8> codes,
   }
   if (count == 0) return ffi::Error::Success();
   DType dtype;
-  ToDType(type, &dtype);
+  if (!ToDType(type, &dtype)) return Invalid("out must be f32, bf16 or f16");
   char* base = static_cast<char*>(out->untyped_data()) + static_cast<size_t>(at) * item;
   kernels().dequantize_into(dtype, codes.typed_data(), scale.typed_data(), zero.typed_data(),
                             group_size, bits, rotation, spikes, count, base);

@@ -41,32 +41,15 @@ ffi::Error DequantizeInto(cudaStream_t stream, ffi::AnyBuffer out_in,
                           ffi::Buffer<ffi::BF16> zero, ffi::Buffer<ffi::S32> offset,
                           ffi::Result<ffi::AnyBuffer> out, int32_t bits, int64_t group_size,
                           int32_t rotation, int32_t spikes, int64_t count) {
-  if (ffi::Error e = CheckCodecAttrs(bits, group_size, spikes); e.failure()) return e;
-  if (rotation < kRotationNone || rotation > kRotationSignedHadamard) {
-    return Invalid("rotation must be 0, 1 or 2");
-  }
-  if (rotation != kRotationNone &&
-      ((group_size & (group_size - 1)) != 0 || group_size > kMaxRotatedGroup)) {
-    return Invalid("rotation needs a power-of-two group_size of at most 1024 on CUDA");
-  }
-  const int64_t n_groups = int64_t(scale.element_count());
-  if (int64_t(zero.element_count()) != n_groups ||
-      int64_t(codes.element_count()) != n_groups * record_bytes(group_size, bits, spikes)) {
-    return Invalid("payload codes/scale/zero do not match");
-  }
-  if (count < 0 || count > n_groups * group_size) {
-    return Invalid("count is negative or more than the payload's groups hold");
+  if (ffi::Error e = CheckDequantizeIntoArgs(out_in, codes, scale, zero, offset, *out, bits,
+                                             group_size, rotation, spikes, count,
+                                             kMaxRotatedGroup, " of at most 1024 on CUDA");
+      e.failure()) {
+    return e;
   }
   const ffi::DataType type = out->element_type();
-  if (type != ffi::F32 && type != ffi::BF16 && type != ffi::F16) {
-    return Invalid("out must be f32, bf16 or f16");
-  }
   const int64_t size = int64_t(out->element_count());
-  if (out_in.element_type() != type || int64_t(out_in.element_count()) != size) {
-    return Invalid("the result does not match operand 0 (out)");
-  }
   if (count > size) return Invalid("the chunk is larger than out");
-  if (offset.element_count() != 1) return Invalid("offset must be an int32 scalar");
   if (out->untyped_data() != out_in.untyped_data()) {  // XLA aliases them; be safe if not
     const size_t bytes = size_t(size) * (type == ffi::F32 ? 4 : 2);
     if (cudaMemcpyAsync(out->untyped_data(), out_in.untyped_data(), bytes,

@@ -5,6 +5,7 @@
 #define FLASHCOMM_FFI_CHECKS_H_
 
 #include <cstdint>
+#include <string>
 
 #include "flashcomm/codec.h"
 #include "flashcomm/payload_view.h"
@@ -94,6 +95,50 @@ ffi::Error CheckSumQuantizeOutputs(const PayloadView& in, const C& out_codes, co
     return ffi::Error::InvalidArgument(
         "flashcomm_dequantize_sum_quantize: output payload has the wrong size");
   }
+  return ffi::Error::Success();
+}
+
+// The operands of flashcomm_dequantize_into, shared by the CPU and CUDA handlers: attributes,
+// payload shapes, count, out's dtype and size, the aliased operand, the offset scalar.
+// rotated_group_note: the platform's limit on rotated group sizes, for the message ("" for none;
+// max_rotated_group <= 0 means no limit). Messages are prefixed by the op name.
+template <typename A, typename C, typename S, typename O, typename R>
+ffi::Error CheckDequantizeIntoArgs(const A& out_in, const C& codes, const S& scale, const S& zero,
+                                   const O& offset, const R& out, int32_t bits,
+                                   int64_t group_size, int32_t rotation, int32_t spikes,
+                                   int64_t count, int64_t max_rotated_group,
+                                   const char* rotated_group_note) {
+  auto invalid = [](const char* what) {
+    return ffi::Error::InvalidArgument(std::string("flashcomm_dequantize_into: ") + what);
+  };
+  if (ffi::Error e = CheckCodecAttrs(bits, group_size, spikes); e.failure()) return e;
+  if (rotation < kRotationNone || rotation > kRotationSignedHadamard) {
+    return invalid("rotation must be 0, 1 or 2");
+  }
+  if (rotation != kRotationNone &&
+      ((group_size & (group_size - 1)) != 0 ||
+       (max_rotated_group > 0 && group_size > max_rotated_group))) {
+    return ffi::Error::InvalidArgument(
+        std::string("flashcomm_dequantize_into: rotation needs a power-of-two group_size") +
+        rotated_group_note);
+  }
+  const int64_t n_groups = int64_t(scale.element_count());
+  if (int64_t(zero.element_count()) != n_groups ||
+      int64_t(codes.element_count()) != n_groups * record_bytes(group_size, bits, spikes)) {
+    return invalid("payload codes/scale/zero do not match");
+  }
+  if (count < 0 || count > n_groups * group_size) {
+    return invalid("count is negative or more than the payload's groups hold");
+  }
+  const ffi::DataType type = out.element_type();
+  if (type != ffi::F32 && type != ffi::BF16 && type != ffi::F16) {
+    return invalid("out must be f32, bf16 or f16");
+  }
+  const int64_t size = int64_t(out.element_count());
+  if (out_in.element_type() != type || int64_t(out_in.element_count()) != size) {
+    return invalid("the result does not match operand 0 (out)");
+  }
+  if (offset.element_count() != 1) return invalid("offset must be an int32 scalar");
   return ffi::Error::Success();
 }
 
