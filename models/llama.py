@@ -1,0 +1,153 @@
+"""A Llama-architecture decoder built from the tensor-parallel layers of :mod:`jax_flashcomm.nn`.
+
+RMSNorm, RoPE, GQA attention, SwiGLU MLP, tied or untied embeddings. The blocks are stacked
+(one parameter array per kind with a leading layer axis) and applied with ``lax.scan``, so a
+step compiles once whatever the depth. Every method here runs on local shards inside the
+``jax.shard_map`` of a model step (:mod:`models.engine`); :class:`LlamaSharding` says how each
+array is laid out over the TP axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jax_flashcomm import nn
+from jax_flashcomm._common import all_gather_invariant
+from models.config import LlamaConfig
+
+__all__ = ["Llama", "Block", "LlamaSharding", "set_comm"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaSharding:
+    """PartitionSpecs of a TP Llama over mesh axis ``axis`` (stacked blocks lead with layers).
+
+    Attention heads, MLP units and vocabulary rows are split over ``axis``; norms are
+    replicated; the KV cache ``(layers, batch, positions, kv_slots, head_dim)`` is split by KV
+    slot, the same way as the k and v columns of ``qkv``.
+    """
+
+    axis: str = "tp"
+
+    @property
+    def embedding(self): return P(self.axis, None)          # (vocab_padded, d)
+    @property
+    def qkv(self): return P(None, None, self.axis)          # (layers, d, tp * (q + 2 kv) dh)
+    @property
+    def o(self): return P(None, self.axis, None)            # (layers, heads * dh, d)
+    @property
+    def gate_up(self): return P(None, None, self.axis)      # (layers, d, tp * 2 * ffn_local)
+    @property
+    def down(self): return P(None, self.axis, None)         # (layers, tp * ffn_local, d)
+    @property
+    def block_norm(self): return P(None, None)              # (layers, d)
+    @property
+    def final_norm(self): return P(None)                    # (d,)
+    @property
+    def kv_cache(self): return P(None, None, None, self.axis, None)
+    @property
+    def tokens(self): return P()                            # (batch, seq), replicated
+    @property
+    def logits(self): return P()                            # (batch, [seq,] vocab)
+
+
+class Block(nnx.Module):
+    """``x + attn(norm(x))``, then ``+ mlp(norm(.))``."""
+
+    def __init__(self, cfg: LlamaConfig, *, tp: int, comm: nn.TPComm, dtype, rngs):
+        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.rms_eps, dtype=dtype, rngs=rngs)
+        self.attn = nn.TPAttention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, tp=tp,
+                                   comm=comm, rope_theta=cfg.rope_theta, dtype=dtype, rngs=rngs)
+        self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.rms_eps, dtype=dtype, rngs=rngs)
+        self.mlp = nn.TPMLP(cfg.d_model, cfg.ffn_dim, tp=tp, comm=comm, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, start, cache, *, decode: bool, sp: bool):
+        h, cache = self.attn(self.attn_norm(x), start, cache, decode=decode, sp=sp)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x), sp=sp), cache
+
+
+class Llama(nnx.Module):
+    """The decoder. ``rngs=None`` makes zero parameters (to be loaded: use under
+    ``nnx.eval_shape``, see :func:`models.weights.load_model`)."""
+
+    def __init__(self, cfg: LlamaConfig, *, tp: int, comm: nn.TPComm | None = None,
+                 dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        comm = comm if comm is not None else nn.TPComm("exact")
+        nn.check_heads(cfg.n_heads, cfg.n_kv_heads, tp)
+        self.cfg, self.tp, self.dtype = cfg, tp, dtype
+        self.embed = nn.VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp=tp, comm=comm,
+                                               dtype=dtype, rngs=rngs)
+
+        @nnx.vmap(in_axes=0, out_axes=0, axis_size=cfg.n_layers,
+                  transform_metadata={nnx.PARTITION_NAME: None})
+        def blocks(rngs):
+            return Block(cfg, tp=tp, comm=comm, dtype=dtype, rngs=rngs)
+
+        if rngs is None:
+            self.blocks = nnx.vmap(lambda: Block(cfg, tp=tp, comm=comm, dtype=dtype, rngs=None),
+                                   in_axes=(), out_axes=0, axis_size=cfg.n_layers,
+                                   transform_metadata={nnx.PARTITION_NAME: None})()
+        else:
+            self.blocks = nnx.split_rngs(splits=cfg.n_layers)(blocks)(rngs)
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.rms_eps, dtype=dtype, rngs=rngs)
+        self.lm_head = (None if cfg.tie_embeddings else nn.VocabParallelEmbedding(
+            cfg.vocab_size, cfg.d_model, tp=tp, comm=comm, dtype=dtype, rngs=rngs))
+
+    @property
+    def comm(self) -> nn.TPComm:
+        return self.embed.comm
+
+    def kv_cache_shape(self, batch: int, length: int) -> tuple[int, ...]:
+        """Global shape of each of the k and v caches."""
+        slots = len(nn.kv_heads(self.cfg.n_kv_heads, self.tp))
+        return (self.cfg.n_layers, batch, length, slots, self.cfg.head_dim)
+
+    def hidden(self, tokens, start, cache, *, decode: bool, sp: bool):
+        """Final-norm hidden states of ``tokens (B, S)`` at positions ``start + [0, S)``
+        (``(B, S / N, D)`` with ``sp``), and the updated ``cache`` (``(k, v)`` or None)."""
+        x = self.embed(tokens, sp=sp).astype(self.dtype)
+        graphdef, state = nnx.split(self.blocks)
+        layers = jnp.arange(self.cfg.n_layers)
+
+        def step(carry, xs):
+            x, cache = carry
+            layer_state, i = xs
+            block = nnx.merge(graphdef, layer_state)
+            if cache is None:
+                x, _ = block(x, start, None, decode=decode, sp=sp)
+                return (x, None), None
+            layer_cache = (cache[0][i], cache[1][i])
+            x, (k, v) = block(x, start, layer_cache, decode=decode, sp=sp)
+            cache = (lax.dynamic_update_index_in_dim(cache[0], k, i, 0),
+                     lax.dynamic_update_index_in_dim(cache[1], v, i, 0))
+            return (x, cache), None
+
+        (x, cache), _ = lax.scan(step, (x, cache), (state, layers))
+        return self.norm(x), cache
+
+    def logits(self, h):
+        """Logits over the vocabulary, replicated: ``h (..., D)`` → ``(..., vocab)`` (f32)."""
+        head = self.embed if self.lm_head is None else self.lm_head
+        return head.attend(h).astype(jnp.float32)
+
+    def gather_sequence(self, h):
+        """The whole sequence of ``h (B, S / N, D)`` (sequence-parallel) on every rank."""
+        return all_gather_invariant(h, (self.comm.axis_name,), axis=1, tiled=True)
+
+
+def set_comm(model: nnx.Module, comm: nn.TPComm) -> nnx.Module:
+    """Use ``comm`` in every layer of ``model`` (in place; the weights are untouched)."""
+    if not isinstance(comm, nn.TPComm):
+        raise TypeError(f"set_comm: comm must be a jax_flashcomm.nn.TPComm, got {type(comm)}")
+    for _, module in nnx.iter_modules(model):
+        if hasattr(module, "comm") and not isinstance(type(module).__dict__.get("comm"),
+                                                      property):
+            module.comm = comm
+    return model
