@@ -133,9 +133,9 @@ class Llama(nnx.Module):
         return self.norm(x), cache
 
     def logits(self, h):
-        """Logits over the vocabulary, replicated: ``h (..., D)`` → ``(..., vocab)`` (f32)."""
+        """Logits over the vocabulary, replicated: ``h (..., D)`` → ``(..., vocab)`` (f32 or f64)."""
         head = self.embed if self.lm_head is None else self.lm_head
-        return head.attend(h).astype(jnp.float32)
+        return head.attend(h).astype(jnp.promote_types(h.dtype, jnp.float32))
 
     def gather_sequence(self, h):
         """The whole sequence of ``h (B, S / N, D)`` (sequence-parallel) on every rank."""

@@ -1,0 +1,41 @@
+"""Bytes each rank sends for the all-reduces of one decode step (one token per sequence).
+
+A decode step of an L-layer TP model all-reduces 2 L activation vectors of ``d_model`` values
+per sequence (after attention and after the MLP). Per rank, a ring all-reduce of ``n`` bytes
+over N ranks sends ``2 (N - 1) / N * n``; the two-step quantized all-reduce sends ``(N - 1) / N``
+of the phase-1 payload and ``(N - 1) / N`` of the phase-2 payload, each the codes, spikes,
+scale and zero of the operand padded to ``N`` chunks of whole groups (docs/format.md). The
+embedding's exact psum and the logits' all-gather are the same for every strategy and are not
+counted.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jax_flashcomm.codec import spec
+from jax_flashcomm.policy import decide
+
+__all__ = ["allreduce_bytes_per_token"]
+
+
+def allreduce_bytes_per_token(cfg, tp: int, comm, *, batch: int = 1, itemsize: int = 4) -> dict:
+    """``{"sent": bytes per rank, "exact": the same with lax.psum, "messages": count}``."""
+    n_msgs = 2 * cfg.n_layers
+    elems = batch * cfg.d_model
+    if tp == 1:
+        return {"sent": 0.0, "exact": 0.0, "messages": n_msgs}
+    exact = 2 * (tp - 1) / tp * elems * itemsize
+    sent = exact
+    if comm.quantized:
+        c = comm.config
+        decision = decide("psum", (comm.axis_name,), (batch, 1, cfg.d_model),
+                          np.float32 if itemsize == 4 else jnp.bfloat16, tp, c)
+        if decision.quantized:
+            padded = spec.padded_size(elems, c.group_size, tp)
+            k = c.codec_spikes
+            sent = (tp - 1) / tp * padded * (
+                spec.wire_bytes_per_element(c.phase1_bits, c.group_size, k)
+                + spec.wire_bytes_per_element(c.phase2_bits, c.group_size, k))
+    return {"sent": n_msgs * sent, "exact": n_msgs * exact, "messages": n_msgs}
