@@ -1,0 +1,179 @@
+"""Side by side: one model, several communication settings, same prompts and text.
+
+    python -m models.compare --tp 3 --settings exact,int8,int6,int4 --text FILE \\
+        [--prompts models/prompts.json] [--max-new-tokens 32] [--window 512] [--max-windows 6] \\
+        [--json OUT]
+
+A setting is ``exact``, ``overlap``, ``intB`` (flash, B bits both phases), ``intR/A`` (flash,
+reduce-scatter R bits, all-gather A bits) or ``overlap+intB``. The weights are loaded once;
+each setting gets its own compiled engine. For each setting: perplexity over the text windows,
+greedy continuations of the prompts (and how many of their tokens match the first setting's,
+position by position until the first difference and in total), TTFT and decode tokens/s of the
+first prompt, and the bytes each rank sends in one decode step's all-reduces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+from models import cli
+
+
+def parse_setting(name: str):
+    """``(label, TPComm)`` of a setting name (see the module docstring)."""
+    from jax_flashcomm import CommConfig
+    from jax_flashcomm.nn import TPComm
+
+    kind, _, quant = name.partition("+")
+    if name in ("exact", "overlap"):
+        return name, TPComm(name)
+    if kind == "overlap" and quant.startswith("int"):
+        kind, spec = "flash+overlap", quant[3:]
+    elif kind.startswith("int") and not quant:
+        kind, spec = "flash", kind[3:]
+    else:
+        raise ValueError(f"unknown setting {name!r}: use exact, overlap, intB, intR/A or "
+                         f"overlap+intB")
+    rs, _, ag = spec.partition("/")
+    config = CommConfig(bits=int(rs), ag_bits=int(ag) if ag else None, min_bytes=0)
+    return name, TPComm(kind, config=config)
+
+
+def greedy(engine, tok, prompts, max_new: int, stop):
+    """Greedy continuations (token ids) of chat-formatted prompts, and the first one's
+    timings."""
+    from models.engine import Sampling
+
+    outs, timings = [], None
+    for p in prompts:
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))
+        outs.append([t for t in engine.generate(ids, max_new, sampling=Sampling())])
+        if timings is None:
+            timings = dict(engine.last_timings)
+    return outs, timings
+
+
+def matching(a, b) -> tuple[int, int]:
+    """(tokens equal before the first difference, tokens equal position by position)."""
+    prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return prefix, sum(x == y for x, y in zip(a, b))
+
+
+def run(model, ckpt, mesh, settings, *, text=None, window=512, max_windows=6, prompts=(),
+        max_new_tokens=32, log=sys.stderr) -> list[dict]:
+    import numpy as np
+
+    from models.engine import Engine
+    from models.eval import nll_fn, progress, window_tokens
+    from models.llama import set_comm
+    from models.traffic import allreduce_bytes_per_token
+
+    tok = ckpt.tokenizer
+    windows = window_tokens(tok.encode(text), window, max_windows) if text else []
+    nll = nll_fn()
+    rows = []
+    for label, comm in settings:
+        set_comm(model, comm)
+        engine = Engine(model, mesh, cache_len=max(window, 512))
+        row = {"setting": label, "comm": comm.kind}
+        if comm.quantized:
+            row.update(rs_bits=comm.config.phase1_bits, ag_bits=comm.config.phase2_bits,
+                       spikes=comm.config.codec_spikes, group_size=comm.config.group_size)
+        if windows:
+            print(f"{label}: perplexity over {len(windows)} windows of {window}", file=log)
+            start, parts = time.perf_counter(), []
+            for i, w in enumerate(windows):
+                t = np.asarray([w], np.int32)
+                parts.append(np.asarray(nll(engine.score(t), t))[0].astype(np.float64))
+                progress(i + 1, len(windows), start, log)
+            row["perplexity"] = math.exp(float(np.concatenate(parts).mean()))
+            row["tokens"] = int(sum(p.size for p in parts))
+        if prompts:
+            # warm-up: compile the prefill buckets and the decode step before timing
+            greedy(engine, tok, prompts[:1], 2, ())
+            outs, timings = greedy(engine, tok, prompts, max_new_tokens, ())
+            row["continuations"] = outs
+            row["texts"] = [tok.decode(o) for o in outs]
+            row["ttft_s"] = timings["ttft"]
+            row["tokens_per_s"] = len(timings["decode"]) / sum(timings["decode"])
+        traffic = allreduce_bytes_per_token(ckpt.config, model.tp, comm)
+        row["allreduce_bytes_per_token"] = traffic["sent"]
+        row["traces"] = {str(k): v for k, v in engine.traces.items()}
+        rows.append(row)
+    if prompts:
+        base = rows[0]["continuations"]
+        for row in rows:
+            pairs = [matching(a, b) for a, b in zip(row["continuations"], base)]
+            row["match_prefix"] = [p for p, _ in pairs]
+            row["match_positions"] = [m for _, m in pairs]
+    return rows
+
+
+def table(rows, tp: int) -> str:
+    """A plain-text table of the rows."""
+    exact_ppl = rows[0].get("perplexity")
+    lines = [f"{'setting':<12}{'perplexity':>12}{'vs first':>10}{'TTFT ms':>10}"
+             f"{'tok/s':>8}{'AR B/token':>12}{'greedy match':>14}"]
+    for r in rows:
+        ppl = r.get("perplexity")
+        rel = f"{(ppl / exact_ppl - 1) * 100:+.2f}%" if ppl and exact_ppl else "-"
+        match = (f"{sum(r['match_positions'])}/{sum(len(c) for c in r['continuations'])}"
+                 if "match_positions" in r else "-")
+        lines.append(f"{r['setting']:<12}{ppl if ppl else float('nan'):>12.4f}{rel:>10}"
+                     f"{r.get('ttft_s', float('nan')) * 1e3:>10.1f}"
+                     f"{r.get('tokens_per_s', float('nan')):>8.1f}"
+                     f"{r['allreduce_bytes_per_token']:>12.0f}{match:>14}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m models.compare", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--tp", type=int, default=3)
+    parser.add_argument("--devices", type=int, default=None)
+    parser.add_argument("--settings", default="exact,int8,int6,int4")
+    parser.add_argument("--text", default=None, help="text file for perplexity")
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--max-windows", type=int, default=6)
+    parser.add_argument("--prompts", default=None, help="JSON list of prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    cli.set_devices(args.devices or args.tp)
+    import jax
+
+    from models.weights import load_model
+
+    try:
+        settings = [parse_setting(s) for s in args.settings.split(",")]
+        mesh = jax.make_mesh((args.tp,), ("tp",), devices=jax.devices()[:args.tp])
+        model, ckpt = load_model(args.model, tp=args.tp, mesh=mesh)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    text = open(args.text, encoding="utf-8").read() if args.text else None
+    prompts = json.load(open(args.prompts)) if args.prompts else []
+    rows = run(model, ckpt, mesh, settings, text=text, window=args.window,
+               max_windows=args.max_windows, prompts=prompts,
+               max_new_tokens=args.max_new_tokens)
+    from benchmarks.machine import first_line
+
+    machine = first_line()
+    print(machine)
+    print(f"model {args.model}, TP={args.tp}")
+    print(table(rows, args.tp))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine, "model": args.model, "tp": args.tp,
+                       "window": args.window, "max_windows": args.max_windows,
+                       "text": args.text, "prompts": prompts, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
