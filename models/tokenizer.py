@@ -1,0 +1,230 @@
+"""The tokenizer of a checkpoint: byte-level BPE (GPT-2 style) through the ``tokenizers`` library,
+plus the checkpoint's Jinja chat template.
+
+Built either from a GGUF file's metadata (``tokenizer.ggml.*``: tokens, merges, token types, bos /
+eos ids, ``tokenizer.chat_template``) or from the ``tokenizer.json`` / ``tokenizer_config.json``
+of a Hugging Face directory; :meth:`Tokenizer.save` writes the latter pair.
+
+For a GGUF the pipeline is SmolLM2's ``tokenizer.json`` (llama.cpp pre-tokenizer ``smollm``): no
+normalizer; pre-tokenizer ``Sequence([Digits(individual_digits=True), ByteLevel(
+add_prefix_space=False, use_regex=True)])``; BPE over the vocabulary and merges; ByteLevel
+decoder. Control tokens (GGUF token type 3) are special tokens, so ``"<|im_start|>"`` in text is
+one id.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any, Sequence
+
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, processors
+
+__all__ = ["Tokenizer"]
+
+_CONTROL = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
+_USER_DEFINED = 4
+# ``tokenizer.ggml.pre`` values whose split llama.cpp (src/llama-vocab.cpp) does as ``\p{N}``
+# then GPT-2's regex: each numeric character alone, which is HF's ``Digits(individual_digits)``
+# (Rust ``char::is_numeric``, i.e. \p{N}) before ``ByteLevel(use_regex=True)``.
+_DIGITS_THEN_GPT2 = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell",
+                               "exaone", "minerva"})
+# ... and those that use GPT-2's regex alone (``ByteLevel(use_regex=True)``).
+_GPT2 = frozenset({"default", "gpt2", "gpt-2", "mpt", "olmo", "jais"})
+
+
+def _field(reader, key, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _token_content(tok) -> str | None:
+    if tok is None or isinstance(tok, str):
+        return tok
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return None
+
+
+class Tokenizer:
+    """Text ↔ ids and the chat template of a checkpoint."""
+
+    def __init__(self, tok: tokenizers.Tokenizer, *, bos_id: int | None = None,
+                 eos_ids: Sequence[int] = (), chat_template: str | None = None,
+                 add_bos: bool = False):
+        self.tok = tok
+        self.bos_id = None if bos_id is None else int(bos_id)
+        self.eos_ids = tuple(int(i) for i in eos_ids)
+        self.chat_template = chat_template
+        self.add_bos = bool(add_bos)  # the checkpoint's own default (llama.cpp add_bos_token)
+        self._template = None
+
+    # -- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, reader) -> "Tokenizer":
+        """From the metadata of a ``gguf.GGUFReader`` (``tokenizer.ggml.model == "gpt2"``)."""
+        kind = _field(reader, "tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level "
+                             f"BPE, 'gpt2')")
+        tokens = _field(reader, "tokenizer.ggml.tokens")
+        merges = _field(reader, "tokenizer.ggml.merges") or []
+        types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+        vocab = {t: i for i, t in enumerate(tokens)}
+        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
+                         fuse_unk=False, byte_fallback=False)
+        tok = tokenizers.Tokenizer(bpe)
+        pre = _field(reader, "tokenizer.ggml.pre", "default")
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True,
+                                              use_regex=True)
+        if pre in _DIGITS_THEN_GPT2:
+            tok.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Digits(individual_digits=True), byte_level])
+        elif pre in _GPT2:
+            tok.pre_tokenizer = byte_level
+        else:
+            raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported (known: "
+                             f"{', '.join(sorted(_DIGITS_THEN_GPT2 | _GPT2))})")
+        tok.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True,
+                                         use_regex=True)
+        tok.post_processor = processors.ByteLevel(add_prefix_space=True, trim_offsets=False,
+                                                  use_regex=True)
+        special = [tokenizers.AddedToken(tokens[i], special=True, normalized=False)
+                   for i, t in enumerate(types) if t == _CONTROL]
+        user = [tokenizers.AddedToken(tokens[i], special=False, normalized=False)
+                for i, t in enumerate(types) if t == _USER_DEFINED]
+        if special:
+            tok.add_special_tokens(special)
+        if user:
+            tok.add_tokens(user)
+        bos = _field(reader, "tokenizer.ggml.bos_token_id")
+        eos = _field(reader, "tokenizer.ggml.eos_token_id")
+        eot = _field(reader, "tokenizer.ggml.eot_token_id")
+        eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))
+        return cls(tok, bos_id=bos, eos_ids=eos_ids,
+                   chat_template=_field(reader, "tokenizer.chat_template"),
+                   add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)))
+
+    @classmethod
+    def from_files(cls, directory) -> "Tokenizer":
+        """From ``tokenizer.json`` and (if present) ``tokenizer_config.json``,
+        ``chat_template.jinja`` and ``generation_config.json`` of a directory."""
+        d = pathlib.Path(directory)
+        tok = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
+        cfg = {}
+        if (d / "tokenizer_config.json").is_file():
+            cfg = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # [{"name": ..., "template": ...}]
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        if template is None and (d / "chat_template.jinja").is_file():
+            template = (d / "chat_template.jinja").read_text(encoding="utf-8")
+
+        def tid(content):
+            return None if content is None else tok.token_to_id(content)
+
+        bos = tid(_token_content(cfg.get("bos_token")))
+        eos = [tid(_token_content(cfg.get("eos_token")))]
+        if (d / "generation_config.json").is_file():
+            gen = json.loads((d / "generation_config.json").read_text(encoding="utf-8"))
+            g = gen.get("eos_token_id")
+            eos += list(g) if isinstance(g, (list, tuple)) else [g]
+            if bos is None:
+                bos = gen.get("bos_token_id")
+        eos_ids = tuple(dict.fromkeys(i for i in eos if i is not None))
+        return cls(tok, bos_id=bos, eos_ids=eos_ids, chat_template=template,
+                   add_bos=bool(cfg.get("add_bos_token", False)))
+
+    def save(self, directory) -> None:
+        """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``directory``."""
+        d = pathlib.Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        self.tok.save(str(d / "tokenizer.json"))
+        added = {}
+        for i, t in sorted(self.tok.get_added_tokens_decoder().items()):
+            added[str(i)] = {"content": t.content, "lstrip": t.lstrip, "rstrip": t.rstrip,
+                             "normalized": t.normalized, "single_word": t.single_word,
+                             "special": t.special}
+        cfg: dict[str, Any] = {
+            "tokenizer_class": "GPT2Tokenizer",
+            "add_bos_token": self.add_bos, "add_prefix_space": False,
+            "clean_up_tokenization_spaces": False,
+            "bos_token": self.id_to_token(self.bos_id),
+            "eos_token": self.id_to_token(self.eos_ids[0]) if self.eos_ids else None,
+            "unk_token": None, "added_tokens_decoder": added,
+        }
+        if self.chat_template is not None:
+            cfg["chat_template"] = self.chat_template
+        (d / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False)
+                                                 + "\n", encoding="utf-8")
+
+    # -- use ------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def id_to_token(self, i: int | None) -> str | None:
+        return None if i is None else self.tok.id_to_token(int(i))
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.tok.token_to_id(token)
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        """The ids of ``text`` (special tokens written in it become their ids); ``add_bos``
+        prepends the BOS id."""
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        if add_bos and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        """The text of ``ids`` (special tokens included unless ``skip_special_tokens``)."""
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs) -> str:
+        """The prompt text of ``messages`` (``[{"role": ..., "content": ...}, ...]``) under the
+        checkpoint's chat template.
+
+        Rendered the way ``transformers`` renders chat templates (``utils/chat_template_utils.py``):
+        a sandboxed Jinja environment with ``trim_blocks`` / ``lstrip_blocks`` and the
+        ``loopcontrols`` extension, a ``tojson`` filter that does not HTML-escape, and the
+        ``raise_exception`` / ``strftime_now`` globals; ``bos_token`` / ``eos_token`` are passed as
+        strings. Extra keyword arguments become template variables.
+        """
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template")
+        if self._template is None:
+            self._template = _compile_template(self.chat_template)
+        variables = {"bos_token": self.id_to_token(self.bos_id) or "",
+                     "eos_token": self.id_to_token(self.eos_ids[0]) if self.eos_ids else "",
+                     "tools": None, "documents": None, **kwargs}
+        return self._template.render(messages=messages,
+                                     add_generation_prompt=add_generation_prompt, **variables)
+
+
+def _compile_template(source: str):
+    """A chat template compiled in a Jinja environment like ``transformers``' one."""
+    import datetime
+
+    import jinja2.ext
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env.from_string(source)
