@@ -64,13 +64,13 @@ def nll_fn():
 
 
 def run(args, log=sys.stderr) -> dict:
+    with open(args.text, encoding="utf-8") as f:
+        text = f.read()
+    model, ckpt, mesh, comm = cli.setup(args)  # sets the device count, then imports jax
     import numpy as np
 
     from models.engine import Engine
 
-    with open(args.text, encoding="utf-8") as f:
-        text = f.read()
-    model, ckpt, mesh, comm = cli.setup(args)
     if ckpt.tokenizer is None:
         raise ValueError(f"{args.model}: the checkpoint has no tokenizer")
     windows = window_tokens(ckpt.tokenizer.encode(text), args.window, args.max_windows)

@@ -36,11 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args, out=sys.stdout) -> dict:
     """Generate for ``args``; stream to ``out``; return the text, ids and timings."""
+    t0 = time.perf_counter()
+    model, ckpt, mesh, comm = cli.setup(args)  # sets the device count, then imports jax
     from models.engine import Engine, Sampling
     from models.traffic import allreduce_bytes_per_token
 
-    t0 = time.perf_counter()
-    model, ckpt, mesh, comm = cli.setup(args)
     tok = ckpt.tokenizer
     if tok is None:
         raise ValueError(f"{args.model}: the checkpoint has no tokenizer")
