@@ -71,7 +71,8 @@ def each_cpu_isa(request):
 # The fast developer loop, `pytest -m "not slow"` (README): these modules and tests are the
 # long-running ones of a full run (hypothesis fuzzing, multi-process gloo runs, nvcc compiles,
 # the exhaustive rotation/spike parity and reliability matrices, the gradient and ring-order
-# matrices: the longest of a measured full run, docs/build.md). CI runs everything.
+# matrices: the longest of a measured full run, docs/build.md), and every test that runs the
+# real SmolLM2 checkpoint (marker `model`). CI runs everything.
 SLOW_MODULES = {
     "test_fuzz_collectives.py", "test_multiprocess.py", "test_multiprocess_failure.py",
     "test_cuda_build.py", "test_cuda_gather_build.py", "test_rotation.py", "test_spikes.py",
@@ -86,5 +87,6 @@ SLOW_TESTS = {
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.path.name in SLOW_MODULES or item.originalname in SLOW_TESTS:
+        if (item.path.name in SLOW_MODULES or item.originalname in SLOW_TESTS
+                or item.get_closest_marker("model")):
             item.add_marker(pytest.mark.slow)

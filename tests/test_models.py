@@ -113,3 +113,32 @@ def test_clear_errors():
         list(engine.generate([1, 2, 3], 40))
     with pytest.raises(ValueError, match="unknown communication kind"):
         TPComm("fast")
+
+
+def test_params_follow_llama_sharding_and_no_device_holds_everything():
+    """Every parameter's placement is the one LlamaSharding names, and each device of a TP=4
+    mesh holds a quarter of every sharded array (the checkpoint was read shard by shard)."""
+    from flax import nnx
+
+    from models.llama import LlamaSharding
+
+    engine = _engine(4)
+    s = LlamaSharding("tp")
+    expected = {("embed", "embedding"): s.embedding, ("blocks", "attn", "qkv", "kernel"): s.qkv,
+                ("blocks", "attn", "o", "kernel"): s.o,
+                ("blocks", "mlp", "gate_up", "kernel"): s.gate_up,
+                ("blocks", "mlp", "down", "kernel"): s.down,
+                ("blocks", "attn_norm", "scale"): s.block_norm,
+                ("blocks", "mlp_norm", "scale"): s.block_norm, ("norm", "scale"): s.final_norm}
+    flat = dict(nnx.to_flat_state(engine.state))
+    assert {tuple(map(str, k)) for k in flat} == set(expected)
+    for path, var in flat.items():
+        spec = expected[tuple(map(str, path))]
+        array = var.get_value()
+        assert array.sharding.spec == spec
+        if "tp" in spec:
+            dim = list(spec).index("tp")
+            assert all(sh.data.shape[dim] * 4 == array.shape[dim]
+                       for sh in array.addressable_shards)
+    k, _ = engine.new_cache(1)
+    assert k.sharding.spec == s.kv_cache
