@@ -7,8 +7,9 @@
 A setting is ``exact``, ``overlap``, ``intB`` (flash, B bits both phases), ``intR/A`` (flash,
 reduce-scatter R bits, all-gather A bits) or ``overlap+intB``. The weights are loaded once;
 each setting gets its own compiled engine. For each setting: perplexity over the text windows,
-greedy continuations of the prompts (and how many of their tokens match the first setting's,
-position by position until the first difference and in total), TTFT and decode tokens/s of the
+greedy continuations of the prompts, stopped at EOS (and how many of their tokens match the
+first setting's before the first difference, the table's "greedy match", and position by
+position), TTFT and decode tokens/s of the
 first prompt, and the bytes each rank sends in one decode step's all-reduces.
 """
 
@@ -44,21 +45,22 @@ def parse_setting(name: str):
 
 
 def greedy(engine, tok, prompts, max_new: int, stop):
-    """Greedy continuations (token ids) of chat-formatted prompts, and the first one's
-    timings."""
+    """Greedy continuations (token ids, up to and including an id of ``stop``) of
+    chat-formatted prompts, and the first one's timings."""
     from models.engine import Sampling
 
     outs, timings = [], None
     for p in prompts:
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))
-        outs.append([t for t in engine.generate(ids, max_new, sampling=Sampling())])
+        outs.append(list(engine.generate(ids, max_new, sampling=Sampling(), stop_ids=stop)))
         if timings is None:
             timings = dict(engine.last_timings)
     return outs, timings
 
 
 def matching(a, b) -> tuple[int, int]:
-    """(tokens equal before the first difference, tokens equal position by position)."""
+    """(tokens of ``a`` equal to ``b``'s before the first difference, tokens equal position by
+    position); out of ``len(b)``, the reference's length."""
     prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     return prefix, sum(x == y for x, y in zip(a, b))
 
@@ -73,6 +75,7 @@ def run(model, ckpt, mesh, settings, *, text=None, window=512, max_windows=6, pr
     from models.traffic import allreduce_bytes_per_token
 
     tok = ckpt.tokenizer
+    stop = tuple(set(ckpt.config.eos_token_ids) | set(tok.eos_ids))
     windows = window_tokens(tok.encode(text), window, max_windows) if text else []
     nll = nll_fn()
     rows = []
@@ -95,7 +98,7 @@ def run(model, ckpt, mesh, settings, *, text=None, window=512, max_windows=6, pr
         if prompts:
             # warm-up: compile the prefill buckets and the decode step before timing
             greedy(engine, tok, prompts[:1], 2, ())
-            outs, timings = greedy(engine, tok, prompts, max_new_tokens, ())
+            outs, timings = greedy(engine, tok, prompts, max_new_tokens, stop)
             row["continuations"] = outs
             row["texts"] = [tok.decode(o) for o in outs]
             row["ttft_s"] = timings["ttft"]
@@ -110,6 +113,7 @@ def run(model, ckpt, mesh, settings, *, text=None, window=512, max_windows=6, pr
             pairs = [matching(a, b) for a, b in zip(row["continuations"], base)]
             row["match_prefix"] = [p for p, _ in pairs]
             row["match_positions"] = [m for _, m in pairs]
+            row["reference_lengths"] = [len(b) for b in base]
     return rows
 
 
@@ -121,7 +125,7 @@ def table(rows, tp: int) -> str:
     for r in rows:
         ppl = r.get("perplexity")
         rel = f"{(ppl / exact_ppl - 1) * 100:+.2f}%" if ppl and exact_ppl else "-"
-        match = (f"{sum(r['match_positions'])}/{sum(len(c) for c in r['continuations'])}"
+        match = (f"{sum(r['match_prefix'])}/{sum(len(c) for c in rows[0]['continuations'])}"
                  if "match_positions" in r else "-")
         lines.append(f"{r['setting']:<12}{ppl if ppl else float('nan'):>12.4f}{rel:>10}"
                      f"{r.get('ttft_s', float('nan')) * 1e3:>10.1f}"
