@@ -86,9 +86,9 @@ TEXTS = {
 DEFAULT = "pydoc-topics"
 
 
-def load_text(name: str = DEFAULT) -> str:
-    """The text registered under ``name`` (UTF-8 str, deterministic for a given Python)."""
-    return TEXTS[name][3]()
+def load_text(name: str | None = None) -> str:
+    """The text registered under ``name`` (default: ``DEFAULT``); deterministic per Python."""
+    return TEXTS[name or DEFAULT][3]()
 
 
 def main(argv=None) -> None:

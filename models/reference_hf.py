@@ -1,4 +1,4 @@
-"""Reference logits, perplexity and greedy generations from Hugging Face transformers (PyTorch, CPU).
+"""Reference logits, perplexity and greedy generations from Hugging Face transformers on CPU.
 
     python models/reference_hf.py --gguf PATH --text FILE --window 512 --max-windows 6 \\
         --out ref.npz [--logit-windows 2] [--prompts-json models/prompts.json --max-new-tokens 32]
