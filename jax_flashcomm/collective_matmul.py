@@ -34,6 +34,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
@@ -123,9 +124,33 @@ def _codec_fns():
 # ---------------------------------------------------------------------------------------------
 
 
-def _perms(n: int):
-    fwd = [(i, (i + 1) % n) for i in range(n)]  # r sends to r+1
-    bwd = [(i, (i - 1) % n) for i in range(n)]  # r sends to r-1
+def _ring_ids(axis_name) -> np.ndarray:
+    """``ids[r]``: the ``ppermute`` number of the rank that ``lax.axis_index(axis_name)``
+    numbers ``r``. ``lax.all_gather`` and ``axis_index`` number the ranks of a tuple of axes in
+    the tuple's order, ``ppermute`` in mesh order whatever the tuple's order: the ring must walk
+    ranks in lax's order (rank r's chunk is rows r of the gathered array) but name them in
+    ppermute's."""
+    names = _axis_names(axis_name)
+    sizes = [int(lax.axis_size(a)) for a in names]
+    n = int(np.prod(sizes))
+    if len(names) == 1:
+        return np.arange(n)
+    mesh_names = tuple(jax.sharding.get_abstract_mesh().axis_names)
+    ring_axes = [a for a in mesh_names if a in names]
+    if len(ring_axes) != len(names):  # pragma: no cover - the axes always belong to the mesh
+        return np.arange(n)
+    coords = np.unravel_index(np.arange(n), sizes)              # lax number -> coordinates
+    return np.ravel_multi_index(tuple(coords[names.index(a)] for a in ring_axes),
+                                [sizes[names.index(a)] for a in ring_axes])
+
+
+def _perms(axis_name):
+    """The ring's permutations, forward (lax rank r sends to r+1) and backward (to r-1), in
+    ppermute's numbering (:func:`_ring_ids`)."""
+    ids = _ring_ids(axis_name)
+    n = len(ids)
+    fwd = [(int(ids[i]), int(ids[(i + 1) % n])) for i in range(n)]
+    bwd = [(int(ids[i]), int(ids[(i - 1) % n])) for i in range(n)]
     return fwd, bwd
 
 
@@ -165,7 +190,7 @@ def _ag_ring(x, axis_name, axis, bidirectional, consume, state, quant=None):
     n = _axis_size(axis_name, "all_gather_matmul")
     idx = lax.axis_index(axis_name)
     m = x.shape[axis]
-    fwd, bwd = _perms(n)
+    fwd, bwd = _perms(axis_name)
     if quant is None:
         enc, dec = (lambda a: a), (lambda p, like: p)
     else:
@@ -217,7 +242,7 @@ def _rs_ring(block_fn, axis_name, n, m_out, axis, bidirectional):
     Bidirectional: the lower half of every block travels r -> r+1, the upper half r -> r-1.
     """
     idx = lax.axis_index(axis_name)
-    fwd, bwd = _perms(n)
+    fwd, bwd = _perms(axis_name)
     if not bidirectional:
         acc = None
         for s in range(n):

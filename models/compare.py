@@ -100,7 +100,7 @@ def run(model, ckpt, mesh, settings, *, text=None, window=512, max_windows=6, pr
             greedy(engine, tok, prompts[:1], 2, ())
             outs, timings = greedy(engine, tok, prompts, max_new_tokens, stop)
             row["continuations"] = outs
-            row["texts"] = [tok.decode(o) for o in outs]
+            row["texts"] = [tok.decode(o, skip_special_tokens=True) for o in outs]
             row["ttft_s"] = timings["ttft"]
             row["tokens_per_s"] = len(timings["decode"]) / sum(timings["decode"])
         traffic = allreduce_bytes_per_token(ckpt.config, model.tp, comm)

@@ -40,7 +40,9 @@ def shard_call(module: nnx.Module, mesh, in_specs, out_specs, **kwargs):
 
     def call(*args):
         args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, in_specs)]
-        fn = jax.shard_map(body, mesh=mesh, in_specs=(specs, *in_specs), out_specs=out_specs)
         return fn(state, *args)
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, *in_specs),
+                               out_specs=out_specs))
 
     return call
