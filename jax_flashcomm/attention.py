@@ -81,9 +81,6 @@ def tp_attention(x, w_qkv, w_o, axis_name, *, num_heads, causal=True, decomposed
 
     if not decomposed:
         return lax.psum_scatter(block(0, n * s_local), axis_name, scatter_dimension=1, tiled=True)
-    if bidirectional and s_local % 2:
-        raise ValueError(f"tp_attention: bidirectional=True needs an even number of local "
-                         f"positions, got {s_local}")
     return _rs_ring(block, axis_name, n, s_local, 1, bidirectional)
 
 

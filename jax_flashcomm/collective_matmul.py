@@ -209,7 +209,7 @@ def _ag_ring(x, axis_name, axis, bidirectional, consume, state, quant=None):
             return dequantize(_unpack(buf, layouts[like.shape]), dtype=like.dtype,
                               backend=backend)
 
-    if not bidirectional:
+    if not bidirectional or m < 2:  # a one-row chunk has no two halves: one direction
         payload = enc(x)
         for k in range(n):
             nxt = _send(payload, axis_name, fwd) if k < n - 1 else None
@@ -217,7 +217,7 @@ def _ag_ring(x, axis_name, axis, bidirectional, consume, state, quant=None):
             payload = nxt
         return state
 
-    h = m // 2  # lower half travels r -> r+1, upper half r -> r-1
+    h = m // 2  # lower half travels r -> r+1, upper half (a row longer if m is odd) r -> r-1
     lo, hi = jnp.split(x, [h], axis=axis)
     plo, phi = enc(lo), enc(hi)
     for k in range(n):
@@ -239,11 +239,12 @@ def _rs_ring(block_fn, axis_name, n, m_out, axis, bidirectional):
     ``[start, start + size)`` (along ``axis``) of the unscattered result. The accumulator of
     block b starts on rank b+1 and travels r -> r+1, so each rank computes its own block last; the
     permute of step s carries the sum of steps < s and does not depend on step s's product.
-    Bidirectional: the lower half of every block travels r -> r+1, the upper half r -> r-1.
+    Bidirectional: the lower half of every block travels r -> r+1, the upper half (a row longer
+    if the block has an odd number of rows) r -> r-1; a one-row block travels one way.
     """
     idx = lax.axis_index(axis_name)
     fwd, bwd = _perms(axis_name)
-    if not bidirectional:
+    if not bidirectional or m_out < 2:
         acc = None
         for s in range(n):
             p = block_fn(((idx - 1 - s) % n) * m_out, m_out)  # s = n-1: this rank's block
@@ -363,9 +364,10 @@ def all_gather_matmul(x, w, axis_name, *, axis=0, bidirectional=False, bits=None
     ``(..., N * x.shape[axis], ..., n_local)`` product: N-1 ``ppermute`` steps, each overlapped
     with the dot of the chunk already here, the local chunk first.
 
-    ``bidirectional``: half of every chunk (split along ``axis``, which must then be even)
-    travels each way round the ring: 2(N-1) permutes of half the bytes each, so both directions
-    of a full-duplex link carry half the traffic.
+    ``bidirectional``: half of every chunk (split along ``axis``; with an odd number of rows the
+    upper half is a row longer, a one-row chunk goes one way) travels each way round the ring:
+    2(N-1) permutes of half the bytes each, so both directions of a full-duplex link carry half
+    the traffic.
     ``bits``: quantized variant (needs ``jax_flashcomm.codec``). Each chunk is quantized once,
     with groups of ``group_size``, and travels unchanged; every chunk, the local one included, is
     dequantized before its dot, so the result is ``all_gather(dequantize(quantize(x))) @ w`` and
@@ -381,9 +383,6 @@ def all_gather_matmul(x, w, axis_name, *, axis=0, bidirectional=False, bits=None
     fn = "all_gather_matmul"
     axis = _check_operands(fn, x, w, axis)
     _axis_size(axis_name, fn)
-    if bidirectional and x.shape[axis] % 2:
-        raise ValueError(f"{fn}: bidirectional=True splits each chunk in two halves, so "
-                         f"x.shape[{axis}]={x.shape[axis]} must be even")
     quant = None
     if bits is not None:
         if not isinstance(bits, int) or isinstance(bits, bool) or not 2 <= bits <= 8:
@@ -412,8 +411,8 @@ def matmul_reduce_scatter(x, w, axis_name, *, axis=0, bidirectional=False):
     over ranks. Partial products travel the ring and are accumulated (in the result dtype, like
     ``psum_scatter``); the block that stays here is computed last. Exact: nothing is quantized.
 
-    ``bidirectional``: the two halves of every block (``M / N`` must be even) travel opposite
-    ways round the ring.
+    ``bidirectional``: the two halves of every block (the upper one a row longer when ``M / N``
+    is odd) travel opposite ways round the ring.
     """
     fn = "matmul_reduce_scatter"
     axis = _check_operands(fn, x, w, axis)
@@ -421,8 +420,5 @@ def matmul_reduce_scatter(x, w, axis_name, *, axis=0, bidirectional=False):
     if x.shape[axis] % n:
         raise ValueError(f"{fn}: rows not divisible: x.shape[{axis}]={x.shape[axis]} is not a "
                          f"multiple of the size {n} of axis {axis_name!r}")
-    if bidirectional and (x.shape[axis] // n) % 2:
-        raise ValueError(f"{fn}: bidirectional=True splits each output block in two halves, so "
-                         f"x.shape[{axis}] / {n} = {x.shape[axis] // n} must be even")
     x, w = _match_vma(x, w, axis_name)
     return _mrs(x, w, axis_name, axis, bool(bidirectional))

@@ -24,9 +24,9 @@ U32 = float(jnp.finfo(jnp.float32).eps) / 2
 B, S_PER_RANK, D, HEADS_PER_RANK, DH = 2, 4, 16, 2, 8
 
 
-def _operands(n, seed=0):
+def _operands(n, seed=0, s_per_rank=S_PER_RANK):
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal((B * 2, n * S_PER_RANK, D))  # batch divisible by a 2-way dp axis
+    x = rng.standard_normal((B * 2, n * s_per_rank, D))  # batch divisible by a 2-way dp axis
     w_qkv = rng.standard_normal((D, n * 3 * HEADS_PER_RANK * DH)) / np.sqrt(D)
     w_o = rng.standard_normal((n * HEADS_PER_RANK * DH, D)) / np.sqrt(HEADS_PER_RANK * DH)
     ct = rng.standard_normal(x.shape)
@@ -67,6 +67,23 @@ def test_ring_attention_matches_unfused(mesh_factory, shape, names, ring, batch,
     unfused = _run(mesh, ring, batch, *ops, np.float32, causal=causal, decomposed=False)
     with jax.enable_x64(True):
         exact = _run(mesh, ring, batch, *ops, np.float64, causal=causal, decomposed=False)
+    _assert_as_accurate(ring_out, unfused, exact)
+
+
+@pytest.mark.parametrize("s_per_rank", [1, 3, 5])
+def test_bidirectional_odd_local_positions(mesh_factory, s_per_rank):
+    """An odd number of local positions: each query block splits unevenly between the two
+    directions (one position travels one way), as accurate as the unfused block."""
+    mesh = mesh_factory((4,), ("tp",))
+    ops = _operands(4, s_per_rank=s_per_rank)
+    ring_out = _run(mesh, "tp", None, *ops, np.float32, bidirectional=True)
+    unfused = _run(mesh, "tp", None, *ops, np.float32, decomposed=False)
+    with jax.enable_x64(True):
+        exact = _run(mesh, "tp", None, *ops, np.float64, decomposed=False)
+    _assert_as_accurate(ring_out, unfused, exact)
+
+
+def _assert_as_accurate(ring_out, unfused, exact):
     for name, r, u, e in zip(("out", "dx", "dw_qkv", "dw_o"), ring_out, unfused, exact):
         ring_err, ref_err = np.max(np.abs(r - e)), np.max(np.abs(u - e))
         bound = 2 * ref_err + 4 * U32 * np.max(np.abs(e))

@@ -5,7 +5,8 @@ numbered ranks in mesh order, lax in the order of the axis tuple, and gave wrong
 Ring ops (exact): values and gradients, unidirectional and bidirectional, within the f32 bound
 of two evaluations of the same dot products and sums, ``2 (K + N) eps32`` times the same
 composition on absolute values. Quantized all_gather_matmul: against ``lax.all_gather`` of the
-codec's own round trip. Quantized psum / psum_scatter / all_gather: within the error bounds
+codec's own round trip. ``tp_attention`` (ring in, ring out, softmax between): as accurate as the
+unfused lax block against the block in float64 (tests/test_attention_block.py's criterion). Quantized psum / psum_scatter / all_gather: within the error bounds
 derived from their stored scales (tests/collective_oracles.py).
 """
 
@@ -23,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 import jax_flashcomm as fc
 from collective_oracles import all_gather_check, psum_check, psum_scatter_check
 from jax_flashcomm import codec
+from jax_flashcomm.attention import tp_attention
 
 EPS32 = float(np.finfo(np.float32).eps)
 MESHES = {"2x4": ((2, 4), ("a", "b")), "2x2x2": ((2, 2, 2), ("a", "b", "c"))}
@@ -139,3 +141,67 @@ def test_quantized_collectives_follow_lax_rank_order(mesh_name, axes):
                            psum_scatter_check(mesh, axes, x, config, 0, True),
                            all_gather_check(mesh, axes, x, config, 0, True)):
         assert np.all(np.abs(np.asarray(y, np.float64) - true) <= bound)
+
+
+HEADS, DH, S_LOCAL = 2, 4, 3   # odd local positions: the bidirectional split is uneven too
+U32 = EPS32 / 2
+
+
+@functools.lru_cache(maxsize=None)
+def _attention_program(mesh, axes, dtype, variants):
+    """Per variant (a tp_attention keyword set): the block's value and its vjp, over ``axes``."""
+    ax = _ax(axes)
+    xspec, specs = P(None, axes, None), (P(None, axes, None), P(None, axes), P(axes, None))
+
+    def program(x, w_qkv, w_o, ct):
+        outs = []
+        for kw in variants:
+            fn = functools.partial(tp_attention, axis_name=ax, num_heads=HEADS, **dict(kw))
+            sm = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=xspec)
+            y, vjp = jax.vjp(sm, x, w_qkv, w_o)
+            outs.append((y, *vjp(ct)))
+        return outs
+
+    put = lambda a, spec: jax.device_put(jnp.asarray(a, dtype), NamedSharding(mesh, spec))  # noqa
+    return jax.jit(program), lambda *a: [put(x, s) for x, s in zip(a, specs + (xspec,))]
+
+
+def _attention_operands(n):
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal((2, n * S_LOCAL, K)),
+            rng.standard_normal((K, n * 3 * HEADS * DH)) / np.sqrt(K),
+            rng.standard_normal((n * HEADS * DH, K)) / np.sqrt(HEADS * DH),
+            rng.standard_normal((2, n * S_LOCAL, K)))
+
+
+@functools.lru_cache(maxsize=None)
+def _exact_attention(mesh_name, axes, variants):
+    """The unfused block in float64 over ``axes`` in mesh order: the global result is the same
+    function of the global operands whatever the order, so one evaluation serves them all."""
+    mesh = _mesh(mesh_name, jax.sharding.AxisType.Explicit)
+    ops = _attention_operands(int(np.prod([mesh.shape[a] for a in axes])))
+    with jax.enable_x64(True):
+        fn64, put64 = _attention_program(mesh, axes, np.float64, variants)
+        (exact,) = [[np.asarray(a) for a in v] for v in fn64(*put64(*ops))]
+    return exact
+
+
+@pytest.mark.parametrize("mesh_name,axes", CASES, ids=[f"{m}-{''.join(a)}" for m, a in CASES])
+def test_tp_attention_follows_lax_rank_order(mesh_name, axes):
+    """The ring attention block over a tuple of axes (uni- and bidirectional) is as accurate as
+    the unfused lax block, values and gradients: a rank order that differs from lax's scrambles
+    the sequence and fails by O(1)."""
+    mesh = _mesh(mesh_name, jax.sharding.AxisType.Explicit)
+    n = int(np.prod([mesh.shape[a] for a in axes]))
+    ops = _attention_operands(n)
+    variants = ((("bidirectional", False),), (("bidirectional", True),),
+                (("decomposed", False),))
+    fn, put = _attention_program(mesh, axes, np.float32, variants)
+    uni, bidi, unfused = [[np.asarray(a, np.float64) for a in v] for v in fn(*put(*ops))]
+    exact = _exact_attention(mesh_name, tuple(sorted(axes)), variants[2:])
+    for ring, label in ((uni, "uni"), (bidi, "bidi")):
+        for name, r, u, e in zip(("out", "dx", "dw_qkv", "dw_o"), ring, unfused, exact):
+            ring_err, ref_err = np.max(np.abs(r - e)), np.max(np.abs(u - e))
+            bound = 2 * ref_err + 4 * U32 * np.max(np.abs(e))
+            assert ring_err <= bound, (f"tp_attention {label} over {axes}, {name}: error "
+                                       f"{ring_err:.3g} > {bound:.3g} (unfused {ref_err:.3g})")

@@ -38,7 +38,7 @@ MESHES = {
 }
 
 
-def _problem(op, ring, other, n, dtype, seed=0):
+def _problem(op, ring, other, n, dtype, seed=0, m=4):
     """Global operands, specs and the (ours, reference) local functions for one case.
 
     1-D meshes: x is (rows, K) and the ring runs over axis 0. 2-D meshes: x is (batch, rows, K)
@@ -49,7 +49,7 @@ def _problem(op, ring, other, n, dtype, seed=0):
     ax = len(lead)
     bspec = () if other is None else (other,)
     if op == "ag":
-        m, k, c = 4, 16, 8  # rows per rank, contraction, columns per rank
+        k, c = 16, 8  # contraction, columns per rank (m: rows per rank)
         xs, ws = lead + (n * m, k), (k, n * c)
         in_specs = (P(*bspec, ring, None), P(None, ring))
         out_spec = P(*bspec, None, ring)
@@ -61,7 +61,7 @@ def _problem(op, ring, other, n, dtype, seed=0):
         def ref(x, w):
             return lax.all_gather(x, ring, axis=ax, tiled=True) @ w
     else:
-        m, k, c = 4, 8, 16  # output rows per rank, contraction per rank, columns
+        k, c = 8, 16  # contraction per rank, columns (m: output rows per rank)
         xs, ws = lead + (n * m, n * k), (n * k, c)
         in_specs = (P(*bspec, None, ring), P(ring, None))
         out_spec = P(*bspec, ring, None)
@@ -93,10 +93,10 @@ def _value_and_vjp(fn, mesh, in_specs, out_spec, x, w, ct):
         return [np.asarray(r, np.float32) for r in jax.jit(f)(*args)]
 
 
-def _check_parity(mesh, mesh_cfg, op, dtype, bidirectional):
+def _check_parity(mesh, mesh_cfg, op, dtype, bidirectional, m=4):
     _, _, ring, other = mesh_cfg
     n = math.prod(mesh.shape[a] for a in (ring if isinstance(ring, tuple) else (ring,)))
-    x, w, ct, in_specs, out_spec, ours, ref, kc = _problem(op, ring, other, n, dtype)
+    x, w, ct, in_specs, out_spec, ours, ref, kc = _problem(op, ring, other, n, dtype, m=m)
     got = _value_and_vjp(lambda a, b: ours(a, b, bidirectional), mesh, in_specs, out_spec,
                          x, w, ct)
     want = _value_and_vjp(ref, mesh, in_specs, out_spec, x, w, ct)
@@ -121,6 +121,17 @@ def test_parity_with_unfused_reference(mesh_factory, op, mesh_id, dtype, bidirec
     cfg = MESHES[mesh_id]
     mesh = mesh_factory(cfg[0], cfg[1])
     _check_parity(mesh, cfg, op, dtype, bidirectional)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5])
+@pytest.mark.parametrize("mesh_id", ["1d-4", "2d-2x4-ring-b"])
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_bidirectional_odd_local_rows(mesh_factory, op, mesh_id, rows):
+    """An odd local chunk is split unevenly (the backward half a row longer; one row goes one
+    way), with the unidirectional ring's parity, values and gradients."""
+    cfg = MESHES[mesh_id]
+    mesh = mesh_factory(cfg[0], cfg[1])
+    _check_parity(mesh, cfg, op, np.float32, True, m=rows)
 
 
 @pytest.mark.parametrize("op", ["ag", "rs"])
@@ -175,17 +186,13 @@ RS_SPECS = (P(None, "i"), P("i", None)), P("i", None)
          r"do not contract: x.shape\[-1\]=4 .* w.shape\[0\]=2"),
         (lambda x, w: matmul_reduce_scatter(x, w, "i"), (6, 16), (16, 8), RS_SPECS,
          r"rows not divisible: x.shape\[0\]=6 .* size 4"),
-        (lambda x, w: all_gather_matmul(x, w, "i", bidirectional=True), (12, 16), (16, 8),
-         AG_SPECS, r"x.shape\[0\]=3 must be even"),
-        (lambda x, w: matmul_reduce_scatter(x, w, "i", bidirectional=True), (12, 16), (16, 8),
-         RS_SPECS, r"x.shape\[0\] / 4 = 3 must be even"),
         (lambda x, w: all_gather_matmul(x, w, "i", axis=1), (8, 16), (16, 8), AG_SPECS,
          "axis=1 is the contraction dimension"),
         (lambda x, w: all_gather_matmul(x, w, "i"), (8, 16), (16, 8, 1), (
             (P("i", None), P(None, "i", None)), P(None, "i")), "w must be 2-D"),
     ],
-    ids=["ag-axis", "rs-axis", "ag-contract", "rs-contract", "rs-rows", "ag-bidi-odd",
-         "rs-bidi-odd", "ag-axis-is-contraction", "w-3d"],
+    ids=["ag-axis", "rs-axis", "ag-contract", "rs-contract", "rs-rows",
+         "ag-axis-is-contraction", "w-3d"],
 )
 def test_invalid_inputs_raise_value_error(mesh4, fn, x_shape, w_shape, specs, match):
     x, w = np.zeros(x_shape, np.float32), np.zeros(w_shape, np.float32)
@@ -221,13 +228,21 @@ def test_quantized_is_one_quantization(mesh_factory, n, bidirectional):
     """bits=4: the value (and dw) equal gathering dequantize(quantize(chunk)) up to f32
     reassociation (bound of the module docstring), dx passes straight through (= the exact dx),
     and the error against the exact product is at most one quantization: (|error| of each chunk,
-    from codec.error_bound) @ |w|, the same bound for every N. Each half of a chunk holds 2 whole
-    groups (4 * 16 / 2 = 32 = 2 * 16), so the halves of the bidirectional ring hold the same
-    groups as the whole chunk."""
+    from codec.error_bound) @ |w|, the same bound for every N. A row is one group (K = 16 =
+    group_size), so the halves of the bidirectional ring hold the same groups as the chunk."""
+    _check_quantized(mesh_factory((n,), ("i",)), n, bidirectional, rows=4)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_quantized_bidirectional_odd_rows(mesh_factory, rows):
+    """The same with an odd local chunk, split unevenly between the two directions."""
+    _check_quantized(mesh_factory((4,), ("i",)), 4, True, rows=rows)
+
+
+def _check_quantized(mesh, n, bidirectional, rows):
     from jax_flashcomm import codec
 
-    mesh = mesh_factory((n,), ("i",))
-    x, w, ct, in_specs, out_spec, _, ref, kc = _problem("ag", "i", None, n, np.float32)
+    x, w, ct, in_specs, out_spec, _, ref, kc = _problem("ag", "i", None, n, np.float32, m=rows)
     q = dict(bits=4, group_size=16, backend="jnp")
 
     def deq(a):

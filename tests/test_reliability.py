@@ -131,9 +131,6 @@ def _cases():
         ("matmul_reduce_scatter-indivisible", "6 rows over 4 ranks", "matmul_reduce_scatter",
          ((6, 32), jnp.float32), lambda x, w: MM["matmul_reduce_scatter"](x, w), (32, 32),
          ValueError, r"rows not divisible: x.shape\[0\]=6 is not a multiple of the size 4"),
-        ("all_gather_matmul-bidi-odd", "bidirectional, 3 rows", "all_gather_matmul",
-         ((3, 32), jnp.float32), lambda x, w: MM["all_gather_matmul"](x, w, bidirectional=True),
-         (32, 32), ValueError, r"x.shape\[0\]=3 must be even"),
         # dimensions
         ("psum_scatter-0d", "0-d operand", "psum_scatter", f32,
          lambda v: fc.psum_scatter(v[0, 0], "i", **Q), None, ValueError,
