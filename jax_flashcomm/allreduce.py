@@ -57,8 +57,8 @@ def psum(x, axis_name, *, axis_index_groups=None, bits: int | None = 8,
         domain and rotated back once, after the all-gather (docs/outliers.md).
       spikes: per group, keep the k largest-magnitude values in bf16 with their positions
         (0..16; both phases; after the rotation if any; docs/format.md "Spike reserving").
-        "auto" (the default): 1 when both phases have at most 6 bits, else 0
-        (CommConfig.codec_spikes; docs/outliers.md measures why).
+        "auto" (the default), decided per phase: 1 in a phase of at most 6 bits, else 0
+        (CommConfig.phase1_spikes / phase2_spikes; docs/outliers.md measures why).
 
     Returns:
       The sum, of ``x``'s structure, shapes and dtypes, invariant over the reduced axes.
@@ -134,17 +134,17 @@ def two_step(x, axes, config: CommConfig):
     """
     n = _common.axis_size(axes)
     g, b1, b2 = config.group_size, config.phase1_bits, config.phase2_bits
-    rot, k = config.rotation, config.codec_spikes
+    rot, k1, k2 = config.rotation, config.phase1_spikes, config.phase2_spikes
     p1 = codec.quantize(x, bits=b1, group_size=g, num_chunks=n, backend=config.backend,
-                        rotation=rot, spikes=k)
+                        rotation=rot, spikes=k1)
     chunks = _common.pack(p1.split_groups(n))                     # (N, groups/N, bytes)
     received = lax.all_to_all(chunks, axes, 0, 0, tiled=False)    # [i] = chunk from rank i
     recv = _common.unpack(received, bits=b1, group_size=g, shape=x.shape, dtype=x.dtype,
-                          rotation=rot, spikes=k)
-    summed = codec.dequantize_sum_quantize(recv, bits=b2, backend=config.backend)
+                          rotation=rot, spikes=k1)
+    summed = codec.dequantize_sum_quantize(recv, bits=b2, spikes=k2, backend=config.backend)
     gathered = _common.all_gather_invariant(_common.pack(summed), axes, axis=0, tiled=True)
     p2 = _common.unpack(gathered, bits=b2, group_size=g, shape=x.shape, dtype=x.dtype,
-                        rotation=rot, spikes=k)
+                        rotation=rot, spikes=k2)
     y = codec.dequantize(p2, backend=config.backend)
     return y, p1, p2
 

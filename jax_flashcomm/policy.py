@@ -28,10 +28,10 @@ DEFAULT_MIN_BYTES = 1 << 20
 #: ``"exact"``: cotangent collectives are the lax ones; ``"quantized"``: they use this config.
 GRAD_MODES = ("exact", "quantized")
 
-#: spikes="auto": one spike per group when every quantized phase has at most 6 bits. Measured
-#: (docs/outliers.md): never worse than none, 3-13x lower error on outlier channels, for
-#: 3 B per group; at 8 bits the bytes would cross the int8 wire target (0.527x > 0.52x of a
-#: bf16 ring), so 8-bit phases keep none.
+#: spikes="auto": one spike per group in each quantized phase of at most 6 bits, decided per
+#: phase. Measured (docs/outliers.md): never worse than none, 3-13x lower error on outlier
+#: channels, for 3 B per group; at 8 bits the bytes would cross the int8 wire target (0.527x >
+#: 0.52x of a bf16 ring), so 8-bit phases keep none (rs_bits=4, ag_bits=8: 1 and 0).
 AUTO_SPIKES = 1
 AUTO_SPIKES_MAX_BITS = 6
 
@@ -50,8 +50,9 @@ class CommConfig:
     quantizes each group's (signed) Walsh-Hadamard transform (needs a power-of-two
     ``group_size``): outlier channels then no longer set the step of their groups.
     ``spikes`` keeps each group's k largest-magnitude values in bf16 beside the codes; the
-    default ``"auto"`` is the rule docs/outliers.md measured: 1 when every quantized phase has
-    at most 6 bits, else 0 (:attr:`codec_spikes` is the resolved count).
+    default ``"auto"`` is the rule docs/outliers.md measured, decided per phase: 1 in a phase
+    of at most 6 bits, else 0 (:attr:`phase1_spikes`, :attr:`phase2_spikes` are the resolved
+    counts; an int applies to both phases).
     """
 
     bits: int | None = 8
@@ -65,8 +66,8 @@ class CommConfig:
     #: measures it): 0 none (the default), 1 Hadamard, 2 signed Hadamard, or their names.
     rotation: int = 0
     #: Values per group kept in bf16 with their positions (docs/format.md, "Spike reserving";
-    #: docs/outliers.md measures it): "auto" (the default, see :attr:`codec_spikes`) or 0..16,
-    #: below group_size.
+    #: docs/outliers.md measures it): "auto" (the default, decided per phase, see
+    #: :attr:`phase1_spikes`) or 0..16 below group_size for both phases.
     spikes: int | str = "auto"
 
     def __post_init__(self):
@@ -96,16 +97,25 @@ class CommConfig:
     def exact(self) -> bool:
         return self.bits is None
 
-    @property
-    def codec_spikes(self) -> int:
-        """Spikes per group of both phases' payloads: ``spikes``, or for ``"auto"``
-        :data:`AUTO_SPIKES` when every quantized phase has at most :data:`AUTO_SPIKES_MAX_BITS`
-        bits, else 0 (docs/outliers.md, "Default")."""
+    def _spikes_at(self, bits: int | None) -> int:
         if self.spikes != "auto":
             return self.spikes
-        if self.exact or max(self.phase1_bits, self.phase2_bits) > AUTO_SPIKES_MAX_BITS:
+        if bits is None or bits > AUTO_SPIKES_MAX_BITS:
             return 0
         return AUTO_SPIKES
+
+    @property
+    def phase1_spikes(self) -> int:
+        """Spikes per group of the reduce-scatter (all-to-all) phase's payloads: ``spikes``,
+        or for ``"auto"`` :data:`AUTO_SPIKES` when that phase has at most
+        :data:`AUTO_SPIKES_MAX_BITS` bits, else 0 (docs/outliers.md, "Default")."""
+        return self._spikes_at(None if self.exact else self.phase1_bits)
+
+    @property
+    def phase2_spikes(self) -> int:
+        """Spikes per group of the all-gather phase's payloads (the rule of
+        :attr:`phase1_spikes`, applied to ``phase2_bits``)."""
+        return self._spikes_at(None if self.exact else self.phase2_bits)
 
     @property
     def phase1_bits(self) -> int:

@@ -126,11 +126,11 @@ def reduce_scatter_parts(x, axes, dim, tiled, config: CommConfig):
     if mp != m:
         rows = jnp.pad(rows, ((0, 0), (0, mp - m)))
     p1 = codec.quantize(rows, bits=bits, group_size=g, num_chunks=n, backend=config.backend,
-                        rotation=config.rotation, spikes=config.codec_spikes)
+                        rotation=config.rotation, spikes=config.phase1_spikes)
     p1 = _common.with_meta(p1.split_groups(n), shape=(mp,))
     received = lax.all_to_all(_common.pack(p1), axes, 0, 0, tiled=False)
     recv = _common.unpack(received, bits=bits, group_size=g, shape=(mp,), dtype=x.dtype,
-                          rotation=config.rotation, spikes=config.codec_spikes)
+                          rotation=config.rotation, spikes=config.phase1_spikes)
     summed = codec.dequantize_sum(recv, backend=config.backend)[:m]
     rest = tuple(rest)
     if tiled:
@@ -209,7 +209,7 @@ def all_gather_parts(x, axes, axis, tiled, config: CommConfig):
     """
     p = codec.quantize(x, bits=config.phase2_bits, group_size=config.group_size,
                        backend=config.backend, rotation=config.rotation,
-                       spikes=config.codec_spikes)
+                       spikes=config.phase2_spikes)
     n = _common.axis_size(axes)
     if n * x.size > np.iinfo(np.int32).max:  # beyond an int32 element offset
         return _decode_gathered(gather_payloads(p, axes), axis, tiled, config), p

@@ -85,7 +85,8 @@ def run(model, ckpt, mesh, settings, *, text=None, window=512, max_windows=6, pr
         row = {"setting": label, "comm": comm.kind}
         if comm.quantized:
             row.update(rs_bits=comm.config.phase1_bits, ag_bits=comm.config.phase2_bits,
-                       spikes=comm.config.codec_spikes, group_size=comm.config.group_size)
+                       rs_spikes=comm.config.phase1_spikes,
+                       ag_spikes=comm.config.phase2_spikes, group_size=comm.config.group_size)
         if windows:
             print(f"{label}: perplexity over {len(windows)} windows of {window}", file=log)
             start, parts = time.perf_counter(), []

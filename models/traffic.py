@@ -34,8 +34,7 @@ def allreduce_bytes_per_token(cfg, tp: int, comm, *, batch: int = 1, itemsize: i
                           np.float32 if itemsize == 4 else jnp.bfloat16, tp, c)
         if decision.quantized:
             padded = spec.padded_size(elems, c.group_size, tp)
-            k = c.codec_spikes
             sent = (tp - 1) / tp * padded * (
-                spec.wire_bytes_per_element(c.phase1_bits, c.group_size, k)
-                + spec.wire_bytes_per_element(c.phase2_bits, c.group_size, k))
+                spec.wire_bytes_per_element(c.phase1_bits, c.group_size, c.phase1_spikes)
+                + spec.wire_bytes_per_element(c.phase2_bits, c.group_size, c.phase2_spikes))
     return {"sent": n_msgs * sent, "exact": n_msgs * exact, "messages": n_msgs}

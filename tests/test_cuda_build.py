@@ -55,7 +55,7 @@ CODEC_KERNELS = {
     "codec_dequantize_sum.cu": {
         "DequantizeSumKernel": 6,
         "DequantizeSumRotatedKernel": 6,
-        "DequantizeSumQuantizeKernel": 2,  # spikes = 0, spikes > 0
+        "DequantizeSumQuantizeKernel": 4,  # (input, output) x (spikes = 0, spikes > 0)
     },
 }
 EXPECTED_KERNELS = {k: n for per_file in CODEC_KERNELS.values() for k, n in per_file.items()}
@@ -331,11 +331,17 @@ def test_cuda_lowering_carries_spikes(spikes, rotation):
         chunked = p.split_groups(2)
         s = codec.dequantize_sum(chunked, backend="ffi")
         q = codec.dequantize_sum_quantize(chunked, bits=8, backend="ffi")
-        return y, s, q
+        q0 = codec.dequantize_sum_quantize(chunked, bits=8, spikes=0, backend="ffi")
+        return y, s, q, q0
 
     lowered = _lowered_for_cuda(f, x)
     calls = _custom_calls(lowered.as_text())
     assert set(CODEC_TARGETS) <= set(calls), sorted(calls)
+    fused = calls.pop("flashcomm_dequantize_sum_quantize")
+    # per-phase spikes: the output's own count, apart from the input's
+    assert sorted(f"out_spikes = {k} : i32" in c for c in fused for k in (0, spikes)) == [
+        False, False, True, True], fused
+    calls["flashcomm_dequantize_sum_quantize"] = fused[:1]
     for target in CODEC_TARGETS:
         (line,) = calls[target]
         assert f"spikes = {spikes} : i32" in line, line
@@ -346,9 +352,9 @@ def test_cuda_lowering_carries_spikes(spikes, rotation):
     assert f"x{record}xui8>" in calls["flashcomm_quantize"][0], calls["flashcomm_quantize"][0]
     hlo = [ln for ln in lowered.as_text(dialect="hlo").splitlines() if "custom-call(" in ln]
     for target in CODEC_TARGETS:
-        (line,) = [ln for ln in hlo if f'custom_call_target="{target}"' in ln]
-        assert "api_version=API_VERSION_TYPED_FFI" in line, line
-        assert f"spikes = {spikes} : i32" in line, line
+        for line in [ln for ln in hlo if f'custom_call_target="{target}"' in ln]:
+            assert "api_version=API_VERSION_TYPED_FFI" in line, line
+            assert f"spikes = {spikes} : i32" in line, line
 
 
 def test_cpu_lowering_uses_the_same_target_names():

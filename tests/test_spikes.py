@@ -4,6 +4,7 @@ rule, the spikes' stored values, the elementwise error bound (plain and rotated)
 and saturating spikes, tampered records, validation, wire bytes, and the collectives with
 spikes within their bounds and identical on every rank."""
 
+import dataclasses
 import math
 
 import jax
@@ -77,6 +78,25 @@ def test_parity_twin_and_kernels(rotation, group_size, dtype):
             assert qj.spikes == qf.spikes == k
             for a, b in ((qj.codes, qf.codes), (qj.scale, qf.scale), (qj.zero, qf.zero)):
                 np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+@needs_ffi
+@pytest.mark.parametrize("rotation", [0, 2])
+@pytest.mark.parametrize("k_in,k_out", [(0, 1), (0, 3), (2, 0), (1, 4), (4, 1)])
+def test_fused_op_spikes_per_phase_parity(rotation, k_in, k_out):
+    """dequantize_sum_quantize with an output spike count of its own (per-phase spikes: plain
+    to spiked records and back): the FFI kernels of every ISA build give the twin's bits."""
+    rng = np.random.default_rng(10 * k_in + k_out)
+    x = _groups(rng, 32, np.dtype(jnp.bfloat16))
+    x = x[: x.shape[0] // 2 * 2]
+    p = _quant(x, "ffi", bits=4, group_size=32, rotation=rotation, spikes=k_in)
+    chunked = p.split_groups(2)
+    qj, qf = (every_isa(jax.jit(lambda q, b=b: codec.dequantize_sum_quantize(
+        q, bits=6, spikes=k_out, backend=b)), chunked) for b in ("jnp", "ffi"))
+    assert qj.spikes == qf.spikes == k_out
+    assert qf.codes.shape[-1] == spec.record_bytes(32, 6, k_out)
+    for a, b in ((qj.codes, qf.codes), (qj.scale, qf.scale), (qj.zero, qf.zero)):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
 
 
 def _record(p):
@@ -197,12 +217,18 @@ def test_validation():
         codec.quantize(x, bits=4, group_size=8, spikes=8)  # k must leave one value
     with pytest.raises(ValueError, match="spikes"):
         CommConfig(bits=4, group_size=8, spikes=8)
-    # "auto" (the default): one spike per group when every phase has <= 6 bits
-    assert CommConfig().spikes == "auto" and CommConfig().codec_spikes == 0  # bits=8
-    assert CommConfig(bits=4).codec_spikes == 1 and CommConfig(bits=6).codec_spikes == 1
-    assert CommConfig(bits=4, ag_bits=8).codec_spikes == 0
-    assert CommConfig(bits=None).codec_spikes == 0
-    assert CommConfig(bits=4, spikes=3).codec_spikes == 3
+    # "auto" (the default): one spike per group in each phase of <= 6 bits, decided per phase
+    def phases(c):
+        return c.phase1_spikes, c.phase2_spikes
+
+    assert CommConfig().spikes == "auto" and phases(CommConfig()) == (0, 0)  # bits=8
+    assert phases(CommConfig(bits=4)) == (1, 1) and phases(CommConfig(bits=6)) == (1, 1)
+    assert phases(CommConfig(bits=4, ag_bits=8)) == (1, 0)
+    assert phases(CommConfig(bits=8, rs_bits=4)) == (1, 0)
+    assert phases(CommConfig(bits=8, ag_bits=6)) == (0, 1)
+    assert phases(CommConfig(bits=None)) == (0, 0)
+    assert phases(CommConfig(bits=4, spikes=3)) == (3, 3)
+    assert phases(CommConfig(bits=4, ag_bits=8, spikes=2)) == (2, 2)
     with pytest.raises(TypeError, match="spikes"):
         CommConfig(bits=4, spikes="many")
     assert codec.quantize(x, bits=4, group_size=32, spikes=None).spikes == 0
@@ -252,6 +278,32 @@ def test_collectives_within_bounds(mesh_factory, mesh_shape, names, axes, spikes
         assert np.all(np.abs(np.asarray(y, np.float64) - true) <= bound)
     if rotation:
         _rotated_psum_bound(mesh, mesh_shape, names, axes, x, spikes, rotation)
+
+
+def test_auto_spikes_decided_per_phase(mesh_factory):
+    """rs_bits=4, ag_bits=8 with spikes="auto": the 4-bit phase's payloads carry one spike per
+    group and the 8-bit phase's none; the psum stays within the bound of those payloads and,
+    on outlier channels, beats the same mix without spikes."""
+    from jax_flashcomm import allreduce
+
+    mesh = mesh_factory((4,), ("i",))
+    x = _outliers(4, (4, 96), seed=5)
+    config = CommConfig(bits=4, ag_bits=8, group_size=32, min_bytes=0)
+    assert (config.phase1_spikes, config.phase2_spikes) == (1, 0)
+
+    def body(v):
+        y, p1, p2 = allreduce.two_step(v[0], ("i",), config)
+        assert (p1.spikes, p2.spikes) == (1, 0)
+        return y[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+    jax.eval_shape(f, oracles.put(mesh, x))  # traces body: the payloads' spike counts
+    y, true, bound = oracles.psum_check(mesh, ("i",), x, config)
+    err = np.abs(np.asarray(y, np.float64) - true)
+    assert np.all(err <= bound)
+    y0, _, _ = oracles.psum_check(mesh, ("i",), x, dataclasses.replace(config, spikes=0))
+    err0 = np.abs(np.asarray(y0, np.float64) - true)
+    assert np.sqrt(np.mean(err ** 2)) < np.sqrt(np.mean(err0 ** 2))
 
 
 def _rotated_psum_bound(mesh, mesh_shape, names, axes, x, spikes, rotation):

@@ -166,3 +166,24 @@ def test_all_gather_wire_bytes(n, bits, spikes):
         assert sent["collective-permute"] == (n - 1) * payload, (axis, tiled, sent)
         if n > 2:
             assert " while(" in hlo  # the count above went through the loop's trip count
+
+
+@pytest.mark.parametrize("rs_bits,ag_bits,spikes,k1,k2", [
+    (4, 8, "auto", 1, 0), (8, 4, "auto", 0, 1), (6, 4, "auto", 1, 1), (4, 8, 2, 2, 2)])
+def test_wire_bytes_per_phase_spikes(rs_bits, ag_bits, spikes, k1, k2):
+    """spikes="auto" is decided per phase: each phase's collective moves its own payload, the
+    all-to-all (rs) one with k1 spikes per group, the all-gather (ag) one with k2."""
+    n = 4
+    mesh = jax.make_mesh((n,), ("i",), devices=jax.devices()[:n])
+    elems = n * 128 * 64
+    x = jax.device_put(jnp.ones((n, elems), jnp.bfloat16), NamedSharding(mesh, P("i")))
+    config = fc.CommConfig(bits=8, rs_bits=rs_bits, ag_bits=ag_bits, spikes=spikes, min_bytes=0)
+    assert (config.phase1_spikes, config.phase2_spikes) == (k1, k2)
+    f = jax.jit(jax.shard_map(lambda v: fc.psum(v[0], "i", config=config), mesh=mesh,
+                              in_specs=P("i"), out_specs=P()))
+    sent = wire_bytes(f.lower(x).compile().as_text(), n)
+    per_phase = {"all-to-all": (rs_bits, k1), "all-gather": (ag_bits, k2)}
+    assert set(sent) == set(per_phase), sent
+    for kind, (bits, k) in per_phase.items():
+        assert sent[kind] == pytest.approx((n - 1) / n * elems * (128 * bits / 8 + 4 + 3 * k)
+                                           / 128, rel=1e-12), kind

@@ -104,7 +104,8 @@ ffi::Error DequantizeSumQuantize(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF
                                  ffi::Result<ffi::Buffer<ffi::U8>> out_codes,
                                  ffi::Result<ffi::Buffer<ffi::BF16>> out_scale,
                                  ffi::Result<ffi::Buffer<ffi::BF16>> out_zero, int32_t bits,
-                                 int32_t out_bits, int64_t group_size, int32_t spikes) {
+                                 int32_t out_bits, int64_t group_size, int32_t spikes,
+                                 int32_t out_spikes) {
   PayloadView in;
   if (ffi::Error e = ViewChunkedPayload(codes, scale, zero, bits, group_size, spikes, &in);
       e.failure()) {
@@ -112,11 +113,11 @@ ffi::Error DequantizeSumQuantize(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF
   }
   int64_t n_out = 0;
   if (ffi::Error e = CheckSumQuantizeOutputs(in, *out_codes, *out_scale, *out_zero, out_bits,
-                                             &n_out);
+                                             out_spikes, &n_out);
       e.failure()) {
     return e;
   }
-  kernels().dequantize_sum_quantize(in, out_bits, out_codes->typed_data(),
+  kernels().dequantize_sum_quantize(in, out_bits, out_spikes, out_codes->typed_data(),
                                     out_scale->typed_data(), out_zero->typed_data());
   return ffi::Error::Success();
 }
@@ -169,4 +170,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeSumQuantizeCpu,
                                   .Attr<int32_t>("bits")          // code width of the input
                                   .Attr<int32_t>("out_bits")      // code width of the output
                                   .Attr<int64_t>("group_size")    // multiple of 8
-                                  .Attr<int32_t>("spikes"));      // in and out, 0..16
+                                  .Attr<int32_t>("spikes")        // per input group, 0..16
+                                  .Attr<int32_t>("out_spikes"));  // per output group, 0..16

@@ -179,17 +179,17 @@ void DequantizeSumAs(const PayloadView& in, int rotation, void* y) {
   }
 }
 
-void DequantizeSumQuantize(const PayloadView& in, int out_bits, uint8_t* codes, uint16_t* scale,
-                           uint16_t* zero) {
-  const int64_t out_nbytes = record_bytes(in.group_size, out_bits, in.spikes);
+void DequantizeSumQuantize(const PayloadView& in, int out_bits, int out_spikes, uint8_t* codes,
+                           uint16_t* scale, uint16_t* zero) {
+  const int64_t out_nbytes = record_bytes(in.group_size, out_bits, out_spikes);
   Scratch<float> buf(in.group_size), tmp(in.group_size);
-  Scratch<int32_t> keys(in.spikes > 0 ? in.group_size : 0);
+  Scratch<int32_t> keys(out_spikes > 0 ? in.group_size : 0);
   for (int64_t b = 0; b < in.batch; ++b) {
     for (int64_t k = 0; k < in.groups_per_chunk; ++k) {
       SumGroup(in, b, k, tmp.data, buf.data);
       const int64_t o = b * in.groups_per_chunk + k;
-      if (in.spikes > 0) {
-        quantize_spiked_group(buf.data, in.group_size, out_bits, in.spikes,
+      if (out_spikes > 0) {
+        quantize_spiked_group(buf.data, in.group_size, out_bits, out_spikes,
                               codes + o * out_nbytes, scale + o, zero + o, keys.data);
       } else {
         quantize_group(buf.data, in.group_size, out_bits, codes + o * out_nbytes, scale + o,

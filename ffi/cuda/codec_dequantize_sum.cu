@@ -3,7 +3,7 @@
 // (sum_block, codec_device.cuh). DequantizeSumKernel: one thread per 8-element output block;
 // DequantizeSumRotatedKernel: one warp per group, the sums inverse-rotated in shared memory;
 // DequantizeSumQuantizeKernel: the sums quantized again by one warp per output group
-// (codec_quantize.cuh). Templates on kSpiked.
+// (codec_quantize.cuh). Templates on kSpiked (the fused kernel: on input and output spikes).
 //
 // The fused kernel shares its file with kernels that use dynamic shared memory, as before the
 // split: ptxas gives every kernel of such a file the same shared-memory entries (1 KB
@@ -55,19 +55,20 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   }
 }
 
-// Input and output records carry the same number of spikes.
-template <bool kSpiked>
+// Input records carry in.spikes spikes (kSpikedIn: in.spikes > 0), output records out_spikes
+// (kSpikedOut: out_spikes > 0): each phase of the all-reduce has its own count.
+template <bool kSpikedIn, bool kSpikedOut>
 __global__ void __launch_bounds__(kThreads, kMinBlocksFused)
-    DequantizeSumQuantizeKernel(PayloadView in, int64_t n_out, int out_bits,
+    DequantizeSumQuantizeKernel(PayloadView in, int64_t n_out, int out_bits, int out_spikes,
                                 uint8_t* __restrict__ codes, uint16_t* __restrict__ scale,
                                 uint16_t* __restrict__ zero) {
   const int lane = int(threadIdx.x) % kWarp;
   const int64_t warps = int64_t(gridDim.x) * kWarpsPerBlock;
-  const SumSource<kSpiked> source{in};
+  const SumSource<kSpikedIn> source{in};
   for (int64_t g = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp; g < n_out;
        g += warps) {
-    if constexpr (kSpiked) {
-      quantize_group_spiked_warp(source, g, in.group_size / kBlock, out_bits, in.spikes, lane,
+    if constexpr (kSpikedOut) {
+      quantize_group_spiked_warp(source, g, in.group_size / kBlock, out_bits, out_spikes, lane,
                                  codes, scale, zero);
     } else {
       quantize_group_warp(source, g, in.group_size / kBlock, out_bits, lane, codes, scale,
@@ -101,13 +102,14 @@ cudaError_t LaunchDequantizeSumRotated(cudaStream_t stream, const PayloadView& i
   return cudaGetLastError();
 }
 
-template <bool kSpiked>
+template <bool kSpikedIn, bool kSpikedOut>
 cudaError_t LaunchDequantizeSumQuantize(cudaStream_t stream, const PayloadView& in,
-                                        int64_t n_out, int out_bits, uint8_t* codes,
-                                        uint16_t* scale, uint16_t* zero) {
+                                        int64_t n_out, int out_bits, int out_spikes,
+                                        uint8_t* codes, uint16_t* scale, uint16_t* zero) {
   if (n_out == 0) return cudaSuccess;
-  DequantizeSumQuantizeKernel<kSpiked><<<GridFor(n_out, kWarpsPerBlock), kThreads, 0, stream>>>(
-      in, n_out, out_bits, codes, scale, zero);
+  DequantizeSumQuantizeKernel<kSpikedIn, kSpikedOut>
+      <<<GridFor(n_out, kWarpsPerBlock), kThreads, 0, stream>>>(in, n_out, out_bits, out_spikes,
+                                                                 codes, scale, zero);
   return cudaGetLastError();
 }
 
@@ -117,12 +119,15 @@ cudaError_t LaunchDequantizeSumQuantize(cudaStream_t stream, const PayloadView& 
                                                         void*);
 FLASHCOMM_CUDA_INSTANCES(INSTANTIATE)
 #undef INSTANTIATE
-template cudaError_t LaunchDequantizeSumQuantize<false>(cudaStream_t, const PayloadView&,
-                                                        int64_t, int, uint8_t*, uint16_t*,
-                                                        uint16_t*);
-template cudaError_t LaunchDequantizeSumQuantize<true>(cudaStream_t, const PayloadView&,
-                                                       int64_t, int, uint8_t*, uint16_t*,
-                                                       uint16_t*);
+#define INSTANTIATE_FUSED(I, O)                                                             \
+  template cudaError_t LaunchDequantizeSumQuantize<I, O>(cudaStream_t, const PayloadView&,     \
+                                                         int64_t, int, int, uint8_t*, uint16_t*, \
+                                                         uint16_t*);
+INSTANTIATE_FUSED(false, false)
+INSTANTIATE_FUSED(false, true)
+INSTANTIATE_FUSED(true, false)
+INSTANTIATE_FUSED(true, true)
+#undef INSTANTIATE_FUSED
 
 }  // namespace cuda
 }  // namespace flashcomm

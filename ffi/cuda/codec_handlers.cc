@@ -171,7 +171,8 @@ ffi::Error DequantizeSumQuantize(cudaStream_t stream, ffi::Buffer<ffi::U8> codes
                                  ffi::Result<ffi::Buffer<ffi::U8>> out_codes,
                                  ffi::Result<ffi::Buffer<ffi::BF16>> out_scale,
                                  ffi::Result<ffi::Buffer<ffi::BF16>> out_zero, int32_t bits,
-                                 int32_t out_bits, int64_t group_size, int32_t spikes) {
+                                 int32_t out_bits, int64_t group_size, int32_t spikes,
+                                 int32_t out_spikes) {
   PayloadView in;
   if (ffi::Error e = ViewChunkedPayload(codes, scale, zero, bits, group_size, spikes, &in);
       e.failure()) {
@@ -179,18 +180,19 @@ ffi::Error DequantizeSumQuantize(cudaStream_t stream, ffi::Buffer<ffi::U8> codes
   }
   int64_t n_out = 0;
   if (ffi::Error e = CheckSumQuantizeOutputs(in, *out_codes, *out_scale, *out_zero, out_bits,
-                                             &n_out);
+                                             out_spikes, &n_out);
       e.failure()) {
     return e;
   }
   uint8_t* c = out_codes->typed_data();
   uint16_t* s = out_scale->typed_data();
   uint16_t* z = out_zero->typed_data();
+  const auto launch = spikes > 0 ? (out_spikes > 0 ? LaunchDequantizeSumQuantize<true, true>
+                                                   : LaunchDequantizeSumQuantize<true, false>)
+                                 : (out_spikes > 0 ? LaunchDequantizeSumQuantize<false, true>
+                                                   : LaunchDequantizeSumQuantize<false, false>);
   return LaunchStatus("flashcomm_dequantize_sum_quantize",
-                      spikes > 0 ? LaunchDequantizeSumQuantize<true>(stream, in, n_out,
-                                                                     out_bits, c, s, z)
-                                 : LaunchDequantizeSumQuantize<false>(stream, in, n_out,
-                                                                      out_bits, c, s, z));
+                      launch(stream, in, n_out, out_bits, out_spikes, c, s, z));
 }
 
 }  // namespace cuda
@@ -245,4 +247,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeSumQuantizeCuda,
                                   .Attr<int32_t>("bits")          // code width of the input
                                   .Attr<int32_t>("out_bits")      // code width of the output
                                   .Attr<int64_t>("group_size")    // multiple of 8
-                                  .Attr<int32_t>("spikes"));      // in and out, 0..16
+                                  .Attr<int32_t>("spikes")        // per input group, 0..16
+                                  .Attr<int32_t>("out_spikes"));  // per output group, 0..16

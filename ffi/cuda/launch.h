@@ -53,11 +53,12 @@ cudaError_t LaunchDequantizeSum(cudaStream_t stream, const PayloadView& in, void
 template <typename T, bool kSpiked>
 cudaError_t LaunchDequantizeSumRotated(cudaStream_t stream, const PayloadView& in,
                                        int rotation, void* y);
-// Input and output records carry in.spikes spikes.
-template <bool kSpiked>
+// Input records carry in.spikes spikes (kSpikedIn = in.spikes > 0), output records
+// out_spikes (kSpikedOut = out_spikes > 0).
+template <bool kSpikedIn, bool kSpikedOut>
 cudaError_t LaunchDequantizeSumQuantize(cudaStream_t stream, const PayloadView& in,
-                                        int64_t n_out, int out_bits, uint8_t* codes,
-                                        uint16_t* scale, uint16_t* zero);
+                                        int64_t n_out, int out_bits, int out_spikes,
+                                        uint8_t* codes, uint16_t* scale, uint16_t* zero);
 
 // gather_kernels.cu: one payload decoded into out[*offset, *offset + count) (T = F32, BF16,
 // F16); `offset` is in device memory, `size` is out's element count.

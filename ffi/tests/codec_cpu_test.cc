@@ -127,7 +127,7 @@ ffi::Error CallDequantizeSumQuantize(const Codes& codes, const Bf16s& scale, con
       ffi::Buffer<ffi::U8>(codes.view()), ffi::Buffer<ffi::BF16>(scale.view()),
       ffi::Buffer<ffi::BF16>(zero.view()), ffi::Buffer<ffi::U8>(out_codes.view()),
       ffi::Buffer<ffi::BF16>(out_scale.view()), ffi::Buffer<ffi::BF16>(out_zero.view()), bits,
-      out_bits, g, /*spikes=*/0);
+      out_bits, g, /*spikes=*/0, /*out_spikes=*/0);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -824,8 +824,37 @@ void TestSpikes(Rng& rng, int64_t g, int k, int32_t rotation) {
   e = cpu::DequantizeSumQuantize(
       ffi::Buffer<ffi::U8>(chunked.view()), ffi::Buffer<ffi::BF16>(cs.view()),
       ffi::Buffer<ffi::BF16>(cz.view()), ffi::Buffer<ffi::U8>(oc.view()),
-      ffi::Buffer<ffi::BF16>(os.view()), ffi::Buffer<ffi::BF16>(oz.view()), bits, 8, g, k);
+      ffi::Buffer<ffi::BF16>(os.view()), ffi::Buffer<ffi::BF16>(oz.view()), bits, 8, g, k, k);
   CHECK(e.success(), "spikes dequantize_sum_quantize");
+  // Per-phase spikes: the output's own count (here 0, k and 1), bit-equal to quantizing the f32
+  // sum with that count (unrotated: dequantize_sum rotates back, the fused op does not).
+  for (int ko : {0, k, 1}) {
+    if (rotation != kRotationNone || ko >= g) continue;
+    Codes mc({2, record_bytes(g, 8, ko)}, XLA_FFI_DataType_U8);
+    Codes wc({2, record_bytes(g, 8, ko)}, XLA_FFI_DataType_U8);
+    Bf16s ms({2}, XLA_FFI_DataType_BF16), mz({2}, XLA_FFI_DataType_BF16);
+    Bf16s ws({2}, XLA_FFI_DataType_BF16), wz({2}, XLA_FFI_DataType_BF16);
+    e = cpu::DequantizeSumQuantize(
+        ffi::Buffer<ffi::U8>(chunked.view()), ffi::Buffer<ffi::BF16>(cs.view()),
+        ffi::Buffer<ffi::BF16>(cz.view()), ffi::Buffer<ffi::U8>(mc.view()),
+        ffi::Buffer<ffi::BF16>(ms.view()), ffi::Buffer<ffi::BF16>(mz.view()), bits, 8, g, k, ko);
+    CHECK(e.success(), Fmt("dequantize_sum_quantize spikes %d -> %d", k, ko));
+    e = cpu::Quantize(ffi::AnyBuffer(sum.view()), ffi::Buffer<ffi::U8>(wc.view()),
+                      ffi::Buffer<ffi::BF16>(ws.view()), ffi::Buffer<ffi::BF16>(wz.view()), 8, g,
+                      kRotationNone, ko);
+    CHECK(e.success(), "quantize of the sum");
+    CHECK(mc.data == wc.data && ms.data == ws.data && mz.data == wz.data,
+          Fmt("spikes %d -> %d: fused == quantize(dequantize_sum)", k, ko));
+  }
+  {  // out_spikes out of range is an InvalidArgument, not a write past the output
+    Codes bc({2, record_bytes(g, 8, 0)}, XLA_FFI_DataType_U8);
+    Bf16s bs({2}, XLA_FFI_DataType_BF16), bz({2}, XLA_FFI_DataType_BF16);
+    e = cpu::DequantizeSumQuantize(
+        ffi::Buffer<ffi::U8>(chunked.view()), ffi::Buffer<ffi::BF16>(cs.view()),
+        ffi::Buffer<ffi::BF16>(cz.view()), ffi::Buffer<ffi::U8>(bc.view()),
+        ffi::Buffer<ffi::BF16>(bs.view()), ffi::Buffer<ffi::BF16>(bz.view()), bits, 8, g, k, 17);
+    CHECK(e.failure(), "dequantize_sum_quantize rejects out_spikes 17");
+  }
   // a tampered position past the group is skipped, not written
   uint8_t* pos0 = codes.data.data() + group_bytes(g, bits) + 2 * k;
   pos0[0] = 0xFF;

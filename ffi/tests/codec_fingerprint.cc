@@ -92,7 +92,7 @@ uint64_t Fingerprint() {
             const int64_t out_rec = flashcomm::record_bytes(g, out_bits, spikes);
             std::vector<uint8_t> codes2(static_cast<size_t>(groups * out_rec));
             std::vector<uint16_t> scale2(static_cast<size_t>(groups)), zero2(scale2.size());
-            k.dequantize_sum_quantize(view, out_bits, codes2.data(), scale2.data(), zero2.data());
+            k.dequantize_sum_quantize(view, out_bits, spikes, codes2.data(), scale2.data(), zero2.data());
             fnv.add(codes.data(), codes.size());
             fnv.add(scale.data(), scale.size() * 2);
             fnv.add(zero.data(), zero.size() * 2);

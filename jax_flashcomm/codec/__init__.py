@@ -224,8 +224,9 @@ def dequantize_sum(payload: Payload, *, dtype=None, backend: str = "auto"):
 
 
 def dequantize_sum_quantize(payload: Payload, *, bits: int | None = None,
-                            backend: str = "auto") -> Payload:
-    """Sum the chunks of a chunked payload in f32 and quantize the sum at ``bits``.
+                            spikes: int | None = None, backend: str = "auto") -> Payload:
+    """Sum the chunks of a chunked payload in f32 and quantize the sum at ``bits`` with
+    ``spikes`` spikes per group (each defaults to the payload's own).
 
     The result describes a flat operand of ``groups * group_size`` values. A rotated payload
     stays rotated: the sum is formed and re-quantized in the rotated domain (the transform is
@@ -234,12 +235,14 @@ def dequantize_sum_quantize(payload: Payload, *, bits: int | None = None,
     p = _check_payload(payload)
     _check_chunked(p)
     out_bits = p.bits if bits is None else spec.check_bits(bits)
+    out_spikes = p.spikes if spikes is None else spec.check_spikes(spikes, p.group_size)
     codes, scale, zero = _dispatch("dequantize_sum_quantize", p.codes, p.scale, p.zero,
                                    backend=backend, bits=p.bits, out_bits=out_bits,
-                                   group_size=p.group_size, spikes=p.spikes)
+                                   group_size=p.group_size, spikes=p.spikes,
+                                   out_spikes=out_spikes)
     return Payload(codes, scale, zero, bits=out_bits, group_size=p.group_size,
                    shape=(scale.shape[-1] * p.group_size,), dtype=p.dtype, rotation=p.rotation,
-                   spikes=p.spikes)
+                   spikes=out_spikes)
 
 
 def _bf16_bits(a):

@@ -158,17 +158,20 @@ def dequantize_sum(codes, scale, zero, *, bits: int, group_size: int, dtype,
 
 
 def dequantize_sum_quantize(codes, scale, zero, *, bits: int, out_bits: int, group_size: int,
-                            spikes: int = 0):
-    """Chunked payload -> f32 sum over N -> payload ``(..., groups, ...)`` at ``out_bits``."""
+                            spikes: int = 0, out_spikes: int | None = None):
+    """Chunked payload -> f32 sum over N -> payload ``(..., groups, ...)`` at ``out_bits``
+    with ``out_spikes`` spikes per group (default: the input's ``spikes``)."""
+    out_spikes = spikes if out_spikes is None else out_spikes
     groups = (*scale.shape[:-2], scale.shape[-1])
     call = jax.ffi.ffi_call(
         "flashcomm_dequantize_sum_quantize",
-        (_like(codes, (*groups, spec.record_bytes(group_size, out_bits, spikes)), jnp.uint8),
+        (_like(codes, (*groups, spec.record_bytes(group_size, out_bits, out_spikes)), jnp.uint8),
          _like(codes, groups, jnp.bfloat16), _like(codes, groups, jnp.bfloat16)),
         vmap_method="broadcast_all",
     )
     return tuple(call(codes, scale, zero, bits=np.int32(bits), out_bits=np.int32(out_bits),
-                      group_size=np.int64(group_size), spikes=np.int32(spikes)))
+                      group_size=np.int64(group_size), spikes=np.int32(spikes),
+                      out_spikes=np.int32(out_spikes)))
 
 
 def dequantize_into(out, codes, scale, zero, offset, *, bits: int, group_size: int, count: int,

@@ -308,9 +308,10 @@ def dequantize_sum(codes, scale, zero, *, bits: int, group_size: int, dtype, rot
 
 
 def dequantize_sum_quantize(codes, scale, zero, *, bits: int, out_bits: int, group_size: int,
-                            spikes: int = 0):
+                            spikes: int = 0, out_spikes: int | None = None):
+    out_spikes = spikes if out_spikes is None else out_spikes
     return quantize_groups(sum_chunks(codes, scale, zero, bits, group_size, spikes), out_bits,
-                           spikes)
+                           out_spikes)
 
 
 

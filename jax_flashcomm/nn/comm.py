@@ -94,7 +94,7 @@ class TPComm:
             return all_gather_matmul(x, w, self.axis_name, axis=axis,
                                      bidirectional=self.bidirectional, bits=c.phase2_bits,
                                      group_size=c.group_size, rotation=c.rotation,
-                                     spikes=c.codec_spikes,
+                                     spikes=c.phase2_spikes,
                                      codec_backend="jnp" if c.backend == "auto" else c.backend)
         return all_gather_matmul(x, w, self.axis_name, axis=axis,
                                  bidirectional=self.bidirectional)

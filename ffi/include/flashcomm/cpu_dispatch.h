@@ -34,9 +34,10 @@ struct CodecKernels {
   // Chunked payload -> y (batch * groups_per_chunk * group_size of dtype): the f32 sum over the
   // chunks in order, rotated back once when rotation != 0.
   void (*dequantize_sum)(DType dtype, const PayloadView& in, int rotation, void* y);
-  // Chunked payload -> the f32 sum re-quantized at out_bits (same spikes, no rotation).
-  void (*dequantize_sum_quantize)(const PayloadView& in, int out_bits, uint8_t* codes,
-                                  uint16_t* scale, uint16_t* zero);
+  // Chunked payload -> the f32 sum re-quantized at out_bits with out_spikes spikes per group
+  // (no rotation: a rotated payload stays in the rotated domain).
+  void (*dequantize_sum_quantize)(const PayloadView& in, int out_bits, int out_spikes,
+                                  uint8_t* codes, uint16_t* scale, uint16_t* zero);
   // The first `count` decoded values of a payload into y (dtype), saturated.
   void (*dequantize_into)(DType dtype, const uint8_t* codes, const uint16_t* scale,
                           const uint16_t* zero, int64_t g, int bits, int rotation, int spikes,

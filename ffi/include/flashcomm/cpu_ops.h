@@ -55,7 +55,7 @@ xla::ffi::Error DequantizeSum(xla::ffi::Buffer<xla::ffi::U8> codes,
                               int64_t group_size, int32_t rotation,
                          int32_t spikes);
 
-// As DequantizeSum, then the f32 sum is quantized again with out_bits.
+// As DequantizeSum, then the f32 sum is quantized again with out_bits and out_spikes.
 xla::ffi::Error DequantizeSumQuantize(xla::ffi::Buffer<xla::ffi::U8> codes,
                                       xla::ffi::Buffer<xla::ffi::BF16> scale,
                                       xla::ffi::Buffer<xla::ffi::BF16> zero,
@@ -63,7 +63,7 @@ xla::ffi::Error DequantizeSumQuantize(xla::ffi::Buffer<xla::ffi::U8> codes,
                                       xla::ffi::Result<xla::ffi::Buffer<xla::ffi::BF16>> out_scale,
                                       xla::ffi::Result<xla::ffi::Buffer<xla::ffi::BF16>> out_zero,
                                       int32_t bits, int32_t out_bits, int64_t group_size,
-                                      int32_t spikes);
+                                      int32_t spikes, int32_t out_spikes);
 
 }  // namespace cpu
 }  // namespace flashcomm

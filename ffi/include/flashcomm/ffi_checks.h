@@ -79,16 +79,21 @@ ffi::Error ViewChunkedPayload(const C& codes, const S& scale, const S& zero, int
   return ffi::Error::Success();
 }
 
-// The output payload of dequantize_sum_quantize: out_bits in range and (batch..., groups)
-// groups of out_bits codes (with the input's spikes).
+// The output payload of dequantize_sum_quantize: out_bits and out_spikes in range and
+// (batch..., groups) groups of out_bits codes with out_spikes spikes each.
 template <typename C, typename S>
 ffi::Error CheckSumQuantizeOutputs(const PayloadView& in, const C& out_codes, const S& out_scale,
-                                   const S& out_zero, int32_t out_bits, int64_t* n_out) {
+                                   const S& out_zero, int32_t out_bits, int32_t out_spikes,
+                                   int64_t* n_out) {
   if (out_bits < kMinBits || out_bits > kMaxBits) {
     return ffi::Error::InvalidArgument("flashcomm_dequantize_sum_quantize: out_bits not in 2..8");
   }
+  if (out_spikes < 0 || out_spikes > kMaxSpikes || out_spikes >= in.group_size) {
+    return ffi::Error::InvalidArgument(
+        "flashcomm_dequantize_sum_quantize: out_spikes not in 0..16 and below group_size");
+  }
   *n_out = in.batch * in.groups_per_chunk;
-  const int64_t out_nbytes = record_bytes(in.group_size, out_bits, in.spikes);
+  const int64_t out_nbytes = record_bytes(in.group_size, out_bits, out_spikes);
   if (int64_t(out_scale.element_count()) != *n_out ||
       int64_t(out_zero.element_count()) != *n_out ||
       int64_t(out_codes.element_count()) != *n_out * out_nbytes) {
