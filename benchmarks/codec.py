@@ -28,9 +28,9 @@ rotation, at most 2x the plain codec's time.
 
 Re-run::
 
-    python benchmarks/codec.py                 # -> docs/codec.json
-    python benchmarks/codec.py --quick
-    python benchmarks/codec.py --rotation-only # only the rotation section of docs/codec.json
+    .venv/bin/python benchmarks/codec.py                 # -> docs/codec.json
+    .venv/bin/python benchmarks/codec.py --quick
+    .venv/bin/python benchmarks/codec.py --rotation-only # only the rotation section of docs/codec.json
 """
 
 from __future__ import annotations

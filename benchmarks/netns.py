@@ -79,7 +79,7 @@ def rate_limited_netns(rate: str = "2gbit", burst: str = "256kb", latency: str =
 def run_workers(script, num_processes: int, *, args=(), rate: str = "2gbit",
                 burst: str = "256kb", latency: str = "100ms", timeout: float = 900.0,
                 pin_cpus: bool = True, port: int = 23456, env: dict | None = None) -> list:
-    """Run ``python script *args`` as ``num_processes`` JAX processes in a rate-limited netns.
+    """Run ``sys.executable script *args`` as ``num_processes`` JAX processes in a rate-limited netns.
 
     Each worker finds its coordinates in the environment (read them with :func:`worker_init`)
     and returns a JSON value with :func:`write_result`. With ``pin_cpus`` process i is pinned to

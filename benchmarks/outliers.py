@@ -29,7 +29,7 @@ Also: CPU codec time with and without rotation (FFI kernels, bf16 operand, G = 1
 
 Re-run::
 
-    python benchmarks/outliers.py            # -> docs/outliers.json, table on stdout
+    .venv/bin/python benchmarks/outliers.py            # -> docs/outliers.json, table on stdout
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ from its timeline, how long a collective-permute and a dot actually ran at the s
 
 Re-run (root, ~1 min on 2 cores)::
 
-    /work/venv/bin/python benchmarks/overlap.py            # -> docs/overlap.json, docs/overlap.png
-    /work/venv/bin/python benchmarks/overlap.py --quick    # smaller sweep, fewer repetitions
+    .venv/bin/python benchmarks/overlap.py            # -> docs/overlap.json, docs/overlap.png
+    .venv/bin/python benchmarks/overlap.py --quick    # smaller sweep, fewer repetitions
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ dtype, a rounding that is the same for every option):
   against a bf16 ring all-reduce, which moves 2 bytes per element per phase: ratio =
   bytes_per_element / 2.
 
-Run:  /work/venv/bin/python benchmarks/zero_dtype.py   -> table on stdout, docs/zero_dtype.json
+Run:  .venv/bin/python benchmarks/zero_dtype.py   -> table on stdout, docs/zero_dtype.json
 """
 
 from __future__ import annotations
@@ -335,7 +335,7 @@ def main():
     print(f"elapsed {elapsed:.1f} s")
 
     out = dict(
-        command="/work/venv/bin/python benchmarks/zero_dtype.py",
+        command=".venv/bin/python benchmarks/zero_dtype.py",
         machine=machine(),
         group_size=G, groups_per_dataset=N_GROUPS, scale="bf16 rounded toward +inf",
         budget_int8_ratio=BUDGET, checked_against_codec=checked,

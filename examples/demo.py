@@ -4,7 +4,7 @@ Runs a tensor-parallel style step on a mesh of 8 (virtual CPU) devices and compa
 jax_flashcomm collective with its exact ``jax.lax`` counterpart: the error, the error bound the
 codec derives from its stored scales, and the bytes each one puts on the wire.
 
-    python examples/demo.py
+    .venv/bin/python examples/demo.py
 """
 
 import os

@@ -4,10 +4,10 @@ PyTorch, loading the same GGUF file.
 Two steps, because torch is a heavy optional dependency kept out of this project's install:
 
     # 1. in an environment with torch + transformers + gguf (not this project's .venv):
-    python models/reference_hf.py --gguf PATH --text FILE --window 512 --max-windows 6 \\
+    refvenv/bin/python models/reference_hf.py --gguf PATH --text FILE --window 512 --max-windows 6 \\
         --prompts-json models/prompts.json --out ref.npz
     # 2. here:
-    python -m models.check_reference --ref ref.npz [--model smollm2] [--tp 1] [--json OUT]
+    .venv/bin/python -m models.check_reference --ref ref.npz [--model smollm2] [--tp 1] [--json OUT]
 
 Step 2 scores the reference's own token ids (so both sides see the same tokens), and reports
 max |delta logit| over the windows whose logits the reference saved, both perplexities over the

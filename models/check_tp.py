@@ -1,6 +1,6 @@
 """Exact tensor parallelism changes nothing but f32 rounding: TP=N logits against TP=1.
 
-    python -m models.check_tp [--model smollm2] [--tp 3,9] [--tokens 128] [--json OUT]
+    .venv/bin/python -m models.check_tp [--model smollm2] [--tp 3,9] [--tokens 128] [--json OUT]
 
 Scores the first ``--tokens`` tokens of the corpus text at TP=1 in f32 and in f64 (the
 reference for rounding), then at each TP size in f32 with exact communication (lax.psum) and

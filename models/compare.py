@@ -1,6 +1,6 @@
 """Side by side: one model, several communication settings, same prompts and text.
 
-    python -m models.compare --tp 3 --settings exact,int8,int6,int4 --text FILE \\
+    .venv/bin/python -m models.compare --tp 3 --settings exact,int8,int6,int4 --text FILE \\
         [--prompts models/prompts.json] [--max-new-tokens 32] [--window 512] [--max-windows 6] \\
         [--json OUT]
 

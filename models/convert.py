@@ -8,7 +8,7 @@ bfloat16 (``--dtype bfloat16``: half the size, rounded to nearest even). Why: th
 code, and ``transformers``, read this layout directly, and it is sharded so that a device can
 read its part of each tensor without the rest.
 
-    python -m models.convert smollm2 /tmp/smollm2-hf --max-shard-mb 100 [--dtype bfloat16]
+    .venv/bin/python -m models.convert smollm2 /tmp/smollm2-hf --max-shard-mb 100 [--dtype bfloat16]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """English text for perplexity checks, from packages available offline.
 
-    python -m models.corpus [--name NAME] [--out FILE] [--stats]
+    .venv/bin/python -m models.corpus [--name NAME] [--out FILE] [--stats]
 
 The default text, ``pydoc-topics``, is the prose of the *Python Language Reference* as shipped
 in CPython's standard library module ``pydoc_data.topics`` (the texts behind ``help("if")``,

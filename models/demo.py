@@ -1,7 +1,7 @@
 """The README's first command: SmolLM2-135M-Instruct tensor-parallel over 3 CPU devices, with
 exact, int8 and int4 all-reduces, side by side.
 
-    python -m models.demo [--tp 3] [--settings exact,int8,int4] [--max-new-tokens 24]
+    .venv/bin/python -m models.demo [--tp 3] [--settings exact,int8,int4] [--max-new-tokens 24]
 
 Fetches the model on first use (``models/fetch.py``), loads its weights once, and for each
 setting prints the TTFT and decode tokens/s of one greedy generation, the perplexity on a short

@@ -1,6 +1,6 @@
 """Perplexity of a tensor-parallel Llama on a text file, under a communication strategy.
 
-    python -m models.eval --model smollm2 --text FILE --tp 3 --comm flash --bits 4 \\
+    .venv/bin/python -m models.eval --model smollm2 --text FILE --tp 3 --comm flash --bits 4 \\
         --window 512 --max-windows 6 [--json OUT]
 
 The text is tokenized without BOS and cut into consecutive non-overlapping windows of

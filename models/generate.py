@@ -1,6 +1,6 @@
 """Generate text with a tensor-parallel Llama on CPU devices, streaming tokens as they come.
 
-    python -m models.generate --model smollm2 --tp 3 --comm flash --bits 4 \\
+    .venv/bin/python -m models.generate --model smollm2 --tp 3 --comm flash --bits 4 \\
         --prompt "What is the capital of France?" --max-new-tokens 64 [--greedy]
 
 The prompt is wrapped in the model's chat template (``--raw`` sends it as is). Before the timed
