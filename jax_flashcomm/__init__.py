@@ -13,3 +13,4 @@ from jax_flashcomm.scatter_gather import all_gather, psum_scatter
 __all__ = ["codec", "all_gather_matmul", "matmul_reduce_scatter"]
 __all__ += ["psum", "pmean", "psum_scatter", "all_gather", "CommConfig", "Decision", "record"]
 __version__ = "0.1.0"
+from jax_flashcomm.rewrite import RewritePolicy, rewrite  # noqa: E402  (jax_flashcomm.rewrite is the function; its module is sys.modules["jax_flashcomm.rewrite"])

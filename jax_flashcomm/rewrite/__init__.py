@@ -1,0 +1,89 @@
+"""Adopt flashcomm without editing a model: rewrite its lax collectives.
+
+>>> rewritten = rewrite(f, RewritePolicy(config=CommConfig(bits=8, min_bytes=0)))
+>>> y = jax.jit(rewritten)(x)                  # f with quantized collectives
+>>> print(rewritten.report(x))                 # every collective found, and what was done
+
+``f`` is any function whose traced jaxpr has ``lax.psum`` / ``lax.psum_scatter`` /
+``lax.all_gather`` inside a ``jax.shard_map`` (or ``nnx.shard_map``), at any depth of ``jit``,
+``scan``, ``while_loop``, ``cond``, ``checkpoint``, ``custom_jvp`` and ``custom_vjp``; or the
+function that runs inside a shard_map itself. See :mod:`jax_flashcomm.rewrite.interpreter` for
+what is replaced and ``docs/rewrite.md`` for the limits.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from jax_flashcomm.rewrite.interpreter import Interpreter
+from jax_flashcomm.rewrite.policy import REWRITABLE_OPS, RewritePolicy, as_policy
+from jax_flashcomm.rewrite.report import Report, ReportRow
+
+__all__ = ["rewrite", "Rewritten", "RewritePolicy", "Report", "ReportRow", "REWRITABLE_OPS"]
+
+
+class Rewritten:
+    """``fn`` with its collectives rewritten by ``policy``; made by :func:`rewrite`.
+
+    Calling it traces ``fn`` at the arguments' types and evaluates the rewritten jaxpr under
+    the caller's trace (wrap it in ``jax.jit`` to compile once). :meth:`report` traces
+    abstractly and returns the :class:`Report`.
+    """
+
+    def __init__(self, fn, policy: RewritePolicy, with_report: bool):
+        if not callable(fn):
+            raise TypeError(f"rewrite: fn must be callable, got {type(fn).__name__}")
+        self.fn, self.policy, self.with_report = fn, policy, with_report
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args, **kwargs):
+        rows = [] if self.with_report else None
+        out = self._run(args, kwargs, rows)
+        return (out, Report(rows)) if self.with_report else out
+
+    def report(self, *args, **kwargs) -> Report:
+        """The report of a call with these arguments (arrays or ``jax.ShapeDtypeStruct``s);
+        nothing runs."""
+        rows: list = []
+        jax.make_jaxpr(lambda a, k: self._run(a, k, rows))(args, kwargs)
+        return Report(rows)
+
+    def _run(self, args, kwargs, rows):
+        closed, out_shape = jax.make_jaxpr(self.fn, return_shape=True)(*args, **kwargs)
+        flat = jax.tree.leaves((args, kwargs))
+        if len(flat) != len(closed.jaxpr.invars):
+            raise TypeError(f"rewrite: {len(flat)} array leaves in the arguments but the traced "
+                            f"function takes {len(closed.jaxpr.invars)}")
+        outs = Interpreter(self.policy, rows).run(closed, flat)
+        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+    def __repr__(self):
+        return f"rewrite({getattr(self.fn, '__name__', self.fn)!r}, {self.policy})"
+
+
+def rewrite(fn, policy: RewritePolicy | None = None, *, report: bool = False) -> Rewritten:
+    """``fn`` with its lax collectives replaced by the flashcomm ones the policy picks.
+
+    Args:
+      fn: a function that calls ``jax.shard_map`` (or ``nnx.shard_map``), or the function that
+        runs inside one (then call the result inside the shard_map).
+      policy: a :class:`RewritePolicy`; a :class:`~jax_flashcomm.CommConfig` (every collective,
+        that config); or None (every collective, the flashcomm defaults, size policy included).
+      report: when True, each call returns ``(outputs, Report)`` (outside ``jax.jit`` only:
+        a report is not an array). ``rewrite(fn, policy).report(*args)`` gives the report
+        without running anything.
+
+    Returns:
+      A :class:`Rewritten` callable with ``fn``'s signature.
+    """
+    return Rewritten(fn, as_policy(policy), bool(report))
+
+
+def _report(fn, policy: RewritePolicy | None = None):
+    """``rewrite.report(fn, policy)(*args)``: the :class:`Report` of rewriting ``fn``."""
+    return Rewritten(fn, as_policy(policy), False).report
+
+
+rewrite.report = _report

@@ -1,0 +1,519 @@
+"""The jaxpr interpreter behind :func:`jax_flashcomm.rewrite.rewrite`.
+
+It re-evaluates a traced function's jaxpr equation by equation under the caller's trace,
+binding every primitive as it was except:
+
+* the lax collectives ``psum`` (``psum_invariant_p`` / ``psum_p``), ``psum_scatter``
+  (``reduce_scatter_p``) and ``all_gather`` (``all_gather_p``) the policy selects, which become
+  calls of :func:`jax_flashcomm.psum` / :func:`~jax_flashcomm.psum_scatter` /
+  :func:`~jax_flashcomm.all_gather` with the policy's config (the ``pvary`` lax put in front of
+  the collective goes with it: the flashcomm op makes its operand varying itself, with the
+  transpose its ``grad`` mode asks for), or with their matmul, ring collective matmuls;
+* the higher-order primitives, whose bodies are rewritten the same way and re-bound with the
+  same parameters: ``shard_map``, ``jit``, ``scan``, ``while``, ``cond``, ``remat``,
+  ``custom_jvp_call`` (body, and the JVP rule's primal part) and ``custom_vjp_call`` (body,
+  forward and backward rules; the custom derivatives of jax_flashcomm's own ops are bound
+  unchanged).
+
+Other primitives with bodies (``pmap``, ``custom_transpose``, ...) are bound unchanged; the
+collectives inside them are reported as kept.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+
+import numpy as np
+from jax import lax
+from jax._src import ad_util, core, source_info_util
+from jax._src import linear_util as lu
+from jax._src.interpreters import partial_eval as pe
+from jax._src.tree_util import FlatTree
+
+from jax_flashcomm.allreduce import psum as flash_psum
+from jax_flashcomm.collective_matmul import all_gather_matmul, matmul_reduce_scatter
+from jax_flashcomm.policy import decide, record
+from jax_flashcomm.rewrite import fusion
+from jax_flashcomm.rewrite.policy import RewritePolicy, would_quantize
+from jax_flashcomm.rewrite.report import ReportRow
+from jax_flashcomm.scatter_gather import all_gather as flash_all_gather
+from jax_flashcomm.scatter_gather import psum_scatter as flash_psum_scatter
+
+__all__ = ["Interpreter"]
+
+#: jaxpr primitives rewrite can replace, and their lax names.
+REWRITABLE = {"psum_invariant": "psum", "psum": "psum", "reduce_scatter": "psum_scatter",
+              "all_gather": "all_gather"}
+#: Other collectives: reported as kept.
+OTHER_COLLECTIVES = {
+    "all_gather_invariant": "no flashcomm equivalent: its result is invariant (replicated)",
+    "ppermute": "not a rewrite target", "all_to_all": "not a rewrite target",
+    "pmax": "not a rewrite target", "pmin": "not a rewrite target",
+    "pbroadcast": "not a rewrite target",
+}
+#: Why collectives on the tangents of a custom_jvp rule are kept.
+TANGENT_REASON = ("on the tangents of a custom_jvp rule: flashcomm's ops are custom_vjp "
+                  "functions, which JAX cannot transpose there")
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+@dataclasses.dataclass(frozen=True)
+class _Context:
+    path: str = ""     # nesting of higher-order primitives
+    scope: str = ""    # name stack of the enclosing equations
+    frozen: str = ""   # if set, why every collective in here is kept
+
+    def child(self, name: str, eqn=None) -> "_Context":
+        scope = self.scope
+        if eqn is not None and str(eqn.source_info.name_stack):
+            scope = "/".join(s for s in (scope, str(eqn.source_info.name_stack)) if s)
+        return _Context("/".join(p for p in (self.path, name) if p), scope, self.frozen)
+
+    def freeze(self, reason: str) -> "_Context":
+        return dataclasses.replace(self, frozen=self.frozen or reason)
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What to do with one jaxpr's equations (computed before evaluating it)."""
+
+    skip: set = dataclasses.field(default_factory=set)        # eqns not bound (absorbed)
+    operand: dict = dataclasses.field(default_factory=dict)   # collective -> operand atom
+    kept: dict = dataclasses.field(default_factory=dict)      # collective -> reason
+    fused: dict = dataclasses.field(default_factory=dict)     # emitting eqn -> MatmulFusion
+    notes: dict = dataclasses.field(default_factory=dict)     # collective -> fusion note
+    tangent: set = dataclasses.field(default_factory=set)     # eqns on a JVP rule's tangents
+
+
+def _short_path(path: str) -> str:
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        rel = path
+    if not rel.startswith(".."):
+        return rel
+    return "/".join(path.split(os.sep)[-3:])
+
+
+def _call_site(eqn) -> tuple[str, tuple[str, ...]]:
+    """``("file:line (function)"`` of the innermost user frame, every user frame as
+    ``"/abs/file:line (function)")`` of an equation."""
+    tb = eqn.source_info.traceback
+    if tb is None:
+        return "?", ()
+    frames = tuple(f"{f.file_name}:{f.start_line} ({f.function_name})"
+                   for f in source_info_util.user_frames(tb))
+    first = source_info_util.user_frame(tb)
+    site = (f"{_short_path(first.file_name)}:{first.start_line} ({first.function_name})"
+            if first is not None else "?")
+    return site, frames
+
+
+def _axes_of(eqn) -> tuple:
+    p = eqn.params
+    axes = p.get("axes", p.get("axis_name", ()))
+    return tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+
+
+def _axis_size(eqn, axes) -> int:
+    if "axis_size" in eqn.params:
+        return int(eqn.params["axis_size"])
+    try:
+        return int(np.prod([lax.axis_size(a) for a in axes]))
+    except (NameError, TypeError, ValueError):
+        return 0
+
+
+def _is_flashcomm_internal(closed) -> bool:
+    """Whether a custom_jvp/custom_vjp body is one of jax_flashcomm's own ops."""
+    src = getattr(closed.jaxpr.debug_info, "func_src_info", None) or ""
+    return _PACKAGE_DIR in src
+
+
+def _same_type(a, b) -> bool:
+    return (a.shape == b.shape and a.dtype == b.dtype
+            and getattr(a, "vma", frozenset()) == getattr(b, "vma", frozenset()))
+
+
+def _bind(primitive, invals, params):
+    return primitive.bind(*invals, **primitive.get_bind_params(params))
+
+
+class Interpreter:
+    """Evaluates jaxprs with the policy's collectives replaced; appends report rows to
+    ``rows`` (a list, or None for no report)."""
+
+    def __init__(self, policy: RewritePolicy, rows: list | None = None):
+        self.policy, self.rows = policy, rows
+
+    # --- entry points -----------------------------------------------------------------------
+
+    def run(self, closed: core.ClosedJaxpr, args) -> list:
+        return self.eval_jaxpr(closed.jaxpr, closed.consts, args, _Context())
+
+    def retrace(self, closed: core.ClosedJaxpr, ctx: _Context, tangent_invars=None
+                ) -> core.ClosedJaxpr:
+        """``closed`` rewritten, as a new closed jaxpr of the same type (``tangent_invars``:
+        which arguments are JVP tangents, whose collectives are kept)."""
+        def fun(*args):
+            return self.eval_jaxpr(closed.jaxpr, closed.consts, args, ctx, tangent_invars)
+
+        wrapped = lu.wrap_init(fun, debug_info=closed.jaxpr.debug_info)
+        jaxpr, out_avals, consts = pe.trace_to_jaxpr_dynamic(wrapped, closed.in_avals)
+        for new, old in zip(out_avals, closed.out_avals):
+            if not _same_type(new, old):
+                raise RuntimeError(f"rewrite: the rewritten body at {ctx.path or 'top level'} "
+                                   f"returns {new.str_short()} where the original returned "
+                                   f"{old.str_short()}")
+        return core.ClosedJaxpr(jaxpr, consts)
+
+    # --- the evaluation loop ----------------------------------------------------------------
+
+    def eval_jaxpr(self, jaxpr: core.Jaxpr, consts, args, ctx: _Context,
+                   tangent_invars=None) -> list:
+        env: dict = {}
+
+        def read(v):
+            return v.val if isinstance(v, core.Literal) else env[v]
+
+        for v, val in zip(jaxpr.constvars, consts):
+            env[v] = val
+        if len(args) != len(jaxpr.invars):
+            raise TypeError(f"rewrite: the jaxpr takes {len(jaxpr.invars)} arguments, got "
+                            f"{len(args)}")
+        for v, val in zip(jaxpr.invars, args):
+            env[v] = val
+        plan = self._plan(jaxpr, ctx, tangent_invars)
+        for i, eqn in enumerate(jaxpr.eqns):
+            if i in plan.skip:
+                continue
+            name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+            with (source_info_util.user_context(eqn.source_info.traceback,
+                                                name_stack=name_stack),
+                  eqn.ctx.manager):
+                outs = self._eval_eqn(i, eqn, plan, read, ctx)
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+            for v, val in zip(eqn.outvars, outs):
+                env[v] = val
+        return [read(v) for v in jaxpr.outvars]
+
+    def _eval_eqn(self, i, eqn, plan: _Plan, read, ctx: _Context):
+        name = eqn.primitive.name
+        if i in plan.fused:
+            return self._fused(plan.fused[i], eqn, read, ctx)
+        if i in plan.operand:
+            return self._replace(eqn, read(plan.operand[i]), ctx, plan.notes.get(i))
+        invals = [read(v) for v in eqn.invars]
+        if name in REWRITABLE or name in OTHER_COLLECTIVES:
+            reason = plan.kept.get(i) or OTHER_COLLECTIVES.get(name, "")
+            self._row(eqn, ctx, "kept", "lax", reason)
+            return _bind(eqn.primitive, invals, eqn.params)
+        handler = _HANDLERS.get(name)
+        if handler is not None:
+            return handler(self, eqn, invals,
+                           ctx.freeze(TANGENT_REASON) if i in plan.tangent else ctx)
+        for sub in core.jaxprs_in_params(eqn.params):
+            self._report_unentered(sub, ctx.child(name, eqn), name)
+        return _bind(eqn.primitive, invals, eqn.params)
+
+    # --- planning ---------------------------------------------------------------------------
+
+    def _plan(self, jaxpr: core.Jaxpr, ctx: _Context, tangent_invars=None) -> _Plan:
+        plan = _Plan()
+        users, producer = collections.defaultdict(list), {}
+        tangents = {v for v, t in zip(jaxpr.invars, tangent_invars or ()) if t}
+        for i, eqn in enumerate(jaxpr.eqns):
+            for v in eqn.invars:
+                if isinstance(v, core.Var):
+                    users[v].append(i)
+            for v in eqn.outvars:
+                producer[v] = i
+            if any(isinstance(v, core.Var) and v in tangents for v in eqn.invars):
+                tangents.update(eqn.outvars)
+                plan.tangent.add(i)
+        for v in jaxpr.outvars:
+            if isinstance(v, core.Var):
+                users[v].append(None)
+        for i, eqn in enumerate(jaxpr.eqns):
+            op = REWRITABLE.get(eqn.primitive.name)
+            if op is None:
+                continue
+            if ctx.frozen or i in plan.tangent:
+                plan.kept[i] = ctx.frozen or TANGENT_REASON
+                continue
+            if len(eqn.invars) != 1:
+                plan.kept[i] = "a multi-operand collective equation"
+                continue
+            axes = _axes_of(eqn)
+            _, frames = _call_site(eqn)
+            scope = "/".join(s for s in (ctx.scope, str(eqn.source_info.name_stack)) if s)
+            selected, why = self.policy.select(
+                op, axes, eqn.invars[0].aval.dtype, scope, frames,
+                eqn.params.get("axis_index_groups"))
+            if not selected:
+                plan.kept[i] = why
+                continue
+            operand = eqn.invars[0]
+            j = producer.get(operand)
+            if (j is not None and jaxpr.eqns[j].primitive.name == "pvary"
+                    and len(users[operand]) == 1
+                    and set(jaxpr.eqns[j].params["axes"]) <= set(axes)):
+                plan.skip.add(j)       # the flashcomm op makes its operand varying itself
+                operand = jaxpr.eqns[j].invars[0]
+            plan.operand[i] = operand
+        if self.policy.fuse_matmul:
+            self._plan_fusions(jaxpr, plan, users, producer)
+        return plan
+
+    def _plan_fusions(self, jaxpr, plan: _Plan, users, producer):
+        config = self.policy.comm_config
+        for i in sorted(plan.operand):
+            eqn = jaxpr.eqns[i]
+            if eqn.primitive.name == "all_gather":
+                match, note = fusion.match_gather_dot(jaxpr, i, plan.operand[i], users)
+            elif eqn.primitive.name == "reduce_scatter":
+                aval = eqn.invars[0].aval
+                nbytes = int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
+                if would_quantize(config, nbytes, int(eqn.params["axis_size"])):
+                    plan.notes[i] = ("not fused: quantized psum_scatter after the dot (there is "
+                                     "no quantized reduce-scatter ring)")
+                    continue
+                match, note = fusion.match_dot_scatter(jaxpr, i, plan.operand[i], producer,
+                                                       users)
+            else:
+                continue
+            if match is None or match.dot in plan.fused or match.dot in plan.skip:
+                plan.notes[i] = note or "not fused: the dot is already fused"
+                continue
+            if match.kind == "all_gather_matmul":
+                plan.skip.add(i)                       # emitted at the dot
+                plan.fused[match.dot] = match
+            else:
+                plan.skip.add(match.dot)               # emitted at the reduce-scatter
+                plan.fused[i] = match
+            del plan.operand[i]
+
+    # --- replacements -----------------------------------------------------------------------
+
+    def _replace(self, eqn, x, ctx: _Context, note: str | None):
+        """The flashcomm collective in place of a lax one."""
+        config = self.policy.comm_config
+        axes, p = _axes_of(eqn), eqn.params
+        with record() as decisions:
+            if eqn.primitive.name in ("psum_invariant", "psum"):
+                out = flash_psum(x, axes, config=config)
+            elif eqn.primitive.name == "reduce_scatter":
+                out = flash_psum_scatter(x, axes, scatter_dimension=p["scatter_dimension"],
+                                         tiled=p["tiled"], config=config)
+            else:
+                out = flash_all_gather(x, axes, axis=p["all_gather_dimension"],
+                                       tiled=p["tiled"], config=config)
+        self._check_type(eqn, out, ctx)
+        decision = decisions[0] if decisions else None
+        if decision is not None and decision.quantized:
+            bits = "/".join(f"int{b}" for b in (decision.rs_bits, decision.ag_bits) if b)
+            action, detail, reason = "quantized", bits, decision.reason
+        else:
+            action, detail = "exact", "lax"
+            reason = decision.reason if decision is not None else "bits=None (exact setting)"
+        if note:
+            reason = f"{reason}; {note}"
+        self._row(eqn, ctx, action, detail, reason)
+        return out
+
+    def _fused(self, match: fusion.MatmulFusion, eqn, read, ctx: _Context):
+        """A ring collective matmul in place of a collective and its dot."""
+        x, w = read(match.x), read(match.w)
+        collective = match.collective_eqn
+        axes = _axes_of(collective)
+        ring_axes = axes[0] if len(axes) == 1 else axes
+        if match.kind == "all_gather_matmul":
+            config = self.policy.comm_config
+            n = _axis_size(collective, axes)
+            quantized = False
+            if not config.exact:
+                decision = decide("all_gather", axes, x.shape, x.dtype, n, config,
+                                  phases=("ag",))
+                quantized = decision.quantized
+            if quantized:
+                out = all_gather_matmul(
+                    x, w, ring_axes, axis=match.axis, bits=config.phase2_bits,
+                    group_size=config.group_size, rotation=config.rotation,
+                    spikes=config.phase2_spikes,
+                    codec_backend="jnp" if config.backend == "auto" else config.backend)
+                detail = f"all_gather_matmul int{config.phase2_bits}"
+                reason = f"fused with the dot; {decision.reason}"
+            else:
+                out = all_gather_matmul(x, w, ring_axes, axis=match.axis)
+                detail = "all_gather_matmul"
+                reason = "fused with the dot; exact ring" + (
+                    f" ({decision.reason})" if not config.exact else " (bits=None)")
+        else:
+            out = matmul_reduce_scatter(x, w, ring_axes, axis=match.axis)
+            detail, reason = "matmul_reduce_scatter", "fused with the dot; exact ring"
+        self._check_type(eqn, out, ctx)
+        self._row(collective, ctx, "fused", detail, reason)
+        return out
+
+    # --- report -----------------------------------------------------------------------------
+
+    def _row(self, eqn, ctx: _Context, action: str, detail: str, reason: str):
+        if self.rows is None:
+            return
+        aval = eqn.invars[0].aval
+        axes = _axes_of(eqn)
+        site, _ = _call_site(eqn)
+        scope = "/".join(s for s in (ctx.scope, str(eqn.source_info.name_stack)) if s)
+        name = eqn.primitive.name
+        op = REWRITABLE.get(name, name)
+        self.rows.append(ReportRow(
+            primitive=name, op=op, axes=axes, shape=tuple(aval.shape), dtype=str(aval.dtype),
+            bytes_per_rank=int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize,
+            axis_size=_axis_size(eqn, axes), site=site, scope=scope, path=ctx.path or "-",
+            action=action, detail=detail, reason=reason))
+
+    def _report_unentered(self, jaxpr: core.Jaxpr, ctx: _Context, primitive: str):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in REWRITABLE or eqn.primitive.name in OTHER_COLLECTIVES:
+                self._row(eqn, ctx, "kept", "lax",
+                          f"inside {primitive}, which rewrite does not enter")
+            for sub in core.jaxprs_in_params(eqn.params):
+                self._report_unentered(sub, ctx.child(eqn.primitive.name, eqn), primitive)
+
+    def _check_type(self, eqn, out, ctx: _Context):
+        new, old = core.typeof(out), eqn.outvars[0].aval
+        if not _same_type(new, old):
+            site, _ = _call_site(eqn)
+            raise RuntimeError(f"rewrite: the flashcomm replacement of {eqn.primitive.name} at "
+                               f"{site} ({ctx.path or 'top level'}) gives {new.str_short()}, "
+                               f"the original gave {old.str_short()}")
+
+
+# --- higher-order primitives -------------------------------------------------------------------
+
+def _shard_map(self: Interpreter, eqn, invals, ctx):
+    params = dict(eqn.params)
+    body = params.pop("jaxpr")
+    out_specs = params.pop("out_specs")
+    inner = ctx.child("shard_map", eqn)
+
+    def fun(*args):
+        outs = self.eval_jaxpr(body, (), args, inner)
+        return FlatTree.flatten(outs).with_aux(out_specs)
+
+    params["subfuns"] = (fun,)
+    params["debug_info"] = body.debug_info
+    return eqn.primitive.bind(*invals, **params)
+
+
+def _jit(self: Interpreter, eqn, invals, ctx):
+    params = dict(eqn.params)
+    params["jaxpr"] = self.retrace(params["jaxpr"], ctx.child(f"jit({params['name']})", eqn))
+    return _bind(eqn.primitive, invals, params)
+
+
+def _hoisted(closed: core.ClosedJaxpr) -> tuple[core.ClosedJaxpr, list]:
+    """``closed`` with its consts turned into leading arguments, and the consts."""
+    if not closed.consts:
+        return closed, []
+    return pe.close_jaxpr(pe.convert_constvars_jaxpr(closed.jaxpr)), list(closed.consts)
+
+
+def _scan(self: Interpreter, eqn, invals, ctx):
+    params = dict(eqn.params)
+    body, consts = _hoisted(self.retrace(params["jaxpr"], ctx.child("scan", eqn)))
+    params["jaxpr"] = body
+    params["num_consts"] += len(consts)
+    return _bind(eqn.primitive, [*consts, *invals], params)
+
+
+def _while(self: Interpreter, eqn, invals, ctx):
+    params = dict(eqn.params)
+    inner = ctx.child("while", eqn)
+    cond, cond_consts = _hoisted(self.retrace(params["cond_jaxpr"], inner))
+    body, body_consts = _hoisted(self.retrace(params["body_jaxpr"], inner))
+    nc, nb = params["cond_nconsts"], params["body_nconsts"]
+    args = [*cond_consts, *invals[:nc], *body_consts, *invals[nc:]]
+    params.update(cond_jaxpr=cond, body_jaxpr=body, cond_nconsts=nc + len(cond_consts),
+                  body_nconsts=nb + len(body_consts))
+    return _bind(eqn.primitive, args, params)
+
+
+def _cond(self: Interpreter, eqn, invals, ctx):
+    params = dict(eqn.params)
+    params["branches"] = tuple(self.retrace(b, ctx.child(f"cond[{k}]", eqn))
+                               for k, b in enumerate(params["branches"]))
+    return _bind(eqn.primitive, invals, params)
+
+
+def _remat(self: Interpreter, eqn, invals, ctx):
+    params = dict(eqn.params)
+    closed = self.retrace(pe.close_jaxpr(params["jaxpr"]), ctx.child("remat", eqn))
+    params["jaxpr"] = pe.convert_constvars_jaxpr(closed.jaxpr)
+    return _bind(eqn.primitive, [*closed.consts, *invals], params)
+
+
+def _custom_jvp(self: Interpreter, eqn, invals, ctx):
+    """The primal body and the JVP rule's primal computation are rewritten; collectives on the
+    rule's tangents are kept: flashcomm's collectives are custom_vjp functions, which JAX
+    cannot transpose inside a JVP rule (reverse-mode differentiation would fail)."""
+    params = dict(eqn.params)
+    if _is_flashcomm_internal(params["call_jaxpr"]):
+        return _bind(eqn.primitive, invals, params)
+    inner = ctx.child("custom_jvp", eqn)
+    params["call_jaxpr"] = self.retrace(params["call_jaxpr"], inner)
+    jvp_fun = params["jvp_jaxpr_fun"]
+    lazy = Interpreter(self.policy)  # JVP rules are traced under autodiff, after this report
+
+    def rewritten_jvp(*zeros):
+        jaxpr, consts, out_zeros = jvp_fun.call_wrapped(*zeros)
+        n_tangents = sum(not z for z in zeros)
+        tangent_invars = [False] * (len(jaxpr.invars) - n_tangents) + [True] * n_tangents
+        new = lazy.retrace(core.ClosedJaxpr(jaxpr, consts), inner.child("jvp"), tangent_invars)
+        return new.jaxpr, new.consts, out_zeros
+
+    params["jvp_jaxpr_fun"] = lu.wrap_init(rewritten_jvp, debug_info=jvp_fun.debug_info)
+    return _bind(eqn.primitive, invals, params)
+
+
+def _custom_vjp(self: Interpreter, eqn, invals, ctx):
+    params = dict(eqn.params)
+    if _is_flashcomm_internal(params["call_jaxpr"]):
+        return _bind(eqn.primitive, invals, params)
+    inner = ctx.child("custom_vjp", eqn)
+    params["call_jaxpr"] = self.retrace(params["call_jaxpr"], inner)
+    fwd_thunk, bwd = params["fwd_jaxpr_thunk"], params["bwd"]
+    lazy = Interpreter(self.policy)  # the rules are traced under autodiff, after this report
+
+    def rewritten_fwd(*nonzeros):
+        jaxpr, consts = fwd_thunk.call_wrapped(*nonzeros)
+        new = lazy.retrace(core.ClosedJaxpr(jaxpr, consts), inner.child("fwd"))
+        return new.jaxpr, new.consts
+
+    def rewritten_bwd(*args):
+        if any(isinstance(a, (ad_util.Zero, ad_util.SymbolicZero)) for a in args):
+            return bwd.call_wrapped(*args)  # symbolic-zero cotangents: the rule as written
+        zero_avals: list = []
+
+        def dense_bwd(*a):
+            outs = list(bwd.call_wrapped(*a))
+            zero_avals[:] = [o.aval if isinstance(o, ad_util.Zero) else None for o in outs]
+            return [o for o in outs if not isinstance(o, ad_util.Zero)]
+
+        avals = [core.typeof(a) for a in args]
+        traced_jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
+            lu.wrap_init(dense_bwd, debug_info=bwd.debug_info), avals)
+        dense = iter(lazy.eval_jaxpr(traced_jaxpr, consts, args, inner.child("bwd")))
+        return [ad_util.Zero(z) if z is not None else next(dense) for z in zero_avals]
+
+    params["fwd_jaxpr_thunk"] = lu.wrap_init(rewritten_fwd, debug_info=fwd_thunk.debug_info)
+    params["bwd"] = lu.wrap_init(rewritten_bwd, debug_info=bwd.debug_info)
+    return _bind(eqn.primitive, invals, params)
+
+
+_HANDLERS = {"shard_map": _shard_map, "jit": _jit, "pjit": _jit, "scan": _scan,
+             "while": _while, "cond": _cond, "remat2": _remat, "checkpoint": _remat,
+             "custom_jvp_call": _custom_jvp, "custom_vjp_call": _custom_vjp}

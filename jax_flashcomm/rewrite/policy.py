@@ -1,0 +1,140 @@
+"""Which collectives :func:`jax_flashcomm.rewrite.rewrite` replaces, and with what options.
+
+A :class:`RewritePolicy` is a frozen (hashable) dataclass validated at construction. Its
+filters (``ops``, ``axes``, ``sites``, ``skip_sites``) pick the call sites to rewrite; ``config``
+is the :class:`~jax_flashcomm.CommConfig` every rewritten collective gets (``None``: the
+collectives' own defaults, size policy included); ``fuse_matmul`` turns an all-gather feeding a
+matmul, and a matmul feeding a reduce-scatter, into the ring collective matmuls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jax_flashcomm.codec import spec
+from jax_flashcomm.policy import CommConfig
+
+__all__ = ["RewritePolicy", "REWRITABLE_OPS"]
+
+#: The lax collectives that have a flashcomm equivalent, by their lax names.
+REWRITABLE_OPS = ("psum", "psum_scatter", "all_gather")
+
+#: dtypes the quantized collectives take.
+QUANTIZABLE_DTYPES = frozenset(spec.SUPPORTED_DTYPES)
+
+
+def _as_str_tuple(value, name: str) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = (value,)
+    try:
+        items = tuple(value)
+    except TypeError:
+        raise TypeError(f"RewritePolicy: {name} must be None, a string or a sequence of "
+                        f"strings, got {value!r}") from None
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise TypeError(f"RewritePolicy: {name} must hold non-empty strings, got {item!r}")
+    if not items:
+        raise ValueError(f"RewritePolicy: {name} is empty (it would match nothing); use None "
+                         f"for all")
+    return items
+
+
+@dataclasses.dataclass(frozen=True)
+class RewritePolicy:
+    """What to rewrite and how.
+
+    Attributes:
+      config: the :class:`~jax_flashcomm.CommConfig` of every rewritten collective (bits,
+        per-phase bits, group size, ``min_bytes`` size policy, grad mode, backend, rotation,
+        spikes). ``None``: the flashcomm collectives' defaults (``CommConfig()``: 8 bits,
+        messages under 1 MiB per rank stay exact).
+      ops: which lax collectives to rewrite, among ``"psum"``, ``"psum_scatter"``,
+        ``"all_gather"`` (a name or a tuple); ``None``: all three.
+      axes: mesh axis names; a collective is rewritten only if every axis it reduces over is
+        one of them. ``None``: any axes.
+      sites: call-site filter. A collective is rewritten only if one of these strings is a
+        substring of its ``jax.named_scope`` name stack or of one of the
+        ``"/path/file.py:line (function)"`` frames of the user code that called it, innermost
+        to outermost (e.g. ``"mlp"``, ``"model.py:42 "``, ``"nn/comm.py"``,
+        ``"(TPComm.all_reduce)"``). ``None``: every site.
+      skip_sites: the opposite filter: collectives whose name stack or frames contain one of
+        these strings are left alone (applied after ``sites``).
+      fuse_matmul: replace ``all_gather(x, tiled=True) -> x_all @ w`` by
+        :func:`~jax_flashcomm.all_gather_matmul` and ``psum_scatter(x @ w, tiled=True)`` by
+        :func:`~jax_flashcomm.matmul_reduce_scatter` where the pattern matches exactly (the
+        report says why it did not elsewhere).
+    """
+
+    config: CommConfig | None = None
+    ops: tuple[str, ...] | None = None
+    axes: tuple[str, ...] | None = None
+    sites: tuple[str, ...] | None = None
+    skip_sites: tuple[str, ...] | None = None
+    fuse_matmul: bool = False
+
+    def __post_init__(self):
+        if self.config is not None and not isinstance(self.config, CommConfig):
+            raise TypeError(f"RewritePolicy: config must be a jax_flashcomm.CommConfig or None, "
+                            f"got {type(self.config).__name__}")
+        ops = _as_str_tuple(self.ops, "ops")
+        if ops is not None:
+            unknown = [op for op in ops if op not in REWRITABLE_OPS]
+            if unknown:
+                raise ValueError(f"RewritePolicy: unknown ops {unknown}; the rewritable lax "
+                                 f"collectives are {REWRITABLE_OPS}")
+        object.__setattr__(self, "ops", ops)
+        object.__setattr__(self, "axes", _as_str_tuple(self.axes, "axes"))
+        object.__setattr__(self, "sites", _as_str_tuple(self.sites, "sites"))
+        object.__setattr__(self, "skip_sites", _as_str_tuple(self.skip_sites, "skip_sites"))
+        if not isinstance(self.fuse_matmul, (bool, np.bool_)):
+            raise TypeError(f"RewritePolicy: fuse_matmul must be a bool, got "
+                            f"{self.fuse_matmul!r}")
+
+    @property
+    def comm_config(self) -> CommConfig:
+        """The config the rewritten collectives get (the defaults when ``config`` is None)."""
+        return self.config if self.config is not None else CommConfig()
+
+    def select(self, op: str, axes: tuple, dtype, scope: str, frames: tuple[str, ...],
+               axis_index_groups=None) -> tuple[bool, str]:
+        """Whether to rewrite one collective, and why (or why not)."""
+        if self.ops is not None and op not in self.ops:
+            return False, f"policy.ops={self.ops} excludes {op}"
+        if self.axes is not None and not set(axes) <= set(self.axes):
+            return False, f"axes {tuple(axes)} not all in policy.axes={self.axes}"
+        if axis_index_groups is not None:
+            return False, "axis_index_groups is not supported by flashcomm"
+        places = (scope, *frames)
+        if self.sites is not None and not any(s in p for s in self.sites for p in places):
+            return False, f"call site matches none of policy.sites={self.sites}"
+        if self.skip_sites is not None:
+            hit = next((s for s in self.skip_sites for p in places if s in p), None)
+            if hit is not None:
+                return False, f"call site matches policy.skip_sites entry {hit!r}"
+        config = self.comm_config
+        if not config.exact and np.dtype(dtype) not in QUANTIZABLE_DTYPES:
+            return False, f"dtype {np.dtype(dtype)} is not quantizable (f32, bf16, f16 only)"
+        return True, "selected by the policy"
+
+
+def as_policy(policy) -> RewritePolicy:
+    """``policy`` as a :class:`RewritePolicy` (None -> defaults; a CommConfig -> its policy)."""
+    if policy is None:
+        return RewritePolicy()
+    if isinstance(policy, RewritePolicy):
+        return policy
+    if isinstance(policy, CommConfig):
+        return RewritePolicy(config=policy)
+    raise TypeError(f"rewrite: policy must be a RewritePolicy, a CommConfig or None, got "
+                    f"{type(policy).__name__}")
+
+
+def would_quantize(config: CommConfig, nbytes: int, axis_size: int) -> bool:
+    """The size policy of :func:`jax_flashcomm.policy.decide`, without recording a decision."""
+    return (not config.exact and axis_size > 1 and nbytes > 0
+            and nbytes >= config.min_bytes)
