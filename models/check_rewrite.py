@@ -21,7 +21,7 @@ import sys
 import time
 
 from models import cli
-from models.eval import nll_fn, progress, window_tokens
+from models.eval import nll_fn, progress, setup_windows
 
 #: The policy's call-site filter: comm="flash" quantizes the row-parallel all-reduces only.
 SKIP_SITES = ("VocabParallelEmbedding",)
@@ -40,9 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args, log=sys.stderr) -> dict:
-    with open(args.text, encoding="utf-8") as f:
-        text = f.read()
-    model, ckpt, mesh, comm = cli.setup(args)  # sets the device count, then imports jax
+    model, ckpt, mesh, comm, windows = setup_windows(args)
     import jax
     import numpy as np
 
@@ -51,9 +49,6 @@ def run(args, log=sys.stderr) -> dict:
     from models.engine import Engine
     from models.llama import set_comm
 
-    if ckpt.tokenizer is None:
-        raise ValueError(f"{args.model}: the checkpoint has no tokenizer")
-    windows = window_tokens(ckpt.tokenizer.encode(text), args.window, args.max_windows)
     cache_len = max(args.window, 64)
     flash = Engine(model, mesh, cache_len=cache_len)                 # captures comm="flash"
     exact = Engine(set_comm(model, TPComm("exact", comm.axis_name)), mesh, cache_len=cache_len)

@@ -63,17 +63,24 @@ def nll_fn():
     return nll
 
 
-def run(args, log=sys.stderr) -> dict:
+def setup_windows(args):
+    """``(model, ckpt, mesh, comm, windows)``: the model of ``args`` on its mesh (this sets the
+    device count, then imports jax) and the token windows of ``args.text``."""
     with open(args.text, encoding="utf-8") as f:
         text = f.read()
-    model, ckpt, mesh, comm = cli.setup(args)  # sets the device count, then imports jax
+    model, ckpt, mesh, comm = cli.setup(args)
+    if ckpt.tokenizer is None:
+        raise ValueError(f"{args.model}: the checkpoint has no tokenizer")
+    windows = window_tokens(ckpt.tokenizer.encode(text), args.window, args.max_windows)
+    return model, ckpt, mesh, comm, windows
+
+
+def run(args, log=sys.stderr) -> dict:
+    model, ckpt, mesh, comm, windows = setup_windows(args)
     import numpy as np
 
     from models.engine import Engine
 
-    if ckpt.tokenizer is None:
-        raise ValueError(f"{args.model}: the checkpoint has no tokenizer")
-    windows = window_tokens(ckpt.tokenizer.encode(text), args.window, args.max_windows)
     engine = Engine(model, mesh, cache_len=max(args.window, 64))
     nll = nll_fn()
     per_window, start = [], time.perf_counter()
