@@ -28,10 +28,10 @@ from jax_flashcomm.attention import tp_attention
 
 EPS32 = float(np.finfo(np.float32).eps)
 MESHES = {"2x4": ((2, 4), ("a", "b")), "2x2x2": ((2, 2, 2), ("a", "b", "c"))}
-# Tuples of two or more axes in every order (a single axis has one order; the single-axis cases
-# are tests/test_collective_matmul.py's and tests/test_psum*.py's).
+# Every subset of the axes (single axes too: a ring over one axis of a 2x2x2 mesh) in every
+# order: 19 axis tuples.
 CASES = [(m, axes) for m, (_, names) in MESHES.items()
-         for k in range(2, len(names) + 1)
+         for k in range(1, len(names) + 1)
          for subset in itertools.combinations(names, k)
          for axes in itertools.permutations(subset)]
 K, COLS, ROWS = 16, 8, 4   # contraction, columns, local rows (even: bidirectional halves)
@@ -186,7 +186,13 @@ def _exact_attention(mesh_name, axes, variants):
     return exact
 
 
-@pytest.mark.parametrize("mesh_name,axes", CASES, ids=[f"{m}-{''.join(a)}" for m, a in CASES])
+# Tuples of two or more axes (a single axis has one order: tests/test_attention_block.py runs
+# the block over one axis of 1-D and 2-D meshes).
+TUPLE_CASES = [(m, axes) for m, axes in CASES if len(axes) > 1]
+
+
+@pytest.mark.parametrize("mesh_name,axes", TUPLE_CASES,
+                         ids=[f"{m}-{''.join(a)}" for m, a in TUPLE_CASES])
 def test_tp_attention_follows_lax_rank_order(mesh_name, axes):
     """The ring attention block over a tuple of axes (uni- and bidirectional) is as accurate as
     the unfused lax block, values and gradients: a rank order that differs from lax's scrambles
