@@ -21,7 +21,7 @@ import sys
 import time
 
 from models import cli
-from models.eval import nll_fn, progress, setup_windows
+from models.eval import nll_fn, progress, run_windows_cli, setup_windows
 
 #: The policy's call-site filter: comm="flash" quantizes the row-parallel all-reduces only.
 SKIP_SITES = ("VocabParallelEmbedding",)
@@ -96,23 +96,12 @@ def run(args, log=sys.stderr) -> dict:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    cli.check(parser, args)
     if args.comm not in ("flash",):
         parser.error("--comm: the check compares comm='flash' with comm='exact' rewritten; "
                      "leave --comm at flash")
-    if args.window < 2 or args.max_windows < 1:
-        parser.error("--window must be >= 2 and --max-windows >= 1")
-    try:
-        result = run(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    result = run_windows_cli(parser, args, run)
+    if result is None:
         return 2
-    try:
-        from benchmarks.machine import first_line
-        result["machine"] = first_line()
-    except Exception:  # benchmarks/ is beside models/ in the repo; the CPU name is a nicety
-        import platform
-        result["machine"] = platform.processor() or platform.machine()
     print(result["report_table"])
     print(f"perplexity comm=flash             {result['perplexity_flash']:.6f}")
     print(f"perplexity comm=exact, rewritten  {result['perplexity_exact_rewritten']:.6f}")

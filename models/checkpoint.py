@@ -21,6 +21,7 @@ MLP width)::
 
 from __future__ import annotations
 
+import abc
 import os
 import pathlib
 from typing import TYPE_CHECKING
@@ -39,25 +40,25 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used: truncated, corrupt, missing or misshapen tensors."""
 
 
-class Checkpoint:
+class Checkpoint(abc.ABC):
     """Config, tokenizer and HF-layout float32 tensors of a model."""
 
     config: LlamaConfig
     tokenizer: "Tokenizer | None" = None
     path: pathlib.Path | None = None
 
+    @abc.abstractmethod
     def names(self) -> list[str]:
         """Every tensor name (HF names)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def shape(self, name: str) -> tuple[int, ...]:
         """The HF shape of tensor ``name``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def read(self, name: str, index=()) -> np.ndarray:
         """Tensor ``name`` (float32, HF layout), or just ``[index]`` of it (a tuple of slices),
         so that one shard can be read alone."""
-        raise NotImplementedError
 
     def close(self) -> None:
         """Release the files (optional)."""

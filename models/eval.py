@@ -107,22 +107,32 @@ def run(args, log=sys.stderr) -> dict:
     }
 
 
-def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def run_windows_cli(parser, args, run_fn) -> dict | None:
+    """The common part of the perplexity CLIs: checks the options, runs ``run_fn(args)`` and
+    adds the machine it ran on; ``None`` (the error printed) when the checkpoint or text fails."""
     cli.check(parser, args)
     if args.window < 2 or args.max_windows < 1:
         parser.error("--window must be >= 2 and --max-windows >= 1")
     try:
-        result = run(args)
+        result = run_fn(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return None
     try:
         from benchmarks.machine import first_line
         result["machine"] = first_line()
     except Exception:  # benchmarks/ is beside models/ in the repo; the CPU name is a nicety
-        pass
+        import platform
+        result["machine"] = platform.processor() or platform.machine()
+    return result
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    result = run_windows_cli(parser, args, run)
+    if result is None:
+        return 2
     print(f"perplexity {result['perplexity']:.4f} over {result['tokens']} tokens "
           f"({result['comm']}, TP={args.tp}, {result['seconds']:.1f} s)")
     if args.json:
