@@ -30,6 +30,7 @@ from jax import lax
 
 from jax_flashcomm import _common
 from jax_flashcomm import codec
+from jax_flashcomm import transport
 from jax_flashcomm.policy import DEFAULT_MIN_BYTES, CommConfig, decide, make_config
 
 __all__ = ["psum", "pmean"]
@@ -38,7 +39,7 @@ __all__ = ["psum", "pmean"]
 def psum(x, axis_name, *, axis_index_groups=None, bits: int | None = 8,
          rs_bits: int | None = None, ag_bits: int | None = None, group_size: int = 128,
          min_bytes: int = DEFAULT_MIN_BYTES, backend: str = "auto", grad: str = "exact",
-         config: CommConfig | None = None, rotation=0, spikes="auto"):
+         config: CommConfig | None = None, rotation=0, spikes="auto", transport="auto"):
     """Quantized all-reduce sum over mesh axes ``axis_name``: a drop-in for ``lax.psum``.
 
     Args:
@@ -59,6 +60,9 @@ def psum(x, axis_name, *, axis_index_groups=None, bits: int | None = 8,
         (0..16; both phases; after the rotation if any; docs/format.md "Spike reserving").
         "auto" (the default), decided per phase: 1 in a phase of at most 6 bits, else 0
         (CommConfig.phase1_spikes / phase2_spikes; docs/outliers.md measures why).
+      transport: how the payloads move: "auto", "xla" (XLA's all_to_all and all_gather) or
+        "p2p" (one fused FFI call per rank reading its peers' buffers; the devices of one
+        process; same bits as "xla"). docs/transport.md.
 
     Returns:
       The sum, of ``x``'s structure, shapes and dtypes, invariant over the reduced axes.
@@ -66,7 +70,7 @@ def psum(x, axis_name, *, axis_index_groups=None, bits: int | None = 8,
     if config is None:
         config = make_config(bits=bits, rs_bits=rs_bits, ag_bits=ag_bits, group_size=group_size,
                              min_bytes=min_bytes, backend=backend, grad=grad, rotation=rotation,
-                             spikes=spikes)
+                             spikes=spikes, transport=transport)
     config = make_config(config)
     if axis_index_groups is not None:
         raise NotImplementedError("jax_flashcomm.psum: axis_index_groups is not supported")
@@ -132,6 +136,9 @@ def two_step(x, axes, config: CommConfig):
     (varying), ``p2`` the gathered phase-2 payload (replicated) with ``x``'s shape, so
     ``codec.error_bound`` of each gives the per-element bounds of the two quantizations.
     """
+    nbytes = x.size * x.dtype.itemsize
+    if transport.choose(config, axes, nbytes) == "p2p":
+        return transport.p2p.all_reduce(x, axes, config, config.p2p_timeout_ms)
     n = _common.axis_size(axes)
     g, b1, b2 = config.group_size, config.phase1_bits, config.phase2_bits
     rot, k1, k2 = config.rotation, config.phase1_spikes, config.phase2_spikes

@@ -27,6 +27,8 @@ logger = logging.getLogger("jax_flashcomm")
 DEFAULT_MIN_BYTES = 1 << 20
 #: ``"exact"``: cotangent collectives are the lax ones; ``"quantized"``: they use this config.
 GRAD_MODES = ("exact", "quantized")
+#: How payloads move between ranks (jax_flashcomm.transport).
+TRANSPORTS = ("auto", "xla", "p2p")
 
 #: spikes="auto": one spike per group in each quantized phase of at most 6 bits, decided per
 #: phase. Measured (docs/outliers.md): never worse than none, 3-13x lower error on outlier
@@ -49,6 +51,7 @@ class CommConfig:
     cotangents; ``backend`` is the codec backend ("auto", "ffi", "jnp"). ``rotation``
     quantizes each group's (signed) Walsh-Hadamard transform (needs a power-of-two
     ``group_size``): outlier channels then no longer set the step of their groups.
+    ``transport`` picks how payloads move ("auto", "xla", "p2p"; docs/transport.md).
     ``spikes`` keeps each group's k largest-magnitude values in bf16 beside the codes; the
     default ``"auto"`` is the rule docs/outliers.md measured, decided per phase: 1 in a phase
     of at most 6 bits, else 0 (:attr:`phase1_spikes`, :attr:`phase2_spikes` are the resolved
@@ -69,6 +72,12 @@ class CommConfig:
     #: docs/outliers.md measures it): "auto" (the default, decided per phase, see
     #: :attr:`phase1_spikes`) or 0..16 below group_size for both phases.
     spikes: int | str = "auto"
+    #: How payloads move (jax_flashcomm.transport, docs/transport.md): "auto" (the default:
+    #: "p2p" where it runs and is measured faster, else "xla"), "xla" (XLA's collectives) or
+    #: "p2p" (one fused FFI call per rank reading its peers' buffers; one process only).
+    transport: str = "auto"
+    #: The p2p transport's limit on every wait for a peer: a missing peer raises after it.
+    p2p_timeout_ms: int = 60_000
 
     def __post_init__(self):
         if self.bits is not None:
@@ -90,6 +99,13 @@ class CommConfig:
                 or not isinstance(self.min_bytes, (int, np.integer)) or self.min_bytes < 0):
             raise ValueError(f"min_bytes must be a non-negative int, got {self.min_bytes!r}")
         spec.check_backend(self.backend)
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if (isinstance(self.p2p_timeout_ms, (bool, np.bool_))
+                or not isinstance(self.p2p_timeout_ms, (int, np.integer))
+                or self.p2p_timeout_ms <= 0):
+            raise ValueError(f"p2p_timeout_ms must be a positive int, got "
+                             f"{self.p2p_timeout_ms!r}")
         if self.grad not in GRAD_MODES:
             raise ValueError(f"grad must be one of {GRAD_MODES}, got {self.grad!r}")
 

@@ -29,6 +29,7 @@ from jax import lax
 
 from jax_flashcomm import _common
 from jax_flashcomm import codec
+from jax_flashcomm import transport
 from jax_flashcomm.allreduce import vary
 from jax_flashcomm.policy import DEFAULT_MIN_BYTES, CommConfig, decide, make_config
 
@@ -53,16 +54,18 @@ def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, axis_index_groups=
                  tiled: bool = False, bits: int | None = 8, group_size: int = 128,
                  min_bytes: int = DEFAULT_MIN_BYTES, backend: str = "auto",
                  grad: str = "exact", config: CommConfig | None = None, rotation=0,
-                 spikes="auto"):
+                 spikes="auto", transport="auto"):
     """Quantized reduce-scatter: a drop-in for ``lax.psum_scatter``.
 
     Rank i gets the sum over ranks of slice i of ``x`` along ``scatter_dimension`` (that
     dimension removed when ``tiled=False``, where its size must be N; divided by N when
     ``tiled=True``). ``bits=None`` is exactly ``lax.psum_scatter``; below ``min_bytes`` per rank
-    the lax op is used. ``config`` (a :class:`CommConfig`) replaces the option arguments.
+    the lax op is used. ``config`` (a :class:`CommConfig`) replaces the option arguments;
+    ``transport`` ("auto", "xla", "p2p") how the payloads move (docs/transport.md).
     """
     config = _config(config, bits=bits, group_size=group_size, min_bytes=min_bytes,
-                     backend=backend, grad=grad, rotation=rotation, spikes=spikes)
+                     backend=backend, grad=grad, rotation=rotation, spikes=spikes,
+                     transport=transport)
     if axis_index_groups is not None:
         raise NotImplementedError("jax_flashcomm.psum_scatter: axis_index_groups is not "
                                   "supported")
@@ -125,13 +128,18 @@ def reduce_scatter_parts(x, axes, dim, tiled, config: CommConfig):
     mp = -(-m // g) * g
     if mp != m:
         rows = jnp.pad(rows, ((0, 0), (0, mp - m)))
-    p1 = codec.quantize(rows, bits=bits, group_size=g, num_chunks=n, backend=config.backend,
-                        rotation=config.rotation, spikes=config.phase1_spikes)
-    p1 = _common.with_meta(p1.split_groups(n), shape=(mp,))
-    received = lax.all_to_all(_common.pack(p1), axes, 0, 0, tiled=False)
-    recv = _common.unpack(received, bits=bits, group_size=g, shape=(mp,), dtype=x.dtype,
-                          rotation=config.rotation, spikes=config.phase1_spikes)
-    summed = codec.dequantize_sum(recv, backend=config.backend)[:m]
+    if transport.choose(config, axes, x.size * x.dtype.itemsize) == "p2p":
+        summed, p1 = transport.p2p.reduce_scatter(rows, axes, config, config.p2p_timeout_ms)
+    else:
+        p1 = codec.quantize(rows, bits=bits, group_size=g, num_chunks=n,
+                            backend=config.backend, rotation=config.rotation,
+                            spikes=config.phase1_spikes)
+        p1 = _common.with_meta(p1.split_groups(n), shape=(mp,))
+        received = lax.all_to_all(_common.pack(p1), axes, 0, 0, tiled=False)
+        recv = _common.unpack(received, bits=bits, group_size=g, shape=(mp,), dtype=x.dtype,
+                              rotation=config.rotation, spikes=config.phase1_spikes)
+        summed = codec.dequantize_sum(recv, backend=config.backend)
+    summed = summed[:m]
     rest = tuple(rest)
     if tiled:
         out = summed.reshape(x.shape[dim] // n, *rest)
@@ -166,15 +174,17 @@ def all_gather(x, axis_name, *, axis: int = 0, axis_index_groups=None, tiled: bo
                bits: int | None = 8, group_size: int = 128,
                min_bytes: int = DEFAULT_MIN_BYTES, backend: str = "auto",
                grad: str = "exact", config: CommConfig | None = None, rotation=0,
-               spikes="auto"):
+               spikes="auto", transport="auto"):
     """Quantized all-gather: a drop-in for ``lax.all_gather``.
 
     Stacks the N ranks' operands on a new dimension ``axis`` (``tiled=False``) or concatenates
     them along ``axis`` (``tiled=True``). ``bits=None`` is exactly ``lax.all_gather``; below
-    ``min_bytes`` per rank the lax op is used. ``config`` replaces the option arguments.
+    ``min_bytes`` per rank the lax op is used. ``config`` replaces the option arguments;
+    ``transport`` ("auto", "xla", "p2p") how the payloads move (docs/transport.md).
     """
     config = _config(config, bits=bits, group_size=group_size, min_bytes=min_bytes,
-                     backend=backend, grad=grad, rotation=rotation, spikes=spikes)
+                     backend=backend, grad=grad, rotation=rotation, spikes=spikes,
+                     transport=transport)
     if axis_index_groups is not None:
         raise NotImplementedError("jax_flashcomm.all_gather: axis_index_groups is not "
                                   "supported")
@@ -207,6 +217,9 @@ def all_gather_parts(x, axes, axis, tiled, config: CommConfig):
     :func:`gather_payloads` of it gives every sender's, whose ``codec.error_bound`` is
     ``(N, *x.shape)``.
     """
+    if transport.choose(config, axes, x.size * x.dtype.itemsize) == "p2p":
+        stacked, p = transport.p2p.all_gather(x, axes, config, config.p2p_timeout_ms)
+        return _arrange_gathered(stacked, axis, tiled), p
     p = codec.quantize(x, bits=config.phase2_bits, group_size=config.group_size,
                        backend=config.backend, rotation=config.rotation,
                        spikes=config.phase2_spikes)
@@ -230,9 +243,14 @@ def _decode_gathered(pg, axis, tiled, config):
     all-gather; used when the output is too large for int32 offsets, and as the tests' oracle
     of the ring)."""
     stacked = codec.dequantize(pg, backend=config.backend)          # (N, *x.shape)
+    return _arrange_gathered(stacked, axis, tiled)
+
+
+def _arrange_gathered(stacked, axis, tiled):
+    """The N decoded operands ``(N, *x.shape)`` as lax.all_gather lays them out."""
     out = jnp.moveaxis(stacked, 0, axis)
     if tiled:
-        shape = list(pg.shape)
+        shape = list(stacked.shape[1:])
         shape[axis] *= stacked.shape[0]
         out = out.reshape(shape)
     return out

@@ -8,14 +8,20 @@
 
 #include "flashcomm/cpu_dispatch.h"
 #include "flashcomm/cpu_kernels.h"
+#include "flashcomm/cpu_p2p.h"
 #include "flashcomm/nb_registrations.h"
 
 NB_MODULE(_flashcomm_cpu, m) {
   m.def("registrations", []() {
-    return flashcomm::Registrations(FlashcommQuantizeCpu, FlashcommDequantizeCpu,
-                                    FlashcommDequantizeSumCpu, FlashcommDequantizeSumQuantizeCpu,
-                                    FlashcommDequantizeIntoCpu);
+    nanobind::dict d = flashcomm::Registrations(
+        FlashcommQuantizeCpu, FlashcommDequantizeCpu, FlashcommDequantizeSumCpu,
+        FlashcommDequantizeSumQuantizeCpu, FlashcommDequantizeIntoCpu);
+    flashcomm::AddP2pRegistrations(d, FlashcommP2pAllReduceCpu, FlashcommP2pReduceScatterCpu,
+                                   FlashcommP2pAllGatherCpu);
+    return d;
   });
+  m.def("p2p_meetings_in_progress", &flashcomm::cpu::P2pMeetingsInProgress,
+        "Peer-to-peer collective calls some rank has not finished (0 between collectives).");
   m.def("cpu_isa", []() { return std::string(flashcomm::cpu::kernels().isa); },
         "The instruction-set build the codec kernels run (avx512, avx2, baseline or neon).");
   m.def("supported_isas", &flashcomm::cpu::supported_isas,

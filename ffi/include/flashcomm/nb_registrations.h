@@ -24,6 +24,15 @@ inline nanobind::dict Registrations(Handler* quantize, Handler* dequantize,
   return d;
 }
 
+// The peer-to-peer transport's fused collectives (docs/transport.md), added to `d`.
+inline void AddP2pRegistrations(nanobind::dict& d, Handler* all_reduce, Handler* reduce_scatter,
+                                Handler* all_gather) {
+  auto capsule = [](Handler* fn) { return nanobind::capsule(reinterpret_cast<void*>(fn)); };
+  d["flashcomm_p2p_all_reduce"] = capsule(all_reduce);
+  d["flashcomm_p2p_reduce_scatter"] = capsule(reduce_scatter);
+  d["flashcomm_p2p_all_gather"] = capsule(all_gather);
+}
+
 }  // namespace flashcomm
 
 #endif  // FLASHCOMM_NB_REGISTRATIONS_H_

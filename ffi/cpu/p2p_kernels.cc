@@ -1,0 +1,359 @@
+// The peer-to-peer transport on CPU: fused quantized collectives in one FFI call per rank,
+// the ranks being the virtual CPU devices of one process (docs/transport.md). Each call
+// quantizes into its own result buffers, meets its peers (p2p_rendezvous.h) and reads their
+// buffers directly. The codec work is the same kernels, inputs and order as the `xla`
+// transport's (jax_flashcomm/allreduce.py two_step), so the results are bit-identical to it.
+#include "flashcomm/cpu_p2p.h"
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "flashcomm/codec.h"
+#include "flashcomm/cpu_dispatch.h"
+#include "flashcomm/cpu_ops.h"
+#include "flashcomm/ffi_checks.h"
+#include "flashcomm/p2p_rendezvous.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace flashcomm {
+namespace cpu {
+namespace {
+
+using p2p::Meeting;
+using p2p::Published;
+using p2p::Rendezvous;
+
+// One rank's part in one meeting: joins on construction, leaves on destruction (every return
+// path, errors included).
+class Participant {
+ public:
+  Participant(int64_t run_id, int64_t site, int32_t group, int32_t rank, int64_t size,
+              int barriers, int64_t timeout_ms)
+      : rank_(rank),
+        deadline_(std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms)) {
+    meeting_ = Rendezvous::Global().Join({run_id, site, group}, rank, int(size), barriers,
+                                         &error_);
+  }
+  ~Participant() {
+    if (meeting_) Rendezvous::Global().Leave(meeting_);
+  }
+  bool ok() const { return meeting_ != nullptr; }
+  // Publish `mine` at `barrier`, wait for every rank; false and error() on a timeout.
+  bool Arrive(int barrier, const Published& mine, std::vector<Published>* peers) {
+    return meeting_->Arrive(barrier, rank_, mine, deadline_, peers, &error_);
+  }
+  ffi::Error error(const char* op) const {
+    return ffi::Error::Internal(std::string(op) + ": " + error_);
+  }
+
+ private:
+  int rank_;
+  std::chrono::steady_clock::time_point deadline_;
+  std::shared_ptr<Meeting> meeting_;
+  std::string error_;
+};
+
+ffi::Error CheckCommon(const char* op, ffi::AnyBuffer x, int32_t rank, int64_t size,
+                       int64_t timeout_ms, int32_t rotation, int64_t group_size) {
+  if (size < 1 || rank < 0 || rank >= size) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": rank " + std::to_string(rank) +
+                                       " is not in 0.." + std::to_string(size - 1));
+  }
+  if (timeout_ms <= 0) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": timeout_ms must be positive");
+  }
+  if (rotation < kRotationNone || rotation > kRotationSignedHadamard ||
+      (rotation != kRotationNone && (group_size & (group_size - 1)) != 0)) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": bad rotation for group_size");
+  }
+  DType dtype;
+  if (!ToDType(x.element_type(), &dtype)) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": x must be f32, bf16 or f16");
+  }
+  return ffi::Error::Success();
+}
+
+// A reusable per-thread buffer for the chunks read from the peers (grows, never shrinks).
+uint8_t* Scratch(size_t bytes) {
+  thread_local std::vector<uint8_t> buffer;
+  if (buffer.size() < bytes) buffer.resize(bytes);
+  return buffer.data();
+}
+
+// Copies chunk `chunk` (gpc groups) of every peer's payload published at a barrier into one
+// chunked payload (peers in rank order): the input of the fused sum kernels.
+PayloadView GatherChunk(const std::vector<Published>& peers, int64_t chunk, int64_t gpc,
+                        int64_t group_size, int bits, int spikes) {
+  const int64_t n = int64_t(peers.size());
+  const int64_t nb = record_bytes(group_size, bits, spikes);
+  uint8_t* buf = Scratch(size_t(n * gpc * (nb + 4)));
+  uint8_t* codes = buf;
+  auto* scale = reinterpret_cast<uint16_t*>(buf + n * gpc * nb);
+  uint16_t* zero = scale + n * gpc;
+  for (int64_t j = 0; j < n; ++j) {
+    const auto* pc = static_cast<const uint8_t*>(peers[j][0]);
+    const auto* ps = static_cast<const uint16_t*>(peers[j][1]);
+    const auto* pz = static_cast<const uint16_t*>(peers[j][2]);
+    std::memcpy(codes + j * gpc * nb, pc + chunk * gpc * nb, size_t(gpc * nb));
+    std::memcpy(scale + j * gpc, ps + chunk * gpc, size_t(gpc) * 2);
+    std::memcpy(zero + j * gpc, pz + chunk * gpc, size_t(gpc) * 2);
+  }
+  PayloadView view;
+  view.codes = codes;
+  view.scale = scale;
+  view.zero = zero;
+  view.batch = 1;
+  view.chunks = n;
+  view.groups_per_chunk = gpc;
+  view.group_size = group_size;
+  view.group_bytes = nb;
+  view.bits = bits;
+  view.spikes = spikes;
+  return view;
+}
+
+Published Publish(const void* codes, const void* scale, const void* zero) {
+  return Published{codes, scale, zero, nullptr};
+}
+
+}  // namespace
+
+ffi::Error P2pAllReduce(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
+                        ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> y,
+                        ffi::Result<ffi::Buffer<ffi::U8>> p1_codes,
+                        ffi::Result<ffi::Buffer<ffi::BF16>> p1_scale,
+                        ffi::Result<ffi::Buffer<ffi::BF16>> p1_zero,
+                        ffi::Result<ffi::Buffer<ffi::U8>> p2_codes,
+                        ffi::Result<ffi::Buffer<ffi::BF16>> p2_scale,
+                        ffi::Result<ffi::Buffer<ffi::BF16>> p2_zero, int32_t bits,
+                        int32_t out_bits, int64_t group_size, int32_t rotation, int32_t spikes,
+                        int32_t out_spikes, int64_t size, int64_t site, int64_t timeout_ms) {
+  constexpr const char* kOp = "flashcomm_p2p_all_reduce";
+  const int32_t rank = rank_buf.typed_data()[0];
+  if (ffi::Error e = CheckCommon(kOp, x, rank, size, timeout_ms, rotation, group_size);
+      e.failure()) {
+    return e;
+  }
+  int64_t n_groups = 0;
+  if (ffi::Error e = CheckQuantizeShapes(x, *p1_codes, *p1_scale, *p1_zero, bits, group_size,
+                                         spikes, &n_groups);
+      e.failure()) {
+    return e;
+  }
+  int64_t n_out = 0;
+  if (ffi::Error e = CheckQuantizeShapes(*y, *p2_codes, *p2_scale, *p2_zero, out_bits,
+                                         group_size, out_spikes, &n_out);
+      e.failure()) {
+    return e;
+  }
+  if (n_out != n_groups || n_groups % size != 0 || y->element_type() != x.element_type()) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": y or the group count do not "
+                                       "match x and the group size");
+  }
+  DType dtype;
+  ToDType(x.element_type(), &dtype);
+  const int64_t gpc = n_groups / size;
+  const int64_t nb2 = record_bytes(group_size, out_bits, out_spikes);
+  const CodecKernels& k = kernels();
+  uint8_t* c2 = p2_codes->typed_data();
+  auto* s2 = reinterpret_cast<uint16_t*>(p2_scale->typed_data());
+  auto* z2 = reinterpret_cast<uint16_t*>(p2_zero->typed_data());
+
+  // 1. Quantize the operand (N chunks) into this rank's phase-1 payload.
+  k.quantize(dtype, x.untyped_data(), n_groups, group_size, bits, rotation, spikes,
+             p1_codes->typed_data(), reinterpret_cast<uint16_t*>(p1_scale->typed_data()),
+             reinterpret_cast<uint16_t*>(p1_zero->typed_data()));
+  Participant me(run.run_id, site, group_buf.typed_data()[0], rank, size, 3, timeout_ms);
+  if (!me.ok()) return me.error(kOp);
+  std::vector<Published> peers;
+  if (!me.Arrive(0, Publish(p1_codes->typed_data(), p1_scale->typed_data(),
+                            p1_zero->typed_data()), &peers)) {
+    return me.error(kOp);
+  }
+  // 2. This rank's chunk from every peer, summed in f32 in rank order and re-quantized, into
+  //    its slot of the gathered phase-2 payload.
+  const PayloadView in = GatherChunk(peers, rank, gpc, group_size, bits, spikes);
+  k.dequantize_sum_quantize(in, out_bits, out_spikes, c2 + rank * gpc * nb2, s2 + rank * gpc,
+                            z2 + rank * gpc);
+  if (!me.Arrive(1, Publish(c2, s2, z2), &peers)) return me.error(kOp);
+  // 3. Every peer's reduced chunk into its slot, then decode the whole gathered payload.
+  for (int64_t j = 0; j < size; ++j) {
+    if (j == rank) continue;
+    std::memcpy(c2 + j * gpc * nb2, static_cast<const uint8_t*>(peers[j][0]) + j * gpc * nb2,
+                size_t(gpc * nb2));
+    std::memcpy(s2 + j * gpc, static_cast<const uint16_t*>(peers[j][1]) + j * gpc,
+                size_t(gpc) * 2);
+    std::memcpy(z2 + j * gpc, static_cast<const uint16_t*>(peers[j][2]) + j * gpc,
+                size_t(gpc) * 2);
+  }
+  k.dequantize(dtype, c2, s2, z2, n_groups, group_size, out_bits, rotation, out_spikes,
+               y->untyped_data());
+  // 4. No rank returns before every peer has read its slot.
+  if (!me.Arrive(2, Publish(nullptr, nullptr, nullptr), &peers)) return me.error(kOp);
+  return ffi::Error::Success();
+}
+
+ffi::Error P2pReduceScatter(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
+                            ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> y,
+                            ffi::Result<ffi::Buffer<ffi::U8>> p1_codes,
+                            ffi::Result<ffi::Buffer<ffi::BF16>> p1_scale,
+                            ffi::Result<ffi::Buffer<ffi::BF16>> p1_zero, int32_t bits,
+                            int64_t group_size, int32_t rotation, int32_t spikes, int64_t size,
+                            int64_t site, int64_t timeout_ms) {
+  constexpr const char* kOp = "flashcomm_p2p_reduce_scatter";
+  const int32_t rank = rank_buf.typed_data()[0];
+  if (ffi::Error e = CheckCommon(kOp, x, rank, size, timeout_ms, rotation, group_size);
+      e.failure()) {
+    return e;
+  }
+  int64_t n_groups = 0;
+  if (ffi::Error e = CheckQuantizeShapes(x, *p1_codes, *p1_scale, *p1_zero, bits, group_size,
+                                         spikes, &n_groups);
+      e.failure()) {
+    return e;
+  }
+  if (n_groups % size != 0 || int64_t(y->element_count()) * size != n_groups * group_size ||
+      y->element_type() != x.element_type()) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": y must hold one chunk of x");
+  }
+  DType dtype;
+  ToDType(x.element_type(), &dtype);
+  const int64_t gpc = n_groups / size;
+  const CodecKernels& k = kernels();
+  k.quantize(dtype, x.untyped_data(), n_groups, group_size, bits, rotation, spikes,
+             p1_codes->typed_data(), reinterpret_cast<uint16_t*>(p1_scale->typed_data()),
+             reinterpret_cast<uint16_t*>(p1_zero->typed_data()));
+  Participant me(run.run_id, site, group_buf.typed_data()[0], rank, size, 2, timeout_ms);
+  if (!me.ok()) return me.error(kOp);
+  std::vector<Published> peers;
+  if (!me.Arrive(0, Publish(p1_codes->typed_data(), p1_scale->typed_data(),
+                            p1_zero->typed_data()), &peers)) {
+    return me.error(kOp);
+  }
+  const PayloadView in = GatherChunk(peers, rank, gpc, group_size, bits, spikes);
+  if (!me.Arrive(1, Publish(nullptr, nullptr, nullptr), &peers)) return me.error(kOp);
+  k.dequantize_sum(dtype, in, rotation, y->untyped_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error P2pAllGather(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
+                        ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> y,
+                        ffi::Result<ffi::Buffer<ffi::U8>> codes,
+                        ffi::Result<ffi::Buffer<ffi::BF16>> scale,
+                        ffi::Result<ffi::Buffer<ffi::BF16>> zero, int32_t bits,
+                        int64_t group_size, int32_t rotation, int32_t spikes, int64_t size,
+                        int64_t site, int64_t timeout_ms) {
+  constexpr const char* kOp = "flashcomm_p2p_all_gather";
+  const int32_t rank = rank_buf.typed_data()[0];
+  if (ffi::Error e = CheckCommon(kOp, x, rank, size, timeout_ms, rotation, group_size);
+      e.failure()) {
+    return e;
+  }
+  int64_t n_groups = 0;
+  if (ffi::Error e = CheckQuantizeShapes(x, *codes, *scale, *zero, bits, group_size, spikes,
+                                         &n_groups);
+      e.failure()) {
+    return e;
+  }
+  if (y->element_count() != x.element_count() * size || y->element_type() != x.element_type()) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": y must hold N copies of x");
+  }
+  DType dtype;
+  ToDType(x.element_type(), &dtype);
+  const CodecKernels& k = kernels();
+  k.quantize(dtype, x.untyped_data(), n_groups, group_size, bits, rotation, spikes,
+             codes->typed_data(), reinterpret_cast<uint16_t*>(scale->typed_data()),
+             reinterpret_cast<uint16_t*>(zero->typed_data()));
+  Participant me(run.run_id, site, group_buf.typed_data()[0], rank, size, 2, timeout_ms);
+  if (!me.ok()) return me.error(kOp);
+  std::vector<Published> peers;
+  if (!me.Arrive(0, Publish(codes->typed_data(), scale->typed_data(), zero->typed_data()),
+                 &peers)) {
+    return me.error(kOp);
+  }
+  // Every rank's payload decoded straight from its buffer into its slot.
+  const size_t slot_bytes = x.size_bytes();
+  auto* out = static_cast<uint8_t*>(y->untyped_data());
+  for (int64_t j = 0; j < size; ++j) {
+    k.dequantize(dtype, static_cast<const uint8_t*>(peers[j][0]),
+                 static_cast<const uint16_t*>(peers[j][1]),
+                 static_cast<const uint16_t*>(peers[j][2]), n_groups, group_size, bits,
+                 rotation, spikes, out + j * slot_bytes);
+  }
+  if (!me.Arrive(1, Publish(nullptr, nullptr, nullptr), &peers)) return me.error(kOp);
+  return ffi::Error::Success();
+}
+
+size_t P2pMeetingsInProgress() { return Rendezvous::Global().InProgress(); }
+
+}  // namespace cpu
+}  // namespace flashcomm
+
+// Shared by the three handlers: the rank (lax.axis_index over the reduced axes, lax's tuple
+// order) and replica group (index over the mesh axes not reduced) as int32 scalar operands.
+#define FLASHCOMM_P2P_COMMON_ATTRS                                                         \
+  .Attr<int64_t>("size")          /* ranks in the replica group */                         \
+      .Attr<int64_t>("site")      /* the call site: peers of one call share it */          \
+      .Attr<int64_t>("timeout_ms") /* every wait gives up after this, with an error */
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    FlashcommP2pAllReduceCpu, flashcomm::cpu::P2pAllReduce,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::RunId>()                 // the execution: peers of one run meet
+        .Arg<ffi::AnyBuffer>()             // x: (N * groups_per_chunk, group_size)
+        .Arg<ffi::Buffer<ffi::S32>>()      // rank: () in 0..N-1
+        .Arg<ffi::Buffer<ffi::S32>>()      // group: () the replica group's index
+        .Ret<ffi::AnyBuffer>()             // y: x's shape and dtype, the decoded sum
+        .Ret<ffi::Buffer<ffi::U8>>()       // phase-1 codes: (N, groups_per_chunk, bytes)
+        .Ret<ffi::Buffer<ffi::BF16>>()     // phase-1 scale: (N, groups_per_chunk)
+        .Ret<ffi::Buffer<ffi::BF16>>()     // phase-1 zero
+        .Ret<ffi::Buffer<ffi::U8>>()       // phase-2 codes, gathered: (N * gpc, bytes')
+        .Ret<ffi::Buffer<ffi::BF16>>()     // phase-2 scale: (N * gpc)
+        .Ret<ffi::Buffer<ffi::BF16>>()     // phase-2 zero
+        .Attr<int32_t>("bits")             // phase-1 code width, 2..8
+        .Attr<int32_t>("out_bits")         // phase-2 code width, 2..8
+        .Attr<int64_t>("group_size")       // multiple of 8
+        .Attr<int32_t>("rotation")         // 0, 1 or 2 (both phases)
+        .Attr<int32_t>("spikes")           // phase-1 spikes per group, 0..16
+        .Attr<int32_t>("out_spikes")       // phase-2 spikes per group, 0..16
+        FLASHCOMM_P2P_COMMON_ATTRS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    FlashcommP2pReduceScatterCpu, flashcomm::cpu::P2pReduceScatter,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::RunId>()                 // the execution: peers of one run meet
+        .Arg<ffi::AnyBuffer>()             // x: (N * groups_per_chunk, group_size)
+        .Arg<ffi::Buffer<ffi::S32>>()      // rank: () in 0..N-1
+        .Arg<ffi::Buffer<ffi::S32>>()      // group: () the replica group's index
+        .Ret<ffi::AnyBuffer>()             // y: (groups_per_chunk, group_size), chunk `rank`
+        .Ret<ffi::Buffer<ffi::U8>>()       // codes: (N, groups_per_chunk, bytes)
+        .Ret<ffi::Buffer<ffi::BF16>>()     // scale: (N, groups_per_chunk)
+        .Ret<ffi::Buffer<ffi::BF16>>()     // zero
+        .Attr<int32_t>("bits")             // code width, 2..8
+        .Attr<int64_t>("group_size")       // multiple of 8
+        .Attr<int32_t>("rotation")         // 0, 1 or 2
+        .Attr<int32_t>("spikes")           // spikes per group, 0..16
+        FLASHCOMM_P2P_COMMON_ATTRS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    FlashcommP2pAllGatherCpu, flashcomm::cpu::P2pAllGather,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::RunId>()                 // the execution: peers of one run meet
+        .Arg<ffi::AnyBuffer>()             // x: (groups, group_size)
+        .Arg<ffi::Buffer<ffi::S32>>()      // rank: () in 0..N-1
+        .Arg<ffi::Buffer<ffi::S32>>()      // group: () the replica group's index
+        .Ret<ffi::AnyBuffer>()             // y: (N, groups, group_size), rank j's in slot j
+        .Ret<ffi::Buffer<ffi::U8>>()       // codes: (groups, bytes), this rank's payload
+        .Ret<ffi::Buffer<ffi::BF16>>()     // scale: (groups)
+        .Ret<ffi::Buffer<ffi::BF16>>()     // zero
+        .Attr<int32_t>("bits")             // code width, 2..8
+        .Attr<int64_t>("group_size")       // multiple of 8
+        .Attr<int32_t>("rotation")         // 0, 1 or 2
+        .Attr<int32_t>("spikes")           // spikes per group, 0..16
+        FLASHCOMM_P2P_COMMON_ATTRS);

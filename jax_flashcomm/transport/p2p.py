@@ -1,0 +1,158 @@
+"""The ``p2p`` transport: each quantized collective is one FFI call per rank that reads its
+peers' buffers directly (ffi/cpu/p2p_kernels.cc, ffi/include/flashcomm/p2p_rendezvous.h).
+
+The ranks are the devices of one process. Every call of a collective meets its peers through
+an in-process rendezvous keyed by the XLA execution (its run id), the call site (an id given
+here at trace time), the replica group (the index over the mesh axes not reduced) and how many
+times this rank has called the site in this run (loops). Inside, the call runs the `xla`
+transport's steps with the same codec kernels on the same bytes in the same order, so the
+results are bit-identical to it (tests/test_transport.py): quantize into its own result
+buffer; read its chunk of every peer's payload, sum in f32 in rank order and re-quantize into
+its slot of the gathered phase-2 payload; read every peer's slot; decode. Barriers keep every
+buffer alive until every peer has read it; every wait gives up after ``timeout_ms`` with an
+error (a Python exception from the computation), never a hang.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_flashcomm import _common
+from jax_flashcomm.codec import Payload, kernels, spec
+from jax_flashcomm.codec import _as_groups, _restore
+
+#: Default wait limit of a peer-to-peer call (a missing peer raises after this).
+DEFAULT_TIMEOUT_MS = 60_000
+
+_sites = itertools.count(1)
+
+
+def _result(x, shape, dtype, vma):
+    """The aval of one result: ``x``'s mesh, ``shape``/``dtype``, varying over ``vma``."""
+    aval = kernels._like(x, shape, dtype)
+    mat = aval.manual_axis_type
+    return aval.update(manual_axis_type=mat.update(varying=frozenset(vma)))
+
+
+def rank_and_group(axes: tuple):
+    """``(rank, group)``: this device's index over ``axes`` in lax's order (the slot
+    all_to_all / all_gather give it) and its replica group's index over the other manual axes
+    of the mesh (a 2-D mesh reducing over one axis has a group per index of the other)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    others = tuple(a for a in mesh.axis_names if a not in axes and a in mesh.manual_axes)
+    rank = lax.axis_index(axes).astype(jnp.int32)
+    group = (lax.axis_index(others).astype(jnp.int32) if others
+             else jnp.zeros((), jnp.int32))
+    return rank, group
+
+
+def unsupported_reason(axes: tuple) -> str | None:
+    """Why the p2p transport cannot run this collective here, or None when it can."""
+    if jax.process_count() != 1:
+        return "peers in other processes (the p2p transport is one process, many devices)"
+    platform = jax.default_backend()
+    if platform != "cpu" or not kernels.available("cpu"):
+        return (f"no p2p kernels for platform {platform!r} in this build (CPU runs them; "
+                "the CUDA transport compiles but is not built into the default install)")
+    mesh = jax.sharding.get_abstract_mesh()
+    auto = [a for a in mesh.axis_names if a not in mesh.manual_axes and mesh.shape[a] > 1]
+    if auto:
+        return (f"mesh axes {auto} are not manual in this shard_map: devices along them would "
+                "claim the same rank")
+    return None
+
+
+def _attrs(axes, timeout_ms):
+    return dict(size=np.int64(_common.axis_size(axes)), site=np.int64(next(_sites)),
+                timeout_ms=np.int64(timeout_ms))
+
+
+def all_reduce(x, axes: tuple, config, timeout_ms: int = DEFAULT_TIMEOUT_MS):
+    """The two-step quantized all-reduce of a varying ``x`` in one call per rank.
+
+    Returns ``(y, p1, p2)`` as :func:`jax_flashcomm.allreduce.two_step` does: this rank's
+    phase-1 payload and the gathered phase-2 payload, for error bounds.
+    """
+    n = _common.axis_size(axes)
+    g, b1, b2 = config.group_size, config.phase1_bits, config.phase2_bits
+    rot, k1, k2 = config.rotation, config.phase1_spikes, config.phase2_spikes
+    groups = _as_groups(x, g, n)
+    total = groups.shape[0]
+    vma = _common.varying_axes(x)
+    rep = vma - frozenset(axes)
+    call = jax.ffi.ffi_call(
+        "flashcomm_p2p_all_reduce",
+        (_result(x, groups.shape, x.dtype, rep),
+         _result(x, (n, total // n, spec.record_bytes(g, b1, k1)), jnp.uint8, vma),
+         _result(x, (n, total // n), jnp.bfloat16, vma),
+         _result(x, (n, total // n), jnp.bfloat16, vma),
+         _result(x, (total, spec.record_bytes(g, b2, k2)), jnp.uint8, rep),
+         _result(x, (total,), jnp.bfloat16, rep), _result(x, (total,), jnp.bfloat16, rep)),
+        vmap_method="sequential")
+    rank, group = rank_and_group(axes)
+    y, c1, s1, z1, c2, s2, z2 = call(
+        groups, rank, group, bits=np.int32(b1), out_bits=np.int32(b2), group_size=np.int64(g),
+        rotation=np.int32(rot), spikes=np.int32(k1), out_spikes=np.int32(k2),
+        **_attrs(axes, timeout_ms))
+    meta = dict(group_size=g, shape=tuple(x.shape), dtype=np.dtype(x.dtype), rotation=rot)
+    p1 = Payload(c1, s1, z1, bits=b1, spikes=k1, **meta).merge_groups()
+    p2 = Payload(c2, s2, z2, bits=b2, spikes=k2, **meta)
+    return _restore(y, x.shape), p1, p2
+
+
+def reduce_scatter(rows, axes: tuple, config, timeout_ms: int = DEFAULT_TIMEOUT_MS):
+    """Quantized reduce-scatter of varying ``rows`` ``(N, Mp)`` (``Mp`` whole groups): returns
+    ``(y, p1)``, ``y`` the f32-summed row of this rank ``(Mp,)`` in ``rows``' dtype and ``p1``
+    this rank's payload split in N chunks, as the `xla` transport's."""
+    n, mp = rows.shape
+    g, bits = config.group_size, config.phase1_bits
+    rot, k1 = config.rotation, config.phase1_spikes
+    groups = rows.reshape(n * mp // g, g)
+    vma = _common.varying_axes(rows)
+    call = jax.ffi.ffi_call(
+        "flashcomm_p2p_reduce_scatter",
+        (_result(rows, (mp // g, g), rows.dtype, vma),
+         _result(rows, (n, mp // g, spec.record_bytes(g, bits, k1)), jnp.uint8, vma),
+         _result(rows, (n, mp // g), jnp.bfloat16, vma),
+         _result(rows, (n, mp // g), jnp.bfloat16, vma)),
+        vmap_method="sequential")
+    rank, group = rank_and_group(axes)
+    y, c1, s1, z1 = call(groups, rank, group, bits=np.int32(bits), group_size=np.int64(g),
+                         rotation=np.int32(rot), spikes=np.int32(k1),
+                         **_attrs(axes, timeout_ms))
+    p1 = Payload(c1, s1, z1, bits=bits, group_size=g, shape=(mp,), dtype=np.dtype(rows.dtype),
+                 rotation=rot, spikes=k1)
+    return y.reshape(mp), p1
+
+
+def all_gather(x, axes: tuple, config, timeout_ms: int = DEFAULT_TIMEOUT_MS):
+    """Quantized all-gather of a varying ``x``: returns ``(stacked, p)``, ``stacked`` the N
+    decoded operands ``(N, *x.shape)`` in lax's rank order and ``p`` this rank's payload."""
+    n = _common.axis_size(axes)
+    g, bits = config.group_size, config.phase2_bits
+    rot, k2 = config.rotation, config.phase2_spikes
+    groups = _as_groups(x, g, 1)
+    count = groups.shape[0]
+    vma = _common.varying_axes(x)
+    call = jax.ffi.ffi_call(
+        "flashcomm_p2p_all_gather",
+        (_result(x, (n, count, g), x.dtype, vma),
+         _result(x, (count, spec.record_bytes(g, bits, k2)), jnp.uint8, vma),
+         _result(x, (count,), jnp.bfloat16, vma), _result(x, (count,), jnp.bfloat16, vma)),
+        vmap_method="sequential")
+    rank, group = rank_and_group(axes)
+    y, c, s, z = call(groups, rank, group, bits=np.int32(bits), group_size=np.int64(g),
+                      rotation=np.int32(rot), spikes=np.int32(k2), **_attrs(axes, timeout_ms))
+    p = Payload(c, s, z, bits=bits, group_size=g, shape=tuple(x.shape), dtype=np.dtype(x.dtype),
+                rotation=rot, spikes=k2)
+    return _restore(y, (n, *x.shape)), p
+
+
+def meetings_in_progress() -> int:
+    """Peer-to-peer calls that some rank has not finished (0 between collectives)."""
+    return int(kernels._cpu_module().p2p_meetings_in_progress())
