@@ -17,9 +17,8 @@ from jax_flashcomm.transport import p2p
 
 __all__ = ["TRANSPORTS", "check_transport", "choose", "p2p"]
 
-#: ``auto`` uses p2p from this many operand bytes per rank up (docs/transport.md: below it the
-#: fused call's fixed cost is not repaid on the CPU devices measured).
-AUTO_P2P_MIN_BYTES = 0
+#: ``auto`` uses p2p from this many operand bytes per rank up (docs/transport.md); None: never.
+AUTO_P2P_MIN_BYTES = None
 
 
 def check_transport(name, what: str = "transport") -> str:
@@ -45,6 +44,6 @@ def choose(config, axes: tuple, nbytes: int) -> str:
         if reason is not None:
             raise ValueError(f"transport='p2p' cannot run here: {reason}")
         return "p2p"
-    if reason is not None or nbytes < AUTO_P2P_MIN_BYTES:
+    if reason is not None or AUTO_P2P_MIN_BYTES is None or nbytes < AUTO_P2P_MIN_BYTES:
         return "xla"
     return "p2p"
