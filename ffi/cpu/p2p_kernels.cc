@@ -3,11 +3,18 @@
 // quantizes into its own result buffers, meets its peers (p2p_rendezvous.h) and reads their
 // buffers directly. The codec work is the same kernels, inputs and order as the `xla`
 // transport's (jax_flashcomm/allreduce.py two_step), so the results are bit-identical to it.
+//
+// The handlers are asynchronous (they return an ffi::Future): a handler quantizes on XLA's
+// thread, arrives at the first barrier and returns; each later step is a continuation that
+// runs when every peer has arrived (p2p_rendezvous.h), and the last one completes the future.
+// No thread waits for a peer, so neither XLA:CPU's shared thread pools nor the order in which
+// each device's executor reaches independent collectives can deadlock the gang.
 #include "flashcomm/cpu_p2p.h"
 
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -29,35 +36,66 @@ using p2p::Meeting;
 using p2p::Published;
 using p2p::Rendezvous;
 
-// One rank's part in one meeting: joins on construction, leaves on destruction (every return
-// path, errors included).
-class Participant {
+// One rank's part in one call: joined on creation, left when the call completes (success or
+// error), which completes the call's future.
+class Call : public std::enable_shared_from_this<Call> {
  public:
-  Participant(int64_t run_id, int64_t site, int32_t group, int32_t rank, int64_t size,
-              int barriers, int64_t timeout_ms)
-      : rank_(rank),
-        deadline_(std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms)) {
-    meeting_ = Rendezvous::Global().Join({run_id, site, group}, rank, int(size), barriers,
-                                         &error_);
+  static std::shared_ptr<Call> Join(const char* op, int64_t run_id, int64_t site,
+                                    int32_t group, int32_t rank, int64_t size, int barriers,
+                                    int64_t timeout_ms, std::string* error) {
+    auto call = std::shared_ptr<Call>(new Call(op, rank));
+    call->meeting_ = Rendezvous::Global().Join({run_id, site, group}, rank, int(size),
+                                               barriers, error, timeout_ms);
+    return call->meeting_ ? call : nullptr;
   }
-  ~Participant() {
+  ~Call() {
     if (meeting_) Rendezvous::Global().Leave(meeting_);
   }
-  bool ok() const { return meeting_ != nullptr; }
-  // Publish `mine` at `barrier`, wait for every rank; false and error() on a timeout.
-  bool Arrive(int barrier, const Published& mine, std::vector<Published>* peers) {
-    return meeting_->Arrive(barrier, rank_, mine, deadline_, peers, &error_);
+  ffi::Future future() const { return ffi::Future(promise_); }
+  // Publish `mine` at `barrier`; `next` gets every rank's pointers once all have arrived. On a
+  // failure the call completes with the error instead.
+  void Arrive(int barrier, const Published& mine,
+              std::function<void(const std::vector<Published>&)> next) {
+    auto self = shared_from_this();
+    meeting_->Arrive(barrier, rank_, mine,
+                     [self, next = std::move(next)](const std::vector<Published>& peers,
+                                                    const std::string& error) {
+                       if (!error.empty()) return self->Finish(error);
+                       next(peers);
+                     });
   }
-  ffi::Error error(const char* op) const {
-    return ffi::Error::Internal(std::string(op) + ": " + error_);
+  // Complete the call (after its last barrier): leave the meeting, then set the future.
+  void Finish(const std::string& error = std::string()) {
+    if (meeting_) {
+      Rendezvous::Global().Leave(meeting_);
+      meeting_ = nullptr;
+    }
+    // Never on a worker: XLA continues the program on the completing thread.
+    ffi::Promise promise = promise_;
+    std::string message = error.empty() ? error : std::string(op_) + ": " + error;
+    p2p::ThreadPool::Completions().Schedule([promise, message]() mutable {
+      if (message.empty()) {
+        promise.SetAvailable();
+      } else {
+        promise.SetError(ffi::Error::Internal(message));
+      }
+    });
   }
 
  private:
+  Call(const char* op, int rank) : op_(op), rank_(rank) {}
+
+  const char* op_;
   int rank_;
-  std::chrono::steady_clock::time_point deadline_;
   std::shared_ptr<Meeting> meeting_;
-  std::string error_;
+  ffi::Promise promise_;
 };
+
+ffi::Future Failed(ffi::Error error) {
+  ffi::Promise promise;
+  promise.SetError(std::move(error));
+  return ffi::Future(promise);
+}
 
 ffi::Error CheckCommon(const char* op, ffi::AnyBuffer x, int32_t rank, int64_t size,
                        int64_t timeout_ms, int32_t rotation, int64_t group_size) {
@@ -72,7 +110,7 @@ ffi::Error CheckCommon(const char* op, ffi::AnyBuffer x, int32_t rank, int64_t s
       (rotation != kRotationNone && (group_size & (group_size - 1)) != 0)) {
     return ffi::Error::InvalidArgument(std::string(op) + ": bad rotation for group_size");
   }
-  DType dtype;
+  DType dtype = DType::kF32;
   if (!ToDType(x.element_type(), &dtype)) {
     return ffi::Error::InvalidArgument(std::string(op) + ": x must be f32, bf16 or f16");
   }
@@ -124,170 +162,166 @@ Published Publish(const void* codes, const void* scale, const void* zero) {
 
 }  // namespace
 
-ffi::Error P2pAllReduce(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
-                        ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> y,
-                        ffi::Result<ffi::Buffer<ffi::U8>> p1_codes,
-                        ffi::Result<ffi::Buffer<ffi::BF16>> p1_scale,
-                        ffi::Result<ffi::Buffer<ffi::BF16>> p1_zero,
-                        ffi::Result<ffi::Buffer<ffi::U8>> p2_codes,
-                        ffi::Result<ffi::Buffer<ffi::BF16>> p2_scale,
-                        ffi::Result<ffi::Buffer<ffi::BF16>> p2_zero, int32_t bits,
-                        int32_t out_bits, int64_t group_size, int32_t rotation, int32_t spikes,
-                        int32_t out_spikes, int64_t size, int64_t site, int64_t timeout_ms) {
+#define FLASHCOMM_RETURN_IF_ERROR(expr)            \
+  if (ffi::Error e_ = (expr); e_.failure()) {       \
+    return Failed(std::move(e_));                   \
+  }
+
+ffi::Future P2pAllReduce(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
+                         ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> y,
+                         ffi::Result<ffi::Buffer<ffi::U8>> p1_codes,
+                         ffi::Result<ffi::Buffer<ffi::BF16>> p1_scale,
+                         ffi::Result<ffi::Buffer<ffi::BF16>> p1_zero,
+                         ffi::Result<ffi::Buffer<ffi::U8>> p2_codes,
+                         ffi::Result<ffi::Buffer<ffi::BF16>> p2_scale,
+                         ffi::Result<ffi::Buffer<ffi::BF16>> p2_zero, int32_t bits,
+                         int32_t out_bits, int64_t group_size, int32_t rotation, int32_t spikes,
+                         int32_t out_spikes, int64_t size, int64_t site, int64_t timeout_ms) {
   constexpr const char* kOp = "flashcomm_p2p_all_reduce";
   const int32_t rank = rank_buf.typed_data()[0];
-  if (ffi::Error e = CheckCommon(kOp, x, rank, size, timeout_ms, rotation, group_size);
-      e.failure()) {
-    return e;
-  }
-  int64_t n_groups = 0;
-  if (ffi::Error e = CheckQuantizeShapes(x, *p1_codes, *p1_scale, *p1_zero, bits, group_size,
-                                         spikes, &n_groups);
-      e.failure()) {
-    return e;
-  }
-  int64_t n_out = 0;
-  if (ffi::Error e = CheckQuantizeShapes(*y, *p2_codes, *p2_scale, *p2_zero, out_bits,
-                                         group_size, out_spikes, &n_out);
-      e.failure()) {
-    return e;
-  }
+  FLASHCOMM_RETURN_IF_ERROR(CheckCommon(kOp, x, rank, size, timeout_ms, rotation, group_size));
+  int64_t n_groups = 0, n_out = 0;
+  FLASHCOMM_RETURN_IF_ERROR(CheckQuantizeShapes(x, *p1_codes, *p1_scale, *p1_zero, bits,
+                                                group_size, spikes, &n_groups));
+  FLASHCOMM_RETURN_IF_ERROR(CheckQuantizeShapes(*y, *p2_codes, *p2_scale, *p2_zero, out_bits,
+                                                group_size, out_spikes, &n_out));
   if (n_out != n_groups || n_groups % size != 0 || y->element_type() != x.element_type()) {
-    return ffi::Error::InvalidArgument(std::string(kOp) + ": y or the group count do not "
-                                       "match x and the group size");
+    return Failed(ffi::Error::InvalidArgument(
+        std::string(kOp) + ": y or the group count do not match x and the group size"));
   }
-  DType dtype;
+  DType dtype = DType::kF32;
   ToDType(x.element_type(), &dtype);
   const int64_t gpc = n_groups / size;
   const int64_t nb2 = record_bytes(group_size, out_bits, out_spikes);
-  const CodecKernels& k = kernels();
   uint8_t* c2 = p2_codes->typed_data();
   auto* s2 = reinterpret_cast<uint16_t*>(p2_scale->typed_data());
   auto* z2 = reinterpret_cast<uint16_t*>(p2_zero->typed_data());
+  void* out = y->untyped_data();
 
-  // 1. Quantize the operand (N chunks) into this rank's phase-1 payload.
-  k.quantize(dtype, x.untyped_data(), n_groups, group_size, bits, rotation, spikes,
-             p1_codes->typed_data(), reinterpret_cast<uint16_t*>(p1_scale->typed_data()),
-             reinterpret_cast<uint16_t*>(p1_zero->typed_data()));
-  Participant me(run.run_id, site, group_buf.typed_data()[0], rank, size, 3, timeout_ms);
-  if (!me.ok()) return me.error(kOp);
-  std::vector<Published> peers;
-  if (!me.Arrive(0, Publish(p1_codes->typed_data(), p1_scale->typed_data(),
-                            p1_zero->typed_data()), &peers)) {
-    return me.error(kOp);
-  }
-  // 2. This rank's chunk from every peer, summed in f32 in rank order and re-quantized, into
-  //    its slot of the gathered phase-2 payload.
-  const PayloadView in = GatherChunk(peers, rank, gpc, group_size, bits, spikes);
-  k.dequantize_sum_quantize(in, out_bits, out_spikes, c2 + rank * gpc * nb2, s2 + rank * gpc,
-                            z2 + rank * gpc);
-  if (!me.Arrive(1, Publish(c2, s2, z2), &peers)) return me.error(kOp);
-  // 3. Every peer's reduced chunk into its slot, then decode the whole gathered payload.
-  for (int64_t j = 0; j < size; ++j) {
-    if (j == rank) continue;
-    std::memcpy(c2 + j * gpc * nb2, static_cast<const uint8_t*>(peers[j][0]) + j * gpc * nb2,
-                size_t(gpc * nb2));
-    std::memcpy(s2 + j * gpc, static_cast<const uint16_t*>(peers[j][1]) + j * gpc,
-                size_t(gpc) * 2);
-    std::memcpy(z2 + j * gpc, static_cast<const uint16_t*>(peers[j][2]) + j * gpc,
-                size_t(gpc) * 2);
-  }
-  k.dequantize(dtype, c2, s2, z2, n_groups, group_size, out_bits, rotation, out_spikes,
-               y->untyped_data());
-  // 4. No rank returns before every peer has read its slot.
-  if (!me.Arrive(2, Publish(nullptr, nullptr, nullptr), &peers)) return me.error(kOp);
-  return ffi::Error::Success();
+  // 1. Quantize the operand (N chunks) into this rank's phase-1 payload (on XLA's thread).
+  kernels().quantize(dtype, x.untyped_data(), n_groups, group_size, bits, rotation, spikes,
+                     p1_codes->typed_data(), reinterpret_cast<uint16_t*>(p1_scale->typed_data()),
+                     reinterpret_cast<uint16_t*>(p1_zero->typed_data()));
+  std::string error;
+  auto call = Call::Join(kOp, run.run_id, site, group_buf.typed_data()[0], rank, size, 3,
+                         timeout_ms, &error);
+  if (!call) return Failed(ffi::Error::Internal(std::string(kOp) + ": " + error));
+  ffi::Future done = call->future();
+  call->Arrive(0, Publish(p1_codes->typed_data(), p1_scale->typed_data(),
+                          p1_zero->typed_data()),
+               [=](const std::vector<Published>& peers) {
+    // 2. This rank's chunk from every peer, summed in f32 in rank order and re-quantized
+    //    into its slot of the gathered phase-2 payload.
+    const PayloadView in = GatherChunk(peers, rank, gpc, group_size, bits, spikes);
+    kernels().dequantize_sum_quantize(in, out_bits, out_spikes, c2 + rank * gpc * nb2,
+                                      s2 + rank * gpc, z2 + rank * gpc);
+    call->Arrive(1, Publish(c2, s2, z2), [=](const std::vector<Published>& peers) {
+      // 3. Every peer's reduced chunk into its slot, then decode the gathered payload.
+      for (int64_t j = 0; j < size; ++j) {
+        if (j == rank) continue;
+        std::memcpy(c2 + j * gpc * nb2,
+                    static_cast<const uint8_t*>(peers[j][0]) + j * gpc * nb2,
+                    size_t(gpc * nb2));
+        std::memcpy(s2 + j * gpc, static_cast<const uint16_t*>(peers[j][1]) + j * gpc,
+                    size_t(gpc) * 2);
+        std::memcpy(z2 + j * gpc, static_cast<const uint16_t*>(peers[j][2]) + j * gpc,
+                    size_t(gpc) * 2);
+      }
+      kernels().dequantize(dtype, c2, s2, z2, n_groups, group_size, out_bits, rotation,
+                           out_spikes, out);
+      // 4. Complete once every peer has read this rank's slot.
+      call->Arrive(2, Publish(nullptr, nullptr, nullptr),
+                   [=](const std::vector<Published>&) { call->Finish(); });
+    });
+  });
+  return done;
 }
 
-ffi::Error P2pReduceScatter(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
-                            ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> y,
-                            ffi::Result<ffi::Buffer<ffi::U8>> p1_codes,
-                            ffi::Result<ffi::Buffer<ffi::BF16>> p1_scale,
-                            ffi::Result<ffi::Buffer<ffi::BF16>> p1_zero, int32_t bits,
-                            int64_t group_size, int32_t rotation, int32_t spikes, int64_t size,
-                            int64_t site, int64_t timeout_ms) {
+ffi::Future P2pReduceScatter(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
+                             ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> y,
+                             ffi::Result<ffi::Buffer<ffi::U8>> p1_codes,
+                             ffi::Result<ffi::Buffer<ffi::BF16>> p1_scale,
+                             ffi::Result<ffi::Buffer<ffi::BF16>> p1_zero, int32_t bits,
+                             int64_t group_size, int32_t rotation, int32_t spikes, int64_t size,
+                             int64_t site, int64_t timeout_ms) {
   constexpr const char* kOp = "flashcomm_p2p_reduce_scatter";
   const int32_t rank = rank_buf.typed_data()[0];
-  if (ffi::Error e = CheckCommon(kOp, x, rank, size, timeout_ms, rotation, group_size);
-      e.failure()) {
-    return e;
-  }
+  FLASHCOMM_RETURN_IF_ERROR(CheckCommon(kOp, x, rank, size, timeout_ms, rotation, group_size));
   int64_t n_groups = 0;
-  if (ffi::Error e = CheckQuantizeShapes(x, *p1_codes, *p1_scale, *p1_zero, bits, group_size,
-                                         spikes, &n_groups);
-      e.failure()) {
-    return e;
-  }
+  FLASHCOMM_RETURN_IF_ERROR(CheckQuantizeShapes(x, *p1_codes, *p1_scale, *p1_zero, bits,
+                                                group_size, spikes, &n_groups));
   if (n_groups % size != 0 || int64_t(y->element_count()) * size != n_groups * group_size ||
       y->element_type() != x.element_type()) {
-    return ffi::Error::InvalidArgument(std::string(kOp) + ": y must hold one chunk of x");
+    return Failed(
+        ffi::Error::InvalidArgument(std::string(kOp) + ": y must hold one chunk of x"));
   }
-  DType dtype;
+  DType dtype = DType::kF32;
   ToDType(x.element_type(), &dtype);
   const int64_t gpc = n_groups / size;
-  const CodecKernels& k = kernels();
-  k.quantize(dtype, x.untyped_data(), n_groups, group_size, bits, rotation, spikes,
-             p1_codes->typed_data(), reinterpret_cast<uint16_t*>(p1_scale->typed_data()),
-             reinterpret_cast<uint16_t*>(p1_zero->typed_data()));
-  Participant me(run.run_id, site, group_buf.typed_data()[0], rank, size, 2, timeout_ms);
-  if (!me.ok()) return me.error(kOp);
-  std::vector<Published> peers;
-  if (!me.Arrive(0, Publish(p1_codes->typed_data(), p1_scale->typed_data(),
-                            p1_zero->typed_data()), &peers)) {
-    return me.error(kOp);
-  }
-  const PayloadView in = GatherChunk(peers, rank, gpc, group_size, bits, spikes);
-  if (!me.Arrive(1, Publish(nullptr, nullptr, nullptr), &peers)) return me.error(kOp);
-  k.dequantize_sum(dtype, in, rotation, y->untyped_data());
-  return ffi::Error::Success();
+  void* out = y->untyped_data();
+  kernels().quantize(dtype, x.untyped_data(), n_groups, group_size, bits, rotation, spikes,
+                     p1_codes->typed_data(), reinterpret_cast<uint16_t*>(p1_scale->typed_data()),
+                     reinterpret_cast<uint16_t*>(p1_zero->typed_data()));
+  std::string error;
+  auto call = Call::Join(kOp, run.run_id, site, group_buf.typed_data()[0], rank, size, 2,
+                         timeout_ms, &error);
+  if (!call) return Failed(ffi::Error::Internal(std::string(kOp) + ": " + error));
+  ffi::Future done = call->future();
+  call->Arrive(0, Publish(p1_codes->typed_data(), p1_scale->typed_data(),
+                          p1_zero->typed_data()),
+               [=](const std::vector<Published>& peers) {
+    // This rank's chunk of every peer's payload (copied here), summed in f32 in rank order;
+    // complete once every peer has read this rank's payload.
+    const PayloadView in = GatherChunk(peers, rank, gpc, group_size, bits, spikes);
+    kernels().dequantize_sum(dtype, in, rotation, out);
+    call->Arrive(1, Publish(nullptr, nullptr, nullptr),
+                 [=](const std::vector<Published>&) { call->Finish(); });
+  });
+  return done;
 }
 
-ffi::Error P2pAllGather(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
-                        ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> y,
-                        ffi::Result<ffi::Buffer<ffi::U8>> codes,
-                        ffi::Result<ffi::Buffer<ffi::BF16>> scale,
-                        ffi::Result<ffi::Buffer<ffi::BF16>> zero, int32_t bits,
-                        int64_t group_size, int32_t rotation, int32_t spikes, int64_t size,
-                        int64_t site, int64_t timeout_ms) {
+ffi::Future P2pAllGather(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
+                         ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> y,
+                         ffi::Result<ffi::Buffer<ffi::U8>> codes,
+                         ffi::Result<ffi::Buffer<ffi::BF16>> scale,
+                         ffi::Result<ffi::Buffer<ffi::BF16>> zero, int32_t bits,
+                         int64_t group_size, int32_t rotation, int32_t spikes, int64_t size,
+                         int64_t site, int64_t timeout_ms) {
   constexpr const char* kOp = "flashcomm_p2p_all_gather";
   const int32_t rank = rank_buf.typed_data()[0];
-  if (ffi::Error e = CheckCommon(kOp, x, rank, size, timeout_ms, rotation, group_size);
-      e.failure()) {
-    return e;
-  }
+  FLASHCOMM_RETURN_IF_ERROR(CheckCommon(kOp, x, rank, size, timeout_ms, rotation, group_size));
   int64_t n_groups = 0;
-  if (ffi::Error e = CheckQuantizeShapes(x, *codes, *scale, *zero, bits, group_size, spikes,
-                                         &n_groups);
-      e.failure()) {
-    return e;
-  }
+  FLASHCOMM_RETURN_IF_ERROR(CheckQuantizeShapes(x, *codes, *scale, *zero, bits, group_size,
+                                                spikes, &n_groups));
   if (y->element_count() != x.element_count() * size || y->element_type() != x.element_type()) {
-    return ffi::Error::InvalidArgument(std::string(kOp) + ": y must hold N copies of x");
+    return Failed(
+        ffi::Error::InvalidArgument(std::string(kOp) + ": y must hold N copies of x"));
   }
-  DType dtype;
+  DType dtype = DType::kF32;
   ToDType(x.element_type(), &dtype);
-  const CodecKernels& k = kernels();
-  k.quantize(dtype, x.untyped_data(), n_groups, group_size, bits, rotation, spikes,
-             codes->typed_data(), reinterpret_cast<uint16_t*>(scale->typed_data()),
-             reinterpret_cast<uint16_t*>(zero->typed_data()));
-  Participant me(run.run_id, site, group_buf.typed_data()[0], rank, size, 2, timeout_ms);
-  if (!me.ok()) return me.error(kOp);
-  std::vector<Published> peers;
-  if (!me.Arrive(0, Publish(codes->typed_data(), scale->typed_data(), zero->typed_data()),
-                 &peers)) {
-    return me.error(kOp);
-  }
-  // Every rank's payload decoded straight from its buffer into its slot.
+  kernels().quantize(dtype, x.untyped_data(), n_groups, group_size, bits, rotation, spikes,
+                     codes->typed_data(), reinterpret_cast<uint16_t*>(scale->typed_data()),
+                     reinterpret_cast<uint16_t*>(zero->typed_data()));
+  std::string error;
+  auto call = Call::Join(kOp, run.run_id, site, group_buf.typed_data()[0], rank, size, 2,
+                         timeout_ms, &error);
+  if (!call) return Failed(ffi::Error::Internal(std::string(kOp) + ": " + error));
+  ffi::Future done = call->future();
   const size_t slot_bytes = x.size_bytes();
   auto* out = static_cast<uint8_t*>(y->untyped_data());
-  for (int64_t j = 0; j < size; ++j) {
-    k.dequantize(dtype, static_cast<const uint8_t*>(peers[j][0]),
-                 static_cast<const uint16_t*>(peers[j][1]),
-                 static_cast<const uint16_t*>(peers[j][2]), n_groups, group_size, bits,
-                 rotation, spikes, out + j * slot_bytes);
-  }
-  if (!me.Arrive(1, Publish(nullptr, nullptr, nullptr), &peers)) return me.error(kOp);
-  return ffi::Error::Success();
+  call->Arrive(0, Publish(codes->typed_data(), scale->typed_data(), zero->typed_data()),
+               [=](const std::vector<Published>& peers) {
+    // Every rank's payload decoded straight from its buffer into its slot.
+    for (int64_t j = 0; j < size; ++j) {
+      kernels().dequantize(dtype, static_cast<const uint8_t*>(peers[j][0]),
+                           static_cast<const uint16_t*>(peers[j][1]),
+                           static_cast<const uint16_t*>(peers[j][2]), n_groups, group_size,
+                           bits, rotation, spikes, out + j * slot_bytes);
+    }
+    call->Arrive(1, Publish(nullptr, nullptr, nullptr),
+                 [=](const std::vector<Published>&) { call->Finish(); });
+  });
+  return done;
 }
 
 size_t P2pMeetingsInProgress() { return Rendezvous::Global().InProgress(); }

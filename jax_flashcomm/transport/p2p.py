@@ -150,7 +150,7 @@ def all_gather(x, axes: tuple, config, timeout_ms: int = DEFAULT_TIMEOUT_MS):
                       rotation=np.int32(rot), spikes=np.int32(k2), **_attrs(axes, timeout_ms))
     p = Payload(c, s, z, bits=bits, group_size=g, shape=tuple(x.shape), dtype=np.dtype(x.dtype),
                 rotation=rot, spikes=k2)
-    return _restore(y, (n, *x.shape)), p
+    return _restore(y, x.shape), p
 
 
 def meetings_in_progress() -> int:

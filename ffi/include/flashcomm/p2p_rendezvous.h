@@ -11,23 +11,32 @@
 // every rank sees every rank's pointers of that barrier. A buffer published at barrier k may
 // be read by peers until they arrive at barrier k + 1: the protocols end with a barrier after
 // the last read, so that no rank returns (and lets XLA reuse its buffers) while a peer still
-// reads them. Waits block on a condition variable (no spinning) and give up at a deadline:
-// the meeting is then marked failed, every waiting rank returns the error, and the error names
-// the ranks that never came.
+// reads them. Arriving never blocks a thread: a rank hands over a continuation, which runs
+// once every rank has arrived (on the transport's workers, the last rank's own inline), so a
+// gang of peers never needs a thread each to wait in (XLA:CPU's thread pools are shared by
+// every device and its executor may reach independent collectives in different orders on
+// different devices). A watchdog gives up at the meeting's deadline: it is marked failed, every
+// waiting continuation gets the error, and the error names the ranks that never came.
+// A blocking Arrive (a condition variable, no spinning) serves callers that have a thread to
+// wait in (the CUDA handlers).
 #ifndef FLASHCOMM_P2P_RENDEZVOUS_H_
 #define FLASHCOMM_P2P_RENDEZVOUS_H_
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace flashcomm {
@@ -45,14 +54,107 @@ struct SiteKey {
   }
 };
 
+// The transport's threads. Workers() run the continuations of meetings (codec work): one per
+// core, at least two. Completions() complete the calls' futures: XLA continues a program on
+// the thread that completes a future it waits for, and that may be an XLA collective that
+// blocks until its peers arrive; so completions get a thread pool of their own that grows
+// whenever every thread is busy (up to kMaxThreads), and the workers are never lent out.
+// Created on first use, never destroyed (tasks may be pending at exit).
+class ThreadPool {
+ public:
+  static ThreadPool& Workers() {
+    static ThreadPool* instance =
+        new ThreadPool(std::max(2u, std::thread::hardware_concurrency()), false);
+    return *instance;
+  }
+  static ThreadPool& Completions() {
+    static ThreadPool* instance = new ThreadPool(1, true);
+    return *instance;
+  }
+  void Schedule(std::function<void()> task) {
+    bool spawn = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      tasks_.push_back(std::move(task));
+      if (elastic_ && idle_ < int(tasks_.size()) && threads_ < kMaxThreads) {
+        ++threads_;
+        spawn = true;
+      }
+    }
+    if (spawn) std::thread([this] { Run(); }).detach();
+    cv_.notify_one();
+  }
+
+ private:
+  static constexpr int kMaxThreads = 1024;
+  ThreadPool(unsigned threads, bool elastic) : elastic_(elastic), threads_(int(threads)) {
+    for (unsigned i = 0; i < threads; ++i) std::thread([this] { Run(); }).detach();
+  }
+  void Run() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        ++idle_;
+        cv_.wait(lock, [&] { return !tasks_.empty(); });
+        --idle_;
+        task = std::move(tasks_.front());
+        tasks_.pop_front();
+      }
+      task();
+    }
+  }
+  const bool elastic_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;
+  int threads_;
+  int idle_ = 0;
+};
+
+// Called once a barrier opens with every rank's pointers (error empty), or with the reason it
+// never will (peers empty).
+using Continuation =
+    std::function<void(const std::vector<Published>& peers, const std::string& error)>;
+
 class Meeting {
  public:
-  Meeting(int size, int barriers)
-      : size_(size), arrived_(barriers, 0), published_(barriers, std::vector<Published>(size)),
-        came_(barriers, std::vector<bool>(size, false)), ranks_(size, false) {}
+  Meeting(int size, int barriers, std::chrono::steady_clock::time_point deadline)
+      : size_(size), deadline_(deadline), arrived_(barriers, 0),
+        published_(barriers, std::vector<Published>(size)),
+        came_(barriers, std::vector<bool>(size, false)), waiting_(barriers), ranks_(size, false) {}
 
-  // Arrive at barrier `barrier` with `mine`; wait (until `deadline`) for every rank. On
-  // success `peers` holds every rank's pointers of this barrier, indexed by rank.
+  // Arrive at `barrier` with `mine`; `then` runs once every rank has arrived: inline when this
+  // rank is the last, else on a worker. Never blocks.
+  void Arrive(int barrier, int rank, const Published& mine, Continuation then) {
+    std::vector<Continuation> ready;
+    std::vector<Published> peers;
+    std::string error;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (failed_) {
+        error = failure_;
+      } else {
+        published_[barrier][rank] = mine;
+        came_[barrier][rank] = true;
+        if (++arrived_[barrier] < size_) {
+          waiting_[barrier].push_back(std::move(then));
+          cv_.notify_all();
+          return;
+        }
+        ready.swap(waiting_[barrier]);
+        peers = published_[barrier];
+      }
+    }
+    cv_.notify_all();
+    for (auto& cont : ready) {
+      ThreadPool::Workers().Schedule([cont = std::move(cont), peers] { cont(peers, std::string()); });
+    }
+    then(error.empty() ? peers : std::vector<Published>(), error);
+  }
+
+  // Arrive and wait in this thread (until the meeting's deadline) for every rank. On success
+  // `peers` holds every rank's pointers of this barrier, indexed by rank.
   bool Arrive(int barrier, int rank, const Published& mine,
               std::chrono::steady_clock::time_point deadline, std::vector<Published>* peers,
               std::string* error) {
@@ -64,12 +166,20 @@ class Meeting {
     published_[barrier][rank] = mine;
     came_[barrier][rank] = true;
     if (++arrived_[barrier] == size_) {
+      auto ready = std::move(waiting_[barrier]);
+      waiting_[barrier].clear();
+      const auto snapshot = published_[barrier];
       cv_.notify_all();
-    } else if (!cv_.wait_until(lock, deadline,
+      for (auto& cont : ready) {
+        ThreadPool::Workers().Schedule(
+            [cont = std::move(cont), snapshot] { cont(snapshot, std::string()); });
+      }
+    } else if (!cv_.wait_until(lock, std::min(deadline, deadline_),
                                [&] { return failed_ || arrived_[barrier] == size_; })) {
-      failed_ = true;
-      failure_ = Missing(barrier);
-      cv_.notify_all();
+      std::vector<Continuation> pending = FailLocked(Missing(barrier));
+      lock.unlock();
+      Notify(std::move(pending));
+      lock.lock();
     }
     if (failed_) {
       *error = failure_;
@@ -81,20 +191,54 @@ class Meeting {
 
   // Claim `rank` (a second claim means two devices think they are the same rank).
   bool Claim(int rank, std::string* error) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (ranks_[rank]) {
+    std::vector<Continuation> pending;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!ranks_[rank]) {
+        ranks_[rank] = true;
+        return true;
+      }
       *error = "rank " + std::to_string(rank) + " joined the same call twice (are there mesh "
                "axes outside the shard_map that are not reduced over?)";
-      failed_ = true;
-      failure_ = *error;
-      cv_.notify_all();
-      return false;
+      pending = FailLocked(*error);
     }
-    ranks_[rank] = true;
-    return true;
+    Notify(std::move(pending));
+    return false;
+  }
+
+  // The watchdog's check: past the deadline with a barrier still closed, fail the meeting.
+  void ExpireIfLate(std::chrono::steady_clock::time_point now) {
+    std::vector<Continuation> pending;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (failed_ || now < deadline_) return;
+      int barrier = 0;
+      while (barrier + 1 < int(arrived_.size()) && arrived_[barrier] == size_) ++barrier;
+      pending = FailLocked(Missing(barrier));
+    }
+    Notify(std::move(pending));
   }
 
  private:
+  std::vector<Continuation> FailLocked(const std::string& why) {
+    failed_ = true;
+    failure_ = why;
+    cv_.notify_all();
+    std::vector<Continuation> pending;
+    for (auto& w : waiting_) {
+      for (auto& cont : w) pending.push_back(std::move(cont));
+      w.clear();
+    }
+    return pending;
+  }
+
+  void Notify(std::vector<Continuation> pending) {
+    const std::string why = failure_;  // set once, never changed after failed_
+    for (auto& cont : pending) {
+      ThreadPool::Workers().Schedule([cont = std::move(cont), why] { cont({}, why); });
+    }
+  }
+
   std::string Missing(int barrier) const {
     std::string who;
     for (int r = 0; r < size_; ++r) {
@@ -108,9 +252,11 @@ class Meeting {
   std::mutex mu_;
   std::condition_variable cv_;
   const int size_;
+  const std::chrono::steady_clock::time_point deadline_;
   std::vector<int> arrived_;
   std::vector<std::vector<Published>> published_;
   std::vector<std::vector<bool>> came_;
+  std::vector<std::vector<Continuation>> waiting_;
   std::vector<bool> ranks_;
   bool failed_ = false;
   std::string failure_;
@@ -126,7 +272,7 @@ class Rendezvous {
 
   // Join this rank's next call of `key`; nullptr (and `error`) on a bad rank or size.
   std::shared_ptr<Meeting> Join(const SiteKey& key, int rank, int size, int barriers,
-                                std::string* error) {
+                                std::string* error, int64_t timeout_ms = 60000) {
     if (size < 1 || rank < 0 || rank >= size) {
       *error = "peer-to-peer collective: rank " + std::to_string(rank) + " of " +
                std::to_string(size) + " is out of range";
@@ -139,7 +285,11 @@ class Rendezvous {
       const MeetingKey mk{key, seq};
       auto it = meetings_.find(mk);
       if (it == meetings_.end()) {
-        Entry entry{std::make_shared<Meeting>(size, barriers), size, 0};
+        const auto deadline =
+            std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+        Entry entry{std::make_shared<Meeting>(size, barriers, deadline), size, 0};
+        StartWatchdog();
+        watchdog_cv_.notify_one();
         it = meetings_.emplace(mk, std::move(entry)).first;
       } else if (it->second.size != size) {
         *error = "peer-to-peer collective: ranks disagree on the group size (" +
@@ -177,6 +327,28 @@ class Rendezvous {
   }
 
  private:
+  // Fails the meetings that are past their deadline (a continuation never waits on its own).
+  void StartWatchdog() {
+    if (watchdog_started_) return;
+    watchdog_started_ = true;
+    std::thread([this] {
+      for (;;) {
+        std::vector<std::shared_ptr<Meeting>> live;
+        {
+          std::unique_lock<std::mutex> lock(mu_);
+          watchdog_cv_.wait(lock, [&] { return !meetings_.empty(); });
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          for (auto& kv : meetings_) live.push_back(kv.second.meeting);
+        }
+        const auto now = std::chrono::steady_clock::now();
+        for (auto& m : live) m->ExpireIfLate(now);
+      }
+    }).detach();
+  }
+
   struct MeetingKey {
     SiteKey site;
     int64_t seq;
@@ -207,6 +379,8 @@ class Rendezvous {
   }
 
   std::mutex mu_;
+  bool watchdog_started_ = false;
+  std::condition_variable watchdog_cv_;  // meetings_ became non-empty
   std::map<MeetingKey, Entry> meetings_;
   std::map<const Meeting*, MeetingKey> joined_;
   std::map<std::pair<SiteKey, int>, int64_t> seq_;
