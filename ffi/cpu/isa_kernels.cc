@@ -182,6 +182,25 @@ void DequantizeSumAs(const PayloadView& in, int rotation, void* y) {
 void DequantizeSumQuantize(const PayloadView& in, int out_bits, int out_spikes, uint8_t* codes,
                            uint16_t* scale, uint16_t* zero) {
   const int64_t out_nbytes = record_bytes(in.group_size, out_bits, out_spikes);
+  if (out_spikes == 0) {
+    // The sums of kSumBatch groups, then quantized together (quantize_groups computes the
+    // parameters of kLanes groups at once).
+    constexpr int64_t kSumBatch = 16;
+    Scratch<float> sums(kSumBatch * in.group_size), tmp(in.group_size);
+    for (int64_t b = 0; b < in.batch; ++b) {
+      for (int64_t k0 = 0; k0 < in.groups_per_chunk; k0 += kSumBatch) {
+        const int64_t m =
+            in.groups_per_chunk - k0 < kSumBatch ? in.groups_per_chunk - k0 : kSumBatch;
+        for (int64_t k = 0; k < m; ++k) {
+          SumGroup(in, b, k0 + k, tmp.data, sums.data + k * in.group_size);
+        }
+        const int64_t o = b * in.groups_per_chunk + k0;
+        quantize_groups<F32>(sums.data, m, in.group_size, out_bits, codes + o * out_nbytes,
+                             scale + o, zero + o);
+      }
+    }
+    return;
+  }
   Scratch<float> buf(in.group_size), tmp(in.group_size);
   Scratch<int32_t> keys(out_spikes > 0 ? in.group_size : 0);
   for (int64_t b = 0; b < in.batch; ++b) {

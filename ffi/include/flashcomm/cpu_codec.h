@@ -101,7 +101,10 @@ __attribute__((always_inline)) inline void load_range(const typename T::Storage*
   *finite = ok;
 }
 
-// Pack 8 codes of BITS bits (one byte each) LSB-first into BITS bytes.
+// Pack 8 codes of BITS bits (one byte each) LSB-first into BITS bytes. (GCC 12 cannot see that
+// encode_pack wrote every staged code it packs here: a false -Wmaybe-uninitialized.)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 template <int BITS>
 __attribute__((always_inline)) inline void pack_block_t(const uint8_t* q, uint8_t* out) {
   if (BITS == 8) {
@@ -112,6 +115,7 @@ __attribute__((always_inline)) inline void pack_block_t(const uint8_t* q, uint8_
   for (int j = 0; j < kBlock; ++j) acc |= uint64_t(q[j]) << (j * BITS);
   for (int k = 0; k < BITS; ++k) out[k] = uint8_t(acc >> (8 * k));
 }
+#pragma GCC diagnostic pop
 
 // Unpack BITS bytes into 8 codes of BITS bits.
 template <int BITS>
@@ -164,6 +168,59 @@ __attribute__((always_inline)) inline void unpack6_16(const uint8_t* in, uint8_t
   std::memcpy(q, &codes, 16);
 }
 
+// The codes of kLanes values of a group: codec.h's encode, lane-wise (code_lanes).
+__attribute__((always_inline)) inline ULanes encode_code_lanes(Lanes x, const GroupParams& p,
+                                                               float levels) {
+  return code_lanes(mul_rn(add_rn(mul_rn(x, p.pre), -p.zero_pre), p.inv_scale), levels);
+}
+
+// Whether pack_pairs<BITS> packs straight from lanes (else the codes are staged as bytes and
+// packed per block).
+template <int BITS>
+constexpr bool kPackPairs =
+    BITS == 8 || BITS == 4 || (BITS == 6 && kLanes <= 8);
+
+// Pack 2 * kLanes codes given as the even-indexed ones (ce) and the odd-indexed ones (co), one
+// per 32-bit lane, LSB-first (the layout of pack_block_t) into 2 * kLanes * BITS / 8 bytes.
+// `more`: more codes follow at out + 2 * kLanes * BITS / 8 (the bytes past the packed ones may
+// be written; the next call overwrites them).
+template <int BITS>
+__attribute__((always_inline)) inline void pack_pairs(ULanes ce, ULanes co, uint8_t* out,
+                                                      bool more) {
+  (void)more;
+  if constexpr (BITS == 8) {
+    narrow_byte_pairs(ce | (co << 16), out);
+  } else if constexpr (BITS == 4) {
+    narrow_bytes(ce | (co << 4), out);
+  } else {
+    static_assert(BITS == 6, "pack_pairs: 8, 6 or 4 bits");
+    // 12 bits per 32-bit lane (codes 2i, 2i + 1), then 24 per 64-bit lane (codes 4i .. 4i + 3).
+    typedef uint64_t Longs __attribute__((vector_size(4 * kLanes)));
+    Longs w = (Longs)(ce | (co << 6));
+    w = w | (w >> 20);  // bits 24.. hold leftovers: only the low 3 bytes of each lane are kept
+#if FLASHCOMM_LANES == 8 && defined(FC_X86) && defined(__AVX2__)
+    // The low 3 bytes of each 64-bit lane, gathered into 12 bytes.
+    const __m256i keep = _mm256_setr_epi8(0, 1, 2, 8, 9, 10, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          -1, -1, -1, -1, -1, -1, -1, 0, 1, 2, 8, 9, 10, -1, -1,
+                                          -1, -1);
+    const __m256i b = _mm256_shuffle_epi8((__m256i)w, keep);
+    const __m128i r = _mm_or_si128(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+    if (more) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), r);
+    } else {
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(out), r);  // 8 + 4 bytes (no round trip
+      const int32_t tail = _mm_extract_epi32(r, 2);           // through the stack)
+      std::memcpy(out + 8, &tail, 4);
+    }
+#else
+    for (int i = 0; i < kLanes / 2; i += 2) {  // 8 codes in 6 bytes
+      const uint64_t block = (w[i] & 0xFFFFFFu) | ((w[i + 1] & 0xFFFFFFu) << 24);
+      std::memcpy(out + 3 * i, &block, 6);
+    }
+#endif
+  }
+}
+
 // Encode and pack one group of T (read again from x: it is in L1 after the range pass, and
 // widening bf16 again is cheaper than storing and reloading f32).
 template <typename T, int BITS>
@@ -180,20 +237,26 @@ __attribute__((always_inline)) inline void encode_pack(const typename T::Storage
       for (; j + 2 * kLanes <= n; j += 2 * kLanes) {
         Lanes even, odd;
         load_bf16_pairs(v + i0 + j, &even, &odd);
-        const ULanes ce = lanes_bits(encode_biased(even, p, levels)) - kEncodeBias;
-        const ULanes co = lanes_bits(encode_biased(odd, p, levels)) - kEncodeBias;
-        narrow_byte_pairs(ce | (co << 16), q + j);
+        const ULanes ce = encode_code_lanes(even, p, levels);
+        const ULanes co = encode_code_lanes(odd, p, levels);
+        if constexpr (kPackPairs<BITS>) {
+          pack_pairs<BITS>(ce, co, out + j / kBlock * BITS, j + 2 * kLanes < n);
+        } else {
+          narrow_byte_pairs(ce | (co << 16), q + j);
+        }
       }
     }
+    const int64_t packed = kPackPairs<BITS> ? j : 0;  // codes [0, packed) are packed already
     for (; j + kLanes <= n; j += kLanes) {
-      const Lanes biased = encode_biased(load_lanes_t<T>(v + i0 + j), p, levels);
-      narrow_bytes(lanes_bits(biased) - kEncodeBias, q + j);
+      narrow_bytes(encode_code_lanes(load_lanes_t<T>(v + i0 + j), p, levels), q + j);
     }
     for (; j < n; ++j) q[j] = uint8_t(encode(T::load(v[i0 + j]), p, levels));
     if (BITS == 4) {  // the same LSB-first layout, as one vectorizable loop
-      for (int64_t k = 0; k < n / 2; ++k) out[k] = uint8_t(q[2 * k] | (q[2 * k + 1] << 4));
+      for (int64_t k = packed / 2; k < n / 2; ++k) {
+        out[k] = uint8_t(q[2 * k] | (q[2 * k + 1] << 4));
+      }
     } else if (BITS != 8) {
-      int64_t b = 0;
+      int64_t b = packed;
       if (BITS == 6 && kPack6Vector) {
         for (; b + 16 <= n; b += 16) pack6_16(q + b, out + b / kBlock * BITS);
       }
@@ -201,6 +264,48 @@ __attribute__((always_inline)) inline void encode_pack(const typename T::Storage
     }
   }
 }
+
+// 6-bit codes loaded straight into lanes (AVX2): 16 codes (12 bytes) per step, the bytes
+// copied to both halves of a vector, a byte shuffle giving each 32-bit lane the two bytes that
+// hold its bits, a per-lane shift and a mask. Integer work only.
+#if FLASHCOMM_LANES == 8 && defined(FC_X86) && defined(__AVX2__)
+constexpr bool kLoad6Direct = true;
+// The 12 bytes at in, in both 128-bit halves; `over`: 16 bytes may be read.
+__attribute__((always_inline)) inline __m256i load12_both(const uint8_t* in, bool over) {
+  __m128i r;
+  if (over) {
+    r = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in));
+  } else {
+    int32_t tail;
+    std::memcpy(&tail, in + 8, 4);
+    r = _mm_insert_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in)), tail, 2);
+  }
+  return _mm256_broadcastsi128_si256(r);
+}
+// Codes 8h .. 8h + 7 of the 16 (h = 0, 1) as f32 lanes, in order.
+template <int H>
+__attribute__((always_inline)) inline Lanes codes6_lanes(__m256i both) {
+  // Code j's bits start at bit 6j: bytes 6j / 8 and the next, shifted right by 6j % 8.
+  constexpr char o = char(6 * H);
+  const __m256i pick = _mm256_setr_epi8(
+      o + 0, o + 1, -1, -1, o + 0, o + 1, -1, -1, o + 1, o + 2, -1, -1, o + 2, o + 3, -1, -1,
+      o + 3, o + 4, -1, -1, o + 3, o + 4, -1, -1, o + 4, o + 5, -1, -1, o + 5, o + 6, -1, -1);
+  const __m256i shift = _mm256_setr_epi32(0, 6, 4, 2, 0, 6, 4, 2);
+  const __m256i c = _mm256_and_si256(_mm256_srlv_epi32(_mm256_shuffle_epi8(both, pick), shift),
+                                     _mm256_set1_epi32(0x3F));
+  return (Lanes)_mm256_cvtepi32_ps(c);
+}
+// The 16 codes as lanes of pairs: lane i holds code 2i in bits 0..5 and code 2i + 1 in bits
+// 6..11 (its 12 bits start at bit 12i).
+__attribute__((always_inline)) inline ULanes codes6_pairs(__m256i both) {
+  const __m256i pick = _mm256_setr_epi8(0, 1, -1, -1, 1, 2, -1, -1, 3, 4, -1, -1, 4, 5, -1, -1,
+                                        6, 7, -1, -1, 7, 8, -1, -1, 9, 10, -1, -1, 10, 11, -1, -1);
+  const __m256i shift = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
+  return (ULanes)_mm256_srlv_epi32(_mm256_shuffle_epi8(both, pick), shift);
+}
+#else
+constexpr bool kLoad6Direct = false;
+#endif
 
 // Unpack n codes (n a multiple of 8) into one byte each.
 template <int BITS>
@@ -230,6 +335,24 @@ __attribute__((always_inline)) inline void decode_unpacked(const uint8_t* codes,
   const bool direct = is_finite(mul_rn(float(max_code(BITS)), p.scale));
   for (int64_t i0 = 0; i0 < g; i0 += kChunk) {
     const int64_t n = g - i0 < kChunk ? g - i0 : kChunk;
+#if FLASHCOMM_LANES == 8 && defined(FC_X86) && defined(__AVX2__)
+    if (BITS == 6 && direct && n % 16 == 0) {  // decoded straight from the packed codes
+      const uint8_t* in = codes + i0 / kBlock * BITS;
+      float* o = out + i0;
+      for (int64_t j = 0; j < n; j += 16) {
+        const __m256i both = load12_both(in + j / kBlock * BITS, j + 16 < n);
+        Lanes d0 = add_rn(mul_rn(codes6_lanes<0>(both), p.scale), p.zero);
+        Lanes d1 = add_rn(mul_rn(codes6_lanes<1>(both), p.scale), p.zero);
+        if (accumulate) {
+          d0 = add_rn(load_lanes(o + j), d0);
+          d1 = add_rn(load_lanes(o + j + kLanes), d1);
+        }
+        store_lanes(o + j, d0);
+        store_lanes(o + j + kLanes, d1);
+      }
+      continue;
+    }
+#endif
     const uint8_t* qs = q;
     if (BITS == 8) {
       qs = codes + i0;  // 8-bit codes need no unpacking
@@ -292,29 +415,139 @@ __attribute__((always_inline)) inline bool quantize_one(const typename T::Storag
   return finite;
 }
 
+// One group's (g >= kLanes values of T) range as lanes: lo and hi, each lane the min / max of
+// the values it met that are not NaN (a lane that met only NaN keeps +inf / -inf), and nan,
+// lanes that met a NaN. The group is finite when no lane met a NaN and lo and hi are finite.
+template <typename T>
+__attribute__((always_inline)) inline void range_lanes(const typename T::Storage* x, int64_t g,
+                                                       Lanes* lo, Lanes* hi, ILanes* nan) {
+  const float inf = bits_to_float(0x7F800000u);
+  Lanes l = Lanes{} + inf, h = Lanes{} - inf;
+  ILanes bad = ILanes{};
+  int64_t i = 0;
+  if constexpr (std::is_same_v<T, BF16>) {
+    for (; i + 2 * kLanes <= g; i += 2 * kLanes) {
+      Lanes a, b;
+      load_bf16_pairs(x + i, &a, &b);
+      l = a < l ? a : l;  // minps / maxps: NaN in a keeps l
+      h = a > h ? a : h;
+      l = b < l ? b : l;
+      h = b > h ? b : h;
+      bad |= unordered(a, b);
+    }
+  }
+  for (; i < g; i += kLanes) {
+    // The last vector may overlap the previous one (g not a multiple of kLanes): min, max and
+    // the NaN test do not mind seeing a value twice.
+    const Lanes a = load_lanes_t<T>(x + (i + kLanes <= g ? i : g - kLanes));
+    l = a < l ? a : l;
+    h = a > h ? a : h;
+    bad |= unordered(a, a);
+  }
+  *lo = l;
+  *hi = h;
+  *nan = bad;
+}
+
+// The parameters of kLanes groups, one per lane (codec.h's group_params, lane-wise: the same
+// IEEE operations on each lane).
+struct ParamLanes {
+  ULanes scale_bits, zero_bits;
+  Lanes scale, zero, inv_scale, pre, zero_pre;
+};
+
+// lo, hi, nan: per lane, one group's range_lanes reduced over its lanes.
+__attribute__((always_inline)) inline void group_params_lanes(Lanes lo, Lanes hi, ILanes nan,
+                                                              int bits, ParamLanes* p) {
+  const Lanes zeros = Lanes{};
+  const ULanes exp_mask = ULanes{} + 0x7F800000u;
+  lo = lo == 0.0f ? zeros : lo;  // -0 -> +0 (load_range)
+  hi = hi == 0.0f ? zeros : hi;
+  const ILanes finite = ~nan & ((lanes_bits(lo) & exp_mask) != exp_mask) &
+                        ((lanes_bits(hi) & exp_mask) != exp_mask);
+  const float inv_levels = 1.0f / float(max_code(bits));
+  // zero: bf16_round_down(lo), clamped to the lowest finite bf16.
+  const ULanes u = lanes_bits(lo);
+  const ILanes down = ((u & 0x80000000u) != 0) & ((u & 0x0000FFFFu) != 0);
+  ULanes zb = ((u & 0xFFFF0000u) + ((ULanes)down & 0x10000u)) >> 16;
+  zb = zb == 0xFF80u ? ULanes{} + uint32_t(kBf16Lowest) : zb;
+  const Lanes zero = bits_lanes(zb << 16);
+  Lanes range = add_rn(hi, -zero);
+  range = range > 0.0f ? range : zeros;
+  const Lanes direct = mul_rn(range, inv_levels);
+  const Lanes halves =
+      mul_rn(mul_rn(add_rn(mul_rn(hi, 0.5f), -mul_rn(zero, 0.5f)), inv_levels), 2.0f);
+  Lanes scale = select_finite(range, direct, halves);
+  scale = (range > 0.0f) & ~(scale >= kFltMin) ? Lanes{} + kFltMin : scale;
+  // scale: bf16_round_up.
+  const ULanes su = lanes_bits(scale);
+  const ILanes up = ((su & 0x80000000u) == 0) & ((su & 0x0000FFFFu) != 0);
+  const ULanes sb = ((su & 0xFFFF0000u) + ((ULanes)up & 0x10000u)) >> 16;
+  const Lanes sc = bits_lanes(sb << 16);
+  // set_inverse.
+  const Lanes ones = Lanes{} + 1.0f;
+  const Lanes pre = sc >= kHugeScale ? Lanes{} + kTwoPowMinus64 : ones;
+  const Lanes zero_pre = mul_rn(zero, pre);
+  const Lanes inv = sc > 0.0f ? ones / mul_rn(sc, pre) : zeros;
+  // A group holding NaN or Inf: scale NaN, zero 0, all-zero codes.
+  p->scale_bits = finite ? sb : ULanes{} + uint32_t(kBf16NaN);
+  p->zero_bits = finite ? zb : ULanes{};
+  p->scale = finite ? sc : bits_lanes(ULanes{} + (uint32_t(kBf16NaN) << 16));
+  p->zero = finite ? zero : zeros;
+  p->inv_scale = finite ? inv : zeros;
+  p->pre = finite ? pre : ones;
+  p->zero_pre = finite ? zero_pre : zeros;
+}
+
 // Quantize n_groups groups of g elements of T: codes (g * bits / 8 bytes each), bf16 scale
-// and zero. Groups go in batches: the ranges and parameters of a batch first, then its codes,
-// so the parameters' scalar dependency chain of one group overlaps the others' instead of
-// stalling every group (measured 2x on AVX2 at G = 128).
+// and zero. Groups go in batches: the ranges and parameters of a batch first, then its codes.
+// The parameters of kLanes groups are computed at once, one group per lane: each group's range
+// is reduced to one lane by reduce_lanes (kLanes groups in a few shuffles), and group_params
+// runs lane-wise.
 template <typename T>
 void quantize_groups(const typename T::Storage* x, int64_t n_groups, int64_t g,
                                      int bits, uint8_t* codes, uint16_t* scale,
                                      uint16_t* zero) {
-  constexpr int64_t kBatch = 16;
+  constexpr int64_t kBatch = kLanes > 16 ? kLanes : 16;  // a multiple of kLanes
   const int64_t nbytes = group_bytes(g, bits);
-  GroupParams params[kBatch];
+  if (g < kLanes) {  // G = 8 with 16 lanes: one group at a time
+    for (int64_t k = 0; k < n_groups; ++k) {
+      quantize_one<T>(x + k * g, g, bits, codes + k * nbytes, scale + k, zero + k);
+    }
+    return;
+  }
+  alignas(64) uint16_t sb[kBatch], zb[kBatch];
+  alignas(64) float sc[kBatch], ze[kBatch], inv[kBatch], pre[kBatch], zp[kBatch];
   for (int64_t k0 = 0; k0 < n_groups; k0 += kBatch) {
     const int64_t m = n_groups - k0 < kBatch ? n_groups - k0 : kBatch;
-    for (int64_t k = 0; k < m; ++k) {
-      float lo, hi;
-      bool finite;
-      load_range<T>(x + (k0 + k) * g, g, &lo, &hi, &finite);
-      params[k] = group_params(lo, hi, finite, bits);
-      scale[k0 + k] = params[k].scale_bits;
-      zero[k0 + k] = params[k].zero_bits;
+    for (int64_t s0 = 0; s0 < m; s0 += kLanes) {
+      Lanes lo[kLanes], hi[kLanes];
+      ILanes nan[kLanes];
+#pragma GCC unroll 16
+      for (int s = 0; s < kLanes; ++s) {
+        // Slot s ends in lane kReducedLanes.lane[s]: it takes that group (past the last
+        // group, the first one again).
+        const int64_t k = s0 + kReducedLanes.lane[s] < m ? s0 + kReducedLanes.lane[s] : s0;
+        range_lanes<T>(x + (k0 + k) * g, g, &lo[s], &hi[s], &nan[s]);
+      }
+      const Lanes l = reduce_lanes(lo, [](Lanes a, Lanes b) { return a < b ? a : b; });
+      const Lanes h = reduce_lanes(hi, [](Lanes a, Lanes b) { return a > b ? a : b; });
+      const ILanes n = reduce_lanes(nan, [](ILanes a, ILanes b) { return a | b; });
+      ParamLanes p;
+      group_params_lanes(l, h, n, bits, &p);
+      narrow_halves(p.scale_bits, sb + s0);
+      narrow_halves(p.zero_bits, zb + s0);
+      store_lanes(sc + s0, p.scale);
+      store_lanes(ze + s0, p.zero);
+      store_lanes(inv + s0, p.inv_scale);
+      store_lanes(pre + s0, p.pre);
+      store_lanes(zp + s0, p.zero_pre);
     }
+    std::memcpy(scale + k0, sb, size_t(m) * sizeof(uint16_t));
+    std::memcpy(zero + k0, zb, size_t(m) * sizeof(uint16_t));
     for (int64_t k = 0; k < m; ++k) {
-      encode_group<T>(x + (k0 + k) * g, g, bits, params[k], codes + (k0 + k) * nbytes);
+      const GroupParams p = {sb[k], zb[k], sc[k], ze[k], inv[k], pre[k], zp[k]};
+      encode_group<T>(x + (k0 + k) * g, g, bits, p, codes + (k0 + k) * nbytes);
     }
   }
 }
@@ -390,6 +623,16 @@ __attribute__((always_inline)) inline bool plain_group(const GroupParams& p, int
   return is_finite(mul_rn(levels, p.scale)) && p.zero >= -max && top <= max;
 }
 
+// The bf16 values of the codes qe (even positions) and qo (odd ones) of a plain_group, two to
+// a lane (bf16_from_float without its NaN case: the values are finite).
+__attribute__((always_inline)) inline ULanes plain_bf16_pairs(Lanes qe, Lanes qo,
+                                                              const GroupParams& p) {
+  const ULanes e = lanes_bits(add_rn(mul_rn(qe, p.scale), p.zero));
+  const ULanes o = lanes_bits(add_rn(mul_rn(qo, p.scale), p.zero));
+  return ((e + 0x7FFFu + ((e >> 16) & 1u)) >> 16) |
+         ((o + 0x7FFFu + ((o >> 16) & 1u)) & 0xFFFF0000u);
+}
+
 // 2 * kLanes bf16 values per step from codes (one byte each), two to a lane; returns how many
 // values were written (a multiple of 2 * kLanes, at most n). PLAIN: the group is plain_group,
 // so decode is q * scale + zero and the values are finite and in range (no NaN case in the
@@ -404,10 +647,7 @@ __attribute__((always_inline)) inline int64_t decode_bf16_pairs(const uint8_t* q
     const Lanes qe = int_lanes_to_float(c & 0xFFFFu), qo = int_lanes_to_float(c >> 16);
     ULanes pair;
     if constexpr (PLAIN) {
-      const ULanes e = lanes_bits(add_rn(mul_rn(qe, p.scale), p.zero));
-      const ULanes o = lanes_bits(add_rn(mul_rn(qo, p.scale), p.zero));
-      pair = ((e + 0x7FFFu + ((e >> 16) & 1u)) >> 16) |
-             ((o + 0x7FFFu + ((o >> 16) & 1u)) & 0xFFFF0000u);
+      pair = plain_bf16_pairs(qe, qo, p);
     } else {
       pair = bf16_bits_lanes(saturate(decode_lanes(qe, p), BF16::kMax)) |
              (bf16_bits_lanes(saturate(decode_lanes(qo, p), BF16::kMax)) << 16);
@@ -431,6 +671,18 @@ __attribute__((always_inline)) inline void dequantize_all(const uint8_t* codes,
     const bool plain = plain_group(p, BITS, T::kMax);
     for (int64_t i0 = 0; i0 < g; i0 += kChunk) {
       const int64_t n = g - i0 < kChunk ? g - i0 : kChunk;
+#if FLASHCOMM_LANES == 8 && defined(FC_X86) && defined(__AVX2__)
+      if (std::is_same_v<T, BF16> && BITS == 6 && plain && n % 16 == 0) {  // no unpacking
+        const uint8_t* c = in + i0 / kBlock * BITS;
+        for (int64_t j = 0; j < n; j += 16) {
+          const ULanes w = codes6_pairs(load12_both(c + j / kBlock * BITS, j + 16 < n));
+          const ULanes pair = plain_bf16_pairs(int_lanes_to_float(w & 0x3Fu),
+                                               int_lanes_to_float((w >> 6) & 0x3Fu), p);
+          std::memcpy(out + i0 + j, &pair, sizeof pair);
+        }
+        continue;
+      }
+#endif
       const uint8_t* qs = q;
       if (BITS == 8) {
         qs = in + i0;  // 8-bit codes need no unpacking

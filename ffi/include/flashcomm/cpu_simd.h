@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "flashcomm/codec.h"
 
@@ -208,6 +209,111 @@ FC_ALWAYS_INLINE void narrow_byte_pairs(ULanes u, uint8_t* p) {
   const Bytes2 b = __builtin_convertvector((Halves2)u, Bytes2);
   std::memcpy(p, &b, sizeof b);
 #endif
+}
+
+// Lanes where a or b is NaN (all ones), else 0.
+FC_ALWAYS_INLINE ILanes unordered(Lanes a, Lanes b) {
+#if FLASHCOMM_LANES == 16 && defined(FC_X86) && defined(__AVX512F__)
+  return (ILanes)_mm512_movm_epi32(_mm512_cmp_ps_mask((__m512)a, (__m512)b, _CMP_UNORD_Q));
+#elif FLASHCOMM_LANES == 8 && defined(FC_X86) && defined(__AVX__)
+  return (ILanes)_mm256_cmp_ps((__m256)a, (__m256)b, _CMP_UNORD_Q);
+#elif FLASHCOMM_LANES == 4 && defined(FC_X86)
+  return (ILanes)_mm_cmpunord_ps((__m128)a, (__m128)b);
+#else
+  return (a != a) | (b != b);
+#endif
+}
+
+// The code of a scaled value: v clamped to [0, levels] (NaN to 0; codec.h's clamp_code) and
+// rounded to an integer in the current rounding mode, as codec.h's encode does by adding 2^23
+// (in [2^23, 2^24) the f32 spacing is 1, so that add rounds v to an integer in the same mode;
+// the conversion instruction rounds it the same way). On x86, maxps(v, 0) is exactly
+// v > 0 ? v : 0 (its second operand when unordered or both zero) and minps(v, levels) is
+// v < levels ? v : levels.
+FC_ALWAYS_INLINE ULanes code_lanes(Lanes v, float levels) {
+#if FLASHCOMM_LANES == 16 && defined(FC_X86) && defined(__AVX512F__)
+  const __m512 c = _mm512_min_ps(_mm512_max_ps((__m512)v, _mm512_setzero_ps()),
+                                 _mm512_set1_ps(levels));
+  return (ULanes)_mm512_cvtps_epi32(c);
+#elif FLASHCOMM_LANES == 8 && defined(FC_X86) && defined(__AVX__)
+  const __m256 c = _mm256_min_ps(_mm256_max_ps((__m256)v, _mm256_setzero_ps()),
+                                 _mm256_set1_ps(levels));
+  return (ULanes)_mm256_cvtps_epi32(c);
+#elif FLASHCOMM_LANES == 4 && defined(FC_X86)
+  const __m128 c = _mm_min_ps(_mm_max_ps((__m128)v, _mm_setzero_ps()), _mm_set1_ps(levels));
+  return (ULanes)_mm_cvtps_epi32(c);
+#else
+  return lanes_bits(add_rn(clamp_code(v, levels), 8388608.0f)) - kEncodeBias;
+#endif
+}
+
+// ---- reductions of kLanes vectors at once (one result lane per vector) ----
+// Per chunk of 2B lanes, the first (HI false) or second half of a's chunk, then b's; for
+// B = 1, per chunk of 4 lanes: a0 a2 b0 b2 (a1 a3 b1 b3): one shuffle instruction each on x86.
+template <int B>
+constexpr int half_index(int i, bool hi) {
+  if (B == 1) {
+    const int chunk = i / 4 * 4, r = i % 4;
+    return (r < 2 ? chunk + 2 * r : kLanes + chunk + 2 * (r - 2)) + (hi ? 1 : 0);
+  }
+  const int chunk = i / (2 * B) * (2 * B), r = i % (2 * B);
+  return (r < B ? chunk + r : kLanes + chunk + r - B) + (hi ? B : 0);
+}
+template <int B, bool HI, int... I>
+FC_ALWAYS_INLINE constexpr ILanes half_mask(std::integer_sequence<int, I...>) {
+  return ILanes{half_index<B>(I, HI)...};
+}
+
+// One stage over v[0..N): N / 2 vectors, each from a pair.
+template <int B, int N, typename V, typename Op>
+FC_ALWAYS_INLINE void reduce_stage(V* v, Op op) {
+  constexpr ILanes lo = half_mask<B, false>(std::make_integer_sequence<int, kLanes>{});
+  constexpr ILanes hi = half_mask<B, true>(std::make_integer_sequence<int, kLanes>{});
+#pragma GCC unroll 16
+  for (int i = 0; i < N / 2; ++i) {
+    v[i] = op(__builtin_shuffle(v[2 * i], v[2 * i + 1], lo),
+              __builtin_shuffle(v[2 * i], v[2 * i + 1], hi));
+  }
+}
+
+// Where each input slot of reduce_lanes (below) ends: lane[s] is the lane of the result that
+// holds slot s's reduction (found by running reduce_lanes's stages on slot numbers).
+struct ReducedLanes {
+  int lane[kLanes];
+};
+constexpr ReducedLanes reduced_lanes() {
+  int slot[kLanes][kLanes] = {};  // slot[v][i]: the input slot of lane i of vector v
+  for (int v = 0; v < kLanes; ++v) {
+    for (int i = 0; i < kLanes; ++i) slot[v][i] = v;
+  }
+  int n = kLanes;
+  for (int b = kLanes / 2; b >= 1; b /= 2, n /= 2) {
+    for (int v = 0; v < n / 2; ++v) {
+      int next[kLanes] = {};
+      for (int i = 0; i < kLanes; ++i) {
+        const int at = b == 1 ? half_index<1>(i, false)
+                     : b == 2 ? half_index<2>(i, false)
+                     : b == 4 ? half_index<4>(i, false) : half_index<8>(i, false);
+        next[i] = at < kLanes ? slot[2 * v][at] : slot[2 * v + 1][at - kLanes];
+      }
+      for (int i = 0; i < kLanes; ++i) slot[v][i] = next[i];
+    }
+  }
+  ReducedLanes r = {};
+  for (int i = 0; i < kLanes; ++i) r.lane[slot[0][i]] = i;
+  return r;
+}
+constexpr ReducedLanes kReducedLanes = reduced_lanes();
+
+// kLanes vectors v[s] -> one vector whose lane kReducedLanes.lane[s] is op reduced over v[s]'s lanes
+// (op commutative and associative on the values it meets). v is overwritten.
+template <typename V, typename Op>
+FC_ALWAYS_INLINE V reduce_lanes(V* v, Op op) {
+  if constexpr (kLanes >= 16) reduce_stage<8, 16>(v, op);
+  if constexpr (kLanes >= 8) reduce_stage<4, 8>(v, op);
+  reduce_stage<2, 4>(v, op);
+  reduce_stage<1, 2>(v, op);
+  return v[0];
 }
 
 // 32-bit lanes below 2^24 as f32 lanes (exact).
