@@ -165,15 +165,16 @@ def test_psum_grad(mesh_factory):
 
     q_exact = lambda v, a: fc.psum(v, a, bits=8, min_bytes=0)  # noqa: E731
     q_quant = lambda v, a: fc.psum(v, a, bits=8, min_bytes=0, grad="quantized")  # noqa: E731
+    # the gradients jitted: one compilation each (eager, the shard_maps run op by op)
     with jax.set_mesh(mesh):
         # x varying: the cotangent of x is that of y, as for lax.psum (loss uses psum(x))
-        gq = jax.grad(lambda w: loss(q_exact, x, w))(w)
-        gl = jax.grad(lambda w: loss(lax.psum, x, w))(w)
+        gq = jax.jit(jax.grad(lambda w: loss(q_exact, x, w)))(w)
+        gl = jax.jit(jax.grad(lambda w: loss(lax.psum, x, w)))(w)
         assert float(jnp.max(jnp.abs(gq - gl))) <= 0.05 * float(jnp.max(jnp.abs(gl)))
-        gxq = jax.grad(lambda x: loss_inv(q_exact, x, w))(xi)
-        gxl = jax.grad(lambda x: loss_inv(lax.psum, x, w))(xi)
+        gxq = jax.jit(jax.grad(lambda x: loss_inv(q_exact, x, w)))(xi)
+        gxl = jax.jit(jax.grad(lambda x: loss_inv(lax.psum, x, w)))(xi)
         np.testing.assert_array_equal(gxq, gxl)  # exact cotangent all-reduce: bit-equal
-        gxqq = jax.grad(lambda x: loss_inv(q_quant, x, w))(xi)
+        gxqq = jax.jit(jax.grad(lambda x: loss_inv(q_quant, x, w)))(xi)
         # grad="quantized": the cotangent all-reduce is the quantized psum of the per-rank
         # cotangents (psum over i of w, pvary'd, then all-reduced again over the 4 ranks)
         ct = jnp.broadcast_to(jnp.sum(w, axis=0), (4, 300))

@@ -45,16 +45,53 @@ def _data(rng, shape, kind="outliers"):
 def test_parity_quantize_dequantize(rotation, group_size, dtype):
     rng = np.random.default_rng(group_size + rotation)
     x = jnp.asarray(_data(rng, (3, 2 * group_size + 5)), dtype)  # padding exercised
-    for bits in (2, 3, 4, 8):
-        pj = _quant(x, "jnp", bits=bits, group_size=group_size, rotation=rotation)
-        pf = _quant(x, "ffi", bits=bits, group_size=group_size, rotation=rotation)
+    outs = (jnp.float32, dtype)
+
+    @jax.jit  # every width in one compilation (not a dozen small programs)
+    def program(x):
+        res = []
+        for bits in (2, 3, 4, 8):
+            q = dict(bits=bits, group_size=group_size, rotation=rotation)
+            pj, pf = (codec.quantize(x, backend=b, **q) for b in ("jnp", "ffi"))
+            res.append((pj, pf, [tuple(codec.dequantize(pf, dtype=out, backend=b)
+                                       for b in ("jnp", "ffi")) for out in outs]))
+        return res
+
+    results = every_isa(program, x)  # every output the same bits on every ISA build
+    assert len(results) == 4
+    for pj, pf, deq in results:
         assert pj.rotation == pf.rotation == rotation
         for a, b in ((pj.codes, pf.codes), (pj.scale, pf.scale), (pj.zero, pf.zero)):
             np.testing.assert_array_equal(_bits(a), _bits(b))
-        for out in (jnp.float32, dtype):
-            yj = jax.jit(lambda p: codec.dequantize(p, dtype=out, backend="jnp"))(pf)
-            yf = every_isa(jax.jit(lambda p: codec.dequantize(p, dtype=out, backend="ffi")), pf)
+        for (yj, yf), out in zip(deq, outs, strict=True):
+            assert yf.dtype == out
             np.testing.assert_array_equal(_bits(yj), _bits(yf))
+
+
+WIDTH_OUTS = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _width_program(rotation, group_size):
+    """One jitted program per (rotation, G) with every code width of
+    test_parity_every_width_and_group_size, jnp twin and FFI side by side (one compilation
+    instead of dozens of small programs and eager ops)."""
+
+    def program(x):
+        per_bits = []
+        for bits in range(2, 9):
+            q = dict(bits=bits, group_size=group_size, rotation=rotation)
+            pj = codec.quantize(x, backend="jnp", **q)
+            pf = codec.quantize(x, backend="ffi", **q)
+            deq = [tuple(codec.dequantize(pf, dtype=out, backend=b) for b in ("jnp", "ffi"))
+                   for out in WIDTH_OUTS]
+            per_bits.append((pj, pf, deq))
+        chunked = codec.quantize(x, bits=4, group_size=group_size, num_chunks=2,
+                                 rotation=rotation, backend="ffi").split_groups(2)
+        sums = [tuple(codec.dequantize_sum(chunked, dtype=out, backend=b)
+                      for b in ("jnp", "ffi")) for out in (jnp.float32, jnp.bfloat16)]
+        return per_bits, sums
+
+    return jax.jit(program)
 
 
 @needs_ffi
@@ -67,20 +104,17 @@ def test_parity_every_width_and_group_size(rotation, group_size):
     x = _data(rng, (4, 2 * group_size))
     x[1] *= 65504.0 / np.abs(x[1]).max()  # f16 outputs saturate at the top of the grid
     x = jnp.asarray(x, jnp.float32)
-    for bits in range(2, 9):
-        pj = _quant(x, "jnp", bits=bits, group_size=group_size, rotation=rotation)
-        pf = _quant(x, "ffi", bits=bits, group_size=group_size, rotation=rotation)
+    # every output (the FFI ones included) bit-equal on every ISA build of the kernels
+    per_bits, sums = every_isa(_width_program(rotation, group_size), x)
+    assert len(per_bits) == 7
+    for pj, pf, deq in per_bits:
+        assert pj.rotation == pf.rotation == rotation
         for a, b in ((pj.codes, pf.codes), (pj.scale, pf.scale), (pj.zero, pf.zero)):
             np.testing.assert_array_equal(_bits(a), _bits(b))
-        for out in (jnp.float32, jnp.bfloat16, jnp.float16):
-            yj = codec.dequantize(pf, dtype=out, backend="jnp")
-            yf = every_isa(lambda: codec.dequantize(pf, dtype=out, backend="ffi"))
+        for (yj, yf), out in zip(deq, WIDTH_OUTS, strict=True):
+            assert yf.dtype == out
             np.testing.assert_array_equal(_bits(yj), _bits(yf))
-    chunked = _quant(x, "ffi", bits=4, group_size=group_size, num_chunks=2, rotation=rotation)
-    chunked = chunked.split_groups(2)
-    for out in (jnp.float32, jnp.bfloat16):
-        yj = codec.dequantize_sum(chunked, dtype=out, backend="jnp")
-        yf = every_isa(lambda: codec.dequantize_sum(chunked, dtype=out, backend="ffi"))
+    for yj, yf in sums:
         np.testing.assert_array_equal(_bits(yj), _bits(yf))
 
 
@@ -112,32 +146,52 @@ def test_parity_fused_sums(rotation, dtype):
     assert codec.dequantize_sum_quantize(stacked, backend="ffi").rotation == rotation
 
 
+BOUND_CASES = [(g, bits) for g in (32, 128, 512) for bits in (2, 4, 8)]
+
+
+def _bound_program(backend, rotation):
+    """Per (G, bits) of BOUND_CASES: the rotated groups, the decoded codes, the plain-format
+    bound of the codes, the dequantized operand and its mapped-back bound (one jitted program
+    per test instead of a compilation per step and eager ops)."""
+
+    def program(xs):
+        outs = []
+        for x, (g, bits) in zip(xs, BOUND_CASES, strict=True):
+            p = codec.quantize(x, bits=bits, group_size=g, rotation=rotation, backend=backend)
+            groups = jnp.asarray(x, jnp.float32).reshape(-1, g)
+            rot = reference.rotate(groups, rotation)
+            dec = reference.decode_groups(p.codes, p.scale, p.zero, bits, g)
+            plain = dataclasses.replace(p, rotation=0, dtype=np.dtype(np.float32))
+            outs.append((rot, dec, codec.error_bound(plain), codec.dequantize(p, backend=backend),
+                         codec.error_bound(p)))
+        return outs
+
+    return jax.jit(program)
+
+
 @pytest.mark.parametrize("backend", ["jnp", pytest.param("ffi", marks=needs_ffi)])
 @pytest.mark.parametrize("rotation", [1, 2])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_error_bound_rotated_and_mapped_back(backend, rotation, dtype):
     rng = np.random.default_rng(3)
-    for g in (32, 128, 512):
-        x = jnp.asarray(np.concatenate([_data(rng, (4, 2 * g), kind)
-                                        for kind in ("gauss", "heavy", "outliers")]), dtype)
-        for bits in (2, 4, 8):
-            p = _quant(x, backend, bits=bits, group_size=g, rotation=rotation)
-            # rotated domain: decoded codes vs the (f32) rotated groups, elementwise
-            groups = jnp.asarray(x, jnp.float32).reshape(-1, g)
-            rot = np.asarray(reference.rotate(groups, rotation), np.float64)
-            dec = np.asarray(reference.decode_groups(p.codes, p.scale, p.zero, bits, g),
-                             np.float64)
-            plain = dataclasses.replace(p, rotation=0, dtype=np.dtype(np.float32))
-            b_rot = np.asarray(codec.error_bound(plain), np.float64).reshape(-1, g)
-            assert np.all(np.abs(dec - rot) <= b_rot)
-            # mapped back through the orthonormal inverse: elementwise in the operand's domain
-            y = np.asarray(codec.dequantize(p, backend=backend), np.float64)
-            b = np.asarray(codec.error_bound(p), np.float64)
-            err = np.abs(y - np.asarray(x, np.float64))
-            assert np.all(np.isfinite(b)) and np.all(err <= b), float(np.max(err / b))
-            # and the group 2-norm of the error is within sqrt(G) * the rotated bound
-            gn = np.linalg.norm((y - np.asarray(x, np.float64)).reshape(-1, g), axis=1)
-            assert np.all(gn <= b.reshape(-1, g)[:, 0])
+    xs = []
+    for g, bits in BOUND_CASES:
+        xs.append(jnp.asarray(np.concatenate([_data(rng, (4, 2 * g), kind)
+                                              for kind in ("gauss", "heavy", "outliers")]),
+                              dtype))
+    outs = every_isa(_bound_program(backend, rotation), xs)  # FFI: the same bits on every build
+    for x, (g, bits), (rot, dec, b_rot, y, b) in zip(xs, BOUND_CASES, outs, strict=True):
+        # rotated domain: decoded codes vs the (f32) rotated groups, elementwise
+        rot, dec = np.asarray(rot, np.float64), np.asarray(dec, np.float64)
+        b_rot = np.asarray(b_rot, np.float64).reshape(-1, g)
+        assert np.all(np.abs(dec - rot) <= b_rot)
+        # mapped back through the orthonormal inverse: elementwise in the operand's domain
+        y, b = np.asarray(y, np.float64), np.asarray(b, np.float64)
+        err = np.abs(y - np.asarray(x, np.float64))
+        assert np.all(np.isfinite(b)) and np.all(err <= b), float(np.max(err / b))
+        # and the group 2-norm of the error is within sqrt(G) * the rotated bound
+        gn = np.linalg.norm((y - np.asarray(x, np.float64)).reshape(-1, g), axis=1)
+        assert np.all(gn <= b.reshape(-1, g)[:, 0])
 
 
 def test_rotation_zero_is_todays_format():
@@ -152,20 +206,23 @@ def test_rotation_zero_is_todays_format():
 
 def test_orthonormal_and_signs():
     rng = np.random.default_rng(1)
+    # one jitted program per G: rotation r and the inverse of its (f32) result, r = 1, 2
+    # (eager, every butterfly of every call would be dispatched and compiled on its own)
+    round_trips = jax.jit(lambda v: [(y, reference.unrotate(y, r))
+                                     for r in (1, 2) for y in [reference.rotate(v, r)]])
     for g in (8, 128, 1024):
         x = rng.standard_normal((3, g)).astype(np.float32)
-        for r in (1, 2):
-            y = np.asarray(reference.rotate(jnp.asarray(x), r), np.float64)
+        for y, back in round_trips(jnp.asarray(x)):
+            y = np.asarray(y, np.float64)
             np.testing.assert_allclose(np.linalg.norm(y, axis=1), np.linalg.norm(x, axis=1),
                                        rtol=1e-5)
-            back = np.asarray(reference.unrotate(jnp.asarray(y, jnp.float32), r))
-            np.testing.assert_allclose(back, x, atol=1e-5)
+            np.testing.assert_allclose(np.asarray(back), x, atol=1e-5)
         # a dense orthonormal Hadamard matrix, checked with numpy (Sylvester construction)
         h = np.array([[1.0]])
         while h.shape[0] < g:
             h = np.block([[h, h], [h, -h]])
         want = x.astype(np.float64) @ h.T / np.sqrt(g)
-        np.testing.assert_allclose(np.asarray(reference.rotate(jnp.asarray(x), 1)), want,
+        np.testing.assert_allclose(np.asarray(round_trips(jnp.asarray(x))[0][0]), want,
                                    rtol=1e-4, atol=1e-4)
     signs = reference.rotation_sign_bits(64)
     assert 20 < int(np.count_nonzero(signs)) < 44  # a balanced, fixed +-1 vector

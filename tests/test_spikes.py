@@ -26,7 +26,6 @@ needs_ffi = pytest.mark.skipif(not kernels.available("cpu"), reason="CPU kernels
 BF16_MAX = 3.3895313892515355e38
 
 
-
 def _groups(rng, g, dtype):
     """Groups that exercise the rule: outlier channels, ties of equal magnitude and opposite
     sign, a constant group, a NaN, an inf, values past the bf16 range, denormals, zeros."""
@@ -47,6 +46,37 @@ def _groups(rng, g, dtype):
     return jnp.asarray(x, dtype)
 
 
+PARITY_CODES = ((2, 1), (3, 7), (4, 4), (6, 2), (8, 16))  # (bits, spikes), k < G enforced
+
+
+def _parity_program(rotation, group_size, dtype):
+    """One jitted program per (rotation, G, dtype) holding every (bits, k) of the parity test,
+    jnp twin and FFI side by side (one compilation instead of ~50 small ones): per (bits, k),
+    quantize on both backends, dequantize the FFI payload on both into f32 and into ``dtype``,
+    and the fused sums of its chunked form on both."""
+
+    def program(x):
+        outs = []
+        for bits, k in PARITY_CODES:
+            q = dict(bits=bits, group_size=group_size, rotation=rotation,
+                     spikes=min(k, group_size - 1))
+            pj = codec.quantize(x, backend="jnp", **q)
+            pf = codec.quantize(x, backend="ffi", **q)
+            deq = [tuple(codec.dequantize(pf, dtype=out, backend=b) for b in ("jnp", "ffi"))
+                   for out in (jnp.float32, dtype)]
+            if pf.num_groups % 2 == 0:
+                chunked = pf.split_groups(pf.num_groups // 2)
+            else:
+                chunked = pf.map_arrays(lambda a: a[None])
+            sums = tuple(codec.dequantize_sum(chunked, dtype=jnp.float32, backend=b)
+                         for b in ("jnp", "ffi"))
+            requant = tuple(codec.dequantize_sum_quantize(chunked, bits=3, backend=b)
+                            for b in ("jnp", "ffi"))
+            outs.append((pj, pf, deq, sums, requant))
+        return outs
+
+    return jax.jit(program)
+
 
 @needs_ffi
 @pytest.mark.parametrize("rotation", [0, 2])
@@ -55,29 +85,22 @@ def _groups(rng, g, dtype):
 def test_parity_twin_and_kernels(rotation, group_size, dtype):
     rng = np.random.default_rng(group_size + rotation)
     x = _groups(rng, group_size, np.dtype(dtype))
-    for bits, k in ((2, 1), (3, 7), (4, 4), (6, 2), (8, 16)):
-        if k >= group_size:
-            k = group_size - 1
-        pj = _quant(x, "jnp", bits=bits, group_size=group_size, rotation=rotation, spikes=k)
-        pf = _quant(x, "ffi", bits=bits, group_size=group_size, rotation=rotation, spikes=k)
+    # every output of the program (the FFI ones included) bit-equal on every ISA build
+    results = every_isa(_parity_program(rotation, group_size, dtype), x)
+    for (bits, k), (pj, pf, deq, sums, requant) in zip(PARITY_CODES, results, strict=True):
+        k = min(k, group_size - 1)
+        assert pj.spikes == pf.spikes == k
         assert pj.codes.shape[-1] == spec.record_bytes(group_size, bits, k)
         for a, b in ((pj.codes, pf.codes), (pj.scale, pf.scale), (pj.zero, pf.zero)):
             np.testing.assert_array_equal(_bits(a), _bits(b))
-        for out in (jnp.float32, dtype):
-            yj = jax.jit(lambda p: codec.dequantize(p, dtype=out, backend="jnp"))(pf)
-            yf = every_isa(jax.jit(lambda p: codec.dequantize(p, dtype=out, backend="ffi")), pf)
+        for yj, yf in deq:  # into f32 and into the operand's dtype
             np.testing.assert_array_equal(_bits(yj), _bits(yf))
-        chunked = pf.split_groups(pf.num_groups // 2) if pf.num_groups % 2 == 0 else pf
-        chunked = pf.map_arrays(lambda a: a[None]) if chunked is pf else chunked
-        for backend_pair in (("jnp", "ffi"),):
-            sj, sf = (every_isa(jax.jit(lambda p, b=b: codec.dequantize_sum(
-                p, dtype=jnp.float32, backend=b)), chunked) for b in backend_pair)
-            np.testing.assert_array_equal(_bits(sj), _bits(sf))
-            qj, qf = (every_isa(jax.jit(lambda p, b=b: codec.dequantize_sum_quantize(
-                p, bits=3, backend=b)), chunked) for b in backend_pair)
-            assert qj.spikes == qf.spikes == k
-            for a, b in ((qj.codes, qf.codes), (qj.scale, qf.scale), (qj.zero, qf.zero)):
-                np.testing.assert_array_equal(_bits(a), _bits(b))
+        sj, sf = sums
+        np.testing.assert_array_equal(_bits(sj), _bits(sf))
+        qj, qf = requant
+        assert qj.spikes == qf.spikes == k
+        for a, b in ((qj.codes, qf.codes), (qj.scale, qf.scale), (qj.zero, qf.zero)):
+            np.testing.assert_array_equal(_bits(a), _bits(b))
 
 
 @needs_ffi
@@ -153,10 +176,20 @@ def test_error_bound_elementwise(backend, rotation, dtype):
     if rotation:  # rotation is for activations: drop groups whose butterflies overflow
         x = x[np.max(np.abs(np.asarray(x, np.float32)), axis=-1) < 1e30]
         finite = np.all(np.isfinite(np.asarray(x, np.float32)), axis=-1)
-    for bits, k in ((2, 1), (4, 3), (8, 5)):
-        p = _quant(x, backend, bits=bits, group_size=g, rotation=rotation, spikes=k)
-        y = np.asarray(codec.dequantize(p, backend=backend), np.float64)
-        b = np.asarray(codec.error_bound(p), np.float64)
+    codes = ((2, 1), (4, 3), (8, 5))  # (bits, spikes)
+
+    def program(x):  # one compilation for every (bits, k) instead of a jit and eager ops each
+        outs = []
+        for bits, k in codes:
+            p = codec.quantize(x, backend=backend, bits=bits, group_size=g, rotation=rotation,
+                               spikes=k)
+            outs.append((codec.dequantize(p, backend=backend), codec.error_bound(p)))
+        return outs
+
+    outs = every_isa(jax.jit(program), x)  # FFI: the same bits on every ISA build
+    for (bits, k), (y, b) in zip(codes, outs, strict=True):
+        y = np.asarray(y, np.float64)
+        b = np.asarray(b, np.float64)
         x64 = np.asarray(x, np.float64)
         err = np.abs(y[finite] - x64[finite])
         assert np.all(err <= b[finite]), float(np.max(err - b[finite]))
@@ -168,9 +201,14 @@ def test_spikes_cut_the_error_of_outlier_groups():
     x = rng.standard_normal((64, 128)).astype(np.float32)
     x[:, 5] *= 80.0
     err = {}
-    for k in (0, 1):
-        p = codec.quantize(x, bits=4, group_size=128, spikes=k, backend="jnp")
-        y = np.asarray(codec.dequantize(p, backend="jnp"))
+
+    @jax.jit  # both spike counts in one compilation, not eager ops
+    def round_trips(v):
+        return [codec.dequantize(codec.quantize(v, bits=4, group_size=128, spikes=k,
+                                                backend="jnp"), backend="jnp") for k in (0, 1)]
+
+    for k, y in zip((0, 1), round_trips(x), strict=True):
+        y = np.asarray(y)
         err[k] = np.linalg.norm(y - x) / np.linalg.norm(x)
     assert err[1] * 3 < err[0], err
 
@@ -196,13 +234,13 @@ def test_saturated_and_non_finite_spikes(backend):
 def test_tampered_positions_are_skipped_alike():
     """A position >= G (only a tampered record has one) is not written, by either backend."""
     x = np.random.default_rng(0).standard_normal((2, 16)).astype(np.float32)
-    p = codec.quantize(x, bits=4, group_size=16, spikes=2, backend="jnp")
+    p = jax.jit(lambda v: codec.quantize(v, bits=4, group_size=16, spikes=2, backend="jnp"))(x)
     codes = np.asarray(p.codes).copy()
     codes[:, spec.group_bytes(16, 4) + 4] = 200  # first position of each group
     tampered = codec.Payload(jnp.asarray(codes), p.scale, p.zero, bits=4, group_size=16,
                              shape=p.shape, dtype=p.dtype, spikes=2)
-    yj = np.asarray(codec.dequantize(tampered, backend="jnp"))
-    yf = np.asarray(codec.dequantize(tampered, backend="ffi"))
+    yj, yf = (np.asarray(v) for v in jax.jit(lambda p: [  # one compilation, not eager ops
+        codec.dequantize(p, backend=b) for b in ("jnp", "ffi")])(tampered))
     np.testing.assert_array_equal(yj, yf)
     assert np.all(np.isfinite(yj))
 
