@@ -38,6 +38,7 @@ import pytest
 import jax_flashcomm
 from jax_flashcomm import codec
 from jax_flashcomm.codec import kernels
+from jax_flashcomm.transport import p2p
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CUDA_SOURCES = sorted((ROOT / "ffi" / "cuda").glob("*.cu"))
@@ -371,4 +372,5 @@ def test_cuda_module_registrations_if_built():
         from jax_flashcomm import _flashcomm_cuda
     except ImportError as err:
         pytest.skip(f"_flashcomm_cuda not built (FLASHCOMM_CUDA=OFF): {err}")
-    assert set(_flashcomm_cuda.registrations()) == set(kernels.TARGETS)
+    # the codec's targets and the p2p transport's (tests/test_cuda_p2p_build.py)
+    assert set(_flashcomm_cuda.registrations()) == set(kernels.TARGETS) | set(p2p.TARGETS)

@@ -6,9 +6,14 @@
 
 NB_MODULE(_flashcomm_cuda, m) {
   m.def("registrations", []() {
-    return flashcomm::Registrations(FlashcommQuantizeCuda, FlashcommDequantizeCuda,
-                                    FlashcommDequantizeSumCuda,
-                                    FlashcommDequantizeSumQuantizeCuda,
-                                    FlashcommDequantizeIntoCuda);
+    nanobind::dict d = flashcomm::Registrations(FlashcommQuantizeCuda, FlashcommDequantizeCuda,
+                                                FlashcommDequantizeSumCuda,
+                                                FlashcommDequantizeSumQuantizeCuda,
+                                                FlashcommDequantizeIntoCuda);
+    flashcomm::AddP2pRegistrations(d, FlashcommP2pAllReduceCuda, FlashcommP2pReduceScatterCuda,
+                                   FlashcommP2pAllGatherCuda);
+    return d;
   });
+  m.def("p2p_meetings_in_progress", &flashcomm::cuda::P2pMeetingsInProgress,
+        "Peer-to-peer collective calls some rank has not finished (0 between collectives).");
 }

@@ -29,6 +29,7 @@ _PLATFORMS = {"cpu": "_flashcomm_cpu", "cuda": "_flashcomm_cuda"}
 _XLA_PLATFORM = {"cpu": "cpu", "cuda": "CUDA"}
 _available: dict[str, bool] = {}
 _import_errors: dict[str, str] = {}
+_registered: dict[str, frozenset] = {}
 
 
 def _register(platform: str) -> bool:
@@ -39,9 +40,16 @@ def _register(platform: str) -> bool:
         return False
     if platform == "cpu":
         _apply_isa_env(module)
-    for name, capsule in module.registrations().items():
+    registrations = module.registrations()
+    for name, capsule in registrations.items():
         jax.ffi.register_ffi_target(name, capsule, platform=_XLA_PLATFORM[platform])
+    _registered[platform] = frozenset(registrations)
     return True
+
+
+def registered(platform: str) -> frozenset:
+    """The FFI target names the ``platform`` module registered (empty when it is not built)."""
+    return _registered.get(platform, frozenset()) if available(platform) else frozenset()
 
 
 ISA_ENV = "FLASHCOMM_CPU_ISA"

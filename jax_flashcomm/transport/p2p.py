@@ -1,5 +1,6 @@
 """The ``p2p`` transport: each quantized collective is one FFI call per rank that reads its
-peers' buffers directly (ffi/cpu/p2p_kernels.cc, ffi/include/flashcomm/p2p_rendezvous.h).
+peers' buffers directly (ffi/cpu/p2p_kernels.cc, ffi/include/flashcomm/p2p_rendezvous.h; on
+CUDA ffi/cuda/p2p_handlers.cc, which compiles and lowers but has not run on a GPU).
 
 The ranks are the devices of one process. Every call of a collective meets its peers through
 an in-process rendezvous keyed by the XLA execution (its run id), the call site (an id given
@@ -15,6 +16,7 @@ error (a Python exception from the computation), never a hang.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 
 import jax
@@ -51,14 +53,39 @@ def rank_and_group(axes: tuple):
     return rank, group
 
 
+#: The FFI targets of the transport (both the CPU and the CUDA module register them).
+TARGETS = ("flashcomm_p2p_all_reduce", "flashcomm_p2p_reduce_scatter",
+           "flashcomm_p2p_all_gather")
+
+
+def _kernel_platform(backend: str) -> str | None:
+    """The kernel module ("cpu" or "cuda") whose p2p handlers run on JAX backend ``backend``,
+    or None when that module is not built or lacks them. CUDA: one process with several GPUs
+    (ffi/cuda/p2p_handlers.cc), compiled and lowered but never run on hardware."""
+    platform = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}.get(backend)
+    if platform == "cuda" and "rocm" in _platform_version().lower():
+        return None
+    if platform is None or not set(TARGETS) <= kernels.registered(platform):
+        return None
+    return platform
+
+
+def _platform_version() -> str:
+    try:
+        return str(jax.devices()[0].client.platform_version)
+    except Exception:  # noqa: BLE001  (no devices, or an older client without the field)
+        return ""
+
+
 def unsupported_reason(axes: tuple) -> str | None:
     """Why the p2p transport cannot run this collective here, or None when it can."""
     if jax.process_count() != 1:
         return "peers in other processes (the p2p transport is one process, many devices)"
     platform = jax.default_backend()
-    if platform != "cpu" or not kernels.available("cpu"):
-        return (f"no p2p kernels for platform {platform!r} in this build (CPU runs them; "
-                "the CUDA transport compiles but is not built into the default install)")
+    if _kernel_platform(platform) is None:
+        return (f"no p2p kernels for platform {platform!r} in this build (the CPU module has "
+                "them; the CUDA ones need FLASHCOMM_CUDA=ON and have not run on a GPU, "
+                "docs/cuda.md)")
     mesh = jax.sharding.get_abstract_mesh()
     auto = [a for a in mesh.axis_names if a not in mesh.manual_axes and mesh.shape[a] > 1]
     if auto:
@@ -150,9 +177,13 @@ def all_gather(x, axes: tuple, config, timeout_ms: int = DEFAULT_TIMEOUT_MS):
                       rotation=np.int32(rot), spikes=np.int32(k2), **_attrs(axes, timeout_ms))
     p = Payload(c, s, z, bits=bits, group_size=g, shape=tuple(x.shape), dtype=np.dtype(x.dtype),
                 rotation=rot, spikes=k2)
-    return _restore(y, x.shape), p
+    return _restore(y, tuple(x.shape)), p  # (N, count, g) -> (N, *x.shape)
 
 
 def meetings_in_progress() -> int:
-    """Peer-to-peer calls that some rank has not finished (0 between collectives)."""
+    """Peer-to-peer calls that some rank has not finished (0 between collectives), in the
+    kernel module of the default backend (each module has its own rendezvous table)."""
+    if _kernel_platform(jax.default_backend()) == "cuda":
+        return int(importlib.import_module("jax_flashcomm._flashcomm_cuda")
+                   .p2p_meetings_in_progress())
     return int(kernels._cpu_module().p2p_meetings_in_progress())

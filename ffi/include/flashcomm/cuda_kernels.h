@@ -1,9 +1,11 @@
-// Declarations of the CUDA FFI handler symbols (defined in ffi/cuda/codec_handlers.cc, and
-// ffi/cuda/gather_handlers.cc for FlashcommDequantizeIntoCuda; the kernels they launch are in
-// ffi/cuda/*.cu).
+// Declarations of the CUDA FFI handler symbols (defined in ffi/cuda/codec_handlers.cc,
+// ffi/cuda/gather_handlers.cc for FlashcommDequantizeIntoCuda and ffi/cuda/p2p_handlers.cc for
+// the peer-to-peer transport's FlashcommP2p*Cuda; the kernels they launch are in ffi/cuda/*.cu).
 // Deliberately free of CUDA headers: ffi/cuda/module.cc (nanobind, host compiler) includes it.
 #ifndef FLASHCOMM_CUDA_KERNELS_H_
 #define FLASHCOMM_CUDA_KERNELS_H_
+
+#include <cstddef>
 
 #include "xla/ffi/api/api.h"
 
@@ -12,5 +14,19 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommDequantizeCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommDequantizeSumCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommDequantizeSumQuantizeCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommDequantizeIntoCuda);
+// The peer-to-peer transport (docs/cuda.md, "Peer-to-peer transport (not run on hardware)").
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommP2pAllReduceCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommP2pReduceScatterCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommP2pAllGatherCuda);
+
+namespace flashcomm {
+namespace cuda {
+
+// Peer-to-peer meetings not yet finished by every rank, in this module's own rendezvous table
+// (zero between collectives).
+size_t P2pMeetingsInProgress();
+
+}  // namespace cuda
+}  // namespace flashcomm
 
 #endif  // FLASHCOMM_CUDA_KERNELS_H_
