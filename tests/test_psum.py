@@ -198,7 +198,7 @@ def test_size_policy_decision_visible(mesh_factory, caplog):
 
     with caplog.at_level(logging.DEBUG, logger="jax_flashcomm"), fc.record() as decisions:
         small = hlo(min_bytes=1 << 20)
-        big = hlo(min_bytes=4096)
+        big = hlo(min_bytes=4096, transport="xla")  # its wire: all_to_all (p2p: test_transport)
     assert [d.quantized for d in decisions] == [False, True]
     assert "4096 B < min_bytes=1048576" in decisions[0].reason
     assert "all_reduce" in small and "all_to_all" not in small

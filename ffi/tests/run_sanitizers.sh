@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build the CPU codec kernels and their C++ tests (ffi/tests/codec_cpu_test.cc,
 # ffi/tests/gather_cpu_test.cc, ffi/tests/codec_fingerprint.cc: every instruction-set build the
-# CPU runs, the last checking that they all give the same bytes) with
+# CPU runs, checking that they all give the same bytes; ffi/tests/p2p_rendezvous_test.cc: the
+# p2p transport's rendezvous with real threads) with
 # AddressSanitizer and UndefinedBehaviorSanitizer, and run them under ctest. Any sanitizer
 # report aborts the test (-fno-sanitize-recover=all, halt_on_error=1), so a clean exit means no
 # reports. Usage: [PYTHON=/path/to/python] ffi/tests/run_sanitizers.sh  (the Python must have
@@ -29,14 +30,15 @@ cmake -S "$repo" -B "$build" "${generator[@]}" \
   -DFLASHCOMM_SANITIZE=ON \
   -DFLASHCOMM_CPU_TESTS=ON \
   -DFLASHCOMM_WERROR=ON >"$build/configure.log" 2>&1 || { cat "$build/configure.log"; exit 1; }
-cmake --build "$build" --target codec_cpu_test gather_cpu_test codec_fingerprint
+cmake --build "$build" --target codec_cpu_test gather_cpu_test codec_fingerprint \
+  p2p_rendezvous_test
 
 export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:strict_string_checks=1:detect_stack_use_after_return=1${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1${UBSAN_OPTIONS:+:$UBSAN_OPTIONS}"
 ctest --test-dir "$build" --output-on-failure
 
 # ctest passed: print each test program's summary line ("N passed, M failed").
-for test in codec_cpu_test gather_cpu_test codec_fingerprint; do
+for test in codec_cpu_test gather_cpu_test codec_fingerprint p2p_rendezvous_test; do
   summary="$(sed -n "/^[0-9]*\/[0-9]* Testing: $test\$/,/^\"$test\" end time/p" \
     "$build/Testing/Temporary/LastTest.log" \
     | grep -Eo '[0-9]+ passed, [0-9]+ failed' | tail -n 1)"

@@ -1,0 +1,194 @@
+// Tests of the p2p transport's rendezvous (ffi/include/flashcomm/p2p_rendezvous.h) with real
+// threads: continuations see every rank's pointers, a site in a loop meets once per call, a
+// missing rank fails every waiting rank within the deadline with its number in the error, the
+// blocking Arrive agrees, a rank out of range and disagreeing sizes are errors, and no meeting
+// is left behind. Run under ASan + UBSan by ffi/tests/run_sanitizers.sh (and TSan-clean by
+// design: every shared field is under a mutex).
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "flashcomm/p2p_rendezvous.h"
+
+namespace p2p = flashcomm::p2p;
+using Clock = std::chrono::steady_clock;
+
+static int g_passed = 0, g_failed = 0;
+
+#define CHECK(cond)                                                                  \
+  do {                                                                               \
+    if (cond) {                                                                      \
+      ++g_passed;                                                                    \
+    } else {                                                                         \
+      ++g_failed;                                                                    \
+      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);  \
+    }                                                                                \
+  } while (0)
+
+// Waits until `count` reaches `want` (or 10 s pass).
+struct Latch {
+  std::mutex mu;
+  std::condition_variable cv;
+  int count = 0;
+  void Add() {
+    std::lock_guard<std::mutex> lock(mu);
+    ++count;
+    cv.notify_all();
+  }
+  bool Wait(int want) {
+    std::unique_lock<std::mutex> lock(mu);
+    return cv.wait_for(lock, std::chrono::seconds(10), [&] { return count >= want; });
+  }
+};
+
+static const void* Tag(int rank, int barrier, int call) {
+  return reinterpret_cast<const void*>(uintptr_t(1 + rank + 16 * barrier + 256 * call));
+}
+
+// `size` threads make `calls` calls of one site; each call passes 3 barriers through
+// continuations; every continuation checks that it sees every rank's tag of its barrier.
+static void TestContinuationsInALoop(int64_t site, int size, int calls) {
+  auto& rv = p2p::Rendezvous::Global();
+  std::atomic<int> wrong{0};
+  Latch done;
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < size; ++rank) {
+    threads.emplace_back([&, rank] {
+      for (int call = 0; call < calls; ++call) {
+        std::string error;
+        auto m = rv.Join({7, site, 0}, rank, size, 3, &error, 10000);
+        if (!m) {
+          ++wrong;
+          continue;
+        }
+        auto check = [&, call](int barrier, const std::vector<p2p::Published>& peers) {
+          if (int(peers.size()) != size) return ++wrong, void();
+          for (int r = 0; r < size; ++r) {
+            if (peers[r][0] != Tag(r, barrier, call)) ++wrong;
+          }
+        };
+        // Shared with the continuations: they may run on after this thread stops waiting.
+        auto call_done = std::make_shared<Latch>();
+        m->Arrive(0, rank, {Tag(rank, 0, call)}, [&, m, rank, call, call_done](auto& peers,
+                                                                               auto& err) {
+          if (!err.empty()) ++wrong;
+          check(0, peers);
+          m->Arrive(1, rank, {Tag(rank, 1, call)}, [&, m, rank, call, call_done](auto& peers,
+                                                                                 auto& err) {
+            if (!err.empty()) ++wrong;
+            check(1, peers);
+            m->Arrive(2, rank, {Tag(rank, 2, call)}, [&, rank, call, call_done](auto& peers,
+                                                                              auto& err) {
+              if (!err.empty()) ++wrong;
+              check(2, peers);
+              call_done->Add();
+            });
+          });
+        });
+        if (!call_done->Wait(1)) ++wrong;
+        rv.Leave(m);
+      }
+      done.Add();
+    });
+  }
+  CHECK(done.Wait(size));
+  for (auto& t : threads) t.join();
+  CHECK(wrong.load() == 0);
+  CHECK(rv.InProgress() == 0);
+}
+
+// Ranks 0..size-2 come, the last never does: every waiting rank gets the error, naming it.
+static void TestMissingRank(int size) {
+  auto& rv = p2p::Rendezvous::Global();
+  struct Seen {
+    Latch failed;
+    std::mutex mu;
+    std::vector<std::string> errors;
+  };
+  auto seen = std::make_shared<Seen>();  // outlives this function if a continuation is late
+  std::vector<std::shared_ptr<p2p::Meeting>> meetings;
+  const auto start = Clock::now();
+  for (int rank = 0; rank + 1 < size; ++rank) {
+    std::string error;
+    auto m = rv.Join({8, 1, 0}, rank, size, 2, &error, 300);
+    CHECK(m != nullptr);
+    meetings.push_back(m);
+    m->Arrive(0, rank, {Tag(rank, 0, 0)}, [seen](auto& peers, const std::string& err) {
+      {
+        std::lock_guard<std::mutex> lock(seen->mu);
+        seen->errors.push_back(peers.empty() ? err : std::string());
+      }
+      seen->failed.Add();
+    });
+  }
+  CHECK(seen->failed.Wait(size - 1));
+  const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+  CHECK(waited >= 0.25 && waited < 3.0);
+  const std::string missing = "missing: rank " + std::to_string(size - 1) + ")";
+  std::lock_guard<std::mutex> lock(seen->mu);
+  CHECK(int(seen->errors.size()) == size - 1);
+  for (auto& e : seen->errors) CHECK(e.find(missing) != std::string::npos);
+  for (auto& m : meetings) rv.Leave(m);
+  CHECK(rv.InProgress() == 0);
+}
+
+// The blocking Arrive: every rank sees every pointer; and a missing rank times out.
+static void TestBlockingArrive(int size) {
+  auto& rv = p2p::Rendezvous::Global();
+  std::atomic<int> wrong{0};
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < size; ++rank) {
+    threads.emplace_back([&, rank] {
+      std::string error;
+      auto m = rv.Join({9, 1, 0}, rank, size, 1, &error, 10000);
+      std::vector<p2p::Published> peers;
+      if (!m || !m->Arrive(0, rank, {Tag(rank, 0, 0)}, Clock::now() + std::chrono::seconds(10),
+                           &peers, &error)) {
+        ++wrong;
+      } else {
+        for (int r = 0; r < size; ++r) wrong += peers[r][0] != Tag(r, 0, 0);
+      }
+      if (m) rv.Leave(m);
+    });
+  }
+  for (auto& t : threads) t.join();
+  CHECK(wrong.load() == 0);
+  std::string error;
+  auto m = rv.Join({9, 2, 0}, 0, 2, 1, &error, 10000);
+  std::vector<p2p::Published> peers;
+  CHECK(!m->Arrive(0, 0, {nullptr}, Clock::now() + std::chrono::milliseconds(100), &peers,
+                   &error));
+  CHECK(error.find("missing: rank 1)") != std::string::npos);
+  rv.Leave(m);
+  CHECK(rv.InProgress() == 0);
+}
+
+// A rank out of range, and a group size the ranks disagree on.
+static void TestBadJoins() {
+  auto& rv = p2p::Rendezvous::Global();
+  std::string error;
+  CHECK(rv.Join({10, 1, 0}, 5, 4, 1, &error) == nullptr);
+  CHECK(error.find("out of range") != std::string::npos);
+  auto b = rv.Join({10, 3, 0}, 0, 2, 1, &error, 1000);
+  auto c = rv.Join({10, 3, 0}, 1, 3, 1, &error, 1000);
+  CHECK(b != nullptr && c == nullptr);
+  CHECK(error.find("disagree on the group size") != std::string::npos);
+  rv.Leave(b);
+  CHECK(rv.InProgress() == 0);
+}
+
+int main() {
+  TestContinuationsInALoop(1, 4, 200);
+  TestContinuationsInALoop(2, 8, 50);
+  TestMissingRank(4);
+  TestBlockingArrive(4);
+  TestBadJoins();
+  std::printf("p2p_rendezvous_test: %d passed, %d failed\n", g_passed, g_failed);
+  return g_failed == 0 ? 0 : 1;
+}
