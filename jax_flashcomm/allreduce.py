@@ -9,6 +9,9 @@ The two-step algorithm of Flash Communication (arXiv 2412.04964), for N ranks:
 4. ``all_gather`` the summed chunks (an all-gather whose result is replicated: the type
    ``lax.psum`` gives) and dequantize.
 
+Steps 2 and 4 are the ``xla`` transport's (``jax_flashcomm/transport/xla.py``); in one process
+the default ``p2p`` transport runs all four in one fused FFI call per rank that reads its
+peers' buffers, with the same bits (``jax_flashcomm/transport/p2p.py``, docs/transport.md).
 Exactly two quantizations whatever N is. Every rank decodes the same gathered bytes with the
 same kernel, so the result is bit-identical on every rank. Per element, with ``b1_r`` the
 phase-1 bound of rank r's chunk and ``b2`` the phase-2 bound (both from the stored scales,
@@ -29,7 +32,6 @@ import jax
 from jax import lax
 
 from jax_flashcomm import _common
-from jax_flashcomm import codec
 from jax_flashcomm import transport
 from jax_flashcomm.policy import DEFAULT_MIN_BYTES, CommConfig, decide, make_config
 
@@ -136,24 +138,7 @@ def two_step(x, axes, config: CommConfig):
     (varying), ``p2`` the gathered phase-2 payload (replicated) with ``x``'s shape, so
     ``codec.error_bound`` of each gives the per-element bounds of the two quantizations.
     """
-    nbytes = x.size * x.dtype.itemsize
-    if transport.choose(config, axes, nbytes) == "p2p":
-        return transport.p2p.all_reduce(x, axes, config, config.p2p_timeout_ms)
-    n = _common.axis_size(axes)
-    g, b1, b2 = config.group_size, config.phase1_bits, config.phase2_bits
-    rot, k1, k2 = config.rotation, config.phase1_spikes, config.phase2_spikes
-    p1 = codec.quantize(x, bits=b1, group_size=g, num_chunks=n, backend=config.backend,
-                        rotation=rot, spikes=k1)
-    chunks = _common.pack(p1.split_groups(n))                     # (N, groups/N, bytes)
-    received = lax.all_to_all(chunks, axes, 0, 0, tiled=False)    # [i] = chunk from rank i
-    recv = _common.unpack(received, bits=b1, group_size=g, shape=x.shape, dtype=x.dtype,
-                          rotation=rot, spikes=k1)
-    summed = codec.dequantize_sum_quantize(recv, bits=b2, spikes=k2, backend=config.backend)
-    gathered = _common.all_gather_invariant(_common.pack(summed), axes, axis=0, tiled=True)
-    p2 = _common.unpack(gathered, bits=b2, group_size=g, shape=x.shape, dtype=x.dtype,
-                        rotation=rot, spikes=k2)
-    y = codec.dequantize(p2, backend=config.backend)
-    return y, p1, p2
+    return transport.select(config, axes, x).all_reduce(x, axes, config)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))

@@ -15,20 +15,21 @@ One quantization: the error is ``codec.error_bound`` of the sender's payload.
 Both keep the result types of lax (varying over the axes) and their keyword arguments
 (``scatter_dimension``/``axis``, ``tiled``). They are each other's transpose: the cotangent
 collective is the exact lax one, or this quantized one with ``grad="quantized"``.
+
+The exchanges above are the ``xla`` transport's (``jax_flashcomm/transport/xla.py``); in one
+process the default ``p2p`` transport runs the same steps in one fused FFI call per rank, with
+the same bits (``jax_flashcomm/transport/p2p.py``, docs/transport.md).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from jax_flashcomm import _common
-from jax_flashcomm import codec
 from jax_flashcomm import transport
 from jax_flashcomm.allreduce import vary
 from jax_flashcomm.policy import DEFAULT_MIN_BYTES, CommConfig, decide, make_config
@@ -122,23 +123,13 @@ def reduce_scatter_parts(x, axes, dim, tiled, config: CommConfig):
     the padded chunk ``(Mp,)``, so ``codec.error_bound(p1)`` is ``(N, Mp)``.
     """
     n = _common.axis_size(axes)
-    g, bits = config.group_size, config.phase1_bits
+    g = config.group_size
     rows, rest = _chunked(x, n, dim)                               # (N, M)
     m = rows.shape[1]
     mp = -(-m // g) * g
     if mp != m:
         rows = jnp.pad(rows, ((0, 0), (0, mp - m)))
-    if transport.choose(config, axes, x.size * x.dtype.itemsize) == "p2p":
-        summed, p1 = transport.p2p.reduce_scatter(rows, axes, config, config.p2p_timeout_ms)
-    else:
-        p1 = codec.quantize(rows, bits=bits, group_size=g, num_chunks=n,
-                            backend=config.backend, rotation=config.rotation,
-                            spikes=config.phase1_spikes)
-        p1 = _common.with_meta(p1.split_groups(n), shape=(mp,))
-        received = lax.all_to_all(_common.pack(p1), axes, 0, 0, tiled=False)
-        recv = _common.unpack(received, bits=bits, group_size=g, shape=(mp,), dtype=x.dtype,
-                              rotation=config.rotation, spikes=config.phase1_spikes)
-        summed = codec.dequantize_sum(recv, backend=config.backend)
+    summed, p1 = transport.select(config, axes, x).reduce_scatter(rows, axes, config)
     summed = summed[:m]
     rest = tuple(rest)
     if tiled:
@@ -217,110 +208,12 @@ def all_gather_parts(x, axes, axis, tiled, config: CommConfig):
     :func:`gather_payloads` of it gives every sender's, whose ``codec.error_bound`` is
     ``(N, *x.shape)``.
     """
-    if transport.choose(config, axes, x.size * x.dtype.itemsize) == "p2p":
-        stacked, p = transport.p2p.all_gather(x, axes, config, config.p2p_timeout_ms)
-        return _arrange_gathered(stacked, axis, tiled), p
-    p = codec.quantize(x, bits=config.phase2_bits, group_size=config.group_size,
-                       backend=config.backend, rotation=config.rotation,
-                       spikes=config.phase2_spikes)
-    n = _common.axis_size(axes)
-    if n * x.size > np.iinfo(np.int32).max:  # beyond an int32 element offset
-        return _decode_gathered(gather_payloads(p, axes), axis, tiled, config), p
-    return _ring_gather(x, p, axes, axis, tiled, config), p
+    return transport.select(config, axes, x).all_gather(x, axes, axis, tiled, config)
 
 
-def gather_payloads(p, axes):
-    """Every rank's payload ``p``, gathered in rank order: ``(N, groups, ...)`` with ``p``'s
-    shape (one ``lax.all_gather`` of the packed payloads). For error bounds in tests; the
-    all-gather itself never holds them all."""
-    gathered = lax.all_gather(_common.pack(p), axes, axis=0, tiled=False)
-    return _common.unpack(gathered, bits=p.bits, group_size=p.group_size, shape=p.shape,
-                          dtype=p.dtype, rotation=p.rotation, spikes=p.spikes)
-
-
-def _decode_gathered(pg, axis, tiled, config):
-    """The gathered array from gathered payloads ``(N, ...)``, decoded at once (the one-shot
-    all-gather; used when the output is too large for int32 offsets, and as the tests' oracle
-    of the ring)."""
-    stacked = codec.dequantize(pg, backend=config.backend)          # (N, *x.shape)
-    return _arrange_gathered(stacked, axis, tiled)
-
-
-def _arrange_gathered(stacked, axis, tiled):
-    """The N decoded operands ``(N, *x.shape)`` as lax.all_gather lays them out."""
-    out = jnp.moveaxis(stacked, 0, axis)
-    if tiled:
-        shape = list(stacked.shape[1:])
-        shape[axis] *= stacked.shape[0]
-        out = out.reshape(shape)
-    return out
-
-
-def _gathered_shape(shape, n, axis, tiled):
-    if tiled:
-        return (*shape[:axis], n * shape[axis], *shape[axis + 1:])
-    return (*shape[:axis], n, *shape[axis:])
-
-
-def _ring_gather(x, p, axes, axis, tiled, config):
-    """The ring: N decodes into one output buffer, N-1 ``ppermute`` steps of a packed payload.
-
-    Step k (k = 0 .. N-1) decodes the payload in hand, which came from the rank k places back
-    on the ring, into that rank's slot, then (k < N-1) passes it on to the next rank. The slots
-    are ``lax.all_gather``'s: ranks in the linearized index over ``axes``, in that order.
-
-    When the slots are contiguous in the output (every dimension before ``axis`` has size 1,
-    e.g. ``axis=0``) the output buffer is the result itself, written in place by
-    ``codec.dequantize_into``: temp is about three payloads. Otherwise the payloads are decoded
-    into an ``(N, *x.shape)`` buffer that is then transposed into place (a copy of the output,
-    held with it).
-    """
-    n = _common.axis_size(axes)
-    size = x.size
-    contiguous = math.prod(x.shape[:axis]) == 1
-    shape = _gathered_shape(x.shape, n, axis, tiled) if contiguous else (n, *x.shape)
-    out = jnp.zeros(shape, x.dtype)
-    vma = tuple(_common.varying_axes(x))
-    if vma:
-        out = lax.pcast(out, vma, to="varying")
-    # The ring runs over the axes in mesh order: ppermute numbers ranks that way whatever the
-    # order of the tuple it is given, while lax.all_gather (and axis_index) number them in
-    # the order of ``axes``. ``slot`` maps a ring position to its all_gather slot.
-    mesh_names = tuple(jax.sharding.get_abstract_mesh().axis_names)
-    ring_axes = tuple(a for a in mesh_names if a in axes)
-    if len(ring_axes) != len(axes):  # pragma: no cover - axes always belong to the mesh
-        ring_axes = axes
-    sizes = [int(lax.axis_size(a)) for a in ring_axes]
-    coords = np.stack(np.unravel_index(np.arange(n), sizes), axis=-1)     # ring pos -> coords
-    order = [ring_axes.index(a) for a in axes]
-    slots = np.ravel_multi_index(tuple(coords[:, order].T), [sizes[i] for i in order])
-    me = lax.axis_index(ring_axes)
-    ring = [(j, (j + 1) % n) for j in range(n)]
-
-    def slot(pos):
-        if np.array_equal(slots, np.arange(n)):
-            return pos
-        return jnp.asarray(slots, jnp.int32)[pos]
-
-    def unpack(buf):
-        return _common.unpack(buf, bits=p.bits, group_size=p.group_size, shape=p.shape,
-                              dtype=p.dtype, rotation=p.rotation, spikes=p.spikes)
-
-    def decode(out, buf, k):
-        sender = slot((me + n - k) % n)
-        return codec.dequantize_into(out, unpack(buf), sender * size, backend=config.backend)
-
-    def step(k, carry):
-        out, buf = carry
-        return decode(out, buf, k), lax.ppermute(buf, ring_axes, ring)
-
-    out, buf = lax.fori_loop(0, n - 1, step, (out, _common.pack(p)))
-    out = decode(out, buf, n - 1)
-    if not contiguous:
-        out = jnp.moveaxis(out, 0, axis)
-        if tiled:
-            out = out.reshape(_gathered_shape(x.shape, n, axis, tiled))
-    return out
+# The xla transport's all-gather pieces, kept importable here (tests, benchmarks).
+gather_payloads = transport.xla.gather_payloads
+_decode_gathered = transport.xla.decode_gathered
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))

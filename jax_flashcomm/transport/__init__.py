@@ -13,9 +13,9 @@ local (:func:`choose`; docs/transport.md has the measurements), else ``xla``.
 from __future__ import annotations
 
 from jax_flashcomm.policy import TRANSPORTS
-from jax_flashcomm.transport import p2p
+from jax_flashcomm.transport import p2p, xla
 
-__all__ = ["TRANSPORTS", "check_transport", "choose", "p2p"]
+__all__ = ["TRANSPORTS", "check_transport", "choose", "select", "p2p", "xla"]
 
 #: ``auto`` uses p2p from this many operand bytes per rank up (None: never). docs/transport.md:
 #: on 8 CPU devices p2p beat both lax.psum and the xla transport at every size measured, from
@@ -49,3 +49,12 @@ def choose(config, axes: tuple, nbytes: int) -> str:
     if reason is not None or AUTO_P2P_MIN_BYTES is None or nbytes < AUTO_P2P_MIN_BYTES:
         return "xla"
     return "p2p"
+
+
+def select(config, axes: tuple, x):
+    """The transport module (:mod:`~jax_flashcomm.transport.xla` or
+    :mod:`~jax_flashcomm.transport.p2p`) for a quantized collective of ``x`` over ``axes``.
+    Both have ``all_reduce(x, axes, config)``, ``reduce_scatter(rows, axes, config)`` and
+    ``all_gather(x, axes, axis, tiled, config)``, with the same results bit for bit."""
+    nbytes = x.size * x.dtype.itemsize
+    return p2p if choose(config, axes, nbytes) == "p2p" else xla

@@ -27,9 +27,7 @@ from jax import lax
 from jax_flashcomm import _common
 from jax_flashcomm.codec import Payload, kernels, spec
 from jax_flashcomm.codec import _as_groups, _restore
-
-#: Default wait limit of a peer-to-peer call (a missing peer raises after this).
-DEFAULT_TIMEOUT_MS = 60_000
+from jax_flashcomm.transport.xla import _arrange_gathered
 
 _sites = itertools.count(1)
 
@@ -99,7 +97,7 @@ def _attrs(axes, timeout_ms):
                 timeout_ms=np.int64(timeout_ms))
 
 
-def all_reduce(x, axes: tuple, config, timeout_ms: int = DEFAULT_TIMEOUT_MS):
+def all_reduce(x, axes: tuple, config):
     """The two-step quantized all-reduce of a varying ``x`` in one call per rank.
 
     Returns ``(y, p1, p2)`` as :func:`jax_flashcomm.allreduce.two_step` does: this rank's
@@ -125,14 +123,14 @@ def all_reduce(x, axes: tuple, config, timeout_ms: int = DEFAULT_TIMEOUT_MS):
     y, c1, s1, z1, c2, s2, z2 = call(
         groups, rank, group, bits=np.int32(b1), out_bits=np.int32(b2), group_size=np.int64(g),
         rotation=np.int32(rot), spikes=np.int32(k1), out_spikes=np.int32(k2),
-        **_attrs(axes, timeout_ms))
+        **_attrs(axes, config.p2p_timeout_ms))
     meta = dict(group_size=g, shape=tuple(x.shape), dtype=np.dtype(x.dtype), rotation=rot)
     p1 = Payload(c1, s1, z1, bits=b1, spikes=k1, **meta).merge_groups()
     p2 = Payload(c2, s2, z2, bits=b2, spikes=k2, **meta)
     return _restore(y, x.shape), p1, p2
 
 
-def reduce_scatter(rows, axes: tuple, config, timeout_ms: int = DEFAULT_TIMEOUT_MS):
+def reduce_scatter(rows, axes: tuple, config):
     """Quantized reduce-scatter of varying ``rows`` ``(N, Mp)`` (``Mp`` whole groups): returns
     ``(y, p1)``, ``y`` the f32-summed row of this rank ``(Mp,)`` in ``rows``' dtype and ``p1``
     this rank's payload split in N chunks, as the `xla` transport's."""
@@ -151,15 +149,16 @@ def reduce_scatter(rows, axes: tuple, config, timeout_ms: int = DEFAULT_TIMEOUT_
     rank, group = rank_and_group(axes)
     y, c1, s1, z1 = call(groups, rank, group, bits=np.int32(bits), group_size=np.int64(g),
                          rotation=np.int32(rot), spikes=np.int32(k1),
-                         **_attrs(axes, timeout_ms))
+                         **_attrs(axes, config.p2p_timeout_ms))
     p1 = Payload(c1, s1, z1, bits=bits, group_size=g, shape=(mp,), dtype=np.dtype(rows.dtype),
                  rotation=rot, spikes=k1)
     return y.reshape(mp), p1
 
 
-def all_gather(x, axes: tuple, config, timeout_ms: int = DEFAULT_TIMEOUT_MS):
-    """Quantized all-gather of a varying ``x``: returns ``(stacked, p)``, ``stacked`` the N
-    decoded operands ``(N, *x.shape)`` in lax's rank order and ``p`` this rank's payload."""
+def all_gather(x, axes: tuple, axis: int, tiled: bool, config):
+    """Quantized all-gather of a varying ``x`` laid out as ``lax.all_gather(x, axes, axis=axis,
+    tiled=tiled)`` (the N decoded operands in lax's rank order): ``(y, p)``, ``p`` this rank's
+    payload."""
     n = _common.axis_size(axes)
     g, bits = config.group_size, config.phase2_bits
     rot, k2 = config.rotation, config.phase2_spikes
@@ -174,10 +173,12 @@ def all_gather(x, axes: tuple, config, timeout_ms: int = DEFAULT_TIMEOUT_MS):
         vmap_method="sequential")
     rank, group = rank_and_group(axes)
     y, c, s, z = call(groups, rank, group, bits=np.int32(bits), group_size=np.int64(g),
-                      rotation=np.int32(rot), spikes=np.int32(k2), **_attrs(axes, timeout_ms))
+                      rotation=np.int32(rot), spikes=np.int32(k2),
+                      **_attrs(axes, config.p2p_timeout_ms))
     p = Payload(c, s, z, bits=bits, group_size=g, shape=tuple(x.shape), dtype=np.dtype(x.dtype),
                 rotation=rot, spikes=k2)
-    return _restore(y, tuple(x.shape)), p  # (N, count, g) -> (N, *x.shape)
+    stacked = _restore(y, tuple(x.shape))  # (N, count, g) -> (N, *x.shape)
+    return _arrange_gathered(stacked, axis, tiled), p
 
 
 def meetings_in_progress() -> int:
