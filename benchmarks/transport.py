@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from benchmarks.allreduce import _time  # noqa: E402  (one timing loop for both benchmarks)
 
 KIB, MIB = 1024, 1024 * 1024
 SIZES = [256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB]
@@ -53,21 +53,6 @@ def _methods(mesh):
             methods[f"{transport} int{b}"] = sm(lambda v, cfg=cfg: fc.psum(v[0], "i",
                                                                            config=cfg))
     return methods
-
-
-def _time(fn, x, reps, budget_s):
-    import jax
-
-    jax.block_until_ready(fn(x))  # compile + warm up
-    times = []
-    start = time.perf_counter()
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(x))
-        times.append(time.perf_counter() - t)
-        if time.perf_counter() - start > budget_s:
-            break
-    return statistics.median(times), len(times)
 
 
 def run(sizes, reps, budget_s):

@@ -122,7 +122,7 @@ class Meeting {
   Meeting(int size, int barriers, std::chrono::steady_clock::time_point deadline)
       : size_(size), deadline_(deadline), arrived_(barriers, 0),
         published_(barriers, std::vector<Published>(size)),
-        came_(barriers, std::vector<bool>(size, false)), waiting_(barriers), ranks_(size, false) {}
+        came_(barriers, std::vector<bool>(size, false)), waiting_(barriers) {}
 
   // Arrive at `barrier` with `mine`; `then` runs once every rank has arrived: inline when this
   // rank is the last, else on a worker. Never blocks.
@@ -189,23 +189,6 @@ class Meeting {
     return true;
   }
 
-  // Claim `rank` (a second claim means two devices think they are the same rank).
-  bool Claim(int rank, std::string* error) {
-    std::vector<Continuation> pending;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!ranks_[rank]) {
-        ranks_[rank] = true;
-        return true;
-      }
-      *error = "rank " + std::to_string(rank) + " joined the same call twice (are there mesh "
-               "axes outside the shard_map that are not reduced over?)";
-      pending = FailLocked(*error);
-    }
-    Notify(std::move(pending));
-    return false;
-  }
-
   // The watchdog's check: past the deadline with a barrier still closed, fail the meeting.
   void ExpireIfLate(std::chrono::steady_clock::time_point now) {
     std::vector<Continuation> pending;
@@ -257,7 +240,6 @@ class Meeting {
   std::vector<std::vector<Published>> published_;
   std::vector<std::vector<bool>> came_;
   std::vector<std::vector<Continuation>> waiting_;
-  std::vector<bool> ranks_;
   bool failed_ = false;
   std::string failure_;
 };
@@ -299,10 +281,6 @@ class Rendezvous {
       ++it->second.joined;
       meeting = it->second.meeting;
       joined_[meeting.get()] = mk;
-    }
-    if (!meeting->Claim(rank, error)) {
-      Leave(meeting);
-      return nullptr;
     }
     return meeting;
   }
