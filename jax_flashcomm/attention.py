@@ -26,7 +26,8 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_flashcomm.collective_matmul import _axis_size, _rs_ring, all_gather_matmul
+from jax_flashcomm.collective_matmul import (_axis_size, _resolve_ring, _rs_ring,
+                                             all_gather_matmul)
 
 __all__ = ["tp_attention", "TPAttention"]
 
@@ -43,7 +44,7 @@ def _attend(q, k, v, q_start, causal):
 
 
 def tp_attention(x, w_qkv, w_o, axis_name, *, num_heads, causal=True, decomposed=True,
-                 bidirectional=False):
+                 bidirectional=False, transport="auto", p2p_timeout_ms=60_000):
     """One TP attention block on local shards (call inside ``jax.shard_map``).
 
     ``x``: ``(B, S/N, D)``, this rank's sequence positions. ``w_qkv``: ``(D, 3 * h * dh)``, the
@@ -51,7 +52,8 @@ def tp_attention(x, w_qkv, w_o, axis_name, *, num_heads, causal=True, decomposed
     ``(h * dh, D)``, the rows of the output projection for these heads. Returns this rank's
     ``(B, S/N, D)`` positions of the block's output (before any residual).
     ``decomposed=False`` is the unfused reference: all_gather, dot, attention, dot,
-    psum_scatter.
+    psum_scatter. ``transport``, ``p2p_timeout_ms``: how the rings' chunks move
+    (:func:`jax_flashcomm.all_gather_matmul`).
     """
     if x.ndim != 3:
         raise ValueError(f"tp_attention: x must be (batch, seq, d_model), got shape {x.shape}")
@@ -69,7 +71,9 @@ def tp_attention(x, w_qkv, w_o, axis_name, *, num_heads, causal=True, decomposed
     s_local = x.shape[1]
     b = x.shape[0]
     if decomposed:
-        qkv = all_gather_matmul(x, w_qkv, axis_name, axis=1, bidirectional=bidirectional)
+        ring = _resolve_ring(transport, axis_name, "tp_attention", p2p_timeout_ms)
+        qkv = all_gather_matmul(x, w_qkv, axis_name, axis=1, bidirectional=bidirectional,
+                                transport=transport, p2p_timeout_ms=p2p_timeout_ms)
     else:
         qkv = lax.all_gather(x, axis_name, axis=1, tiled=True) @ w_qkv
     q, k, v = (a.reshape(b, n * s_local, num_heads, dh) for a in jnp.split(qkv, 3, axis=-1))
@@ -81,7 +85,7 @@ def tp_attention(x, w_qkv, w_o, axis_name, *, num_heads, causal=True, decomposed
 
     if not decomposed:
         return lax.psum_scatter(block(0, n * s_local), axis_name, scatter_dimension=1, tiled=True)
-    return _rs_ring(block, axis_name, n, s_local, 1, bidirectional)
+    return _rs_ring(block, axis_name, n, s_local, 1, bidirectional, ring)
 
 
 class TPAttention(nnx.Module):
@@ -90,13 +94,14 @@ class TPAttention(nnx.Module):
     ``__call__(x)``: ``x`` is ``(B, S, D)`` sharded ``P(batch_axis, axis_name, None)``; returns
     the same layout. ``w_qkv`` ``(D, N * 3 * h * dh)`` holds, for each rank of ``axis_name`` in
     turn, the q, k and v columns of its ``h = num_heads / N`` heads; ``w_o`` ``(num_heads * dh,
-    D)`` is sharded by rows the same way.
+    D)`` is sharded by rows the same way. ``transport``: how the rings' chunks move ("auto",
+    "xla" or "p2p", :func:`jax_flashcomm.all_gather_matmul`).
     """
 
     def __init__(self, d_model: int, num_heads: int, head_dim: int, *, mesh,
                  axis_name: str = "tp", batch_axis: str | None = None, causal: bool = True,
                  decomposed: bool = True, bidirectional: bool = False,
-                 dtype=jnp.float32, rngs: nnx.Rngs):
+                 transport: str = "auto", dtype=jnp.float32, rngs: nnx.Rngs):
         n = mesh.shape[axis_name]
         if num_heads % n:
             raise ValueError(f"TPAttention: num_heads={num_heads} is not divisible by the size "
@@ -104,6 +109,7 @@ class TPAttention(nnx.Module):
         self.mesh, self.axis_name, self.batch_axis = mesh, axis_name, batch_axis
         self.local_heads = num_heads // n
         self.causal, self.decomposed, self.bidirectional = causal, decomposed, bidirectional
+        self.transport = transport
         init = jax.nn.initializers.lecun_normal()
         put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
         self.w_qkv = nnx.Param(put(init(rngs.params(), (d_model, 3 * num_heads * head_dim),
@@ -114,7 +120,7 @@ class TPAttention(nnx.Module):
     def __call__(self, x):
         fn = partial(tp_attention, axis_name=self.axis_name, num_heads=self.local_heads,
                      causal=self.causal, decomposed=self.decomposed,
-                     bidirectional=self.bidirectional)
+                     bidirectional=self.bidirectional, transport=self.transport)
         xspec = P(self.batch_axis, self.axis_name, None)
         return jax.shard_map(fn, mesh=self.mesh, out_specs=xspec,
                              in_specs=(xspec, P(None, self.axis_name), P(self.axis_name, None)),

@@ -109,6 +109,12 @@ def _match_vma(x, w, axis_name):
     return cast(x), cast(w)
 
 
+def _resolve_ring(transport, axis_name, fn, timeout_ms):
+    from jax_flashcomm.transport import ring as ring_steps
+
+    return ring_steps.resolve(transport, axis_name, fn, timeout_ms)
+
+
 def _codec_fns():
     try:
         from jax_flashcomm import codec
@@ -154,8 +160,12 @@ def _perms(axis_name):
     return fwd, bwd
 
 
-def _send(payload, axis_name, perm):
-    return jax.tree.map(lambda a: lax.ppermute(a, axis_name, perm), payload)
+def _link(ring, axis_name):
+    """The ring steps' link (jax_flashcomm.transport.ring) of a resolved transport spec."""
+    from jax_flashcomm.transport import ring as ring_steps
+
+    fwd, bwd = _perms(axis_name)
+    return ring_steps.make_link(ring, axis_name, {1: fwd, -1: bwd})
 
 
 def _pack(tree):
@@ -177,20 +187,22 @@ def _unpack(buf, like):
     return treedef.unflatten(out)
 
 
-def _ag_ring(x, axis_name, axis, bidirectional, consume, state, quant=None):
-    """Ring all-gather of ``x`` along ``axis``; ``consume(state, chunk, start)`` each piece.
+def _ag_ring(x, axis_name, axis, bidirectional, product, place, state, quant, ring):
+    """Ring all-gather of ``x`` along ``axis``, with ``product(chunk)`` of every piece.
 
-    ``start`` is the piece's row offset in the gathered array. The local chunk comes first. In
-    every step the permute that brings the next piece is issued on the piece already here, so it
-    does not depend on that step's ``consume`` (nor the other way round).
-    ``quant=(bits, group_size, codec_backend, rotation, spikes)``: pieces travel as codec payloads, quantized once on this rank
-    and never re-quantized; every piece (the local one too) is consumed dequantized, so the
-    result is that of gathering ``dequantize(quantize(x))``.
+    ``place(state, chunk, prod, start)`` stores a piece and its product; ``start`` is the
+    piece's row offset in the gathered array. The local chunk comes first. Every step begins the
+    move of the piece already here, computes that piece's product, and finishes the move with
+    the product passed through (``ring``: the transport spec, :mod:`jax_flashcomm.transport.ring`),
+    so the move and the dot do not depend on each other and the p2p transport runs them at once.
+    ``quant=(bits, group_size, codec_backend, rotation, spikes)``: pieces travel as codec payloads,
+    quantized once on this rank and never re-quantized; every piece (the local one too) is
+    consumed dequantized, so the result is that of gathering ``dequantize(quantize(x))``.
     """
     n = _axis_size(axis_name, "all_gather_matmul")
     idx = lax.axis_index(axis_name)
     m = x.shape[axis]
-    fwd, bwd = _perms(axis_name)
+    link = _link(ring, axis_name)
     if quant is None:
         enc, dec = (lambda a: a), (lambda p, like: p)
     else:
@@ -198,7 +210,7 @@ def _ag_ring(x, axis_name, axis, bidirectional, consume, state, quant=None):
         bits, group_size, backend, rotation, spikes = quant
         layouts = {}
 
-        def enc(a):  # quantize once, then one uint8 buffer: one permute per step, not three
+        def enc(a):  # quantize once, then one uint8 buffer: one move per step, not three
             payload = quantize(a, bits=bits, group_size=group_size, backend=backend,
                                rotation=rotation, spikes=spikes)
             layouts[a.shape] = jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape, b.dtype),
@@ -212,63 +224,94 @@ def _ag_ring(x, axis_name, axis, bidirectional, consume, state, quant=None):
     if not bidirectional or m < 2:  # a one-row chunk has no two halves: one direction
         payload = enc(x)
         for k in range(n):
-            nxt = _send(payload, axis_name, fwd) if k < n - 1 else None
-            state = consume(state, dec(payload, x), ((idx - k) % n) * m)
-            payload = nxt
+            last = k == n - 1
+            if not last:
+                payload, pending = link.begin(payload, 1)
+            chunk = dec(payload, x)
+            prod = product(chunk)
+            if not last:
+                nxt, prod = link.finish(pending, prod)
+            state = place(state, chunk, prod, ((idx - k) % n) * m)
+            if not last:
+                payload = nxt
         return state
 
     h = m // 2  # lower half travels r -> r+1, upper half (a row longer if m is odd) r -> r-1
     lo, hi = jnp.split(x, [h], axis=axis)
     plo, phi = enc(lo), enc(hi)
     for k in range(n):
-        nlo = _send(plo, axis_name, fwd) if k < n - 1 else None
-        nhi = _send(phi, axis_name, bwd) if k < n - 1 else None
-        if k == 0 and quant is None:
-            state = consume(state, x, idx * m)  # whole local chunk: one dot, not two
+        last = k == n - 1
+        if not last:
+            plo, pend_lo = link.begin(plo, 1)
+            phi, pend_hi = link.begin(phi, -1)
+        if k == 0 and quant is None:  # whole local chunk: one dot, not two
+            prods = [product(x)]
         else:
-            state = consume(state, dec(plo, lo), ((idx - k) % n) * m)
-            state = consume(state, dec(phi, hi), ((idx + k) % n) * m + h)
-        plo, phi = nlo, nhi
+            clo, chi = dec(plo, lo), dec(phi, hi)
+            prods = [product(clo), product(chi)]
+        if not last:
+            plo, prods[0] = link.finish(pend_lo, prods[0])
+            phi, prods[-1] = link.finish(pend_hi, prods[-1])
+        if len(prods) == 1:
+            state = place(state, x, prods[0], idx * m)
+        else:
+            state = place(state, clo, prods[0], ((idx - k) % n) * m)
+            state = place(state, chi, prods[1], ((idx + k) % n) * m + h)
     return state
 
 
-def _rs_ring(block_fn, axis_name, n, m_out, axis, bidirectional):
+def _rs_ring(block_fn, axis_name, n, m_out, axis, bidirectional, ring):
     """Ring reduce-scatter of partial products computed block by block.
 
     ``block_fn(start, size)`` returns this rank's partial product for rows
     ``[start, start + size)`` (along ``axis``) of the unscattered result. The accumulator of
     block b starts on rank b+1 and travels r -> r+1, so each rank computes its own block last; the
-    permute of step s carries the sum of steps < s and does not depend on step s's product.
-    Bidirectional: the lower half of every block travels r -> r+1, the upper half (a row longer
-    if the block has an odd number of rows) r -> r-1; a one-row block travels one way.
+    move of step s carries the sum of steps < s and runs while step s's product is computed
+    (``ring``: the transport spec). Bidirectional: the lower half of every block travels
+    r -> r+1, the upper half (a row longer if the block has an odd number of rows) r -> r-1; a
+    one-row block travels one way.
     """
     idx = lax.axis_index(axis_name)
-    fwd, bwd = _perms(axis_name)
+    link = _link(ring, axis_name)
     if not bidirectional or m_out < 2:
         acc = None
         for s in range(n):
+            if acc is not None:
+                acc, pending = link.begin(acc, 1)
             p = block_fn(((idx - 1 - s) % n) * m_out, m_out)  # s = n-1: this rank's block
-            acc = p if acc is None else lax.ppermute(acc, axis_name, fwd) + p
+            if acc is None:
+                acc = p
+            else:
+                recv, p = link.finish(pending, p)
+                acc = recv + p
         return acc
 
     h = m_out // 2
     lo = hi = None
     for s in range(n - 1):
+        if lo is not None:
+            lo, pend_lo = link.begin(lo, 1)
+            hi, pend_hi = link.begin(hi, -1)
         plo = block_fn(((idx - 1 - s) % n) * m_out, h)
         phi = block_fn(((idx + 1 + s) % n) * m_out + h, m_out - h)
-        lo = plo if lo is None else lax.ppermute(lo, axis_name, fwd) + plo
-        hi = phi if hi is None else lax.ppermute(hi, axis_name, bwd) + phi
-    own = block_fn(idx * m_out, m_out)  # whole own block: one dot, not two
+        if lo is None:
+            lo, hi = plo, phi
+        else:
+            rlo, plo = link.finish(pend_lo, plo)
+            rhi, phi = link.finish(pend_hi, phi)
+            lo, hi = rlo + plo, rhi + phi
     if n == 1:
-        return own
+        return block_fn(idx * m_out, m_out)
+    lo, pend_lo = link.begin(lo, 1)
+    hi, pend_hi = link.begin(hi, -1)
+    own = block_fn(idx * m_out, m_out)  # whole own block: one dot, not two
+    rlo, own = link.finish(pend_lo, own)
+    rhi, own = link.finish(pend_hi, own)
     own_lo, own_hi = jnp.split(own, [h], axis=axis)
-    return jnp.concatenate(
-        [lax.ppermute(lo, axis_name, fwd) + own_lo, lax.ppermute(hi, axis_name, bwd) + own_hi],
-        axis=axis,
-    )
+    return jnp.concatenate([rlo + own_lo, rhi + own_hi], axis=axis)
 
 
-def _agmm_impl(x, w, axis_name, axis, bidirectional, quant, keep_gathered):
+def _agmm_impl(x, w, axis_name, axis, bidirectional, quant, keep_gathered, ring):
     """Ring all-gather-matmul; also returns the gathered x when ``keep_gathered``."""
     n = _axis_size(axis_name, "all_gather_matmul")
     rows = x.shape[axis] * n
@@ -278,24 +321,25 @@ def _agmm_impl(x, w, axis_name, axis, bidirectional, quant, keep_gathered):
     if keep_gathered:
         gathered = jnp.zeros(x.shape[:axis] + (rows,) + x.shape[axis + 1 :], x.dtype)
 
-    def consume(state, chunk, start):
+    def place(state, chunk, prod, start):
         out, gathered = state
-        out = lax.dynamic_update_slice_in_dim(out, jnp.matmul(chunk, w), start, axis)
+        out = lax.dynamic_update_slice_in_dim(out, prod, start, axis)
         if gathered is not None:
             gathered = lax.dynamic_update_slice_in_dim(gathered, chunk, start, axis)
         return out, gathered
 
-    return _ag_ring(x, axis_name, axis, bidirectional, consume, (out, gathered), quant)
+    return _ag_ring(x, axis_name, axis, bidirectional, lambda c: jnp.matmul(c, w), place,
+                    (out, gathered), quant, ring)
 
 
-def _mrs_impl(x, w, axis_name, axis, bidirectional):
+def _mrs_impl(x, w, axis_name, axis, bidirectional, ring):
     n = _axis_size(axis_name, "matmul_reduce_scatter")
     m_out = x.shape[axis] // n
 
     def block_fn(start, size):
         return jnp.matmul(lax.dynamic_slice_in_dim(x, start, size, axis), w)
 
-    return _rs_ring(block_fn, axis_name, n, m_out, axis, bidirectional)
+    return _rs_ring(block_fn, axis_name, n, m_out, axis, bidirectional, ring)
 
 
 def _contract_rows(a, b):
@@ -309,20 +353,20 @@ def _contract_rows(a, b):
 # ---------------------------------------------------------------------------------------------
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _agmm(x, w, axis_name, axis, bidirectional, quant):
-    return _agmm_impl(x, w, axis_name, axis, bidirectional, quant, False)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _agmm(x, w, axis_name, axis, bidirectional, quant, ring):
+    return _agmm_impl(x, w, axis_name, axis, bidirectional, quant, False, ring)[0]
 
 
-def _agmm_fwd(x, w, axis_name, axis, bidirectional, quant):
-    out, gathered = _agmm_impl(x, w, axis_name, axis, bidirectional, quant, True)
+def _agmm_fwd(x, w, axis_name, axis, bidirectional, quant, ring):
+    out, gathered = _agmm_impl(x, w, axis_name, axis, bidirectional, quant, True, ring)
     return out, (gathered, w)
 
 
-def _agmm_bwd(axis_name, axis, bidirectional, quant, res, dy):
+def _agmm_bwd(axis_name, axis, bidirectional, quant, ring, res, dy):
     gathered, w = res
     # dx = psum_scatter(dy @ w^T): a matmul-reduce-scatter ring. Quantized: straight-through.
-    dx = _mrs(dy, w.T, axis_name, axis, bidirectional)
+    dx = _mrs(dy, w.T, axis_name, axis, bidirectional, ring)
     dw = _contract_rows(gathered, dy)  # the chunks the forward ring already brought here
     return dx.astype(gathered.dtype), dw.astype(w.dtype)
 
@@ -330,19 +374,19 @@ def _agmm_bwd(axis_name, axis, bidirectional, quant, res, dy):
 _agmm.defvjp(_agmm_fwd, _agmm_bwd)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _mrs(x, w, axis_name, axis, bidirectional):
-    return _mrs_impl(x, w, axis_name, axis, bidirectional)
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _mrs(x, w, axis_name, axis, bidirectional, ring):
+    return _mrs_impl(x, w, axis_name, axis, bidirectional, ring)
 
 
-def _mrs_fwd(x, w, axis_name, axis, bidirectional):
-    return _mrs_impl(x, w, axis_name, axis, bidirectional), (x, w)
+def _mrs_fwd(x, w, axis_name, axis, bidirectional, ring):
+    return _mrs_impl(x, w, axis_name, axis, bidirectional, ring), (x, w)
 
 
-def _mrs_bwd(axis_name, axis, bidirectional, res, dy):
+def _mrs_bwd(axis_name, axis, bidirectional, ring, res, dy):
     x, w = res
     # dx = all_gather(dy) @ w^T: an all-gather-matmul ring, whose gathered dy also gives dw.
-    dx, dy_gathered = _agmm_impl(dy, w.T, axis_name, axis, bidirectional, None, True)
+    dx, dy_gathered = _agmm_impl(dy, w.T, axis_name, axis, bidirectional, None, True, ring)
     dw = _contract_rows(x, dy_gathered)
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
@@ -356,7 +400,8 @@ _mrs.defvjp(_mrs_fwd, _mrs_bwd)
 
 
 def all_gather_matmul(x, w, axis_name, *, axis=0, bidirectional=False, bits=None,
-                      group_size=128, codec_backend="jnp", rotation=0, spikes=0):
+                      group_size=128, codec_backend="jnp", rotation=0, spikes=0,
+                      transport="auto", p2p_timeout_ms=60_000):
     """``lax.all_gather(x, axis_name, axis=axis, tiled=True) @ w`` as an overlapped ring.
 
     Call inside ``jax.shard_map``. ``x``: this rank's rows (``x.shape[axis]`` of them) with the
@@ -379,6 +424,10 @@ def all_gather_matmul(x, w, axis_name, *, axis=0, bidirectional=False, bits=None
     ``rotation``: the codec's group rotation (0 none, 1 Hadamard, 2 signed Hadamard; needs a
     power-of-two ``group_size``), docs/format.md "Rotation". ``spikes``: values per group kept in
     bf16 with their positions (0..16), docs/format.md "Spike reserving".
+    ``transport``: how a chunk moves ("xla": ``lax.ppermute``; "p2p": start / done FFI calls
+    between the devices of one process, the dot running while the transport copies; "auto":
+    docs/transport.md "Ring steps"). ``p2p_timeout_ms``: a p2p step whose peer never comes
+    fails with an error after this. The VJP's rings use the same transport.
     """
     fn = "all_gather_matmul"
     axis = _check_operands(fn, x, w, axis)
@@ -399,11 +448,13 @@ def all_gather_matmul(x, w, axis_name, *, axis=0, bidirectional=False, bits=None
         rotation = spec.check_rotation(rotation, group_size)
         spikes = spec.check_spikes(spikes, group_size)
         quant = (bits, group_size, codec_backend, rotation, spikes) if x.size else None
+    ring = _resolve_ring(transport, axis_name, fn, p2p_timeout_ms)
     x, w = _match_vma(x, w, axis_name)
-    return _agmm(x, w, axis_name, axis, bool(bidirectional), quant)
+    return _agmm(x, w, axis_name, axis, bool(bidirectional), quant, ring)
 
 
-def matmul_reduce_scatter(x, w, axis_name, *, axis=0, bidirectional=False):
+def matmul_reduce_scatter(x, w, axis_name, *, axis=0, bidirectional=False, transport="auto",
+                          p2p_timeout_ms=60_000):
     """``lax.psum_scatter(x @ w, axis_name, scatter_dimension=axis, tiled=True)`` as a ring.
 
     Call inside ``jax.shard_map``. ``x``: ``(..., M, ..., K_local)``, this rank's slice of the
@@ -412,7 +463,8 @@ def matmul_reduce_scatter(x, w, axis_name, *, axis=0, bidirectional=False):
     ``psum_scatter``); the block that stays here is computed last. Exact: nothing is quantized.
 
     ``bidirectional``: the two halves of every block (the upper one a row longer when ``M / N``
-    is odd) travel opposite ways round the ring.
+    is odd) travel opposite ways round the ring. ``transport``, ``p2p_timeout_ms``: as for
+    :func:`all_gather_matmul`.
     """
     fn = "matmul_reduce_scatter"
     axis = _check_operands(fn, x, w, axis)
@@ -420,5 +472,6 @@ def matmul_reduce_scatter(x, w, axis_name, *, axis=0, bidirectional=False):
     if x.shape[axis] % n:
         raise ValueError(f"{fn}: rows not divisible: x.shape[{axis}]={x.shape[axis]} is not a "
                          f"multiple of the size {n} of axis {axis_name!r}")
+    ring = _resolve_ring(transport, axis_name, fn, p2p_timeout_ms)
     x, w = _match_vma(x, w, axis_name)
-    return _mrs(x, w, axis_name, axis, bool(bidirectional))
+    return _mrs(x, w, axis_name, axis, bool(bidirectional), ring)

@@ -10,12 +10,17 @@
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommP2pAllReduceCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommP2pReduceScatterCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommP2pAllGatherCpu);
+// Ring steps (ffi/cpu/p2p_ring_kernels.cc): start / done of one chunk move around a ring.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommP2pRingStartCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommP2pRingDoneCpu);
 
 namespace flashcomm {
 namespace cpu {
 
 // Meetings not yet finished by every rank (zero between collectives; tests check no leak).
 size_t P2pMeetingsInProgress();
+// Ring steps some rank has not finished (zero between collective matmuls).
+size_t P2pRingStepsInProgress();
 
 }  // namespace cpu
 }  // namespace flashcomm

@@ -33,6 +33,13 @@ inline void AddP2pRegistrations(nanobind::dict& d, Handler* all_reduce, Handler*
   d["flashcomm_p2p_all_gather"] = capsule(all_gather);
 }
 
+// The ring steps of the collective matmuls (docs/transport.md, "Ring steps"), added to `d`.
+inline void AddP2pRingRegistrations(nanobind::dict& d, Handler* start, Handler* done) {
+  auto capsule = [](Handler* fn) { return nanobind::capsule(reinterpret_cast<void*>(fn)); };
+  d["flashcomm_p2p_ring_start"] = capsule(start);
+  d["flashcomm_p2p_ring_done"] = capsule(done);
+}
+
 }  // namespace flashcomm
 
 #endif  // FLASHCOMM_NB_REGISTRATIONS_H_

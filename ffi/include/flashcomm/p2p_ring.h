@@ -1,0 +1,554 @@
+// One ring step of the peer-to-peer transport, split in two calls so that a matmul runs while
+// the chunk moves (docs/transport.md, "Ring steps"): every rank r *starts* (publishes the
+// buffer it sends and the buffer it receives into), the chunk of rank r - shift is moved into
+// rank r's receive buffer as soon as both have started, and *done* completes once this rank's
+// chunk has arrived and its own send buffer has been read by rank r + shift. Host-side and
+// platform-neutral: the CPU handlers (ffi/cpu/p2p_ring_kernels.cc) move chunks with the
+// CopyEngine below, the CUDA handlers (ffi/cuda/p2p_ring_handlers.cc) with peer copies on a
+// stream.
+//
+// A Step is keyed like a Meeting of p2p_rendezvous.h: (run id, call site, replica group,
+// sequence number), the sequence numbers of starts and dones counted separately per rank, so
+// the k-th done of a site pairs with the k-th start. Nothing ever blocks a thread: a move is
+// handed to the platform when its two ends have started, and a done hands over a callback that
+// runs when its two moves have finished. A watchdog fails the steps that are late; a move in
+// progress is never abandoned (it stops at its next slice), so no rank is told "done" while a
+// peer's copy still touches its buffers.
+#ifndef FLASHCOMM_P2P_RING_H_
+#define FLASHCOMM_P2P_RING_H_
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <queue>
+#include <set>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "flashcomm/p2p_rendezvous.h"
+
+namespace flashcomm {
+namespace p2p {
+
+using Clock = std::chrono::steady_clock;
+
+// What one rank publishes when it starts a step.
+struct Endpoint {
+  const void* send = nullptr;  // the chunk it sends to rank + shift
+  void* recv = nullptr;        // where the chunk of rank - shift goes
+  size_t bytes = 0;            // of each (the ranks of a step agree on it)
+  const void* event = nullptr; // platform data (the CUDA event recorded at start)
+};
+
+// A move the platform must perform: `bytes` from the sender's `send` to the receiver's `recv`.
+// It calls `finished(ok)` exactly once when the move is over (ok false: it stopped early
+// because the step failed; `failed()` tells it to stop).
+struct Move {
+  int sender;
+  int receiver;
+  Endpoint from;
+  Endpoint to;
+  std::function<bool()> failed;
+  std::function<void(bool ok)> finished;
+};
+
+// Called when a rank's done completes: error empty on success.
+using DoneCallback = std::function<void(const std::string& error)>;
+
+class Step : public std::enable_shared_from_this<Step> {
+ public:
+  Step(int size, int shift, Clock::time_point deadline)
+      : size_(size), shift_(((shift % size) + size) % size), deadline_(deadline), ranks_(size) {}
+
+  int sender_of(int rank) const { return (rank - shift_ + size_) % size_; }
+  int receiver_of(int rank) const { return (rank + shift_) % size_; }
+
+  // Rank `rank` starts with `mine`; `move` is called (outside the lock, possibly twice) for the
+  // moves this arrival makes possible. Returns an error if the step has failed or the ranks
+  // disagree on the chunk size.
+  std::string Start(int rank, const Endpoint& mine, const std::function<void(Move)>& move) {
+    std::vector<Move> ready;
+    std::vector<std::pair<DoneCallback, std::string>> complete;
+    std::string error;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (failed_) return failure_;
+      Rank& me = ranks_[rank];
+      if (me.started) return "rank " + std::to_string(rank) + " started the same step twice";
+      me.started = true;
+      me.ep = mine;
+      ++started_;
+      for (int receiver : {rank, receiver_of(rank)}) {
+        const int sender = sender_of(receiver);
+        Rank& to = ranks_[receiver];
+        const Rank& from = ranks_[sender];
+        if (!to.started || !from.started || to.recv != kPending) continue;
+        if (from.ep.bytes != to.ep.bytes) {
+          error = "ranks disagree on the chunk size (" + std::to_string(from.ep.bytes) +
+                  " bytes from rank " + std::to_string(sender) + ", " +
+                  std::to_string(to.ep.bytes) + " expected by rank " +
+                  std::to_string(receiver) + ")";
+          complete = FailLocked(error);
+          break;
+        }
+        to.recv = kMoving;
+        ready.push_back(MakeMove(sender, receiver));
+        if (size_ == 1 || sender == receiver) break;  // one rank: it moves to itself once
+      }
+    }
+    Run(std::move(complete));
+    if (!error.empty()) return error;
+    for (auto& m : ready) move(std::move(m));
+    return std::string();
+  }
+
+  // Rank `rank` waits for its step: `then` runs once its chunk has arrived and its own send
+  // buffer has been read (or with the error that ended the step). `recv` must be the buffer
+  // it started with: anything else means the caller moved the buffer while it was in flight.
+  void Done(int rank, const void* recv, DoneCallback then) {
+    std::vector<std::pair<DoneCallback, std::string>> complete;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      Rank& me = ranks_[rank];
+      if (!me.started || me.done_called) {
+        complete.emplace_back(std::move(then), std::string("rank ") + std::to_string(rank) +
+                                                   (me.started ? " finished a step twice"
+                                                               : " finished a step it never "
+                                                                 "started"));
+      } else {
+        me.done_called = true;
+        me.then = std::move(then);
+        if (recv != me.ep.recv && !failed_) {
+          complete = FailLocked("rank " + std::to_string(rank) + "'s receive buffer moved "
+                                "between start and done (the runtime copied it in flight)");
+        }
+        TryCompleteLocked(rank, &complete);
+      }
+    }
+    Run(std::move(complete));
+  }
+
+  // The watchdog's check: past the deadline and not every rank done, fail the step.
+  void ExpireIfLate(Clock::time_point now) {
+    std::vector<std::pair<DoneCallback, std::string>> complete;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (failed_ || now < deadline_ || completed_ == size_) return;
+      std::string missing, moving;
+      for (int r = 0; r < size_; ++r) {
+        if (!ranks_[r].started) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+        if (ranks_[r].recv == kMoving) moving += (moving.empty() ? "" : ", ") + std::to_string(r);
+      }
+      std::string why = "timed out: " + std::to_string(started_) + " of " +
+                        std::to_string(size_) + " ranks started the step";
+      if (!missing.empty()) why += " (missing: rank " + missing + ")";
+      if (!moving.empty()) why += "; chunks still moving to rank " + moving;
+      complete = FailLocked(why);
+    }
+    Run(std::move(complete));
+  }
+
+  // Every rank that started has completed its done (or the step failed and nothing moves).
+  bool Finished() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (completed_ == size_) return true;
+    if (!failed_) return false;
+    for (const Rank& r : ranks_) {
+      if (r.recv == kMoving || (r.started && !r.completed)) return false;
+    }
+    return true;
+  }
+
+  bool failed() const { return failed_flag_.load(std::memory_order_relaxed); }
+
+ private:
+  enum RecvState { kPending, kMoving, kArrived, kStopped };
+  struct Rank {
+    bool started = false;
+    bool done_called = false;
+    bool completed = false;
+    Endpoint ep;
+    RecvState recv = kPending;
+    DoneCallback then;
+  };
+
+  Move MakeMove(int sender, int receiver) {
+    auto self = shared_from_this();
+    Move m{sender, receiver, ranks_[sender].ep, ranks_[receiver].ep, nullptr, nullptr};
+    m.failed = [self] { return self->failed(); };
+    m.finished = [self, receiver](bool ok) { self->Moved(receiver, ok); };
+    return m;
+  }
+
+  void Moved(int receiver, bool ok) {
+    std::vector<std::pair<DoneCallback, std::string>> complete;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ranks_[receiver].recv = ok ? kArrived : kStopped;
+      if (!ok && !failed_) complete = FailLocked("a chunk move failed");
+      TryCompleteLocked(receiver, &complete);
+      TryCompleteLocked(sender_of(receiver), &complete);
+    }
+    Run(std::move(complete));
+  }
+
+  // Completes `rank`'s done when its chunk has arrived and its send buffer has been read, or,
+  // after a failure, when no move touches its buffers any more.
+  void TryCompleteLocked(int rank, std::vector<std::pair<DoneCallback, std::string>>* out) {
+    Rank& me = ranks_[rank];
+    if (!me.done_called || me.completed) return;
+    const RecvState in = me.recv, sent = ranks_[receiver_of(rank)].recv;
+    if (failed_) {
+      if (in == kMoving || sent == kMoving) return;
+    } else if (in != kArrived || sent != kArrived) {
+      return;
+    }
+    me.completed = true;
+    ++completed_;
+    out->emplace_back(std::move(me.then), failed_ ? failure_ : std::string());
+  }
+
+  std::vector<std::pair<DoneCallback, std::string>> FailLocked(const std::string& why) {
+    std::vector<std::pair<DoneCallback, std::string>> out;
+    if (failed_) return out;
+    failed_ = true;
+    failed_flag_.store(true, std::memory_order_relaxed);
+    failure_ = why;
+    for (int r = 0; r < size_; ++r) TryCompleteLocked(r, &out);
+    return out;
+  }
+
+  static void Run(std::vector<std::pair<DoneCallback, std::string>> complete) {
+    for (auto& [cb, error] : complete) cb(error);
+  }
+
+  std::mutex mu_;
+  const int size_;
+  const int shift_;
+  const Clock::time_point deadline_;
+  std::vector<Rank> ranks_;
+  int started_ = 0;
+  int completed_ = 0;
+  bool failed_ = false;
+  std::atomic<bool> failed_flag_{false};
+  std::string failure_;
+};
+
+// The process-wide table of ring steps in progress.
+class RingTable {
+ public:
+  static RingTable& Global() {
+    static RingTable* instance = new RingTable();  // never destroyed (see Rendezvous)
+    return *instance;
+  }
+
+  // This rank's next start of `key`; nullptr (and `error`) on a bad rank, size or shift.
+  std::shared_ptr<Step> Start(const SiteKey& key, int rank, int size, int shift,
+                              int64_t timeout_ms, std::string* error) {
+    if (size < 1 || rank < 0 || rank >= size) {
+      *error = "rank " + std::to_string(rank) + " of " + std::to_string(size) +
+               " is out of range";
+      return nullptr;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    const StepKey sk{key, Next(&starts_, key, rank)};
+    auto it = steps_.find(sk);
+    if (it == steps_.end()) {
+      auto step = std::make_shared<Step>(
+          size, shift, Clock::now() + std::chrono::milliseconds(timeout_ms));
+      it = steps_.emplace(sk, Entry{step, size, shift}).first;
+      StartWatchdog();
+      watchdog_cv_.notify_one();
+    } else if (it->second.size != size || it->second.shift != shift) {
+      *error = "ranks disagree on the ring (size " + std::to_string(size) + ", shift " +
+               std::to_string(shift) + " vs " + std::to_string(it->second.size) + ", " +
+               std::to_string(it->second.shift) + ")";
+      return nullptr;
+    }
+    return it->second.step;
+  }
+
+  // The step this rank's next done of `key` finishes; nullptr if it never started one.
+  std::shared_ptr<Step> Done(const SiteKey& key, int rank) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = steps_.find(StepKey{key, Next(&dones_, key, rank)});
+    return it == steps_.end() ? nullptr : it->second.step;
+  }
+
+  // Forgets the finished steps (called after every done completes, and by the watchdog).
+  void Prune() {
+    std::lock_guard<std::mutex> lock(mu_);
+    PruneLocked();
+  }
+
+  size_t InProgress() {
+    std::lock_guard<std::mutex> lock(mu_);
+    PruneLocked();
+    return steps_.size();
+  }
+
+ private:
+  struct StepKey {
+    SiteKey site;
+    int64_t seq;
+    bool operator<(const StepKey& o) const { return std::tie(site, seq) < std::tie(o.site, o.seq); }
+  };
+  struct Entry {
+    std::shared_ptr<Step> step;
+    int size;
+    int shift;
+  };
+  using Counters = std::map<std::pair<SiteKey, int>, int64_t>;
+  static constexpr size_t kRunsKept = 1024;
+
+  int64_t Next(Counters* counters, const SiteKey& key, int rank) {
+    if (runs_seen_.insert(key.run_id).second) {
+      runs_.push_back(key.run_id);
+      if (runs_.size() > kRunsKept) {  // forget the counters of long-finished runs
+        const int64_t old = runs_.front();
+        runs_.pop_front();
+        runs_seen_.erase(old);
+        for (Counters* c : {&starts_, &dones_}) {
+          c->erase(c->lower_bound({SiteKey{old, INT64_MIN, INT64_MIN}, INT32_MIN}),
+                   c->lower_bound({SiteKey{old, INT64_MAX, INT64_MAX}, INT32_MAX}));
+        }
+      }
+    }
+    return (*counters)[{key, rank}]++;
+  }
+
+  void PruneLocked() {
+    for (auto it = steps_.begin(); it != steps_.end();) {
+      it = it->second.step->Finished() ? steps_.erase(it) : std::next(it);
+    }
+  }
+
+  void StartWatchdog() {
+    if (watchdog_started_) return;
+    watchdog_started_ = true;
+    std::thread([this] {
+      for (;;) {
+        std::vector<std::shared_ptr<Step>> live;
+        {
+          std::unique_lock<std::mutex> lock(mu_);
+          watchdog_cv_.wait(lock, [&] { return !steps_.empty(); });
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          for (auto& kv : steps_) live.push_back(kv.second.step);
+        }
+        const auto now = Clock::now();
+        for (auto& s : live) s->ExpireIfLate(now);
+        Prune();
+      }
+    }).detach();
+  }
+
+  std::mutex mu_;
+  bool watchdog_started_ = false;
+  std::condition_variable watchdog_cv_;
+  std::map<StepKey, Entry> steps_;
+  Counters starts_, dones_;
+  std::deque<int64_t> runs_;
+  std::set<int64_t> runs_seen_;
+};
+
+// The transport's own timeline (off unless a benchmark or test asks): what each rank did when,
+// in system-clock microseconds (the clock jax.profiler's traces use), so copies can be laid
+// beside the dots of a profiler trace.
+class Timeline {
+ public:
+  enum Kind { kMove = 0, kStart = 1, kWait = 2 };
+  struct Event {
+    int kind;        // kMove: a chunk moving; kStart: a start call; kWait: done called -> done
+    int64_t site;
+    int rank;        // the receiver of a move, the caller of a start or done
+    int peer;        // the sender of a move, else -1
+    int64_t bytes;
+    int64_t begin_us, end_us;
+  };
+  static Timeline& Global() {
+    static Timeline* instance = new Timeline();
+    return *instance;
+  }
+  static int64_t NowMicros() {
+    return std::chrono::duration_cast<std::chrono::microseconds>(
+               std::chrono::system_clock::now().time_since_epoch())
+        .count();
+  }
+  bool recording() const { return recording_.load(std::memory_order_relaxed); }
+  void Add(const Event& e) {
+    if (!recording()) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (events_.size() < kMax) events_.push_back(e);
+  }
+  // Starts (true) or stops (false) recording; returns and clears what was recorded.
+  std::vector<Event> Take(bool record) {
+    std::lock_guard<std::mutex> lock(mu_);
+    recording_.store(record, std::memory_order_relaxed);
+    std::vector<Event> out;
+    out.swap(events_);
+    return out;
+  }
+
+ private:
+  static constexpr size_t kMax = size_t(1) << 20;
+  std::mutex mu_;
+  std::atomic<bool> recording_{false};
+  std::vector<Event> events_;
+};
+
+// The CPU's "link": a bounded pool of copy threads. A move is copied in slices; paced at
+// `bytes_per_s` (> 0, link emulation for benchmarks) a slice is not started before the time the
+// bytes before it would have taken on that link, and a waiting move holds no thread, so every
+// link of a ring moves at the set rate at the same time. Unpaced (0), a move is one memcpy.
+class CopyEngine {
+ public:
+  static CopyEngine& Global() {
+    static CopyEngine* instance = new CopyEngine(kThreads);
+    return *instance;
+  }
+
+  void Submit(Move move, double bytes_per_s, int64_t site) {
+    auto job = std::make_shared<Job>();
+    job->move = std::move(move);
+    job->rate = bytes_per_s;
+    job->site = site;
+    job->begin = Clock::now();
+    job->begin_us = Timeline::NowMicros();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push({job->begin, serial_++, job});
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  static constexpr int kThreads = 4;
+  static constexpr size_t kUnpacedSlice = size_t(1) << 30;
+  struct Job {
+    Move move;
+    double rate;
+    int64_t site;
+    Clock::time_point begin;
+    int64_t begin_us;
+    size_t done = 0;
+  };
+  struct Queued {
+    Clock::time_point when;
+    uint64_t serial;
+    std::shared_ptr<Job> job;
+    bool operator>(const Queued& o) const {
+      return std::tie(when, serial) > std::tie(o.when, o.serial);
+    }
+  };
+
+  explicit CopyEngine(int threads) {
+    for (int i = 0; i < threads; ++i) std::thread([this] { Run(); }).detach();
+  }
+
+  void Run() {
+    for (;;) {
+      std::shared_ptr<Job> job;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        for (;;) {
+          if (queue_.empty()) {
+            cv_.wait(lock);
+            continue;
+          }
+          const auto when = queue_.top().when;
+          if (when <= Clock::now()) break;
+          cv_.wait_until(lock, when);
+        }
+        job = queue_.top().job;
+        queue_.pop();
+      }
+      Slice(job);
+    }
+  }
+
+  // Copies the job's next slice, then requeues it at the time its bytes would have taken.
+  void Slice(const std::shared_ptr<Job>& job) {
+    Move& m = job->move;
+    const size_t total = m.to.bytes;
+    if (m.failed()) return Finish(job, false);
+    // About a millisecond of link time per slice (at least 64 KiB): the pace is smooth at the
+    // timescale of a ring step and a failure stops a move within a slice.
+    const size_t slice =
+        job->rate > 0 ? std::max<size_t>(size_t(job->rate * 1e-3), size_t(64) << 10)
+                      : kUnpacedSlice;
+    const size_t n = std::min(slice, total - job->done);
+    if (n) {
+      std::memcpy(static_cast<char*>(m.to.recv) + job->done,
+                  static_cast<const char*>(m.from.send) + job->done, n);
+    }
+    job->done += n;
+    if (job->done >= total) return Finish(job, true);
+    Clock::time_point when = Clock::now();
+    if (job->rate > 0) {
+      when = job->begin + std::chrono::duration_cast<Clock::duration>(
+                              std::chrono::duration<double>(double(job->done) / job->rate));
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push({when, serial_++, job});
+    }
+    cv_.notify_one();
+  }
+
+  void Finish(const std::shared_ptr<Job>& job, bool ok) {
+    Move& m = job->move;
+    if (ok && job->rate > 0) {  // the last slice's link time too
+      const auto when = job->begin + std::chrono::duration_cast<Clock::duration>(
+                                         std::chrono::duration<double>(double(m.to.bytes) /
+                                                                       job->rate));
+      if (when > Clock::now()) {
+        std::lock_guard<std::mutex> lock(mu_);
+        job->done = m.to.bytes;
+        queue_.push({when, serial_++, FinishJob(job)});
+        cv_.notify_one();
+        return;
+      }
+    }
+    Record(job);
+    m.finished(ok);
+  }
+
+  // A job whose bytes are all copied and that only waits for its link time: requeued as a
+  // zero-byte job that finishes when it comes up.
+  std::shared_ptr<Job> FinishJob(const std::shared_ptr<Job>& job) {
+    auto last = std::make_shared<Job>(*job);
+    last->rate = 0;
+    last->done = last->move.to.bytes;
+    return last;
+  }
+
+  static void Record(const std::shared_ptr<Job>& job) {
+    const Move& m = job->move;
+    Timeline::Global().Add({Timeline::kMove, job->site, m.receiver, m.sender,
+                            int64_t(m.to.bytes), job->begin_us, Timeline::NowMicros()});
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::priority_queue<Queued, std::vector<Queued>, std::greater<Queued>> queue_;
+  uint64_t serial_ = 0;
+};
+
+}  // namespace p2p
+}  // namespace flashcomm
+
+#endif  // FLASHCOMM_P2P_RING_H_

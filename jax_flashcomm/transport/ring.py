@@ -1,0 +1,233 @@
+"""Ring steps: how the collective matmuls move a chunk to their ring neighbour.
+
+A step is :meth:`begin` (start moving ``payload`` to rank ``r + shift``; returns what the
+step's dot may read and a pending move) and :meth:`finish` (the chunk of rank ``r - shift``,
+once it has arrived; the step's dot result goes through it, so the wait comes after the dot).
+
+* ``xla``: the move is one ``lax.ppermute``; :meth:`finish` passes things through. Whether the
+  permute runs during the dot is up to XLA (asynchronous on GPU/TPU; on CPU a gloo permute runs
+  synchronously on the module's thread: docs/overlap.md).
+* ``p2p``: the move is a pair of FFI calls (ffi/cpu/p2p_ring_kernels.cc, p2p_ring.h). The start
+  returns at once while the transport's copy threads move the chunk from the peer's buffer; the
+  done takes the receive buffer, the send buffer and the dot's result, so XLA runs it after the
+  dot and keeps both buffers alive until the chunk has arrived and the peer has read ours. The
+  ranks are the devices of one process. For benchmarks, :func:`link_emulation` paces the CPU
+  copies at a set rate (a "link" slower than memcpy, so overlap can be measured); off by default.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import itertools
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_flashcomm import _common
+from jax_flashcomm.transport import p2p
+
+__all__ = ["RING_TRANSPORTS", "XlaLink", "P2pLink", "resolve", "make_link", "link_emulation",
+           "recording", "steps_in_progress"]
+
+#: What ``transport=`` of the collective matmuls accepts.
+RING_TRANSPORTS = ("auto", "xla", "p2p")
+#: The FFI targets of the ring steps (registered by the CPU module, and the CUDA one if built).
+TARGETS = ("flashcomm_p2p_ring_start", "flashcomm_p2p_ring_done")
+
+_sites = itertools.count(1)
+_link_bytes_per_s = 0
+
+
+class XlaLink:
+    """Ring steps as ``lax.ppermute`` over ``axis_name`` (``perms[shift]``: ppermute pairs)."""
+
+    name = "xla"
+
+    def __init__(self, axis_name, perms: dict):
+        self.axis_name, self.perms = axis_name, perms
+
+    def begin(self, payload, shift: int):
+        return payload, lax.ppermute(payload, self.axis_name, self.perms[shift])
+
+    def finish(self, pending, after):
+        return pending, after
+
+
+class P2pLink:
+    """Ring steps as start / done FFI calls over the devices of one process.
+
+    Differentiable (for rings autodiff walks through, like tp_attention's): the transpose of
+    moving a chunk by ``shift`` is moving its cotangent by ``-shift``, a p2p step too.
+    """
+
+    name = "p2p"
+
+    def __init__(self, axes: tuple, timeout_ms: int, link_bytes_per_s: int):
+        self.axes, self.timeout_ms, self.rate = axes, int(timeout_ms), int(link_bytes_per_s)
+
+    def _static(self, shift: int) -> tuple:
+        return (self.axes, self.timeout_ms, self.rate, shift, next(_sites))
+
+    def begin(self, payload, shift: int):
+        static = self._static(shift)
+        sent, recv = _begin(payload, static)
+        return sent, (recv, sent, static)
+
+    def finish(self, pending, after):
+        recv, sent, static = pending
+        return _finish(recv, sent, after, static)
+
+
+def _start_call(payload, static):
+    axes, timeout_ms, rate, shift, site = static
+    rank, group = p2p.rank_and_group(axes)
+    like = _same(payload)
+    start = jax.ffi.ffi_call("flashcomm_p2p_ring_start", (like, like),
+                             input_output_aliases={0: 0}, vmap_method="sequential")
+    return start(payload, rank, group, size=np.int64(_common.axis_size(axes)),
+                 shift=np.int64(shift), site=np.int64(site), timeout_ms=np.int64(timeout_ms),
+                 link_bytes_per_s=np.int64(rate))
+
+
+def _done_call(recv, sent, after, static):
+    axes, _, _, shift, site = static
+    rank, group = p2p.rank_and_group(axes)
+    done = jax.ffi.ffi_call("flashcomm_p2p_ring_done", (_same(recv), _same(after)),
+                            input_output_aliases={0: 0, 2: 1}, vmap_method="sequential")
+    return done(recv, sent, after, rank, group, size=np.int64(_common.axis_size(axes)),
+                shift=np.int64(shift), site=np.int64(site))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _begin(payload, static):
+    return _start_call(payload, static)
+
+
+def _begin_fwd(payload, static):
+    return _start_call(payload, static), None
+
+
+def _begin_bwd(static, _, cts):
+    ct_sent, ct_recv = cts
+    axes, timeout_ms, rate, shift, _ = static
+    back = P2pLink(axes, timeout_ms, rate)
+    sent, pending = back.begin(ct_recv, -shift)
+    moved, sent = back.finish(pending, sent)
+    return (ct_sent + moved,)
+
+
+_begin.defvjp(_begin_fwd, _begin_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _finish(recv, sent, after, static):
+    return _done_call(recv, sent, after, static)
+
+
+def _finish_fwd(recv, sent, after, static):
+    return _done_call(recv, sent, after, static), jnp.zeros_like(sent)
+
+
+def _finish_bwd(static, zero_sent, cts):
+    ct_recv, ct_after = cts
+    return ct_recv, zero_sent, ct_after
+
+
+_finish.defvjp(_finish_fwd, _finish_bwd)
+
+
+def _same(x):
+    return p2p._result(x, x.shape, x.dtype, _common.varying_axes(x))
+
+
+def unsupported_reason(axes: tuple) -> str | None:
+    """Why the p2p ring steps cannot run over ``axes`` here, or None."""
+    reason = p2p.unsupported_reason(axes)
+    if reason is None:
+        platform = p2p._kernel_platform(jax.default_backend())
+        if not set(TARGETS) <= p2p.kernels.registered(platform):
+            reason = f"the {platform} kernel module has no ring-step kernels"
+    return reason
+
+
+def resolve(transport: str, axis_name, fn: str, timeout_ms: int = 60_000) -> tuple:
+    """The ring transport of a collective matmul over ``axis_name``, as a hashable spec
+    ``(name, timeout_ms, link_bytes_per_s)`` (the custom VJPs carry it to the backward rings).
+    ``auto`` is ``xla`` (docs/transport.md "Ring steps" has the measurements); ``p2p`` where it
+    cannot run is an error naming why. The link emulation rate is read here, at trace time."""
+    if transport not in RING_TRANSPORTS:
+        raise ValueError(f"{fn}: transport must be one of {RING_TRANSPORTS}, got {transport!r}")
+    if (isinstance(timeout_ms, (bool, np.bool_)) or not isinstance(timeout_ms, (int, np.integer))
+            or timeout_ms <= 0):
+        raise ValueError(f"{fn}: p2p_timeout_ms must be a positive int, got {timeout_ms!r}")
+    if transport != "p2p":
+        return ("xla", 0, 0)
+    axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    reason = unsupported_reason(axes)
+    if reason is not None:
+        raise ValueError(f"{fn}: transport='p2p' cannot run here: {reason}")
+    return ("p2p", int(timeout_ms), _link_bytes_per_s)
+
+
+def make_link(spec: tuple, axis_name, perms: dict):
+    """The link of a resolved ``spec`` (:func:`resolve`); ``perms[shift]``: the ppermute pairs
+    of the ``xla`` link for shift +1 and -1."""
+    name, timeout_ms, rate = spec
+    if name == "p2p":
+        axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+        return P2pLink(axes, timeout_ms, rate)
+    return XlaLink(axis_name, perms)
+
+
+@contextlib.contextmanager
+def link_emulation(bytes_per_s: float):
+    """Pace the CPU p2p ring steps' copies at ``bytes_per_s`` per link (benchmarks only).
+
+    Read when a collective matmul is traced: functions jitted inside the ``with`` keep the
+    rate. Each move is copied in ~1 ms slices, none started before the time the bytes before it
+    would take on such a link, so a CPU, whose "link" is memcpy, can stand in for a slower one
+    and the overlap of copies with dots can be measured (benchmarks/ring_overlap.py).
+    """
+    global _link_bytes_per_s
+    if not bytes_per_s > 0:
+        raise ValueError(f"link_emulation: bytes_per_s must be positive, got {bytes_per_s!r}")
+    old, _link_bytes_per_s = _link_bytes_per_s, int(bytes_per_s)
+    try:
+        yield
+    finally:
+        _link_bytes_per_s = old
+
+
+_KINDS = {0: "move", 1: "start", 2: "wait"}
+
+
+@contextlib.contextmanager
+def recording():
+    """Record the p2p ring steps' own timeline; yields a list filled on exit with dicts
+    ``kind`` ("move": a chunk moving from ``peer`` to ``rank``; "start": a start call; "wait":
+    from a done call to its completion), ``site``, ``rank``, ``peer``, ``bytes``,
+    ``begin_us``/``end_us`` (system clock, the clock of jax.profiler traces)."""
+    module = _module()
+    module.p2p_timeline(True)
+    events: list = []
+    try:
+        yield events
+    finally:
+        for kind, site, rank, peer, nbytes, begin, end in module.p2p_timeline(False):
+            events.append(dict(kind=_KINDS[kind], site=site, rank=rank, peer=peer, bytes=nbytes,
+                               begin_us=begin, end_us=end))
+
+
+def steps_in_progress() -> int:
+    """Ring steps some rank has not finished (0 between collective matmuls)."""
+    return int(_module().p2p_ring_steps_in_progress())
+
+
+def _module():
+    if p2p._kernel_platform(jax.default_backend()) == "cuda":
+        return importlib.import_module("jax_flashcomm._flashcomm_cuda")
+    return p2p.kernels._cpu_module()
