@@ -244,8 +244,9 @@ def _ag_ring(x, axis_name, axis, bidirectional, product, place, state, quant, ri
         if not last:
             plo, pend_lo = link.begin(plo, 1)
             phi, pend_hi = link.begin(phi, -1)
-        if k == 0 and quant is None:  # whole local chunk: one dot, not two
-            prods = [product(x)]
+        if k == 0 and quant is None:  # whole local chunk: one dot, not two, of the halves
+            # the starts passed through (the dot then follows them by data)
+            prods = [product(x if last else jnp.concatenate([plo, phi], axis=axis))]
         else:
             clo, chi = dec(plo, lo), dec(phi, hi)
             prods = [product(clo), product(chi)]
@@ -276,9 +277,11 @@ def _rs_ring(block_fn, axis_name, n, m_out, axis, bidirectional, ring):
     if not bidirectional or m_out < 2:
         acc = None
         for s in range(n):
+            offset = ((idx - 1 - s) % n) * m_out  # s = n-1: this rank's block
             if acc is not None:
                 acc, pending = link.begin(acc, 1)
-            p = block_fn(((idx - 1 - s) % n) * m_out, m_out)  # s = n-1: this rank's block
+                offset = offset + link.order(pending)
+            p = block_fn(offset, m_out)
             if acc is None:
                 acc = p
             else:
@@ -289,11 +292,13 @@ def _rs_ring(block_fn, axis_name, n, m_out, axis, bidirectional, ring):
     h = m_out // 2
     lo = hi = None
     for s in range(n - 1):
+        gate = 0
         if lo is not None:
             lo, pend_lo = link.begin(lo, 1)
             hi, pend_hi = link.begin(hi, -1)
-        plo = block_fn(((idx - 1 - s) % n) * m_out, h)
-        phi = block_fn(((idx + 1 + s) % n) * m_out + h, m_out - h)
+            gate = link.order(pend_lo) + link.order(pend_hi)
+        plo = block_fn(((idx - 1 - s) % n) * m_out + gate, h)
+        phi = block_fn(((idx + 1 + s) % n) * m_out + h + gate, m_out - h)
         if lo is None:
             lo, hi = plo, phi
         else:
@@ -304,7 +309,8 @@ def _rs_ring(block_fn, axis_name, n, m_out, axis, bidirectional, ring):
         return block_fn(idx * m_out, m_out)
     lo, pend_lo = link.begin(lo, 1)
     hi, pend_hi = link.begin(hi, -1)
-    own = block_fn(idx * m_out, m_out)  # whole own block: one dot, not two
+    gate = link.order(pend_lo) + link.order(pend_hi)
+    own = block_fn(idx * m_out + gate, m_out)  # whole own block: one dot, not two
     rlo, own = link.finish(pend_lo, own)
     rhi, own = link.finish(pend_hi, own)
     own_lo, own_hi = jnp.split(own, [h], axis=axis)

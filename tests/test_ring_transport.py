@@ -114,38 +114,66 @@ def test_p2p_ring_auto_mesh():
     assert all(np.array_equal(a, b) for a, b in zip(xla, p2p_, strict=True))
 
 
-def _hlo(mesh, transport, bidirectional):
-    f = jax.jit(jax.shard_map(
-        lambda x, w: fc.all_gather_matmul(x, w, "i", transport=transport,
-                                          bidirectional=bidirectional),
-        mesh=mesh, in_specs=(P("i"), P(None, "i")), out_specs=P(None, "i")))
-    x = jax.device_put(jnp.ones((4 * M, K)), NamedSharding(mesh, P("i")))
-    w = jax.device_put(jnp.ones((K, 4 * N)), NamedSharding(mesh, P(None, "i")))
-    return f.lower(x, w).compile().as_text()
+def _hlo(mesh, op, transport, bidirectional):
+    t = dict(transport=transport, bidirectional=bidirectional)
+    if op == "ag":
+        body = lambda x, w: fc.all_gather_matmul(x, w, "i", **t)  # noqa: E731
+        specs, shapes = (P("i"), P(None, "i")), ((4 * M, K), (K, 4 * N))
+    else:
+        body = lambda x, w: fc.matmul_reduce_scatter(x, w, "i", **t)  # noqa: E731
+        specs, shapes = (P(None, "i"), P("i")), ((4 * M, 4 * K), (4 * K, N))
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("i")))
+    args = [jax.device_put(jnp.ones(s), NamedSharding(mesh, p)) for s, p in zip(shapes, specs)]
+    return f.lower(*args).compile().as_text()
 
 
+def _graph(text):
+    """name -> (opcode text, operand names, site attribute) of every HLO instruction."""
+    nodes = {}
+    for m in re.finditer(r"^\s*(?:ROOT )?%([\w.\-]+) = [^\n]*?\b([\w\-]+)\(([^\n]*)$", text,
+                         re.M):
+        name, opcode, rest = m.groups()
+        operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
+        target = re.search(r'custom_call_target="(\w+)"', rest)
+        site = re.search(r"site = (\d+)", rest)
+        nodes[name] = (target.group(1) if target else opcode, operands,
+                       int(site.group(1)) if site else None)
+    return nodes
+
+
+def _ancestors(nodes, name, seen=None):
+    seen = set() if seen is None else seen
+    for o in nodes.get(name, (None, []))[1]:
+        if o not in seen:
+            seen.add(o)
+            _ancestors(nodes, o, seen)
+    return seen
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
 @pytest.mark.parametrize("bidirectional", [False, True])
-def test_start_dot_done_are_data_dependent(bidirectional):
-    """In the compiled module every step is start -> dot -> done by data: the dot reads the
-    start's pass-through of the chunk, the done takes the start's receive buffer and the dot's
-    result (or, bidirectional, the other direction's done that passed it through), so XLA can
-    neither drop the pair nor move the done before the dot. No collective-permute is left."""
+def test_start_dot_done_are_data_dependent(op, bidirectional):
+    """In the compiled module every step is start -> dot -> done by data: the done's `after`
+    operand (the step's dot, or the other direction's done passing it on) depends on the
+    start of the same step, and the done takes that start's receive buffer; so XLA can
+    neither drop the pair nor run the dot outside it. No collective-permute is left."""
     mesh = make_mesh((4,), ("i",), jax.sharding.AxisType.Explicit)
-    text = _hlo(mesh, "p2p", bidirectional)
+    text = _hlo(mesh, op, "p2p", bidirectional)
     assert "collective-permute" not in text
-    assert "collective-permute" in _hlo(mesh, "xla", bidirectional)
-    defs = dict(re.findall(r"%([\w.\-]+) = [^\n]*?\b(custom-call|fusion|dot|"
-                           r"get-tuple-element)\(", text))
-    done = re.findall(r"custom-call\(([^)]*)\), custom_call_target=\"flashcomm_p2p_ring_done\"",
-                      text)
-    start = re.findall(r"%([\w.\-]+) = [^\n]*custom_call_target=\"flashcomm_p2p_ring_start\"",
-                       text)
-    steps = 3 * (2 if bidirectional else 1)
-    assert len(done) == len(start) == steps
-    for operands in done:
-        recv, _sent, after = [o.strip().lstrip("%") for o in operands.split(",")[:3]]
-        assert defs.get(recv) == "get-tuple-element"  # of a start
-        assert defs.get(after) in ("fusion", "dot", "get-tuple-element"), after
+    assert "collective-permute" in _hlo(mesh, op, "xla", bidirectional)
+    nodes = _graph(text)
+    starts = {site: name for name, (kind, _, site) in nodes.items()
+              if kind == "flashcomm_p2p_ring_start"}
+    dones = [(name, ops, site) for name, (kind, ops, site) in nodes.items()
+             if kind == "flashcomm_p2p_ring_done"]
+    assert len(dones) == len(starts) == 3 * (2 if bidirectional else 1)
+    for name, operands, site in dones:
+        recv, _sent, after = operands[:3]
+        assert starts[site] in _ancestors(nodes, recv), name
+        assert starts[site] in _ancestors(nodes, after) | {after}, name
+        dots = [a for a in _ancestors(nodes, after) | {after}
+                if nodes.get(a, ("",))[0] in ("fusion", "dot")]
+        assert any(starts[site] in _ancestors(nodes, d) for d in dots), name
 
 
 def test_thousand_calls():

@@ -5,7 +5,9 @@
 //
 // start: publishes this rank's send buffer (its result `send_out`, aliased to the operand) and
 // its receive buffer (the result `recv`), hands the moves that both ends make possible to the
-// CopyEngine and returns at once: the data in `recv` is not there yet.
+// CopyEngine and returns at once: the data in `recv` is not there yet. Its `order` result (a
+// zero) is added to the offset of the slice the step's dot reads where the dot does not read
+// the chunk itself (the reduce-scatter ring), so that the dot depends on the start by data.
 // done: takes `recv`, the send buffer and the step's dot result (`after`), so XLA can run it
 // only after the dot and keeps both buffers alive until it completes; it returns a future that
 // completes once the chunk has arrived and this rank's send buffer has been read, and passes
@@ -57,7 +59,8 @@ void PassThrough(const ffi::AnyBuffer& in, ffi::AnyBuffer& out) {
 
 ffi::Error P2pRingStart(ffi::RunId run, ffi::AnyBuffer send, ffi::Buffer<ffi::S32> rank_buf,
                         ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> send_out,
-                        ffi::Result<ffi::AnyBuffer> recv, int64_t size, int64_t shift,
+                        ffi::Result<ffi::AnyBuffer> recv, ffi::Result<ffi::Buffer<ffi::S32>> order,
+                        int64_t size, int64_t shift,
                         int64_t site, int64_t timeout_ms, int64_t link_bytes_per_s) {
   constexpr const char* kOp = "flashcomm_p2p_ring_start";
   const int64_t begin_us = Timeline::NowMicros();
@@ -73,6 +76,7 @@ ffi::Error P2pRingStart(ffi::RunId run, ffi::AnyBuffer send, ffi::Buffer<ffi::S3
                                        "recv and send_out must have send's size and dtype");
   }
   PassThrough(send, *send_out);
+  order->typed_data()[0] = 0;
   std::string error;
   auto step = RingTable::Global().Start({run.run_id, site, group_buf.typed_data()[0]}, rank,
                                         int(size), int(shift), timeout_ms, &error);
@@ -159,6 +163,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::Buffer<ffi::S32>>()       // group: () the replica group's index
         .Ret<ffi::AnyBuffer>()              // send_out: send, aliased (what the dot reads)
         .Ret<ffi::AnyBuffer>()              // recv: the chunk of rank - shift, once done
+        .Ret<ffi::Buffer<ffi::S32>>()       // order: () zero, added to the step's slice offsets
         FLASHCOMM_P2P_RING_ATTRS
         .Attr<int64_t>("timeout_ms")        // the step fails (every done errs) after this
         .Attr<int64_t>("link_bytes_per_s"));  // 0, or the emulated link's rate (benchmarks)

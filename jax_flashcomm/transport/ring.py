@@ -1,8 +1,10 @@
 """Ring steps: how the collective matmuls move a chunk to their ring neighbour.
 
 A step is :meth:`begin` (start moving ``payload`` to rank ``r + shift``; returns what the
-step's dot may read and a pending move) and :meth:`finish` (the chunk of rank ``r - shift``,
-once it has arrived; the step's dot result goes through it, so the wait comes after the dot).
+step's dot may read and a pending move), :meth:`order` (a zero that depends on the start, for
+a dot that does not read the chunk to add to its slice offset) and :meth:`finish` (the chunk
+of rank ``r - shift``, once it has arrived; the step's dot result goes through it, so the wait
+comes after the dot). So start -> dot -> done is a chain of data dependences.
 
 * ``xla``: the move is one ``lax.ppermute``; :meth:`finish` passes things through. Whether the
   permute runs during the dot is up to XLA (asynchronous on GPU/TPU; on CPU a gloo permute runs
@@ -53,6 +55,9 @@ class XlaLink:
     def begin(self, payload, shift: int):
         return payload, lax.ppermute(payload, self.axis_name, self.perms[shift])
 
+    def order(self, pending):
+        return 0
+
     def finish(self, pending, after):
         return pending, after
 
@@ -74,11 +79,16 @@ class P2pLink:
 
     def begin(self, payload, shift: int):
         static = self._static(shift)
-        sent, recv = _begin(payload, static)
-        return sent, (recv, sent, static)
+        sent, recv, order = _begin(payload, static)
+        return sent, (recv, sent, static, order)
+
+    def order(self, pending):
+        """A zero that depends on the start: added to a slice offset, it makes a dot that does
+        not read the chunk (the reduce-scatter ring's) wait for the start by data."""
+        return pending[3]
 
     def finish(self, pending, after):
-        recv, sent, static = pending
+        recv, sent, static, _ = pending
         return _finish(recv, sent, after, static)
 
 
@@ -86,7 +96,8 @@ def _start_call(payload, static):
     axes, timeout_ms, rate, shift, site = static
     rank, group = p2p.rank_and_group(axes)
     like = _same(payload)
-    start = jax.ffi.ffi_call("flashcomm_p2p_ring_start", (like, like),
+    order = p2p._result(payload, (), jnp.int32, _common.varying_axes(payload))
+    start = jax.ffi.ffi_call("flashcomm_p2p_ring_start", (like, like, order),
                              input_output_aliases={0: 0}, vmap_method="sequential")
     return start(payload, rank, group, size=np.int64(_common.axis_size(axes)),
                  shift=np.int64(shift), site=np.int64(site), timeout_ms=np.int64(timeout_ms),
@@ -112,7 +123,7 @@ def _begin_fwd(payload, static):
 
 
 def _begin_bwd(static, _, cts):
-    ct_sent, ct_recv = cts
+    ct_sent, ct_recv, _ = cts
     axes, timeout_ms, rate, shift, _ = static
     back = P2pLink(axes, timeout_ms, rate)
     sent, pending = back.begin(ct_recv, -shift)
