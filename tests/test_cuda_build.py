@@ -38,7 +38,7 @@ import pytest
 import jax_flashcomm
 from jax_flashcomm import codec
 from jax_flashcomm.codec import kernels
-from jax_flashcomm.transport import p2p
+from jax_flashcomm.transport import p2p, ring
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CUDA_SOURCES = sorted((ROOT / "ffi" / "cuda").glob("*.cu"))
@@ -372,5 +372,7 @@ def test_cuda_module_registrations_if_built():
         from jax_flashcomm import _flashcomm_cuda
     except ImportError as err:
         pytest.skip(f"_flashcomm_cuda not built (FLASHCOMM_CUDA=OFF): {err}")
-    # the codec's targets and the p2p transport's (tests/test_cuda_p2p_build.py)
-    assert set(_flashcomm_cuda.registrations()) == set(kernels.TARGETS) | set(p2p.TARGETS)
+    # the codec's targets and the p2p transport's (tests/test_cuda_p2p_build.py,
+    # tests/test_cuda_ring_build.py)
+    assert set(_flashcomm_cuda.registrations()) == (set(kernels.TARGETS) | set(p2p.TARGETS)
+                                                    | set(ring.TARGETS))

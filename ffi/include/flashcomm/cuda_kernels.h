@@ -1,6 +1,7 @@
 // Declarations of the CUDA FFI handler symbols (defined in ffi/cuda/codec_handlers.cc,
-// ffi/cuda/gather_handlers.cc for FlashcommDequantizeIntoCuda and ffi/cuda/p2p_handlers.cc for
-// the peer-to-peer transport's FlashcommP2p*Cuda; the kernels they launch are in ffi/cuda/*.cu).
+// ffi/cuda/gather_handlers.cc for FlashcommDequantizeIntoCuda, ffi/cuda/p2p_handlers.cc and
+// ffi/cuda/p2p_ring_handlers.cc for the peer-to-peer transport's FlashcommP2p*Cuda; the kernels
+// they launch are in ffi/cuda/*.cu).
 // Deliberately free of CUDA headers: ffi/cuda/module.cc (nanobind, host compiler) includes it.
 #ifndef FLASHCOMM_CUDA_KERNELS_H_
 #define FLASHCOMM_CUDA_KERNELS_H_
@@ -18,6 +19,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommDequantizeIntoCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommP2pAllReduceCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommP2pReduceScatterCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommP2pAllGatherCuda);
+// Ring steps (ffi/cuda/p2p_ring_handlers.cc): start / done of one chunk move around a ring.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommP2pRingStartCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommP2pRingDoneCuda);
 
 namespace flashcomm {
 namespace cuda {
@@ -25,6 +29,9 @@ namespace cuda {
 // Peer-to-peer meetings not yet finished by every rank, in this module's own rendezvous table
 // (zero between collectives).
 size_t P2pMeetingsInProgress();
+// Ring steps some rank has not finished, in this module's own ring table (zero between
+// collective matmuls).
+size_t P2pRingStepsInProgress();
 
 }  // namespace cuda
 }  // namespace flashcomm

@@ -108,9 +108,10 @@ class Step : public std::enable_shared_from_this<Step> {
       }
     }
     Run(std::move(complete));
-    if (!error.empty()) return error;
+    // Moves handed out after a failure see failed() and finish at once: every move marked
+    // moving must reach the platform, or the ranks waiting on it would never complete.
     for (auto& m : ready) move(std::move(m));
-    return std::string();
+    return error;
   }
 
   // Rank `rank` waits for its step: `then` runs once its chunk has arrived and its own send

@@ -1,0 +1,588 @@
+// Ring steps of the peer-to-peer transport on CUDA: one process with several GPUs, the same
+// start / done pair with the same operands, results and attributes as the CPU handlers
+// (ffi/cpu/p2p_ring_kernels.cc), over the same host-side protocol (p2p_ring.h).
+// NOT RUN ON HARDWARE: it compiles and lowers; no GPU has executed it (docs/cuda.md,
+// "Peer-to-peer transport (not run on hardware)").
+//
+// start: passes `send` through to `send_out`, zeroes `order` (as on the CPU: the step's dot
+// adds it to its offsets, so it depends on the start by data), reads the rank and group (a
+// host sync, as in p2p_handlers.cc), records a "started" event on its stream (send_out is
+// written, nothing before it still reads recv) and publishes (send_out, recv, bytes, this
+// rank's RingEnd) through the RingTable. When both ends of a move have started, the move callback (on the host
+// thread of whichever end started last) enqueues the copy on a link stream of the *receiver's*
+// device: wait on both ends' started events, cudaMemcpyPeerAsync, record an "arrived" event.
+// It reports the move finished as soon as that is enqueued. So on CUDA a chunk has "arrived"
+// when its copy is enqueued and ordered by its arrived event; no host thread waits for a copy.
+// done: waits on the host (a condition variable, with a deadline) until the step reports both
+// moves touching this rank enqueued, makes its stream wait on their arrived events (the chunk
+// into this rank, and this rank's chunk read by rank + shift) and passes recv and after
+// through. Synchronous: XLA:GPU calls each device's handlers on that device's own thread, so a
+// done that waits does not keep another device from starting.
+//
+// Plain C++ (host compiler, CUDA runtime API), like p2p_handlers.cc. Not CUDA-graph safe (host
+// reads and waits on every call): no command-buffer trait.
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <utility>
+
+#include "flashcomm/cuda_kernels.h"
+#include "flashcomm/p2p_ring.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace flashcomm {
+namespace cuda {
+namespace {
+
+using p2p::Clock;
+using p2p::Move;
+using p2p::RingTable;
+using p2p::Timeline;
+
+// A done that hears nothing from its step gives up this long after the step's own deadline
+// (the RingTable's watchdog normally fails the step first, with the missing ranks' names).
+constexpr std::chrono::milliseconds kDoneGrace(1000);
+
+std::string Prefix(const char* op) { return std::string(op) + ": "; }
+
+std::string CudaErrorText(const std::string& what, cudaError_t err) {
+  return what + " failed: " + cudaGetErrorName(err) + ": " + cudaGetErrorString(err);
+}
+
+ffi::Error CudaError(const char* op, const char* what, cudaError_t err) {
+  return ffi::Error::Internal(Prefix(op) + CudaErrorText(what, err));
+}
+
+#define FLASHCOMM_CUDA_TRY(op, what, expr)                           \
+  do {                                                               \
+    const cudaError_t flashcomm_err_ = (expr);                       \
+    if (flashcomm_err_ != cudaSuccess) {                             \
+      return ::flashcomm::cuda::CudaError(op, what, flashcomm_err_); \
+    }                                                                \
+  } while (0)
+
+// --- the host plumbing of p2p_handlers.cc (file-local there, so repeated here) ---
+
+// Makes a device current on this thread for the scope, restoring the previous one.
+class CurrentDevice {
+ public:
+  CurrentDevice() = default;
+  CurrentDevice(const CurrentDevice&) = delete;
+  CurrentDevice& operator=(const CurrentDevice&) = delete;
+  ~CurrentDevice() {
+    if (restore_) cudaSetDevice(previous_);
+  }
+  cudaError_t Set(int device) {
+    if (cudaError_t e = cudaGetDevice(&previous_); e != cudaSuccess) return e;
+    if (previous_ == device) return cudaSuccess;
+    const cudaError_t e = cudaSetDevice(device);
+    restore_ = e == cudaSuccess;
+    return e;
+  }
+
+ private:
+  int previous_ = 0;
+  bool restore_ = false;
+};
+
+// Peer access from the current device `device` to `peer`, enabled once per ordered pair and
+// process; pairs that cannot access each other are left alone (cudaMemcpyPeerAsync then stages
+// through the host). Peer access enabled by someone else already is fine.
+cudaError_t EnablePeerAccess(int device, int peer) {
+  if (device == peer) return cudaSuccess;
+  static std::mutex mu;
+  static auto* done = new std::set<std::pair<int, int>>();  // never destroyed, like RingTable
+  std::lock_guard<std::mutex> lock(mu);
+  if (done->count({device, peer})) return cudaSuccess;
+  int can = 0;
+  if (cudaError_t e = cudaDeviceCanAccessPeer(&can, device, peer); e != cudaSuccess) return e;
+  if (can) {
+    const cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
+    if (e == cudaErrorPeerAccessAlreadyEnabled) {
+      cudaGetLastError();  // not sticky, but it would be the next launcher's "last error"
+    } else if (e != cudaSuccess) {
+      return e;
+    }
+  }
+  done->insert({device, peer});
+  return cudaSuccess;
+}
+
+// This thread's pinned 8 bytes for the rank and group scalars (pinned: the copy is
+// asynchronous and the wait for it can time out; portable: the thread may serve any device).
+int32_t* PinnedScalars(cudaError_t* err) {
+  struct Pinned {
+    int32_t* p = nullptr;
+    ~Pinned() {
+      if (p) cudaFreeHost(p);
+    }
+  };
+  thread_local Pinned pinned;
+  *err = cudaSuccess;
+  if (!pinned.p) {
+    void* p = nullptr;
+    *err = cudaHostAlloc(&p, 2 * sizeof(int32_t), cudaHostAllocPortable);
+    if (*err != cudaSuccess) return nullptr;
+    pinned.p = static_cast<int32_t*>(p);
+  }
+  return pinned.p;
+}
+
+// The rank and group operands (device scalars) on the host: copied behind the work already on
+// `stream`, then the stream is drained (polled, giving up at `deadline`). The start's one host
+// sync (docs/cuda.md); the done does not read them (see PendingDones).
+ffi::Error ReadRankAndGroup(const char* op, cudaStream_t stream, const int32_t* rank_dev,
+                            const int32_t* group_dev, Clock::time_point deadline, int32_t* rank,
+                            int32_t* group) {
+  cudaError_t err = cudaSuccess;
+  int32_t* host = PinnedScalars(&err);
+  FLASHCOMM_CUDA_TRY(op, "cudaHostAlloc (rank and group)", err);
+  FLASHCOMM_CUDA_TRY(op, "copying the rank to the host",
+                     cudaMemcpyAsync(host, rank_dev, sizeof(int32_t), cudaMemcpyDeviceToHost,
+                                     stream));
+  FLASHCOMM_CUDA_TRY(op, "copying the group to the host",
+                     cudaMemcpyAsync(host + 1, group_dev, sizeof(int32_t),
+                                     cudaMemcpyDeviceToHost, stream));
+  for (int i = 0;; ++i) {
+    const cudaError_t q = cudaStreamQuery(stream);
+    if (q == cudaSuccess) break;
+    if (q != cudaErrorNotReady) return CudaError(op, "waiting for the rank and group", q);
+    if (Clock::now() >= deadline) {
+      return ffi::Error::Internal(Prefix(op) + "timed out waiting for the stream to deliver "
+                                  "the rank and group operands (timeout_ms)");
+    }
+    if (i < 256) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+  cudaGetLastError();  // cudaErrorNotReady is not an error; make sure no launcher reports it
+  *rank = host[0];
+  *group = host[1];
+  return ffi::Error::Success();
+}
+
+// --- the ring step's CUDA state ---
+
+// An event with `users` references; the last Release() destroys it (on its device). A
+// cudaStreamWaitEvent already enqueued does not need the event to live on.
+class SharedEvent {
+ public:
+  // A new event on the current device `device`, recorded on `stream`.
+  static cudaError_t Record(int device, int users, cudaStream_t stream, SharedEvent** out) {
+    cudaEvent_t event = nullptr;
+    if (cudaError_t e = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+        e != cudaSuccess) {
+      return e;
+    }
+    if (cudaError_t e = cudaEventRecord(event, stream); e != cudaSuccess) {
+      cudaEventDestroy(event);
+      return e;
+    }
+    *out = new SharedEvent(event, device, users);
+    return cudaSuccess;
+  }
+  cudaEvent_t event() const { return event_; }
+  void Release() {
+    if (users_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      CurrentDevice on;
+      on.Set(device_);
+      cudaEventDestroy(event_);
+      delete this;
+    }
+  }
+
+ private:
+  SharedEvent(cudaEvent_t event, int device, int users)
+      : event_(event), device_(device), users_(users) {}
+  cudaEvent_t event_;
+  int device_;
+  std::atomic<int> users_;
+};
+
+// One rank's CUDA side of one step, published as its Endpoint::event. `started`: recorded on
+// its stream by the start. `incoming` / `outgoing`: the arrived events of the move into this
+// rank and of the move out of it, set by those moves (each event has one reference for each of
+// its two ranks' ends). Owned by the start until published, then by PendingDones, then by the
+// done (and by the step's done callback if the done gives up first). No move touches it once
+// the step has reported this rank done: a move sets these before it reports itself finished.
+struct RingEnd {
+  int device = 0;
+  cudaEvent_t started = nullptr;
+  std::atomic<SharedEvent*> incoming{nullptr};
+  std::atomic<SharedEvent*> outgoing{nullptr};
+  std::atomic<cudaError_t> incoming_error{cudaSuccess};  // why the move into it failed
+  std::atomic<cudaError_t> outgoing_error{cudaSuccess};  // why the move out of it failed
+
+  RingEnd() = default;
+  RingEnd(const RingEnd&) = delete;
+  RingEnd& operator=(const RingEnd&) = delete;
+  ~RingEnd() {
+    for (auto* slot : {&incoming, &outgoing}) {
+      if (SharedEvent* e = slot->exchange(nullptr)) e->Release();
+    }
+    if (started) {
+      CurrentDevice on;
+      on.Set(device);
+      cudaEventDestroy(started);  // the moves' waits on it are enqueued (or never will be)
+    }
+  }
+};
+
+// The link stream from `sender`'s device into `receiver`'s (current): one non-blocking stream on
+// the receiver's device per sender device, created on first use, never destroyed. Moves from
+// different peers (the two directions of a bidirectional ring) copy concurrently.
+cudaError_t LinkStream(int receiver, int sender, cudaStream_t* out) {
+  static std::mutex mu;
+  static auto* streams = new std::map<std::pair<int, int>, cudaStream_t>();
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = streams->find({receiver, sender});
+  if (it == streams->end()) {
+    cudaStream_t s = nullptr;
+    if (cudaError_t e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking); e != cudaSuccess) {
+      return e;
+    }
+    it = streams->emplace(std::make_pair(receiver, sender), s).first;
+  }
+  *out = it->second;
+  return cudaSuccess;
+}
+
+// Enqueues a move's copy on its link stream, behind both ends' started events, and records its
+// arrived event (two references: the receiver's done and the sender's).
+cudaError_t EnqueueCopy(const RingEnd& from, const RingEnd& to, const void* send, void* recv,
+                        size_t bytes, SharedEvent** arrived) {
+  CurrentDevice on;
+  if (cudaError_t e = on.Set(to.device); e != cudaSuccess) return e;
+  if (cudaError_t e = EnablePeerAccess(to.device, from.device); e != cudaSuccess) return e;
+  cudaStream_t link = nullptr;
+  if (cudaError_t e = LinkStream(to.device, from.device, &link); e != cudaSuccess) return e;
+  if (cudaError_t e = cudaStreamWaitEvent(link, from.started, 0); e != cudaSuccess) return e;
+  if (cudaError_t e = cudaStreamWaitEvent(link, to.started, 0); e != cudaSuccess) return e;
+  if (bytes) {
+    if (cudaError_t e = cudaMemcpyPeerAsync(recv, to.device, send, from.device, bytes, link);
+        e != cudaSuccess) {
+      return e;
+    }
+  }
+  return SharedEvent::Record(to.device, 2, link, arrived);
+}
+
+// The move callback handed to Step::Start: runs on the host thread of the start that made the
+// move possible. Enqueues, hands the arrived event to both ends, then reports the move (last:
+// after finished() the step may report either rank done and its RingEnd be freed).
+void EnqueueMove(Move m, int64_t site) {
+  const int64_t begin_us = Timeline::NowMicros();
+  auto* from = static_cast<RingEnd*>(const_cast<void*>(m.from.event));
+  auto* to = static_cast<RingEnd*>(const_cast<void*>(m.to.event));
+  if (m.failed()) {
+    m.finished(false);
+    return;
+  }
+  SharedEvent* arrived = nullptr;
+  const cudaError_t err = EnqueueCopy(*from, *to, m.from.send, m.to.recv, m.to.bytes, &arrived);
+  if (err != cudaSuccess) {
+    to->incoming_error.store(err);
+    from->outgoing_error.store(err);
+    m.finished(false);
+    return;
+  }
+  to->incoming.store(arrived, std::memory_order_release);
+  from->outgoing.store(arrived, std::memory_order_release);
+  // On CUDA a move's times are its enqueueing on the host, not the copy.
+  Timeline::Global().Add({Timeline::kMove, site, m.receiver, m.sender, int64_t(m.to.bytes),
+                          begin_us, Timeline::NowMicros()});
+  m.finished(true);
+}
+
+// What a start leaves for its done: XLA:GPU runs a device's calls in program order on that
+// device's thread, so the k-th done of (run, site) on a device pairs with the k-th start there
+// (the CPU's per-rank sequence numbers, as a queue). The done takes the rank and group from
+// here instead of reading its own operands, which would drain its stream behind the step's dot.
+struct Pending {
+  int32_t rank = 0;
+  int32_t group = 0;
+  int64_t size = 0;
+  int64_t shift = 0;
+  Clock::time_point deadline;  // the done's host wait gives up then
+  std::unique_ptr<RingEnd> end;
+};
+
+class PendingDones {
+ public:
+  using Key = std::tuple<int64_t, int64_t, int>;  // run id, site, device
+  static PendingDones& Global() {
+    static PendingDones* instance = new PendingDones();  // never destroyed, like RingTable
+    return *instance;
+  }
+  void Push(const Key& key, Pending p) {
+    std::lock_guard<std::mutex> lock(mu_);
+    queues_[key].push_back(std::move(p));
+  }
+  bool Pop(const Key& key, Pending* out) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = queues_.find(key);
+    if (it == queues_.end()) return false;
+    *out = std::move(it->second.front());
+    it->second.pop_front();
+    if (it->second.empty()) queues_.erase(it);
+    return true;
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<Key, std::deque<Pending>> queues_;
+};
+
+// A done's host wait, shared with the step's done callback: whichever lets go last frees the
+// RingEnd (the callback runs only once no move touches it).
+struct DoneWait {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool reported = false;
+  std::string error;
+  std::unique_ptr<RingEnd> end;
+};
+
+// The CPU handlers' checks of size and shift (the rank is checked once read).
+ffi::Error CheckRing(const char* op, int64_t size, int64_t shift) {
+  if (size < 1) return ffi::Error::InvalidArgument(Prefix(op) + "size must be positive");
+  if (shift % size == 0 && size > 1) {
+    return ffi::Error::InvalidArgument(Prefix(op) + "shift " + std::to_string(shift) +
+                                       " sends every chunk to itself");
+  }
+  return ffi::Error::Success();
+}
+
+// XLA aliases a result to its operand as asked; if it ever gives a distinct buffer, copy (on
+// the stream, after what is already there).
+cudaError_t PassThrough(cudaStream_t stream, const ffi::AnyBuffer& in, ffi::AnyBuffer& out) {
+  if (in.untyped_data() == out.untyped_data() || in.size_bytes() == 0) return cudaSuccess;
+  return cudaMemcpyAsync(out.untyped_data(), in.untyped_data(), in.size_bytes(),
+                         cudaMemcpyDeviceToDevice, stream);
+}
+
+int Wrap(int64_t r, int64_t size) { return int(((r % size) + size) % size); }
+
+}  // namespace
+
+ffi::Error P2pRingStart(ffi::RunId run, cudaStream_t stream, ffi::AnyBuffer send,
+                        ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
+                        ffi::Result<ffi::AnyBuffer> send_out, ffi::Result<ffi::AnyBuffer> recv,
+                        ffi::Result<ffi::Buffer<ffi::S32>> order, int64_t size, int64_t shift,
+                        int64_t site, int64_t timeout_ms, int64_t link_bytes_per_s) {
+  constexpr const char* kOp = "flashcomm_p2p_ring_start";
+  const int64_t begin_us = Timeline::NowMicros();
+  if (ffi::Error e = CheckRing(kOp, size, shift); e.failure()) return e;
+  if (timeout_ms <= 0) {
+    return ffi::Error::InvalidArgument(Prefix(kOp) + "timeout_ms must be positive");
+  }
+  if (link_bytes_per_s != 0) {
+    return ffi::Error::InvalidArgument(Prefix(kOp) + "link emulation (link_bytes_per_s) is "
+                                       "for the CPU transport only; it must be 0 on CUDA");
+  }
+  if (send_out->size_bytes() != send.size_bytes() || recv->size_bytes() != send.size_bytes() ||
+      recv->element_type() != send.element_type()) {
+    return ffi::Error::InvalidArgument(Prefix(kOp) +
+                                       "recv and send_out must have send's size and dtype");
+  }
+  if (rank_buf.element_count() != 1 || group_buf.element_count() != 1 ||
+      order->element_count() != 1) {
+    return ffi::Error::InvalidArgument(Prefix(kOp) + "rank, group and order must be scalars");
+  }
+  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  CurrentDevice on;
+  int device = 0;
+  FLASHCOMM_CUDA_TRY(kOp, "cudaStreamGetDevice", cudaStreamGetDevice(stream, &device));
+  FLASHCOMM_CUDA_TRY(kOp, "cudaSetDevice", on.Set(device));
+  FLASHCOMM_CUDA_TRY(kOp, "passing send through", PassThrough(stream, send, *send_out));
+  FLASHCOMM_CUDA_TRY(kOp, "zeroing order",
+                     cudaMemsetAsync(order->untyped_data(), 0, sizeof(int32_t), stream));
+  int32_t rank = 0, group = 0;
+  if (ffi::Error e = ReadRankAndGroup(kOp, stream, rank_buf.typed_data(), group_buf.typed_data(),
+                                      deadline, &rank, &group);
+      e.failure()) {
+    return e;
+  }
+  if (rank < 0 || rank >= size) {
+    return ffi::Error::InvalidArgument(Prefix(kOp) + "rank " + std::to_string(rank) +
+                                       " is not in 0.." + std::to_string(size - 1));
+  }
+  // The point of this stream the moves wait for: send_out is written, recv no longer read.
+  auto end = std::make_unique<RingEnd>();
+  end->device = device;
+  FLASHCOMM_CUDA_TRY(kOp, "creating the start event",
+                     cudaEventCreateWithFlags(&end->started, cudaEventDisableTiming));
+  FLASHCOMM_CUDA_TRY(kOp, "recording the start event", cudaEventRecord(end->started, stream));
+  std::string error;
+  auto step = RingTable::Global().Start({run.run_id, site, group}, rank, int(size), int(shift),
+                                        timeout_ms, &error);
+  if (!step) return ffi::Error::Internal(Prefix(kOp) + error);
+  p2p::Endpoint mine;
+  mine.send = send_out->untyped_data();
+  mine.recv = recv->untyped_data();
+  mine.bytes = send.size_bytes();
+  mine.event = end.get();
+  // On an error no move was handed out with this end, so `end` may go.
+  error = step->Start(rank, mine, [site](Move m) { EnqueueMove(std::move(m), site); });
+  if (!error.empty()) return ffi::Error::Internal(Prefix(kOp) + error);
+  Pending pending;
+  pending.rank = rank;
+  pending.group = group;
+  pending.size = size;
+  pending.shift = shift;
+  pending.deadline = deadline + kDoneGrace;
+  pending.end = std::move(end);
+  PendingDones::Global().Push({run.run_id, site, device}, std::move(pending));
+  Timeline::Global().Add({Timeline::kStart, site, rank, -1, int64_t(mine.bytes), begin_us,
+                          Timeline::NowMicros()});
+  return ffi::Error::Success();
+}
+
+ffi::Error P2pRingDone(ffi::RunId run, cudaStream_t stream, ffi::AnyBuffer recv,
+                       ffi::AnyBuffer send, ffi::AnyBuffer after, ffi::Buffer<ffi::S32> rank_buf,
+                       ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> recv_out,
+                       ffi::Result<ffi::AnyBuffer> after_out, int64_t size, int64_t shift,
+                       int64_t site) {
+  constexpr const char* kOp = "flashcomm_p2p_ring_done";
+  const int64_t begin_us = Timeline::NowMicros();
+  if (ffi::Error e = CheckRing(kOp, size, shift); e.failure()) return e;
+  if (recv_out->size_bytes() != recv.size_bytes() ||
+      after_out->size_bytes() != after.size_bytes() || send.size_bytes() != recv.size_bytes()) {
+    return ffi::Error::InvalidArgument(Prefix(kOp) + "results must match recv and after");
+  }
+  if (rank_buf.element_count() != 1 || group_buf.element_count() != 1) {
+    return ffi::Error::InvalidArgument(Prefix(kOp) + "rank and group must be scalars");
+  }
+  CurrentDevice on;
+  int device = 0;
+  FLASHCOMM_CUDA_TRY(kOp, "cudaStreamGetDevice", cudaStreamGetDevice(stream, &device));
+  FLASHCOMM_CUDA_TRY(kOp, "cudaSetDevice", on.Set(device));
+  Pending p;
+  if (!PendingDones::Global().Pop({run.run_id, site, device}, &p)) {
+    return ffi::Error::Internal(Prefix(kOp) + "device " + std::to_string(device) +
+                                " has no step in progress at this call site");
+  }
+  if (p.size != size || p.shift != shift) {
+    (void)p.end.release();  // its step may still hand it to a move: leaked, not freed
+    return ffi::Error::InvalidArgument(Prefix(kOp) + "size and shift differ from the start's");
+  }
+  auto step = RingTable::Global().Done({run.run_id, site, p.group}, p.rank);
+  if (!step) {
+    (void)p.end.release();  // as above
+    return ffi::Error::Internal(Prefix(kOp) + "rank " + std::to_string(p.rank) +
+                                " has no step in progress at this call site");
+  }
+  auto wait = std::make_shared<DoneWait>();
+  wait->end = std::move(p.end);
+  RingEnd* end = wait->end.get();
+  step->Done(p.rank, recv.untyped_data(), [wait](const std::string& error) {
+    {
+      std::lock_guard<std::mutex> lock(wait->mu);
+      wait->reported = true;
+      wait->error = error;
+    }
+    wait->cv.notify_all();
+  });
+  const int sender = Wrap(p.rank - shift, size), receiver = Wrap(p.rank + shift, size);
+  std::string error;
+  {
+    std::unique_lock<std::mutex> lock(wait->mu);
+    if (!wait->cv.wait_until(lock, p.deadline, [&] { return wait->reported; })) {
+      // The step never answered. The callback, when it comes, frees the end.
+      std::string missing;
+      if (!end->incoming.load(std::memory_order_acquire)) {
+        missing = "the chunk of rank " + std::to_string(sender) + " was never moved here";
+      }
+      if (!end->outgoing.load(std::memory_order_acquire)) {
+        missing += (missing.empty() ? "" : "; ") + std::string("rank ") +
+                   std::to_string(receiver) + " never took this rank's chunk";
+      }
+      return ffi::Error::Internal(Prefix(kOp) + "rank " + std::to_string(p.rank) +
+                                  " timed out waiting for its step (" +
+                                  (missing.empty() ? "no answer from the step" : missing) + ")");
+    }
+    error = wait->error;
+  }
+  // This stream's later work (the chunk's readers, the reuse of send and recv) comes after the
+  // moves enqueued, on failure too: a copy enqueued before the step failed may still run.
+  cudaError_t waited = cudaSuccess;
+  for (SharedEvent* arrived : {end->incoming.load(std::memory_order_acquire),
+                               end->outgoing.load(std::memory_order_acquire)}) {
+    if (arrived && waited == cudaSuccess) {
+      waited = cudaStreamWaitEvent(stream, arrived->event(), 0);
+    }
+  }
+  Timeline::Global().Add({Timeline::kWait, site, p.rank, -1, int64_t(recv.size_bytes()),
+                          begin_us, Timeline::NowMicros()});
+  RingTable::Global().Prune();
+  if (!error.empty()) {
+    if (cudaError_t e = end->incoming_error.load(); e != cudaSuccess) {
+      error += "; " + CudaErrorText("moving the chunk of rank " + std::to_string(sender), e);
+    }
+    if (cudaError_t e = end->outgoing_error.load(); e != cudaSuccess) {
+      error += "; " + CudaErrorText("moving this rank's chunk to rank " +
+                                    std::to_string(receiver), e);
+    }
+    return ffi::Error::Internal(Prefix(kOp) + error);
+  }
+  FLASHCOMM_CUDA_TRY(kOp, "waiting for the moves' arrived events", waited);
+  FLASHCOMM_CUDA_TRY(kOp, "passing recv through", PassThrough(stream, recv, *recv_out));
+  FLASHCOMM_CUDA_TRY(kOp, "passing after through", PassThrough(stream, after, *after_out));
+  return ffi::Error::Success();
+}
+
+size_t P2pRingStepsInProgress() { return RingTable::Global().InProgress(); }
+
+}  // namespace cuda
+}  // namespace flashcomm
+
+// The same operands, results and attributes as the CPU handlers (ffi/cpu/p2p_ring_kernels.cc),
+// in the same order; the contexts add the stream.
+#define FLASHCOMM_P2P_RING_ATTRS                                                           \
+  .Attr<int64_t>("size")       /* ranks in the ring */                                     \
+      .Attr<int64_t>("shift")  /* rank r sends to r + shift and receives from r - shift */ \
+      .Attr<int64_t>("site")   /* the call site: the ranks' calls of one step share it */
+
+#define FLASHCOMM_P2P_RING_CUDA_CONTEXT                                                    \
+  .Ctx<ffi::RunId>()                            /* the execution: peers of one run meet */ \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>() /* this device's stream */
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    FlashcommP2pRingStartCuda, flashcomm::cuda::P2pRingStart,
+    ffi::Ffi::Bind() FLASHCOMM_P2P_RING_CUDA_CONTEXT
+        .Arg<ffi::AnyBuffer>()              // send: the chunk this rank sends
+        .Arg<ffi::Buffer<ffi::S32>>()       // rank: () in 0..N-1, device memory
+        .Arg<ffi::Buffer<ffi::S32>>()       // group: () the replica group's index
+        .Ret<ffi::AnyBuffer>()              // send_out: send, aliased (what the dot reads)
+        .Ret<ffi::AnyBuffer>()              // recv: the chunk of rank - shift, once done
+        .Ret<ffi::Buffer<ffi::S32>>()       // order: () zero, added to the step's slice offsets
+        FLASHCOMM_P2P_RING_ATTRS
+        .Attr<int64_t>("timeout_ms")        // the step fails (every done errs) after this
+        .Attr<int64_t>("link_bytes_per_s"));  // must be 0: link emulation is CPU only
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    FlashcommP2pRingDoneCuda, flashcomm::cuda::P2pRingDone,
+    ffi::Ffi::Bind() FLASHCOMM_P2P_RING_CUDA_CONTEXT
+        .Arg<ffi::AnyBuffer>()              // recv: start's result, the chunk arriving
+        .Arg<ffi::AnyBuffer>()              // send: start's send_out, read by rank + shift
+        .Arg<ffi::AnyBuffer>()              // after: the step's dot, run before this call
+        .Arg<ffi::Buffer<ffi::S32>>()       // rank: () as start's; not read (see PendingDones)
+        .Arg<ffi::Buffer<ffi::S32>>()       // group: () as start's; not read
+        .Ret<ffi::AnyBuffer>()              // recv_out: recv, aliased, the chunk arrived
+        .Ret<ffi::AnyBuffer>()              // after_out: after, aliased
+        FLASHCOMM_P2P_RING_ATTRS);
