@@ -108,7 +108,7 @@ def _setup(loops):
 
         def payload(x):  # what one step moves: the chunk (or its codec payload), or a block
             if bits:
-                from jax_flashcomm.collective_matmul import _pack
+                from jax_flashcomm.rings import _pack
                 return _pack(fc.codec.quantize(x, bits=bits, group_size=128, backend="jnp"))
             return x if ag else jnp.zeros((M, NCOL), x.dtype) + x[0, 0]
 
@@ -139,7 +139,7 @@ def _setup(loops):
                 chunks = moved(payload(x))
                 if bits:
                     like = fc.codec.quantize(x, bits=bits, group_size=128, backend="jnp")
-                    from jax_flashcomm.collective_matmul import _unpack
+                    from jax_flashcomm.rings import _unpack
                     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), like)
                     chunks = [fc.codec.dequantize(_unpack(c, shapes), dtype=x.dtype,
                                                   backend="jnp") for c in chunks]

@@ -26,8 +26,8 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_flashcomm.collective_matmul import (_axis_size, _resolve_ring, _rs_ring,
-                                             all_gather_matmul)
+from jax_flashcomm.collective_matmul import _resolve_ring, all_gather_matmul
+from jax_flashcomm.rings import _axis_size, _rs_ring
 
 __all__ = ["tp_attention", "TPAttention"]
 
