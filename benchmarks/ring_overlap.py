@@ -1,8 +1,8 @@
 """Overlap of the p2p ring steps with the dots, in one process, on an emulated link.
 
-Two CPU devices in one process; each computes on one thread (XLA_FLAGS below: single-threaded
-Eigen dots, no YNNPACK fusion), as each GPU computes on its own, so the two devices' dots run
-at the same time on the two cores. The p2p transport's copies are paced
+Two CPU devices in one process (XLA_FLAGS below: plain dot thunks, no YNNPACK fusion; it also
+measures how the two devices share the cores: one chunk's dot alone and on both at once). The
+p2p transport's copies are paced
 (``jax_flashcomm.transport.ring.link_emulation``) at the rate that makes one ring step's move
 take as long as that step's dot (measured first): communication ~ computation. Per op it times,
 in one run, L ring matmuls in a loop inside one program (launch skew and dispatch amortized):
@@ -260,8 +260,8 @@ def _timeline(fn, args, rate, loops):
     """One looped ring call with the transport's own timeline recorded: per rank the moves into
     it, its compute (from a start call's return to its done call: the step's dot, which the
     data dependences put there, with the chunk's small placement fusions) and its waits in done;
-    and how long moves and compute overlapped. (jax.profiler's trace of XLA:CPU with
-    single-threaded Eigen dots shows only the dots' dispatch, not their run.)"""
+    and how long moves and compute overlapped. (jax.profiler's trace of these dot thunks shows
+    their dispatch, not their run.)"""
     import jax
 
     from jax_flashcomm.transport import ring
