@@ -140,12 +140,12 @@ def _finish(recv, sent, after, static):
 
 
 def _finish_fwd(recv, sent, after, static):
-    return _done_call(recv, sent, after, static), jnp.zeros_like(sent)
+    return _done_call(recv, sent, after, static), None
 
 
-def _finish_bwd(static, zero_sent, cts):
-    ct_recv, ct_after = cts
-    return ct_recv, zero_sent, ct_after
+def _finish_bwd(static, _, cts):
+    ct_recv, ct_after = cts  # sent has recv's shape, dtype and varying axes
+    return ct_recv, jnp.zeros_like(ct_recv), ct_after
 
 
 _finish.defvjp(_finish_fwd, _finish_bwd)
