@@ -4,9 +4,16 @@ Per message size (bf16 bytes per rank, 256 KiB .. 64 MiB) it times, in the same 
 
 * ``lax.psum``                          exact all-reduce
 * ``lax.psum_scatter + lax.all_gather`` exact two-step all-reduce
+* ``bf16 two-step``                     exact two-step all-reduce moving bf16 bytes (uint16
+  all_to_all + all_gather, f32 sum in rank order; ``benchmarks/bf16_two_step.py``): the measured
+  bf16 baseline, since XLA:CPU moves bf16 ``lax`` collectives as f32
 * ``jax_flashcomm.psum`` at 8, 6 and 4 bits (G=128, min_bytes=0 so it always quantizes)
 
-and reports each quantized time against the faster of the two exact ones. Two setups:
+and reports each quantized time against the faster of the two lax ones (``speedup``), against
+``lax.psum`` (``speedup_vs_psum``) and against the bf16 two-step (``speedup_vs_bf16``).
+``--breakdown`` also times the quantized psum's pieces (quantize, phase-1 all_to_all, fused
+dequantize-sum-quantize, phase-2 all_gather, dequantize), each jitted alone, in the netns
+workers (JSON key ``breakdown``). Two setups:
 
 (a) ``inproc``: one process, 8 CPU devices (XLA's in-process collectives: memory copies);
 (b) ``netns``:  2 and 4 processes, one CPU device each, over gloo on a loopback rate-limited
@@ -17,6 +24,8 @@ Re-run (root; ~15 min on 2 cores)::
 
     .venv/bin/python benchmarks/allreduce.py                # -> docs/allreduce.{json,png}
     .venv/bin/python benchmarks/allreduce.py --quick        # 2 sizes, fewer repetitions
+    .venv/bin/python benchmarks/allreduce.py --sizes 16777216 67108864 --nprocs 2 \
+        --skip-inproc --breakdown --out /tmp/allreduce_bf16.json
 """
 
 from __future__ import annotations
@@ -24,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -50,6 +58,7 @@ def _methods(mesh, n_elems):
     from jax.sharding import PartitionSpec as P
 
     import jax_flashcomm as fc
+    from benchmarks.bf16_two_step import bf16_two_step_psum
 
     def sm(body, out):
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=out))
@@ -58,6 +67,8 @@ def _methods(mesh, n_elems):
         "lax.psum": sm(lambda v: lax.psum(v[0], "i"), P()),
         "lax.rs+ag": sm(lambda v: lax.all_gather(
             lax.psum_scatter(v[0], "i", tiled=True), "i", tiled=True)[None], P("i")),
+        # exact, bf16 bytes on the wire (lax moves bf16 as f32 on XLA:CPU)
+        "bf16 two-step": sm(lambda v: bf16_two_step_psum(v[0], "i"), P()),
     }
     perm = [(i, (i + 1) % mesh.shape["i"]) for i in range(mesh.shape["i"])]
     # link calibration: every rank sends its whole message to the next one (N*bytes in total)
@@ -69,9 +80,10 @@ def _methods(mesh, n_elems):
     return methods
 
 
-def _time(fn, x, reps, budget_s):
+def _time(fn, x, reps, budget_s, warm=True):
     import jax
-    jax.block_until_ready(fn(x))  # compile + warm up
+    if warm:
+        jax.block_until_ready(fn(x))  # compile + warm up
     times = []
     start = time.perf_counter()
     for _ in range(reps):
@@ -95,15 +107,108 @@ def sweep(mesh, make_input, sizes, reps, budget_s, log=print):
             row["times_s"][name], row["reps"][name] = _time(fn, x, r, budget_s)
         best = min(row["times_s"]["lax.psum"], row["times_s"]["lax.rs+ag"])
         row["best_exact"] = "lax.psum" if best == row["times_s"]["lax.psum"] else "lax.rs+ag"
-        row["speedup"] = {f"int{b}": best / row["times_s"][f"int{b}"] for b in BITS}
+        t = row["times_s"]
+        row["speedup"] = {f"int{b}": best / t[f"int{b}"] for b in BITS}
+        row["speedup_vs_psum"] = {f"int{b}": t["lax.psum"] / t[f"int{b}"] for b in BITS}
+        row["speedup_vs_bf16"] = {f"int{b}": t["bf16 two-step"] / t[f"int{b}"] for b in BITS}
+        row["bf16_two_step_vs_psum"] = t["lax.psum"] / t["bf16 two-step"]
         n = mesh.shape["i"]
-        row["link_MBps"] = n * size / row["times_s"]["ppermute"] / 1e6  # aggregate, measured
+        row["link_MBps"] = n * size / t["ppermute"] / 1e6  # aggregate, measured
         log(f"  {size / MIB:7.2f} MiB  " + "  ".join(
-            f"{k}={v * 1e3:8.1f}ms" for k, v in row["times_s"].items()) + "  speedup " +
-            " ".join(f"{k}={v:.2f}x" for k, v in row["speedup"].items()))
+            f"{k}={v * 1e3:8.1f}ms" for k, v in t.items()))
+        for key, what in (("speedup", "best lax"), ("speedup_vs_psum", "lax.psum"),
+                          ("speedup_vs_bf16", "bf16 two-step")):
+            log(f"  {'':11s}speedup vs {what:13s} " +
+                " ".join(f"{k}={v:.2f}x" for k, v in row[key].items()))
+        log(f"  {'':11s}bf16 two-step vs lax.psum {row['bf16_two_step_vs_psum']:.2f}x")
         rows.append(row)
         del x
     return rows
+
+
+# --- time breakdown of the quantized psum (xla transport: the pieces psum runs) ---------------
+
+BREAKDOWN_PIECES = ("quantize", "all_to_all", "dequantize_sum_quantize", "all_gather",
+                    "dequantize")
+
+
+def breakdown(mesh, make_input, sizes, reps, budget_s, log=print):
+    """Each piece of ``jax_flashcomm.psum``'s xla-transport two-step (the calls of
+    ``jax_flashcomm/transport/xla.py`` ``all_reduce``), jitted alone and timed on the previous
+    piece's real output, against the whole psum timed in the same loop. The pieces' sum leaves
+    out only the dispatch and fusion differences of one program against five."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    import jax_flashcomm as fc
+    from jax_flashcomm import _common, codec
+    from jax_flashcomm import transport as tr
+    from jax_flashcomm.policy import make_config
+
+    n = mesh.shape["i"]
+    axes = ("i",)
+
+    def sm(body, in_spec, out_spec):
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_spec, out_specs=out_spec))
+
+    out = []
+    for size in sizes:
+        n_elems = size // 2
+        x = make_input(n_elems)
+        r = reps if size < 16 * MIB else max(2, reps // 2)
+        for b in BITS:
+            cfg = make_config(bits=b, min_bytes=0, spikes=0)
+            g, b1, b2 = cfg.group_size, cfg.phase1_bits, cfg.phase2_bits
+            k1, k2 = cfg.phase1_spikes, cfg.phase2_spikes
+            shape, dtype = (n_elems,), x.dtype
+            transport = tr.choose(cfg, axes, size)
+
+            def quantize(v):
+                p1 = codec.quantize(v[0], bits=b1, group_size=g, num_chunks=n,
+                                    backend=cfg.backend, rotation=0, spikes=k1)
+                return _common.pack(p1.split_groups(n))[None]          # (1, N, groups/N, B)
+
+            def a2a(c):
+                return jax.lax.all_to_all(c[0], axes, 0, 0, tiled=False)[None]
+
+            def dsq(rc):
+                recv = _common.unpack(rc[0], bits=b1, group_size=g, shape=shape, dtype=dtype,
+                                      rotation=0, spikes=k1)
+                summed = codec.dequantize_sum_quantize(recv, bits=b2, spikes=k2,
+                                                       backend=cfg.backend)
+                return _common.pack(summed)[None]                      # (1, groups/N, B)
+
+            def ag(s_):
+                return _common.all_gather_invariant(s_[0], axes, axis=0, tiled=True)
+
+            def deq(gathered):
+                p2 = _common.unpack(gathered, bits=b2, group_size=g, shape=shape, dtype=dtype,
+                                    rotation=0, spikes=k2)
+                return codec.dequantize(p2, backend=cfg.backend)
+
+            whole = sm(lambda v: fc.psum(v[0], "i", config=cfg), P("i"), P())
+            fns = [sm(quantize, P("i"), P("i")), sm(a2a, P("i"), P("i")),
+                   sm(dsq, P("i"), P("i")), sm(ag, P("i"), P()), sm(deq, P(), P())]
+            entry = {"bytes": size, "bits": b, "transport": transport, "times_s": {},
+                     "payload_bytes": {}}
+            arg = x
+            for name, fn in zip(BREAKDOWN_PIECES, fns):
+                res = jax.block_until_ready(fn(arg))  # compile + warm up; next piece's input
+                entry["times_s"][name], _ = _time(fn, arg, r, budget_s, warm=False)
+                if name in ("all_to_all", "all_gather"):  # bytes this rank holds after the op
+                    entry["payload_bytes"][name] = int(res.addressable_shards[0].data.nbytes)
+                arg = res
+            entry["pieces_sum_s"] = sum(entry["times_s"].values())
+            entry["psum_s"], _ = _time(whole, x, r, budget_s)
+            entry["pieces_over_psum"] = entry["pieces_sum_s"] / entry["psum_s"]
+            log(f"  breakdown {size / MIB:5.0f} MiB int{b} ({transport}): " + "  ".join(
+                f"{k}={v * 1e3:.1f}ms" for k, v in entry["times_s"].items())
+                + f"  | sum={entry['pieces_sum_s'] * 1e3:.1f}ms"
+                f"  psum={entry['psum_s'] * 1e3:.1f}ms  sum/psum={entry['pieces_over_psum']:.2f}")
+            out.append(entry)
+            del arg, res
+        del x
+    return out
 
 
 # --- (a) one process, 8 devices -----------------------------------------------------------------
@@ -121,12 +226,14 @@ def run_inproc(sizes, reps, budget_s):
         return jax.device_put(x, NamedSharding(mesh, P("i")))
 
     print("(a) in-process, 8 CPU devices")
-    return sweep(mesh, make_input, sizes, reps, budget_s)
+    rows = sweep(mesh, make_input, sizes, reps, budget_s)
+    print(markdown(rows))
+    return rows
 
 
 # --- (b) N processes on a rate-limited link -----------------------------------------------------
 
-def worker(sizes, reps, budget_s):
+def worker(sizes, reps, budget_s, do_breakdown=False):
     process_id, nproc = worker_init(1)
     import jax
     import jax.numpy as jnp
@@ -144,21 +251,59 @@ def worker(sizes, reps, budget_s):
 
     lines = []
     rows = sweep(mesh, make_input, sizes, reps, budget_s, log=lines.append)
-    write_result({"rows": rows, "log": lines})
+    result = {"rows": rows, "log": lines}
+    if do_breakdown:
+        result["breakdown"] = breakdown(mesh, make_input, sizes, reps, budget_s,
+                                        log=lines.append)
+    write_result(result)
 
 
-def run_netns(nprocs, sizes, reps, budget_s, rate):
-    out = {}
+def run_netns(nprocs, sizes, reps, budget_s, rate, do_breakdown=False):
+    out, parts = {}, {}
     for n in nprocs:
-        print(f"(b) {n} processes, gloo, loopback limited to {rate} (tc tbf)")
+        print(f"(b) {n} processes, gloo, loopback limited to {rate} (tc tbf)", flush=True)
         args = ["--worker", "--sizes", *map(str, sizes), "--reps", str(reps),
-                "--budget", str(budget_s)]
+                "--budget", str(budget_s)] + (["--breakdown"] if do_breakdown else [])
         results = run_workers(__file__, n, args=args, rate=rate, timeout=1500,
                               port=24000 + n)
         for line in results[0]["log"]:
             print(line)
         out[str(n)] = results[0]["rows"]
-    return out
+        if do_breakdown:
+            parts[str(n)] = results[0]["breakdown"]
+        print(markdown(results[0]["rows"]))
+        if do_breakdown:
+            print(markdown_breakdown(parts[str(n)]))
+    return out, parts
+
+
+def markdown(rows) -> str:
+    """One table: times, and each quantized psum's speedup against lax.psum and against the
+    measured bf16 two-step."""
+    names = ["lax.psum", "lax.rs+ag", "bf16 two-step", "ppermute"] + [f"int{b}" for b in BITS]
+    head = (["message (bf16/rank)"] + names + ["bf16 two-step vs lax.psum"]
+            + [f"int{b} vs lax.psum" for b in BITS] + [f"int{b} vs bf16 two-step" for b in BITS])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [f"{r['bytes'] / MIB:g} MiB"] + [f"{r['times_s'][k] * 1e3:.1f} ms" for k in names]
+        cells.append(f"{r['bf16_two_step_vs_psum']:.2f}x")
+        cells += [f"**{r['speedup_vs_psum'][f'int{b}']:.2f}x**" for b in BITS]
+        cells += [f"**{r['speedup_vs_bf16'][f'int{b}']:.2f}x**" for b in BITS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def markdown_breakdown(entries) -> str:
+    head = (["message (bf16/rank)", "bits"] + list(BREAKDOWN_PIECES)
+            + ["sum of pieces", "whole psum", "sum / psum"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for e in entries:
+        cells = [f"{e['bytes'] / MIB:g} MiB", f"int{e['bits']}"]
+        cells += [f"{e['times_s'][k] * 1e3:.1f} ms" for k in BREAKDOWN_PIECES]
+        cells += [f"{e['pieces_sum_s'] * 1e3:.1f} ms", f"{e['psum_s'] * 1e3:.1f} ms",
+                  f"{e['pieces_over_psum']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def plot(data, path):
@@ -196,12 +341,16 @@ def main():
     ap.add_argument("--rate", default=RATE)
     ap.add_argument("--nprocs", type=int, nargs="*", default=[2, 4])
     ap.add_argument("--skip-inproc", action="store_true")
-    ap.add_argument("--out", default=str(REPO / "docs" / "allreduce"))
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time the quantized psum's pieces in the netns workers")
+    ap.add_argument("--out", default=str(REPO / "docs" / "allreduce"),
+                    help="output path prefix (.json/.png are added; a trailing .json is kept)")
     args = ap.parse_args()
+    out = args.out[:-len(".json")] if args.out.endswith(".json") else args.out
     sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
     reps = 2 if args.quick else args.reps
     if args.worker:
-        return worker(sizes, reps, args.budget)
+        return worker(sizes, reps, args.budget, args.breakdown)
     if not args.skip_inproc:  # before jax is imported
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + " --xla_force_host_platform_device_count=8").strip()
@@ -213,11 +362,14 @@ def main():
             "command": "python benchmarks/allreduce.py " + " ".join(sys.argv[1:])}
     if not args.skip_inproc:
         data["inproc"] = run_inproc(sizes, reps, args.budget)
-    data["netns"] = run_netns(args.nprocs, sizes, reps, args.budget, args.rate)
-    Path(args.out + ".json").write_text(json.dumps(data, indent=1))
+    data["netns"], parts = run_netns(args.nprocs, sizes, reps, args.budget, args.rate,
+                                     args.breakdown)
+    if args.breakdown:
+        data["breakdown"] = parts
+    Path(out + ".json").write_text(json.dumps(data, indent=1))
     if "inproc" in data:
-        plot(data, args.out + ".png")
-    print("wrote", args.out + ".json")
+        plot(data, out + ".png")
+    print("wrote", out + ".json")
 
 
 if __name__ == "__main__":
