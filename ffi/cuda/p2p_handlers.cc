@@ -35,6 +35,7 @@
 #include "flashcomm/ffi_checks.h"
 #include "flashcomm/p2p_rendezvous.h"
 #include "launch.h"
+#include "p2p_host.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -47,41 +48,6 @@ using p2p::Meeting;
 using p2p::Published;
 using p2p::Rendezvous;
 using Clock = std::chrono::steady_clock;
-
-ffi::Error CudaError(const char* op, const char* what, cudaError_t err) {
-  return ffi::Error::Internal(std::string(op) + ": " + what + " failed: " +
-                              cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
-}
-
-#define FLASHCOMM_CUDA_TRY(op, what, expr)                           \
-  do {                                                               \
-    const cudaError_t flashcomm_err_ = (expr);                       \
-    if (flashcomm_err_ != cudaSuccess) {                             \
-      return ::flashcomm::cuda::CudaError(op, what, flashcomm_err_); \
-    }                                                                \
-  } while (0)
-
-// Makes a device current on this thread for the handler's duration, restoring the previous one.
-class CurrentDevice {
- public:
-  CurrentDevice() = default;
-  CurrentDevice(const CurrentDevice&) = delete;
-  CurrentDevice& operator=(const CurrentDevice&) = delete;
-  ~CurrentDevice() {
-    if (restore_) cudaSetDevice(previous_);
-  }
-  cudaError_t Set(int device) {
-    if (cudaError_t e = cudaGetDevice(&previous_); e != cudaSuccess) return e;
-    if (previous_ == device) return cudaSuccess;
-    const cudaError_t e = cudaSetDevice(device);
-    restore_ = e == cudaSuccess;
-    return e;
-  }
-
- private:
-  int previous_ = 0;
-  bool restore_ = false;
-};
 
 // An event one rank records and every peer's stream waits on, shared through the meeting
 // (Published slot 3). It starts with one reference per rank; the owner drops its own after the
@@ -123,85 +89,6 @@ class SharedEvent {
   int device_;
   std::atomic<int> users_;
 };
-
-// Peer access from the current device `device` to `peer`, enabled once per ordered pair and
-// process. Pairs that cannot access each other are left alone: cudaMemcpyPeerAsync then stages
-// the copy through the host (slower, still correct). Peer access XLA (or anyone) enabled
-// already is fine.
-cudaError_t EnablePeerAccess(int device, int peer) {
-  if (device == peer) return cudaSuccess;
-  static std::mutex mu;
-  static auto* done = new std::set<std::pair<int, int>>();  // never destroyed, like Rendezvous
-  std::lock_guard<std::mutex> lock(mu);
-  if (done->count({device, peer})) return cudaSuccess;
-  int can = 0;
-  if (cudaError_t e = cudaDeviceCanAccessPeer(&can, device, peer); e != cudaSuccess) return e;
-  if (can) {
-    const cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
-    if (e == cudaErrorPeerAccessAlreadyEnabled) {
-      cudaGetLastError();  // not sticky, but it would be the next launcher's "last error"
-    } else if (e != cudaSuccess) {
-      return e;
-    }
-  }
-  done->insert({device, peer});
-  return cudaSuccess;
-}
-
-// This thread's pinned 8 bytes for the rank and group scalars (pinned, so that the copy is
-// asynchronous and the wait for it can time out; portable, as the thread may serve any device).
-int32_t* PinnedScalars(cudaError_t* err) {
-  struct Pinned {
-    int32_t* p = nullptr;
-    ~Pinned() {
-      if (p) cudaFreeHost(p);
-    }
-  };
-  thread_local Pinned pinned;
-  *err = cudaSuccess;
-  if (!pinned.p) {
-    void* p = nullptr;
-    *err = cudaHostAlloc(&p, 2 * sizeof(int32_t), cudaHostAllocPortable);  // any device
-    if (*err != cudaSuccess) return nullptr;
-    pinned.p = static_cast<int32_t*>(p);
-  }
-  return pinned.p;
-}
-
-// The rank and group operands (device scalars) on the host: copied behind the work already on
-// `stream`, then the stream is drained (polled, so that it gives up at `deadline`). This is the
-// one host sync per call beyond the barriers (docs/cuda.md).
-ffi::Error ReadRankAndGroup(const char* op, cudaStream_t stream, const int32_t* rank_dev,
-                            const int32_t* group_dev, Clock::time_point deadline, int32_t* rank,
-                            int32_t* group) {
-  cudaError_t err = cudaSuccess;
-  int32_t* host = PinnedScalars(&err);
-  FLASHCOMM_CUDA_TRY(op, "cudaHostAlloc (rank and group)", err);
-  FLASHCOMM_CUDA_TRY(op, "copying the rank to the host",
-                     cudaMemcpyAsync(host, rank_dev, sizeof(int32_t), cudaMemcpyDeviceToHost,
-                                     stream));
-  FLASHCOMM_CUDA_TRY(op, "copying the group to the host",
-                     cudaMemcpyAsync(host + 1, group_dev, sizeof(int32_t),
-                                     cudaMemcpyDeviceToHost, stream));
-  for (int i = 0;; ++i) {
-    const cudaError_t q = cudaStreamQuery(stream);
-    if (q == cudaSuccess) break;
-    if (q != cudaErrorNotReady) return CudaError(op, "waiting for the rank and group", q);
-    if (Clock::now() >= deadline) {
-      return ffi::Error::Internal(std::string(op) + ": timed out waiting for the stream to "
-                                  "deliver the rank and group operands (timeout_ms)");
-    }
-    if (i < 256) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
-    }
-  }
-  cudaGetLastError();  // cudaErrorNotReady is not an error; make sure no launcher reports it
-  *rank = host[0];
-  *group = host[1];
-  return ffi::Error::Success();
-}
 
 // One rank's part in one meeting (joins, leaves on destruction on every return path). Record()
 // marks the point of this rank's stream its peers will wait for at the next Meet(); Meet()
