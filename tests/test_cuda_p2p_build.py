@@ -91,7 +91,9 @@ def test_cuda_handlers_bind_what_the_cpu_handlers_bind():
     assert "CmdBuffer" not in CUDA_SOURCE.read_text()
 
 
-def test_p2p_handlers_compile_with_warnings_as_errors(tmp_path):
+def compile_host_source(source: pathlib.Path, out: pathlib.Path):
+    """Compiles a plain-C++ CUDA handler file with g++ -Wall -Wextra -Werror (as the build's
+    FLASHCOMM_WERROR=ON does), against nvcc's CUDA headers; skips without nvcc or g++."""
     nvcc, cxx = _nvcc(), shutil.which("g++")
     if nvcc is None or cxx is None:
         pytest.skip("needs nvcc (for the CUDA headers) and g++")
@@ -104,9 +106,13 @@ def test_p2p_handlers_compile_with_warnings_as_errors(tmp_path):
     cmd = [cxx, "-std=c++17", "-O3", "-Wall", "-Wextra", "-Werror", "-ffp-contract=off", "-fPIC",
            f"-I{ROOT / 'ffi' / 'include'}", f"-I{ROOT / 'ffi' / 'cuda'}",
            "-isystem", str(ROOT / "third_party" / "xla_ffi" / "include"),
-           "-isystem", str(cuda_include), "-c", str(CUDA_SOURCE), "-o", str(tmp_path / "p2p.o")]
+           "-isystem", str(cuda_include), "-c", str(source), "-o", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}{proc.stderr}"
+
+
+def test_p2p_handlers_compile_with_warnings_as_errors(tmp_path):
+    compile_host_source(CUDA_SOURCE, tmp_path / "p2p.o")
 
 
 def test_kernel_platform_choice():
@@ -121,8 +127,9 @@ def test_kernel_platform_choice():
 
 @pytest.fixture
 def as_gpu(monkeypatch):
-    """The default backend reported as "gpu": the transport's trace-time check then needs the
-    CUDA module's p2p kernels (nothing is compiled or run, only lowered for "cuda")."""
+    """The default backend reported as "gpu": the transport's trace-time checks then need the
+    CUDA module's p2p (and ring) kernels (nothing is compiled or run, only lowered for
+    "cuda")."""
     _cuda_module()
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
 

@@ -36,7 +36,8 @@ import jax_flashcomm as fc
 from jax_flashcomm.codec import kernels
 from jax_flashcomm.transport import p2p, ring
 from test_cuda_build import _custom_calls, _nvcc
-from test_cuda_p2p_build import _attr, _bindings, _cuda_module, _mesh
+from test_cuda_p2p_build import (_attr, _bindings, _cuda_module, _mesh, as_gpu,  # noqa: F401
+                                 compile_host_source)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CPU_SOURCE = ROOT / "ffi" / "cpu" / "p2p_ring_kernels.cc"
@@ -81,29 +82,7 @@ def test_cuda_ring_handlers_bind_what_the_cpu_ring_handlers_bind():
 
 
 def test_ring_handlers_compile_with_warnings_as_errors(tmp_path):
-    nvcc, cxx = _nvcc(), shutil.which("g++")
-    if nvcc is None or cxx is None:
-        pytest.skip("needs nvcc (for the CUDA headers) and g++")
-    candidates = [pathlib.Path(nvcc).resolve().parents[1] / "include",
-                  pathlib.Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include",
-                  pathlib.Path("/usr/local/cuda/include")]
-    cuda_include = next((c for c in candidates if (c / "cuda_runtime_api.h").is_file()), None)
-    if cuda_include is None:
-        pytest.skip(f"no cuda_runtime_api.h under {[str(c) for c in candidates]}")
-    cmd = [cxx, "-std=c++17", "-O3", "-Wall", "-Wextra", "-Werror", "-ffp-contract=off", "-fPIC",
-           f"-I{ROOT / 'ffi' / 'include'}", f"-I{ROOT / 'ffi' / 'cuda'}",
-           "-isystem", str(ROOT / "third_party" / "xla_ffi" / "include"),
-           "-isystem", str(cuda_include), "-c", str(CUDA_SOURCE), "-o", str(tmp_path / "ring.o")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}{proc.stderr}"
-
-
-@pytest.fixture
-def as_gpu(monkeypatch):
-    """The default backend reported as "gpu": the ring's trace-time check then needs the CUDA
-    module's ring kernels (nothing is compiled or run, only lowered for "cuda")."""
-    _cuda_module()
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    compile_host_source(CUDA_SOURCE, tmp_path / "ring.o")
 
 
 def _lower(op, n=4, timeout_ms=4321):
