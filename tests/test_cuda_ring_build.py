@@ -20,11 +20,8 @@ transport (not run on hardware)").
 
 from __future__ import annotations
 
-import os
 import pathlib
 import re
-import shutil
-import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 import jax_flashcomm as fc
 from jax_flashcomm.codec import kernels
 from jax_flashcomm.transport import p2p, ring
-from test_cuda_build import _custom_calls, _nvcc
+from test_cuda_build import _custom_calls
 from test_cuda_p2p_build import (_attr, _bindings, _cuda_module, _mesh, as_gpu,  # noqa: F401
                                  compile_host_source)
 
