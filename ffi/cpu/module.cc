@@ -1,7 +1,6 @@
 // nanobind module exposing the CPU handlers as PyCapsules for jax.ffi.register_ffi_target, and
 // the choice of the codec's instruction-set build (cpu_dispatch.h).
 #include <nanobind/stl/string.h>
-#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <stdexcept>
@@ -11,7 +10,6 @@
 #include "flashcomm/cpu_kernels.h"
 #include "flashcomm/cpu_p2p.h"
 #include "flashcomm/nb_registrations.h"
-#include "flashcomm/p2p_ring.h"
 
 NB_MODULE(_flashcomm_cpu, m) {
   m.def("registrations", []() {
@@ -25,17 +23,8 @@ NB_MODULE(_flashcomm_cpu, m) {
   });
   m.def("p2p_meetings_in_progress", &flashcomm::cpu::P2pMeetingsInProgress,
         "Peer-to-peer collective calls some rank has not finished (0 between collectives).");
-  m.def("p2p_ring_steps_in_progress", &flashcomm::cpu::P2pRingStepsInProgress,
-        "Ring steps (start / done pairs) some rank has not finished (0 between calls).");
-  m.def(
-      "p2p_timeline",
-      [](bool record) {
-        std::vector<std::tuple<int, int64_t, int, int, int64_t, int64_t, int64_t>> out;
-        for (const auto& e : flashcomm::p2p::Timeline::Global().Take(record)) {
-          out.emplace_back(e.kind, e.site, e.rank, e.peer, e.bytes, e.begin_us, e.end_us);
-        }
-        return out;
-      },
+  flashcomm::AddP2pRingInspection(
+      m, &flashcomm::cpu::P2pRingStepsInProgress,
       "Returns and clears the ring steps' recorded events (kind 0 move, 1 start, 2 wait; "
       "site, rank, peer, bytes, begin_us, end_us) and records from now on if `record`.");
   m.def("cpu_isa", []() { return std::string(flashcomm::cpu::kernels().isa); },

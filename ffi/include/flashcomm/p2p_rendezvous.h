@@ -54,6 +54,32 @@ struct SiteKey {
   }
 };
 
+// How many times each rank has called each call site in each run: the sequence number that
+// pairs the k-th calls of the ranks (a site inside a loop meets once per iteration). The
+// counters of long-finished runs are forgotten (the last kRunsKept runs are kept).
+class SequenceCounter {
+ public:
+  int64_t Next(const SiteKey& key, int rank) {
+    if (runs_seen_.insert(key.run_id).second) {
+      runs_.push_back(key.run_id);
+      if (runs_.size() > kRunsKept) {
+        const int64_t old = runs_.front();
+        runs_.pop_front();
+        runs_seen_.erase(old);
+        seq_.erase(seq_.lower_bound({SiteKey{old, INT64_MIN, INT64_MIN}, INT32_MIN}),
+                   seq_.lower_bound({SiteKey{old, INT64_MAX, INT64_MAX}, INT32_MAX}));
+      }
+    }
+    return seq_[{key, rank}]++;
+  }
+
+ private:
+  static constexpr size_t kRunsKept = 1024;
+  std::map<std::pair<SiteKey, int>, int64_t> seq_;
+  std::deque<int64_t> runs_;
+  std::set<int64_t> runs_seen_;
+};
+
 // The transport's threads. Workers() run the continuations of meetings (codec work): one per
 // core, at least two. Completions() complete the calls' futures: XLA continues a program on
 // the thread that completes a future it waits for, and that may be an XLA collective that
@@ -263,7 +289,7 @@ class Rendezvous {
     std::shared_ptr<Meeting> meeting;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      const int64_t seq = NextSeq(key, rank);
+      const int64_t seq = seq_.Next(key, rank);
       const MeetingKey mk{key, seq};
       auto it = meetings_.find(mk);
       if (it == meetings_.end()) {
@@ -340,30 +366,12 @@ class Rendezvous {
     int joined;
     int left = 0;
   };
-  static constexpr size_t kRunsKept = 1024;
-
-  int64_t NextSeq(const SiteKey& key, int rank) {
-    if (runs_seen_.insert(key.run_id).second) {
-      runs_.push_back(key.run_id);
-      if (runs_.size() > kRunsKept) {  // forget the sequence counters of long-finished runs
-        const int64_t old = runs_.front();
-        runs_.pop_front();
-        runs_seen_.erase(old);
-        seq_.erase(seq_.lower_bound({SiteKey{old, INT64_MIN, INT64_MIN}, INT32_MIN}),
-                   seq_.lower_bound({SiteKey{old, INT64_MAX, INT64_MAX}, INT32_MAX}));
-      }
-    }
-    return seq_[{key, rank}]++;
-  }
-
   std::mutex mu_;
   bool watchdog_started_ = false;
   std::condition_variable watchdog_cv_;  // meetings_ became non-empty
   std::map<MeetingKey, Entry> meetings_;
   std::map<const Meeting*, MeetingKey> joined_;
-  std::map<std::pair<SiteKey, int>, int64_t> seq_;
-  std::deque<int64_t> runs_;
-  std::set<int64_t> runs_seen_;
+  SequenceCounter seq_;
 };
 
 }  // namespace p2p

@@ -263,7 +263,7 @@ class RingTable {
       return nullptr;
     }
     std::lock_guard<std::mutex> lock(mu_);
-    const StepKey sk{key, Next(&starts_, key, rank)};
+    const StepKey sk{key, starts_.Next(key, rank)};
     auto it = steps_.find(sk);
     if (it == steps_.end()) {
       auto step = std::make_shared<Step>(
@@ -283,7 +283,7 @@ class RingTable {
   // The step this rank's next done of `key` finishes; nullptr if it never started one.
   std::shared_ptr<Step> Done(const SiteKey& key, int rank) {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = steps_.find(StepKey{key, Next(&dones_, key, rank)});
+    auto it = steps_.find(StepKey{key, dones_.Next(key, rank)});
     return it == steps_.end() ? nullptr : it->second.step;
   }
 
@@ -310,25 +310,6 @@ class RingTable {
     int size;
     int shift;
   };
-  using Counters = std::map<std::pair<SiteKey, int>, int64_t>;
-  static constexpr size_t kRunsKept = 1024;
-
-  int64_t Next(Counters* counters, const SiteKey& key, int rank) {
-    if (runs_seen_.insert(key.run_id).second) {
-      runs_.push_back(key.run_id);
-      if (runs_.size() > kRunsKept) {  // forget the counters of long-finished runs
-        const int64_t old = runs_.front();
-        runs_.pop_front();
-        runs_seen_.erase(old);
-        for (Counters* c : {&starts_, &dones_}) {
-          c->erase(c->lower_bound({SiteKey{old, INT64_MIN, INT64_MIN}, INT32_MIN}),
-                   c->lower_bound({SiteKey{old, INT64_MAX, INT64_MAX}, INT32_MAX}));
-        }
-      }
-    }
-    return (*counters)[{key, rank}]++;
-  }
-
   void PruneLocked() {
     for (auto it = steps_.begin(); it != steps_.end();) {
       it = it->second.step->Finished() ? steps_.erase(it) : std::next(it);
@@ -361,9 +342,7 @@ class RingTable {
   bool watchdog_started_ = false;
   std::condition_variable watchdog_cv_;
   std::map<StepKey, Entry> steps_;
-  Counters starts_, dones_;
-  std::deque<int64_t> runs_;
-  std::set<int64_t> runs_seen_;
+  SequenceCounter starts_, dones_;  // counted apart: the k-th done pairs with the k-th start
 };
 
 // The transport's own timeline (off unless a benchmark or test asks): what each rank did when,
