@@ -181,10 +181,14 @@ def all_gather(x, axes: tuple, axis: int, tiled: bool, config):
     return _arrange_gathered(stacked, axis, tiled), p
 
 
-def meetings_in_progress() -> int:
-    """Peer-to-peer calls that some rank has not finished (0 between collectives), in the
-    kernel module of the default backend (each module has its own rendezvous table)."""
+def kernel_module():
+    """The kernel module of the default backend (CUDA's or the CPU's): each has its own
+    rendezvous and ring tables."""
     if _kernel_platform(jax.default_backend()) == "cuda":
-        return int(importlib.import_module("jax_flashcomm._flashcomm_cuda")
-                   .p2p_meetings_in_progress())
-    return int(kernels._cpu_module().p2p_meetings_in_progress())
+        return importlib.import_module("jax_flashcomm._flashcomm_cuda")
+    return kernels._cpu_module()
+
+
+def meetings_in_progress() -> int:
+    """Peer-to-peer calls that some rank has not finished (0 between collectives)."""
+    return int(kernel_module().p2p_meetings_in_progress())

@@ -20,7 +20,6 @@ comes after the dot). So start -> dot -> done is a chain of data dependences.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import itertools
 from functools import partial
 
@@ -222,7 +221,7 @@ def recording():
     ``kind`` ("move": a chunk moving from ``peer`` to ``rank``; "start": a start call; "wait":
     from a done call to its completion), ``site``, ``rank``, ``peer``, ``bytes``,
     ``begin_us``/``end_us`` (system clock, the clock of jax.profiler traces)."""
-    module = _module()
+    module = p2p.kernel_module()
     module.p2p_timeline(True)
     events: list = []
     try:
@@ -235,10 +234,4 @@ def recording():
 
 def steps_in_progress() -> int:
     """Ring steps some rank has not finished (0 between collective matmuls)."""
-    return int(_module().p2p_ring_steps_in_progress())
-
-
-def _module():
-    if p2p._kernel_platform(jax.default_backend()) == "cuda":
-        return importlib.import_module("jax_flashcomm._flashcomm_cuda")
-    return p2p.kernels._cpu_module()
+    return int(p2p.kernel_module().p2p_ring_steps_in_progress())
