@@ -1,0 +1,285 @@
+"""Accuracy of quantized communication on a real model: perplexity, KL and top-1 vs exact.
+
+    .venv/bin/python -m benchmarks.accuracy [--text FILE] [--tp 3 9] [--sections ...] \\
+        [--window 512] [--max-windows 6] [--out docs/accuracy] [--resume]
+
+SmolLM2-135M-Instruct (models/) scores the same token windows once with exact communication and
+once per setting; every all-reduce of the model runs the setting (``min_bytes=0``). Per row:
+perplexity and its change vs exact at the same TP, the mean KL divergence of the next-token
+distributions KL(exact || setting), the fraction of positions whose top-1 token equals exact's,
+and the bytes per element the setting puts on the wire (per phase, a bf16 ring = 2.0; the ratio
+to it). Sections (the table of docs/accuracy.md each one fills):
+
+- ``grid``: bits {8, 6, 5, 4, 3, 2} x group size {32, 64, 128, 256, 1024}, no spikes, no
+  rotation, at every ``--tp``.
+- ``options``: spikes 0/1/2 x rotation off/Hadamard at G=128 and bits 8, 6, 4, 3 (first TP).
+- ``mixes``: per-phase bits (reduce-scatter 4 / all-gather 8 and the reverse), with the options.
+- ``coarse``: one scale and zero per rank's chunk of each message (G = the chunk), the
+  per-tensor baseline of the paper's Fig. 4, at every ``--tp``.
+- ``overlap``: ``flash+overlap``: the overlap rings with the quantized all-gather ring and the
+  once-quantized reduce-scatter.
+- ``defaults``: the library's defaults (``CommConfig(bits=B)``) and the candidates for them.
+
+Rows are written to ``OUT.json`` as they finish (``--resume`` skips those already there);
+``OUT.md`` gets the tables (between markers in docs/accuracy.md) and ``OUT.png`` the plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from models import cli  # noqa: E402  (sets no jax state)
+
+GRID_BITS = (8, 6, 5, 4, 3, 2)
+GRID_GROUPS = (32, 64, 128, 256, 1024)
+SECTIONS = ("grid", "options", "mixes", "coarse", "overlap", "defaults")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One row: a communication strategy at one TP size."""
+    section: str
+    tp: int
+    kind: str = "flash"                 # exact | flash | flash+overlap
+    rs_bits: int | None = None
+    ag_bits: int | None = None
+    group_size: int = 128
+    spikes: int | str = 0
+    rotation: int = 0
+    coarse: bool = False                # group size = one rank's chunk of the message
+    default: bool = False               # CommConfig(bits=...) with every other option default
+
+    @property
+    def label(self) -> str:
+        if self.kind == "exact":
+            return "exact"
+        bits = (f"int{self.rs_bits}" if self.rs_bits == self.ag_bits
+                else f"rs{self.rs_bits}/ag{self.ag_bits}")
+        if self.default:
+            return f"{bits} default"
+        prefix = "overlap+" if self.kind == "flash+overlap" else ""
+        group = "per-tensor" if self.coarse else f"G={self.group_size}"
+        return f"{prefix}{bits} {group} s={self.spikes} r={self.rotation}"
+
+    @property
+    def key(self) -> str:
+        return f"{self.section}|{self.tp}|{self.label}"
+
+
+def settings(tps, sections) -> list[Setting]:
+    """Every row of the requested sections, exact first at each TP."""
+    rows, first = [], tps[0]
+    for tp in tps:
+        rows.append(Setting("exact", tp, kind="exact"))
+        if "grid" in sections:
+            rows += [Setting("grid", tp, rs_bits=b, ag_bits=b, group_size=g)
+                     for b in GRID_BITS for g in GRID_GROUPS]
+        if "coarse" in sections:
+            rows += [Setting("coarse", tp, rs_bits=b, ag_bits=b, coarse=True) for b in (8, 6, 4)]
+    if "options" in sections:
+        rows += [Setting("options", first, rs_bits=b, ag_bits=b, spikes=s, rotation=r)
+                 for b in (8, 6, 4, 3) for r in (0, 1) for s in (0, 1, 2)]
+    if "mixes" in sections:
+        rows += [Setting("mixes", first, rs_bits=rs, ag_bits=ag, spikes=s, rotation=r)
+                 for rs, ag in ((4, 8), (8, 4)) for r in (0, 1) for s in (0, 1, 2)]
+    if "overlap" in sections:
+        rows += [Setting("overlap", first, kind="flash+overlap", rs_bits=rs, ag_bits=ag,
+                         spikes=s, rotation=r)
+                 for rs, ag in ((8, 8), (4, 8), (4, 4)) for s, r in ((0, 0), (1, 1))]
+    if "defaults" in sections:
+        rows += [Setting("defaults", first, rs_bits=b, ag_bits=b, spikes="auto", default=True)
+                 for b in (8, 6, 4)]
+        rows += [Setting("defaults", first, rs_bits=4, ag_bits=8, spikes="auto", default=True)]
+        rows += [Setting("defaults", first, rs_bits=8, ag_bits=8, group_size=256, spikes=1),
+                 Setting("defaults", first, rs_bits=8, ag_bits=8, group_size=256, spikes=1,
+                         rotation=1)]
+    return rows
+
+
+def coarse_group(window: int, d_model: int, tp: int) -> int:
+    """The group size that makes one group of each rank's chunk of a (window, d_model)
+    all-reduce (a multiple of 8, as the codec needs)."""
+    return -(-(window * d_model) // (tp * 8)) * 8
+
+
+def comm_config(s: Setting, window: int, d_model: int):
+    """The ``(TPComm, CommConfig or None)`` of a row."""
+    from jax_flashcomm import CommConfig
+    from jax_flashcomm.nn import TPComm
+
+    if s.kind == "exact":
+        return TPComm("exact"), None
+    if s.default:
+        config = CommConfig(bits=s.rs_bits, ag_bits=s.ag_bits if s.ag_bits != s.rs_bits else None,
+                            min_bytes=0)
+    else:
+        group = coarse_group(window, d_model, s.tp) if s.coarse else s.group_size
+        config = CommConfig(bits=s.rs_bits, ag_bits=s.ag_bits, group_size=group, min_bytes=0,
+                            spikes=s.spikes, rotation=s.rotation)
+    return TPComm(s.kind, config=config), config
+
+
+def wire(config) -> dict:
+    """Wire bytes per element, averaged over the two phases (a bf16 ring moves 2.0), and the
+    ratio to a bf16 ring (padding to whole groups left out: it is the same for every row of a
+    message size and below 0.5% here except per-tensor)."""
+    from jax_flashcomm.codec import spec
+
+    if config is None:
+        return {"bytes_per_element": 2.0, "vs_bf16_ring": 1.0}
+    per = (spec.wire_bytes_per_element(config.phase1_bits, config.group_size,
+                                       config.phase1_spikes)
+           + spec.wire_bytes_per_element(config.phase2_bits, config.group_size,
+                                         config.phase2_spikes)) / 2
+    return {"bytes_per_element": per, "vs_bf16_ring": per / 2.0}
+
+
+def compare_fn():
+    """jit: ``(nll, kl, top1_equal)`` per position of one window, given exact's log-probs."""
+    import jax
+    import jax.numpy as jnp
+
+    @jax.jit
+    def compare(logits, tokens, ref_logp):
+        logp = jax.nn.log_softmax(logits[0, :-1].astype(jnp.float32), axis=-1)
+        nll = -jnp.take_along_axis(logp, tokens[0, 1:, None], axis=-1)[:, 0]
+        kl = jnp.sum(jnp.exp(ref_logp) * (ref_logp - logp), axis=-1)
+        top1 = jnp.argmax(logp, axis=-1) == jnp.argmax(ref_logp, axis=-1)
+        return nll, kl, top1, logp
+
+    return compare
+
+
+def evaluate(model, mesh, setting: Setting, windows, reference, d_model):
+    """One row: scores every window under the setting. ``reference`` is exact's list of
+    log-prob arrays (None when this row is exact: it then returns them as ``logps``)."""
+    import numpy as np
+
+    from models.engine import Engine
+    from models.llama import set_comm
+
+    comm, config = comm_config(setting, len(windows[0]), d_model)
+    set_comm(model, comm)
+    engine = Engine(model, mesh, cache_len=max(len(windows[0]), 64))
+    compare = compare_fn()
+    nll, kl, top1, logps = [], [], [], []
+    start = time.perf_counter()
+    for i, w in enumerate(windows):
+        tokens = np.asarray([w], np.int32)
+        ref = reference[i] if reference is not None else None
+        logits = engine.score(tokens)
+        if ref is None:
+            ref = compare(logits, tokens, np.zeros((len(w) - 1, logits.shape[-1]), np.float32))[3]
+            logps.append(np.asarray(ref))
+        n, k, t, _ = compare(logits, tokens, ref)
+        nll.append(np.asarray(n, np.float64))
+        kl.append(np.asarray(k, np.float64))
+        top1.append(np.asarray(t))
+    nll, kl, top1 = (np.concatenate(a) for a in (nll, kl, top1))
+    row = {"section": setting.section, "tp": setting.tp, "label": setting.label,
+           **{k: v for k, v in dataclasses.asdict(setting).items() if k not in ("section", "tp")},
+           "perplexity": math.exp(float(nll.mean())), "mean_nll": float(nll.mean()),
+           "kl": float(kl.mean()), "kl_max": float(kl.max()), "top1": float(top1.mean()),
+           "tokens": int(nll.size), "seconds": time.perf_counter() - start, **wire(config)}
+    if config is not None:
+        row.update(group_size=config.group_size, rs_spikes=config.phase1_spikes,
+                   ag_spikes=config.phase2_spikes, rotation=config.rotation)
+    return row, logps
+
+
+def progress(done: int, total: int, start: float, what: str) -> None:
+    width, elapsed = 30, time.perf_counter() - start
+    eta = elapsed / done * (total - done) if done else float("nan")
+    sys.stderr.write(f"\r[{'#' * (width * done // total)}{'.' * (width - width * done // total)}]"
+                     f" {done}/{total} rows, {elapsed / 60:.1f} min, eta {eta / 60:.1f} min  "
+                     f"{what[:48]:<48}")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def run(args) -> dict:
+    out_json = Path(args.out + ".json")
+    data = {"rows": []}
+    if args.resume and out_json.exists():
+        data = json.loads(out_json.read_text())
+    done = {f"{r['section']}|{r['tp']}|{r['label']}" for r in data["rows"]}
+    todo = [s for s in settings(args.tp, args.sections)]
+    cli.set_devices(max(args.tp))
+    import jax
+
+    from benchmarks.machine import first_line
+    from models import corpus
+    from models.eval import window_tokens
+    from models.weights import load_model
+
+    text = (Path(args.text).read_text(encoding="utf-8") if args.text
+            else corpus.load_text(corpus.DEFAULT))
+    data.update(machine=first_line(), model=args.model, window=args.window,
+                max_windows=args.max_windows, text=args.text or f"models.corpus {corpus.DEFAULT}",
+                tps=list(args.tp))
+    print(data["machine"], file=sys.stderr)
+    start, count = time.perf_counter(), 0
+    for tp in args.tp:
+        rows = [s for s in todo if s.tp == tp]
+        if all(s.key in done for s in rows):
+            count += len(rows)
+            continue
+        mesh = jax.make_mesh((tp,), ("tp",), devices=jax.devices()[:tp])
+        model, ckpt = load_model(args.model, tp=tp, mesh=mesh)
+        windows = window_tokens(ckpt.tokenizer.encode(text), args.window, args.max_windows)
+        exact_row, reference = evaluate(model, mesh, rows[0], windows, None, ckpt.config.d_model)
+        for s in rows:
+            progress(count, len(todo), start, f"TP={tp} {s.label}")
+            if s.key not in done:
+                row = exact_row if s.kind == "exact" else evaluate(
+                    model, mesh, s, windows, reference, ckpt.config.d_model)[0]
+                row["delta_ppl"] = row["perplexity"] / exact_row["perplexity"] - 1
+                data["rows"].append(row)
+                done.add(s.key)
+                out_json.write_text(json.dumps(data, indent=1))
+            count += 1
+        del reference
+    progress(count, len(todo), start, "done")
+    return data
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.accuracy", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--text", default=None,
+                        help="UTF-8 text file (default: models.corpus's default text)")
+    parser.add_argument("--tp", type=int, nargs="+", default=[3, 9])
+    parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--max-windows", type=int, default=6)
+    parser.add_argument("--out", default=str(REPO / "docs" / "accuracy"))
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the rows already in OUT.json and run only the others")
+    parser.add_argument("--report-only", action="store_true",
+                        help="only rewrite the tables and the plot from OUT.json")
+    args = parser.parse_args(argv)
+    if any(t < 1 for t in args.tp) or args.window < 2 or args.max_windows < 1:
+        parser.error("--tp values must be >= 1, --window >= 2, --max-windows >= 1")
+    from benchmarks import accuracy_report
+
+    data = (json.loads(Path(args.out + ".json").read_text()) if args.report_only
+            else run(args))
+    print(accuracy_report.tables(data))
+    accuracy_report.write_markdown(data, REPO / "docs" / "accuracy.md")
+    accuracy_report.plot(data, Path(args.out + ".png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
