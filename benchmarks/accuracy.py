@@ -12,7 +12,8 @@ to it). Sections (the table of docs/accuracy.md each one fills):
 
 - ``grid``: bits {8, 6, 5, 4, 3, 2} x group size {32, 64, 128, 256, 1024}, no spikes, no
   rotation, at every ``--tp``.
-- ``options``: spikes 0/1/2 x rotation off/Hadamard at G=128 and bits 8, 6, 4, 3 (first TP).
+- ``options``: spikes 0/1/2 x rotation off/Hadamard at G=128 and bits 8, 6, 4, 3; signed
+  Hadamard at 8 and 6 bits (first TP).
 - ``mixes``: per-phase bits (reduce-scatter 4 / all-gather 8 and the reverse), with the options.
 - ``coarse``: one scale and zero per rank's chunk of each message (G = the chunk), the
   per-tensor baseline of the paper's Fig. 4, at every ``--tp``.
@@ -88,9 +89,13 @@ def settings(tps, sections) -> list[Setting]:
     if "options" in sections:
         rows += [Setting("options", first, rs_bits=b, ag_bits=b, spikes=s, rotation=r)
                  for b in (8, 6, 4, 3) for r in (0, 1) for s in (0, 1, 2)]
+        rows += [Setting("options", first, rs_bits=b, ag_bits=b, spikes=s, rotation=2)
+                 for b in (8, 6) for s in (0, 1)]
     if "mixes" in sections:
         rows += [Setting("mixes", first, rs_bits=rs, ag_bits=ag, spikes=s, rotation=r)
                  for rs, ag in ((4, 8), (8, 4)) for r in (0, 1) for s in (0, 1, 2)]
+        rows += [Setting("mixes", first, rs_bits=4, ag_bits=8, group_size=g, spikes=s)
+                 for g in (32, 64) for s in (1, 2)]
     if "overlap" in sections:
         rows += [Setting("overlap", first, kind="flash+overlap", rs_bits=rs, ag_bits=ag,
                          spikes=s, rotation=r)
@@ -276,7 +281,7 @@ def main(argv=None) -> int:
     data = (json.loads(Path(args.out + ".json").read_text()) if args.report_only
             else run(args))
     print(accuracy_report.tables(data))
-    accuracy_report.write_markdown(data, REPO / "docs" / "accuracy.md")
+    accuracy_report.write_markdown(data, Path(args.out + ".md"))
     accuracy_report.plot(data, Path(args.out + ".png"))
     return 0
 

@@ -25,6 +25,12 @@ def _cells(r) -> list[str]:
 HEAD = ["B/elem", "x bf16 ring", "perplexity", "vs exact", "KL", "top-1"]
 
 
+def _resolved(r) -> str:
+    """What a default row's options resolved to."""
+    rotation = {0: "no rotation", 1: "Hadamard", 2: "signed Hadamard"}[r["rotation"]]
+    return (f" (G={r['group_size']}, spikes {r['rs_spikes']}/{r['ag_spikes']}, {rotation})")
+
+
 def _table(header, body) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in body]
@@ -66,7 +72,8 @@ def tables(data) -> str:
     for section in ("coarse", "options", "mixes", "overlap", "defaults"):
         rows = _by(data, section)
         if rows:
-            body = [[r["tp"], r["label"]] + _cells(r) for r in rows]
+            body = [[r["tp"], r["label"] + (_resolved(r) if r.get("default") else "")]
+                    + _cells(r) for r in rows]
             out.append(f"\n### {TITLES[section]}\n\n" + _table(["TP", "setting"] + HEAD, body))
     return "\n".join(out)
 

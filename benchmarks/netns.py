@@ -55,8 +55,10 @@ def _sh(*cmd: str) -> None:
 
 
 @contextlib.contextmanager
-def rate_limited_netns(rate: str = "2gbit", burst: str = "256kb", latency: str = "100ms"):
-    """A fresh network namespace whose loopback is limited by ``tc tbf`` to ``rate``.
+def rate_limited_netns(rate: str = "2gbit", burst: str = "256kb", latency: str = "100ms",
+                       mtu: int | None = None):
+    """A fresh network namespace whose loopback is limited by ``tc tbf`` to ``rate`` (and has
+    MTU ``mtu`` if given: the bucket must hold one packet, so a small burst needs a small MTU).
 
     Yields its name (use ``ip netns exec NAME cmd``). Every packet, both directions, passes the
     one qdisc of ``lo``: ``rate`` is the aggregate of all the traffic in the namespace. The
@@ -68,6 +70,8 @@ def rate_limited_netns(rate: str = "2gbit", burst: str = "256kb", latency: str =
     name = f"flashcomm-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     _sh("ip", "netns", "add", name)
     try:
+        if mtu is not None:
+            _sh("ip", "-n", name, "link", "set", "lo", "mtu", str(int(mtu)))
         _sh("ip", "-n", name, "link", "set", "lo", "up")
         _sh("ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
             "rate", rate, "burst", burst, "latency", latency)
@@ -78,7 +82,8 @@ def rate_limited_netns(rate: str = "2gbit", burst: str = "256kb", latency: str =
 
 def run_workers(script, num_processes: int, *, args=(), rate: str = "2gbit",
                 burst: str = "256kb", latency: str = "100ms", timeout: float = 900.0,
-                pin_cpus: bool = True, port: int = 23456, env: dict | None = None) -> list:
+                pin_cpus: bool = True, port: int = 23456, env: dict | None = None,
+                mtu: int | None = None) -> list:
     """Run ``sys.executable script *args`` as ``num_processes`` JAX processes in a rate-limited netns.
 
     Each worker finds its coordinates in the environment (read them with :func:`worker_init`)
@@ -93,7 +98,7 @@ def run_workers(script, num_processes: int, *, args=(), rate: str = "2gbit",
     script = str(Path(script).resolve())
     ncpu = os.cpu_count() or 1
     with tempfile.TemporaryDirectory(prefix="flashcomm-netns-") as tmp, \
-            rate_limited_netns(rate, burst, latency) as ns:
+            rate_limited_netns(rate, burst, latency, mtu) as ns:
         procs, logs = [], []
         try:
             for i in range(num_processes):

@@ -41,7 +41,7 @@ __all__ = ["psum", "pmean"]
 def psum(x, axis_name, *, axis_index_groups=None, bits: int | None = 8,
          rs_bits: int | None = None, ag_bits: int | None = None, group_size: int = 128,
          min_bytes: int = DEFAULT_MIN_BYTES, backend: str = "auto", grad: str = "exact",
-         config: CommConfig | None = None, rotation=0, spikes="auto", transport="auto"):
+         config: CommConfig | None = None, rotation="auto", spikes="auto", transport="auto"):
     """Quantized all-reduce sum over mesh axes ``axis_name``: a drop-in for ``lax.psum``.
 
     Args:
@@ -57,7 +57,9 @@ def psum(x, axis_name, *, axis_index_groups=None, bits: int | None = 8,
       config: a :class:`CommConfig`; when given it replaces all the option arguments.
       rotation: 0 (none), 1/"hadamard" or 2/"signed_hadamard": quantize each group's
         orthonormal Walsh-Hadamard transform; the sum is formed and re-quantized in the rotated
-        domain and rotated back once, after the all-gather (docs/outliers.md).
+        domain and rotated back once, after the all-gather (docs/outliers.md). "auto" (the
+        default): Hadamard when both phases have at least 6 bits and ``group_size`` is a power
+        of two, else none (docs/accuracy.md).
       spikes: per group, keep the k largest-magnitude values in bf16 with their positions
         (0..16; both phases; after the rotation if any; docs/format.md "Spike reserving").
         "auto" (the default), decided per phase: 1 in a phase of at most 6 bits, else 0

@@ -36,6 +36,13 @@ TRANSPORTS = ("auto", "xla", "p2p")
 #: 0.52x of a bf16 ring), so 8-bit phases keep none (rs_bits=4, ag_bits=8: 1 and 0).
 AUTO_SPIKES = 1
 AUTO_SPIKES_MAX_BITS = 6
+#: rotation="auto": Hadamard when every quantized phase has at least 6 bits and the group size
+#: is a power of two, else none. Measured on SmolLM2 (docs/accuracy.md, "Defaults"): at no wire
+#: cost it cuts int8's KL vs exact 6x (perplexity change +0.17% -> -0.09%) and int6's
+#: perplexity change 3x; with a 4-bit phase it is worse than the spike alone (rs4/ag8: +12.2%
+#: vs +6.2%): a spike picked after the rotation no longer holds the outlier.
+AUTO_ROTATION = 1
+AUTO_ROTATION_MIN_BITS = 6
 
 _recorders: list[list["Decision"]] = []
 
@@ -50,7 +57,9 @@ class CommConfig:
     threshold on the per-rank operand bytes; ``grad`` picks exact or quantized collectives for
     cotangents; ``backend`` is the codec backend ("auto", "ffi", "jnp"). ``rotation``
     quantizes each group's (signed) Walsh-Hadamard transform (needs a power-of-two
-    ``group_size``): outlier channels then no longer set the step of their groups.
+    ``group_size``): outlier channels then no longer set the step of their groups; the default
+    ``"auto"`` is Hadamard when both phases have at least 6 bits and the group size is a power
+    of two, else none (docs/accuracy.md measured it).
     ``transport`` picks how payloads move ("auto", "xla", "p2p"; docs/transport.md).
     ``spikes`` keeps each group's k largest-magnitude values in bf16 beside the codes; the
     default ``"auto"`` is the rule docs/outliers.md measured, decided per phase: 1 in a phase
@@ -66,8 +75,10 @@ class CommConfig:
     backend: str = "auto"
     grad: str = "exact"
     #: Rotation of every group before quantization (docs/format.md, "Rotation"; docs/outliers.md
-    #: measures it): 0 none (the default), 1 Hadamard, 2 signed Hadamard, or their names.
-    rotation: int = 0
+    #: and docs/accuracy.md measure it): 0 none, 1 Hadamard, 2 signed Hadamard, their names, or
+    #: "auto" (the default): Hadamard when both phases have >= 6 bits and ``group_size`` is a
+    #: power of two, else none (:data:`AUTO_ROTATION_MIN_BITS`).
+    rotation: int | str = "auto"
     #: Values per group kept in bf16 with their positions (docs/format.md, "Spike reserving";
     #: docs/outliers.md measures it): "auto" (the default, decided per phase, see
     #: :attr:`phase1_spikes`) or 0..16 below group_size for both phases.
@@ -90,6 +101,11 @@ class CommConfig:
             raise ValueError("bits=None is the exact setting; rs_bits/ag_bits need bits set "
                              f"(got rs_bits={self.rs_bits}, ag_bits={self.ag_bits})")
         spec.check_group_size(self.group_size, "group_size")
+        if isinstance(self.rotation, str) and self.rotation == "auto":
+            pow2 = self.group_size & (self.group_size - 1) == 0
+            wide = not self.exact and min(self.phase1_bits,
+                                          self.phase2_bits) >= AUTO_ROTATION_MIN_BITS
+            object.__setattr__(self, "rotation", AUTO_ROTATION if pow2 and wide else 0)
         object.__setattr__(self, "rotation",
                            spec.check_rotation(self.rotation, self.group_size, "rotation"))
         if self.spikes != "auto":

@@ -54,7 +54,7 @@ def _check_dim(dim, ndim, name):
 def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, axis_index_groups=None,
                  tiled: bool = False, bits: int | None = 8, group_size: int = 128,
                  min_bytes: int = DEFAULT_MIN_BYTES, backend: str = "auto",
-                 grad: str = "exact", config: CommConfig | None = None, rotation=0,
+                 grad: str = "exact", config: CommConfig | None = None, rotation="auto",
                  spikes="auto", transport="auto"):
     """Quantized reduce-scatter: a drop-in for ``lax.psum_scatter``.
 
@@ -164,7 +164,7 @@ _qpsum_scatter.defvjp(_qpsum_scatter_fwd, _qpsum_scatter_bwd)
 def all_gather(x, axis_name, *, axis: int = 0, axis_index_groups=None, tiled: bool = False,
                bits: int | None = 8, group_size: int = 128,
                min_bytes: int = DEFAULT_MIN_BYTES, backend: str = "auto",
-               grad: str = "exact", config: CommConfig | None = None, rotation=0,
+               grad: str = "exact", config: CommConfig | None = None, rotation="auto",
                spikes="auto", transport="auto"):
     """Quantized all-gather: a drop-in for ``lax.all_gather``.
 

@@ -97,6 +97,16 @@ class Engine:
     # --- placement -------------------------------------------------------------------------
 
     def _put(self, array, spec=P()):
+        """``array`` on the mesh. Across processes ``device_put`` places host (numpy) values
+        only, so a local jax array (the PRNG key of a decode step) goes through numpy, a key
+        as its key data."""
+        if (isinstance(array, jax.Array) and array.is_fully_addressable
+                and jax.process_count() > 1):
+            if jax.dtypes.issubdtype(array.dtype, jax.dtypes.prng_key):
+                return jax.random.wrap_key_data(
+                    self._put(np.asarray(jax.random.key_data(array)), spec),
+                    impl=jax.random.key_impl(array))
+            array = np.asarray(array)
         return jax.device_put(array, NamedSharding(self.mesh, spec))
 
     def new_cache(self, batch: int = 1):

@@ -209,7 +209,9 @@ def test_size_policy_defaults_and_exact_rewrite_is_the_original_program():
 
 # --- nesting and autodiff ---------------------------------------------------------------------
 
-GRAD_CFG = fc.CommConfig(bits=8, min_bytes=0, grad="quantized")
+# Plain int8: the toy's tanh activations are bounded, where the default Hadamard rotation costs
+# accuracy (docs/accuracy.md), and the gradient sanity bound below is the one of plain groups.
+GRAD_CFG = fc.CommConfig(bits=8, min_bytes=0, grad="quantized", rotation=0)
 
 
 @jax.custom_vjp
@@ -332,7 +334,8 @@ def test_docs_tp_mlp_fused_equals_ring_ops(bits):
         if bits is None:
             h = jax.nn.relu(fc.all_gather_matmul(x, w1, "i"))
             return fc.matmul_reduce_scatter(h, w2, "i")
-        h = jax.nn.relu(fc.all_gather_matmul(x, w1, "i", bits=8))
+        h = jax.nn.relu(fc.all_gather_matmul(x, w1, "i", bits=8, rotation=config.rotation,
+                                             spikes=config.phase2_spikes))
         return fc.psum_scatter(h @ w2, "i", scatter_dimension=0, tiled=True, config=config)
 
     rewritten = rewrite(plain, RewritePolicy(config=config, fuse_matmul=True))
