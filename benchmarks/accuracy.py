@@ -19,7 +19,8 @@ to it). Sections (the table of docs/accuracy.md each one fills):
   per-tensor baseline of the paper's Fig. 4, at every ``--tp``.
 - ``overlap``: ``flash+overlap``: the overlap rings with the quantized all-gather ring and the
   once-quantized reduce-scatter.
-- ``defaults``: the library's defaults (``CommConfig(bits=B)``) and the candidates for them.
+- ``defaults``: the library's defaults (``CommConfig(bits=B)``, at every ``--tp``) and the
+  candidates for them.
 
 Rows are written to ``OUT.json`` as they finish (``--resume`` skips those already there);
 ``OUT.md`` gets the tables (between markers in docs/accuracy.md) and ``OUT.png`` the plot.
@@ -101,9 +102,8 @@ def settings(tps, sections) -> list[Setting]:
                          spikes=s, rotation=r)
                  for rs, ag in ((8, 8), (4, 8), (4, 4)) for s, r in ((0, 0), (1, 1))]
     if "defaults" in sections:
-        rows += [Setting("defaults", first, rs_bits=b, ag_bits=b, spikes="auto", default=True)
-                 for b in (8, 6, 4)]
-        rows += [Setting("defaults", first, rs_bits=4, ag_bits=8, spikes="auto", default=True)]
+        rows += [Setting("defaults", tp, rs_bits=rs, ag_bits=ag, spikes="auto", default=True)
+                 for tp in tps for rs, ag in ((8, 8), (6, 6), (4, 4), (4, 8))]
         rows += [Setting("defaults", first, rs_bits=8, ag_bits=8, group_size=256, spikes=1),
                  Setting("defaults", first, rs_bits=8, ag_bits=8, group_size=256, spikes=1,
                          rotation=1)]

@@ -25,6 +25,7 @@ def test_rows_cover_the_grid_once_per_tp():
     # the per-setting sections run at the first TP only; coarse and grid at every TP
     assert {s.tp for s in rows if s.section in ("options", "mixes", "overlap")} == {3}
     assert {s.tp for s in rows if s.section == "coarse"} == {3, 9}
+    assert {s.tp for s in rows if s.default} == {3, 9}
 
 
 @pytest.mark.parametrize("window,d,tp", [(512, 576, 3), (512, 576, 9), (16, 64, 2), (7, 12, 5)])
