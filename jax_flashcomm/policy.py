@@ -38,7 +38,7 @@ AUTO_SPIKES = 1
 AUTO_SPIKES_MAX_BITS = 6
 #: rotation="auto": Hadamard when every quantized phase has at least 6 bits and the group size
 #: is a power of two, else none. Measured on SmolLM2 (docs/accuracy.md, "Defaults"): at no wire
-#: cost it cuts int8's KL vs exact 6x (perplexity change +0.17% -> -0.09%) and int6's
+#: cost it cuts int8's KL vs exact 6x (perplexity change +0.17% -> -0.08%) and int6's
 #: perplexity change 3x; with a 4-bit phase it is worse than the spike alone (rs4/ag8: +12.2%
 #: vs +6.2%): a spike picked after the rotation no longer holds the outlier.
 AUTO_ROTATION = 1
