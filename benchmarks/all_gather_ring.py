@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     print(machine.first_line())
     mesh = jax.make_mesh((8,), ("i",), axis_types=(jax.sharding.AxisType.Explicit,))
-    config = fc.CommConfig(bits=args.bits, min_bytes=0)
+    config = fc.CommConfig(bits=args.bits, min_bytes=0, rotation=0)  # the measured base format
     rows = []
     print(f"all_gather of {args.mib:g} MiB per device over 8 devices, axis 0, tiled, "
           f"{args.bits} bits; median of {args.reps} calls in turn (seconds)")

@@ -74,9 +74,10 @@ def _methods(mesh, n_elems):
     # link calibration: every rank sends its whole message to the next one (N*bytes in total)
     methods["ppermute"] = sm(lambda v: lax.ppermute(v, "i", perm), P("i"))
     for b in BITS:
-        # spikes=0: the base format these figures were measured with (docs/allreduce.md)
+        # spikes=0, rotation=0: the base format these figures were measured with
+        # (docs/allreduce.md); the defaults' rotation is measured in docs/accuracy.md
         methods[f"int{b}"] = sm(lambda v, b=b: fc.psum(v[0], "i", bits=b, min_bytes=0,
-                                                      spikes=0), P())
+                                                      spikes=0, rotation=0), P())
     return methods
 
 
@@ -157,7 +158,7 @@ def breakdown(mesh, make_input, sizes, reps, budget_s, log=print):
         x = make_input(n_elems)
         r = reps if size < 16 * MIB else max(2, reps // 2)
         for b in BITS:
-            cfg = make_config(bits=b, min_bytes=0, spikes=0)
+            cfg = make_config(bits=b, min_bytes=0, spikes=0, rotation=0)
             g, b1, b2 = cfg.group_size, cfg.phase1_bits, cfg.phase2_bits
             k1, k2 = cfg.phase1_spikes, cfg.phase2_spikes
             shape, dtype = (n_elems,), x.dtype

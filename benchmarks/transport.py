@@ -49,7 +49,7 @@ def _methods(mesh):
     methods = {"lax.psum": sm(lambda v: lax.psum(v[0], "i"))}
     for transport in ("xla", "p2p"):
         for b in BITS:
-            cfg = fc.CommConfig(bits=b, spikes=0, min_bytes=0, transport=transport)
+            cfg = fc.CommConfig(bits=b, spikes=0, rotation=0, min_bytes=0, transport=transport)
             methods[f"{transport} int{b}"] = sm(lambda v, cfg=cfg: fc.psum(v[0], "i",
                                                                            config=cfg))
     return methods
