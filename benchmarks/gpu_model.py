@@ -4,9 +4,9 @@ Predicts, from bytes moved, link bandwidth and latency, and codec passes at HBM 
 all-reduce speedup over a bf16 NCCL ring and the TTFT speedup of a tensor-parallel Llama prefill
 on L40 (PCIe Gen4, a shared host-bridged bus), A100 and H100 (NVLink through NVSwitch). The same
 equations, fed this machine's link (the tc-limited loopback) and its measured CPU codec times,
-predict the emulated-link measurements of docs/allreduce_bf16*.json and, once it exists,
-docs/ttft.json, printed beside them. Every input is a named constant below (sources in
-docs/gpu_model.md); none is fitted to a row it predicts.
+predict the emulated-link measurements of docs/allreduce_bf16*.json and of docs/ttft.json,
+printed beside them. Every input is a named constant below (sources in docs/gpu_model.md); none
+is fitted to a row it predicts.
 
 Re-run (a few seconds, no GPU)::
 
@@ -302,39 +302,36 @@ def emulated_allreduce_check() -> dict:
 
 
 def ttft_check(data: dict) -> dict:
-    """Predict each rate-limited row of docs/ttft.json: the same configuration's TTFT on the
-    unlimited link + tp x prefill_bytes_per_rank / rate (a shared link carries every rank's
-    bytes; a link marked ``"topology": "switched"`` one rank's) + collectives x latency. The
-    latency per collective is the median over the link's decode rows of (decode time - unlimited
-    decode time - bytes / rate) / collectives, a decode step taken to run as many collectives as
-    the prefill: never fitted to the TTFT rows it predicts."""
-    missing = [k for k in ("tp", "links", "rows") if k not in data]
-    if missing:
+    """Predict each rate-limited row of docs/ttft.json from its "unlimited" twin, fitting nothing to
+    the rows predicted (docs/gpu_model.md, "Self-check 2"): T_c = U - tp B / R_u (non-link work:
+    unlimited TTFT less its own transfer), T_l = bus B / R + K lam (bus = tp on a shared link, 1 if
+    "switched"; lam = small psum less the unlimited one, >= 0); TTFT = max(T_c, T_l + T_c min(1, C/N))."""
+    if missing := [k for k in ("tp", "links", "rows") if k not in data]:
         raise ValueError(f"ttft json: missing key(s) {missing}")
-    tp, notes, out, lat = int(data["tp"]), [], [], {}
+    tp, notes, out, lat, links, m = int(data["tp"]), [], [], {}, data["links"], data.get("machine")
+    c = m.get("cores") if isinstance(m, dict) else next(iter(re.findall(r"(\d+) cores", str(m))), None)
+    cores, unl = int(c or tp), links.get("unlimited", {})
+    r_u, share = float(unl.get("measured_bytes_per_s") or 0), min(1.0, int(c or tp) / tp)
+    notes += ["no core count in the file: C = N."] * (not c) + ["no unlimited psum rate: T_c = U."] * (not r_u > 0)
     key = lambda r: (r["strategy"], r["kind"], r.get("rs_bits"), r.get("ag_bits"), r.get("group_size"))  # noqa: E731
     base = {key(r): r for r in data["rows"] if r["link"] == "unlimited"}
-    for name, link in data["links"].items():
-        if name == "unlimited":
-            continue
+    for name, link in ((k, v) for k, v in links.items() if k != "unlimited"):
         rate = float(link.get("rate_bytes_per_s") or 0)
         if not rate > 0:
             raise ValueError(f"ttft json: links.{name}.rate_bytes_per_s must be > 0, got {rate}")
         bus = tp if link.get("topology", "shared") == "shared" else 1
-        pairs = [(r, base[key(r)]) for r in data["rows"] if r["link"] == name and key(r) in base]
-        samples = [(r["decode_s_per_token"] - u["decode_s_per_token"] - bus * r["decode_bytes_per_rank"]
-                    / rate) / r["collectives_prefill"] for r, u in pairs if r.get("collectives_prefill")]
-        lat[name] = max(0.0, statistics.median(samples)) if samples else 0.0
-        for r, u in pairs:
-            pred = u["ttft_s"] + bus * r["prefill_bytes_per_rank"] / rate + r["collectives_prefill"] * lat[name]
-            out.append({"link": name, "strategy": r["strategy"], "kind": r["kind"], "rs_bits": r.get("rs_bits"),
-                        "ag_bits": r.get("ag_bits"), "unlimited_s": u["ttft_s"], "measured_s": r["ttft_s"],
-                        "predicted_s": pred, "err": pred / r["ttft_s"] - 1})
-    if not all(0.5 < r["prefill_bytes_per_rank"] / r["decode_bytes_per_rank"] / data["prompt_tokens"] < 2
-               for r in data["rows"] if r.get("decode_bytes_per_rank") and data.get("prompt_tokens")):
-        notes.append("prefill / decode bytes is not ~prompt_tokens: is decode_bytes_per_rank per token?")
+        lat[name] = max(0.0, (link.get("small_psum_s") or 0.0) - (unl.get("small_psum_s") or 0.0))
+        for r in (r for r in data["rows"] if r["link"] == name and key(r) in base):
+            u, b = base[key(r)]["ttft_s"], r["prefill_bytes_per_rank"]
+            t_c = max(0.0, u - (tp * b / r_u if r_u > 0 else 0.0))
+            t_l = bus * b / rate + r.get("collectives_prefill", 0) * lat[name]
+            pred = max(t_c, t_l + share * t_c)
+            out.append({"link": name, **{k: r.get(k) for k in ("strategy", "kind", "rs_bits", "ag_bits")},
+                        "unlimited_s": u, "compute_s": t_c, "link_s": t_l, "bounds_s": [max(t_c, t_l), t_c + t_l],
+                        "measured_s": r["ttft_s"], "predicted_s": pred, "err": pred / r["ttft_s"] - 1})
     worst = max((abs(r["err"]) for r in out), default=None)
-    return {"tp": tp, "latency_per_collective_s": lat, "rows": out, "notes": notes,
+    return {"tp": tp, "cores": cores, "exposed_share": share, "unlimited_bytes_per_s": r_u or None,
+            "latency_per_collective_s": lat, "rows": out, "notes": notes,
             "max_abs_err": worst, "within_tolerance": None if worst is None else worst <= TOLERANCE}
 
 
@@ -393,13 +390,15 @@ def markdown(res: dict) -> str:
     L.append("\n### Predicted vs measured: TTFT\n")
     if "skipped" in tc:
         return "\n".join(L + [tc["skipped"]])
-    L += _table(["link", "strategy", "kind", "bits (rs/ag)", "unlimited", "measured", "predicted", "error"],
-                [[r["link"], r["strategy"], r["kind"], f"{r['rs_bits']}/{r['ag_bits']}", ms(r["unlimited_s"]),
-                  ms(r["measured_s"]), ms(r["predicted_s"]), pct(r["err"])] for r in tc["rows"]])
-    lat = ", ".join(f"{k}: {v * 1e6:.0f} us" for k, v in tc["latency_per_collective_s"].items())
-    worst = "n/a" if tc["max_abs_err"] is None else f"{tc['max_abs_err']:.1%}"
-    return "\n".join(L + [f"\nLatency per collective (from the decode rows): {lat}. Largest |error|: {worst}; "
-                          f"within {TOLERANCE:.0%}: {tc['within_tolerance']}. " + " ".join(tc["notes"])])
+    L += _table(["link", "strategy", "bits (rs/ag)", "unlimited", "T_c", "T_l", "[max, sum]", "measured", "predicted",
+                 "error"], [[r["link"], r["strategy"], f"{r['rs_bits']}/{r['ag_bits']}", *map(ms, (
+                     r["unlimited_s"], r["compute_s"], r["link_s"])), " - ".join(map(ms, r["bounds_s"])),
+                     ms(r["measured_s"]), ms(r["predicted_s"]), pct(r["err"])] for r in tc["rows"]])
+    lat, worst = ", ".join(f"{k}: {v * 1e6:.0f} us" for k, v in tc["latency_per_collective_s"].items()), (
+        "n/a" if tc["max_abs_err"] is None else f"{tc['max_abs_err']:.1%}")
+    return "\n".join(L + [f"\nCores C = {tc['cores']}, exposed share min(1, C/N) = {tc['exposed_share']:.3f}, latency "
+                          f"per collective: {lat}. Largest |error|: {worst}; within {TOLERANCE:.0%}: "
+                          f"{tc['within_tolerance']}. " + " ".join(tc["notes"])])
 
 
 def plot(path: Path) -> None:

@@ -64,20 +64,25 @@ def test_emulated_allreduce_predictions_within_tolerance():
     assert len(res["rows"]) == 16 and res["within_tolerance"], res["max_abs_err"]
 
 
-def _synthetic_ttft(tmp_path=None, lat=1e-3, rate=1e6):
-    tp, coll = 3, 60
+def _synthetic_ttft(tmp_path=None, lat=1e-3, rate=1e6, r_u=1e8, cores=2, machine=None):
+    """TTFTs built by the documented formula: T_c = U - tp B / R_u, T_l = tp B / R + K lam,
+    TTFT = max(T_c, T_l + T_c min(1, C / N)); lam = the link's small psum less the unlimited one."""
+    tp, coll, share = 3, 60, min(1.0, cores / 3)
     rows = []
-    for strat, bits, pre, dec in (("exact", None, 3e5, 300.0), ("flash", 4, 8e4, 80.0)):
+    for strat, bits, pre, dec in (("exact", None, 3e5, 300.0), ("flash", 4, 8e4, 80.0), ("tiny", 8, 10.0, 1.0)):
         common = {"strategy": strat, "kind": "psum", "rs_bits": bits, "ag_bits": bits, "group_size": 128,
                   "ttft_samples_s": [], "prefill_bytes_per_rank": pre, "decode_bytes_per_rank": dec,
                   "collectives_prefill": coll}
+        t_c = 1.0 - tp * pre / r_u
         rows.append({**common, "link": "unlimited", "ttft_s": 1.0, "decode_s_per_token": 0.01})
-        rows.append({**common, "link": "pcie", "ttft_s": 1.0 + tp * pre / rate + coll * lat,
-                     "decode_s_per_token": 0.01 + tp * dec / rate + coll * lat})
+        rows.append({**common, "link": "pcie", "ttft_s": max(t_c, tp * pre / rate + coll * lat + share * t_c),
+                     "decode_s_per_token": 0.01})
     rows.append({**rows[-1], "strategy": "orphan"})     # no unlimited twin: not predicted
-    data = {"machine": {}, "tp": tp, "prompt_tokens": 1000, "decode_tokens": 8, "rows": rows,
-            "links": {"pcie": {"rate_bytes_per_s": rate, "calibration": {}},
-                      "unlimited": {"rate_bytes_per_s": None, "calibration": {}}}}
+    data = {"machine": machine if machine is not None else f"CPU test ({cores} cores, x86_64)", "tp": tp,
+            "prompt_tokens": 1000, "decode_tokens": 8, "rows": rows,
+            "links": {"pcie": {"rate_bytes_per_s": rate, "small_psum_s": 2e-3 + lat, "calibration": {}},
+                      "unlimited": {"rate_bytes_per_s": None, "small_psum_s": 2e-3, "measured_bytes_per_s": r_u,
+                                    "calibration": {}}}}
     if tmp_path is not None:
         (tmp_path / "ttft.json").write_text(json.dumps(data))
     return data
@@ -86,9 +91,41 @@ def _synthetic_ttft(tmp_path=None, lat=1e-3, rate=1e6):
 def test_ttft_check_reads_a_synthetic_file():
     res = gm.ttft_check(_synthetic_ttft())
     assert res["latency_per_collective_s"]["pcie"] == pytest.approx(1e-3)
-    assert len(res["rows"]) == 2 and res["within_tolerance"] and not res["notes"]
+    assert res["cores"] == 2 and res["exposed_share"] == pytest.approx(2 / 3)
+    assert len(res["rows"]) == 3 and res["within_tolerance"] and not res["notes"]
     for r in res["rows"]:
         assert r["predicted_s"] == pytest.approx(r["measured_s"]) and abs(r["err"]) < 1e-9
+        lo, hi = r["bounds_s"]
+        assert lo - 1e-12 <= r["predicted_s"] <= hi + 1e-12
+    tiny = res["rows"][-1]   # link time << non-link work: the prediction is T_c, the lower bound
+    assert tiny["predicted_s"] == pytest.approx(tiny["compute_s"])
+
+
+def test_ttft_check_formula_by_hand():
+    """One link-bound row, worked by hand: U = 1 s, B = 3 x 3e5 bytes, R_u = 1e8 B/s, R = 1e6 B/s,
+    60 collectives x 1 ms, 2 cores / 3 ranks: T_c = 1 - 0.009 = 0.991 s, T_l = 0.9 + 0.06 = 0.96 s,
+    TTFT = 0.96 + 0.991 x 2/3; the unlimited transfer is not counted twice."""
+    r = gm.ttft_check(_synthetic_ttft())["rows"][0]
+    assert r["compute_s"] == pytest.approx(0.991) and r["link_s"] == pytest.approx(0.96)
+    assert r["predicted_s"] == pytest.approx(0.96 + 0.991 * 2 / 3)
+    assert r["bounds_s"] == pytest.approx([0.991, 0.991 + 0.96])
+
+
+@pytest.mark.parametrize("cores,share", [(1, 1 / 3), (2, 2 / 3), (3, 1.0), (8, 1.0)])
+def test_ttft_check_exposed_share_is_cores_over_ranks(cores, share):
+    res = gm.ttft_check(_synthetic_ttft(cores=cores))
+    assert res["exposed_share"] == pytest.approx(share) and res["within_tolerance"]
+
+
+def test_ttft_check_missing_inputs_fall_back_with_notes():
+    data = _synthetic_ttft(machine={})                      # no core count: C = N, the sum bound
+    del data["links"]["unlimited"]["measured_bytes_per_s"]  # no unlimited rate: T_c = U
+    res = gm.ttft_check(data)
+    assert res["exposed_share"] == 1.0 and len(res["notes"]) == 2
+    for r in res["rows"]:
+        assert r["compute_s"] == pytest.approx(r["unlimited_s"])
+        assert r["predicted_s"] == pytest.approx(max(r["compute_s"], r["link_s"] + r["compute_s"]))
+    assert gm.ttft_check(_synthetic_ttft(machine={"cores": 4}))["cores"] == 4
 
 
 def test_main_writes_json_and_png(tmp_path):
@@ -119,3 +156,11 @@ def test_parse_rate():
 def test_bad_inputs_raise(call):
     with pytest.raises((ValueError, TypeError)):
         call()
+
+
+def test_ttft_check_on_the_measured_file_is_within_tolerance():
+    path = gm.REPO / gm.TTFT_FILE
+    if not path.exists():
+        pytest.skip(f"{gm.TTFT_FILE} not written yet")
+    res = gm.ttft_check(json.loads(path.read_text()))
+    assert res["rows"] and res["within_tolerance"], [(r["link"], r["strategy"], r["err"]) for r in res["rows"]]
