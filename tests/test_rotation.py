@@ -242,7 +242,16 @@ def test_validation():
     with pytest.raises(ValueError, match="power-of-two"):
         CommConfig(bits=4, group_size=24, rotation=1)
     assert CommConfig(bits=4, rotation="hadamard").rotation == 1
-    assert CommConfig().rotation == 0
+    # rotation="auto" (the default): Hadamard when both phases have >= 6 bits and G is a
+    # power of two, else none
+    assert CommConfig().rotation == 1 and CommConfig(bits=6).rotation == 1
+    assert CommConfig(bits=4).rotation == 0 and CommConfig(bits=8, rs_bits=4).rotation == 0
+    assert CommConfig(bits=8, ag_bits=5).rotation == 0
+    assert CommConfig(bits=8, group_size=24).rotation == 0
+    assert CommConfig(bits=None).rotation == 0
+    assert CommConfig(bits=8, rotation=0).rotation == 0
+    with pytest.raises(ValueError):
+        CommConfig(bits=8, rotation="automatic")
 
 
 def _put(mesh, x):

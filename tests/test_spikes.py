@@ -80,7 +80,8 @@ def _parity_program(rotation, group_size, dtype):
 
 @needs_ffi
 @pytest.mark.parametrize("rotation", [0, 2])
-@pytest.mark.parametrize("group_size", [8, 32, 128, 512])
+# the smallest group, the default, and one past 256 (two-byte spike positions)
+@pytest.mark.parametrize("group_size", [8, 128, 512])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_parity_twin_and_kernels(rotation, group_size, dtype):
     rng = np.random.default_rng(group_size + rotation)
