@@ -148,20 +148,25 @@ def wire(config) -> dict:
     return {"bytes_per_element": per, "vs_bf16_ring": per / 2.0}
 
 
-def compare_fn():
-    """jit: ``(nll, kl, top1_equal)`` per position of one window, given exact's log-probs."""
+def metrics_fns():
+    """jit: ``log_probs(logits)`` of the next token at every position but the last of one
+    window, and ``compare(logp, tokens, ref_logp)``: ``(nll, kl, top1_equal)`` per position,
+    KL(ref || logp)."""
     import jax
     import jax.numpy as jnp
 
     @jax.jit
-    def compare(logits, tokens, ref_logp):
-        logp = jax.nn.log_softmax(logits[0, :-1].astype(jnp.float32), axis=-1)
+    def log_probs(logits):
+        return jax.nn.log_softmax(logits[0, :-1].astype(jnp.float32), axis=-1)
+
+    @jax.jit
+    def compare(logp, tokens, ref_logp):
         nll = -jnp.take_along_axis(logp, tokens[0, 1:, None], axis=-1)[:, 0]
         kl = jnp.sum(jnp.exp(ref_logp) * (ref_logp - logp), axis=-1)
         top1 = jnp.argmax(logp, axis=-1) == jnp.argmax(ref_logp, axis=-1)
-        return nll, kl, top1, logp
+        return nll, kl, top1
 
-    return compare
+    return log_probs, compare
 
 
 def evaluate(model, mesh, setting: Setting, windows, reference, d_model):
@@ -175,17 +180,15 @@ def evaluate(model, mesh, setting: Setting, windows, reference, d_model):
     comm, config = comm_config(setting, len(windows[0]), d_model)
     set_comm(model, comm)
     engine = Engine(model, mesh, cache_len=max(len(windows[0]), 64))
-    compare = compare_fn()
+    log_probs, compare = metrics_fns()
     nll, kl, top1, logps = [], [], [], []
     start = time.perf_counter()
     for i, w in enumerate(windows):
         tokens = np.asarray([w], np.int32)
-        ref = reference[i] if reference is not None else None
-        logits = engine.score(tokens)
-        if ref is None:
-            ref = compare(logits, tokens, np.zeros((len(w) - 1, logits.shape[-1]), np.float32))[3]
-            logps.append(np.asarray(ref))
-        n, k, t, _ = compare(logits, tokens, ref)
+        logp = log_probs(engine.score(tokens))
+        if reference is None:
+            logps.append(np.asarray(logp))
+        n, k, t = compare(logp, tokens, logp if reference is None else reference[i])
         nll.append(np.asarray(n, np.float64))
         kl.append(np.asarray(k, np.float64))
         top1.append(np.asarray(t))
@@ -201,30 +204,19 @@ def evaluate(model, mesh, setting: Setting, windows, reference, d_model):
     return row, logps
 
 
-def progress(done: int, total: int, start: float, what: str) -> None:
-    width, elapsed = 30, time.perf_counter() - start
-    eta = elapsed / done * (total - done) if done else float("nan")
-    sys.stderr.write(f"\r[{'#' * (width * done // total)}{'.' * (width - width * done // total)}]"
-                     f" {done}/{total} rows, {elapsed / 60:.1f} min, eta {eta / 60:.1f} min  "
-                     f"{what[:48]:<48}")
-    if done == total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
-
-
 def run(args) -> dict:
     out_json = Path(args.out + ".json")
     data = {"rows": []}
     if args.resume and out_json.exists():
         data = json.loads(out_json.read_text())
     done = {f"{r['section']}|{r['tp']}|{r['label']}" for r in data["rows"]}
-    todo = [s for s in settings(args.tp, args.sections)]
+    todo = settings(args.tp, args.sections)
     cli.set_devices(max(args.tp))
     import jax
 
     from benchmarks.machine import first_line
     from models import corpus
-    from models.eval import window_tokens
+    from models.eval import progress, window_tokens
     from models.weights import load_model
 
     text = (Path(args.text).read_text(encoding="utf-8") if args.text
@@ -244,7 +236,7 @@ def run(args) -> dict:
         windows = window_tokens(ckpt.tokenizer.encode(text), args.window, args.max_windows)
         exact_row, reference = evaluate(model, mesh, rows[0], windows, None, ckpt.config.d_model)
         for s in rows:
-            progress(count, len(todo), start, f"TP={tp} {s.label}")
+            progress(count, len(todo), start, unit="rows", what=f"TP={tp} {s.label}")
             if s.key not in done:
                 row = exact_row if s.kind == "exact" else evaluate(
                     model, mesh, s, windows, reference, ckpt.config.d_model)[0]
@@ -254,7 +246,7 @@ def run(args) -> dict:
                 out_json.write_text(json.dumps(data, indent=1))
             count += 1
         del reference
-    progress(count, len(todo), start, "done")
+    progress(count, len(todo), start, unit="rows", what="done")
     return data
 
 

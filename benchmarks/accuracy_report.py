@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from benchmarks.markdown_block import replace_block
+
 BEGIN, END = "<!-- accuracy tables: begin -->", "<!-- accuracy tables: end -->"
 
 TITLES = {
@@ -79,14 +81,8 @@ def tables(data) -> str:
 
 
 def write_markdown(data, path: Path) -> None:
-    """Replace the tables between the markers of ``path`` (created with just the tables if
-    missing)."""
-    block = f"{BEGIN}\n{tables(data)}\n{END}"
-    text = path.read_text() if path.exists() else f"# Accuracy\n\n{BEGIN}\n{END}\n"
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"{path} has no '{BEGIN}' ... '{END}' markers")
-    head, rest = text.split(BEGIN, 1)
-    path.write_text(head + block + rest.split(END, 1)[1])
+    """Replace the tables between the markers of ``path``."""
+    replace_block(path, BEGIN, END, tables(data))
 
 
 def plot(data, path: Path) -> None:

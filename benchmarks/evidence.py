@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.markdown_block import replace_block
+
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
 BEGIN, END = "<!-- evidence headline: begin -->", "<!-- evidence headline: end -->"
@@ -80,11 +82,7 @@ def headline(acc, ttft, model) -> str:
 
 def write_headline(readme: Path) -> str:
     table = headline(_load("accuracy"), _load("ttft"), _load("gpu_model"))
-    text = readme.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{readme} has no '{BEGIN}' ... '{END}' markers")
-    head, rest = text.split(BEGIN, 1)
-    readme.write_text(f"{head}{BEGIN}\n{table}\n{END}{rest.split(END, 1)[1]}")
+    replace_block(readme, BEGIN, END, table)
     return table
 
 

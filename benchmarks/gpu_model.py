@@ -29,7 +29,6 @@ from jax_flashcomm.codec import spec  # noqa: E402
 
 MIB = 2**20
 BF16 = 2                 # bytes per activation value of the exact all-reduce
-SCALE_ZERO_BYTES = 4     # bf16 scale + bf16 zero per group (docs/format.md)
 PASSES = ("quantize", "dequantize_sum_quantize", "dequantize")
 
 # --- inputs; each one's source is in docs/gpu_model.md, "Parameters" ---------------------------
@@ -103,10 +102,10 @@ GPUS = {"L40": Gpu("L40", _link(PCIE4_X16_BYTES_PER_S, "shared"), L40_HBM, L40_F
 
 
 def wire_bytes_per_element(bits: int, group_size: int = 128, spikes: int = 0) -> float:
-    """Payload bytes per value: a group's record (codes + spikes) plus its scale and zero."""
+    """Payload bytes per value (codes, spikes, scale and zero): the codec's own figure, with
+    the arguments checked."""
     g = spec.check_group_size(group_size)
-    return (spec.record_bytes(g, spec.check_bits(bits), spec.check_spikes(spikes, g))
-            + SCALE_ZERO_BYTES) / g
+    return spec.wire_bytes_per_element(spec.check_bits(bits), g, spec.check_spikes(spikes, g))
 
 
 def _check(size, n):

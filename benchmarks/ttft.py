@@ -262,15 +262,10 @@ END = "<!-- ttft tables: end -->"
 
 
 def write_tables(path: Path, block: str) -> None:
-    """Put ``block`` between the BEGIN and END markers of ``path`` (the rest of the page is
-    kept), or write a page of just the block when there are no markers."""
-    text = path.read_text() if path.exists() else ""
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + BEGIN + "\n" + block + rest[rest.index(END):]
-    else:
-        text = f"{BEGIN}\n{block}{END}\n"
-    path.write_text(text)
+    """Put ``block`` between the BEGIN and END markers of ``path`` (the rest of the page kept)."""
+    from benchmarks.markdown_block import replace_block
+
+    replace_block(path, BEGIN, END, block)
 
 
 def plot(data, path) -> None:

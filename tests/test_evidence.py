@@ -46,7 +46,7 @@ def test_write_headline_replaces_between_markers(tmp_path, monkeypatch):
     assert text.startswith("a\n") and text.endswith("b\n") and "old" not in text
     assert "5.00x" in text
     readme.write_text("no markers")
-    with pytest.raises(SystemExit, match="markers"):
+    with pytest.raises(ValueError, match="markers"):
         evidence.write_headline(readme)
 
 
