@@ -21,6 +21,9 @@ to it). Sections (the table of docs/accuracy.md each one fills):
   once-quantized reduce-scatter.
 - ``defaults``: the library's defaults (``CommConfig(bits=B)``, at every ``--tp``) and the
   candidates for them.
+- ``layers``: the per-site policies of ``benchmarks/layer_sensitivity.py`` (``--sensitivity``:
+  its JSON, calibrated on other windows of the text): its base setting with the ``k`` most
+  sensitive all-reduces at its upgrade bits, for every ``k`` it tried, at every ``--tp``.
 
 Rows are written to ``OUT.json`` as they finish (``--resume`` skips those already there);
 ``OUT.md`` gets the tables (between markers in docs/accuracy.md) and ``OUT.png`` the plot.
@@ -43,7 +46,7 @@ from models import cli  # noqa: E402  (sets no jax state)
 
 GRID_BITS = (8, 6, 5, 4, 3, 2)
 GRID_GROUPS = (32, 64, 128, 256, 1024)
-SECTIONS = ("grid", "options", "mixes", "coarse", "overlap", "defaults")
+SECTIONS = ("grid", "options", "mixes", "coarse", "overlap", "defaults", "layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +62,7 @@ class Setting:
     rotation: int = 0
     coarse: bool = False                # group size = one rank's chunk of the message
     default: bool = False               # CommConfig(bits=...) with every other option default
+    upgraded: int = 0                   # layers section: the k most sensitive sites upgraded
 
     @property
     def label(self) -> str:
@@ -67,7 +71,8 @@ class Setting:
         bits = (f"int{self.rs_bits}" if self.rs_bits == self.ag_bits
                 else f"rs{self.rs_bits}/ag{self.ag_bits}")
         if self.default:
-            return f"{bits} default"
+            return f"{bits} default" + (f" +{self.upgraded} sites" if self.section == "layers"
+                                        else "")
         prefix = "overlap+" if self.kind == "flash+overlap" else ""
         group = "per-tensor" if self.coarse else f"G={self.group_size}"
         return f"{prefix}{bits} {group} s={self.spikes} r={self.rotation}"
@@ -77,8 +82,9 @@ class Setting:
         return f"{self.section}|{self.tp}|{self.label}"
 
 
-def settings(tps, sections) -> list[Setting]:
-    """Every row of the requested sections, exact first at each TP."""
+def settings(tps, sections, sensitivity: dict | None = None) -> list[Setting]:
+    """Every row of the requested sections, exact first at each TP (``sensitivity``: the
+    layer_sensitivity JSON the ``layers`` section needs)."""
     rows, first = [], tps[0]
     for tp in tps:
         rows.append(Setting("exact", tp, kind="exact"))
@@ -107,6 +113,13 @@ def settings(tps, sections) -> list[Setting]:
         rows += [Setting("defaults", first, rs_bits=8, ag_bits=8, group_size=256, spikes=1),
                  Setting("defaults", first, rs_bits=8, ag_bits=8, group_size=256, spikes=1,
                          rotation=1)]
+    if "layers" in sections:
+        if sensitivity is None:
+            raise ValueError("the layers section needs --sensitivity (a layer_sensitivity JSON)")
+        rows += [Setting("layers", tp, rs_bits=sensitivity["bits"],
+                         ag_bits=sensitivity["ag_bits"] or sensitivity["bits"], spikes="auto",
+                         default=True, upgraded=r["k"])
+                 for tp in tps for r in sensitivity["greedy"]]
     return rows
 
 
@@ -169,16 +182,19 @@ def metrics_fns():
     return log_probs, compare
 
 
-def evaluate(model, mesh, setting: Setting, windows, reference, d_model):
+def evaluate(model, mesh, setting: Setting, windows, reference, d_model, sensitivity=None):
     """One row: scores every window under the setting. ``reference`` is exact's list of
     log-prob arrays (None when this row is exact: it then returns them as ``logps``)."""
     import numpy as np
 
+    from benchmarks import layer_sensitivity
     from models.engine import Engine
-    from models.llama import set_comm
+    from models.llama import SITES, set_comm
 
     comm, config = comm_config(setting, len(windows[0]), d_model)
-    set_comm(model, comm)
+    overrides = (layer_sensitivity.policy_overrides(sensitivity, setting.upgraded)
+                 if setting.upgraded else None)
+    set_comm(model, comm, overrides=overrides)
     engine = Engine(model, mesh, cache_len=max(len(windows[0]), 64))
     log_probs, compare = metrics_fns()
     nll, kl, top1, logps = [], [], [], []
@@ -198,6 +214,11 @@ def evaluate(model, mesh, setting: Setting, windows, reference, d_model):
            "perplexity": math.exp(float(nll.mean())), "mean_nll": float(nll.mean()),
            "kl": float(kl.mean()), "kl_max": float(kl.max()), "top1": float(top1.mean()),
            "tokens": int(nll.size), "seconds": time.perf_counter() - start, **wire(config)}
+    if overrides:
+        sites = model.cfg.n_layers * len(SITES)
+        upgrade = next(iter(overrides.values())).config
+        row.update(layer_sensitivity.mean_wire(config, upgrade, sites, len(overrides)),
+                   upgraded_sites=[list(k) for k in overrides])
     if config is not None:
         row.update(group_size=config.group_size, rs_spikes=config.phase1_spikes,
                    ag_spikes=config.phase2_spikes, rotation=config.rotation)
@@ -210,7 +231,9 @@ def run(args) -> dict:
     if args.resume and out_json.exists():
         data = json.loads(out_json.read_text())
     done = {f"{r['section']}|{r['tp']}|{r['label']}" for r in data["rows"]}
-    todo = settings(args.tp, args.sections)
+    sensitivity = (json.loads(Path(args.sensitivity).read_text())
+                   if "layers" in args.sections else None)
+    todo = settings(args.tp, args.sections, sensitivity)
     cli.set_devices(max(args.tp))
     import jax
 
@@ -239,7 +262,7 @@ def run(args) -> dict:
             progress(count, len(todo), start, unit="rows", what=f"TP={tp} {s.label}")
             if s.key not in done:
                 row = exact_row if s.kind == "exact" else evaluate(
-                    model, mesh, s, windows, reference, ckpt.config.d_model)[0]
+                    model, mesh, s, windows, reference, ckpt.config.d_model, sensitivity)[0]
                 row["delta_ppl"] = row["perplexity"] / exact_row["perplexity"] - 1
                 data["rows"].append(row)
                 done.add(s.key)
@@ -261,6 +284,8 @@ def main(argv=None) -> int:
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--max-windows", type=int, default=6)
     parser.add_argument("--out", default=str(REPO / "docs" / "accuracy"))
+    parser.add_argument("--sensitivity", default=str(REPO / "docs" / "layer_sensitivity.json"),
+                        help="benchmarks/layer_sensitivity.py's JSON (the layers section)")
     parser.add_argument("--resume", action="store_true",
                         help="keep the rows already in OUT.json and run only the others")
     parser.add_argument("--report-only", action="store_true",

@@ -21,7 +21,11 @@ from jax_flashcomm import nn
 from jax_flashcomm._common import all_gather_invariant
 from models.config import LlamaConfig
 
-__all__ = ["Llama", "Block", "LlamaSharding", "set_comm"]
+__all__ = ["Llama", "Block", "LlamaSharding", "set_comm", "SITES"]
+
+# The two all-reduces of a block, by the sub-block that ends with them: the attention output
+# projection's and the MLP down projection's.
+SITES = ("attn", "mlp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +103,9 @@ class Llama(nnx.Module):
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.rms_eps, dtype=dtype, rngs=rngs)
         self.lm_head = (None if cfg.tie_embeddings else nn.VocabParallelEmbedding(
             cfg.vocab_size, cfg.d_model, tp=tp, comm=comm, dtype=dtype, rngs=rngs))
+        # ((layer, site), TPComm) pairs that replace the model's comm at one block's site (see
+        # set_comm); sorted, so the tuple is a static, hashable part of the graph.
+        self.comm_overrides: tuple = ()
 
     @property
     def comm(self) -> nn.TPComm:
@@ -116,20 +123,28 @@ class Llama(nnx.Module):
         graphdef, state = nnx.split(self.blocks)
         layers = jnp.arange(self.cfg.n_layers)
 
-        def step(carry, xs):
-            x, cache = carry
-            layer_state, i = xs
-            block = nnx.merge(graphdef, layer_state)
-            if cache is None:
-                x, _ = block(x, start, None, decode=decode, sp=sp)
-                return (x, None), None
-            layer_cache = (cache[0][i], cache[1][i])
-            x, (k, v) = block(x, start, layer_cache, decode=decode, sp=sp)
-            cache = (lax.dynamic_update_index_in_dim(cache[0], k, i, 0),
-                     lax.dynamic_update_index_in_dim(cache[1], v, i, 0))
-            return (x, cache), None
+        def scan_layers(x, cache, first, stop, site_comms):
+            def step(carry, xs):
+                x, cache = carry
+                layer_state, i = xs
+                block = nnx.merge(graphdef, layer_state)
+                for site, comm in site_comms:
+                    set_comm(getattr(block, site), comm)
+                if cache is None:
+                    x, _ = block(x, start, None, decode=decode, sp=sp)
+                    return (x, None), None
+                layer_cache = (cache[0][i], cache[1][i])
+                x, (k, v) = block(x, start, layer_cache, decode=decode, sp=sp)
+                cache = (lax.dynamic_update_index_in_dim(cache[0], k, i, 0),
+                         lax.dynamic_update_index_in_dim(cache[1], v, i, 0))
+                return (x, cache), None
 
-        (x, cache), _ = lax.scan(step, (x, cache), (state, layers))
+            xs = jax.tree.map(lambda a: a[first:stop], (state, layers))
+            return lax.scan(step, (x, cache), xs)[0]
+
+        # one scan per run of consecutive layers with the same overrides (one without any)
+        for first, stop, site_comms in layer_segments(self.cfg.n_layers, self.comm_overrides):
+            x, cache = scan_layers(x, cache, first, stop, site_comms)
         return self.norm(x), cache
 
     def logits(self, h):
@@ -142,12 +157,59 @@ class Llama(nnx.Module):
         return all_gather_invariant(h, (self.comm.axis_name,), axis=1, tiled=True)
 
 
-def set_comm(model: nnx.Module, comm: nn.TPComm) -> nnx.Module:
-    """Use ``comm`` in every layer of ``model`` (in place; the weights are untouched)."""
+def set_comm(model: nnx.Module, comm: nn.TPComm, *, overrides=None) -> nnx.Module:
+    """Use ``comm`` in every layer of ``model`` (in place; the weights are untouched).
+
+    ``overrides`` (a :class:`Llama` only) maps ``(layer, site)`` to the ``TPComm`` of that one
+    all-reduce, ``site`` one of :data:`SITES` (``"attn"``: after the attention output
+    projection; ``"mlp"``: after the down projection), e.g. 8 bits for the few all-reduces that
+    carry a model's outlier channels and 4 elsewhere. An override must use the same mesh axis
+    and the same sequence layout (``comm.overlap``) as ``comm``. Each call replaces the
+    previous overrides.
+    """
     if not isinstance(comm, nn.TPComm):
         raise TypeError(f"set_comm: comm must be a jax_flashcomm.nn.TPComm, got {type(comm)}")
+    pairs = _check_overrides(model, comm, overrides)
     for _, module in nnx.iter_modules(model):
         if hasattr(module, "comm") and not isinstance(type(module).__dict__.get("comm"),
                                                       property):
             module.comm = comm
+    if isinstance(model, Llama):
+        model.comm_overrides = pairs
     return model
+
+
+def _check_overrides(model, comm: nn.TPComm, overrides) -> tuple:
+    if not overrides:
+        return ()
+    if not isinstance(model, Llama):
+        raise TypeError(f"set_comm: overrides apply to a Llama, got {type(model).__name__}")
+    pairs = []
+    for key, value in dict(overrides).items():
+        if (not isinstance(key, tuple) or len(key) != 2 or key[1] not in SITES
+                or not isinstance(key[0], int) or not 0 <= key[0] < model.cfg.n_layers):
+            raise ValueError(f"set_comm: override key {key!r} is not (layer, site) with "
+                             f"0 <= layer < {model.cfg.n_layers} and site in {SITES}")
+        if not isinstance(value, nn.TPComm):
+            raise TypeError(f"set_comm: override {key} must be a TPComm, got {type(value)}")
+        if value.axis_name != comm.axis_name or value.overlap != comm.overlap:
+            raise ValueError(f"set_comm: override {key} ({value.kind!r} over "
+                             f"{value.axis_name!r}) must share comm's axis "
+                             f"({comm.axis_name!r}) and sequence layout (overlap="
+                             f"{comm.overlap})")
+        if value != comm:
+            pairs.append((key, value))
+    return tuple(sorted(pairs, key=lambda p: (p[0][0], SITES.index(p[0][1]))))
+
+
+def layer_segments(n_layers: int, overrides: tuple) -> list[tuple[int, int, tuple]]:
+    """``(first, stop, ((site, comm), ...))`` for each run of consecutive layers whose
+    overrides are the same, covering ``range(n_layers)``."""
+    per_layer = [tuple((site, c) for (layer, site), c in overrides if layer == i)
+                 for i in range(n_layers)]
+    segments, first = [], 0
+    for i in range(1, n_layers + 1):
+        if i == n_layers or per_layer[i] != per_layer[first]:
+            segments.append((first, i, per_layer[first]))
+            first = i
+    return segments
