@@ -23,7 +23,7 @@ to it). Sections (the table of docs/accuracy.md each one fills):
   candidates for them.
 - ``layers``: the per-site policies of ``benchmarks/layer_sensitivity.py`` (``--sensitivity``:
   its JSON, calibrated on other windows of the text): its base setting with the ``k`` most
-  sensitive all-reduces at its upgrade bits, for every ``k`` it tried, at every ``--tp``.
+  sensitive all-reduces at its upgrade bits, for every ``k`` it tried, at its TP.
 
 Rows are written to ``OUT.json`` as they finish (``--resume`` skips those already there);
 ``OUT.md`` gets the tables (between markers in docs/accuracy.md) and ``OUT.png`` the plot.
@@ -116,10 +116,10 @@ def settings(tps, sections, sensitivity: dict | None = None) -> list[Setting]:
     if "layers" in sections:
         if sensitivity is None:
             raise ValueError("the layers section needs --sensitivity (a layer_sensitivity JSON)")
-        rows += [Setting("layers", tp, rs_bits=sensitivity["bits"],
+        rows += [Setting("layers", sensitivity["tp"], rs_bits=sensitivity["bits"],
                          ag_bits=sensitivity["ag_bits"] or sensitivity["bits"], spikes="auto",
                          default=True, upgraded=r["k"])
-                 for tp in tps for r in sensitivity["greedy"]]
+                 for r in sensitivity["greedy"] if sensitivity["tp"] in tps]
     return rows
 
 
@@ -246,7 +246,7 @@ def run(args) -> dict:
             else corpus.load_text(corpus.DEFAULT))
     data.update(machine=first_line(), model=args.model, window=args.window,
                 max_windows=args.max_windows, text=args.text or f"models.corpus {corpus.DEFAULT}",
-                tps=list(args.tp))
+                tps=sorted(set(data.get("tps", [])) | set(args.tp)))
     print(data["machine"], file=sys.stderr)
     start, count = time.perf_counter(), 0
     for tp in args.tp:

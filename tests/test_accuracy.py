@@ -14,8 +14,15 @@ from models.weights import load_model
 from tiny_llama import TINY, DictCheckpoint
 
 
+SENSITIVITY = {"tp": 3, "bits": 4, "ag_bits": 8, "upgrade_bits": 8,
+               "sites": [{"layer": 0, "site": "attn", "kl": 1e-3},
+                         {"layer": 1, "site": "mlp", "kl": 5e-2},
+                         {"layer": 0, "site": "mlp", "kl": 2e-3}],
+               "greedy": [{"k": 0}, {"k": 2}]}
+
+
 def test_rows_cover_the_grid_once_per_tp():
-    rows = accuracy.settings([3, 9], accuracy.SECTIONS)
+    rows = accuracy.settings([3, 9], accuracy.SECTIONS, SENSITIVITY)
     keys = [s.key for s in rows]
     assert len(keys) == len(set(keys))
     for tp in (3, 9):
@@ -26,6 +33,26 @@ def test_rows_cover_the_grid_once_per_tp():
     assert {s.tp for s in rows if s.section in ("options", "mixes", "overlap")} == {3}
     assert {s.tp for s in rows if s.section == "coarse"} == {3, 9}
     assert {s.tp for s in rows if s.default} == {3, 9}
+    layers = [s for s in rows if s.section == "layers"]
+    assert [(s.tp, s.upgraded, s.rs_bits, s.ag_bits) for s in layers] == [(3, 0, 4, 8),
+                                                                          (3, 2, 4, 8)]
+    with pytest.raises(ValueError, match="sensitivity"):
+        accuracy.settings([3], ["layers"])
+
+
+def test_layer_policy_upgrades_the_most_sensitive_sites():
+    from benchmarks import layer_sensitivity
+    from jax_flashcomm import CommConfig
+
+    assert layer_sensitivity.ranked_sites(SENSITIVITY) == [(1, "mlp"), (0, "mlp"), (0, "attn")]
+    policy = layer_sensitivity.policy_overrides(SENSITIVITY, 2)
+    assert set(policy) == {(1, "mlp"), (0, "mlp")}
+    assert all(c.config.phase1_bits == 8 and c.config.phase2_bits == 8 for c in policy.values())
+    base, up = CommConfig(bits=4, ag_bits=8, min_bytes=0), CommConfig(bits=8, min_bytes=0)
+    b, u = (accuracy.wire(c)["bytes_per_element"] for c in (base, up))
+    w = layer_sensitivity.mean_wire(base, up, 60, 15)
+    assert w["bytes_per_element"] == pytest.approx(0.75 * b + 0.25 * u, rel=1e-12)
+    assert w["vs_bf16_ring"] == pytest.approx(w["bytes_per_element"] / 2, rel=1e-12)
 
 
 @pytest.mark.parametrize("window,d,tp", [(512, 576, 3), (512, 576, 9), (16, 64, 2), (7, 12, 5)])
