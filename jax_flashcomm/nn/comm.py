@@ -29,6 +29,7 @@ from jax_flashcomm.allreduce import psum as flash_psum
 from jax_flashcomm.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from jax_flashcomm.policy import CommConfig
 from jax_flashcomm.scatter_gather import psum_scatter as flash_psum_scatter
+from jax_flashcomm.transport.ring import RING_TRANSPORTS
 
 __all__ = ["TPComm", "COMM_KINDS"]
 
@@ -43,13 +44,15 @@ class TPComm:
     spikes, rotation, min_bytes, backend); it defaults to ``CommConfig(bits=8, min_bytes=0)``:
     a layer's messages are small (one token's activations at decode), and a user who picked
     ``flash`` wants them quantized. ``bidirectional`` splits every ring chunk over both
-    directions (overlap kinds).
+    directions (overlap kinds). ``ring_transport`` is the ``transport=`` of the overlap kinds'
+    ring matmuls (``"auto"``, ``"xla"`` or ``"p2p"``: docs/transport.md, "Ring steps").
     """
 
     kind: str = "exact"
     axis_name: str = "tp"
     config: CommConfig | None = None
     bidirectional: bool = False
+    ring_transport: str = "auto"
 
     def __post_init__(self):
         if self.kind not in COMM_KINDS:
@@ -58,6 +61,9 @@ class TPComm:
         if not isinstance(self.axis_name, str):
             raise TypeError(f"TPComm: axis_name must be a mesh axis name (str), "
                             f"got {self.axis_name!r}")
+        if self.ring_transport not in RING_TRANSPORTS:
+            raise ValueError(f"TPComm: ring_transport must be one of {RING_TRANSPORTS}, got "
+                             f"{self.ring_transport!r}")
         if self.quantized:
             config = self.config if self.config is not None else CommConfig(bits=8, min_bytes=0)
             if not isinstance(config, CommConfig):
@@ -95,9 +101,10 @@ class TPComm:
                                      bidirectional=self.bidirectional, bits=c.phase2_bits,
                                      group_size=c.group_size, rotation=c.rotation,
                                      spikes=c.phase2_spikes,
-                                     codec_backend="jnp" if c.backend == "auto" else c.backend)
+                                     codec_backend="jnp" if c.backend == "auto" else c.backend,
+                                     transport=self.ring_transport)
         return all_gather_matmul(x, w, self.axis_name, axis=axis,
-                                 bidirectional=self.bidirectional)
+                                 bidirectional=self.bidirectional, transport=self.ring_transport)
 
     def matmul_scatter(self, x, w, axis: int):
         """``psum_scatter(x @ w, axis)``: the sequence-parallel output of a row-parallel matmul."""
@@ -105,4 +112,5 @@ class TPComm:
             return flash_psum_scatter(x @ w, self.axis_name, scatter_dimension=axis, tiled=True,
                                       config=self.config)
         return matmul_reduce_scatter(x, w, self.axis_name, axis=axis,
-                                     bidirectional=self.bidirectional)
+                                     bidirectional=self.bidirectional,
+                                     transport=self.ring_transport)
