@@ -81,22 +81,9 @@ def to_varying(ct, axes: tuple):
 
 def pack(p: Payload):
     """Payload -> one uint8 buffer ``(..., groups, codes_bytes + 4)``."""
-    return jnp.concatenate([p.codes, _bf16_bytes(p.scale), _bf16_bytes(p.zero)], axis=-1)
-
-
-# lax.bitcast_convert_type between bf16 and uint8[..., 2] lowers to a reduce over the byte axis
-# that XLA:CPU runs one element at a time (~50 ms per 256 Ki groups, the bulk of a 64 MiB
-# all-reduce's unpacking); the same little-endian bytes from shifts are plain elementwise loops.
-def _bf16_bytes(v):
-    """bf16 ``(...)`` -> its little-endian bytes ``(..., 2)`` uint8."""
-    bits = lax.bitcast_convert_type(v, jnp.uint16)
-    return jnp.stack([(bits & 0xFF).astype(jnp.uint8), (bits >> 8).astype(jnp.uint8)], axis=-1)
-
-
-def _bytes_bf16(b):
-    """Little-endian bytes ``(..., 2)`` uint8 -> bf16 ``(...)``."""
-    bits = b[..., 0].astype(jnp.uint16) | (b[..., 1].astype(jnp.uint16) << 8)
-    return lax.bitcast_convert_type(bits, jnp.bfloat16)
+    scale = lax.bitcast_convert_type(p.scale, jnp.uint8)
+    zero = lax.bitcast_convert_type(p.zero, jnp.uint8)
+    return jnp.concatenate([p.codes, scale, zero], axis=-1)
 
 
 def unpack(buf, *, bits: int, group_size: int, shape, dtype, rotation: int = 0,
@@ -105,8 +92,8 @@ def unpack(buf, *, bits: int, group_size: int, shape, dtype, rotation: int = 0,
     ``rotation``/``spikes`` its codec options, which the wire record does not carry)."""
     nb = spec.record_bytes(group_size, bits, spikes)
     codes = buf[..., :nb]
-    scale = _bytes_bf16(buf[..., nb:nb + 2])
-    zero = _bytes_bf16(buf[..., nb + 2:nb + 4])
+    scale = lax.bitcast_convert_type(buf[..., nb:nb + 2], jnp.bfloat16)
+    zero = lax.bitcast_convert_type(buf[..., nb + 2:nb + 4], jnp.bfloat16)
     return Payload(codes, scale, zero, bits=bits, group_size=group_size, shape=tuple(shape),
                    dtype=np.dtype(dtype), rotation=rotation, spikes=spikes)
 
