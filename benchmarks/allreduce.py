@@ -20,6 +20,14 @@ workers (JSON key ``breakdown``). Two setups:
     with ``tc tbf`` inside a private network namespace (``benchmarks/netns.py``): a
     bandwidth-bound link, what PCIe is to a GPU.
 
+``--malloc keep`` (the default) runs the benchmark and its workers with glibc's malloc told
+to serve every buffer from one heap and keep freed memory (``KEEP_MALLOC_ENV``): by default
+glibc maps any block above 32 MiB afresh on each allocation and unmaps it on free, and XLA's
+threads' arenas hand freed memory back to the kernel, so each call of a 64 MiB all-reduce,
+exact or quantized, faults in its large buffers page by page again (docs/allreduce.md measures
+both); a server would run with such a setting or an allocator that keeps memory.
+``--malloc glibc`` leaves glibc's defaults.
+
 Re-run (root; ~15 min on 2 cores)::
 
     .venv/bin/python benchmarks/allreduce.py                # -> docs/allreduce.{json,png}
@@ -44,6 +52,11 @@ sys.path.insert(0, str(REPO))
 from benchmarks.netns import run_workers, worker_init, write_result  # noqa: E402
 
 KIB, MIB = 1024, 1024 * 1024
+#: glibc malloc settings with --malloc keep: one arena (the per-thread arenas
+#: give freed memory back with madvise whatever the trim threshold), no mmap'd blocks (so big
+#: buffers come from the heap and are reused), never trim the heap, grow it 256 MiB at a time.
+KEEP_MALLOC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0",
+                   "MALLOC_TRIM_THRESHOLD_": str(2**40), "MALLOC_TOP_PAD_": str(256 * 2**20)}
 SIZES = [256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB]
 QUICK_SIZES = [1 * MIB, 16 * MIB]
 BITS = (8, 6, 4)
@@ -259,14 +272,14 @@ def worker(sizes, reps, budget_s, do_breakdown=False):
     write_result(result)
 
 
-def run_netns(nprocs, sizes, reps, budget_s, rate, do_breakdown=False):
+def run_netns(nprocs, sizes, reps, budget_s, rate, do_breakdown=False, env=None):
     out, parts = {}, {}
     for n in nprocs:
         print(f"(b) {n} processes, gloo, loopback limited to {rate} (tc tbf)", flush=True)
         args = ["--worker", "--sizes", *map(str, sizes), "--reps", str(reps),
                 "--budget", str(budget_s)] + (["--breakdown"] if do_breakdown else [])
         results = run_workers(__file__, n, args=args, rate=rate, timeout=1500,
-                              port=24000 + n)
+                              port=24000 + n, env=env)
         for line in results[0]["log"]:
             print(line)
         out[str(n)] = results[0]["rows"]
@@ -344,9 +357,15 @@ def main():
     ap.add_argument("--skip-inproc", action="store_true")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time the quantized psum's pieces in the netns workers")
+    ap.add_argument("--malloc", choices=("keep", "glibc"), default="keep",
+                    help="glibc malloc settings (see the module docstring)")
     ap.add_argument("--out", default=str(REPO / "docs" / "allreduce"),
                     help="output path prefix (.json/.png are added; a trailing .json is kept)")
     args = ap.parse_args()
+    if (not args.worker and args.malloc == "keep"
+            and any(os.environ.get(k) != v for k, v in KEEP_MALLOC_ENV.items())):
+        os.environ.update(KEEP_MALLOC_ENV)  # glibc reads them at start: re-execute with them set
+        os.execv(sys.executable, [sys.executable, *sys.argv])
     out = args.out[:-len(".json")] if args.out.endswith(".json") else args.out
     sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
     reps = 2 if args.quick else args.reps
@@ -360,11 +379,12 @@ def main():
     print(machine.first_line(), flush=True)
     data = {"machine": machine.describe(), "rate": args.rate, "sizes": sizes, "bits": list(BITS),
             "group_size": 128, "dtype": "bfloat16",
-            "command": "python benchmarks/allreduce.py " + " ".join(sys.argv[1:])}
+            "command": "python benchmarks/allreduce.py " + " ".join(sys.argv[1:]),
+            "malloc_env": KEEP_MALLOC_ENV if args.malloc == "keep" else {}}
     if not args.skip_inproc:
         data["inproc"] = run_inproc(sizes, reps, args.budget)
     data["netns"], parts = run_netns(args.nprocs, sizes, reps, args.budget, args.rate,
-                                     args.breakdown)
+                                     args.breakdown, env=data["malloc_env"])
     if args.breakdown:
         data["breakdown"] = parts
     Path(out + ".json").write_text(json.dumps(data, indent=1))
