@@ -15,6 +15,7 @@
 #include "flashcomm/codec.h"
 #include "flashcomm/cpu_codec.h"
 #include "flashcomm/cpu_dispatch.h"
+#include "flashcomm/cpu_rotation.h"
 #include "flashcomm/cpu_spikes.h"
 
 #if !defined(FLASHCOMM_ISA) || !defined(FLASHCOMM_LANES)

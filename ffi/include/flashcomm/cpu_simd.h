@@ -211,6 +211,28 @@ FC_ALWAYS_INLINE void narrow_byte_pairs(ULanes u, uint8_t* p) {
 #endif
 }
 
+// narrow_bytes of u then v (2 * kLanes bytes): one pack per vector with SSE2 instead of two.
+// (AVX2 packs its codes in cpu_codec.h's pack_two_runs.)
+FC_ALWAYS_INLINE void narrow_bytes2(ULanes u, ULanes v, uint8_t* p) {
+#if FLASHCOMM_LANES == 4 && defined(FC_X86)
+  const __m128i w = _mm_packs_epi32((__m128i)u, (__m128i)v);
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(w, w));
+#else
+  narrow_bytes(u, p);
+  narrow_bytes(v, p + kLanes);
+#endif
+}
+
+// narrow_byte_pairs of u then v (4 * kLanes bytes).
+FC_ALWAYS_INLINE void narrow_byte_pairs2(ULanes u, ULanes v, uint8_t* p) {
+#if FLASHCOMM_LANES == 4 && defined(FC_X86)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packus_epi16((__m128i)u, (__m128i)v));
+#else
+  narrow_byte_pairs(u, p);
+  narrow_byte_pairs(v, p + 2 * kLanes);
+#endif
+}
+
 // Lanes where a or b is NaN (all ones), else 0.
 FC_ALWAYS_INLINE ILanes unordered(Lanes a, Lanes b) {
 #if FLASHCOMM_LANES == 16 && defined(FC_X86) && defined(__AVX512F__)
@@ -230,8 +252,25 @@ FC_ALWAYS_INLINE ILanes unordered(Lanes a, Lanes b) {
 // the conversion instruction rounds it the same way). On x86, maxps(v, 0) is exactly
 // v > 0 ? v : 0 (its second operand when unordered or both zero) and minps(v, levels) is
 // v < levels ? v : levels.
+//
+// AVX2 clamps from below after rounding, in the integer domain (code_lanes_or_negative): on
+// Zen 3 float min / max, add and the conversion issue on the same two pipes (measured), an
+// integer max on any of four, and an unsigned pack saturates for free.
+#if FLASHCOMM_LANES == 8 && defined(FC_X86) && defined(__AVX2__)
+#define FC_CODES_OR_NEGATIVE 1
+// code_lanes, except that lanes whose code is 0 may hold a negative integer. min(levels, v) is
+// v where v is NaN (minps returns its second operand when unordered); the conversion gives
+// INT_MIN for NaN and for values out of its range (only those below -2^31 remain after the
+// min); rounding is monotonic with 0 a fixed point. So max(result, 0) is code_lanes for every v.
+FC_ALWAYS_INLINE ILanes code_lanes_or_negative(Lanes v, float levels) {
+  return (ILanes)_mm256_cvtps_epi32(_mm256_min_ps(_mm256_set1_ps(levels), (__m256)v));
+}
+#endif
 FC_ALWAYS_INLINE ULanes code_lanes(Lanes v, float levels) {
-#if FLASHCOMM_LANES == 16 && defined(FC_X86) && defined(__AVX512F__)
+#if defined(FC_CODES_OR_NEGATIVE)
+  return (ULanes)_mm256_max_epi32((__m256i)code_lanes_or_negative(v, levels),
+                                  _mm256_setzero_si256());
+#elif FLASHCOMM_LANES == 16 && defined(FC_X86) && defined(__AVX512F__)
   const __m512 c = _mm512_min_ps(_mm512_max_ps((__m512)v, _mm512_setzero_ps()),
                                  _mm512_set1_ps(levels));
   return (ULanes)_mm512_cvtps_epi32(c);
@@ -246,6 +285,11 @@ FC_ALWAYS_INLINE ULanes code_lanes(Lanes v, float levels) {
   return lanes_bits(add_rn(clamp_code(v, levels), 8388608.0f)) - kEncodeBias;
 #endif
 }
+#if !defined(FC_CODES_OR_NEGATIVE)
+FC_ALWAYS_INLINE ILanes code_lanes_or_negative(Lanes v, float levels) {
+  return (ILanes)code_lanes(v, levels);
+}
+#endif
 
 // ---- reductions of kLanes vectors at once (one result lane per vector) ----
 // Per chunk of 2B lanes, the first (HI false) or second half of a's chunk, then b's; for
