@@ -49,14 +49,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks import malloc_env  # noqa: E402
 from benchmarks.netns import run_workers, worker_init, write_result  # noqa: E402
 
 KIB, MIB = 1024, 1024 * 1024
-#: glibc malloc settings with --malloc keep: one arena (the per-thread arenas
-#: give freed memory back with madvise whatever the trim threshold), no mmap'd blocks (so big
-#: buffers come from the heap and are reused), never trim the heap, grow it 256 MiB at a time.
-KEEP_MALLOC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0",
-                   "MALLOC_TRIM_THRESHOLD_": str(2**40), "MALLOC_TOP_PAD_": str(256 * 2**20)}
+#: glibc malloc settings with --malloc keep (benchmarks/malloc_env.py)
+KEEP_MALLOC_ENV = malloc_env.KEEP
 SIZES = [256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB]
 QUICK_SIZES = [1 * MIB, 16 * MIB]
 BITS = (8, 6, 4)
@@ -362,10 +360,8 @@ def main():
     ap.add_argument("--out", default=str(REPO / "docs" / "allreduce"),
                     help="output path prefix (.json/.png are added; a trailing .json is kept)")
     args = ap.parse_args()
-    if (not args.worker and args.malloc == "keep"
-            and any(os.environ.get(k) != v for k, v in KEEP_MALLOC_ENV.items())):
-        os.environ.update(KEEP_MALLOC_ENV)  # glibc reads them at start: re-execute with them set
-        os.execv(sys.executable, [sys.executable, *sys.argv])
+    if not args.worker and args.malloc == "keep":
+        malloc_env.reexec_with(KEEP_MALLOC_ENV)
     out = args.out[:-len(".json")] if args.out.endswith(".json") else args.out
     sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
     reps = 2 if args.quick else args.reps

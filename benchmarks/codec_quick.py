@@ -19,12 +19,10 @@ from __future__ import annotations
 import os
 import sys
 
-for key, value in {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20),
-                   "MALLOC_TRIM_THRESHOLD_": str(2**32),
-                   "MALLOC_TOP_PAD_": str(256 * 2**20)}.items():
-    if os.environ.get(key) != value:  # glibc reads these at start: re-execute with them set
-        os.environ[key] = value
-        os.execv(sys.executable, [sys.executable, *sys.argv])
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from malloc_env import KEEP, reexec_with  # noqa: E402
+
+reexec_with(KEEP)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
