@@ -182,23 +182,18 @@ def metrics_fns():
     return log_probs, compare
 
 
-def evaluate(model, mesh, setting: Setting, windows, reference, d_model, sensitivity=None):
-    """One row: scores every window under the setting. ``reference`` is exact's list of
-    log-prob arrays (None when this row is exact: it then returns them as ``logps``)."""
+def score_windows(model, mesh, windows, reference=None) -> dict:
+    """Scores every window with ``model``'s current communication: per position ``nll``, ``kl``
+    and ``top1`` (numpy, all windows concatenated) against ``reference`` (exact's list of
+    log-prob arrays), or, when ``reference`` is None, against itself, returning its log-probs
+    as ``logps`` to be the reference of later calls."""
     import numpy as np
 
-    from benchmarks import layer_sensitivity
     from models.engine import Engine
-    from models.llama import SITES, set_comm
 
-    comm, config = comm_config(setting, len(windows[0]), d_model)
-    overrides = (layer_sensitivity.policy_overrides(sensitivity, setting.upgraded)
-                 if setting.upgraded else None)
-    set_comm(model, comm, overrides=overrides)
     engine = Engine(model, mesh, cache_len=max(len(windows[0]), 64))
     log_probs, compare = metrics_fns()
     nll, kl, top1, logps = [], [], [], []
-    start = time.perf_counter()
     for i, w in enumerate(windows):
         tokens = np.asarray([w], np.int32)
         logp = log_probs(engine.score(tokens))
@@ -209,20 +204,36 @@ def evaluate(model, mesh, setting: Setting, windows, reference, d_model, sensiti
         kl.append(np.asarray(k, np.float64))
         top1.append(np.asarray(t))
     nll, kl, top1 = (np.concatenate(a) for a in (nll, kl, top1))
+    return {"nll": nll, "kl": kl, "top1": top1, "logps": logps}
+
+
+def evaluate(model, mesh, setting: Setting, windows, reference, d_model, sensitivity=None):
+    """One row: scores every window under the setting. ``reference`` is exact's list of
+    log-prob arrays (None when this row is exact: it then returns them as ``logps``)."""
+    from benchmarks import layer_sensitivity
+    from models.llama import SITES, set_comm
+
+    comm, config = comm_config(setting, len(windows[0]), d_model)
+    overrides = (layer_sensitivity.policy_overrides(sensitivity, setting.upgraded)
+                 if setting.upgraded else None)
+    set_comm(model, comm, overrides=overrides)
+    start = time.perf_counter()
+    scored = score_windows(model, mesh, windows, reference)
+    nll, kl, top1 = scored["nll"], scored["kl"], scored["top1"]
     row = {"section": setting.section, "tp": setting.tp, "label": setting.label,
            **{k: v for k, v in dataclasses.asdict(setting).items() if k not in ("section", "tp")},
            "perplexity": math.exp(float(nll.mean())), "mean_nll": float(nll.mean()),
            "kl": float(kl.mean()), "kl_max": float(kl.max()), "top1": float(top1.mean()),
            "tokens": int(nll.size), "seconds": time.perf_counter() - start, **wire(config)}
     if overrides:
-        sites = model.cfg.n_layers * len(SITES)
-        upgrade = next(iter(overrides.values())).config
-        row.update(layer_sensitivity.mean_wire(config, upgrade, sites, len(overrides)),
+        upgrade = layer_sensitivity.upgrade_config(sensitivity["upgrade_bits"])
+        row.update(layer_sensitivity.mean_wire(config, upgrade, model.cfg.n_layers * len(SITES),
+                                               len(overrides)),
                    upgraded_sites=[list(k) for k in overrides])
     if config is not None:
         row.update(group_size=config.group_size, rs_spikes=config.phase1_spikes,
                    ag_spikes=config.phase2_spikes, rotation=config.rotation)
-    return row, logps
+    return row, scored["logps"]
 
 
 def run(args) -> dict:

@@ -20,13 +20,13 @@ workers (JSON key ``breakdown``). Two setups:
     with ``tc tbf`` inside a private network namespace (``benchmarks/netns.py``): a
     bandwidth-bound link, what PCIe is to a GPU.
 
-``--malloc keep`` (the default) runs the benchmark and its workers with glibc's malloc told
-to serve every buffer from one heap and keep freed memory (``KEEP_MALLOC_ENV``): by default
-glibc maps any block above 32 MiB afresh on each allocation and unmaps it on free, and XLA's
-threads' arenas hand freed memory back to the kernel, so each call of a 64 MiB all-reduce,
-exact or quantized, faults in its large buffers page by page again (docs/allreduce.md measures
-both); a server would run with such a setting or an allocator that keeps memory.
-``--malloc glibc`` leaves glibc's defaults.
+``--malloc keep`` (the default) re-executes the benchmark (and so its workers) with glibc's
+malloc told to serve every buffer from one heap and keep freed memory
+(``benchmarks/malloc_env.py``): by default glibc maps any block above 32 MiB afresh on each
+allocation and unmaps it on free, and XLA's threads' arenas hand freed memory back to the
+kernel, so each call of a 64 MiB all-reduce, exact or quantized, faults in its large buffers
+page by page again (docs/allreduce.md measures both); a server would run with such a setting or
+an allocator that keeps memory. ``--malloc glibc`` leaves glibc's defaults.
 
 Re-run (root; ~15 min on 2 cores)::
 
@@ -53,8 +53,6 @@ from benchmarks import malloc_env  # noqa: E402
 from benchmarks.netns import run_workers, worker_init, write_result  # noqa: E402
 
 KIB, MIB = 1024, 1024 * 1024
-#: glibc malloc settings with --malloc keep (benchmarks/malloc_env.py)
-KEEP_MALLOC_ENV = malloc_env.KEEP
 SIZES = [256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB]
 QUICK_SIZES = [1 * MIB, 16 * MIB]
 BITS = (8, 6, 4)
@@ -270,14 +268,14 @@ def worker(sizes, reps, budget_s, do_breakdown=False):
     write_result(result)
 
 
-def run_netns(nprocs, sizes, reps, budget_s, rate, do_breakdown=False, env=None):
+def run_netns(nprocs, sizes, reps, budget_s, rate, do_breakdown=False):
     out, parts = {}, {}
     for n in nprocs:
         print(f"(b) {n} processes, gloo, loopback limited to {rate} (tc tbf)", flush=True)
         args = ["--worker", "--sizes", *map(str, sizes), "--reps", str(reps),
                 "--budget", str(budget_s)] + (["--breakdown"] if do_breakdown else [])
         results = run_workers(__file__, n, args=args, rate=rate, timeout=1500,
-                              port=24000 + n, env=env)
+                              port=24000 + n)
         for line in results[0]["log"]:
             print(line)
         out[str(n)] = results[0]["rows"]
@@ -361,7 +359,7 @@ def main():
                     help="output path prefix (.json/.png are added; a trailing .json is kept)")
     args = ap.parse_args()
     if not args.worker and args.malloc == "keep":
-        malloc_env.reexec_with(KEEP_MALLOC_ENV)
+        malloc_env.reexec_with(malloc_env.KEEP)
     out = args.out[:-len(".json")] if args.out.endswith(".json") else args.out
     sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
     reps = 2 if args.quick else args.reps
@@ -376,11 +374,11 @@ def main():
     data = {"machine": machine.describe(), "rate": args.rate, "sizes": sizes, "bits": list(BITS),
             "group_size": 128, "dtype": "bfloat16",
             "command": "python benchmarks/allreduce.py " + " ".join(sys.argv[1:]),
-            "malloc_env": KEEP_MALLOC_ENV if args.malloc == "keep" else {}}
+            "malloc_env": malloc_env.KEEP if args.malloc == "keep" else {}}
     if not args.skip_inproc:
         data["inproc"] = run_inproc(sizes, reps, args.budget)
     data["netns"], parts = run_netns(args.nprocs, sizes, reps, args.budget, args.rate,
-                                     args.breakdown, env=data["malloc_env"])
+                                     args.breakdown)
     if args.breakdown:
         data["breakdown"] = parts
     Path(out + ".json").write_text(json.dumps(data, indent=1))

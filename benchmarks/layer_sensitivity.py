@@ -72,39 +72,18 @@ def mean_wire(base, upgrade, n_sites: int, k: int) -> dict:
     return {"bytes_per_element": per, "vs_bf16_ring": per / 2.0}
 
 
-class Scorer:
-    """Scores the calibration windows of one model under per-site overrides."""
+def score(model, mesh, windows, reference, overrides: dict, base=None) -> dict:
+    """``mean_nll`` and mean ``kl`` against ``reference`` (exact's log-probs; None: score exact
+    and return its ``logps``) with ``base`` (None: exact) and per-site ``overrides``."""
+    from benchmarks.accuracy import score_windows
+    from jax_flashcomm.nn import TPComm
+    from models.llama import set_comm
 
-    def __init__(self, model, mesh, windows):
-        from benchmarks.accuracy import metrics_fns
-
-        self.model, self.mesh, self.windows = model, mesh, windows
-        self.log_probs, self.compare = metrics_fns()
-        self.reference = None
-        self.reference = self.score({})["logps"]
-
-    def score(self, overrides: dict, base=None) -> dict:
-        import numpy as np
-
-        from jax_flashcomm.nn import TPComm
-        from models.engine import Engine
-        from models.llama import set_comm
-
-        comm = TPComm("exact") if base is None else TPComm("flash", config=base)
-        set_comm(self.model, comm, overrides=overrides)
-        engine = Engine(self.model, self.mesh, cache_len=len(self.windows[0]))
-        nll, kl, logps = [], [], []
-        for i, w in enumerate(self.windows):
-            tokens = np.asarray([w], np.int32)
-            logp = self.log_probs(engine.score(tokens))
-            ref = logp if self.reference is None else self.reference[i]
-            n, k, _ = self.compare(logp, tokens, ref)
-            nll.append(np.asarray(n, np.float64))
-            kl.append(np.asarray(k, np.float64))
-            if self.reference is None:
-                logps.append(logp)
-        nll, kl = np.concatenate(nll), np.concatenate(kl)
-        return {"mean_nll": float(nll.mean()), "kl": float(kl.mean()), "logps": logps}
+    set_comm(model, TPComm("exact") if base is None else TPComm("flash", config=base),
+             overrides=overrides)
+    scored = score_windows(model, mesh, windows, reference)
+    return {"mean_nll": float(scored["nll"].mean()), "kl": float(scored["kl"].mean()),
+            "logps": scored["logps"]}
 
 
 def run(args) -> dict:
@@ -136,8 +115,8 @@ def run(args) -> dict:
     data.setdefault("sites", [])
     data.setdefault("greedy", [])
     print(data["machine"], file=sys.stderr)
-    scorer = Scorer(model, mesh, windows)
-    exact_nll = scorer.score({})["mean_nll"]
+    exact = score(model, mesh, windows, None, {})
+    reference, exact_nll = exact["logps"], exact["mean_nll"]
     data["exact_perplexity"] = math.exp(exact_nll)
     sites = [(layer, site) for layer in range(ckpt.config.n_layers) for site in SITES]
     done = {(r["layer"], r["site"]) for r in data["sites"]}
@@ -147,7 +126,7 @@ def run(args) -> dict:
         progress(count, total, start, unit="runs", what=f"layer {layer} {site}")
         if (layer, site) in done:
             continue
-        r = scorer.score({(layer, site): quantized})
+        r = score(model, mesh, windows, reference, {(layer, site): quantized})
         data["sites"].append({"layer": layer, "site": site, "kl": r["kl"],
                               "delta_nll": r["mean_nll"] - exact_nll})
         out_json.write_text(json.dumps(data, indent=1))
@@ -156,7 +135,7 @@ def run(args) -> dict:
         progress(count, total, start, unit="runs", what=f"greedy k={k}")
         if k in done_k:
             continue
-        r = scorer.score(policy_overrides(data, k), base=base)
+        r = score(model, mesh, windows, reference, policy_overrides(data, k), base=base)
         data["greedy"].append({"k": k, "sites": [list(s) for s in ranked_sites(data)[:k]],
                                "kl": r["kl"], "perplexity": math.exp(r["mean_nll"]),
                                "delta_ppl": math.exp(r["mean_nll"] - exact_nll) - 1,

@@ -80,11 +80,18 @@ def prefill_flops(cfg, seq: int, batch: int = 1) -> float:
     it: the projections and MLP of every position, attention scores and values over all
     ``seq`` keys (computed, then masked), the LM head of the last position. Norms, RoPE and
     softmax are left out (O(seq d), under 1%)."""
+    attention = 2 * 2 * seq * seq * cfg.n_heads * cfg.head_dim
+    return float(block_matmul_flops(cfg, seq, batch)
+                 + batch * (cfg.n_layers * attention + 2 * cfg.d_model * cfg.vocab_size))
+
+
+def block_matmul_flops(cfg, seq: int, batch: int = 1) -> float:
+    """FLOPs of the blocks' projections and MLPs in one prefill of ``seq`` positions (the
+    matmuls the row- and column-parallel layers run)."""
     d, dh, f = cfg.d_model, cfg.head_dim, cfg.ffn_dim
     q, kv = cfg.n_heads * dh, cfg.n_kv_heads * dh
     per_token = 2 * d * (q + 2 * kv) + 2 * q * d + 2 * d * 2 * f + 2 * f * d
-    attention = 2 * 2 * seq * seq * q
-    return float(batch * (cfg.n_layers * (seq * per_token + attention) + 2 * d * cfg.vocab_size))
+    return float(batch * cfg.n_layers * seq * per_token)
 
 
 def link_rate(achieved_flops_per_s: float, system: dict) -> float:

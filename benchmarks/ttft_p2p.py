@@ -28,6 +28,7 @@ model-level counterpart of docs/transport.md's per-op figure). Writes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -56,10 +57,7 @@ def ring_dot_share(cfg, seq: int) -> float:
     projection and the MLP; not the attention core nor the LM head)."""
     from benchmarks import ttft
 
-    d, dh, f = cfg.d_model, cfg.head_dim, cfg.ffn_dim
-    q, kv = cfg.n_heads * dh, cfg.n_kv_heads * dh
-    per_token = 2 * d * (q + 2 * kv) + 2 * q * d + 2 * d * 2 * f + 2 * f * d
-    return cfg.n_layers * seq * per_token / ttft.prefill_flops(cfg, seq)
+    return ttft.block_matmul_flops(cfg, seq) / ttft.prefill_flops(cfg, seq)
 
 
 def per_link_rate(achieved_flops_per_s: float, system: dict, ranks: int) -> float:
@@ -93,12 +91,10 @@ def run(args) -> dict:
         """Median TTFT of ``args.reps`` prefills (after a warm-up that compiles), and with
         ``rate`` the bytes rank 0 received in one of them."""
         set_comm(model, comm)
-        if rate is None:
+        # the rate is read when the prefill is traced: compile it (the first call) inside
+        with ring.link_emulation(rate) if rate else contextlib.nullcontext():
             engine = Engine(model, mesh, cache_len=len(ids) + 2)
-        else:
-            with ring.link_emulation(rate):   # read when the prefill is traced (warm-up below)
-                engine = Engine(model, mesh, cache_len=len(ids) + 2)
-                list(engine.generate(ids, 1))
+            list(engine.generate(ids, 1))
         list(engine.generate(ids, 1))
         samples = []
         for _ in range(args.reps):
@@ -114,12 +110,12 @@ def run(args) -> dict:
             row["moves_into_rank0"] = len(moves)
         return row
 
-    plan = [("exact", "-", TPComm("exact"), None), ("overlap", "xla",
-            TPComm("overlap", ring_transport="xla"), None),
-            ("overlap", "p2p", TPComm("overlap", ring_transport="p2p"), None)]
+    plan = [("exact", "-", TPComm("exact")),
+            ("overlap", "xla", TPComm("overlap", ring_transport="xla")),
+            ("overlap", "p2p", TPComm("overlap", ring_transport="p2p"))]
     rows, start = [], time.perf_counter()
     total = len(plan) + 3 + len(args.extra_rates)
-    for i, (kind, transport, comm, _) in enumerate(plan):
+    for i, (kind, transport, comm) in enumerate(plan):
         progress(i, total, start, unit="rows", what=f"{kind} {transport} unpaced")
         rows.append({"strategy": kind, "transport": transport, "link": "unpaced",
                      "rate_bytes_per_s": None, **measure(comm)})
