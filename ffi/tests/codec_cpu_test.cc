@@ -17,6 +17,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
 #include "flashcomm/codec.h"
 #include "flashcomm/cpu_dispatch.h"
 #include "flashcomm/cpu_ops.h"
@@ -464,6 +468,62 @@ void TestHuge() {
   }
 }
 
+// Flush modes (x86 MXCSR: none, FTZ, DAZ, both). The kernels leave encode's multiply by
+// pre = 1 out where the mode makes x * 1 the same operand as x (unit_multiply_is_identity);
+// in each mode the codes must be those of codec.h's scalar encode, multiply included, in that
+// mode, from the stored scale and zero. The groups mix denormals with small normal values, so
+// that a denormal flushed by x * 1 (FTZ without DAZ) changes codes: dropping the multiply in
+// that mode fails this test.
+template <typename T>
+void TestFlushModes(Rng& rng) {
+#if defined(__x86_64__) || defined(__i386__)
+  using S = typename T::Storage;
+  const unsigned saved = _mm_getcsr();
+  const struct {
+    unsigned csr;
+    const char* name;
+  } modes[] = {{0u, "none"}, {0x8000u, "FTZ"}, {0x0040u, "DAZ"}, {0x8040u, "FTZ+DAZ"}};
+  for (const auto& mode : modes) {
+    for (int bits : {8, 6, 4}) {
+      for (int64_t g : {24, 128}) {
+        const int64_t n_groups = 8;
+        const int64_t nb = group_bytes(g, bits);
+        std::vector<float> xf(size_t(n_groups * g));
+        for (int64_t i = 0; i < n_groups * g; ++i) {
+          const double sign = rng.u32() % 2 ? 1.0 : -1.0;
+          const double x = rng.u32() % 2 ? std::ldexp(rng.uniform(), -126)       // denormal
+                                         : std::ldexp(1.0 + 3.0 * rng.uniform(), -126);
+          xf[size_t(i)] = T::load(T::store(float(sign * x)));
+        }
+        Array<S> x({n_groups, g}, DtypeOf<T>());
+        for (size_t i = 0; i < xf.size(); ++i) x.data[i] = T::store(xf[i]);
+        Codes codes({n_groups, nb}, XLA_FFI_DataType_U8);
+        Bf16s scale({n_groups}, XLA_FFI_DataType_BF16), zero({n_groups}, XLA_FFI_DataType_BF16);
+        _mm_setcsr((saved & ~0x8040u) | mode.csr);
+        const ffi::Error e = CallQuantize(x.view(), codes, scale, zero, bits, g);
+        int64_t bad = 0;
+        for (int64_t k = 0; k < n_groups && e.success(); ++k) {
+          const GroupParams p = stored_params(scale.data[size_t(k)], zero.data[size_t(k)]);
+          for (int64_t i = 0; i < g; ++i) {
+            const uint32_t want = encode(T::load(x.data[size_t(k * g + i)]), p,
+                                         float(max_code(bits)));
+            bad += CodeAt(&codes.data[size_t(k * nb)], bits, i) != want;
+          }
+        }
+        _mm_setcsr(saved);
+        const std::string tag =
+            Fmt("%s bits=%d g=%lld mode %s", NameOf<T>(), bits, (long long)g, mode.name);
+        CHECK(e.success(), tag + " quantize: " + e.message());
+        CHECK(bad == 0, tag + Fmt(" codes = the scalar encode in the same mode (%lld bad)",
+                                  (long long)bad));
+      }
+    }
+  }
+#else
+  (void)rng;
+#endif
+}
+
 // Fused sums over N=4 chunks: dequantize_sum (each dtype) and dequantize_sum_quantize
 // (out_bits != bits) against the reference loop.
 template <typename T>
@@ -896,6 +956,8 @@ void RunAll() {
     }
   }
   TestConversions(rng);
+  TestFlushModes<F32>(rng);
+  TestFlushModes<BF16>(rng);
   for (int64_t g : {16, 512}) {
     for (int k : {1, 5}) {
       for (int32_t rotation : {kRotationNone, kRotationSignedHadamard}) {

@@ -172,14 +172,30 @@ __attribute__((always_inline)) inline void unpack6_16(const uint8_t* in, uint8_t
   std::memcpy(q, &codes, 16);
 }
 
-// codec.h's encode of kLanes values of a group, before the clamp and rounding.
+// codec.h's encode of kLanes values of a group, before the clamp and rounding. kUnitPre: the
+// group's pre is 1 and the flush mode makes x * 1 the same operand as x
+// (unit_multiply_is_identity), so the multiply is left out: the same bits, one op fewer.
+template <bool kUnitPre = false>
 FC_ALWAYS_INLINE Lanes encode_scaled_lanes(Lanes x, const GroupParams& p) {
+  if constexpr (kUnitPre) return mul_rn(add_rn(x, -p.zero_pre), p.inv_scale);
   return mul_rn(add_rn(mul_rn(x, p.pre), -p.zero_pre), p.inv_scale);
 }
 
 // The codes of kLanes values of a group: codec.h's encode, lane-wise (code_lanes).
+template <bool kUnitPre = false>
 FC_ALWAYS_INLINE ULanes encode_code_lanes(Lanes x, const GroupParams& p, float levels) {
-  return code_lanes(encode_scaled_lanes(x, p), levels);
+  return code_lanes(encode_scaled_lanes<kUnitPre>(x, p), levels);
+}
+
+// What pack_two_runs takes for encode's scaled values v: rounded only on AVX2 (it clamps after
+// its pack), code_lanes elsewhere.
+FC_ALWAYS_INLINE ILanes pack_lanes_input(Lanes v, float levels) {
+#if defined(FC_CODES_OR_NEGATIVE)
+  (void)levels;
+  return rounded_lanes(v);
+#else
+  return (ILanes)code_lanes(v, levels);
+#endif
 }
 
 // Whether pack_pairs<BITS> packs straight from lanes (else the codes are staged as bytes and
@@ -229,18 +245,28 @@ __attribute__((always_inline)) inline void pack_pairs(ULanes ce, ULanes co, uint
   }
 }
 
-// Pack 4 * kLanes codes given as code_lanes_or_negative of the even- and odd-indexed values of
-// two runs of 2 * kLanes values (e0, o0, then e1, o1), LSB-first, into 4 * kLanes * BITS / 8
-// bytes. `more`: at least 2 * kLanes more codes follow, so the bytes past the packed ones may be
-// written (up to kLanes of them; the next call overwrites them).
+// Pack 4 * kLanes codes of two runs of 2 * kLanes values (the even- and odd-indexed values of
+// run 0, e0 and o0, then of run 1), LSB-first, into 4 * kLanes * BITS / 8 bytes. The inputs are
+// encode's scaled values after pack_lanes_input: rounded only, on AVX2 (clamped here), or
+// code_lanes. `more`: at least 2 * kLanes more codes follow, so the bytes past the packed ones
+// may be written (up to kLanes of them; the next call overwrites them).
+//
+// Why the AVX2 clamp after rounding is exact, i.e. why encode's v = ((x * pre) - zero * pre) *
+// inv_scale stays below 2^31: in a finite group lo <= x <= hi, zero <= lo and scale >=
+// (hi - zero) / levels up to f32 rounding (or inv_scale = 0: v = +-0), with scale >= 2^-126
+// (scale * pre >= 2^56 for huge groups); each op is correctly rounded, and flushing a denormal
+// operand or result moves x * pre - zero * pre by less than 3 * 2^-126. So v < levels * (1 +
+// 2^-20) + 3. A non-finite group has inv_scale = 0: v is +-0 or NaN.
 template <int BITS>
 FC_ALWAYS_INLINE void pack_two_runs(ILanes e0, ILanes o0, ILanes e1, ILanes o1, uint8_t* out,
                                     bool more) {
 #if defined(FC_CODES_OR_NEGATIVE)
   // 16-bit lanes, code pairs: per 128-bit half, 4 pairs of run 0 then 4 of run 1 (the unsigned
-  // packs saturate negative codes to 0); pair i holds codes 2i and 2i + 1 in bits 0.. and BITS..
-  const __m256i even = _mm256_packus_epi32((__m256i)e0, (__m256i)e1);
-  const __m256i odd = _mm256_packus_epi32((__m256i)o0, (__m256i)o1);
+  // packs saturate negative codes, NaN's and those below -2^31 to 0); pair i holds codes 2i and
+  // 2i + 1 in bits 0.. and BITS..
+  const __m256i levels = _mm256_set1_epi16(int16_t(max_code(BITS)));
+  const __m256i even = _mm256_min_epu16(_mm256_packus_epi32((__m256i)e0, (__m256i)e1), levels);
+  const __m256i odd = _mm256_min_epu16(_mm256_packus_epi32((__m256i)o0, (__m256i)o1), levels);
   const __m256i pairs = _mm256_or_si256(even, _mm256_slli_epi16(odd, BITS));
   if constexpr (BITS == 8) {  // 64-bit blocks: pairs 0-3, 8-11, 4-7, 12-15
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute4x64_epi64(pairs, 0xD8));
@@ -266,7 +292,7 @@ FC_ALWAYS_INLINE void pack_two_runs(ILanes e0, ILanes o0, ILanes e1, ILanes o1, 
     }
   }
 #else
-  // code_lanes_or_negative is code_lanes here: the codes are in [0, 2^BITS).
+  // pack_lanes_input is code_lanes here: the codes are in [0, 2^BITS).
   const ULanes ce0 = (ULanes)e0, co0 = (ULanes)o0, ce1 = (ULanes)e1, co1 = (ULanes)o1;
   if constexpr (BITS == 8) {
     narrow_byte_pairs2(ce0 | (co0 << 16), ce1 | (co1 << 16), out);
@@ -280,8 +306,8 @@ FC_ALWAYS_INLINE void pack_two_runs(ILanes e0, ILanes o0, ILanes e1, ILanes o1, 
 }
 
 // Encode and pack one group of T (read again from x: it is in L1 after the range pass, and
-// widening bf16 again is cheaper than storing and reloading f32).
-template <typename T, int BITS>
+// widening bf16 again is cheaper than storing and reloading f32). kUnitPre: encode_scaled_lanes.
+template <typename T, int BITS, bool kUnitPre = false>
 __attribute__((always_inline)) inline void encode_pack(const typename T::Storage* v, int64_t g,
                                                        const GroupParams& p, uint8_t* codes) {
   const float levels = float(max_code(BITS));
@@ -297,10 +323,10 @@ __attribute__((always_inline)) inline void encode_pack(const typename T::Storage
         Lanes e0, o0, e1, o1;
         load_bf16_pairs(v + i0 + j, &e0, &o0);
         load_bf16_pairs(v + i0 + j + 2 * kLanes, &e1, &o1);
-        pack_two_runs<BITS>(code_lanes_or_negative(encode_scaled_lanes(e0, p), levels),
-                            code_lanes_or_negative(encode_scaled_lanes(o0, p), levels),
-                            code_lanes_or_negative(encode_scaled_lanes(e1, p), levels),
-                            code_lanes_or_negative(encode_scaled_lanes(o1, p), levels),
+        pack_two_runs<BITS>(pack_lanes_input(encode_scaled_lanes<kUnitPre>(e0, p), levels),
+                            pack_lanes_input(encode_scaled_lanes<kUnitPre>(o0, p), levels),
+                            pack_lanes_input(encode_scaled_lanes<kUnitPre>(e1, p), levels),
+                            pack_lanes_input(encode_scaled_lanes<kUnitPre>(o1, p), levels),
                             out + j / kBlock * BITS, j + 6 * kLanes <= n);
       }
     }
@@ -308,8 +334,8 @@ __attribute__((always_inline)) inline void encode_pack(const typename T::Storage
       for (; j + 2 * kLanes <= n; j += 2 * kLanes) {
         Lanes even, odd;
         load_bf16_pairs(v + i0 + j, &even, &odd);
-        const ULanes ce = encode_code_lanes(even, p, levels);
-        const ULanes co = encode_code_lanes(odd, p, levels);
+        const ULanes ce = encode_code_lanes<kUnitPre>(even, p, levels);
+        const ULanes co = encode_code_lanes<kUnitPre>(odd, p, levels);
         if constexpr (kPackPairs<BITS>) {
           pack_pairs<BITS>(ce, co, out + j / kBlock * BITS, j + 2 * kLanes < n);
         } else {
@@ -319,7 +345,7 @@ __attribute__((always_inline)) inline void encode_pack(const typename T::Storage
     }
     const int64_t packed = kPackPairs<BITS> ? j : 0;  // codes [0, packed) are packed already
     for (; j + kLanes <= n; j += kLanes) {
-      narrow_bytes(encode_code_lanes(load_lanes_t<T>(v + i0 + j), p, levels), q + j);
+      narrow_bytes(encode_code_lanes<kUnitPre>(load_lanes_t<T>(v + i0 + j), p, levels), q + j);
     }
     for (; j < n; ++j) q[j] = uint8_t(encode(T::load(v[i0 + j]), p, levels));
     if (BITS == 4) {  // the same LSB-first layout, as one vectorizable loop
@@ -449,13 +475,22 @@ __attribute__((always_inline)) inline void decode_unpacked(const uint8_t* codes,
 }
 
 // Encode and pack one group with its parameters (all-zero codes for a non-finite group).
+// unit_multiply: unit_multiply_is_identity() of the calling thread (read once per call).
 template <typename T>
 __attribute__((always_inline)) inline void encode_group(const typename T::Storage* x, int64_t g,
                                                         int bits, const GroupParams& p,
-                                                        uint8_t* codes) {
+                                                        uint8_t* codes, bool unit_multiply) {
   if (!is_finite(p.scale)) {
     std::memset(codes, 0, size_t(group_bytes(g, bits)));
     return;
+  }
+  if (unit_multiply && p.pre == 1.0f) {  // the widths with fast paths: without the multiply
+    switch (bits) {
+      case 8: return encode_pack<T, 8, true>(x, g, p, codes);
+      case 6: return encode_pack<T, 6, true>(x, g, p, codes);
+      case 4: return encode_pack<T, 4, true>(x, g, p, codes);
+      default: break;
+    }
   }
   switch (bits) {
     case 2: return encode_pack<T, 2>(x, g, p, codes);
@@ -482,7 +517,7 @@ __attribute__((always_inline)) inline bool quantize_one(const typename T::Storag
   const GroupParams p = group_params(lo, hi, finite, bits);
   *scale = p.scale_bits;
   *zero = p.zero_bits;
-  encode_group<T>(x, g, bits, p, codes);
+  encode_group<T>(x, g, bits, p, codes, unit_multiply_is_identity());
   return finite;
 }
 
@@ -683,6 +718,7 @@ FC_ALWAYS_INLINE void quantize_groups_of(const typename T::Storage* x, int64_t n
   }
   alignas(64) uint16_t sb[kBatch], zb[kBatch];
   alignas(64) float sc[kBatch], ze[kBatch], inv[kBatch], pre[kBatch], zp[kBatch];
+  const bool unit_multiply = unit_multiply_is_identity();
   for (int64_t k0 = 0; k0 < n_groups; k0 += kBatch) {
     const int64_t m = n_groups - k0 < kBatch ? n_groups - k0 : kBatch;
     for (int64_t s0 = 0; s0 < m; s0 += kLanes) {
@@ -709,7 +745,7 @@ FC_ALWAYS_INLINE void quantize_groups_of(const typename T::Storage* x, int64_t n
         uint8_t* out = codes + (k0 + kBatch + k) * nbytes;
         for (int64_t b = 0; b < nbytes; b += 64) __builtin_prefetch(out + b, 1);
       }
-      encode_group<T>(x + (k0 + k) * g, g, bits, p, codes + (k0 + k) * nbytes);
+      encode_group<T>(x + (k0 + k) * g, g, bits, p, codes + (k0 + k) * nbytes, unit_multiply);
     }
   }
 }

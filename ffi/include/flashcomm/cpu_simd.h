@@ -265,6 +265,12 @@ FC_ALWAYS_INLINE ILanes unordered(Lanes a, Lanes b) {
 FC_ALWAYS_INLINE ILanes code_lanes_or_negative(Lanes v, float levels) {
   return (ILanes)_mm256_cvtps_epi32(_mm256_min_ps(_mm256_set1_ps(levels), (__m256)v));
 }
+// v rounded to an integer, not clamped: v where |v| < 2^31, INT_MIN for NaN and out of range.
+// For v < 2^31, clamping the result to [0, levels] in the integer domain gives code_lanes(v)
+// (rounding is monotonic, levels and 0 are fixed points; NaN and v <= -2^31 give INT_MIN -> 0).
+// pack_two_runs clamps with an unsigned pack and an unsigned 16-bit min: two integer ops per
+// 16 codes in place of a float min per 8, on the pipes the float ops do not need.
+FC_ALWAYS_INLINE ILanes rounded_lanes(Lanes v) { return (ILanes)_mm256_cvtps_epi32((__m256)v); }
 #endif
 FC_ALWAYS_INLINE ULanes code_lanes(Lanes v, float levels) {
 #if defined(FC_CODES_OR_NEGATIVE)
@@ -285,11 +291,21 @@ FC_ALWAYS_INLINE ULanes code_lanes(Lanes v, float levels) {
   return lanes_bits(add_rn(clamp_code(v, levels), 8388608.0f)) - kEncodeBias;
 #endif
 }
-#if !defined(FC_CODES_OR_NEGATIVE)
-FC_ALWAYS_INLINE ILanes code_lanes_or_negative(Lanes v, float levels) {
-  return (ILanes)code_lanes(v, levels);
-}
+
+// Whether x * 1.0f, as the operand of the next op, is x in the calling thread's flush mode:
+// always, except on x86 when results are flushed to zero (FTZ) but denormal operands are not
+// (no DAZ): then x * 1 turns a denormal x into 0 where x itself would stay. (NaN: x * 1 only
+// quiets it; encode never sees one, a group holding NaN being stored as non-finite.) Elsewhere
+// than x86 the answer is no, and encode keeps the multiply.
+inline bool unit_multiply_is_identity() {
+#if defined(FC_X86)
+  const unsigned csr = _mm_getcsr();
+  const bool ftz = (csr & 0x8000u) != 0, daz = (csr & 0x0040u) != 0;
+  return !ftz || daz;
+#else
+  return false;
 #endif
+}
 
 // ---- reductions of kLanes vectors at once (one result lane per vector) ----
 // Per chunk of 2B lanes, the first (HI false) or second half of a's chunk, then b's; for
