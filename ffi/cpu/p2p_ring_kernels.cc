@@ -4,8 +4,9 @@
 // virtual CPU devices of one process.
 //
 // start: publishes this rank's send buffer (its result `send_out`, aliased to the operand) and
-// its receive buffer (the result `recv`), hands the moves that both ends make possible to the
-// CopyEngine and returns at once: the data in `recv` is not there yet. Its `order` result (a
+// its receive buffer (the result `recv`), hands the moves this makes possible to the
+// CopyEngine and returns at once: the data in `recv` is not there yet. Steps are staged: a
+// rank whose receiver has not started yet sends into a staging buffer at once. Its `order` result (a
 // zero) is added to the offset of the slice the step's dot reads where the dot does not read
 // the chunk itself (the reduce-scatter ring), so that the dot depends on the start by data.
 // done: takes `recv`, the send buffer and the step's dot result (`after`), so XLA can run it
@@ -79,7 +80,8 @@ ffi::Error P2pRingStart(ffi::RunId run, ffi::AnyBuffer send, ffi::Buffer<ffi::S3
   order->typed_data()[0] = 0;
   std::string error;
   auto step = RingTable::Global().Start({run.run_id, site, group_buf.typed_data()[0]}, rank,
-                                        int(size), int(shift), timeout_ms, &error);
+                                        int(size), int(shift), timeout_ms, &error,
+                                        /*staged=*/true);
   if (!step) return ffi::Error::Internal(Prefix(kOp) + error);
   p2p::Endpoint mine;
   mine.send = send_out->untyped_data();
@@ -87,7 +89,8 @@ ffi::Error P2pRingStart(ffi::RunId run, ffi::AnyBuffer send, ffi::Buffer<ffi::S3
   mine.bytes = send.size_bytes();
   const double rate = double(link_bytes_per_s);
   error = step->Start(rank, mine, [rate, site](Move m) {
-    CopyEngine::Global().Submit(std::move(m), rate, site);
+    const double pace = m.local ? 0.0 : rate;  // a local copy is not on the link
+    CopyEngine::Global().Submit(std::move(m), pace, site);
   });
   if (!error.empty()) return ffi::Error::Internal(Prefix(kOp) + error);
   Timeline::Global().Add({Timeline::kStart, site, rank, -1, int64_t(mine.bytes), begin_us,

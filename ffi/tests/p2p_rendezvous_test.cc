@@ -2,12 +2,15 @@
 // threads: continuations see every rank's pointers, a site in a loop meets once per call, a
 // missing rank fails every waiting rank within the deadline with its number in the error, the
 // blocking Arrive agrees, a rank out of range and disagreeing sizes are errors, and no meeting
-// is left behind. Run under ASan + UBSan by ffi/tests/run_sanitizers.sh (and TSan-clean by
+// is left behind; a staged ring step (p2p_ring.h) moves a chunk whose receiver starts late
+// through its staging buffer, in every order of the ranks' calls. Run under ASan + UBSan by ffi/tests/run_sanitizers.sh (and TSan-clean by
 // design: every shared field is under a mutex).
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -15,6 +18,7 @@
 #include <vector>
 
 #include "flashcomm/p2p_rendezvous.h"
+#include "flashcomm/p2p_ring.h"
 
 namespace p2p = flashcomm::p2p;
 using Clock = std::chrono::steady_clock;
@@ -183,12 +187,81 @@ static void TestBadJoins() {
   CHECK(rv.InProgress() == 0);
 }
 
+// A staged ring step of 2 ranks (shift 1), the moves run inline: the rank that starts first
+// sends at once into the staging buffer, its done completes once its chunk is read (before
+// the peer starts), and the late rank's chunk is copied out of the staging buffer when it
+// starts. Then every valid order of the four calls, chunks checked byte by byte.
+static void TestStagedRingStep() {
+  // Call c: rank c % 2, a start if c < 2 else a done; a rank's start comes before its done.
+  const int kOrders[][4] = {{0, 1, 2, 3}, {0, 1, 3, 2}, {0, 2, 1, 3},
+                            {1, 0, 2, 3}, {1, 0, 3, 2}, {1, 3, 0, 2}};
+  for (const auto& order : kOrders) {
+    auto step = std::make_shared<p2p::Step>(2, 1, Clock::now() + std::chrono::seconds(10),
+                                            /*staged=*/true);
+    std::vector<char> send[2] = {std::vector<char>(1000, 'a'), std::vector<char>(1000, 'b')};
+    std::vector<char> recv[2] = {std::vector<char>(1000, 0), std::vector<char>(1000, 0)};
+    int moves = 0, local = 0, completed = 0, errors = 0;
+    std::function<void(p2p::Move)> run = [&](p2p::Move m) {
+      ++moves;
+      local += m.local;
+      std::memcpy(m.to.recv, m.from.send, m.to.bytes);
+      m.finished(true);
+    };
+    std::string error;
+    for (int c : order) {
+      const int rank = c % 2;
+      if (c < 2) {
+        p2p::Endpoint ep;
+        ep.send = send[rank].data();
+        ep.recv = recv[rank].data();
+        ep.bytes = 1000;
+        error += step->Start(rank, ep, run);
+      } else {
+        step->Done(rank, recv[rank].data(), [&](const std::string& e) {
+          ++completed;
+          errors += !e.empty();
+        });
+      }
+    }
+    CHECK(error.empty());
+    CHECK(completed == 2 && errors == 0);
+    CHECK(recv[0] == send[1] && recv[1] == send[0]);
+    CHECK(step->Finished());
+    CHECK(moves == 2 + local);  // one link move per rank, plus one local copy per staged chunk
+  }
+  // Rank 0 alone, staged: its done completes (its chunk was read into staging) only when its own
+  // chunk arrives, i.e. not before rank 1 starts; rank 0's send is in rank 1's staging buffer.
+  auto step = std::make_shared<p2p::Step>(2, 1, Clock::now() + std::chrono::seconds(10), true);
+  std::vector<char> a(64, 'x'), got(64, 0), b(64, 'y'), got_b(64, 0);
+  int links = 0;
+  auto run = [&](p2p::Move m) {
+    links += !m.local;
+    std::memcpy(m.to.recv, m.from.send, m.to.bytes);
+    m.finished(true);
+  };
+  p2p::Endpoint e0{a.data(), got.data(), 64, nullptr};
+  CHECK(step->Start(0, e0, run).empty());
+  CHECK(links == 1 && got_b[0] == 0);  // sent into staging at once
+  bool done0 = false;
+  step->Done(0, got.data(), [&](const std::string& e) { done0 = e.empty(); });
+  CHECK(!done0);  // its own chunk has not arrived
+  p2p::Endpoint e1{b.data(), got_b.data(), 64, nullptr};
+  CHECK(step->Start(1, e1, run).empty());
+  CHECK(done0 && got == b && got_b == a && links == 2);
+  // Disagreeing sizes with a staged chunk: an error at the late rank's start.
+  auto bad = std::make_shared<p2p::Step>(2, 1, Clock::now() + std::chrono::seconds(10), true);
+  p2p::Endpoint short0{a.data(), got.data(), 32, nullptr};
+  CHECK(bad->Start(0, short0, run).empty());
+  CHECK(bad->Start(1, e1, run).find("disagree on the chunk size") != std::string::npos);
+}
+
 int main() {
   TestContinuationsInALoop(1, 4, 200);
   TestContinuationsInALoop(2, 8, 50);
   TestMissingRank(4);
   TestBlockingArrive(4);
   TestBadJoins();
+  TestStagedRingStep();
   std::printf("p2p_rendezvous_test: %d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }

@@ -51,14 +51,17 @@ struct Endpoint {
   const void* event = nullptr; // platform data (the CUDA event recorded at start)
 };
 
-// A move the platform must perform: `bytes` from the sender's `send` to the receiver's `recv`.
-// It calls `finished(ok)` exactly once when the move is over (ok false: it stopped early
-// because the step failed; `failed()` tells it to stop).
+// A move the platform must perform: `to.bytes` from `from.send` to `to.recv`. It calls
+// `finished(ok)` exactly once when the move is over (ok false: it stopped early because the
+// step failed; `failed()` tells it to stop). A staged step's move may go from the sender to a
+// staging buffer (to.recv) before the receiver has started, then `local`ly from there to the
+// receiver's buffer: a copy within the receiver's memory, not over the link.
 struct Move {
   int sender;
   int receiver;
   Endpoint from;
   Endpoint to;
+  bool local = false;
   std::function<bool()> failed;
   std::function<void(bool ok)> finished;
 };
@@ -66,10 +69,18 @@ struct Move {
 // Called when a rank's done completes: error empty on success.
 using DoneCallback = std::function<void(const std::string& error)>;
 
+// `staged`: a sender that starts before its receiver sends at once, into a staging buffer of
+// the step (the link's receive buffer of a real transport), and the chunk is copied locally
+// into the receiver's buffer when it starts; otherwise a move waits for both ends. The CPU
+// transport stages: a rank that starts late does not delay its peer's move.
 class Step : public std::enable_shared_from_this<Step> {
  public:
-  Step(int size, int shift, Clock::time_point deadline)
-      : size_(size), shift_(((shift % size) + size) % size), deadline_(deadline), ranks_(size) {}
+  Step(int size, int shift, Clock::time_point deadline, bool staged = false)
+      : size_(size),
+        shift_(((shift % size) + size) % size),
+        deadline_(deadline),
+        staged_(staged),
+        ranks_(size) {}
 
   int sender_of(int rank) const { return (rank - shift_ + size_) % size_; }
   int receiver_of(int rank) const { return (rank + shift_) % size_; }
@@ -89,21 +100,31 @@ class Step : public std::enable_shared_from_this<Step> {
       me.started = true;
       me.ep = mine;
       ++started_;
+      if (!submit_) submit_ = move;
       for (int receiver : {rank, receiver_of(rank)}) {
         const int sender = sender_of(receiver);
         Rank& to = ranks_[receiver];
         const Rank& from = ranks_[sender];
-        if (!to.started || !from.started || to.recv != kPending) continue;
-        if (from.ep.bytes != to.ep.bytes) {
-          error = "ranks disagree on the chunk size (" + std::to_string(from.ep.bytes) +
-                  " bytes from rank " + std::to_string(sender) + ", " +
-                  std::to_string(to.ep.bytes) + " expected by rank " +
-                  std::to_string(receiver) + ")";
-          complete = FailLocked(error);
-          break;
+        if (to.recv == kStaged && receiver == rank) {  // it arrived before this rank started
+          error = SizeErrorLocked(sender, receiver, to.staged_bytes);
+          if (!error.empty()) {
+            complete = FailLocked(error);
+            break;
+          }
+          to.recv = kMoving;
+          ready.push_back(MakeLocalMove(receiver));
+        } else if (to.recv == kPending && from.started && !to.started && staged_) {
+          to.recv = kMoving;  // this rank sends first: into the staging buffer
+          ready.push_back(MakeStagingMove(sender, receiver));
+        } else if (to.recv == kPending && from.started && to.started) {
+          error = SizeErrorLocked(sender, receiver, from.ep.bytes);
+          if (!error.empty()) {
+            complete = FailLocked(error);
+            break;
+          }
+          to.recv = kMoving;
+          ready.push_back(MakeMove(sender, receiver));
         }
-        to.recv = kMoving;
-        ready.push_back(MakeMove(sender, receiver));
         if (size_ == 1 || sender == receiver) break;  // one rank: it moves to itself once
       }
     }
@@ -174,34 +195,86 @@ class Step : public std::enable_shared_from_this<Step> {
   bool failed() const { return failed_flag_.load(std::memory_order_relaxed); }
 
  private:
-  enum RecvState { kPending, kMoving, kArrived, kStopped };
+  // The chunk of a rank: not moving yet, moving (over the link, or locally out of the staging
+  // buffer), in the staging buffer waiting for its receiver to start, arrived, or stopped.
+  enum RecvState { kPending, kMoving, kStaged, kArrived, kStopped };
   struct Rank {
     bool started = false;
     bool done_called = false;
     bool completed = false;
     Endpoint ep;
     RecvState recv = kPending;
+    bool sender_read = false;          // the link move out of the sender's buffer has finished
+    std::unique_ptr<char[]> staging;   // the chunk sent before this rank started
+    size_t staged_bytes = 0;
     DoneCallback then;
   };
 
-  Move MakeMove(int sender, int receiver) {
+  std::string SizeErrorLocked(int sender, int receiver, size_t sent_bytes) const {
+    const size_t expected = ranks_[receiver].ep.bytes;
+    if (sent_bytes == expected) return std::string();
+    return "ranks disagree on the chunk size (" + std::to_string(sent_bytes) +
+           " bytes from rank " + std::to_string(sender) + ", " + std::to_string(expected) +
+           " expected by rank " + std::to_string(receiver) + ")";
+  }
+
+  Move MakeMove(int sender, int receiver, Endpoint to, bool local = false) {
     auto self = shared_from_this();
-    Move m{sender, receiver, ranks_[sender].ep, ranks_[receiver].ep, nullptr, nullptr};
+    Move m{sender, receiver, ranks_[sender].ep, to, local, nullptr, nullptr};
     m.failed = [self] { return self->failed(); };
-    m.finished = [self, receiver](bool ok) { self->Moved(receiver, ok); };
+    m.finished = [self, receiver, local](bool ok) { self->Moved(receiver, ok, local); };
+    return m;
+  }
+  Move MakeMove(int sender, int receiver) {
+    return MakeMove(sender, receiver, ranks_[receiver].ep);
+  }
+  // Sender -> the receiver's staging buffer (the receiver has not started).
+  Move MakeStagingMove(int sender, int receiver) {
+    Rank& to = ranks_[receiver];
+    to.staged_bytes = ranks_[sender].ep.bytes;
+    to.staging.reset(new char[std::max<size_t>(to.staged_bytes, 1)]);
+    Endpoint buffer;
+    buffer.recv = to.staging.get();
+    buffer.bytes = to.staged_bytes;
+    return MakeMove(sender, receiver, buffer);
+  }
+  // The staging buffer -> the receiver's buffer, within the receiver.
+  Move MakeLocalMove(int receiver) {
+    const int sender = sender_of(receiver);
+    Rank& to = ranks_[receiver];
+    Move m = MakeMove(sender, receiver, to.ep, true);
+    m.from.send = to.staging.get();
     return m;
   }
 
-  void Moved(int receiver, bool ok) {
+  void Moved(int receiver, bool ok, bool local) {
     std::vector<std::pair<DoneCallback, std::string>> complete;
+    std::vector<Move> next;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      ranks_[receiver].recv = ok ? kArrived : kStopped;
-      if (!ok && !failed_) complete = FailLocked("a chunk move failed");
+      Rank& to = ranks_[receiver];
+      if (!local) to.sender_read = ok;
+      if (!ok) {
+        to.recv = kStopped;
+        if (!failed_) complete = FailLocked("a chunk move failed");
+      } else if (local || !to.staging) {
+        to.recv = kArrived;
+      } else if (!to.started || failed_) {  // staged: the receiver copies it when it starts
+        to.recv = kStaged;
+      } else {
+        const std::string error = SizeErrorLocked(sender_of(receiver), receiver, to.staged_bytes);
+        if (!error.empty()) {
+          to.recv = kStopped;
+          complete = FailLocked(error);
+        } else {
+          next.push_back(MakeLocalMove(receiver));
+        }
+      }
       TryCompleteLocked(receiver, &complete);
       TryCompleteLocked(sender_of(receiver), &complete);
     }
     Run(std::move(complete));
+    for (auto& m : next) submit_(std::move(m));
   }
 
   // Completes `rank`'s done when its chunk has arrived and its send buffer has been read, or,
@@ -209,10 +282,11 @@ class Step : public std::enable_shared_from_this<Step> {
   void TryCompleteLocked(int rank, std::vector<std::pair<DoneCallback, std::string>>* out) {
     Rank& me = ranks_[rank];
     if (!me.done_called || me.completed) return;
-    const RecvState in = me.recv, sent = ranks_[receiver_of(rank)].recv;
+    const Rank& peer = ranks_[receiver_of(rank)];
+    const RecvState in = me.recv, sent = peer.recv;
     if (failed_) {
-      if (in == kMoving || sent == kMoving) return;
-    } else if (in != kArrived || sent != kArrived) {
+      if (in == kMoving || (sent == kMoving && !peer.sender_read)) return;
+    } else if (in != kArrived || !peer.sender_read) {
       return;
     }
     me.completed = true;
@@ -238,6 +312,8 @@ class Step : public std::enable_shared_from_this<Step> {
   const int size_;
   const int shift_;
   const Clock::time_point deadline_;
+  const bool staged_;
+  std::function<void(Move)> submit_;  // the platform's move callback (local moves of Moved)
   std::vector<Rank> ranks_;
   int started_ = 0;
   int completed_ = 0;
@@ -256,7 +332,7 @@ class RingTable {
 
   // This rank's next start of `key`; nullptr (and `error`) on a bad rank, size or shift.
   std::shared_ptr<Step> Start(const SiteKey& key, int rank, int size, int shift,
-                              int64_t timeout_ms, std::string* error) {
+                              int64_t timeout_ms, std::string* error, bool staged = false) {
     if (size < 1 || rank < 0 || rank >= size) {
       *error = "rank " + std::to_string(rank) + " of " + std::to_string(size) +
                " is out of range";
@@ -267,7 +343,7 @@ class RingTable {
     auto it = steps_.find(sk);
     if (it == steps_.end()) {
       auto step = std::make_shared<Step>(
-          size, shift, Clock::now() + std::chrono::milliseconds(timeout_ms));
+          size, shift, Clock::now() + std::chrono::milliseconds(timeout_ms), staged);
       it = steps_.emplace(sk, Entry{step, size, shift}).first;
       StartWatchdog();
       watchdog_cv_.notify_one();
@@ -503,7 +579,7 @@ class CopyEngine {
         return;
       }
     }
-    Record(job);
+    if (!m.local) Record(job);  // the timeline shows the link's moves
     m.finished(ok);
   }
 
