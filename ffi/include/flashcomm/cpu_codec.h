@@ -121,11 +121,25 @@ __attribute__((always_inline)) inline void pack_block_t(const uint8_t* q, uint8_
 }
 #pragma GCC diagnostic pop
 
-// Unpack BITS bytes into 8 codes of BITS bits.
+// Unpack BITS bytes into 8 codes of BITS bits. 6 bits: the 48 bits are spread in one 64-bit
+// word, halving the fields three times (24-bit halves into 32-bit lanes, 12 into 16, 6 into 8:
+// the LSB-first layout puts code j in byte j), one store.
 template <int BITS>
 __attribute__((always_inline)) inline void unpack_block_t(const uint8_t* in, uint8_t* q) {
   if (BITS == 8) {
     std::memcpy(q, in, kBlock);
+    return;
+  }
+  if constexpr (BITS == 6) {
+    uint32_t lo;
+    uint16_t hi;
+    std::memcpy(&lo, in, 4);
+    std::memcpy(&hi, in + 4, 2);
+    uint64_t w = uint64_t(lo) | (uint64_t(hi) << 32);  // little-endian: code j at bit 6j
+    w = (w & 0xFFFFFFull) | ((w & 0xFFFFFF000000ull) << 8);
+    w = (w & 0x00000FFF00000FFFull) | ((w & 0x00FFF00000FFF000ull) << 4);
+    w = (w & 0x003F003F003F003Full) | ((w & 0x0FC00FC00FC00FC0ull) << 2);
+    std::memcpy(q, &w, 8);
     return;
   }
   uint64_t acc = 0;
@@ -475,21 +489,27 @@ __attribute__((always_inline)) inline void decode_unpacked(const uint8_t* codes,
 }
 
 // Encode and pack one group with its parameters (all-zero codes for a non-finite group).
-// unit_multiply: unit_multiply_is_identity() of the calling thread (read once per call).
-template <typename T>
+// kDropPre: compile the encode without the multiply by pre too, used where pre is 1 and
+// unit_multiply (unit_multiply_is_identity() of the calling thread, read once per call); only
+// for the hot paths (bf16 and the fused op's f32 sums at the default group size, 8/6/4 bits),
+// each such variant costing compile time.
+template <typename T, bool kDropPre = false>
 __attribute__((always_inline)) inline void encode_group(const typename T::Storage* x, int64_t g,
                                                         int bits, const GroupParams& p,
-                                                        uint8_t* codes, bool unit_multiply) {
+                                                        uint8_t* codes,
+                                                        bool unit_multiply = false) {
   if (!is_finite(p.scale)) {
     std::memset(codes, 0, size_t(group_bytes(g, bits)));
     return;
   }
-  if (unit_multiply && p.pre == 1.0f) {  // the widths with fast paths: without the multiply
-    switch (bits) {
-      case 8: return encode_pack<T, 8, true>(x, g, p, codes);
-      case 6: return encode_pack<T, 6, true>(x, g, p, codes);
-      case 4: return encode_pack<T, 4, true>(x, g, p, codes);
-      default: break;
+  if constexpr (kDropPre) {
+    if (unit_multiply && p.pre == 1.0f) {
+      switch (bits) {
+        case 8: return encode_pack<T, 8, true>(x, g, p, codes);
+        case 6: return encode_pack<T, 6, true>(x, g, p, codes);
+        case 4: return encode_pack<T, 4, true>(x, g, p, codes);
+        default: break;
+      }
     }
   }
   switch (bits) {
@@ -517,7 +537,7 @@ __attribute__((always_inline)) inline bool quantize_one(const typename T::Storag
   const GroupParams p = group_params(lo, hi, finite, bits);
   *scale = p.scale_bits;
   *zero = p.zero_bits;
-  encode_group<T>(x, g, bits, p, codes, unit_multiply_is_identity());
+  encode_group<T>(x, g, bits, p, codes);
   return finite;
 }
 
@@ -718,7 +738,8 @@ FC_ALWAYS_INLINE void quantize_groups_of(const typename T::Storage* x, int64_t n
   }
   alignas(64) uint16_t sb[kBatch], zb[kBatch];
   alignas(64) float sc[kBatch], ze[kBatch], inv[kBatch], pre[kBatch], zp[kBatch];
-  const bool unit_multiply = unit_multiply_is_identity();
+  constexpr bool kDropPre = G == kDefaultGroupSize && !std::is_same_v<T, F16>;
+  const bool unit_multiply = kDropPre && unit_multiply_is_identity();
   for (int64_t k0 = 0; k0 < n_groups; k0 += kBatch) {
     const int64_t m = n_groups - k0 < kBatch ? n_groups - k0 : kBatch;
     for (int64_t s0 = 0; s0 < m; s0 += kLanes) {
@@ -745,7 +766,8 @@ FC_ALWAYS_INLINE void quantize_groups_of(const typename T::Storage* x, int64_t n
         uint8_t* out = codes + (k0 + kBatch + k) * nbytes;
         for (int64_t b = 0; b < nbytes; b += 64) __builtin_prefetch(out + b, 1);
       }
-      encode_group<T>(x + (k0 + k) * g, g, bits, p, codes + (k0 + k) * nbytes, unit_multiply);
+      encode_group<T, kDropPre>(x + (k0 + k) * g, g, bits, p, codes + (k0 + k) * nbytes,
+                                unit_multiply);
     }
   }
 }
