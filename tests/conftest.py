@@ -101,7 +101,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+# Long tests (subprocesses, fuzzing: 10-70 s each) go first, whole modules at a time (their
+# module fixtures stay together): with two xdist workers stealing work, a long test left for
+# last keeps one worker busy while the other idles.
+LONG_FIRST = ("test_default_xla_opt.py", "test_fuzz_collectives.py", "test_models_real.py",
+              "test_multiprocess_failure.py", "test_multiprocess.py",
+              "test_ttft.py::test_quick_run_end_to_end")
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: not any(
+        item.nodeid.split("/")[-1].startswith(name) for name in LONG_FIRST))  # stable
     if XLA_OPT_DEFAULT:
         return
     skip = pytest.mark.skip(reason="runs at XLA's default backend level in a subprocess "
