@@ -186,19 +186,20 @@ __attribute__((always_inline)) inline void unpack6_16(const uint8_t* in, uint8_t
   std::memcpy(q, &codes, 16);
 }
 
-// codec.h's encode of kLanes values of a group, before the clamp and rounding. kUnitPre: the
+// codec.h's encode of kLanes values of a group, before the clamp and rounding. kDropPre: the
 // group's pre is 1 and the flush mode makes x * 1 the same operand as x
-// (unit_multiply_is_identity), so the multiply is left out: the same bits, one op fewer.
-template <bool kUnitPre = false>
+// (unit_multiply_is_identity; encode_group decides), so the multiply is left out: the same
+// bits, one op fewer.
+template <bool kDropPre = false>
 FC_ALWAYS_INLINE Lanes encode_scaled_lanes(Lanes x, const GroupParams& p) {
-  if constexpr (kUnitPre) return mul_rn(add_rn(x, -p.zero_pre), p.inv_scale);
+  if constexpr (kDropPre) return mul_rn(add_rn(x, -p.zero_pre), p.inv_scale);
   return mul_rn(add_rn(mul_rn(x, p.pre), -p.zero_pre), p.inv_scale);
 }
 
 // The codes of kLanes values of a group: codec.h's encode, lane-wise (code_lanes).
-template <bool kUnitPre = false>
+template <bool kDropPre = false>
 FC_ALWAYS_INLINE ULanes encode_code_lanes(Lanes x, const GroupParams& p, float levels) {
-  return code_lanes(encode_scaled_lanes<kUnitPre>(x, p), levels);
+  return code_lanes(encode_scaled_lanes<kDropPre>(x, p), levels);
 }
 
 // What pack_two_runs takes for encode's scaled values v: rounded only on AVX2 (it clamps after
@@ -320,8 +321,8 @@ FC_ALWAYS_INLINE void pack_two_runs(ILanes e0, ILanes o0, ILanes e1, ILanes o1, 
 }
 
 // Encode and pack one group of T (read again from x: it is in L1 after the range pass, and
-// widening bf16 again is cheaper than storing and reloading f32). kUnitPre: encode_scaled_lanes.
-template <typename T, int BITS, bool kUnitPre = false>
+// widening bf16 again is cheaper than storing and reloading f32). kDropPre: encode_scaled_lanes's.
+template <typename T, int BITS, bool kDropPre = false>
 __attribute__((always_inline)) inline void encode_pack(const typename T::Storage* v, int64_t g,
                                                        const GroupParams& p, uint8_t* codes) {
   const float levels = float(max_code(BITS));
@@ -337,10 +338,10 @@ __attribute__((always_inline)) inline void encode_pack(const typename T::Storage
         Lanes e0, o0, e1, o1;
         load_bf16_pairs(v + i0 + j, &e0, &o0);
         load_bf16_pairs(v + i0 + j + 2 * kLanes, &e1, &o1);
-        pack_two_runs<BITS>(pack_lanes_input(encode_scaled_lanes<kUnitPre>(e0, p), levels),
-                            pack_lanes_input(encode_scaled_lanes<kUnitPre>(o0, p), levels),
-                            pack_lanes_input(encode_scaled_lanes<kUnitPre>(e1, p), levels),
-                            pack_lanes_input(encode_scaled_lanes<kUnitPre>(o1, p), levels),
+        pack_two_runs<BITS>(pack_lanes_input(encode_scaled_lanes<kDropPre>(e0, p), levels),
+                            pack_lanes_input(encode_scaled_lanes<kDropPre>(o0, p), levels),
+                            pack_lanes_input(encode_scaled_lanes<kDropPre>(e1, p), levels),
+                            pack_lanes_input(encode_scaled_lanes<kDropPre>(o1, p), levels),
                             out + j / kBlock * BITS, j + 6 * kLanes <= n);
       }
     }
@@ -348,8 +349,8 @@ __attribute__((always_inline)) inline void encode_pack(const typename T::Storage
       for (; j + 2 * kLanes <= n; j += 2 * kLanes) {
         Lanes even, odd;
         load_bf16_pairs(v + i0 + j, &even, &odd);
-        const ULanes ce = encode_code_lanes<kUnitPre>(even, p, levels);
-        const ULanes co = encode_code_lanes<kUnitPre>(odd, p, levels);
+        const ULanes ce = encode_code_lanes<kDropPre>(even, p, levels);
+        const ULanes co = encode_code_lanes<kDropPre>(odd, p, levels);
         if constexpr (kPackPairs<BITS>) {
           pack_pairs<BITS>(ce, co, out + j / kBlock * BITS, j + 2 * kLanes < n);
         } else {
@@ -359,7 +360,7 @@ __attribute__((always_inline)) inline void encode_pack(const typename T::Storage
     }
     const int64_t packed = kPackPairs<BITS> ? j : 0;  // codes [0, packed) are packed already
     for (; j + kLanes <= n; j += kLanes) {
-      narrow_bytes(encode_code_lanes<kUnitPre>(load_lanes_t<T>(v + i0 + j), p, levels), q + j);
+      narrow_bytes(encode_code_lanes<kDropPre>(load_lanes_t<T>(v + i0 + j), p, levels), q + j);
     }
     for (; j < n; ++j) q[j] = uint8_t(encode(T::load(v[i0 + j]), p, levels));
     if (BITS == 4) {  // the same LSB-first layout, as one vectorizable loop

@@ -106,13 +106,11 @@ class Step : public std::enable_shared_from_this<Step> {
         Rank& to = ranks_[receiver];
         const Rank& from = ranks_[sender];
         if (to.recv == kStaged && receiver == rank) {  // it arrived before this rank started
-          error = SizeErrorLocked(sender, receiver, to.staged_bytes);
+          error = UnstageLocked(receiver, &ready);
           if (!error.empty()) {
             complete = FailLocked(error);
             break;
           }
-          to.recv = kMoving;
-          ready.push_back(MakeLocalMove(receiver));
         } else if (to.recv == kPending && from.started && !to.started && staged_) {
           to.recv = kMoving;  // this rank sends first: into the staging buffer
           ready.push_back(MakeStagingMove(sender, receiver));
@@ -238,13 +236,18 @@ class Step : public std::enable_shared_from_this<Step> {
     buffer.bytes = to.staged_bytes;
     return MakeMove(sender, receiver, buffer);
   }
-  // The staging buffer -> the receiver's buffer, within the receiver.
-  Move MakeLocalMove(int receiver) {
+  // The staged chunk of a started receiver: the local move from the staging buffer into its
+  // buffer (appended to `out`, the chunk marked moving), or the error if the sizes disagree.
+  std::string UnstageLocked(int receiver, std::vector<Move>* out) {
     const int sender = sender_of(receiver);
     Rank& to = ranks_[receiver];
+    std::string error = SizeErrorLocked(sender, receiver, to.staged_bytes);
+    if (!error.empty()) return error;
+    to.recv = kMoving;
     Move m = MakeMove(sender, receiver, to.ep, true);
     m.from.send = to.staging.get();
-    return m;
+    out->push_back(std::move(m));
+    return error;
   }
 
   void Moved(int receiver, bool ok, bool local) {
@@ -262,12 +265,10 @@ class Step : public std::enable_shared_from_this<Step> {
       } else if (!to.started || failed_) {  // staged: the receiver copies it when it starts
         to.recv = kStaged;
       } else {
-        const std::string error = SizeErrorLocked(sender_of(receiver), receiver, to.staged_bytes);
+        const std::string error = UnstageLocked(receiver, &next);
         if (!error.empty()) {
           to.recv = kStopped;
           complete = FailLocked(error);
-        } else {
-          next.push_back(MakeLocalMove(receiver));
         }
       }
       TryCompleteLocked(receiver, &complete);
