@@ -2,7 +2,7 @@
 // dequantize_sum_quantize (docs/format.md). One handler per op: it checks shapes and
 // attributes, then calls the instruction-set build chosen at load (cpu_dispatch.h,
 // ffi/cpu/isa_kernels.cc). The arithmetic is in ffi/include/flashcomm/codec.h, shared with the
-// CUDA kernels.
+// CUDA kernels. Large calls are split over XLA's intra-op thread pool (cpu_parallel.h).
 #include "flashcomm/cpu_kernels.h"
 
 #include <cstdint>
@@ -10,6 +10,7 @@
 
 #include "flashcomm/cpu_dispatch.h"
 #include "flashcomm/cpu_ops.h"
+#include "flashcomm/cpu_parallel.h"
 #include "flashcomm/ffi_checks.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -36,7 +37,7 @@ ffi::Error CheckRotation(int32_t rotation, int64_t group_size, const char* op) {
 ffi::Error Quantize(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U8>> codes,
                     ffi::Result<ffi::Buffer<ffi::BF16>> scale,
                     ffi::Result<ffi::Buffer<ffi::BF16>> zero, int32_t bits,
-                    int64_t group_size, int32_t rotation, int32_t spikes) {
+                    int64_t group_size, int32_t rotation, int32_t spikes, const Runner& runner) {
   int64_t n_groups = 0;
   if (ffi::Error e = CheckQuantizeShapes(x, *codes, *scale, *zero, bits, group_size, spikes,
                                          &n_groups);
@@ -50,14 +51,21 @@ ffi::Error Quantize(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U8>> codes,
   if (!ToDType(x.element_type(), &dtype)) {
     return ffi::Error::InvalidArgument("flashcomm_quantize: x must be f32, bf16 or f16");
   }
-  kernels().quantize(dtype, x.untyped_data(), n_groups, group_size, bits, rotation, spikes,
-                     codes->typed_data(), scale->typed_data(), zero->typed_data());
+  const int64_t item = int64_t(x.size_bytes()) / (n_groups > 0 ? n_groups : 1);
+  const int64_t record = record_bytes(group_size, bits, spikes);
+  const auto* xs = static_cast<const uint8_t*>(x.untyped_data());
+  runner.ForRanges(n_groups, item, [&](int64_t b, int64_t e) {
+    kernels().quantize(dtype, xs + b * item, e - b, group_size, bits, rotation, spikes,
+                       codes->typed_data() + b * record, scale->typed_data() + b,
+                       zero->typed_data() + b);
+  });
   return ffi::Error::Success();
 }
 
 ffi::Error Dequantize(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
                       ffi::Buffer<ffi::BF16> zero, ffi::Result<ffi::AnyBuffer> y, int32_t bits,
-                      int64_t group_size, int32_t rotation, int32_t spikes) {
+                      int64_t group_size, int32_t rotation, int32_t spikes,
+                      const Runner& runner) {
   int64_t n_groups = 0;
   if (ffi::Error e = CheckDequantizeShapes(codes, scale, zero, *y, bits, group_size, spikes,
                                            &n_groups);
@@ -71,14 +79,21 @@ ffi::Error Dequantize(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
   if (!ToDType(y->element_type(), &dtype)) {
     return ffi::Error::InvalidArgument("flashcomm_dequantize: y must be f32, bf16 or f16");
   }
-  kernels().dequantize(dtype, codes.typed_data(), scale.typed_data(), zero.typed_data(),
-                       n_groups, group_size, bits, rotation, spikes, y->untyped_data());
+  const int64_t item = int64_t(y->size_bytes()) / (n_groups > 0 ? n_groups : 1);
+  const int64_t record = record_bytes(group_size, bits, spikes);
+  auto* ys = static_cast<uint8_t*>(y->untyped_data());
+  runner.ForRanges(n_groups, item, [&](int64_t b, int64_t e) {
+    kernels().dequantize(dtype, codes.typed_data() + b * record, scale.typed_data() + b,
+                         zero.typed_data() + b, e - b, group_size, bits, rotation, spikes,
+                         ys + b * item);
+  });
   return ffi::Error::Success();
 }
 
 ffi::Error DequantizeSum(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
                          ffi::Buffer<ffi::BF16> zero, ffi::Result<ffi::AnyBuffer> y,
-                         int32_t bits, int64_t group_size, int32_t rotation, int32_t spikes) {
+                         int32_t bits, int64_t group_size, int32_t rotation, int32_t spikes,
+                         const Runner& runner) {
   PayloadView in;
   if (ffi::Error e = ViewChunkedPayload(codes, scale, zero, bits, group_size, spikes, &in);
       e.failure()) {
@@ -95,7 +110,11 @@ ffi::Error DequantizeSum(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scal
   if (!ToDType(y->element_type(), &dtype)) {
     return ffi::Error::InvalidArgument("flashcomm_dequantize_sum: y must be f32, bf16 or f16");
   }
-  kernels().dequantize_sum(dtype, in, rotation, y->untyped_data());
+  // An output group reads `chunks` input groups: its operand bytes, for the piece size.
+  const int64_t item = in.chunks * in.group_size * 4;
+  runner.ForRanges(in.batch * in.groups_per_chunk, item, [&](int64_t b, int64_t e) {
+    kernels().dequantize_sum(dtype, in, rotation, y->untyped_data(), b, e);
+  });
   return ffi::Error::Success();
 }
 
@@ -105,7 +124,7 @@ ffi::Error DequantizeSumQuantize(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF
                                  ffi::Result<ffi::Buffer<ffi::BF16>> out_scale,
                                  ffi::Result<ffi::Buffer<ffi::BF16>> out_zero, int32_t bits,
                                  int32_t out_bits, int64_t group_size, int32_t spikes,
-                                 int32_t out_spikes) {
+                                 int32_t out_spikes, const Runner& runner) {
   PayloadView in;
   if (ffi::Error e = ViewChunkedPayload(codes, scale, zero, bits, group_size, spikes, &in);
       e.failure()) {
@@ -117,16 +136,61 @@ ffi::Error DequantizeSumQuantize(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF
       e.failure()) {
     return e;
   }
-  kernels().dequantize_sum_quantize(in, out_bits, out_spikes, out_codes->typed_data(),
-                                    out_scale->typed_data(), out_zero->typed_data());
+  const int64_t item = in.chunks * in.group_size * 4;
+  runner.ForRanges(in.batch * in.groups_per_chunk, item, [&](int64_t b, int64_t e) {
+    kernels().dequantize_sum_quantize(in, out_bits, out_spikes, out_codes->typed_data(),
+                                      out_scale->typed_data(), out_zero->typed_data(), b, e);
+  });
   return ffi::Error::Success();
 }
 
+namespace {
+
+// The handlers proper: the pool XLA gives the call, then the op's own arguments.
+Runner PoolRunner(ffi::ThreadPool& pool) {
+  return Runner([&pool](Runner::Task task) { pool.Schedule(std::move(task)); },
+                pool.num_threads());
+}
+
+ffi::Error QuantizeOnPool(ffi::ThreadPool pool, ffi::AnyBuffer x,
+                          ffi::Result<ffi::Buffer<ffi::U8>> codes,
+                          ffi::Result<ffi::Buffer<ffi::BF16>> scale,
+                          ffi::Result<ffi::Buffer<ffi::BF16>> zero, int32_t bits,
+                          int64_t group_size, int32_t rotation, int32_t spikes) {
+  return Quantize(x, codes, scale, zero, bits, group_size, rotation, spikes, PoolRunner(pool));
+}
+
+ffi::Error DequantizeOnPool(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes,
+                            ffi::Buffer<ffi::BF16> scale, ffi::Buffer<ffi::BF16> zero,
+                            ffi::Result<ffi::AnyBuffer> y, int32_t bits, int64_t group_size,
+                            int32_t rotation, int32_t spikes) {
+  return Dequantize(codes, scale, zero, y, bits, group_size, rotation, spikes, PoolRunner(pool));
+}
+
+ffi::Error DequantizeSumOnPool(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes,
+                               ffi::Buffer<ffi::BF16> scale, ffi::Buffer<ffi::BF16> zero,
+                               ffi::Result<ffi::AnyBuffer> y, int32_t bits, int64_t group_size,
+                               int32_t rotation, int32_t spikes) {
+  return DequantizeSum(codes, scale, zero, y, bits, group_size, rotation, spikes,
+                       PoolRunner(pool));
+}
+
+ffi::Error DequantizeSumQuantizeOnPool(
+    ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
+    ffi::Buffer<ffi::BF16> zero, ffi::Result<ffi::Buffer<ffi::U8>> out_codes,
+    ffi::Result<ffi::Buffer<ffi::BF16>> out_scale, ffi::Result<ffi::Buffer<ffi::BF16>> out_zero,
+    int32_t bits, int32_t out_bits, int64_t group_size, int32_t spikes, int32_t out_spikes) {
+  return DequantizeSumQuantize(codes, scale, zero, out_codes, out_scale, out_zero, bits,
+                               out_bits, group_size, spikes, out_spikes, PoolRunner(pool));
+}
+
+}  // namespace
 }  // namespace cpu
 }  // namespace flashcomm
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommQuantizeCpu, flashcomm::cpu::Quantize,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommQuantizeCpu, flashcomm::cpu::QuantizeOnPool,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()             // XLA's intra-op pool
                                   .Arg<ffi::AnyBuffer>()              // x: (..., group_size)
                                   .Ret<ffi::Buffer<ffi::U8>>()        // codes: (..., group bytes)
                                   .Ret<ffi::Buffer<ffi::BF16>>()      // scale: (...)
@@ -136,8 +200,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommQuantizeCpu, flashcomm::cpu::Quantize,
                                   .Attr<int32_t>("rotation")          // 0, 1 or 2
                                   .Attr<int32_t>("spikes"));          // kept per group, 0..16
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeCpu, flashcomm::cpu::Dequantize,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeCpu, flashcomm::cpu::DequantizeOnPool,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()             // XLA's intra-op pool
                                   .Arg<ffi::Buffer<ffi::U8>>()        // codes: (..., group bytes)
                                   .Arg<ffi::Buffer<ffi::BF16>>()      // scale: (...)
                                   .Arg<ffi::Buffer<ffi::BF16>>()      // zero: (...)
@@ -147,8 +212,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeCpu, flashcomm::cpu::Dequantize
                                   .Attr<int32_t>("rotation")          // 0, 1 or 2
                                   .Attr<int32_t>("spikes"));          // kept per group, 0..16
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeSumCpu, flashcomm::cpu::DequantizeSum,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeSumCpu, flashcomm::cpu::DequantizeSumOnPool,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()             // XLA's intra-op pool
                                   .Arg<ffi::Buffer<ffi::U8>>()    // codes: (..., N, G/chunk, bytes)
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // scale: (..., N, G/chunk)
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // zero: (..., N, G/chunk)
@@ -159,8 +225,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeSumCpu, flashcomm::cpu::Dequant
                                   .Attr<int32_t>("spikes"));      // kept per group, 0..16
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeSumQuantizeCpu,
-                              flashcomm::cpu::DequantizeSumQuantize,
+                              flashcomm::cpu::DequantizeSumQuantizeOnPool,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()             // XLA's intra-op pool
                                   .Arg<ffi::Buffer<ffi::U8>>()    // codes: (..., N, G/chunk, bytes)
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // scale: (..., N, G/chunk)
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // zero: (..., N, G/chunk)

@@ -163,64 +163,47 @@ void SumGroup(const PayloadView& in, int64_t batch, int64_t k, float* tmp, float
 
 // Sums in the rotated domain; with rotation, the inverse rotation runs once on the sum.
 template <typename T>
-void DequantizeSumAs(const PayloadView& in, int rotation, void* y) {
+void DequantizeSumAs(const PayloadView& in, int rotation, void* y, int64_t begin, int64_t end) {
   auto* ys = static_cast<typename T::Storage*>(y);
   Scratch<float> buf(in.group_size), tmp(in.group_size);
   const SignMasks masks(rotation, in.group_size);
-  for (int64_t b = 0; b < in.batch; ++b) {
-    for (int64_t k = 0; k < in.groups_per_chunk; ++k) {
-      SumGroup(in, b, k, tmp.data, buf.data);
-      typename T::Storage* out = ys + (b * in.groups_per_chunk + k) * in.group_size;
-      if (rotation != kRotationNone) {
-        unrotate_store_group<T>(buf.data, in.group_size, masks.get(), out);  // the store fused in
-      } else {
-        store_group<T>(buf.data, in.group_size, /*saturating=*/false, out);
-      }
+  for (int64_t o = begin; o < end; ++o) {  // o = b * groups_per_chunk + k
+    SumGroup(in, o / in.groups_per_chunk, o % in.groups_per_chunk, tmp.data, buf.data);
+    typename T::Storage* out = ys + o * in.group_size;
+    if (rotation != kRotationNone) {
+      unrotate_store_group<T>(buf.data, in.group_size, masks.get(), out);  // the store fused in
+    } else {
+      store_group<T>(buf.data, in.group_size, /*saturating=*/false, out);
     }
   }
 }
 
 void DequantizeSumQuantize(const PayloadView& in, int out_bits, int out_spikes, uint8_t* codes,
-                           uint16_t* scale, uint16_t* zero) {
+                           uint16_t* scale, uint16_t* zero, int64_t begin, int64_t end) {
   const int64_t out_nbytes = record_bytes(in.group_size, out_bits, out_spikes);
+  const int64_t gpc = in.groups_per_chunk;
   if (out_spikes == 0) {
-    // The sums of kSumBatch groups, then quantized together (quantize_groups computes the
-    // parameters of kLanes groups at once).
     constexpr int64_t kSumBatch = 16;
     Scratch<float> sums(kSumBatch * in.group_size), tmp(in.group_size);
-    for (int64_t b = 0; b < in.batch; ++b) {
-      for (int64_t k0 = 0; k0 < in.groups_per_chunk; k0 += kSumBatch) {
-        const int64_t m =
-            in.groups_per_chunk - k0 < kSumBatch ? in.groups_per_chunk - k0 : kSumBatch;
-        for (int64_t k = 0; k < m; ++k) {
-          SumGroup(in, b, k0 + k, tmp.data, sums.data + k * in.group_size);
-        }
-        const int64_t o = b * in.groups_per_chunk + k0;
-        quantize_groups<F32>(sums.data, m, in.group_size, out_bits, codes + o * out_nbytes,
-                             scale + o, zero + o);
+    for (int64_t o0 = begin; o0 < end; o0 += kSumBatch) {  // o = b * groups_per_chunk + k
+      const int64_t m = end - o0 < kSumBatch ? end - o0 : kSumBatch;
+      for (int64_t i = 0; i < m; ++i) {
+        SumGroup(in, (o0 + i) / gpc, (o0 + i) % gpc, tmp.data, sums.data + i * in.group_size);
       }
+      quantize_groups<F32>(sums.data, m, in.group_size, out_bits, codes + o0 * out_nbytes,
+                           scale + o0, zero + o0);
     }
     return;
   }
   Scratch<float> buf(in.group_size), tmp(in.group_size);
-  Scratch<int32_t> keys(out_spikes > 0 ? in.group_size : 0);
-  for (int64_t b = 0; b < in.batch; ++b) {
-    for (int64_t k = 0; k < in.groups_per_chunk; ++k) {
-      SumGroup(in, b, k, tmp.data, buf.data);
-      const int64_t o = b * in.groups_per_chunk + k;
-      if (out_spikes > 0) {
-        quantize_spiked_group(buf.data, in.group_size, out_bits, out_spikes,
-                              codes + o * out_nbytes, scale + o, zero + o, keys.data);
-      } else {
-        quantize_group(buf.data, in.group_size, out_bits, codes + o * out_nbytes, scale + o,
-                       zero + o);
-      }
-    }
+  Scratch<int32_t> keys(in.group_size);
+  for (int64_t o = begin; o < end; ++o) {
+    SumGroup(in, o / gpc, o % gpc, tmp.data, buf.data);
+    quantize_spiked_group(buf.data, in.group_size, out_bits, out_spikes, codes + o * out_nbytes,
+                          scale + o, zero + o, keys.data);
   }
 }
 
-// Decode the ceil(count / g) groups that hold the chunk's count values into y (count elements
-// of T). Whole groups are decoded in place; a last, partial group through a scratch group.
 template <typename T>
 void DequantizeIntoAs(const uint8_t* codes, const uint16_t* scale, const uint16_t* zero,
                       int64_t g, int bits, int rotation, int spikes, int64_t count, void* out) {
@@ -260,8 +243,9 @@ void Dequantize(DType dtype, const uint8_t* codes, const uint16_t* scale, const 
                 int64_t n_groups, int64_t g, int bits, int rotation, int spikes, void* y) {
   ByDType<DequantizeOp>(dtype, codes, scale, zero, n_groups, g, bits, rotation, spikes, y);
 }
-void DequantizeSum(DType dtype, const PayloadView& in, int rotation, void* y) {
-  ByDType<DequantizeSumOp>(dtype, in, rotation, y);
+void DequantizeSum(DType dtype, const PayloadView& in, int rotation, void* y, int64_t begin,
+                   int64_t end) {
+  ByDType<DequantizeSumOp>(dtype, in, rotation, y, begin, end);
 }
 void DequantizeInto(DType dtype, const uint8_t* codes, const uint16_t* scale,
                     const uint16_t* zero, int64_t g, int bits, int rotation, int spikes,

@@ -8,6 +8,7 @@
 
 #include "flashcomm/cpu_dispatch.h"
 #include "flashcomm/cpu_kernels.h"
+#include "flashcomm/cpu_parallel.h"
 #include "flashcomm/cpu_p2p.h"
 #include "flashcomm/nb_registrations.h"
 
@@ -40,4 +41,15 @@ NB_MODULE(_flashcomm_cpu, m) {
         if (!error.empty()) throw std::invalid_argument(error);
       },
       "Run the codec kernels with the named build from now on ('auto': the best supported).");
+  m.def("cpu_threads", []() { return flashcomm::cpu::max_codec_threads().load(); },
+        "At most this many threads per codec call (0: every thread of XLA's intra-op pool).");
+  m.def("cpu_split_calls", []() { return flashcomm::cpu::split_calls().load(); },
+        "Codec calls split over more than one thread so far (for tests).");
+  m.def(
+      "set_cpu_threads",
+      [](int threads) {
+        if (threads < 0) throw std::invalid_argument("cpu threads must be >= 0 (0: the pool's)");
+        flashcomm::cpu::max_codec_threads().store(threads);
+      },
+      "Split each codec call over at most `threads` threads from now on (0: the whole pool).");
 }

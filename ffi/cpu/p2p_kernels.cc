@@ -214,7 +214,7 @@ ffi::Future P2pAllReduce(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32>
     //    into its slot of the gathered phase-2 payload.
     const PayloadView in = GatherChunk(peers, rank, gpc, group_size, bits, spikes);
     kernels().dequantize_sum_quantize(in, out_bits, out_spikes, c2 + rank * gpc * nb2,
-                                      s2 + rank * gpc, z2 + rank * gpc);
+                                      s2 + rank * gpc, z2 + rank * gpc, 0, in.batch * gpc);
     call->Arrive(1, Publish(c2, s2, z2), [=](const std::vector<Published>& peers) {
       // 3. Every peer's reduced chunk into its slot, then decode the gathered payload.
       for (int64_t j = 0; j < size; ++j) {
@@ -273,7 +273,7 @@ ffi::Future P2pReduceScatter(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::
     // This rank's chunk of every peer's payload (copied here), summed in f32 in rank order;
     // complete once every peer has read this rank's payload.
     const PayloadView in = GatherChunk(peers, rank, gpc, group_size, bits, spikes);
-    kernels().dequantize_sum(dtype, in, rotation, out);
+    kernels().dequantize_sum(dtype, in, rotation, out, 0, in.batch * gpc);
     call->Arrive(1, Publish(nullptr, nullptr, nullptr),
                  [=](const std::vector<Published>&) { call->Finish(); });
   });

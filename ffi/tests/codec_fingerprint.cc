@@ -87,12 +87,13 @@ uint64_t Fingerprint() {
             const PayloadView view{codes.data(), scale.data(), zero.data(), 1, chunks, groups,
                                    g, rec, bits, spikes};
             std::vector<uint8_t> sum(static_cast<size_t>(groups * g) * item);
-            k.dequantize_sum(dtype, view, rotation, sum.data());
+            k.dequantize_sum(dtype, view, rotation, sum.data(), 0, groups);
             const int out_bits = 10 - bits < 2 ? 2 : 10 - bits;
             const int64_t out_rec = flashcomm::record_bytes(g, out_bits, spikes);
             std::vector<uint8_t> codes2(static_cast<size_t>(groups * out_rec));
             std::vector<uint16_t> scale2(static_cast<size_t>(groups)), zero2(scale2.size());
-            k.dequantize_sum_quantize(view, out_bits, spikes, codes2.data(), scale2.data(), zero2.data());
+            k.dequantize_sum_quantize(view, out_bits, spikes, codes2.data(), scale2.data(), zero2.data(),
+                                      0, groups);
             fnv.add(codes.data(), codes.size());
             fnv.add(scale.data(), scale.size() * 2);
             fnv.add(zero.data(), zero.size() * 2);

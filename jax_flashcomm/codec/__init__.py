@@ -38,9 +38,12 @@ __all__ = [
     "cpu_isa",
     "cpu_isas",
     "use_cpu_isa",
+    "cpu_threads",
+    "use_cpu_threads",
 ]
 
-from jax_flashcomm.codec.kernels import cpu_isa, cpu_isas, use_cpu_isa  # noqa: E402
+from jax_flashcomm.codec.kernels import (  # noqa: E402
+    cpu_isa, cpu_isas, cpu_threads, use_cpu_isa, use_cpu_threads)
 
 _JAX_TO_FFI_PLATFORM = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}
 

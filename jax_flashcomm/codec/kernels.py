@@ -40,6 +40,7 @@ def _register(platform: str) -> bool:
         return False
     if platform == "cpu":
         _apply_isa_env(module)
+        _apply_threads_env(module)
     registrations = module.registrations()
     for name, capsule in registrations.items():
         jax.ffi.register_ffi_target(name, capsule, platform=_XLA_PLATFORM[platform])
@@ -64,6 +65,23 @@ def _apply_isa_env(module) -> None:
             module.set_cpu_isa(name)
         except ValueError as err:
             raise RuntimeError(f"jax_flashcomm: {err}") from None
+
+
+THREADS_ENV = "FLASHCOMM_CPU_THREADS"
+
+
+def _apply_threads_env(module) -> None:
+    """Honour ``FLASHCOMM_CPU_THREADS`` (a count >= 1, or 0 for every thread of XLA's pool)."""
+    value = os.environ.get(THREADS_ENV, "").strip()
+    if value:
+        try:
+            threads = int(value)
+            if threads < 0:
+                raise ValueError
+        except ValueError:
+            raise RuntimeError(f"jax_flashcomm: {THREADS_ENV}={value!r} is not a count >= 0 "
+                               "(0: every thread of XLA's intra-op pool)") from None
+        module.set_cpu_threads(threads)
 
 
 def _cpu_module():
@@ -101,6 +119,29 @@ def use_cpu_isa(name: str):
         yield
     finally:
         module.set_cpu_isa(previous)
+
+
+def cpu_threads() -> int:
+    """At most how many threads one CPU codec call uses: ``0`` means every thread of XLA's
+    intra-op pool (the default, as XLA's own ops), ``1`` the calling thread alone. Calls on
+    operands under 512 KiB stay on one thread; the bytes never depend on the split."""
+    return int(_cpu_module().cpu_threads())
+
+
+@contextlib.contextmanager
+def use_cpu_threads(threads: int):
+    """Split CPU codec calls over at most ``threads`` threads inside the block (0: the whole
+    pool). Benchmarks use 1 for single-core figures; set ``FLASHCOMM_CPU_THREADS`` for a
+    process. Raises ValueError for a negative count."""
+    if not isinstance(threads, int) or threads < 0:
+        raise ValueError(f"threads must be an int >= 0, got {threads!r}")
+    module = _cpu_module()
+    previous = module.cpu_threads()
+    module.set_cpu_threads(threads)
+    try:
+        yield
+    finally:
+        module.set_cpu_threads(previous)
 
 
 def available(platform: str) -> bool:

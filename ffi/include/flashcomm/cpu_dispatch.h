@@ -32,12 +32,16 @@ struct CodecKernels {
                      const uint16_t* zero, int64_t n_groups, int64_t g, int bits, int rotation,
                      int spikes, void* y);
   // Chunked payload -> y (batch * groups_per_chunk * group_size of dtype): the f32 sum over the
-  // chunks in order, rotated back once when rotation != 0.
-  void (*dequantize_sum)(DType dtype, const PayloadView& in, int rotation, void* y);
+  // chunks in order, rotated back once when rotation != 0. Only output groups [begin, end) of
+  // the batch * groups_per_chunk (y, codes, scale and zero stay the whole arrays), so that a
+  // call can be split over threads.
+  void (*dequantize_sum)(DType dtype, const PayloadView& in, int rotation, void* y,
+                         int64_t begin, int64_t end);
   // Chunked payload -> the f32 sum re-quantized at out_bits with out_spikes spikes per group
-  // (no rotation: a rotated payload stays in the rotated domain).
+  // (no rotation: a rotated payload stays in the rotated domain); output groups [begin, end).
   void (*dequantize_sum_quantize)(const PayloadView& in, int out_bits, int out_spikes,
-                                  uint8_t* codes, uint16_t* scale, uint16_t* zero);
+                                  uint8_t* codes, uint16_t* scale, uint16_t* zero,
+                                  int64_t begin, int64_t end);
   // The first `count` decoded values of a payload into y (dtype), saturated.
   void (*dequantize_into)(DType dtype, const uint8_t* codes, const uint16_t* scale,
                           const uint16_t* zero, int64_t g, int bits, int rotation, int spikes,

@@ -3,13 +3,15 @@
 // These are the functions the XLA_FFI_DEFINE_HANDLER_SYMBOL handlers (cpu_kernels.h) bind:
 // XLA decodes the call frame into these arguments and calls them. Declared here so that the
 // C++ tests (ffi/tests/codec_cpu_test.cc) can call the handler bodies, shape checks included,
-// on buffers they own, without going through the XLA FFI C API.
+// on buffers they own, without going through the XLA FFI C API. `runner` splits a call's
+// groups over threads (the handlers pass XLA's intra-op pool; the bytes do not depend on it).
 #ifndef FLASHCOMM_CPU_OPS_H_
 #define FLASHCOMM_CPU_OPS_H_
 
 #include <cstdint>
 
 #include "flashcomm/cpu_dispatch.h"
+#include "flashcomm/cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace flashcomm {
@@ -35,16 +37,16 @@ inline bool ToDType(xla::ffi::DataType type, DType* dtype) {
 xla::ffi::Error Quantize(xla::ffi::AnyBuffer x, xla::ffi::Result<xla::ffi::Buffer<xla::ffi::U8>> codes,
                          xla::ffi::Result<xla::ffi::Buffer<xla::ffi::BF16>> scale,
                          xla::ffi::Result<xla::ffi::Buffer<xla::ffi::BF16>> zero, int32_t bits,
-                         int64_t group_size, int32_t rotation,
-                         int32_t spikes);
+                         int64_t group_size, int32_t rotation, int32_t spikes,
+                         const Runner& runner = Runner::Inline());
 
 // codes, scale, zero -> y (..., group_size) f32/bf16/f16, saturated to y's finite range.
 xla::ffi::Error Dequantize(xla::ffi::Buffer<xla::ffi::U8> codes,
                            xla::ffi::Buffer<xla::ffi::BF16> scale,
                            xla::ffi::Buffer<xla::ffi::BF16> zero,
                            xla::ffi::Result<xla::ffi::AnyBuffer> y, int32_t bits,
-                           int64_t group_size, int32_t rotation,
-                         int32_t spikes);
+                           int64_t group_size, int32_t rotation, int32_t spikes,
+                           const Runner& runner = Runner::Inline());
 
 // codes (..., N, G, bytes), scale and zero (..., N, G) -> y (..., G * group_size): the f32 sum
 // over the N chunks in order 0..N-1, stored as y's dtype.
@@ -52,8 +54,8 @@ xla::ffi::Error DequantizeSum(xla::ffi::Buffer<xla::ffi::U8> codes,
                               xla::ffi::Buffer<xla::ffi::BF16> scale,
                               xla::ffi::Buffer<xla::ffi::BF16> zero,
                               xla::ffi::Result<xla::ffi::AnyBuffer> y, int32_t bits,
-                              int64_t group_size, int32_t rotation,
-                         int32_t spikes);
+                              int64_t group_size, int32_t rotation, int32_t spikes,
+                           const Runner& runner = Runner::Inline());
 
 // As DequantizeSum, then the f32 sum is quantized again with out_bits and out_spikes.
 xla::ffi::Error DequantizeSumQuantize(xla::ffi::Buffer<xla::ffi::U8> codes,
@@ -63,7 +65,8 @@ xla::ffi::Error DequantizeSumQuantize(xla::ffi::Buffer<xla::ffi::U8> codes,
                                       xla::ffi::Result<xla::ffi::Buffer<xla::ffi::BF16>> out_scale,
                                       xla::ffi::Result<xla::ffi::Buffer<xla::ffi::BF16>> out_zero,
                                       int32_t bits, int32_t out_bits, int64_t group_size,
-                                      int32_t spikes, int32_t out_spikes);
+                                      int32_t spikes, int32_t out_spikes,
+                                      const Runner& runner = Runner::Inline());
 
 }  // namespace cpu
 }  // namespace flashcomm

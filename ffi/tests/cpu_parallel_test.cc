@@ -1,0 +1,126 @@
+// C++ tests of the split of codec calls over threads (flashcomm/cpu_parallel.h): every range
+// once, on an inline runner, on real threads and on a pool that starts its tasks only after the
+// call returned (they must find nothing to do); and the kernels' output-group ranges
+// (dequantize_sum, dequantize_sum_quantize) giving the bytes of one whole call.
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "flashcomm/codec.h"
+#include "flashcomm/cpu_dispatch.h"
+#include "flashcomm/cpu_parallel.h"
+
+using namespace flashcomm;  // NOLINT
+using flashcomm::cpu::Runner;
+
+namespace {
+
+int g_passed = 0;
+int g_failed = 0;
+
+#define CHECK(cond)                                                                  \
+  do {                                                                               \
+    if (cond) {                                                                      \
+      ++g_passed;                                                                    \
+    } else {                                                                         \
+      ++g_failed;                                                                    \
+      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);  \
+    }                                                                                \
+  } while (0)
+
+// Runs body over [0, n) and checks that every item was visited exactly once.
+void CheckCovers(const Runner& runner, int64_t n, int64_t item_bytes) {
+  std::vector<std::atomic<int>> seen(static_cast<size_t>(n));
+  std::atomic<int64_t> calls{0};
+  runner.ForRanges(n, item_bytes, [&](int64_t b, int64_t e) {
+    CHECK(0 <= b && b < e && e <= n);
+    for (int64_t i = b; i < e; ++i) seen[size_t(i)].fetch_add(1);
+    calls.fetch_add(1);
+  });
+  int64_t wrong = 0;
+  for (auto& s : seen) wrong += s.load() != 1;
+  CHECK(wrong == 0);
+  CHECK(n == 0 ? calls.load() == 0 : calls.load() >= 1);
+}
+
+void TestRunners() {
+  CheckCovers(Runner::Inline(), 1000, 1 << 20);
+  CheckCovers(Runner::Inline(), 0, 1 << 20);
+
+  // Real threads, each task on a thread of its own, joined after the call.
+  std::vector<std::thread> threads;
+  Runner threaded([&](Runner::Task t) { threads.emplace_back(std::move(t)); }, 4);
+  for (int64_t n : {1, 7, 16, 1000, 4099}) {
+    CheckCovers(threaded, n, 1 << 20);
+  }
+  CHECK(!threads.empty());  // large calls were split
+  for (auto& t : threads) t.join();
+  threads.clear();
+  CheckCovers(threaded, 100, 64);  // 6.4 KB: below the piece size, on the caller alone
+  CHECK(threads.empty());
+
+  // A pool that runs nothing until the call has returned: the caller does every piece, and
+  // the late tasks claim none (ASan would flag a call to the dead body).
+  std::vector<Runner::Task> deferred;
+  Runner late([&](Runner::Task t) { deferred.push_back(std::move(t)); }, 8);
+  CheckCovers(late, 4096, 1 << 20);
+  CHECK(!deferred.empty());
+  for (auto& t : deferred) t();
+
+  // The cap (jax_flashcomm.codec.use_cpu_threads): 1 means the caller alone.
+  cpu::max_codec_threads().store(1);
+  Runner capped([&](Runner::Task t) { deferred.push_back(std::move(t)); }, 8);
+  CHECK(capped.threads() == 1);
+  deferred.clear();
+  CheckCovers(capped, 4096, 1 << 20);
+  CHECK(deferred.empty());
+  cpu::max_codec_threads().store(0);
+}
+
+// The fused sums over output groups [b, e) in pieces == one call over all of them.
+void TestKernelRanges() {
+  const cpu::CodecKernels& k = cpu::kernels();
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal;
+  for (int spikes : {0, 2}) {
+    const int64_t g = 128, chunks = 4, gpc = 37, batch = 2, bits = 6, out_bits = 4;
+    const int64_t ng = batch * chunks * gpc, rec = record_bytes(g, bits, spikes);
+    std::vector<float> x(static_cast<size_t>(ng * g));
+    for (auto& v : x) v = normal(rng);
+    std::vector<uint8_t> codes(static_cast<size_t>(ng * rec));
+    std::vector<uint16_t> scale(static_cast<size_t>(ng)), zero(scale.size());
+    k.quantize(cpu::DType::kF32, x.data(), ng, g, bits, 0, spikes, codes.data(), scale.data(),
+               zero.data());
+    const PayloadView view{codes.data(), scale.data(), zero.data(), batch, chunks, gpc,
+                           g, rec, bits, spikes};
+    const int64_t n_out = batch * gpc, out_rec = record_bytes(g, out_bits, spikes);
+    std::vector<float> whole(static_cast<size_t>(n_out * g)), parts(whole.size(), -1.0f);
+    k.dequantize_sum(cpu::DType::kF32, view, 0, whole.data(), 0, n_out);
+    std::vector<uint8_t> c1(static_cast<size_t>(n_out * out_rec)), c2(c1.size(), 0xA5);
+    std::vector<uint16_t> s1(static_cast<size_t>(n_out)), z1(s1.size()), s2(s1.size(), 1), z2(s1.size(), 1);
+    k.dequantize_sum_quantize(view, out_bits, spikes, c1.data(), s1.data(), z1.data(), 0, n_out);
+    const int64_t cuts[] = {0, 5, 36, 37, 60, n_out};  // pieces across the batch boundary
+    for (size_t i = 0; i + 1 < sizeof cuts / sizeof cuts[0]; ++i) {
+      k.dequantize_sum(cpu::DType::kF32, view, 0, parts.data(), cuts[i], cuts[i + 1]);
+      k.dequantize_sum_quantize(view, out_bits, spikes, c2.data(), s2.data(), z2.data(),
+                                cuts[i], cuts[i + 1]);
+    }
+    CHECK(std::memcmp(whole.data(), parts.data(), whole.size() * sizeof(float)) == 0);
+    CHECK(c1 == c2);
+    CHECK(s1 == s2);
+    CHECK(z1 == z2);
+  }
+}
+
+}  // namespace
+
+int main() {
+  TestRunners();
+  TestKernelRanges();
+  std::printf("cpu_parallel_test: %d passed, %d failed\n", g_passed, g_failed);
+  return g_failed == 0 ? 0 : 1;
+}
