@@ -13,24 +13,13 @@
 #include "flashcomm/codec.h"
 #include "flashcomm/cpu_dispatch.h"
 #include "flashcomm/cpu_parallel.h"
+#include "check.h"
 
 using namespace flashcomm;  // NOLINT
 using flashcomm::cpu::Runner;
 
 namespace {
 
-int g_passed = 0;
-int g_failed = 0;
-
-#define CHECK(cond)                                                                  \
-  do {                                                                               \
-    if (cond) {                                                                      \
-      ++g_passed;                                                                    \
-    } else {                                                                         \
-      ++g_failed;                                                                    \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);  \
-    }                                                                                \
-  } while (0)
 
 // Runs body over [0, n) and checks that every item was visited exactly once.
 void CheckCovers(const Runner& runner, int64_t n, int64_t item_bytes) {
@@ -121,6 +110,5 @@ void TestKernelRanges() {
 int main() {
   TestRunners();
   TestKernelRanges();
-  std::printf("cpu_parallel_test: %d passed, %d failed\n", g_passed, g_failed);
-  return g_failed == 0 ? 0 : 1;
+  return ReportChecks("cpu_parallel_test");
 }

@@ -19,21 +19,11 @@
 
 #include "flashcomm/p2p_rendezvous.h"
 #include "flashcomm/p2p_ring.h"
+#include "check.h"
 
 namespace p2p = flashcomm::p2p;
 using Clock = std::chrono::steady_clock;
 
-static int g_passed = 0, g_failed = 0;
-
-#define CHECK(cond)                                                                  \
-  do {                                                                               \
-    if (cond) {                                                                      \
-      ++g_passed;                                                                    \
-    } else {                                                                         \
-      ++g_failed;                                                                    \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);  \
-    }                                                                                \
-  } while (0)
 
 // Waits until `count` reaches `want` (or 10 s pass).
 struct Latch {
@@ -262,6 +252,5 @@ int main() {
   TestBlockingArrive(4);
   TestBadJoins();
   TestStagedRingStep();
-  std::printf("p2p_rendezvous_test: %d passed, %d failed\n", g_passed, g_failed);
-  return g_failed == 0 ? 0 : 1;
+  return ReportChecks("p2p_rendezvous_test");
 }

@@ -113,12 +113,8 @@ def use_cpu_isa(name: str):
     compiled executables call the kernel library at run time, so no recompilation is needed).
     Raises ValueError for a build this CPU cannot run."""
     module = _cpu_module()
-    previous = module.cpu_isa()
-    module.set_cpu_isa(name)
-    try:
+    with _swapped(module.cpu_isa, module.set_cpu_isa, name):
         yield
-    finally:
-        module.set_cpu_isa(previous)
 
 
 def cpu_threads() -> int:
@@ -136,12 +132,19 @@ def use_cpu_threads(threads: int):
     if not isinstance(threads, int) or threads < 0:
         raise ValueError(f"threads must be an int >= 0, got {threads!r}")
     module = _cpu_module()
-    previous = module.cpu_threads()
-    module.set_cpu_threads(threads)
+    with _swapped(module.cpu_threads, module.set_cpu_threads, threads):
+        yield
+
+
+@contextlib.contextmanager
+def _swapped(get, set_, value):
+    """A kernel-library setting set to ``value`` inside the block, its old value after."""
+    previous = get()
+    set_(value)
     try:
         yield
     finally:
-        module.set_cpu_threads(previous)
+        set_(previous)
 
 
 def available(platform: str) -> bool:
