@@ -94,3 +94,24 @@ def test_threads_env(value, expect):
     assert expect in out, out
     if expect == "not a count":
         assert "FLASHCOMM_CPU_THREADS" in out
+
+
+def test_split_calls_keep_the_callers_flush_mode():
+    """Groups of denormals (docs/format.md, "Flush to zero"): every piece of a split call runs
+    under the calling thread's FTZ/DAZ, so the scales are the twin's 0x0000 in every group."""
+    x = np.zeros(1 << 18, np.float32)  # 1 MiB: split
+    x[127::128] = 1e-40
+    x[5::128] = 3e-39
+    x = jnp.asarray(x)
+    quantize = jax.jit(lambda a: codec.quantize(a, bits=8, backend="ffi"))
+    module = kernels._cpu_module()
+    before = module.cpu_split_calls()
+    pooled = _leaves(quantize(x))
+    assert module.cpu_split_calls() > before
+    with codec.use_cpu_threads(1):
+        one = _leaves(quantize(x))
+    twin = _leaves(jax.jit(lambda a: codec.quantize(a, bits=8, backend="jnp"))(x))
+    for a, b, c in zip(pooled, one, twin):
+        assert a.tobytes() == b.tobytes() == c.tobytes()
+    scale = np.asarray(quantize(x).scale).view(np.uint16)
+    assert (scale == 0).all()

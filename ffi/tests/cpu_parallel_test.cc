@@ -3,9 +3,13 @@
 // call returned (they must find nothing to do); and the kernels' output-group ranges
 // (dequantize_sum, dequantize_sum_quantize) giving the bytes of one whole call.
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <deque>
+#include <mutex>
 #include <random>
 #include <thread>
 #include <vector>
@@ -70,6 +74,85 @@ void TestRunners() {
   cpu::max_codec_threads().store(0);
 }
 
+// A thread started now that runs the tasks given to it, in order, until destroyed: it keeps
+// the floating-point control it started with (a new thread inherits its creator's).
+class Worker {
+ public:
+  Worker() : thread_([this] { Loop(); }) {}
+  ~Worker() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void Run(Runner::Task task) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      tasks_.push_back(std::move(task));
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  void Loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
+      if (tasks_.empty()) return;
+      Runner::Task task = std::move(tasks_.front());
+      tasks_.pop_front();
+      lock.unlock();
+      task();
+      lock.lock();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Runner::Task> tasks_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+// Pieces on helper threads run under the caller's floating-point control, whatever the
+// helper's own: here the caller flushes (FTZ and DAZ, as XLA's threads do) and the helper, a
+// thread started before, does not.
+void TestCallersFpControl() {
+#if defined(__x86_64__) || defined(__i386__)
+  constexpr uint64_t kControl = 0xFFC0;  // MXCSR's control bits; bits 0-5 are sticky flags
+#else
+  constexpr uint64_t kControl = ~uint64_t(0);
+#endif
+  const uint64_t own = cpu::fp_control();
+  std::vector<uint64_t> seen(64, ~uint64_t(0));
+  uint64_t caller = own;
+#if defined(__x86_64__) || defined(__i386__)
+  caller = own | 0x8040u;  // MXCSR FTZ (bit 15) and DAZ (bit 6)
+#endif
+  std::atomic<int> helper_pieces{0};
+  {
+    Worker worker;  // started under the thread's own control
+    Runner pooled([&](Runner::Task t) { worker.Run(std::move(t)); }, 2);
+    const cpu::ScopedFpControl mode(caller);
+    const auto me = std::this_thread::get_id();
+    pooled.ForRanges(64, 1 << 20, [&](int64_t b, int64_t e) {
+      if (std::this_thread::get_id() != me) helper_pieces.fetch_add(1);
+      // Long enough that the worker claims pieces too.
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      for (int64_t i = b; i < e; ++i) seen[size_t(i)] = cpu::fp_control() & kControl;
+    });
+  }
+  CHECK(helper_pieces.load() >= 1);  // the worker ran some
+  int64_t other = 0;
+  for (uint64_t v : seen) other += v != (caller & kControl);
+  CHECK(other == 0);
+  CHECK((cpu::fp_control() & kControl) == (own & kControl));  // restored on the caller
+#if defined(__x86_64__) || defined(__i386__)
+  CHECK((own & kControl) != (caller & kControl));  // so the check above means something
+#endif
+}
+
 // The fused sums over output groups [b, e) in pieces == one call over all of them.
 void TestKernelRanges() {
   const cpu::CodecKernels& k = cpu::kernels();
@@ -109,6 +192,7 @@ void TestKernelRanges() {
 
 int main() {
   TestRunners();
+  TestCallersFpControl();
   TestKernelRanges();
   return ReportChecks("cpu_parallel_test");
 }

@@ -11,6 +11,9 @@
 // to claim, waits only for pieces already running. A helper the pool starts late (or never)
 // finds nothing to claim, so a busy or one-thread pool cannot deadlock a call, and a helper
 // that outlives the call touches only the shared state it co-owns, never the call's buffers.
+// A helper runs its pieces under the caller's floating-point control (flush-to-zero,
+// denormals-are-zero, rounding), whatever its own thread's: a denormal gives the same bytes
+// on every thread (docs/format.md, "Flush to zero").
 #ifndef FLASHCOMM_CPU_PARALLEL_H_
 #define FLASHCOMM_CPU_PARALLEL_H_
 
@@ -23,8 +26,47 @@
 #include <mutex>
 #include <utility>
 
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
+
 namespace flashcomm {
 namespace cpu {
+
+// The calling thread's floating-point control register (x86 MXCSR, aarch64 FPCR; 0 where
+// neither), and setting it.
+inline uint64_t fp_control() {
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+  return _mm_getcsr();
+#elif defined(__aarch64__)
+  uint64_t v;
+  asm volatile("mrs %0, fpcr" : "=r"(v));
+  return v;
+#else
+  return 0;
+#endif
+}
+inline void set_fp_control(uint64_t v) {
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+  _mm_setcsr(static_cast<unsigned>(v));
+#elif defined(__aarch64__)
+  asm volatile("msr fpcr, %0" : : "r"(v));
+#else
+  (void)v;
+#endif
+}
+
+// Sets the floating-point control to `v` for its lifetime, then restores the thread's own.
+class ScopedFpControl {
+ public:
+  explicit ScopedFpControl(uint64_t v) : saved_(fp_control()) { set_fp_control(v); }
+  ~ScopedFpControl() { set_fp_control(saved_); }
+  ScopedFpControl(const ScopedFpControl&) = delete;
+  ScopedFpControl& operator=(const ScopedFpControl&) = delete;
+
+ private:
+  uint64_t saved_;
+};
 
 // At most this many threads per codec call (0: as many as the pool has). Set from
 // FLASHCOMM_CPU_THREADS when the library loads and by jax_flashcomm.codec.use_cpu_threads.
@@ -75,9 +117,13 @@ class Runner {
     state->pieces = pieces;
     state->n = n;
     state->body = [&body](int64_t b, int64_t e) { body(b, e); };
+    state->fp = fp_control();
     const int64_t helpers = std::min(threads_, pieces) - 1;
     for (int64_t h = 0; h < helpers; ++h) {
-      schedule_([state] { Work(*state); });
+      schedule_([state] {
+        const ScopedFpControl mode(state->fp);
+        Work(*state);
+      });
     }
     Work(*state);
     std::unique_lock<std::mutex> lock(state->mu);
@@ -90,6 +136,7 @@ class Runner {
     int64_t pieces = 0;
     int64_t n = 0;
     std::function<void(int64_t, int64_t)> body;  // valid while a piece is unfinished
+    uint64_t fp = 0;                              // the caller's floating-point control
     std::mutex mu;
     std::condition_variable cv;
     int64_t done = 0;  // guarded by mu
