@@ -115,3 +115,23 @@ def test_split_calls_keep_the_callers_flush_mode():
         assert a.tobytes() == b.tobytes() == c.tobytes()
     scale = np.asarray(quantize(x).scale).view(np.uint16)
     assert (scale == 0).all()
+
+
+def test_split_dequantize_into_writes_the_bytes_of_one_thread_and_of_the_twin():
+    n = N + 37  # a last group cut short
+    x = jax.random.normal(jax.random.key(5), (n,), jnp.float32).astype(jnp.bfloat16)
+    payload = codec.quantize(x, bits=6, spikes=1)
+    out = jnp.full((n + 1000,), 7.0, jnp.bfloat16)
+
+    def into(backend):
+        return jax.jit(lambda o, p: codec.dequantize_into(o, p, 500, backend=backend))
+
+    module = kernels._cpu_module()
+    before = module.cpu_split_calls()
+    pooled = np.asarray(into("ffi")(out, payload))
+    assert module.cpu_split_calls() > before
+    with codec.use_cpu_threads(1):
+        one = np.asarray(into("ffi")(out, payload))
+    twin = np.asarray(into("jnp")(out, payload))
+    assert pooled.tobytes() == one.tobytes() == twin.tobytes()
+    assert (pooled[:500] == 7.0).all() and (pooled[500 + n:] == 7.0).all()

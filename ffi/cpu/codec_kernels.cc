@@ -147,10 +147,6 @@ ffi::Error DequantizeSumQuantize(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF
 namespace {
 
 // The handlers proper: the pool XLA gives the call, then the op's own arguments.
-Runner PoolRunner(ffi::ThreadPool& pool) {
-  return Runner([&pool](Runner::Task task) { pool.Schedule(std::move(task)); },
-                pool.num_threads());
-}
 
 ffi::Error QuantizeOnPool(ffi::ThreadPool pool, ffi::AnyBuffer x,
                           ffi::Result<ffi::Buffer<ffi::U8>> codes,

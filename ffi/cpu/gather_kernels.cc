@@ -18,6 +18,7 @@
 #include "flashcomm/cpu_dispatch.h"
 #include "flashcomm/cpu_kernels.h"
 #include "flashcomm/cpu_ops.h"
+#include "flashcomm/cpu_parallel.h"
 #include "flashcomm/ffi_checks.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -39,7 +40,7 @@ ffi::Error DequantizeInto(ffi::AnyBuffer out_in, ffi::Buffer<ffi::U8> codes,
                           ffi::Buffer<ffi::BF16> scale, ffi::Buffer<ffi::BF16> zero,
                           ffi::Buffer<ffi::S32> offset, ffi::Result<ffi::AnyBuffer> out,
                           int32_t bits, int64_t group_size, int32_t rotation, int32_t spikes,
-                          int64_t count) {
+                          int64_t count, const Runner& runner) {
   if (ffi::Error e = CheckDequantizeIntoArgs(out_in, codes, scale, zero, offset, *out, bits,
                                              group_size, rotation, spikes, count, 0, "");
       e.failure()) {
@@ -60,16 +61,40 @@ ffi::Error DequantizeInto(ffi::AnyBuffer out_in, ffi::Buffer<ffi::U8> codes,
   DType dtype;
   if (!ToDType(type, &dtype)) return Invalid("out must be f32, bf16 or f16");
   char* base = static_cast<char*>(out->untyped_data()) + static_cast<size_t>(at) * item;
-  kernels().dequantize_into(dtype, codes.typed_data(), scale.typed_data(), zero.typed_data(),
-                            group_size, bits, rotation, spikes, count, base);
+  // Pieces of whole groups; the last group of the last piece may be cut to `count`.
+  const int64_t groups = (count + group_size - 1) / group_size;
+  const int64_t record = record_bytes(group_size, bits, spikes);
+  const int64_t group_out = group_size * int64_t(item);
+  runner.ForRanges(groups, group_out, [&](int64_t b, int64_t e) {
+    const int64_t values = (e * group_size < count ? e * group_size : count) - b * group_size;
+    kernels().dequantize_into(dtype, codes.typed_data() + b * record, scale.typed_data() + b,
+                              zero.typed_data() + b, group_size, bits, rotation, spikes, values,
+                              base + b * group_out);
+  });
   return ffi::Error::Success();
 }
+
+namespace {
+
+// The handler proper: the pool XLA gives the call, then the op's own arguments.
+ffi::Error DequantizeIntoOnPool(ffi::ThreadPool pool, ffi::AnyBuffer out_in,
+                                ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
+                                ffi::Buffer<ffi::BF16> zero, ffi::Buffer<ffi::S32> offset,
+                                ffi::Result<ffi::AnyBuffer> out, int32_t bits,
+                                int64_t group_size, int32_t rotation, int32_t spikes,
+                                int64_t count) {
+  return DequantizeInto(out_in, codes, scale, zero, offset, out, bits, group_size, rotation,
+                        spikes, count, PoolRunner(pool));
+}
+
+}  // namespace
 
 }  // namespace cpu
 }  // namespace flashcomm
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeIntoCpu, flashcomm::cpu::DequantizeInto,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeIntoCpu, flashcomm::cpu::DequantizeIntoOnPool,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()             // XLA's intra-op pool
                                   .Arg<ffi::AnyBuffer>()              // out: f32/bf16/f16
                                   .Arg<ffi::Buffer<ffi::U8>>()        // codes: (groups, bytes)
                                   .Arg<ffi::Buffer<ffi::BF16>>()      // scale: (groups,)

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "flashcomm/cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace flashcomm {
@@ -15,14 +16,14 @@ namespace cpu {
 // dtype (f32/bf16/f16) and saturated to its finite range, at out's flat elements
 // [offset, offset + count). `out` is the result, aliased to operand `out_in` (XLA passes the
 // same buffer; if not, out_in is copied first). offset < 0 or offset + count > out's size is
-// InvalidArgument and nothing is written.
+// InvalidArgument and nothing is written. `runner` splits the groups over threads (cpu_ops.h).
 xla::ffi::Error DequantizeInto(xla::ffi::AnyBuffer out_in, xla::ffi::Buffer<xla::ffi::U8> codes,
                                xla::ffi::Buffer<xla::ffi::BF16> scale,
                                xla::ffi::Buffer<xla::ffi::BF16> zero,
                                xla::ffi::Buffer<xla::ffi::S32> offset,
                                xla::ffi::Result<xla::ffi::AnyBuffer> out, int32_t bits,
                                int64_t group_size, int32_t rotation, int32_t spikes,
-                               int64_t count);
+                               int64_t count, const Runner& runner = Runner::Inline());
 
 }  // namespace cpu
 }  // namespace flashcomm

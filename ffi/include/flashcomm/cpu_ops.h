@@ -17,6 +17,13 @@
 namespace flashcomm {
 namespace cpu {
 
+// A runner on the pool the XLA FFI hands a handler (XLA's intra-op pool); valid while the
+// handler runs.
+inline Runner PoolRunner(xla::ffi::ThreadPool& pool) {
+  return Runner([&pool](Runner::Task task) { pool.Schedule(std::move(task)); },
+                pool.num_threads());
+}
+
 // The codec's operand dtypes (f32, bf16, f16); false for any other.
 inline bool ToDType(xla::ffi::DataType type, DType* dtype) {
   switch (type) {
