@@ -194,9 +194,20 @@ def _time(fn, args, reps):
     return out
 
 
+def _cores_busy(fn, args, reps):
+    """Median seconds of fn, and the process's CPU time over the wall time of those calls (how
+    many cores it kept busy)."""
+    cpu0, wall0 = os.times(), time.perf_counter()
+    times = _time(fn, args, reps)
+    cpu1, wall1 = os.times(), time.perf_counter()
+    cpu = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
+    return statistics.median(times), cpu / (wall1 - wall0)
+
+
 def _shared_executor(mesh, reps):
-    """One chunk's dot on one device alone, and on both devices at once (ms): equal when the
-    devices compute in parallel, twice when they share XLA:CPU's executor threads."""
+    """One chunk's dot on one device alone, and on both devices at once (ms), and the cores
+    each kept busy: equal times when the devices compute in parallel, twice when they share
+    XLA:CPU's intra-op pool (a lone dot then already uses every core)."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -209,8 +220,10 @@ def _shared_executor(mesh, reps):
     one = (jax.device_put(x[:M], jax.devices()[0]), jax.device_put(w[:, :NCOL], jax.devices()[0]))
     two = (jax.device_put(x, NamedSharding(mesh, P("i"))),
            jax.device_put(w, NamedSharding(mesh, P(None, "i"))))
-    return dict(alone=statistics.median(_time(alone, one, reps)) * 1e3,
-                both=statistics.median(_time(both, two, reps)) * 1e3)
+    t_alone, cores_alone = _cores_busy(alone, one, reps)
+    t_both, cores_both = _cores_busy(both, two, reps)
+    return dict(alone=t_alone * 1e3, both=t_both * 1e3, cores_alone=cores_alone,
+                cores_both=cores_both)
 
 
 def run(ops, loops, reps):
@@ -221,8 +234,9 @@ def run(ops, loops, reps):
     programs, mesh = _setup(loops)
     rows = []
     dot_ms = _shared_executor(mesh, reps)
-    print(f"one chunk's dot: {dot_ms['alone']:.2f} ms on one device alone, "
-          f"{dot_ms['both']:.2f} ms on both devices at once", flush=True)
+    print(f"one chunk's dot: {dot_ms['alone']:.2f} ms on one device alone "
+          f"({dot_ms['cores_alone']:.2f} cores busy), {dot_ms['both']:.2f} ms on both devices "
+          f"at once ({dot_ms['cores_both']:.2f} cores busy)", flush=True)
     with jax.set_mesh(mesh):
         for op in ops:
             progs, args, payload = programs(op)
