@@ -94,7 +94,7 @@ SLOW_TESTS = {
 }
 
 
-def pytest_collection_modifyitems(config, items):
+def _mark_slow(items):
     for item in items:
         if (item.path.name in SLOW_MODULES or item.originalname in SLOW_TESTS
                 or item.get_closest_marker("model")):
@@ -110,6 +110,9 @@ LONG_FIRST = ("test_default_xla_opt.py", "test_fuzz_collectives.py", "test_model
 
 
 def pytest_collection_modifyitems(config, items):
+    """One hook (a second definition would replace the first): slow markers, long tests
+    first, and the default-level tests skipped where the subprocess runs them."""
+    _mark_slow(items)
     items.sort(key=lambda item: not any(
         item.nodeid.split("/")[-1].startswith(name) for name in LONG_FIRST))  # stable
     if XLA_OPT_DEFAULT:
