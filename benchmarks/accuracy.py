@@ -248,7 +248,7 @@ def run(args) -> dict:
     cli.set_devices(max(args.tp))
     import jax
 
-    from benchmarks.machine import first_line
+    from models.machine import first_line
     from models import corpus
     from models.eval import progress, window_tokens
     from models.weights import load_model

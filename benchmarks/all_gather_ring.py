@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_flashcomm as fc  # noqa: E402
-import machine  # noqa: E402
+from models import machine  # noqa: E402
 from jax_flashcomm import allreduce, scatter_gather  # noqa: E402
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}

@@ -368,7 +368,7 @@ def main():
     if not args.skip_inproc:  # before jax is imported
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + " --xla_force_host_platform_device_count=8").strip()
-    from benchmarks import machine
+    from models import machine
 
     print(machine.first_line(), flush=True)
     data = {"machine": machine.describe(), "rate": args.rate, "sizes": sizes, "bits": list(BITS),

@@ -60,7 +60,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax_flashcomm import codec  # noqa: E402
 from jax_flashcomm.codec import kernels  # noqa: E402
 
-import machine  # noqa: E402
+from models import machine  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20

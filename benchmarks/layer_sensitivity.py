@@ -92,7 +92,7 @@ def run(args) -> dict:
     cli.set_devices(args.tp)
     import jax
 
-    from benchmarks.machine import first_line
+    from models.machine import first_line
     from jax_flashcomm.nn import TPComm
     from models import corpus
     from models.eval import progress, window_tokens

@@ -394,7 +394,7 @@ def main():
     ap.add_argument("--out", default=str(REPO / "docs" / "ring_overlap.json"))
     args = ap.parse_args()
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FLAGS).strip()
-    from benchmarks import machine
+    from models import machine
     from jax_flashcomm import codec
 
     print(machine.first_line(), flush=True)

@@ -108,7 +108,7 @@ def main():
     args = ap.parse_args()
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + f" --xla_force_host_platform_device_count={DEVICES}").strip()
-    from benchmarks import machine
+    from models import machine
     from jax_flashcomm import codec
 
     print(machine.first_line(), flush=True)

@@ -344,7 +344,7 @@ def main(argv=None) -> int:
     if reason:
         print(f"error: {reason}", file=sys.stderr)
         return 2
-    from benchmarks.machine import first_line
+    from models.machine import first_line
 
     machine = first_line()
     print(machine, flush=True)

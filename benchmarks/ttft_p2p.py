@@ -73,7 +73,7 @@ def run(args) -> dict:
     import jax
 
     from benchmarks import ttft
-    from benchmarks.machine import first_line
+    from models.machine import first_line
     from jax_flashcomm.nn import TPComm
     from jax_flashcomm.transport import ring
     from models.corpus import load_text

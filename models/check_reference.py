@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     import jax
     import numpy as np
 
-    from benchmarks.machine import first_line
+    from models.machine import first_line
     from models.engine import Engine, Sampling
     from models.eval import nll_fn
     from models.weights import load_model

@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from benchmarks.machine import first_line
+    from models.machine import first_line
     from jax_flashcomm.nn import TPComm
     from models.checkpoint import open_checkpoint
     from models.corpus import load_text

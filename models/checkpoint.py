@@ -21,87 +21,12 @@ MLP width)::
 
 from __future__ import annotations
 
-import abc
 import os
 import pathlib
-from typing import TYPE_CHECKING
 
-import numpy as np
-
-from models.config import LlamaConfig
-
-if TYPE_CHECKING:
-    from models.tokenizer import Tokenizer
+from models.checkpoint_base import Checkpoint, CheckpointError, expected_shapes, validate
 
 __all__ = ["Checkpoint", "CheckpointError", "expected_shapes", "open_checkpoint"]
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: truncated, corrupt, missing or misshapen tensors."""
-
-
-class Checkpoint(abc.ABC):
-    """Config, tokenizer and HF-layout float32 tensors of a model."""
-
-    config: LlamaConfig
-    tokenizer: "Tokenizer | None" = None
-    path: pathlib.Path | None = None
-
-    @abc.abstractmethod
-    def names(self) -> list[str]:
-        """Every tensor name (HF names)."""
-
-    @abc.abstractmethod
-    def shape(self, name: str) -> tuple[int, ...]:
-        """The HF shape of tensor ``name``."""
-
-    @abc.abstractmethod
-    def read(self, name: str, index=()) -> np.ndarray:
-        """Tensor ``name`` (float32, HF layout), or just ``[index]`` of it (a tuple of slices),
-        so that one shard can be read alone."""
-
-    def close(self) -> None:
-        """Release the files (optional)."""
-
-    def __repr__(self):
-        return f"{type(self).__name__}({str(self.path)!r}, {self.config})"
-
-
-def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """The name → HF shape of every tensor a checkpoint of ``config`` must hold."""
-    c = config
-    d, v, f = c.d_model, c.vocab_size, c.ffn_dim
-    hq, hkv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    out = {"model.embed_tokens.weight": (v, d)}
-    for i in range(c.n_layers):
-        p = f"model.layers.{i}."
-        out.update({
-            p + "input_layernorm.weight": (d,),
-            p + "self_attn.q_proj.weight": (hq, d),
-            p + "self_attn.k_proj.weight": (hkv, d),
-            p + "self_attn.v_proj.weight": (hkv, d),
-            p + "self_attn.o_proj.weight": (d, hq),
-            p + "post_attention_layernorm.weight": (d,),
-            p + "mlp.gate_proj.weight": (f, d),
-            p + "mlp.up_proj.weight": (f, d),
-            p + "mlp.down_proj.weight": (d, f),
-        })
-    out["model.norm.weight"] = (d,)
-    if not c.tie_embeddings:
-        out["lm_head.weight"] = (v, d)
-    return out
-
-
-def validate(ckpt: Checkpoint) -> None:
-    """Raise :class:`CheckpointError` unless every expected tensor is present and well shaped."""
-    have = set(ckpt.names())
-    for name, shape in expected_shapes(ckpt.config).items():
-        if name not in have:
-            raise CheckpointError(f"{ckpt.path}: missing tensor {name} (expected shape {shape})")
-        actual = tuple(int(s) for s in ckpt.shape(name))
-        if actual != shape:
-            raise CheckpointError(f"{ckpt.path}: tensor {name} has shape {actual}, expected "
-                                  f"{shape} from the config")
 
 
 def _is_gguf(path: pathlib.Path) -> bool:

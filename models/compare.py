@@ -166,7 +166,7 @@ def main(argv=None) -> int:
     rows = run(model, ckpt, mesh, settings, text=text, window=args.window,
                max_windows=args.max_windows, prompts=prompts,
                max_new_tokens=args.max_new_tokens)
-    from benchmarks.machine import first_line
+    from models.machine import first_line
 
     machine = first_line()
     print(machine)

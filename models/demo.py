@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     cli.set_devices(args.tp)
     import jax
 
-    from benchmarks.machine import first_line
+    from models.machine import first_line
     from models.compare import parse_setting, run
     from models.corpus import load_text
     from models.weights import load_model

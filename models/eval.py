@@ -122,12 +122,9 @@ def run_windows_cli(parser, args, run_fn) -> dict | None:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return None
-    try:
-        from benchmarks.machine import first_line
-        result["machine"] = first_line()
-    except Exception:  # benchmarks/ is beside models/ in the repo; the CPU name is a nicety
-        import platform
-        result["machine"] = platform.processor() or platform.machine()
+    from models.machine import first_line
+
+    result["machine"] = first_line()
     return result
 
 

@@ -23,7 +23,7 @@ import threading
 
 import numpy as np
 
-from models.checkpoint import Checkpoint, CheckpointError
+from models.checkpoint_base import Checkpoint, CheckpointError
 from models.config import LlamaConfig
 
 __all__ = ["GGUFCheckpoint", "llama_cpp_permute", "unpermute_qk", "gguf_to_hf_name"]

@@ -18,7 +18,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax_flashcomm import nn
-from jax_flashcomm._common import all_gather_invariant
+from jax_flashcomm.jax_compat import all_gather_invariant
 from models.config import LlamaConfig
 
 __all__ = ["Llama", "Block", "LlamaSharding", "set_comm", "SITES"]

@@ -16,7 +16,7 @@ import struct
 
 import numpy as np
 
-from models.checkpoint import Checkpoint, CheckpointError
+from models.checkpoint_base import Checkpoint, CheckpointError
 from models.config import LlamaConfig
 
 __all__ = ["SafetensorsCheckpoint"]

@@ -1,6 +1,9 @@
-"""What a benchmark ran on, for its first line and its JSON: the CPU model, its cores, the
-vector features the kernel library sees, and the instruction-set build of the CPU codec kernels
-in use (every speed figure depends on it: docs/benchmarks.md)."""
+"""What a run ran on, for the first line of its output and its JSON: the CPU model, its cores,
+the vector features the kernel library sees, and the instruction-set build of the CPU codec
+kernels in use (every speed figure depends on it: docs/benchmarks.md).
+
+The models' CLIs print it, and the benchmarks import it from here (``benchmarks`` is a leaf
+that nothing in ``models`` imports)."""
 
 from __future__ import annotations
 
