@@ -198,6 +198,13 @@ ffi::Error DequantizeSumQuantize(cudaStream_t stream, ffi::Buffer<ffi::U8> codes
 }  // namespace cuda
 }  // namespace flashcomm
 
+// Command buffers (CUDA graphs): each handler declares kCmdBufferCompatible, so XLA may capture
+// it into a graph. What a call enqueues depends only on what XLA fixes for the executable or
+// keys its captured graphs by: the attributes and shapes (compile time) and the buffers'
+// device addresses (the 16-byte alignment test picks a kernel's vector path; XLA traces a
+// custom call again when an address changes). No handler reads device memory or host state
+// at run time, allocates, synchronizes or queries the stream: one kernel launch (or none, for
+// an empty operand) per call, on XLA's stream. docs/cuda.md, "Command buffers".
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommQuantizeCuda, flashcomm::cuda::Quantize,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
@@ -208,7 +215,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommQuantizeCuda, flashcomm::cuda::Quantize,
                                   .Attr<int32_t>("bits")              // code width, 2..8
                                   .Attr<int64_t>("group_size")        // multiple of 8
                                   .Attr<int32_t>("rotation")          // 0, 1 or 2
-                                  .Attr<int32_t>("spikes"));          // kept per group, 0..16
+                                  .Attr<int32_t>("spikes"),           // kept per group, 0..16
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeCuda, flashcomm::cuda::Dequantize,
                               ffi::Ffi::Bind()
@@ -220,7 +228,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeCuda, flashcomm::cuda::Dequanti
                                   .Attr<int32_t>("bits")              // code width, 2..8
                                   .Attr<int64_t>("group_size")        // multiple of 8
                                   .Attr<int32_t>("rotation")          // 0, 1 or 2
-                                  .Attr<int32_t>("spikes"));          // kept per group, 0..16
+                                  .Attr<int32_t>("spikes"),           // kept per group, 0..16
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeSumCuda, flashcomm::cuda::DequantizeSum,
                               ffi::Ffi::Bind()
@@ -232,7 +241,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeSumCuda, flashcomm::cuda::Dequa
                                   .Attr<int32_t>("bits")          // code width of the input
                                   .Attr<int64_t>("group_size")    // multiple of 8
                                   .Attr<int32_t>("rotation")      // 0, 1 or 2
-                                  .Attr<int32_t>("spikes"));      // kept per group, 0..16
+                                  .Attr<int32_t>("spikes"),       // kept per group, 0..16
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeSumQuantizeCuda,
                               flashcomm::cuda::DequantizeSumQuantize,
@@ -248,4 +258,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeSumQuantizeCuda,
                                   .Attr<int32_t>("out_bits")      // code width of the output
                                   .Attr<int64_t>("group_size")    // multiple of 8
                                   .Attr<int32_t>("spikes")        // per input group, 0..16
-                                  .Attr<int32_t>("out_spikes"));  // per output group, 0..16
+                                  .Attr<int32_t>("out_spikes"),   // per output group, 0..16
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -78,6 +78,11 @@ ffi::Error DequantizeInto(cudaStream_t stream, ffi::AnyBuffer out_in,
 }  // namespace cuda
 }  // namespace flashcomm
 
+// Command-buffer compatible (docs/cuda.md, "Command buffers"): a device-to-device copy (only
+// when XLA did not alias out to operand 0: a comparison of addresses, which XLA's graph
+// traces are keyed by) and one kernel launch on XLA's stream. The offset is read by the
+// kernel from device memory, never by the host, so a captured graph stays right for every
+// offset.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeIntoCuda, flashcomm::cuda::DequantizeInto,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
@@ -91,4 +96,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeIntoCuda, flashcomm::cuda::Dequ
                                   .Attr<int64_t>("group_size")    // multiple of 8
                                   .Attr<int32_t>("rotation")      // 0, 1 or 2
                                   .Attr<int32_t>("spikes")        // kept per group, 0..16
-                                  .Attr<int64_t>("count"));       // the chunk's elements
+                                  .Attr<int64_t>("count"),        // the chunk's elements
+                              {ffi::Traits::kCmdBufferCompatible});

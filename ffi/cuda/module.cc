@@ -3,19 +3,43 @@
 // runtime is linked statically (cudart_static), so importing it needs no GPU.
 
 #include "flashcomm/cuda_kernels.h"
+#include "flashcomm/handler_metadata.h"
 #include "flashcomm/nb_registrations.h"
 
+namespace {
+
+nanobind::dict CudaRegistrations() {
+  nanobind::dict d = flashcomm::Registrations(FlashcommQuantizeCuda, FlashcommDequantizeCuda,
+                                              FlashcommDequantizeSumCuda,
+                                              FlashcommDequantizeSumQuantizeCuda,
+                                              FlashcommDequantizeIntoCuda);
+  flashcomm::AddP2pRegistrations(d, FlashcommP2pAllReduceCuda, FlashcommP2pReduceScatterCuda,
+                                 FlashcommP2pAllGatherCuda);
+  flashcomm::AddP2pRingRegistrations(d, FlashcommP2pRingStartCuda, FlashcommP2pRingDoneCuda);
+  return d;
+}
+
+}  // namespace
+
 NB_MODULE(_flashcomm_cuda, m) {
-  m.def("registrations", []() {
-    nanobind::dict d = flashcomm::Registrations(FlashcommQuantizeCuda, FlashcommDequantizeCuda,
-                                                FlashcommDequantizeSumCuda,
-                                                FlashcommDequantizeSumQuantizeCuda,
-                                                FlashcommDequantizeIntoCuda);
-    flashcomm::AddP2pRegistrations(d, FlashcommP2pAllReduceCuda, FlashcommP2pReduceScatterCuda,
-                                   FlashcommP2pAllGatherCuda);
-    flashcomm::AddP2pRingRegistrations(d, FlashcommP2pRingStartCuda, FlashcommP2pRingDoneCuda);
-    return d;
-  });
+  m.def("registrations", &CudaRegistrations);
+  // What each registered handler declares, read as XLA reads it at registration (the metadata
+  // call, flashcomm/handler_metadata.h): tests/gpu/test_cuda_traits.py checks the traits.
+  m.def(
+      "handler_metadata",
+      []() {
+        nanobind::dict out;
+        for (auto [name, capsule] : CudaRegistrations()) {
+          auto* handler = reinterpret_cast<XLA_FFI_Handler*>(
+              nanobind::cast<nanobind::capsule>(capsule).data());
+          const flashcomm::HandlerMetadata md = flashcomm::QueryHandlerMetadata(handler);
+          out[name] = nanobind::make_tuple(md.ok, md.api_major, md.api_minor, md.traits);
+        }
+        return out;
+      },
+      "target name -> (answered, FFI API major, minor, traits) of every registered handler.");
+  m.attr("TRAIT_COMMAND_BUFFER_COMPATIBLE") =
+      uint32_t(XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE);
   m.def("p2p_meetings_in_progress", &flashcomm::cuda::P2pMeetingsInProgress,
         "Peer-to-peer collective calls some rank has not finished (0 between collectives).");
   flashcomm::AddP2pRingInspection(

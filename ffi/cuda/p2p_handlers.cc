@@ -615,6 +615,14 @@ size_t P2pMeetingsInProgress() { return Rendezvous::Global().InProgress(); }
 
 // The same operands, results and attributes as the CPU handlers (ffi/cpu/p2p_kernels.cc), in
 // the same order; the contexts add the stream and XLA's scratch allocator.
+//
+// No traits: these handlers are NOT command-buffer compatible and must not declare
+// kCmdBufferCompatible. Each call reads the rank and group from device memory on the host
+// (polling the stream with cudaStreamQuery), meets its peers on the host, records and waits on
+// events published by other devices' calls and allocates scratch memory: a CUDA graph would
+// freeze the rank of its capture, the peers' pointers and events of one run (silently stale
+// data afterwards), and capture forbids the stream query. XLA runs them as plain custom calls
+// outside command buffers (tests/gpu/test_cuda_traits.py checks both ways).
 #define FLASHCOMM_P2P_COMMON_ATTRS                                                         \
   .Attr<int64_t>("size")          /* ranks in the replica group */                         \
       .Attr<int64_t>("site")      /* the call site: peers of one call share it */          \

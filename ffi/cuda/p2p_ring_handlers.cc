@@ -440,6 +440,11 @@ size_t P2pRingStepsInProgress() { return RingTable::Global().InProgress(); }
 
 // The same operands, results and attributes as the CPU handlers (ffi/cpu/p2p_ring_kernels.cc),
 // in the same order; the contexts add the stream.
+//
+// No traits: not command-buffer compatible (see p2p_handlers.cc). The start reads the rank on
+// the host and publishes this call's pointers and events to the peers; the done waits on the
+// host until both moves of its rank are enqueued. A captured graph would replay one run's
+// peers, pointers and events.
 #define FLASHCOMM_P2P_RING_ATTRS                                                           \
   .Attr<int64_t>("size")       /* ranks in the ring */                                     \
       .Attr<int64_t>("shift")  /* rank r sends to r + shift and receives from r - shift */ \
