@@ -31,75 +31,89 @@ import functools
 import jax
 from jax import lax
 
-from jax_flashcomm import _common
-from jax_flashcomm import transport
-from jax_flashcomm.policy import DEFAULT_MIN_BYTES, CommConfig, decide, make_config
+from jax_flashcomm import _axes, transport
+from jax_flashcomm.config import CommConfig, config_from, option
+from jax_flashcomm.planner import Plan, plan
 
 __all__ = ["psum", "pmean"]
 
 
-def psum(x, axis_name, *, axis_index_groups=None, bits: int | None = 8,
-         rs_bits: int | None = None, ag_bits: int | None = None, group_size: int = 128,
-         min_bytes: int = DEFAULT_MIN_BYTES, backend: str = "auto", grad: str = "exact",
-         config: CommConfig | None = None, rotation="auto", spikes="auto", transport="auto"):
+def psum(x, axis_name, *, axis_index_groups=None, config: CommConfig | None = None,
+         bits: int | None = option("bits"), rs_bits: int | None = option("rs_bits"),
+         ag_bits: int | None = option("ag_bits"), group_size: int = option("group_size"),
+         min_bytes: int = option("min_bytes"), backend: str = option("backend"),
+         grad: str = option("grad"), rotation: int | str = option("rotation"),
+         spikes: int | str = option("spikes"), transport: str = option("transport"),
+         p2p_timeout_ms: int = option("p2p_timeout_ms")):
     """Quantized all-reduce sum over mesh axes ``axis_name``: a drop-in for ``lax.psum``.
+
+    The options are :class:`~jax_flashcomm.CommConfig`'s fields, with its defaults; options
+    given beside ``config`` update it. The path of every leaf is :func:`jax_flashcomm.planner.plan`'s
+    (exact ``lax.psum`` below ``min_bytes`` per rank, for the exact setting and on one rank).
 
     Args:
       x: an array or pytree of arrays (f32, bf16 or f16 for the quantized path), any shape.
       axis_name: a mesh axis name or a tuple of them (reduced over all of them).
       axis_index_groups: not supported (must be None), as with ``lax.psum`` under check_vma.
+      config: a :class:`~jax_flashcomm.CommConfig`.
       bits: bits per value of both phases; ``None`` is the exact setting (``lax.psum``).
       rs_bits, ag_bits: per-phase overrides (reduce-scatter/all-to-all, all-gather).
       group_size: values per quantization group (a multiple of 8).
       min_bytes: the size policy: leaves of fewer bytes per rank use ``lax.psum``.
       backend: codec backend, "auto", "ffi" or "jnp".
       grad: "exact" or "quantized" collectives for cotangents that need an all-reduce.
-      config: a :class:`CommConfig`; when given it replaces all the option arguments.
-      rotation: 0 (none), 1/"hadamard" or 2/"signed_hadamard": quantize each group's
-        orthonormal Walsh-Hadamard transform; the sum is formed and re-quantized in the rotated
-        domain and rotated back once, after the all-gather (docs/outliers.md). "auto" (the
-        default): Hadamard when both phases have at least 6 bits and ``group_size`` is a power
-        of two, else none (docs/accuracy.md).
+      rotation: 0 / "none", 1 / "hadamard", 2 / "signed_hadamard": quantize each group's
+        Walsh-Hadamard transform (the sum is formed and re-quantized in the rotated domain and
+        rotated back once, after the all-gather; docs/outliers.md). "auto": Hadamard when both
+        phases have at least 6 bits and ``group_size`` is a power of two, else none.
       spikes: per group, keep the k largest-magnitude values in bf16 with their positions
-        (0..16; both phases; after the rotation if any; docs/format.md "Spike reserving").
-        "auto" (the default), decided per phase: 1 in a phase of at most 6 bits, else 0
-        (CommConfig.phase1_spikes / phase2_spikes; docs/outliers.md measures why).
-      transport: how the payloads move: "auto", "xla" (XLA's all_to_all and all_gather) or
-        "p2p" (one fused FFI call per rank reading its peers' buffers; the devices of one
-        process; same bits as "xla"). docs/transport.md.
+        (0..16). "auto": 1 in a phase of at most 6 bits, else 0 (docs/outliers.md).
+      transport: "auto", "xla" (XLA's all_to_all and all_gather) or "p2p" (one fused FFI call
+        per rank reading its peers' buffers; the devices of one process). docs/transport.md.
+      p2p_timeout_ms: the p2p transport's limit on every wait for a peer.
 
     Returns:
       The sum, of ``x``'s structure, shapes and dtypes, invariant over the reduced axes.
     """
-    if config is None:
-        config = make_config(bits=bits, rs_bits=rs_bits, ag_bits=ag_bits, group_size=group_size,
-                             min_bytes=min_bytes, backend=backend, grad=grad, rotation=rotation,
-                             spikes=spikes, transport=transport)
-    config = make_config(config)
+    config = config_from(config, dict(
+        bits=bits, rs_bits=rs_bits, ag_bits=ag_bits, group_size=group_size,
+        min_bytes=min_bytes, backend=backend, grad=grad, rotation=rotation, spikes=spikes,
+        transport=transport, p2p_timeout_ms=p2p_timeout_ms), "psum")
     if axis_index_groups is not None:
         raise NotImplementedError("jax_flashcomm.psum: axis_index_groups is not supported")
-    axes = _common.normalize_axes(axis_name)
+    axes = _axes.normalize_axes(axis_name, "psum")
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: _psum_leaf(leaf, axes, config, _common.leaf_name(path)), x)
+        lambda path, leaf: _psum_leaf(leaf, axes, config, _axes.leaf_name(path)), x)
 
 
-def pmean(x, axis_name, **options):
-    """``psum(x, axis_name, **options) / N``, like ``lax.pmean``."""
-    n = _common.axis_size(_common.normalize_axes(axis_name))
-    return jax.tree.map(lambda v: v / n, psum(x, axis_name, **options))
+def pmean(x, axis_name, *, axis_index_groups=None, config: CommConfig | None = None,
+          bits: int | None = option("bits"), rs_bits: int | None = option("rs_bits"),
+          ag_bits: int | None = option("ag_bits"), group_size: int = option("group_size"),
+          min_bytes: int = option("min_bytes"), backend: str = option("backend"),
+          grad: str = option("grad"), rotation: int | str = option("rotation"),
+          spikes: int | str = option("spikes"), transport: str = option("transport"),
+          p2p_timeout_ms: int = option("p2p_timeout_ms")):
+    """``psum(x, axis_name, ...) / N``, like ``lax.pmean`` (the options of :func:`psum`).
+
+    Returns:
+      The mean over the ranks, of ``x``'s structure, invariant over the reduced axes.
+    """
+    total = psum(x, axis_name, axis_index_groups=axis_index_groups, config=config, bits=bits,
+                 rs_bits=rs_bits, ag_bits=ag_bits, group_size=group_size, min_bytes=min_bytes,
+                 backend=backend, grad=grad, rotation=rotation, spikes=spikes,
+                 transport=transport, p2p_timeout_ms=p2p_timeout_ms)
+    n = _axes.axis_size(_axes.normalize_axes(axis_name, "pmean"))
+    return jax.tree.map(lambda v: v / n, total)
 
 
 def _psum_leaf(x, axes, config: CommConfig, name: str = "x"):
     if config.exact:
         return lax.psum(x, axes)
-    _common.check_float(x, name)
-    n = _common.axis_size(axes)
-    decision = decide("psum", axes, x.shape, x.dtype, n, config)
-    if not decision.quantized:
+    _axes.check_float(x, name)
+    p = plan("psum", axes, x.shape, x.dtype, _axes.axis_size(axes), config)
+    if not p.quantized:
         return lax.psum(x, axes)
-    if x.size == 0:
-        return lax.psum(x, axes)
-    return _qpsum(vary(x, axes, config), axes, config)
+    return _qpsum(vary(x, axes, config), axes, p)
 
 
 # --- making the operand varying: pvary with an (optionally quantized) psum as transpose -------
@@ -127,33 +141,34 @@ def vary(x, axes, config: CommConfig):
 
     The transpose all-reduces the cotangent: exactly, or quantized with ``grad="quantized"``.
     """
-    missing = _common.missing_axes(x, axes)
+    missing = _axes.missing_axes(x, axes)
     return _vary(x, missing, config) if missing else x
 
 
 # --- the two-step all-reduce -------------------------------------------------------------------
 
-def two_step(x, axes, config: CommConfig):
-    """Run the two-step all-reduce on a varying ``x``; also return both phases' payloads.
+def two_step(x, axes, p: Plan):
+    """Run the two-step all-reduce of plan ``p`` on a varying ``x``; also return both phases'
+    payloads.
 
     Returns ``(y, p1, p2)``: ``p1`` is this rank's phase-1 payload of the whole operand
     (varying), ``p2`` the gathered phase-2 payload (replicated) with ``x``'s shape, so
     ``codec.error_bound`` of each gives the per-element bounds of the two quantizations.
     """
-    return transport.select(config, axes, x).all_reduce(x, axes, config)
+    return transport.by_name(p.transport).all_reduce(x, axes, p)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _qpsum(x, axes, config):
-    return two_step(x, axes, config)[0]
+def _qpsum(x, axes, p):
+    return two_step(x, axes, p)[0]
 
 
-def _qpsum_fwd(x, axes, config):
-    return _qpsum(x, axes, config), None
+def _qpsum_fwd(x, axes, p):
+    return _qpsum(x, axes, p), None
 
 
-def _qpsum_bwd(axes, config, _, ct):
-    return (_common.to_varying(ct, axes),)
+def _qpsum_bwd(axes, p, _, ct):
+    return (_axes.to_varying(ct, axes),)
 
 
 _qpsum.defvjp(_qpsum_fwd, _qpsum_bwd)

@@ -26,6 +26,12 @@ The custom VJPs use each other: the transpose of all-gather-matmul is matmul-red
 dx) plus a local product with the gathered chunks kept from the forward ring (for dw); the
 transpose of matmul-reduce-scatter is an all-gather-matmul ring of the cotangent whose gathered
 chunks also give dw.
+
+Both take the options of every jax_flashcomm op (:class:`~jax_flashcomm.CommConfig`), and
+:func:`jax_flashcomm.planner.plan` picks the path: the exact ring, the ring of chunks quantized once
+(``all_gather_matmul``), or the local matmul then the quantized ``psum_scatter``
+(``matmul_reduce_scatter``: a quantized reduce-scatter ring would re-quantize the running sum at
+every step). ``bits=None`` asks for the exact ring whatever the size.
 """
 
 from __future__ import annotations
@@ -36,24 +42,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_flashcomm.rings import _ag_ring, _axis_names, _axis_size, _codec_fns, _rs_ring
+from jax_flashcomm import _axes
+from jax_flashcomm.config import CommConfig, config_from, option
+from jax_flashcomm.planner import Plan, plan
+from jax_flashcomm.rings import ag_ring, rs_ring
+from jax_flashcomm.scatter_gather import psum_scatter
+from jax_flashcomm.transport import ring as ring_steps
 
-__all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
-
-
-# ---------------------------------------------------------------------------------------------
-# Validation and varying-axes bookkeeping
-# ---------------------------------------------------------------------------------------------
-
-
-def _vma(a) -> frozenset:
-    """The mesh axes ``a`` varies over inside shard_map (empty outside)."""
-    aval = jax.typeof(a)
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        mat = getattr(aval, "manual_axis_type", None)
-        vma = getattr(mat, "varying", frozenset())
-    return frozenset(vma)
+__all__ = ["all_gather_matmul", "matmul_reduce_scatter", "ring_spec"]
 
 
 def _check_operands(fn: str, x, w, axis: int) -> int:
@@ -70,7 +66,7 @@ def _check_operands(fn: str, x, w, axis: int) -> int:
     if x.shape[-1] != w.shape[0]:
         raise ValueError(f"{fn}: shapes do not contract: x.shape[-1]={x.shape[-1]} (of x "
                          f"{x.shape}) != w.shape[0]={w.shape[0]} (of w {w.shape})")
-    if not isinstance(axis, int) or not -x.ndim <= axis < x.ndim:
+    if isinstance(axis, bool) or not isinstance(axis, int) or not -x.ndim <= axis < x.ndim:
         raise ValueError(f"{fn}: axis={axis!r} is not a dimension of x (ndim {x.ndim})")
     axis %= x.ndim
     if axis == x.ndim - 1:
@@ -79,30 +75,14 @@ def _check_operands(fn: str, x, w, axis: int) -> int:
     return axis
 
 
-def _match_vma(x, w, axis_name):
-    """Makes x and w vary over the same axes (theirs plus ``axis_name``).
-
-    The custom VJPs then return cotangents of the right type; where an operand was invariant
-    over an axis, autodiff of the ``pcast`` sums its cotangent over that axis.
-    """
-    want = _vma(x) | _vma(w) | frozenset(_axis_names(axis_name))
-
-    def cast(a):
-        missing = tuple(sorted(want - _vma(a)))
-        return lax.pcast(a, missing, to="varying") if missing else a
-
-    return cast(x), cast(w)
-
-
-def _resolve_ring(transport, axis_name, fn, timeout_ms):
-    from jax_flashcomm.transport import ring as ring_steps
-
-    return ring_steps.resolve(transport, axis_name, fn, timeout_ms)
+def ring_spec(p: Plan) -> tuple:
+    """The ring-step spec (:func:`jax_flashcomm.transport.ring.spec`) of a ring plan."""
+    return ring_steps.spec(p.transport, p.timeout_ms)
 
 
 def _agmm_impl(x, w, axis_name, axis, bidirectional, quant, keep_gathered, ring):
     """Ring all-gather-matmul; also returns the gathered x when ``keep_gathered``."""
-    n = _axis_size(axis_name, "all_gather_matmul")
+    n = _axes.axis_size(_axes.normalize_axes(axis_name))
     rows = x.shape[axis] * n
     out_shape = x.shape[:axis] + (rows,) + x.shape[axis + 1 : -1] + (w.shape[1],)
     out = jnp.zeros(out_shape, jnp.result_type(x.dtype, w.dtype))
@@ -117,18 +97,18 @@ def _agmm_impl(x, w, axis_name, axis, bidirectional, quant, keep_gathered, ring)
             gathered = lax.dynamic_update_slice_in_dim(gathered, chunk, start, axis)
         return out, gathered
 
-    return _ag_ring(x, axis_name, axis, bidirectional, lambda c: jnp.matmul(c, w), place,
-                    (out, gathered), quant, ring)
+    return ag_ring(x, axis_name, axis, bidirectional, lambda c: jnp.matmul(c, w), place,
+                   (out, gathered), quant, ring)
 
 
 def _mrs_impl(x, w, axis_name, axis, bidirectional, ring):
-    n = _axis_size(axis_name, "matmul_reduce_scatter")
+    n = _axes.axis_size(_axes.normalize_axes(axis_name))
     m_out = x.shape[axis] // n
 
     def block_fn(start, size):
         return jnp.matmul(lax.dynamic_slice_in_dim(x, start, size, axis), w)
 
-    return _rs_ring(block_fn, axis_name, n, m_out, axis, bidirectional, ring)
+    return rs_ring(block_fn, axis_name, n, m_out, axis, bidirectional, ring)
 
 
 def _contract_rows(a, b):
@@ -188,79 +168,103 @@ _mrs.defvjp(_mrs_fwd, _mrs_bwd)
 # ---------------------------------------------------------------------------------------------
 
 
-def all_gather_matmul(x, w, axis_name, *, axis=0, bidirectional=False, bits=None,
-                      group_size=128, codec_backend="jnp", rotation=0, spikes=0,
-                      transport="auto", p2p_timeout_ms=60_000):
+def all_gather_matmul(x, w, axis_name, *, axis: int = 0, bidirectional: bool = False,
+                      config: CommConfig | None = None, bits: int | None = option("bits"),
+                      rs_bits: int | None = option("rs_bits"),
+                      ag_bits: int | None = option("ag_bits"),
+                      group_size: int = option("group_size"),
+                      min_bytes: int = option("min_bytes"), backend: str = option("backend"),
+                      grad: str = option("grad"), rotation: int | str = option("rotation"),
+                      spikes: int | str = option("spikes"),
+                      transport: str = option("transport"),
+                      p2p_timeout_ms: int = option("p2p_timeout_ms")):
     """``lax.all_gather(x, axis_name, axis=axis, tiled=True) @ w`` as an overlapped ring.
 
-    Call inside ``jax.shard_map``. ``x``: this rank's rows (``x.shape[axis]`` of them) with the
-    contraction dimension last; ``w``: ``(K, n_local)``, this rank's columns. Returns the
-    ``(..., N * x.shape[axis], ..., n_local)`` product: N-1 ``ppermute`` steps, each overlapped
-    with the dot of the chunk already here, the local chunk first.
+    Call inside ``jax.shard_map``. N-1 ring steps, each next to the dot of the chunk already
+    here, the local chunk first. At or above ``min_bytes`` of ``x`` per rank (and unless
+    ``bits=None``) every chunk is quantized once, at ``ag_bits`` (default ``bits``), travels
+    unchanged and is dequantized before its dot (the local one too): the result is
+    ``all_gather(dequantize(quantize(x))) @ w``, one quantization whatever N is; gradients
+    pass straight through the quantizer. ``backend="auto"`` decodes with the jnp twin, whose
+    elementwise dequantize XLA fuses into the dot's input.
 
-    ``bidirectional``: half of every chunk (split along ``axis``; with an odd number of rows the
-    upper half is a row longer, a one-row chunk goes one way) travels each way round the ring:
-    2(N-1) permutes of half the bytes each, so both directions of a full-duplex link carry half
-    the traffic.
-    ``bits``: quantized variant (needs ``jax_flashcomm.codec``). Each chunk is quantized once,
-    with groups of ``group_size``, and travels unchanged; every chunk, the local one included, is
-    dequantized before its dot, so the result is ``all_gather(dequantize(quantize(x))) @ w`` and
-    its error is one quantization whatever N is. Gradients pass straight through the quantizer.
-    The payload (codes, scales, zeros) travels as one uint8 buffer: one permute per step.
-    ``codec_backend``: the codec's ``backend`` ("jnp", "ffi" or "auto"). The default is the jnp
-    twin: its dequantize is elementwise, so XLA fuses it into the loop fusion that feeds the
-    chunk's dot instead of materializing it through an opaque FFI call.
-    ``rotation``: the codec's group rotation (0 none, 1 Hadamard, 2 signed Hadamard; needs a
-    power-of-two ``group_size``), docs/format.md "Rotation". ``spikes``: values per group kept in
-    bf16 with their positions (0..16), docs/format.md "Spike reserving".
-    ``transport``: how a chunk moves ("xla": ``lax.ppermute``; "p2p": start / done FFI calls
-    between the devices of one process, the dot running while the transport copies; "auto":
-    docs/transport.md "Ring steps"). ``p2p_timeout_ms``: a p2p step whose peer never comes
-    fails with an error after this. The VJP's rings use the same transport.
+    Args:
+      x: this rank's rows (``x.shape[axis]`` of them), the contraction dimension last.
+      w: ``(K, n_local)``, this rank's columns.
+      axis_name: a mesh axis name or a tuple of them.
+      axis: the row dimension of ``x``.
+      bidirectional: half of every chunk (the upper half a row longer when odd) travels each
+        way round the ring: 2(N-1) moves of half the bytes each.
+      config, bits, ...: :class:`~jax_flashcomm.CommConfig` and its fields (options given
+        beside ``config`` update it). ``transport``: how a chunk moves ("xla":
+        ``lax.ppermute``; "p2p": start / done FFI calls between the devices of one process;
+        "auto": "xla", docs/transport.md "Ring steps"); the VJP's rings use the same.
+
+    Returns:
+      The ``(..., N * x.shape[axis], ..., n_local)`` product.
     """
     fn = "all_gather_matmul"
+    config = config_from(config, dict(
+        bits=bits, rs_bits=rs_bits, ag_bits=ag_bits, group_size=group_size,
+        min_bytes=min_bytes, backend=backend, grad=grad, rotation=rotation, spikes=spikes,
+        transport=transport, p2p_timeout_ms=p2p_timeout_ms), fn)
     axis = _check_operands(fn, x, w, axis)
-    _axis_size(axis_name, fn)
+    axes = _axes.normalize_axes(axis_name, fn)
+    p = plan(fn, axes, x.shape, x.dtype, _axes.axis_size(axes), config)
     quant = None
-    if bits is not None:
-        if not isinstance(bits, int) or isinstance(bits, bool) or not 2 <= bits <= 8:
-            raise ValueError(f"{fn}: bits must be an int in 2..8 or None, got {bits!r}")
-        if not isinstance(group_size, int) or group_size <= 0 or group_size % 8:
-            raise ValueError(f"{fn}: group_size must be a positive multiple of 8, "
-                             f"got {group_size!r}")
-        _codec_fns()
-        from jax_flashcomm.codec import spec
-
-        spec.check_dtype(x.dtype, f"{fn}: x (quantized with bits={bits})")
-        spec.check_backend(codec_backend)
-        # An empty chunk has nothing to quantize: the exact ring of nothing is the result.
-        rotation = spec.check_rotation(rotation, group_size)
-        spikes = spec.check_spikes(spikes, group_size)
-        quant = (bits, group_size, codec_backend, rotation, spikes) if x.size else None
-    ring = _resolve_ring(transport, axis_name, fn, p2p_timeout_ms)
-    x, w = _match_vma(x, w, axis_name)
-    return _agmm(x, w, axis_name, axis, bool(bidirectional), quant, ring)
+    if p.quantized:
+        _axes.check_float(x, f"{fn}: x (quantized with bits={p.ag_bits})")
+        quant = (p.ag_bits, p.group_size, p.backend, p.rotation, p.ag_spikes)
+    x, w = _axes.match_varying((x, w), axes)
+    return _agmm(x, w, axis_name, axis, bool(bidirectional), quant, ring_spec(p))
 
 
-def matmul_reduce_scatter(x, w, axis_name, *, axis=0, bidirectional=False, transport="auto",
-                          p2p_timeout_ms=60_000):
+def matmul_reduce_scatter(x, w, axis_name, *, axis: int = 0, bidirectional: bool = False,
+                          config: CommConfig | None = None, bits: int | None = option("bits"),
+                          rs_bits: int | None = option("rs_bits"),
+                          ag_bits: int | None = option("ag_bits"),
+                          group_size: int = option("group_size"),
+                          min_bytes: int = option("min_bytes"),
+                          backend: str = option("backend"), grad: str = option("grad"),
+                          rotation: int | str = option("rotation"),
+                          spikes: int | str = option("spikes"),
+                          transport: str = option("transport"),
+                          p2p_timeout_ms: int = option("p2p_timeout_ms")):
     """``lax.psum_scatter(x @ w, axis_name, scatter_dimension=axis, tiled=True)`` as a ring.
 
-    Call inside ``jax.shard_map``. ``x``: ``(..., M, ..., K_local)``, this rank's slice of the
-    contraction dimension; ``w``: ``(K_local, n)``. Returns this rank's ``M / N`` rows of the sum
-    over ranks. Partial products travel the ring and are accumulated (in the result dtype, like
-    ``psum_scatter``); the block that stays here is computed last. Exact: nothing is quantized.
+    Call inside ``jax.shard_map``. The exact path: partial products travel the ring and are
+    accumulated (in the result dtype, like ``psum_scatter``); the block that stays here is
+    computed last. At or above ``min_bytes`` of ``x @ w`` per rank (and unless ``bits=None``):
+    the local product, then :func:`jax_flashcomm.psum_scatter` quantized at ``rs_bits``
+    (default ``bits``) over ``transport``.
 
-    ``bidirectional``: the two halves of every block (the upper one a row longer when ``M / N``
-    is odd) travel opposite ways round the ring. ``transport``, ``p2p_timeout_ms``: as for
-    :func:`all_gather_matmul`.
+    Args:
+      x: ``(..., M, ..., K_local)``, this rank's slice of the contraction dimension.
+      w: ``(K_local, n)``.
+      axis_name: a mesh axis name or a tuple of them.
+      axis: the row dimension of ``x`` (``M``, a multiple of N).
+      bidirectional: the two halves of every block (the upper one a row longer when ``M / N``
+        is odd) travel opposite ways round the ring.
+      config, bits, ...: as for :func:`all_gather_matmul`.
+
+    Returns:
+      This rank's ``M / N`` rows of the sum over ranks.
     """
     fn = "matmul_reduce_scatter"
+    config = config_from(config, dict(
+        bits=bits, rs_bits=rs_bits, ag_bits=ag_bits, group_size=group_size,
+        min_bytes=min_bytes, backend=backend, grad=grad, rotation=rotation, spikes=spikes,
+        transport=transport, p2p_timeout_ms=p2p_timeout_ms), fn)
     axis = _check_operands(fn, x, w, axis)
-    n = _axis_size(axis_name, fn)
+    axes = _axes.normalize_axes(axis_name, fn)
+    n = _axes.axis_size(axes)
     if x.shape[axis] % n:
         raise ValueError(f"{fn}: rows not divisible: x.shape[{axis}]={x.shape[axis]} is not a "
                          f"multiple of the size {n} of axis {axis_name!r}")
-    ring = _resolve_ring(transport, axis_name, fn, p2p_timeout_ms)
-    x, w = _match_vma(x, w, axis_name)
-    return _mrs(x, w, axis_name, axis, bool(bidirectional), ring)
+    out_shape = x.shape[:-1] + (w.shape[1],)
+    p = plan(fn, axes, out_shape, jnp.result_type(x.dtype, w.dtype), n, config)
+    if p.quantized:
+        return psum_scatter(x @ w, axis_name, scatter_dimension=axis, tiled=True,
+                            config=config, min_bytes=0)
+    x, w = _axes.match_varying((x, w), axes)
+    return _mrs(x, w, axis_name, axis, bool(bidirectional), ring_spec(p))

@@ -10,31 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_flashcomm import _axes, codec
+from jax_flashcomm.transport import ring as ring_steps
+from jax_flashcomm.transport import wire
 
-def _axis_names(axis_name) -> tuple:
-    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-
-
-def _axis_size(axis_name, fn: str) -> int:
-    names = _axis_names(axis_name)
-    if not names or not all(isinstance(a, str) for a in names):
-        raise TypeError(f"{fn}: axis_name must be a mesh axis name (str) or a tuple of them, "
-                        f"got {axis_name!r}")
-    try:
-        return lax.axis_size(names if len(names) > 1 else names[0])
-    except NameError:
-        raise ValueError(f"{fn}: axis_name {axis_name!r} is not a bound mesh axis; call it inside "
-                         "jax.shard_map over a mesh that has this axis") from None
-
-
-def _codec_fns():
-    try:
-        from jax_flashcomm import codec
-
-        return codec.quantize, codec.dequantize
-    except (ImportError, AttributeError):
-        raise ValueError("quantized all_gather_matmul needs the codec: "
-                         "jax_flashcomm.codec.quantize/dequantize are not available") from None
+__all__ = ["ag_ring", "rs_ring"]
 
 
 def _ring_ids(axis_name) -> np.ndarray:
@@ -43,7 +23,7 @@ def _ring_ids(axis_name) -> np.ndarray:
     the tuple's order, ``ppermute`` in mesh order whatever the tuple's order: the ring must walk
     ranks in lax's order (rank r's chunk is rows r of the gathered array) but name them in
     ppermute's."""
-    names = _axis_names(axis_name)
+    names = _axes.normalize_axes(axis_name)
     sizes = [int(lax.axis_size(a)) for a in names]
     n = int(np.prod(sizes))
     if len(names) == 1:
@@ -68,33 +48,12 @@ def _perms(axis_name):
 
 
 def _link(ring, axis_name):
-    """The ring steps' link (jax_flashcomm.transport.ring) of a resolved transport spec."""
-    from jax_flashcomm.transport import ring as ring_steps
-
+    """The ring steps' link (jax_flashcomm.transport.ring) of a transport spec."""
     fwd, bwd = _perms(axis_name)
     return ring_steps.make_link(ring, axis_name, {1: fwd, -1: bwd})
 
 
-def _pack(tree):
-    """The leaves of a pytree of arrays as one flat uint8 buffer (see ``_unpack``)."""
-    leaves = jax.tree.leaves(tree)
-    return jnp.concatenate([lax.bitcast_convert_type(a, jnp.uint8).reshape(-1) for a in leaves])
-
-
-def _unpack(buf, like):
-    """Inverse of ``_pack``, given the pytree of ShapeDtypeStructs ``like``."""
-    leaves, treedef = jax.tree.flatten(like)
-    out, offset = [], 0
-    for leaf in leaves:
-        width = jnp.dtype(leaf.dtype).itemsize
-        seg = buf[offset : offset + leaf.size * width]
-        offset += leaf.size * width
-        seg = seg.reshape(leaf.shape + ((width,) if width > 1 else ()))
-        out.append(lax.bitcast_convert_type(seg, leaf.dtype))
-    return treedef.unflatten(out)
-
-
-def _ag_ring(x, axis_name, axis, bidirectional, product, place, state, quant, ring):
+def ag_ring(x, axis_name, axis, bidirectional, product, place, state, quant, ring):
     """Ring all-gather of ``x`` along ``axis``, with ``product(chunk)`` of every piece.
 
     ``place(state, chunk, prod, start)`` stores a piece and its product; ``start`` is the
@@ -106,27 +65,26 @@ def _ag_ring(x, axis_name, axis, bidirectional, product, place, state, quant, ri
     quantized once on this rank and never re-quantized; every piece (the local one too) is
     consumed dequantized, so the result is that of gathering ``dequantize(quantize(x))``.
     """
-    n = _axis_size(axis_name, "all_gather_matmul")
+    n = _axes.axis_size(_axes.normalize_axes(axis_name))
     idx = lax.axis_index(axis_name)
     m = x.shape[axis]
     link = _link(ring, axis_name)
     if quant is None:
         enc, dec = (lambda a: a), (lambda p, like: p)
     else:
-        quantize, dequantize = _codec_fns()
         bits, group_size, backend, rotation, spikes = quant
         layouts = {}
 
         def enc(a):  # quantize once, then one uint8 buffer: one move per step, not three
-            payload = quantize(a, bits=bits, group_size=group_size, backend=backend,
+            payload = codec.quantize(a, bits=bits, group_size=group_size, backend=backend,
                                rotation=rotation, spikes=spikes)
             layouts[a.shape] = jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape, b.dtype),
                                             payload)
-            return _pack(payload)
+            return wire.pack_tree(payload)
 
         def dec(buf, like):  # the payload knows its operand's shape
-            return dequantize(_unpack(buf, layouts[like.shape]), dtype=like.dtype,
-                              backend=backend)
+            return codec.dequantize(wire.unpack_tree(buf, layouts[like.shape]),
+                                    dtype=like.dtype, backend=backend)
 
     if not bidirectional or m < 2:  # a one-row chunk has no two halves: one direction
         payload = enc(x)
@@ -168,7 +126,7 @@ def _ag_ring(x, axis_name, axis, bidirectional, product, place, state, quant, ri
     return state
 
 
-def _rs_ring(block_fn, axis_name, n, m_out, axis, bidirectional, ring):
+def rs_ring(block_fn, axis_name, n, m_out, axis, bidirectional, ring):
     """Ring reduce-scatter of partial products computed block by block.
 
     ``block_fn(start, size)`` returns this rank's partial product for rows

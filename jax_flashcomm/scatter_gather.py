@@ -29,16 +29,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_flashcomm import _common
-from jax_flashcomm import transport
+from jax_flashcomm import _axes, transport
 from jax_flashcomm.allreduce import vary
-from jax_flashcomm.policy import DEFAULT_MIN_BYTES, CommConfig, decide, make_config
+from jax_flashcomm.config import CommConfig, config_from, option
+from jax_flashcomm.planner import Plan, plan
 
 __all__ = ["psum_scatter", "all_gather"]
-
-
-def _config(config, **options) -> CommConfig:
-    return make_config(config) if config is not None else make_config(**options)
 
 
 def _check_dim(dim, ndim, name):
@@ -52,34 +48,48 @@ def _check_dim(dim, ndim, name):
 # --- psum_scatter ---------------------------------------------------------------------------------
 
 def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, axis_index_groups=None,
-                 tiled: bool = False, bits: int | None = 8, group_size: int = 128,
-                 min_bytes: int = DEFAULT_MIN_BYTES, backend: str = "auto",
-                 grad: str = "exact", config: CommConfig | None = None, rotation="auto",
-                 spikes="auto", transport="auto"):
+                 tiled: bool = False, config: CommConfig | None = None,
+                 bits: int | None = option("bits"), rs_bits: int | None = option("rs_bits"),
+                 ag_bits: int | None = option("ag_bits"), group_size: int = option("group_size"),
+                 min_bytes: int = option("min_bytes"), backend: str = option("backend"),
+                 grad: str = option("grad"), rotation: int | str = option("rotation"),
+                 spikes: int | str = option("spikes"), transport: str = option("transport"),
+                 p2p_timeout_ms: int = option("p2p_timeout_ms")):
     """Quantized reduce-scatter: a drop-in for ``lax.psum_scatter``.
 
     Rank i gets the sum over ranks of slice i of ``x`` along ``scatter_dimension`` (that
     dimension removed when ``tiled=False``, where its size must be N; divided by N when
-    ``tiled=True``). ``bits=None`` is exactly ``lax.psum_scatter``; below ``min_bytes`` per rank
-    the lax op is used. ``config`` (a :class:`CommConfig`) replaces the option arguments;
-    ``transport`` ("auto", "xla", "p2p") how the payloads move (docs/transport.md).
+    ``tiled=True``). One quantization, at ``rs_bits`` (default ``bits``).
+
+    Args:
+      x: an array or pytree of arrays (f32, bf16 or f16 for the quantized path).
+      axis_name: a mesh axis name or a tuple of them.
+      scatter_dimension, axis_index_groups, tiled: as for ``lax.psum_scatter``
+        (``axis_index_groups`` must be None).
+      config, bits, ...: :class:`~jax_flashcomm.CommConfig` and its fields, as for
+        :func:`jax_flashcomm.psum` (options given beside ``config`` update it); the path is
+        :func:`jax_flashcomm.planner.plan`'s (``lax.psum_scatter`` below ``min_bytes`` per rank).
+
+    Returns:
+      This rank's slice of the sum, varying over the axes (``lax.psum_scatter``'s type).
     """
-    config = _config(config, bits=bits, group_size=group_size, min_bytes=min_bytes,
-                     backend=backend, grad=grad, rotation=rotation, spikes=spikes,
-                     transport=transport)
+    config = config_from(config, dict(
+        bits=bits, rs_bits=rs_bits, ag_bits=ag_bits, group_size=group_size,
+        min_bytes=min_bytes, backend=backend, grad=grad, rotation=rotation, spikes=spikes,
+        transport=transport, p2p_timeout_ms=p2p_timeout_ms), "psum_scatter")
     if axis_index_groups is not None:
         raise NotImplementedError("jax_flashcomm.psum_scatter: axis_index_groups is not "
                                   "supported")
-    axes = _common.normalize_axes(axis_name)
+    axes = _axes.normalize_axes(axis_name, "psum_scatter")
     return jax.tree_util.tree_map_with_path(
         lambda path, leaf: _psum_scatter_leaf(leaf, axes, scatter_dimension, bool(tiled), config,
-                                              _common.leaf_name(path)), x)
+                                              _axes.leaf_name(path)), x)
 
 
 def _psum_scatter_leaf(x, axes, dim, tiled, config, name="x"):
     if not config.exact:
-        _common.check_float(x, name)
-    n = _common.axis_size(axes)
+        _axes.check_float(x, name)
+    n = _axes.axis_size(axes)
     dim = _check_dim(dim, jnp.ndim(x), "scatter_dimension")
     size = x.shape[dim]
     if tiled and size % n:
@@ -92,10 +102,10 @@ def _psum_scatter_leaf(x, axes, dim, tiled, config, name="x"):
         return _empty_scatter(x, axes, dim, tiled, n)
     if config.exact:
         return lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=tiled)
-    decision = decide("psum_scatter", axes, x.shape, x.dtype, n, config, phases=("rs",))
-    if not decision.quantized or x.size == 0:
+    p = plan("psum_scatter", axes, x.shape, x.dtype, n, config)
+    if not p.quantized:
         return lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=tiled)
-    return _qpsum_scatter(vary(x, axes, config), axes, dim, tiled, config)
+    return _qpsum_scatter(vary(x, axes, config), axes, dim, tiled, p)
 
 
 def _empty_scatter(x, axes, dim, tiled, n):
@@ -107,7 +117,7 @@ def _empty_scatter(x, axes, dim, tiled, n):
     else:
         del shape[dim]
     out = jnp.zeros(shape, x.dtype) + jnp.sum(x).astype(x.dtype)  # x's varying axes, no values
-    return _common.to_varying(out, axes)
+    return _axes.to_varying(out, axes)
 
 
 def _chunked(x, n, dim):
@@ -116,20 +126,21 @@ def _chunked(x, n, dim):
     return moved.reshape(n, -1), moved.shape[1:]
 
 
-def reduce_scatter_parts(x, axes, dim, tiled, config: CommConfig):
-    """Quantized reduce-scatter of a varying ``x``; also returns this rank's payload.
+def reduce_scatter_parts(x, axes, dim, tiled, p: Plan):
+    """Quantized reduce-scatter of plan ``p`` of a varying ``x``; also returns this rank's
+    payload.
 
     Returns ``(y, p1)``: ``p1`` holds this rank's N chunks ``(N, groups, ...)``, its ``shape``
     the padded chunk ``(Mp,)``, so ``codec.error_bound(p1)`` is ``(N, Mp)``.
     """
-    n = _common.axis_size(axes)
-    g = config.group_size
+    n = _axes.axis_size(axes)
+    g = p.group_size
     rows, rest = _chunked(x, n, dim)                               # (N, M)
     m = rows.shape[1]
     mp = -(-m // g) * g
     if mp != m:
         rows = jnp.pad(rows, ((0, 0), (0, mp - m)))
-    summed, p1 = transport.select(config, axes, x).reduce_scatter(rows, axes, config)
+    summed, p1 = transport.by_name(p.transport).reduce_scatter(rows, axes, p)
     summed = summed[:m]
     rest = tuple(rest)
     if tiled:
@@ -141,18 +152,18 @@ def reduce_scatter_parts(x, axes, dim, tiled, config: CommConfig):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _qpsum_scatter(x, axes, dim, tiled, config):
-    return reduce_scatter_parts(x, axes, dim, tiled, config)[0]
+def _qpsum_scatter(x, axes, dim, tiled, p):
+    return reduce_scatter_parts(x, axes, dim, tiled, p)[0]
 
 
-def _qpsum_scatter_fwd(x, axes, dim, tiled, config):
-    return _qpsum_scatter(x, axes, dim, tiled, config), None
+def _qpsum_scatter_fwd(x, axes, dim, tiled, p):
+    return _qpsum_scatter(x, axes, dim, tiled, p), None
 
 
-def _qpsum_scatter_bwd(axes, dim, tiled, config, _, ct):
-    ct = _common.to_varying(ct, axes)
-    if config.grad == "quantized":
-        return (all_gather(ct, axes, axis=dim, tiled=tiled, config=config),)
+def _qpsum_scatter_bwd(axes, dim, tiled, p, _, ct):
+    ct = _axes.to_varying(ct, axes)
+    if p.config.grad == "quantized":
+        return (all_gather(ct, axes, axis=dim, tiled=tiled, config=p.config),)
     return (lax.all_gather(ct, axes, axis=dim, tiled=tiled),)
 
 
@@ -162,73 +173,88 @@ _qpsum_scatter.defvjp(_qpsum_scatter_fwd, _qpsum_scatter_bwd)
 # --- all_gather -----------------------------------------------------------------------------------
 
 def all_gather(x, axis_name, *, axis: int = 0, axis_index_groups=None, tiled: bool = False,
-               bits: int | None = 8, group_size: int = 128,
-               min_bytes: int = DEFAULT_MIN_BYTES, backend: str = "auto",
-               grad: str = "exact", config: CommConfig | None = None, rotation="auto",
-               spikes="auto", transport="auto"):
+               config: CommConfig | None = None,
+               bits: int | None = option("bits"), rs_bits: int | None = option("rs_bits"),
+               ag_bits: int | None = option("ag_bits"), group_size: int = option("group_size"),
+               min_bytes: int = option("min_bytes"), backend: str = option("backend"),
+               grad: str = option("grad"), rotation: int | str = option("rotation"),
+               spikes: int | str = option("spikes"), transport: str = option("transport"),
+               p2p_timeout_ms: int = option("p2p_timeout_ms")):
     """Quantized all-gather: a drop-in for ``lax.all_gather``.
 
     Stacks the N ranks' operands on a new dimension ``axis`` (``tiled=False``) or concatenates
-    them along ``axis`` (``tiled=True``). ``bits=None`` is exactly ``lax.all_gather``; below
-    ``min_bytes`` per rank the lax op is used. ``config`` replaces the option arguments;
-    ``transport`` ("auto", "xla", "p2p") how the payloads move (docs/transport.md).
+    them along ``axis`` (``tiled=True``). One quantization, at ``ag_bits`` (default ``bits``).
+
+    Args:
+      x: an array or pytree of arrays (f32, bf16 or f16 for the quantized path).
+      axis_name: a mesh axis name or a tuple of them.
+      axis, axis_index_groups, tiled: as for ``lax.all_gather`` (``axis_index_groups`` must
+        be None).
+      config, bits, ...: :class:`~jax_flashcomm.CommConfig` and its fields, as for
+        :func:`jax_flashcomm.psum` (options given beside ``config`` update it); the path is
+        :func:`jax_flashcomm.planner.plan`'s (``lax.all_gather`` below ``min_bytes`` per rank).
+
+    Returns:
+      The gathered operands, varying over the axes (``lax.all_gather``'s type).
     """
-    config = _config(config, bits=bits, group_size=group_size, min_bytes=min_bytes,
-                     backend=backend, grad=grad, rotation=rotation, spikes=spikes,
-                     transport=transport)
+    config = config_from(config, dict(
+        bits=bits, rs_bits=rs_bits, ag_bits=ag_bits, group_size=group_size,
+        min_bytes=min_bytes, backend=backend, grad=grad, rotation=rotation, spikes=spikes,
+        transport=transport, p2p_timeout_ms=p2p_timeout_ms), "all_gather")
     if axis_index_groups is not None:
         raise NotImplementedError("jax_flashcomm.all_gather: axis_index_groups is not "
                                   "supported")
-    axes = _common.normalize_axes(axis_name)
+    axes = _axes.normalize_axes(axis_name, "all_gather")
     return jax.tree_util.tree_map_with_path(
         lambda path, leaf: _all_gather_leaf(leaf, axes, axis, bool(tiled), config,
-                                            _common.leaf_name(path)), x)
+                                            _axes.leaf_name(path)), x)
 
 
 def _all_gather_leaf(x, axes, axis, tiled, config, name="x"):
     if not config.exact:
-        _common.check_float(x, name)
-    n = _common.axis_size(axes)
+        _axes.check_float(x, name)
+    n = _axes.axis_size(axes)
     ndim = jnp.ndim(x)
     axis = _check_dim(axis, ndim if tiled else ndim + 1, "axis")
     if tiled and ndim == 0:
         raise ValueError("all_gather: tiled=True needs an operand of rank >= 1")
     if config.exact:
         return lax.all_gather(x, axes, axis=axis, tiled=tiled)
-    decision = decide("all_gather", axes, x.shape, x.dtype, n, config, phases=("ag",))
-    if not decision.quantized or x.size == 0:
+    p = plan("all_gather", axes, x.shape, x.dtype, n, config)
+    if not p.quantized:
         return lax.all_gather(x, axes, axis=axis, tiled=tiled)
-    return _qall_gather(vary(x, axes, config), axes, axis, tiled, config)
+    return _qall_gather(vary(x, axes, config), axes, axis, tiled, p)
 
 
-def all_gather_parts(x, axes, axis, tiled, config: CommConfig):
-    """Quantized all-gather of a varying ``x``; also returns this rank's payload.
+def all_gather_parts(x, axes, axis, tiled, p: Plan):
+    """Quantized all-gather of plan ``p`` of a varying ``x``; also returns this rank's
+    payload.
 
     Returns ``(y, p)``: ``p`` is this rank's payload of ``x`` (``x``'s shape);
     :func:`gather_payloads` of it gives every sender's, whose ``codec.error_bound`` is
     ``(N, *x.shape)``.
     """
-    return transport.select(config, axes, x).all_gather(x, axes, axis, tiled, config)
+    return transport.by_name(p.transport).all_gather(x, axes, axis, tiled, p)
 
 
 # The xla transport's all-gather pieces, kept importable here (tests, benchmarks).
 gather_payloads = transport.xla.gather_payloads
-_decode_gathered = transport.xla.decode_gathered
+
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _qall_gather(x, axes, axis, tiled, config):
-    return all_gather_parts(x, axes, axis, tiled, config)[0]
+def _qall_gather(x, axes, axis, tiled, p):
+    return all_gather_parts(x, axes, axis, tiled, p)[0]
 
 
-def _qall_gather_fwd(x, axes, axis, tiled, config):
-    return _qall_gather(x, axes, axis, tiled, config), None
+def _qall_gather_fwd(x, axes, axis, tiled, p):
+    return _qall_gather(x, axes, axis, tiled, p), None
 
 
-def _qall_gather_bwd(axes, axis, tiled, config, _, ct):
-    ct = _common.to_varying(ct, axes)
-    if config.grad == "quantized":
-        return (psum_scatter(ct, axes, scatter_dimension=axis, tiled=tiled, config=config),)
+def _qall_gather_bwd(axes, axis, tiled, p, _, ct):
+    ct = _axes.to_varying(ct, axes)
+    if p.config.grad == "quantized":
+        return (psum_scatter(ct, axes, scatter_dimension=axis, tiled=tiled, config=p.config),)
     return (lax.psum_scatter(ct, axes, scatter_dimension=axis, tiled=tiled),)
 
 

@@ -1,86 +1,93 @@
 """How a tensor-parallel layer communicates: one object, chosen by the user, used by every layer.
 
-Four strategies (``TPComm.kind``):
+:class:`TPComm` holds a mesh axis, a :class:`~jax_flashcomm.CommConfig` and whether the
+sequence-parallel ring matmuls are used; the path of every call is
+:func:`jax_flashcomm.planner.plan`'s. The four kinds (``TPComm.kind``) name the combinations:
 
-* ``"exact"``: ``lax.psum`` after each row-parallel matmul (Megatron-style TP).
-* ``"flash"``: :func:`jax_flashcomm.psum` with a :class:`~jax_flashcomm.CommConfig` (low-bit
-  two-step all-reduce, Flash Communication).
-* ``"overlap"``: sequence-parallel in and out: column-parallel matmuls gather the sequence with
-  :func:`jax_flashcomm.all_gather_matmul`, row-parallel ones scatter it with
-  :func:`jax_flashcomm.matmul_reduce_scatter` (ring steps next to partial matmuls, Flash-Overlap).
-* ``"flash+overlap"``: the all-gather ring carries quantized chunks (``ag_bits`` of the config);
-  the reduce-scatter is the quantized :func:`jax_flashcomm.psum_scatter` (``rs_bits``) after the
-  matmul: there is no quantized reduce-scatter ring (re-quantizing the running sum at every step
-  would add N-1 quantization errors).
+* ``"exact"``: ``bits=None``, all-reduce after each row-parallel matmul (Megatron-style TP).
+* ``"flash"``: the quantized all-reduce (Flash Communication) under the size policy.
+* ``"overlap"``: ``bits=None``, sequence-parallel in and out: column-parallel matmuls gather the
+  sequence with :func:`jax_flashcomm.all_gather_matmul`, row-parallel ones scatter it with
+  :func:`jax_flashcomm.matmul_reduce_scatter` (ring steps next to partial matmuls,
+  Flash-Overlap).
+* ``"flash+overlap"``: the same ring matmuls with a quantized config: the all-gather ring
+  carries chunks quantized once (``ag_bits``), the reduce-scatter is the local matmul then the
+  quantized ``psum_scatter`` (``rs_bits``; a quantized reduce-scatter ring would add N-1
+  quantization errors).
 
 Sequence parallelism needs the sequence length to be a multiple of the TP size, so the overlap
-strategies use it where the caller says so (prefill); a one-token decode step cannot be split
-over ranks and all-reduces instead (``lax.psum`` for ``overlap``, the quantized psum for
-``flash+overlap``).
+kinds use it where the caller says so (prefill); a one-token decode step all-reduces instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from jax import lax
-
-from jax_flashcomm.allreduce import psum as flash_psum
+from jax_flashcomm.allreduce import psum
 from jax_flashcomm.collective_matmul import all_gather_matmul, matmul_reduce_scatter
-from jax_flashcomm.policy import CommConfig
-from jax_flashcomm.scatter_gather import psum_scatter as flash_psum_scatter
-from jax_flashcomm.transport.ring import RING_TRANSPORTS
+from jax_flashcomm.config import CommConfig, config_from, option
 
 __all__ = ["TPComm", "COMM_KINDS"]
 
+#: The communication kinds: (quantized, overlap) of each.
 COMM_KINDS = ("exact", "flash", "overlap", "flash+overlap")
+_KIND_QUANTIZED = {"exact": False, "flash": True, "overlap": False, "flash+overlap": True}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class TPComm:
     """A communication strategy over the mesh axis ``axis_name`` (hashable: a static argument).
 
-    ``config`` sets the quantization of the ``flash`` kinds (bits, per-phase bits, group size,
-    spikes, rotation, min_bytes, backend); it defaults to ``CommConfig(bits=8, min_bytes=0)``:
-    a layer's messages are small (one token's activations at decode), and a user who picked
-    ``flash`` wants them quantized. ``bidirectional`` splits every ring chunk over both
-    directions (overlap kinds). ``ring_transport`` is the ``transport=`` of the overlap kinds'
-    ring matmuls (``"auto"``, ``"xla"`` or ``"p2p"``: docs/transport.md, "Ring steps").
+    Args:
+      kind: one of :data:`COMM_KINDS`.
+      axis_name: the TP mesh axis.
+      config: a :class:`~jax_flashcomm.CommConfig`; the exact kinds need ``bits=None`` (their
+        default), the quantized ones a quantized config (default ``CommConfig()``).
+      bidirectional: split every ring chunk over both directions (overlap kinds).
+      bits, ...: the options of every jax_flashcomm op, updating ``config``.
     """
 
-    kind: str = "exact"
-    axis_name: str = "tp"
-    config: CommConfig | None = None
-    bidirectional: bool = False
-    ring_transport: str = "auto"
+    kind: str
+    axis_name: str
+    config: CommConfig
+    bidirectional: bool
 
-    def __post_init__(self):
-        if self.kind not in COMM_KINDS:
-            raise ValueError(f"TPComm: unknown communication kind {self.kind!r}; "
-                             f"expected one of {COMM_KINDS}")
-        if not isinstance(self.axis_name, str):
-            raise TypeError(f"TPComm: axis_name must be a mesh axis name (str), "
-                            f"got {self.axis_name!r}")
-        if self.ring_transport not in RING_TRANSPORTS:
-            raise ValueError(f"TPComm: ring_transport must be one of {RING_TRANSPORTS}, got "
-                             f"{self.ring_transport!r}")
-        if self.quantized:
-            config = self.config if self.config is not None else CommConfig(bits=8, min_bytes=0)
-            if not isinstance(config, CommConfig):
-                raise TypeError(f"TPComm: config must be a jax_flashcomm.CommConfig, "
-                                f"got {type(config)}")
-            if config.exact:
-                raise ValueError(f"TPComm: kind={self.kind!r} quantizes; its config has "
-                                 f"bits=None (use kind='exact' or 'overlap')")
-            object.__setattr__(self, "config", config)
-        elif self.config is not None and not self.config.exact:
-            raise ValueError(f"TPComm: kind={self.kind!r} does not quantize; a config with "
-                             f"bits={self.config.bits} would be ignored (use 'flash' or "
+    def __init__(self, kind: str = "exact", axis_name: str = "tp",
+                 config: CommConfig | None = None, bidirectional: bool = False, *,
+                 bits: int | None = option("bits"), rs_bits: int | None = option("rs_bits"),
+                 ag_bits: int | None = option("ag_bits"), group_size: int = option("group_size"),
+                 min_bytes: int = option("min_bytes"), backend: str = option("backend"),
+                 grad: str = option("grad"), rotation: int | str = option("rotation"),
+                 spikes: int | str = option("spikes"), transport: str = option("transport"),
+                 p2p_timeout_ms: int = option("p2p_timeout_ms")):
+        if kind not in COMM_KINDS:
+            raise ValueError(f"TPComm: unknown communication kind {kind!r}; expected one of "
+                             f"{COMM_KINDS}")
+        if not isinstance(axis_name, str):
+            raise TypeError(f"TPComm: axis_name must be a mesh axis name (str), got "
+                            f"{axis_name!r}")
+        quantized = _KIND_QUANTIZED[kind]
+        if config is None and not quantized:
+            config = CommConfig(bits=None)
+        config = config_from(config, dict(
+            bits=bits, rs_bits=rs_bits, ag_bits=ag_bits, group_size=group_size,
+            min_bytes=min_bytes, backend=backend, grad=grad, rotation=rotation, spikes=spikes,
+            transport=transport, p2p_timeout_ms=p2p_timeout_ms), "TPComm")
+        if quantized and config.exact:
+            raise ValueError(f"TPComm: kind={kind!r} quantizes; its config has bits=None (use "
+                             f"kind='exact' or 'overlap')")
+        if not quantized and not config.exact:
+            raise ValueError(f"TPComm: kind={kind!r} does not quantize; a config with "
+                             f"bits={config.bits} would be ignored (use 'flash' or "
                              f"'flash+overlap')")
+        for name, value in (("kind", kind), ("axis_name", axis_name), ("config", config),
+                            ("bidirectional", bool(bidirectional))):
+            object.__setattr__(self, name, value)
 
     @property
     def quantized(self) -> bool:
-        return self.kind in ("flash", "flash+overlap")
+        """Whether the config quantizes (the ``flash`` kinds)."""
+        return not self.config.exact
 
     @property
     def overlap(self) -> bool:
@@ -89,28 +96,14 @@ class TPComm:
 
     def all_reduce(self, x):
         """Sum of the ranks' partial results, replicated (after a row-parallel matmul)."""
-        if self.quantized:
-            return flash_psum(x, self.axis_name, config=self.config)
-        return lax.psum(x, self.axis_name)
+        return psum(x, self.axis_name, config=self.config)
 
     def gather_matmul(self, x, w, axis: int):
         """``all_gather(x, axis) @ w``: the sequence-parallel input of a column-parallel matmul."""
-        if self.kind == "flash+overlap":
-            c = self.config
-            return all_gather_matmul(x, w, self.axis_name, axis=axis,
-                                     bidirectional=self.bidirectional, bits=c.phase2_bits,
-                                     group_size=c.group_size, rotation=c.rotation,
-                                     spikes=c.phase2_spikes,
-                                     codec_backend="jnp" if c.backend == "auto" else c.backend,
-                                     transport=self.ring_transport)
         return all_gather_matmul(x, w, self.axis_name, axis=axis,
-                                 bidirectional=self.bidirectional, transport=self.ring_transport)
+                                 bidirectional=self.bidirectional, config=self.config)
 
     def matmul_scatter(self, x, w, axis: int):
         """``psum_scatter(x @ w, axis)``: the sequence-parallel output of a row-parallel matmul."""
-        if self.kind == "flash+overlap":
-            return flash_psum_scatter(x @ w, self.axis_name, scatter_dimension=axis, tiled=True,
-                                      config=self.config)
         return matmul_reduce_scatter(x, w, self.axis_name, axis=axis,
-                                     bidirectional=self.bidirectional,
-                                     transport=self.ring_transport)
+                                     bidirectional=self.bidirectional, config=self.config)

@@ -11,13 +11,12 @@ rank's q, k and v heads (one ring in the overlap strategies); gate and up of the
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jax_flashcomm.nn.attention import attend
 from jax_flashcomm.nn.comm import TPComm
 from jax_flashcomm.nn.linear import ColumnParallelLinear, RowParallelLinear, init_param
 
@@ -118,23 +117,8 @@ class TPAttention(nnx.Module):
         elif decode:
             raise ValueError("TPAttention: decode=True needs a cache")
         kpos = jnp.arange(k.shape[1], dtype=jnp.int32) if decode else positions
-        out = _gqa(q, k, v, positions, kpos)
+        out = attend(q, k, v, positions, kpos)
         return self.o(out.reshape(b, s, hq * dh), sp=sp), cache
-
-
-def _gqa(q, k, v, qpos, kpos):
-    """softmax(q k^T / sqrt(dh)) v with each query head group sharing one KV head; causal by
-    position (key position <= query position)."""
-    b, s, hq, dh = q.shape
-    hkv = k.shape[2]
-    qg = q.reshape(b, s, hkv, hq // hkv, dh)
-    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(dh)
-    mask = kpos[None, :] <= qpos[:, None]
-    scores = jnp.where(mask, scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v)
-    return out.reshape(b, s, hq, dh)
 
 
 class TPMLP(nnx.Module):

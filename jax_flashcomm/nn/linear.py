@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from jax_flashcomm._common import all_gather_invariant
+from jax_flashcomm.jax_compat import all_gather_invariant
 from jax_flashcomm.nn.comm import TPComm
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "init_param"]

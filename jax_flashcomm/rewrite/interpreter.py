@@ -27,16 +27,15 @@ import os
 
 import numpy as np
 from jax import lax
-from jax._src import ad_util, core, source_info_util
-from jax._src import linear_util as lu
-from jax._src.interpreters import partial_eval as pe
-from jax._src.tree_util import FlatTree
-
+from jax_flashcomm import _axes
 from jax_flashcomm.allreduce import psum as flash_psum
 from jax_flashcomm.collective_matmul import all_gather_matmul, matmul_reduce_scatter
-from jax_flashcomm.policy import decide, record
+from jax_flashcomm.jax_compat import FlatTree, ad_util, core, source_info_util
+from jax_flashcomm.jax_compat import linear_util as lu
+from jax_flashcomm.jax_compat import partial_eval as pe
+from jax_flashcomm.planner import record, size_policy
 from jax_flashcomm.rewrite import fusion
-from jax_flashcomm.rewrite.policy import RewritePolicy, would_quantize
+from jax_flashcomm.rewrite.policy import RewritePolicy
 from jax_flashcomm.rewrite.report import ReportRow
 from jax_flashcomm.scatter_gather import all_gather as flash_all_gather
 from jax_flashcomm.scatter_gather import psum_scatter as flash_psum_scatter
@@ -121,7 +120,7 @@ def _axis_size(eqn, axes) -> int:
     if "axis_size" in eqn.params:
         return int(eqn.params["axis_size"])
     try:
-        return int(np.prod([lax.axis_size(a) for a in axes]))
+        return _axes.axis_size(axes)
     except (NameError, TypeError, ValueError):
         return 0
 
@@ -277,7 +276,7 @@ class Interpreter:
             elif eqn.primitive.name == "reduce_scatter":
                 aval = eqn.invars[0].aval
                 nbytes = int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
-                if would_quantize(config, nbytes, int(eqn.params["axis_size"])):
+                if size_policy(config, nbytes, int(eqn.params["axis_size"]))[0]:
                     plan.notes[i] = ("not fused: quantized psum_scatter after the dot (there is "
                                      "no quantized reduce-scatter ring)")
                     continue
@@ -330,30 +329,15 @@ class Interpreter:
         collective = match.collective_eqn
         axes = _axes_of(collective)
         ring_axes = axes[0] if len(axes) == 1 else axes
-        if match.kind == "all_gather_matmul":
-            config = self.policy.comm_config
-            n = _axis_size(collective, axes)
-            quantized = False
-            if not config.exact:
-                decision = decide("all_gather", axes, x.shape, x.dtype, n, config,
-                                  phases=("ag",))
-                quantized = decision.quantized
-            if quantized:
-                out = all_gather_matmul(
-                    x, w, ring_axes, axis=match.axis, bits=config.phase2_bits,
-                    group_size=config.group_size, rotation=config.rotation,
-                    spikes=config.phase2_spikes,
-                    codec_backend="jnp" if config.backend == "auto" else config.backend)
-                detail = f"all_gather_matmul int{config.phase2_bits}"
-                reason = f"fused with the dot; {decision.reason}"
+        config = self.policy.comm_config
+        with record() as plans:
+            if match.kind == "all_gather_matmul":
+                out = all_gather_matmul(x, w, ring_axes, axis=match.axis, config=config)
             else:
-                out = all_gather_matmul(x, w, ring_axes, axis=match.axis)
-                detail = "all_gather_matmul"
-                reason = "fused with the dot; exact ring" + (
-                    f" ({decision.reason})" if not config.exact else " (bits=None)")
-        else:
-            out = matmul_reduce_scatter(x, w, ring_axes, axis=match.axis)
-            detail, reason = "matmul_reduce_scatter", "fused with the dot; exact ring"
+                out = matmul_reduce_scatter(x, w, ring_axes, axis=match.axis, config=config)
+        ring = plans[0]
+        detail = match.kind + (f" int{ring.ag_bits}" if ring.quantized else "")
+        reason = f"fused with the dot; {ring.path} over {ring.transport} ({ring.reason})"
         self._check_type(eqn, out, ctx)
         self._row(collective, ctx, "fused", detail, reason)
         return out

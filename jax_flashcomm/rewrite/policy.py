@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 
 from jax_flashcomm.codec import spec
-from jax_flashcomm.policy import CommConfig
+from jax_flashcomm.config import CommConfig, config_from, is_default, option
 
 __all__ = ["RewritePolicy", "REWRITABLE_OPS"]
 
@@ -44,15 +44,16 @@ def _as_str_tuple(value, name: str) -> tuple[str, ...] | None:
     return items
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class RewritePolicy:
     """What to rewrite and how.
 
     Attributes:
       config: the :class:`~jax_flashcomm.CommConfig` of every rewritten collective (bits,
         per-phase bits, group size, ``min_bytes`` size policy, grad mode, backend, rotation,
-        spikes). ``None``: the flashcomm collectives' defaults (``CommConfig()``: 8 bits,
-        messages under 1 MiB per rank stay exact).
+        spikes, transport). ``None``: the flashcomm collectives' defaults (``CommConfig()``:
+        8 bits, messages under 1 MiB per rank stay exact). The option keywords of every
+        jax_flashcomm op (``bits=``, ``min_bytes=``, ...) update it.
       ops: which lax collectives to rewrite, among ``"psum"``, ``"psum_scatter"``,
         ``"all_gather"`` (a name or a tuple); ``None``: all three.
       axes: mesh axis names; a collective is rewritten only if every axis it reduces over is
@@ -77,10 +78,28 @@ class RewritePolicy:
     skip_sites: tuple[str, ...] | None = None
     fuse_matmul: bool = False
 
-    def __post_init__(self):
-        if self.config is not None and not isinstance(self.config, CommConfig):
+    def __init__(self, config: CommConfig | None = None, ops=None, axes=None, sites=None,
+                 skip_sites=None, fuse_matmul: bool = False, *,
+                 bits: int | None = option("bits"), rs_bits: int | None = option("rs_bits"),
+                 ag_bits: int | None = option("ag_bits"), group_size: int = option("group_size"),
+                 min_bytes: int = option("min_bytes"), backend: str = option("backend"),
+                 grad: str = option("grad"), rotation: int | str = option("rotation"),
+                 spikes: int | str = option("spikes"), transport: str = option("transport"),
+                 p2p_timeout_ms: int = option("p2p_timeout_ms")):
+        if config is not None and not isinstance(config, CommConfig):
             raise TypeError(f"RewritePolicy: config must be a jax_flashcomm.CommConfig or None, "
-                            f"got {type(self.config).__name__}")
+                            f"got {type(config).__name__}")
+        options = dict(bits=bits, rs_bits=rs_bits, ag_bits=ag_bits, group_size=group_size,
+                       min_bytes=min_bytes, backend=backend, grad=grad, rotation=rotation,
+                       spikes=spikes, transport=transport, p2p_timeout_ms=p2p_timeout_ms)
+        if config is not None or not all(map(is_default, options.values())):
+            config = config_from(config, options, "RewritePolicy")
+        for name, value in (("config", config), ("ops", ops), ("axes", axes), ("sites", sites),
+                            ("skip_sites", skip_sites), ("fuse_matmul", fuse_matmul)):
+            object.__setattr__(self, name, value)
+        self._validate()
+
+    def _validate(self):
         ops = _as_str_tuple(self.ops, "ops")
         if ops is not None:
             unknown = [op for op in ops if op not in REWRITABLE_OPS]
@@ -132,9 +151,3 @@ def as_policy(policy) -> RewritePolicy:
         return RewritePolicy(config=policy)
     raise TypeError(f"rewrite: policy must be a RewritePolicy, a CommConfig or None, got "
                     f"{type(policy).__name__}")
-
-
-def would_quantize(config: CommConfig, nbytes: int, axis_size: int) -> bool:
-    """The size policy of :func:`jax_flashcomm.policy.decide`, without recording a decision."""
-    return (not config.exact and axis_size > 1 and nbytes > 0
-            and nbytes >= config.min_bytes)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_flashcomm import _common
+from jax_flashcomm import _axes
 from jax_flashcomm.codec import Payload, kernels, spec
 from jax_flashcomm.codec import _as_groups, _restore
 from jax_flashcomm.transport.xla import _arrange_gathered
@@ -93,22 +93,22 @@ def unsupported_reason(axes: tuple) -> str | None:
 
 
 def _attrs(axes, timeout_ms):
-    return dict(size=np.int64(_common.axis_size(axes)), site=np.int64(next(_sites)),
+    return dict(size=np.int64(_axes.axis_size(axes)), site=np.int64(next(_sites)),
                 timeout_ms=np.int64(timeout_ms))
 
 
-def all_reduce(x, axes: tuple, config):
+def all_reduce(x, axes: tuple, plan):
     """The two-step quantized all-reduce of a varying ``x`` in one call per rank.
 
     Returns ``(y, p1, p2)`` as :func:`jax_flashcomm.allreduce.two_step` does: this rank's
     phase-1 payload and the gathered phase-2 payload, for error bounds.
     """
-    n = _common.axis_size(axes)
-    g, b1, b2 = config.group_size, config.phase1_bits, config.phase2_bits
-    rot, k1, k2 = config.rotation, config.phase1_spikes, config.phase2_spikes
+    n = _axes.axis_size(axes)
+    g, b1, b2 = plan.group_size, plan.rs_bits, plan.ag_bits
+    rot, k1, k2 = plan.rotation, plan.rs_spikes, plan.ag_spikes
     groups = _as_groups(x, g, n)
     total = groups.shape[0]
-    vma = _common.varying_axes(x)
+    vma = _axes.varying_axes(x)
     rep = vma - frozenset(axes)
     call = jax.ffi.ffi_call(
         "flashcomm_p2p_all_reduce",
@@ -123,22 +123,22 @@ def all_reduce(x, axes: tuple, config):
     y, c1, s1, z1, c2, s2, z2 = call(
         groups, rank, group, bits=np.int32(b1), out_bits=np.int32(b2), group_size=np.int64(g),
         rotation=np.int32(rot), spikes=np.int32(k1), out_spikes=np.int32(k2),
-        **_attrs(axes, config.p2p_timeout_ms))
+        **_attrs(axes, plan.timeout_ms))
     meta = dict(group_size=g, shape=tuple(x.shape), dtype=np.dtype(x.dtype), rotation=rot)
     p1 = Payload(c1, s1, z1, bits=b1, spikes=k1, **meta).merge_groups()
     p2 = Payload(c2, s2, z2, bits=b2, spikes=k2, **meta)
     return _restore(y, x.shape), p1, p2
 
 
-def reduce_scatter(rows, axes: tuple, config):
+def reduce_scatter(rows, axes: tuple, plan):
     """Quantized reduce-scatter of varying ``rows`` ``(N, Mp)`` (``Mp`` whole groups): returns
     ``(y, p1)``, ``y`` the f32-summed row of this rank ``(Mp,)`` in ``rows``' dtype and ``p1``
     this rank's payload split in N chunks, as the `xla` transport's."""
     n, mp = rows.shape
-    g, bits = config.group_size, config.phase1_bits
-    rot, k1 = config.rotation, config.phase1_spikes
+    g, bits = plan.group_size, plan.rs_bits
+    rot, k1 = plan.rotation, plan.rs_spikes
     groups = rows.reshape(n * mp // g, g)
-    vma = _common.varying_axes(rows)
+    vma = _axes.varying_axes(rows)
     call = jax.ffi.ffi_call(
         "flashcomm_p2p_reduce_scatter",
         (_result(rows, (mp // g, g), rows.dtype, vma),
@@ -149,22 +149,22 @@ def reduce_scatter(rows, axes: tuple, config):
     rank, group = rank_and_group(axes)
     y, c1, s1, z1 = call(groups, rank, group, bits=np.int32(bits), group_size=np.int64(g),
                          rotation=np.int32(rot), spikes=np.int32(k1),
-                         **_attrs(axes, config.p2p_timeout_ms))
+                         **_attrs(axes, plan.timeout_ms))
     p1 = Payload(c1, s1, z1, bits=bits, group_size=g, shape=(mp,), dtype=np.dtype(rows.dtype),
                  rotation=rot, spikes=k1)
     return y.reshape(mp), p1
 
 
-def all_gather(x, axes: tuple, axis: int, tiled: bool, config):
+def all_gather(x, axes: tuple, axis: int, tiled: bool, plan):
     """Quantized all-gather of a varying ``x`` laid out as ``lax.all_gather(x, axes, axis=axis,
     tiled=tiled)`` (the N decoded operands in lax's rank order): ``(y, p)``, ``p`` this rank's
     payload."""
-    n = _common.axis_size(axes)
-    g, bits = config.group_size, config.phase2_bits
-    rot, k2 = config.rotation, config.phase2_spikes
+    n = _axes.axis_size(axes)
+    g, bits = plan.group_size, plan.ag_bits
+    rot, k2 = plan.rotation, plan.ag_spikes
     groups = _as_groups(x, g, 1)
     count = groups.shape[0]
-    vma = _common.varying_axes(x)
+    vma = _axes.varying_axes(x)
     call = jax.ffi.ffi_call(
         "flashcomm_p2p_all_gather",
         (_result(x, (n, count, g), x.dtype, vma),
@@ -174,7 +174,7 @@ def all_gather(x, axes: tuple, axis: int, tiled: bool, config):
     rank, group = rank_and_group(axes)
     y, c, s, z = call(groups, rank, group, bits=np.int32(bits), group_size=np.int64(g),
                       rotation=np.int32(rot), spikes=np.int32(k2),
-                      **_attrs(axes, config.p2p_timeout_ms))
+                      **_attrs(axes, plan.timeout_ms))
     p = Payload(c, s, z, bits=bits, group_size=g, shape=tuple(x.shape), dtype=np.dtype(x.dtype),
                 rotation=rot, spikes=k2)
     stacked = _restore(y, tuple(x.shape))  # (N, count, g) -> (N, *x.shape)

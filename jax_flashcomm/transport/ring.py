@@ -20,6 +20,7 @@ comes after the dot). So start -> dot -> done is a chain of data dependences.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import itertools
 from functools import partial
 
@@ -28,19 +29,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_flashcomm import _common
+from jax_flashcomm import _axes
 from jax_flashcomm.transport import p2p
 
-__all__ = ["RING_TRANSPORTS", "XlaLink", "P2pLink", "resolve", "make_link", "link_emulation",
+__all__ = ["XlaLink", "P2pLink", "spec", "make_link", "link_emulation",
            "recording", "steps_in_progress"]
 
-#: What ``transport=`` of the collective matmuls accepts.
-RING_TRANSPORTS = ("auto", "xla", "p2p")
 #: The FFI targets of the ring steps (registered by the CPU module, and the CUDA one if built).
 TARGETS = ("flashcomm_p2p_ring_start", "flashcomm_p2p_ring_done")
 
+#: Call-site ids key the rendezvous of a step's ranks: unique in the process, so one counter
+#: for every thread (itertools.count's next() is atomic under the GIL).
 _sites = itertools.count(1)
-_link_bytes_per_s = 0
+#: The emulated link rate of p2p ring steps traced in this context (0: unpaced).
+_link_bytes_per_s: contextvars.ContextVar[int] = contextvars.ContextVar(
+    "jax_flashcomm_link_bytes_per_s", default=0)
 
 
 class XlaLink:
@@ -95,10 +98,10 @@ def _start_call(payload, static):
     axes, timeout_ms, rate, shift, site = static
     rank, group = p2p.rank_and_group(axes)
     like = _same(payload)
-    order = p2p._result(payload, (), jnp.int32, _common.varying_axes(payload))
+    order = p2p._result(payload, (), jnp.int32, _axes.varying_axes(payload))
     start = jax.ffi.ffi_call("flashcomm_p2p_ring_start", (like, like, order),
                              input_output_aliases={0: 0}, vmap_method="sequential")
-    return start(payload, rank, group, size=np.int64(_common.axis_size(axes)),
+    return start(payload, rank, group, size=np.int64(_axes.axis_size(axes)),
                  shift=np.int64(shift), site=np.int64(site), timeout_ms=np.int64(timeout_ms),
                  link_bytes_per_s=np.int64(rate))
 
@@ -108,7 +111,7 @@ def _done_call(recv, sent, after, static):
     rank, group = p2p.rank_and_group(axes)
     done = jax.ffi.ffi_call("flashcomm_p2p_ring_done", (_same(recv), _same(after)),
                             input_output_aliases={0: 0, 2: 1}, vmap_method="sequential")
-    return done(recv, sent, after, rank, group, size=np.int64(_common.axis_size(axes)),
+    return done(recv, sent, after, rank, group, size=np.int64(_axes.axis_size(axes)),
                 shift=np.int64(shift), site=np.int64(site))
 
 
@@ -151,7 +154,7 @@ _finish.defvjp(_finish_fwd, _finish_bwd)
 
 
 def _same(x):
-    return p2p._result(x, x.shape, x.dtype, _common.varying_axes(x))
+    return p2p._result(x, x.shape, x.dtype, _axes.varying_axes(x))
 
 
 def unsupported_reason(axes: tuple) -> str | None:
@@ -164,32 +167,22 @@ def unsupported_reason(axes: tuple) -> str | None:
     return reason
 
 
-def resolve(transport: str, axis_name, fn: str, timeout_ms: int = 60_000) -> tuple:
-    """The ring transport of a collective matmul over ``axis_name``, as a hashable spec
+def spec(name: str, timeout_ms: int) -> tuple:
+    """The ring transport of a planned collective matmul as a hashable spec
     ``(name, timeout_ms, link_bytes_per_s)`` (the custom VJPs carry it to the backward rings).
-    ``auto`` is ``xla`` (docs/transport.md "Ring steps" has the measurements); ``p2p`` where it
-    cannot run is an error naming why. The link emulation rate is read here, at trace time."""
-    if transport not in RING_TRANSPORTS:
-        raise ValueError(f"{fn}: transport must be one of {RING_TRANSPORTS}, got {transport!r}")
-    if (isinstance(timeout_ms, (bool, np.bool_)) or not isinstance(timeout_ms, (int, np.integer))
-            or timeout_ms <= 0):
-        raise ValueError(f"{fn}: p2p_timeout_ms must be a positive int, got {timeout_ms!r}")
-    if transport != "p2p":
+    ``name`` is the plan's (:func:`jax_flashcomm.planner.plan`); the link emulation rate is read
+    here, at trace time."""
+    if name != "p2p":
         return ("xla", 0, 0)
-    axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-    reason = unsupported_reason(axes)
-    if reason is not None:
-        raise ValueError(f"{fn}: transport='p2p' cannot run here: {reason}")
-    return ("p2p", int(timeout_ms), _link_bytes_per_s)
+    return ("p2p", int(timeout_ms), _link_bytes_per_s.get())
 
 
 def make_link(spec: tuple, axis_name, perms: dict):
-    """The link of a resolved ``spec`` (:func:`resolve`); ``perms[shift]``: the ppermute pairs
+    """The link of a ``spec`` (:func:`spec`); ``perms[shift]``: the ppermute pairs
     of the ``xla`` link for shift +1 and -1."""
     name, timeout_ms, rate = spec
     if name == "p2p":
-        axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-        return P2pLink(axes, timeout_ms, rate)
+        return P2pLink(_axes.normalize_axes(axis_name), timeout_ms, rate)
     return XlaLink(axis_name, perms)
 
 
@@ -202,14 +195,13 @@ def link_emulation(bytes_per_s: float):
     would take on such a link, so a CPU, whose "link" is memcpy, can stand in for a slower one
     and the overlap of copies with dots can be measured (benchmarks/ring_overlap.py).
     """
-    global _link_bytes_per_s
     if not bytes_per_s > 0:
         raise ValueError(f"link_emulation: bytes_per_s must be positive, got {bytes_per_s!r}")
-    old, _link_bytes_per_s = _link_bytes_per_s, int(bytes_per_s)
+    token = _link_bytes_per_s.set(int(bytes_per_s))
     try:
         yield
     finally:
-        _link_bytes_per_s = old
+        _link_bytes_per_s.reset(token)
 
 
 _KINDS = {0: "move", 1: "start", 2: "wait"}

@@ -4,7 +4,7 @@
 (one fused codec op) -> ``all_gather`` -> dequantize. ``reduce_scatter``: quantize ->
 ``all_to_all`` -> dequantize + f32 sum. ``all_gather``: quantize -> N-1 ``ppermute`` steps round
 a ring, each decoding the payload in hand into its sender's slot. Each phase moves one uint8
-buffer (``_common.pack``). Runs on every platform and across processes (gloo, NCCL, ICI).
+buffer (``wire.pack``). Runs on every platform and across processes (gloo, NCCL, ICI).
 The ``p2p`` transport (:mod:`jax_flashcomm.transport.p2p`) has the same functions and gives
 the same bits.
 """
@@ -18,71 +18,73 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_flashcomm import _common
+from jax_flashcomm import _axes
+from jax_flashcomm.jax_compat import all_gather_invariant
+from jax_flashcomm.transport import wire
 from jax_flashcomm import codec
 
 
-def all_reduce(x, axes: tuple, config):
+def all_reduce(x, axes: tuple, plan):
     """The two-step all-reduce of a varying ``x``: ``(y, p1, p2)``, ``p1`` this rank's
     phase-1 payload, ``p2`` the gathered phase-2 payload (replicated)."""
-    n = _common.axis_size(axes)
-    g, b1, b2 = config.group_size, config.phase1_bits, config.phase2_bits
-    rot, k1, k2 = config.rotation, config.phase1_spikes, config.phase2_spikes
-    p1 = codec.quantize(x, bits=b1, group_size=g, num_chunks=n, backend=config.backend,
+    n = _axes.axis_size(axes)
+    g, b1, b2 = plan.group_size, plan.rs_bits, plan.ag_bits
+    rot, k1, k2 = plan.rotation, plan.rs_spikes, plan.ag_spikes
+    p1 = codec.quantize(x, bits=b1, group_size=g, num_chunks=n, backend=plan.backend,
                         rotation=rot, spikes=k1)
-    chunks = _common.pack(p1.split_groups(n))                     # (N, groups/N, bytes)
+    chunks = wire.pack(p1.split_groups(n))                     # (N, groups/N, bytes)
     received = lax.all_to_all(chunks, axes, 0, 0, tiled=False)    # [i] = chunk from rank i
-    recv = _common.unpack(received, bits=b1, group_size=g, shape=x.shape, dtype=x.dtype,
+    recv = wire.unpack(received, bits=b1, group_size=g, shape=x.shape, dtype=x.dtype,
                           rotation=rot, spikes=k1)
-    summed = codec.dequantize_sum_quantize(recv, bits=b2, spikes=k2, backend=config.backend)
-    gathered = _common.all_gather_invariant(_common.pack(summed), axes, axis=0, tiled=True)
-    p2 = _common.unpack(gathered, bits=b2, group_size=g, shape=x.shape, dtype=x.dtype,
+    summed = codec.dequantize_sum_quantize(recv, bits=b2, spikes=k2, backend=plan.backend)
+    gathered = all_gather_invariant(wire.pack(summed), axes, axis=0, tiled=True)
+    p2 = wire.unpack(gathered, bits=b2, group_size=g, shape=x.shape, dtype=x.dtype,
                         rotation=rot, spikes=k2)
-    y = codec.dequantize(p2, backend=config.backend)
+    y = codec.dequantize(p2, backend=plan.backend)
     return y, p1, p2
 
 
-def reduce_scatter(rows, axes: tuple, config):
+def reduce_scatter(rows, axes: tuple, plan):
     """Quantized reduce-scatter of varying ``rows`` ``(N, Mp)`` (``Mp`` whole groups):
     ``(y, p1)``, ``y`` this rank's f32-summed row ``(Mp,)`` in ``rows``' dtype, ``p1`` this
     rank's payload split in N chunks."""
     n, mp = rows.shape
-    g, bits = config.group_size, config.phase1_bits
-    p1 = codec.quantize(rows, bits=bits, group_size=g, num_chunks=n, backend=config.backend,
-                        rotation=config.rotation, spikes=config.phase1_spikes)
-    p1 = _common.with_meta(p1.split_groups(n), shape=(mp,))
-    received = lax.all_to_all(_common.pack(p1), axes, 0, 0, tiled=False)
-    recv = _common.unpack(received, bits=bits, group_size=g, shape=(mp,), dtype=rows.dtype,
-                          rotation=config.rotation, spikes=config.phase1_spikes)
-    return codec.dequantize_sum(recv, backend=config.backend), p1
+    g, bits = plan.group_size, plan.rs_bits
+    p1 = codec.quantize(rows, bits=bits, group_size=g, num_chunks=n, backend=plan.backend,
+                        rotation=plan.rotation, spikes=plan.rs_spikes)
+    p1 = wire.with_meta(p1.split_groups(n), shape=(mp,))
+    received = lax.all_to_all(wire.pack(p1), axes, 0, 0, tiled=False)
+    recv = wire.unpack(received, bits=bits, group_size=g, shape=(mp,), dtype=rows.dtype,
+                          rotation=plan.rotation, spikes=plan.rs_spikes)
+    return codec.dequantize_sum(recv, backend=plan.backend), p1
 
 
-def all_gather(x, axes: tuple, axis: int, tiled: bool, config):
+def all_gather(x, axes: tuple, axis: int, tiled: bool, plan):
     """Quantized all-gather of a varying ``x`` laid out as ``lax.all_gather(x, axes, axis=axis,
     tiled=tiled)``: ``(y, p)``, ``p`` this rank's payload."""
-    p = codec.quantize(x, bits=config.phase2_bits, group_size=config.group_size,
-                       backend=config.backend, rotation=config.rotation,
-                       spikes=config.phase2_spikes)
-    n = _common.axis_size(axes)
+    p = codec.quantize(x, bits=plan.ag_bits, group_size=plan.group_size,
+                       backend=plan.backend, rotation=plan.rotation,
+                       spikes=plan.ag_spikes)
+    n = _axes.axis_size(axes)
     if n * x.size > np.iinfo(np.int32).max:  # beyond an int32 element offset
-        return decode_gathered(gather_payloads(p, axes), axis, tiled, config), p
-    return _ring_gather(x, p, axes, axis, tiled, config), p
+        return decode_gathered(gather_payloads(p, axes), axis, tiled, plan), p
+    return _ring_gather(x, p, axes, axis, tiled, plan), p
 
 
 def gather_payloads(p, axes):
     """Every rank's payload ``p``, gathered in rank order: ``(N, groups, ...)`` with ``p``'s
     shape (one ``lax.all_gather`` of the packed payloads). For error bounds in tests; the
     all-gather itself never holds them all."""
-    gathered = lax.all_gather(_common.pack(p), axes, axis=0, tiled=False)
-    return _common.unpack(gathered, bits=p.bits, group_size=p.group_size, shape=p.shape,
+    gathered = lax.all_gather(wire.pack(p), axes, axis=0, tiled=False)
+    return wire.unpack(gathered, bits=p.bits, group_size=p.group_size, shape=p.shape,
                           dtype=p.dtype, rotation=p.rotation, spikes=p.spikes)
 
 
-def decode_gathered(pg, axis, tiled, config):
+def decode_gathered(pg, axis, tiled, plan):
     """The gathered array from gathered payloads ``(N, ...)``, decoded at once (the one-shot
     all-gather; used when the output is too large for int32 offsets, and as the tests' oracle
     of the ring)."""
-    stacked = codec.dequantize(pg, backend=config.backend)          # (N, *x.shape)
+    stacked = codec.dequantize(pg, backend=plan.backend)          # (N, *x.shape)
     return _arrange_gathered(stacked, axis, tiled)
 
 
@@ -102,7 +104,7 @@ def _gathered_shape(shape, n, axis, tiled):
     return (*shape[:axis], n, *shape[axis:])
 
 
-def _ring_gather(x, p, axes, axis, tiled, config):
+def _ring_gather(x, p, axes, axis, tiled, plan):
     """The ring: N decodes into one output buffer, N-1 ``ppermute`` steps of a packed payload.
 
     Step k (k = 0 .. N-1) decodes the payload in hand, which came from the rank k places back
@@ -115,12 +117,12 @@ def _ring_gather(x, p, axes, axis, tiled, config):
     into an ``(N, *x.shape)`` buffer that is then transposed into place (a copy of the output,
     held with it).
     """
-    n = _common.axis_size(axes)
+    n = _axes.axis_size(axes)
     size = x.size
     contiguous = math.prod(x.shape[:axis]) == 1
     shape = _gathered_shape(x.shape, n, axis, tiled) if contiguous else (n, *x.shape)
     out = jnp.zeros(shape, x.dtype)
-    vma = tuple(_common.varying_axes(x))
+    vma = tuple(_axes.varying_axes(x))
     if vma:
         out = lax.pcast(out, vma, to="varying")
     # The ring runs over the axes in mesh order: ppermute numbers ranks that way whatever the
@@ -143,18 +145,18 @@ def _ring_gather(x, p, axes, axis, tiled, config):
         return jnp.asarray(slots, jnp.int32)[pos]
 
     def unpack(buf):
-        return _common.unpack(buf, bits=p.bits, group_size=p.group_size, shape=p.shape,
+        return wire.unpack(buf, bits=p.bits, group_size=p.group_size, shape=p.shape,
                               dtype=p.dtype, rotation=p.rotation, spikes=p.spikes)
 
     def decode(out, buf, k):
         sender = slot((me + n - k) % n)
-        return codec.dequantize_into(out, unpack(buf), sender * size, backend=config.backend)
+        return codec.dequantize_into(out, unpack(buf), sender * size, backend=plan.backend)
 
     def step(k, carry):
         out, buf = carry
         return decode(out, buf, k), lax.ppermute(buf, ring_axes, ring)
 
-    out, buf = lax.fori_loop(0, n - 1, step, (out, _common.pack(p)))
+    out, buf = lax.fori_loop(0, n - 1, step, (out, wire.pack(p)))
     out = decode(out, buf, n - 1)
     if not contiguous:
         out = jnp.moveaxis(out, 0, axis)

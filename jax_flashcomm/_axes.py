@@ -1,0 +1,85 @@
+"""Mesh-axis helpers shared by every op: naming, sizes, varying-axes types, operand checks."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from jax import lax
+
+from jax_flashcomm.codec import spec
+
+__all__ = ["normalize_axes", "axis_size", "leaf_name", "check_float", "varying_axes",
+           "missing_axes", "to_varying", "match_varying"]
+
+
+def normalize_axes(axis_name, where: str = "", name: str = "axis_name") -> tuple:
+    """``axis_name`` (a mesh axis name or a tuple/list of them) as a tuple of bound names.
+
+    Raises a clear error for an empty or repeated tuple, a positional int axis, a name that is
+    not a string, or an axis not bound here (outside ``jax.shard_map``).
+    """
+    prefix = f"{where}: " if where else ""
+    axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    if not axes:
+        raise ValueError(f"{prefix}{name} is empty")
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"{prefix}{name} repeats an axis: {axis_name!r}")
+    for axis in axes:
+        if isinstance(axis, (int, np.integer)):
+            raise TypeError(f"{prefix}{name} must be a mesh axis name (str) or a tuple of them "
+                            f"(positional int axes are not supported), got {axis_name!r}")
+        if not isinstance(axis, str):
+            raise TypeError(f"{prefix}{name} must be a mesh axis name (str) or a tuple of them, "
+                            f"got {axis_name!r}")
+        try:
+            lax.axis_size(axis)
+        except NameError:
+            raise ValueError(
+                f"{prefix}{name}={axis_name!r}: axis {axis!r} is not bound (not a bound mesh "
+                f"axis here); call inside jax.shard_map over a mesh that has it") from None
+    return axes
+
+
+def axis_size(axes: tuple) -> int:
+    """The number of ranks over the bound mesh ``axes``."""
+    return math.prod(int(lax.axis_size(a)) for a in axes)
+
+
+def leaf_name(path) -> str:
+    """``x`` plus the pytree path of a leaf (``x['a'][0]``), for error messages."""
+    return "x" + jax.tree_util.keystr(path)
+
+
+def check_float(x, name: str = "x"):
+    """The quantized paths take f32, bf16 or f16 leaves only."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        raise TypeError(f"{name} must be an array, got {type(x)}")
+    return spec.check_dtype(dtype, name)
+
+
+def varying_axes(x) -> frozenset:
+    """Mesh axes over which ``x`` varies (its check_vma type; empty outside shard_map)."""
+    mat = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(getattr(mat, "varying", frozenset()))
+
+
+def missing_axes(x, axes: tuple) -> tuple:
+    """The axes of ``axes`` over which ``x`` is not (yet) varying, in ``axes`` order."""
+    have = varying_axes(x)
+    return tuple(a for a in axes if a not in have)
+
+
+def to_varying(x, axes: tuple):
+    """``x`` cast to varying over ``axes`` (no communication): psum's transpose, and the type
+    of a cotangent whose instantiated zeros may not be varying yet."""
+    missing = missing_axes(x, axes)
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def match_varying(arrays, axes: tuple) -> list:
+    """The arrays cast to vary over the same axes: the union of theirs and ``axes``."""
+    want = frozenset(axes).union(*(varying_axes(a) for a in arrays))
+    return [to_varying(a, tuple(sorted(want))) for a in arrays]

@@ -1,0 +1,237 @@
+"""The one set of options every jax_flashcomm entry point takes: :class:`CommConfig`.
+
+Every collective (``psum``, ``pmean``, ``psum_scatter``, ``all_gather``), ring matmul
+(``all_gather_matmul``, ``matmul_reduce_scatter``), :class:`jax_flashcomm.nn.TPComm`,
+:class:`jax_flashcomm.RewritePolicy` and the model CLIs take ``config=`` and the same keyword
+options, named and defaulted as the fields of :class:`CommConfig` (:data:`OPTION_NAMES`).
+Options given beside a config **update** it (``dataclasses.replace``); options not given keep
+the config's values; an option is never silently ignored.
+
+A config keeps what the user wrote: ``rotation="auto"`` and ``spikes="auto"`` stay ``"auto"``
+and are resolved where the op and its bits are known (:mod:`jax_flashcomm.planner`), by the rules
+of this module (:func:`auto_rotation`, :func:`auto_spikes`), so ``dataclasses.replace`` of a
+config never carries a resolution made for other bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import numpy as np
+
+from jax_flashcomm.codec import spec
+
+__all__ = ["CommConfig", "OPTION_NAMES", "TRANSPORTS", "GRAD_MODES", "BACKENDS",
+           "DEFAULT_MIN_BYTES", "auto_rotation", "auto_spikes", "config_from", "option"]
+
+#: Below this many operand bytes per rank the exact ``lax`` collective is used: small messages
+#: are latency-bound (docs/allreduce.md has the crossover measured here).
+DEFAULT_MIN_BYTES = 1 << 20
+#: ``"exact"``: cotangent collectives are the lax ones; ``"quantized"``: they use the config.
+GRAD_MODES = ("exact", "quantized")
+#: How a call's bytes move between ranks (:mod:`jax_flashcomm.transport`).
+TRANSPORTS = ("auto", "xla", "p2p")
+#: The codec implementation: its FFI kernels, its pure-jnp twin, or the plan's choice.
+BACKENDS = spec.BACKENDS
+#: The largest wait on a peer (about 24 days, in ms): larger values would overflow deadlines.
+MAX_TIMEOUT_MS = 2**31 - 1
+
+#: spikes="auto": one spike per group in each quantized phase of at most this many bits
+#: (docs/outliers.md, "Default").
+AUTO_SPIKES = 1
+AUTO_SPIKES_MAX_BITS = 6
+#: rotation="auto": Hadamard when every quantized phase has at least this many bits and the
+#: group size is a power of two, else none (docs/accuracy.md, "Defaults").
+AUTO_ROTATION = 1
+AUTO_ROTATION_MIN_BITS = 6
+
+
+def auto_rotation(bits: tuple, group_size: int) -> int:
+    """The rotation ``"auto"`` means for quantized phases of ``bits`` and this group size."""
+    pow2 = group_size & (group_size - 1) == 0
+    wide = bool(bits) and min(bits) >= AUTO_ROTATION_MIN_BITS
+    return AUTO_ROTATION if pow2 and wide else 0
+
+
+def auto_spikes(bits: int | None) -> int:
+    """The spikes per group ``"auto"`` means for a phase of ``bits`` (None: not quantized)."""
+    return AUTO_SPIKES if bits is not None and bits <= AUTO_SPIKES_MAX_BITS else 0
+
+
+def _as_int(value, name: str, *, none_ok: bool = False):
+    """``value`` as a Python int (any NumPy integer width accepted), or a clear error."""
+    if value is None and none_ok:
+        return None
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {value!r}") from None
+
+
+def _choice(value, choices, name: str) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class CommConfig:
+    """How a jax_flashcomm call communicates (frozen and hashable: a static argument).
+
+    Attributes:
+      bits: bits per value of both quantized phases (2..8); ``None`` is the exact setting
+        (the lax collective, or the exact ring of a ring matmul).
+      rs_bits, ag_bits: per-phase overrides: the reduce-scatter (all-to-all) phase and the
+        all-gather phase of the two-step all-reduce (e.g. ``rs_bits=4, ag_bits=8``).
+      group_size: values per quantization group (a multiple of 8).
+      min_bytes: the size policy: operands of fewer bytes per rank take the exact path.
+      backend: the codec implementation: ``"auto"``, ``"ffi"`` (the C++/CUDA kernels) or
+        ``"jnp"`` (the pure-JAX twin, runs anywhere).
+      grad: ``"exact"`` or ``"quantized"`` collectives for the cotangents.
+      rotation: 0 / ``"none"``, 1 / ``"hadamard"``, 2 / ``"signed_hadamard"``: quantize each
+        group's Walsh-Hadamard transform; ``"auto"``: Hadamard when every quantized phase has
+        at least 6 bits and ``group_size`` is a power of two, else none.
+      spikes: values per group kept in bf16 beside the codes (0..16); ``"auto"``: 1 in each
+        phase of at most 6 bits, else 0.
+      transport: how the bytes move: ``"xla"`` (XLA's collectives), ``"p2p"`` (FFI calls
+        reading the peers' buffers, one process) or ``"auto"`` (the plan's choice per op).
+      p2p_timeout_ms: the p2p transport's limit on every wait for a peer.
+    """
+
+    bits: int | None = 8
+    rs_bits: int | None = None
+    ag_bits: int | None = None
+    group_size: int = spec.DEFAULT_GROUP_SIZE
+    min_bytes: int = DEFAULT_MIN_BYTES
+    backend: str = "auto"
+    grad: str = "exact"
+    rotation: int | str = "auto"
+    spikes: int | str = "auto"
+    transport: str = "auto"
+    p2p_timeout_ms: int = 60_000
+
+    def __post_init__(self):
+        put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        for name in ("bits", "rs_bits", "ag_bits"):
+            value = _as_int(getattr(self, name), name, none_ok=True)
+            put(name, None if value is None else spec.check_bits(value, name))
+        if self.bits is None and (self.rs_bits is not None or self.ag_bits is not None):
+            raise ValueError("bits=None is the exact setting; rs_bits/ag_bits need bits set "
+                             f"(got rs_bits={self.rs_bits}, ag_bits={self.ag_bits})")
+        put("group_size", spec.check_group_size(_as_int(self.group_size, "group_size"),
+                                                "group_size"))
+        if self.rotation != "auto":
+            rotation = self.rotation
+            if isinstance(rotation, (int, np.integer)) and not isinstance(rotation, bool):
+                rotation = _as_int(rotation, "rotation")
+            put("rotation", spec.check_rotation(rotation, self.group_size, "rotation"))
+        if self.spikes != "auto":
+            spikes = self.spikes
+            if isinstance(spikes, (int, np.integer)) and not isinstance(spikes, bool):
+                spikes = _as_int(spikes, "spikes")
+            put("spikes", spec.check_spikes(spikes, self.group_size, "spikes"))
+        min_bytes = _as_int(self.min_bytes, "min_bytes")
+        if min_bytes < 0:
+            raise ValueError(f"min_bytes must be >= 0, got {min_bytes}")
+        put("min_bytes", min_bytes)
+        put("backend", spec.check_backend(self.backend))
+        _choice(self.grad, GRAD_MODES, "grad")
+        _choice(self.transport, TRANSPORTS, "transport")
+        timeout = _as_int(self.p2p_timeout_ms, "p2p_timeout_ms")
+        if not 0 < timeout <= MAX_TIMEOUT_MS:
+            raise ValueError(f"p2p_timeout_ms must be a positive int of at most {MAX_TIMEOUT_MS} "
+                             f"(ms), got {timeout}")
+        put("p2p_timeout_ms", timeout)
+
+    @property
+    def exact(self) -> bool:
+        """Whether this is the exact setting (``bits=None``)."""
+        return self.bits is None
+
+    @property
+    def phase1_bits(self) -> int | None:
+        """Bits of the reduce-scatter (all-to-all) phase (None: exact)."""
+        return self.bits if self.rs_bits is None else self.rs_bits
+
+    @property
+    def phase2_bits(self) -> int | None:
+        """Bits of the all-gather phase (None: exact)."""
+        return self.bits if self.ag_bits is None else self.ag_bits
+
+    def _spikes_at(self, bits: int | None) -> int:
+        return auto_spikes(bits) if self.spikes == "auto" else self.spikes
+
+    @property
+    def phase1_spikes(self) -> int:
+        """Spikes per group of the reduce-scatter phase (``"auto"`` resolved for its bits)."""
+        return self._spikes_at(self.phase1_bits)
+
+    @property
+    def phase2_spikes(self) -> int:
+        """Spikes per group of the all-gather phase (``"auto"`` resolved for its bits)."""
+        return self._spikes_at(self.phase2_bits)
+
+    @property
+    def resolved_rotation(self) -> int:
+        """The rotation of this config's quantized phases (``"auto"`` resolved from both
+        phases' bits and the group size; 0 for the exact setting)."""
+        if self.rotation != "auto":
+            return self.rotation
+        if self.exact:
+            return 0
+        return auto_rotation((self.phase1_bits, self.phase2_bits), self.group_size)
+
+
+#: The options every entry point takes, in CommConfig's field order.
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(CommConfig))
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(CommConfig)}
+
+
+class _Default:
+    """The default of an option keyword: "not given". Shows as the CommConfig default in
+    signatures and help, and lets :func:`config_from` tell a given option from a default."""
+
+    __slots__ = ("name", "value")
+
+    def __init__(self, name: str):
+        self.name, self.value = name, _DEFAULTS[name]
+
+    def __repr__(self):
+        return repr(self.value)
+
+
+def option(name: str) -> _Default:
+    """The default of option ``name`` in a signature (``bits=option("bits")``)."""
+    return _Default(name)
+
+
+def is_default(value) -> bool:
+    """Whether an option keyword was left at its default (not given by the caller)."""
+    return isinstance(value, _Default)
+
+
+def config_from(config: CommConfig | None, options: dict, where: str) -> CommConfig:
+    """The config of one call: ``config`` (or the defaults) updated with the options given.
+
+    Args:
+      config: the caller's :class:`CommConfig`, or None.
+      options: ``{name: value}`` of the option keywords (defaults included: they are skipped).
+      where: the entry point's name, for errors.
+
+    Returns:
+      A validated :class:`CommConfig`.
+    """
+    if config is not None and not isinstance(config, CommConfig):
+        raise TypeError(f"{where}: config must be a jax_flashcomm.CommConfig, got "
+                        f"{type(config).__name__}")
+    unknown = set(options) - set(OPTION_NAMES)
+    if unknown:
+        raise TypeError(f"{where}: unknown options {sorted(unknown)}; the options are "
+                        f"{OPTION_NAMES}")
+    given = {k: v for k, v in options.items() if not is_default(v)}
+    if config is None:
+        return CommConfig(**given)
+    return dataclasses.replace(config, **given) if given else config

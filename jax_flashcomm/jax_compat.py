@@ -1,0 +1,54 @@
+"""Every use of JAX internals (``jax._src``) in jax_flashcomm, in one place.
+
+Checked against jax/jaxlib 0.10.0-0.10.2 (CI runs 0.10.2). The rest of the package and the
+``models``/``benchmarks`` trees import these names from here, never from ``jax._src``, so a JAX
+release that moves one of them needs an edit in this file alone.
+
+* :func:`all_gather_invariant`: an all-gather whose result is invariant (replicated) over the
+  gathered axes, the type ``lax.psum`` gives its result; ``jax.lax`` does not export it.
+* ``ad_util``, ``core``, ``source_info_util``, ``linear_util``, ``partial_eval``,
+  ``FlatTree``: the jaxpr machinery :mod:`jax_flashcomm.rewrite` walks and retraces.
+"""
+
+from __future__ import annotations
+
+import jax
+
+#: The JAX versions this module was checked against (tests/test_layers.py reads it).
+CHECKED_JAX_VERSIONS = ("0.10.0", "0.10.1", "0.10.2")
+
+from jax._src import ad_util, core, source_info_util  # noqa: E402
+from jax._src import linear_util  # noqa: E402
+from jax._src.interpreters import partial_eval  # noqa: E402
+from jax._src.tree_util import FlatTree  # noqa: E402
+
+try:  # Varying -> Invariant all-gather (what psum's result type needs); not re-exported by lax.
+    from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant
+except ImportError:  # pragma: no cover - a JAX without it
+    _all_gather_invariant = None
+
+__all__ = ["CHECKED_JAX_VERSIONS", "all_gather_invariant", "ad_util", "core",
+           "source_info_util", "linear_util", "partial_eval", "FlatTree", "jax_version"]
+
+
+def jax_version() -> str:
+    """The running JAX's version string."""
+    return jax.__version__
+
+
+def all_gather_invariant(x, axes, *, axis: int = 0, tiled: bool = False):
+    """All-gather over mesh ``axes`` whose result is invariant (replicated) over them.
+
+    Args:
+      x: this rank's operand, varying over ``axes``.
+      axes: a mesh axis name or a tuple of them.
+      axis: where the gathered dimension goes.
+      tiled: concatenate along ``axis`` (True) or stack on a new dimension ``axis`` (False).
+
+    Returns:
+      The gathered array, of the type ``lax.psum`` gives its result.
+    """
+    if _all_gather_invariant is None:  # pragma: no cover
+        raise RuntimeError(f"jax {jax.__version__} has no all_gather_invariant; jax_flashcomm "
+                           f"was checked against {CHECKED_JAX_VERSIONS}")
+    return _all_gather_invariant(x, axes, axis=axis, tiled=tiled)

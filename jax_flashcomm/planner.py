@@ -1,0 +1,227 @@
+"""The path of one call, decided in one place: :func:`plan` returns a :class:`Plan`.
+
+Every op (``psum``, ``psum_scatter``, ``all_gather``, ``all_gather_matmul``,
+``matmul_reduce_scatter``), :class:`jax_flashcomm.nn.TPComm` (through them) and
+:func:`jax_flashcomm.rewrite` ask :func:`plan` which path a call takes, from the config, the op,
+the operand's bytes per rank, the axis size, the platform and the process layout:
+
+============================  ==============================================================
+path                          when
+============================  ==============================================================
+``"lax"``                     collectives: exact setting, axis of size 1, empty operand, or
+                              fewer than ``min_bytes`` per rank: the ``lax`` collective itself
+``"quantized"``               collectives at or above ``min_bytes``: the codec, per-phase bits,
+                              spikes and rotation resolved, over the ``transport``
+``"ring"``                    ring matmuls, exact: ring steps over the ``transport``
+``"quantized ring"``          ``all_gather_matmul`` at or above ``min_bytes``: chunks travel
+                              quantized once
+``"matmul, quantized"``       ``matmul_reduce_scatter`` at or above ``min_bytes``: the local
+                              matmul, then the quantized ``psum_scatter`` (a quantized
+                              reduce-scatter ring would add N-1 quantization errors)
+============================  ==============================================================
+
+``transport="auto"`` resolves per op: the collectives' payloads take ``p2p`` where every peer
+is a device of this process and the p2p kernels are built (docs/transport.md measured it
+faster at every size), else ``xla``; ring steps take ``xla`` (docs/transport.md, "Ring
+steps"). An explicit ``"p2p"`` that cannot run is an error naming why. ``backend="auto"``
+resolves to the FFI kernels for collectives (the codec's own choice) and to the jnp twin for a
+quantized ring, whose elementwise dequantize XLA fuses into the dot's input.
+
+Inside :func:`record`, every plan made while tracing is collected (context-local: threads and
+tasks each see their own); every plan is also logged at DEBUG on the ``jax_flashcomm`` logger.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import logging
+
+import numpy as np
+
+from jax_flashcomm.config import CommConfig, auto_spikes
+from jax_flashcomm.transport import p2p as p2p_transport
+from jax_flashcomm.transport import ring as ring_transport
+
+__all__ = ["Plan", "Decision", "plan", "record", "size_policy", "OPS", "PATHS"]
+
+logger = logging.getLogger("jax_flashcomm")
+
+#: The ops a plan is made for.
+OPS = ("psum", "psum_scatter", "all_gather", "all_gather_matmul", "matmul_reduce_scatter")
+#: The paths a call can take (see the module docstring).
+PATHS = ("lax", "quantized", "ring", "quantized ring", "matmul, quantized")
+_PHASES = {"psum": ("rs", "ag"), "psum_scatter": ("rs",), "all_gather": ("ag",),
+           "all_gather_matmul": ("ag",), "matmul_reduce_scatter": ("rs",)}
+_RINGS = ("all_gather_matmul", "matmul_reduce_scatter")
+
+_recorders: contextvars.ContextVar[tuple] = contextvars.ContextVar("jax_flashcomm_recorders",
+                                                                   default=())
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The path one call (one pytree leaf) takes, every option resolved, and why.
+
+    Attributes:
+      op: the op (:data:`OPS`).
+      axes: the mesh axes it communicates over.
+      shape, dtype, nbytes: the operand whose bytes per rank the size policy weighs.
+      axis_size: the number of ranks.
+      path: one of :data:`PATHS`.
+      reason: why this path.
+      transport: ``"xla"`` or ``"p2p"`` for the quantized and ring paths, None for ``"lax"``.
+      rs_bits, ag_bits: bits of the phases this op quantizes (None: not quantized).
+      rs_spikes, ag_spikes: spikes per group of those phases.
+      rotation: the group rotation (0 none, 1 Hadamard, 2 signed Hadamard).
+      group_size: values per group.
+      backend: the codec backend the quantized path calls.
+      timeout_ms: the p2p transport's limit on a wait for a peer.
+      config: the config the plan was made from (the cotangents' collectives use it).
+    """
+
+    op: str
+    axes: tuple
+    shape: tuple
+    dtype: str
+    nbytes: int
+    axis_size: int
+    path: str
+    reason: str
+    transport: str | None = None
+    rs_bits: int | None = None
+    ag_bits: int | None = None
+    rs_spikes: int = 0
+    ag_spikes: int = 0
+    rotation: int = 0
+    group_size: int = 128
+    backend: str = "auto"
+    timeout_ms: int = 60_000
+    config: CommConfig = dataclasses.field(default_factory=CommConfig, repr=False)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the codec runs on this call's bytes."""
+        return self.path in ("quantized", "quantized ring", "matmul, quantized")
+
+    def __str__(self):
+        if self.quantized:
+            how = (f"{self.path} rs_bits={self.rs_bits} ag_bits={self.ag_bits} "
+                   f"rotation={self.rotation} spikes={self.rs_spikes}/{self.ag_spikes} "
+                   f"over {self.transport}")
+        elif self.path == "ring":
+            how = f"exact ring over {self.transport}"
+        else:
+            how = "exact lax"
+        return (f"jax_flashcomm.{self.op}{self.axes} {self.dtype}{list(self.shape)} "
+                f"({self.nbytes} B/rank, N={self.axis_size}): {how} ({self.reason})")
+
+
+#: The name plans had before there was a plan object (``record()`` yields Plans).
+Decision = Plan
+
+
+def size_policy(config: CommConfig, nbytes: int, axis_size: int) -> tuple[bool, str]:
+    """``(quantized, reason)``: the size policy alone (what :func:`plan` decides first)."""
+    if config.exact:
+        return False, "bits=None (exact setting)"
+    if axis_size == 1:
+        return False, "axis size 1: nothing to communicate"
+    if nbytes == 0:
+        return False, "empty operand: nothing to communicate"
+    if nbytes < config.min_bytes:
+        return False, f"{nbytes} B < min_bytes={config.min_bytes} (latency-bound)"
+    return True, f"{nbytes} B >= min_bytes={config.min_bytes}"
+
+
+def _collective_transport(config: CommConfig, axes: tuple, where: str) -> str:
+    """``xla`` or ``p2p`` for a quantized collective's payloads (module docstring)."""
+    if config.transport == "xla":
+        return "xla"
+    reason = p2p_transport.unsupported_reason(axes)
+    if reason is None and config.backend == "jnp":
+        reason = "backend='jnp' (the p2p transport runs the FFI codec kernels)"
+    if config.transport == "p2p":
+        if reason is not None:
+            raise ValueError(f"{where}: transport='p2p' cannot run here: {reason}")
+        return "p2p"
+    return "xla" if reason is not None else "p2p"
+
+
+def _ring_transport(config: CommConfig, axes: tuple, where: str) -> str:
+    """``xla`` or ``p2p`` for a ring matmul's steps (module docstring)."""
+    if config.transport != "p2p":
+        return "xla"
+    reason = ring_transport.unsupported_reason(axes)
+    if reason is not None:
+        raise ValueError(f"{where}: transport='p2p' cannot run here: {reason}")
+    return "p2p"
+
+
+def plan(op: str, axes: tuple, shape, dtype, axis_size: int, config: CommConfig, *,
+         record: bool = True, where: str | None = None) -> Plan:
+    """Decide the path of one call.
+
+    Args:
+      op: one of :data:`OPS`.
+      axes: the mesh axes (a tuple of names; bound, when the transport is to be resolved).
+      shape, dtype: the operand the size policy weighs (for ``matmul_reduce_scatter``: the
+        product ``x @ w`` of this rank).
+      axis_size: the number of ranks over ``axes``.
+      config: the call's :class:`~jax_flashcomm.CommConfig`.
+      record: whether the plan goes to the active :func:`record` blocks and the log.
+      where: the entry point's name for errors (default: ``op``).
+
+    Returns:
+      The :class:`Plan`.
+    """
+    if op not in OPS:
+        raise ValueError(f"plan: op must be one of {OPS}, got {op!r}")
+    where = where or op
+    axes = tuple(axes)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    quantized, reason = size_policy(config, nbytes, int(axis_size))
+    phases = _PHASES[op]
+    fields = dict(op=op, axes=axes, shape=tuple(shape), dtype=str(np.dtype(dtype)),
+                  nbytes=nbytes, axis_size=int(axis_size), reason=reason,
+                  group_size=config.group_size, timeout_ms=config.p2p_timeout_ms,
+                  backend=config.backend, config=config)
+    if op in _RINGS and (not quantized or op == "all_gather_matmul"):
+        transport = _ring_transport(config, axes, where)
+        path = "quantized ring" if quantized else "ring"
+        if quantized and config.backend == "auto":
+            fields["backend"] = "jnp"
+    elif quantized:
+        transport = _collective_transport(config, axes, where)
+        path = "matmul, quantized" if op == "matmul_reduce_scatter" else "quantized"
+    else:
+        transport, path = None, "lax"
+    if quantized:
+        rs = config.phase1_bits if "rs" in phases else None
+        ag = config.phase2_bits if "ag" in phases else None
+        fields.update(rs_bits=rs, ag_bits=ag, rotation=config.resolved_rotation,
+                      rs_spikes=config.phase1_spikes if rs else auto_spikes(None),
+                      ag_spikes=config.phase2_spikes if ag else auto_spikes(None))
+    result = Plan(path=path, transport=transport, **fields)
+    if record:
+        logger.debug("%s", result)
+        for sink in _recorders.get():
+            sink.append(result)
+    return result
+
+
+@contextlib.contextmanager
+def record():
+    """Collect the :class:`Plan` of every call traced inside the block (this thread or task).
+
+    >>> with record() as plans:
+    ...     jax.jit(f).lower(x)          # doctest: +SKIP
+    >>> print(*plans, sep="\\n")         # doctest: +SKIP
+    """
+    sink: list[Plan] = []
+    token = _recorders.set(_recorders.get() + (sink,))
+    try:
+        yield sink
+    finally:
+        _recorders.reset(token)
