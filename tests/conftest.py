@@ -5,15 +5,16 @@ The device count must be set before jax is imported, so this runs first.
 
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+from tests.support.devices import set_cpu_devices
+
+set_cpu_devices(8)  # the one place the suite's device count is set
+
 # XLA's LLVM backend at -O0 unless FLASHCOMM_TEST_XLA_OPT=default: the suite compiles thousands
-# of programs and spends most of its time compiling them (the whole suite on 2 cores: ~18 ->
-# ~13 min). The codec's elementwise arithmetic is the same at any level (its parity tests pass
-# at both), but XLA's generated loops may sum in another order, so tests whose tolerance is
-# calibrated on the default code (marker `default_xla_opt`) are skipped here and run, with the
-# codec parity tests, in a subprocess at the default level (tests/test_default_xla_opt.py).
+# of programs and spends most of its time compiling them (timings: docs/build.md). The codec's
+# elementwise arithmetic is the same at any level (its parity tests pass at both), but XLA's
+# generated loops may sum in another order, so tests whose tolerance is calibrated on the
+# default code (marker `default_xla_opt`) are skipped here and run, with the codec parity
+# tests, in a subprocess at the default level (tests/package/test_default_xla_opt.py).
 XLA_OPT_DEFAULT = os.environ.get("FLASHCOMM_TEST_XLA_OPT", "0") == "default"
 if not XLA_OPT_DEFAULT:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
@@ -22,7 +23,9 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
-# ci: 30 examples per property (was 60) to fit the CI budget of docs/build.md; "thorough" for
+from tests.support.meshes import make_mesh  # noqa: E402
+
+# ci: 30 examples per property to fit the CI budget of docs/build.md; "thorough" for
 # the long runs of docs/reliability.md.
 settings.register_profile("ci", max_examples=30, deadline=None, derandomize=True)
 settings.register_profile("dev", max_examples=25, deadline=None)
@@ -39,16 +42,6 @@ AXIS_TYPES = {
 def axis_type(request):
     """Every mesh-using test runs on Explicit and on Auto axes."""
     return AXIS_TYPES[request.param]
-
-
-def make_mesh(shape, names, axis_type):
-    """A mesh over the first prod(shape) CPU devices with one axis type for all axes."""
-    n = 1
-    for size in shape:
-        n *= size
-    return jax.make_mesh(
-        shape, names, axis_types=(axis_type,) * len(names), devices=jax.devices()[:n]
-    )
 
 
 @pytest.fixture
@@ -77,33 +70,33 @@ def each_cpu_isa(request):
         yield request.param
 
 
-# The fast developer loop, `pytest -m "not slow"` (README): these modules and tests are the
-# long-running ones of a full run (hypothesis fuzzing, multi-process gloo runs, nvcc compiles,
-# the exhaustive rotation/spike parity and reliability matrices, the gradient and ring-order
-# matrices: the longest of a measured full run, docs/build.md), and every test that runs the
-# real SmolLM2 checkpoint (marker `model`). CI runs everything.
-SLOW_MODULES = {
-    "test_fuzz_collectives.py", "test_multiprocess.py", "test_multiprocess_failure.py",
-    "test_cuda_build.py", "test_cuda_gather_build.py", "test_rotation.py", "test_spikes.py",
-    "test_reliability.py",
-}
-SLOW_TESTS = {
-    "test_hypothesis_parity_and_bound", "test_vjps", "test_psum_grad",
-    "test_ring_all_gather_equals_one_shot", "test_ring_attention_matches_unfused",
-    "test_quantized_is_one_quantization",
-}
+@pytest.fixture(scope="session")
+def ptxas_report():
+    """nvcc's -Xptxas=-v output of every ffi/cuda/*.cu (tests/support/cuda_build.py), one
+    report per session for tests/codec/test_cuda_build.py and
+    tests/transport/test_cuda_gather_build.py; skips where there is neither a matching build
+    log nor nvcc."""
+    from tests.support.cuda_build import ptxas_outputs
+
+    report = ptxas_outputs()
+    if isinstance(report, str):
+        pytest.skip(report)
+    return report
 
 
+# The fast developer loop, `pytest -m "not slow"` (README): the long-running modules and tests
+# of a full run carry `pytestmark = pytest.mark.slow` / `@pytest.mark.slow` themselves
+# (tests/package/test_markers.py checks the selection); every test that runs the real SmolLM2
+# checkpoint (marker `model`) is slow too, marked here. CI runs everything.
 def _mark_slow(items):
     for item in items:
-        if (item.path.name in SLOW_MODULES or item.originalname in SLOW_TESTS
-                or item.get_closest_marker("model")):
+        if item.get_closest_marker("model"):
             item.add_marker(pytest.mark.slow)
 
 
-# Long tests (subprocesses, fuzzing: 10-70 s each) go first, whole modules at a time (their
+# Long tests (subprocesses, fuzzing) go first, whole modules at a time (their
 # module fixtures stay together): with two xdist workers stealing work, a long test left for
-# last keeps one worker busy while the other idles.
+# last keeps one worker busy while the other idles. Matched on the file name (any folder).
 LONG_FIRST = ("test_default_xla_opt.py", "test_fuzz_collectives.py", "test_models_real.py",
               "test_multiprocess_failure.py", "test_multiprocess.py",
               "test_ttft.py::test_quick_run_end_to_end")
@@ -118,7 +111,7 @@ def pytest_collection_modifyitems(config, items):
     if XLA_OPT_DEFAULT:
         return
     skip = pytest.mark.skip(reason="runs at XLA's default backend level in a subprocess "
-                                   "(tests/test_default_xla_opt.py)")
+                                   "(tests/package/test_default_xla_opt.py)")
     for item in items:
         if item.get_closest_marker("default_xla_opt"):
             item.add_marker(skip)
