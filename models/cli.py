@@ -1,16 +1,34 @@
 """What the model CLIs share: the communication and TP options, and the setup they imply.
 
-The device count must be set before jax is imported, so :func:`parse` runs first and the
-modules that import jax are imported by :func:`setup` after it.
+The device count must be set before JAX's backends start, so :func:`setup` sets it before it
+builds anything (``jax_num_cpu_devices``).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
+import dataclasses
+import json
 
 COMM_CHOICES = ("exact", "flash", "overlap", "flash+overlap")
+
+
+#: The communication options: every field of jax_flashcomm.CommConfig, as --flag (type, help).
+#: Their defaults are the library's (CommConfig's); a flag not given leaves the config's value.
+CONFIG_FLAGS = {
+    "bits": (int, "bits of both phases of the quantized collectives (flash kinds)"),
+    "rs_bits": (int, "reduce-scatter phase bits"),
+    "ag_bits": (int, "all-gather phase bits"),
+    "group_size": (int, "values per quantization group"),
+    "min_bytes": (int, "messages below this many bytes per rank stay exact (0: quantize "
+                       "every all-reduce of the model)"),
+    "backend": (str, "codec backend: auto, ffi or jnp"),
+    "grad": (str, "cotangent collectives: exact or quantized"),
+    "rotation": (str, "group rotation: auto, 0/none, 1/hadamard, 2/signed_hadamard"),
+    "spikes": (str, "values per group kept in bf16: auto or 0..16"),
+    "transport": (str, "how the bytes move: auto, xla or p2p"),
+    "p2p_timeout_ms": (int, "the p2p transport's limit on a wait for a peer"),
+}
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:
@@ -22,19 +40,15 @@ def add_common(parser: argparse.ArgumentParser) -> None:
                         help="number of CPU devices to create (default: the TP size)")
     parser.add_argument("--comm", default="exact",
                         help=f"communication strategy: {', '.join(COMM_CHOICES)}")
-    parser.add_argument("--bits", type=int, default=None,
-                        help="bits of both phases of the quantized all-reduce (flash kinds; "
-                             "default 8)")
-    parser.add_argument("--rs-bits", type=int, default=None, help="reduce-scatter phase bits")
-    parser.add_argument("--ag-bits", type=int, default=None, help="all-gather phase bits")
-    parser.add_argument("--group-size", type=int, default=128, help="values per group")
-    parser.add_argument("--spikes", default="auto",
-                        help="values per group kept in bf16 (0..16, or auto)")
-    parser.add_argument("--rotation", default="0",
-                        help="group rotation: 0/none, hadamard, signed_hadamard")
-    parser.add_argument("--min-bytes", type=int, default=0,
-                        help="messages below this many bytes per rank stay exact (default 0: "
-                             "quantize every all-reduce of the model)")
+    parser.add_argument("--config", default=None, metavar="JSON",
+                        help="a jax_flashcomm.CommConfig as a JSON object of its fields (a file "
+                             "or inline); the option flags below update it")
+    from jax_flashcomm.config import CommConfig
+
+    defaults = CommConfig()
+    for name, (kind, text) in CONFIG_FLAGS.items():
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None,
+                            help=f"{text} (default: {getattr(defaults, name)!r})")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="parameter and activation dtype")
 
@@ -51,29 +65,59 @@ def check(parser: argparse.ArgumentParser, args) -> None:
     if args.comm in ("exact", "overlap") and any(b is not None for b in quant):
         parser.error(f"--comm {args.comm} does not quantize: --bits/--rs-bits/--ag-bits need "
                      f"--comm flash or flash+overlap")
+    try:
+        comm_options(args)
+    except (TypeError, ValueError, OSError) as e:
+        parser.error(str(e))
+
+
+def _number_or_name(value: str):
+    return int(value) if value.lstrip("-").isdigit() else value
+
+
+def comm_options(args) -> dict:
+    """``{"config": CommConfig | None, option: value}``: the --config and the option flags
+    given (the others are left to the config's defaults)."""
+    from jax_flashcomm.config import CommConfig
+
+    config = None
+    if args.config is not None:
+        text = args.config
+        if not text.lstrip().startswith("{"):
+            with open(text, encoding="utf-8") as f:
+                text = f.read()
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--config: not JSON ({e})") from None
+        if not isinstance(fields, dict):
+            raise ValueError("--config: expected a JSON object of CommConfig fields")
+        config = CommConfig(**fields)
+    options = {name: getattr(args, name) for name in CONFIG_FLAGS
+               if getattr(args, name) is not None}
+    for name in ("rotation", "spikes"):
+        if name in options:
+            options[name] = _number_or_name(options[name])
+    if args.comm in ("flash", "flash+overlap"):
+        CommConfig(**{**({} if config is None else dataclasses.asdict(config)), **options})
+    return {"config": config, **options}
 
 
 def set_devices(n: int) -> None:
-    """Ask XLA for ``n`` CPU devices (before jax is imported)."""
-    if "jax" in sys.modules:
-        raise RuntimeError("set_devices must run before jax is imported")
-    flags = os.environ.get("XLA_FLAGS", "")
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    """Ask XLA for ``n`` CPU devices (before JAX's backends start: the first jax.devices())."""
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError as e:  # the backends already started
+        raise RuntimeError(f"set_devices({n}) must run before JAX's backends start: {e}") from e
 
 
 def comm_from_args(args):
     """The :class:`jax_flashcomm.nn.TPComm` the options describe."""
-    from jax_flashcomm import CommConfig
     from jax_flashcomm.nn import TPComm
 
-    config = None
-    if args.comm in ("flash", "flash+overlap"):
-        spikes = args.spikes if args.spikes == "auto" else int(args.spikes)
-        rotation = int(args.rotation) if args.rotation.isdigit() else args.rotation
-        config = CommConfig(bits=8 if args.bits is None else args.bits, rs_bits=args.rs_bits,
-                            ag_bits=args.ag_bits, group_size=args.group_size,
-                            min_bytes=args.min_bytes, spikes=spikes, rotation=rotation)
-    return TPComm(args.comm, "tp", config)
+    return TPComm(args.comm, "tp", **comm_options(args))
 
 
 def setup(args):
@@ -98,7 +142,6 @@ def describe(args) -> str:
     """A one-line summary of the communication options."""
     if args.comm in ("exact", "overlap"):
         return args.comm
-    bits = 8 if args.bits is None else args.bits
-    rs = args.rs_bits if args.rs_bits is not None else bits
-    ag = args.ag_bits if args.ag_bits is not None else bits
-    return f"{args.comm} int{rs}/int{ag} G={args.group_size} spikes={args.spikes}"
+    c = comm_from_args(args).config
+    return (f"{args.comm} int{c.phase1_bits}/int{c.phase2_bits} G={c.group_size} "
+            f"spikes={c.spikes} rotation={c.rotation} min_bytes={c.min_bytes}")
