@@ -29,6 +29,8 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jax_flashcomm import _axes, transport
@@ -107,10 +109,9 @@ def pmean(x, axis_name, *, axis_index_groups=None, config: CommConfig | None = N
 
 
 def _psum_leaf(x, axes, config: CommConfig, name: str = "x"):
-    if config.exact:
-        return lax.psum(x, axes)
-    _axes.check_float(x, name)
-    p = plan("psum", axes, x.shape, x.dtype, _axes.axis_size(axes), config)
+    if not config.exact:
+        _axes.check_float(x, name)
+    p = plan("psum", axes, np.shape(x), jnp.result_type(x), _axes.axis_size(axes), config)
     if not p.quantized:
         return lax.psum(x, axes)
     return _qpsum(vary(x, axes, config), axes, p)

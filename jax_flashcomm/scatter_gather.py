@@ -100,8 +100,6 @@ def _psum_scatter_leaf(x, axes, dim, tiled, config, name="x"):
                          f"the axis size {n}, got {size}")
     if x.size == 0:
         return _empty_scatter(x, axes, dim, tiled, n)
-    if config.exact:
-        return lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=tiled)
     p = plan("psum_scatter", axes, x.shape, x.dtype, n, config)
     if not p.quantized:
         return lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=tiled)
@@ -218,8 +216,6 @@ def _all_gather_leaf(x, axes, axis, tiled, config, name="x"):
     axis = _check_dim(axis, ndim if tiled else ndim + 1, "axis")
     if tiled and ndim == 0:
         raise ValueError("all_gather: tiled=True needs an operand of rank >= 1")
-    if config.exact:
-        return lax.all_gather(x, axes, axis=axis, tiled=tiled)
     p = plan("all_gather", axes, x.shape, x.dtype, n, config)
     if not p.quantized:
         return lax.all_gather(x, axes, axis=axis, tiled=tiled)

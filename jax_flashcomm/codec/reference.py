@@ -1,7 +1,7 @@
 """The pure-jnp twin of the codec kernels: runs on any backend (CPU, GPU, TPU).
 
 It mirrors ffi/include/flashcomm/codec.h operation for operation, so its codes are
-bit-identical to the FFI kernels' (tests/test_codec_parity.py holds them to it). All functions
+bit-identical to the FFI kernels' (tests/codec/test_codec_parity.py holds them to it). All functions
 work on grouped arrays: values ``(..., group_size)`` and payload arrays ``(..., groups, bytes)``.
 """
 

@@ -7,7 +7,7 @@ an in-process rendezvous keyed by the XLA execution (its run id), the call site 
 here at trace time), the replica group (the index over the mesh axes not reduced) and how many
 times this rank has called the site in this run (loops). Inside, the call runs the `xla`
 transport's steps with the same codec kernels on the same bytes in the same order, so the
-results are bit-identical to it (tests/test_transport.py): quantize into its own result
+results are bit-identical to it (tests/transport/test_transport.py): quantize into its own result
 buffer; read its chunk of every peer's payload, sum in f32 in rank order and re-quantize into
 its slot of the gathered phase-2 payload; read every peer's slot; decode. Barriers keep every
 buffer alive until every peer has read it; every wait gives up after ``timeout_ms`` with an
