@@ -1,7 +1,7 @@
 """Keep the CUDA build's nvcc output, so the tests read it instead of compiling the kernels again.
 
 nvcc runs with -Xptxas=-v (registers, spills and stack per kernel and architecture) and the
-build's warning flags; tests/test_cuda_build.py checks that output (docs/cuda.md, "Build time").
+build's warning flags; tests/codec/test_cuda_build.py checks that output (docs/cuda.md, "Build time").
 
   ptxas_log.py run ROOT LOGDIR -- COMPILER ARGS...
       The CUDA_COMPILER_LAUNCHER of CMakeLists.txt. Runs the compile, passes its stdout and
