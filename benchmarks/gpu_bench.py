@@ -17,7 +17,7 @@ test results from pytest's ``--junitxml``, measurements) and the markdown tables
 ``<!-- gpu_check:begin -->`` and ``<!-- gpu_check:end -->`` in ``--markdown`` (a rerun replaces
 them), with "not run" where there was no GPU.
 
-    python -m benchmarks.gpu_bench --junit /tmp/gpu_tests.xml --build "ok (pip, 95 s)" \\
+    .venv/bin/python -m benchmarks.gpu_bench --junit gpu_tests.xml --build "ok (pip, 95 s)" \\
         --json docs/cuda_check.json --markdown docs/cuda.md
 """
 
@@ -94,7 +94,7 @@ def _distributions():
     return list(metadata.distributions())
 
 
-# --- tests (pytest --junitxml) ---------------------------------------------------------------
+# --- tests (the junit XML of pytest) ----------------------------------------------------------
 
 def tests_from_junit(path) -> dict:
     if not path or not pathlib.Path(path).exists():
@@ -258,7 +258,7 @@ def markdown(report: dict) -> str:
         "| step | result |",
         "|---|---|",
         f"| build (`FLASHCOMM_CUDA=ON`) | {report['build']} |",
-        f"| `pytest -m gpu` | {t['passed']} passed, {t['failed']} failed, {t['skipped']} "
+        f"| tests marked gpu | {t['passed']} passed, {t['failed']} failed, {t['skipped']} "
         f"skipped |",
     ]
     for reason, count in sorted(t["skips"].items(), key=lambda kv: -kv[1]):
