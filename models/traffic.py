@@ -11,11 +11,8 @@ counted.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-import numpy as np
-
 from jax_flashcomm.codec import spec
-from jax_flashcomm.policy import decide
+from jax_flashcomm.planner import size_policy
 
 __all__ = ["allreduce_bytes_per_token"]
 
@@ -30,9 +27,8 @@ def allreduce_bytes_per_token(cfg, tp: int, comm, *, batch: int = 1, itemsize: i
     sent = exact
     if comm.quantized:
         c = comm.config
-        decision = decide("psum", (comm.axis_name,), (batch, 1, cfg.d_model),
-                          np.float32 if itemsize == 4 else jnp.bfloat16, tp, c)
-        if decision.quantized:
+        quantized, _ = size_policy(c, elems * itemsize, tp)  # what plan() decides first
+        if quantized:
             padded = spec.padded_size(elems, c.group_size, tp)
             sent = (tp - 1) / tp * padded * (
                 spec.wire_bytes_per_element(c.phase1_bits, c.group_size, c.phase1_spikes)
