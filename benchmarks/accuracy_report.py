@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.markdown_block import replace_block
+from benchmarks.common import replace_block
 
 BEGIN, END = "<!-- accuracy tables: begin -->", "<!-- accuracy tables: end -->"
 

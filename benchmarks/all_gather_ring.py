@@ -3,12 +3,13 @@ gather it replaced and ``lax.all_gather`` (docs/reliability.md, "Memory" -> "Spe
 
 8 virtual CPU devices, one ``(size,)`` operand per device, gathered along axis 0, tiled, at
 ``--bits`` (8 by default: ``spikes="auto"`` keeps none), every dtype. The one-shot gather is
-``_decode_gathered(gather_payloads(p))``: one ``lax.all_gather`` of every rank's packed payload,
-then one decode of all N (the code before the ring). Each program is compiled and called once,
-then the three are called in turn ``--reps`` times; the median of each is printed.
+``xla.decode_gathered(xla.gather_payloads(p))`` (``jax_flashcomm.transport.xla``): one
+``lax.all_gather`` of every rank's packed payload, then one decode of all N (the code before the
+ring). Each program is compiled and called once, then the three are called in turn ``--reps``
+times; the median of each is printed.
 
-    .venv/bin/python benchmarks/all_gather_ring.py               # 16 MiB per device
-    .venv/bin/python benchmarks/all_gather_ring.py --mib 4 --reps 5 --out docs/all_gather_ring.json
+    .venv/bin/python -m benchmarks.all_gather_ring               # 16 MiB per device
+    .venv/bin/python -m benchmarks.all_gather_ring --mib 4 --reps 5 --out docs/all_gather_ring.json
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import time
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -31,8 +31,9 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_flashcomm as fc  # noqa: E402
+from jax_flashcomm import allreduce  # noqa: E402
+from jax_flashcomm.transport import xla  # noqa: E402
 from models import machine  # noqa: E402
-from jax_flashcomm import allreduce, scatter_gather  # noqa: E402
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -43,10 +44,12 @@ def programs(mesh, config):
 
     def one_shot(v):
         v = allreduce.vary(v, axes, config)
-        p = fc.codec.quantize(v, bits=config.phase2_bits, group_size=config.group_size,
-                              backend=config.backend, spikes=config.phase2_spikes)
-        return scatter_gather._decode_gathered(scatter_gather.gather_payloads(p, axes), 0, True,
-                                               config)
+        plan = fc.plan("all_gather", axes, v.shape, v.dtype, lax.axis_size("i"), config,
+                       record=False)
+        p = fc.codec.quantize(v, bits=plan.ag_bits, group_size=plan.group_size,
+                              backend=plan.backend, rotation=plan.rotation,
+                              spikes=plan.ag_spikes)
+        return xla.decode_gathered(xla.gather_payloads(p, axes), 0, True, plan)
 
     bodies = {
         "one-shot": one_shot,
@@ -101,7 +104,7 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump({"machine": machine.describe(), "mib_per_device": args.mib,
                        "bits": args.bits, "reps": args.reps, "seconds": rows,
-                       "command": ".venv/bin/python benchmarks/all_gather_ring.py "
+                       "command": ".venv/bin/python -m benchmarks.all_gather_ring "
                                   + " ".join(argv if argv is not None else sys.argv[1:])},
                       f, indent=1)
     return 0

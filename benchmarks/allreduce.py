@@ -22,7 +22,7 @@ workers (JSON key ``breakdown``). Two setups:
 
 ``--malloc keep`` (the default) re-executes the benchmark (and so its workers) with glibc's
 malloc told to serve every buffer from one heap and keep freed memory
-(``benchmarks/malloc_env.py``): by default glibc maps any block above 32 MiB afresh on each
+(``benchmarks/common.py``): by default glibc maps any block above 32 MiB afresh on each
 allocation and unmaps it on free, and XLA's threads' arenas hand freed memory back to the
 kernel, so each call of a 64 MiB all-reduce, exact or quantized, faults in its large buffers
 page by page again (docs/allreduce.md measures both); a server would run with such a setting or
@@ -30,9 +30,9 @@ an allocator that keeps memory. ``--malloc glibc`` leaves glibc's defaults.
 
 Re-run (root; ~15 min on 2 cores)::
 
-    .venv/bin/python benchmarks/allreduce.py                # -> docs/allreduce.{json,png}
-    .venv/bin/python benchmarks/allreduce.py --quick        # 2 sizes, fewer repetitions
-    .venv/bin/python benchmarks/allreduce.py --sizes 16777216 67108864 --nprocs 2 \
+    .venv/bin/python -m benchmarks.allreduce                # -> docs/allreduce.{json,png}
+    .venv/bin/python -m benchmarks.allreduce --quick        # 2 sizes, fewer repetitions
+    .venv/bin/python -m benchmarks.allreduce --sizes 16777216 67108864 --nprocs 2 \
         --skip-inproc --breakdown --out /tmp/allreduce_bf16.json
 """
 
@@ -41,16 +41,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from benchmarks.common import MALLOC_KEEP, reexec_with, time_calls
+from benchmarks.netns import run_workers, worker_init, write_result
 
-from benchmarks import malloc_env  # noqa: E402
-from benchmarks.netns import run_workers, worker_init, write_result  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 KIB, MIB = 1024, 1024 * 1024
 SIZES = [256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB]
@@ -90,21 +87,6 @@ def _methods(mesh, n_elems):
     return methods
 
 
-def _time(fn, x, reps, budget_s, warm=True):
-    import jax
-    if warm:
-        jax.block_until_ready(fn(x))  # compile + warm up
-    times = []
-    start = time.perf_counter()
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(x))
-        times.append(time.perf_counter() - t)
-        if time.perf_counter() - start > budget_s:
-            break
-    return statistics.median(times), len(times)
-
-
 def sweep(mesh, make_input, sizes, reps, budget_s, log=print):
     """Times per size and method; ``make_input(n_elems)`` builds the global (N, n) input."""
     rows = []
@@ -114,7 +96,7 @@ def sweep(mesh, make_input, sizes, reps, budget_s, log=print):
         row = {"bytes": size, "times_s": {}, "reps": {}}
         for name, fn in _methods(mesh, n_elems).items():
             r = reps if size < 16 * MIB else max(2, reps // 2)
-            row["times_s"][name], row["reps"][name] = _time(fn, x, r, budget_s)
+            row["times_s"][name], row["reps"][name] = time_calls(fn, x, r, budget_s)
         best = min(row["times_s"]["lax.psum"], row["times_s"]["lax.rs+ag"])
         row["best_exact"] = "lax.psum" if best == row["times_s"]["lax.psum"] else "lax.rs+ag"
         t = row["times_s"]
@@ -151,9 +133,9 @@ def breakdown(mesh, make_input, sizes, reps, budget_s, log=print):
     from jax.sharding import PartitionSpec as P
 
     import jax_flashcomm as fc
-    from jax_flashcomm import _common, codec
-    from jax_flashcomm import transport as tr
-    from jax_flashcomm.policy import make_config
+    from jax_flashcomm import codec
+    from jax_flashcomm.jax_compat import all_gather_invariant
+    from jax_flashcomm.transport import wire
 
     n = mesh.shape["i"]
     axes = ("i",)
@@ -167,34 +149,35 @@ def breakdown(mesh, make_input, sizes, reps, budget_s, log=print):
         x = make_input(n_elems)
         r = reps if size < 16 * MIB else max(2, reps // 2)
         for b in BITS:
-            cfg = make_config(bits=b, min_bytes=0, spikes=0, rotation=0)
-            g, b1, b2 = cfg.group_size, cfg.phase1_bits, cfg.phase2_bits
-            k1, k2 = cfg.phase1_spikes, cfg.phase2_spikes
+            cfg = fc.CommConfig(bits=b, min_bytes=0, spikes=0, rotation=0)
             shape, dtype = (n_elems,), x.dtype
-            transport = tr.choose(cfg, axes, size)
+            plan = fc.plan("psum", axes, shape, dtype, n, cfg, record=False)
+            g, b1, b2 = plan.group_size, plan.rs_bits, plan.ag_bits
+            k1, k2, backend = plan.rs_spikes, plan.ag_spikes, plan.backend
+            transport = plan.transport
 
             def quantize(v):
                 p1 = codec.quantize(v[0], bits=b1, group_size=g, num_chunks=n,
-                                    backend=cfg.backend, rotation=0, spikes=k1)
-                return _common.pack(p1.split_groups(n))[None]          # (1, N, groups/N, B)
+                                    backend=backend, rotation=0, spikes=k1)
+                return wire.pack(p1.split_groups(n))[None]             # (1, N, groups/N, B)
 
             def a2a(c):
                 return jax.lax.all_to_all(c[0], axes, 0, 0, tiled=False)[None]
 
             def dsq(rc):
-                recv = _common.unpack(rc[0], bits=b1, group_size=g, shape=shape, dtype=dtype,
-                                      rotation=0, spikes=k1)
+                recv = wire.unpack(rc[0], bits=b1, group_size=g, shape=shape, dtype=dtype,
+                                   rotation=0, spikes=k1)
                 summed = codec.dequantize_sum_quantize(recv, bits=b2, spikes=k2,
-                                                       backend=cfg.backend)
-                return _common.pack(summed)[None]                      # (1, groups/N, B)
+                                                       backend=backend)
+                return wire.pack(summed)[None]                         # (1, groups/N, B)
 
             def ag(s_):
-                return _common.all_gather_invariant(s_[0], axes, axis=0, tiled=True)
+                return all_gather_invariant(s_[0], axes, axis=0, tiled=True)
 
             def deq(gathered):
-                p2 = _common.unpack(gathered, bits=b2, group_size=g, shape=shape, dtype=dtype,
-                                    rotation=0, spikes=k2)
-                return codec.dequantize(p2, backend=cfg.backend)
+                p2 = wire.unpack(gathered, bits=b2, group_size=g, shape=shape, dtype=dtype,
+                                 rotation=0, spikes=k2)
+                return codec.dequantize(p2, backend=backend)
 
             whole = sm(lambda v: fc.psum(v[0], "i", config=cfg), P("i"), P())
             fns = [sm(quantize, P("i"), P("i")), sm(a2a, P("i"), P("i")),
@@ -204,12 +187,12 @@ def breakdown(mesh, make_input, sizes, reps, budget_s, log=print):
             arg = x
             for name, fn in zip(BREAKDOWN_PIECES, fns):
                 res = jax.block_until_ready(fn(arg))  # compile + warm up; next piece's input
-                entry["times_s"][name], _ = _time(fn, arg, r, budget_s, warm=False)
+                entry["times_s"][name], _ = time_calls(fn, arg, r, budget_s, warm=False)
                 if name in ("all_to_all", "all_gather"):  # bytes this rank holds after the op
                     entry["payload_bytes"][name] = int(res.addressable_shards[0].data.nbytes)
                 arg = res
             entry["pieces_sum_s"] = sum(entry["times_s"].values())
-            entry["psum_s"], _ = _time(whole, x, r, budget_s)
+            entry["psum_s"], _ = time_calls(whole, x, r, budget_s)
             entry["pieces_over_psum"] = entry["pieces_sum_s"] / entry["psum_s"]
             log(f"  breakdown {size / MIB:5.0f} MiB int{b} ({transport}): " + "  ".join(
                 f"{k}={v * 1e3:.1f}ms" for k, v in entry["times_s"].items())
@@ -274,7 +257,7 @@ def run_netns(nprocs, sizes, reps, budget_s, rate, do_breakdown=False):
         print(f"(b) {n} processes, gloo, loopback limited to {rate} (tc tbf)", flush=True)
         args = ["--worker", "--sizes", *map(str, sizes), "--reps", str(reps),
                 "--budget", str(budget_s)] + (["--breakdown"] if do_breakdown else [])
-        results = run_workers(__file__, n, args=args, rate=rate, timeout=1500,
+        results = run_workers("benchmarks.allreduce", n, args=args, rate=rate, timeout=1500,
                               port=24000 + n)
         for line in results[0]["log"]:
             print(line)
@@ -359,7 +342,7 @@ def main():
                     help="output path prefix (.json/.png are added; a trailing .json is kept)")
     args = ap.parse_args()
     if not args.worker and args.malloc == "keep":
-        malloc_env.reexec_with(malloc_env.KEEP)
+        reexec_with(MALLOC_KEEP)
     out = args.out[:-len(".json")] if args.out.endswith(".json") else args.out
     sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
     reps = 2 if args.quick else args.reps
@@ -373,8 +356,8 @@ def main():
     print(machine.first_line(), flush=True)
     data = {"machine": machine.describe(), "rate": args.rate, "sizes": sizes, "bits": list(BITS),
             "group_size": 128, "dtype": "bfloat16",
-            "command": "python benchmarks/allreduce.py " + " ".join(sys.argv[1:]),
-            "malloc_env": malloc_env.KEEP if args.malloc == "keep" else {}}
+            "command": "python -m benchmarks.allreduce " + " ".join(sys.argv[1:]),
+            "malloc_env": MALLOC_KEEP if args.malloc == "keep" else {}}
     if not args.skip_inproc:
         data["inproc"] = run_inproc(sizes, reps, args.budget)
     data["netns"], parts = run_netns(args.nprocs, sizes, reps, args.budget, args.rate,

@@ -9,20 +9,18 @@ Data per rank: (tokens=256, hidden=4096) bf16.
   activation channels of LLMs); rows are tokens, so each 128-group of a token holds at most a
   few outliers, which widens that group's range.
 
-Re-run: ``.venv/bin/python benchmarks/allreduce_error.py`` -> docs/allreduce_error.json
+Re-run: ``.venv/bin/python -m benchmarks.allreduce_error`` -> docs/allreduce_error.json
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -72,7 +70,7 @@ def main():
             results.append({"data": kind, "setting": name, "rel_rms": rel(f(x))})
     out = {"N": N, "group_size": 128, "shape_per_rank": [TOKENS, HIDDEN], "dtype": "bfloat16",
            "results": results,
-           "command": ".venv/bin/python benchmarks/allreduce_error.py"}
+           "command": ".venv/bin/python -m benchmarks.allreduce_error"}
     Path(REPO / "docs" / "allreduce_error.json").write_text(json.dumps(out, indent=1))
     print("| setting | gaussian | outlier channels |\n|---|---|---|")
     for s in dict.fromkeys(r["setting"] for r in results):

@@ -13,15 +13,18 @@ ring on this backend. This baseline keeps the wire in bf16 by moving the bit pat
    bitcast back to bf16 and un-padded.
 
 The result equals ``bf16(sum_r f32(x_r))`` with the sum in rank order, bit for bit on every rank
-(tests/test_bf16_baseline.py). A benchmark baseline, not part of the library.
+(tests/benchmarks/test_bf16_baseline.py). A benchmark baseline, not part of the library.
 """
 
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_flashcomm import _common
+from jax_flashcomm.jax_compat import all_gather_invariant
 
 
 def bf16_two_step_psum(x, axis_name):
@@ -32,9 +35,10 @@ def bf16_two_step_psum(x, axis_name):
     """
     if x.dtype != jnp.bfloat16:
         raise TypeError(f"bf16_two_step_psum takes bf16, got {x.dtype}")
-    axes = _common.normalize_axes(axis_name)
-    n = _common.axis_size(axes)
-    missing = _common.missing_axes(x, axes)
+    axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    n = math.prod(int(lax.axis_size(a)) for a in axes)
+    varying = jax.typeof(x).mat.varying
+    missing = tuple(a for a in axes if a not in varying)
     if missing:  # as lax collectives do implicitly: the operand must vary over the axes
         x = lax.pcast(x, missing, to="varying")
     flat = jnp.ravel(x)
@@ -49,6 +53,6 @@ def bf16_two_step_psum(x, axis_name):
     for j in range(1, n):  # f32, in rank order
         total = total + vals[j]
     reduced = lax.bitcast_convert_type(total.astype(jnp.bfloat16), jnp.uint16)   # (M/N,)
-    gathered = _common.all_gather_invariant(reduced, axes, axis=0, tiled=True)   # (M_padded,)
+    gathered = all_gather_invariant(reduced, axes, axis=0, tiled=True)           # (M_padded,)
     y = lax.bitcast_convert_type(gathered, jnp.bfloat16)
     return y[:m].reshape(x.shape)

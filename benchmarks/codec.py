@@ -30,9 +30,9 @@ rotation, at most 2x the plain codec's time.
 
 Re-run::
 
-    .venv/bin/python benchmarks/codec.py                 # -> docs/codec.json
-    .venv/bin/python benchmarks/codec.py --quick
-    .venv/bin/python benchmarks/codec.py --rotation-only # only the rotation section of docs/codec.json
+    .venv/bin/python -m benchmarks.codec                 # -> docs/codec.json
+    .venv/bin/python -m benchmarks.codec --quick
+    .venv/bin/python -m benchmarks.codec --rotation-only # the rotation section of docs/codec.json
 """
 
 from __future__ import annotations
@@ -46,34 +46,20 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from malloc_env import KEEP as _MALLOC_ENV  # noqa: E402
-from malloc_env import reexec_with  # noqa: E402
+from benchmarks.common import MALLOC_KEEP, median_seconds, reexec_with
 
 if __name__ == "__main__":
-    reexec_with(_MALLOC_ENV)
+    reexec_with(MALLOC_KEEP)
 
-import numpy as np  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jax_flashcomm import codec  # noqa: E402
 from jax_flashcomm.codec import kernels  # noqa: E402
-
 from models import machine  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
-
-
-def median_seconds(fn, reps):
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 _MEMCPY = """
@@ -90,12 +76,12 @@ print(nbytes / sorted(times[1:])[reps // 2] / 1e9)
 
 def memcpy_gbps(nbytes, reps):
     """np.copyto of ``nbytes`` on one core, median of ``reps``, in a child process with glibc's
-    default malloc: this process runs with malloc_env.KEEP, whose heap arrays numpy cannot back
-    with transparent huge pages (their TLB misses made the copy ~4x slower on the VM here), and
-    main-memory memcpy is the reference of every codec figure."""
+    default malloc: this process runs with ``MALLOC_KEEP``, whose heap arrays numpy cannot
+    back with transparent huge pages (their TLB misses made the copy ~4x slower on the VM
+    here), and main-memory memcpy is the reference of every codec figure."""
     import subprocess
 
-    env = {k: v for k, v in os.environ.items() if k not in _MALLOC_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in MALLOC_KEEP}
     out = subprocess.run([sys.executable, "-c", _MEMCPY, str(nbytes), str(reps)], env=env,
                          check=True, capture_output=True, text=True)
     return float(out.stdout.strip().splitlines()[-1])
@@ -183,7 +169,7 @@ def rotation_section(mib, reps):
     print(f"rotated / plain, worst: quantize {worst_q:.2f}, dequantize {worst_d:.2f} "
           f"(target <= 2: {'met' if max(worst_q, worst_d) <= 2 else 'NOT met'})")
     meta = dict(machine=f"{platform.machine()} {os.cpu_count()} cores", jax=jax.__version__,
-                command="python benchmarks/codec.py --rotation-only", malloc_env=_MALLOC_ENV,
+                command="python -m benchmarks.codec --rotation-only", malloc_env=MALLOC_KEEP,
                 elements=n, operand_mib_bf16=mib, reps=reps, load_average=os.getloadavg(),
                 backend="ffi",
                 note="*_ms: median of reps calls; *_vs_plain: median over the reps rounds of "
@@ -305,8 +291,8 @@ def main():
         rotation = rotation_section(args.rotation_mib, 5 if args.quick else args.rotation_reps)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(machine=machine.describe(), jax=jax.__version__,
-                command="python benchmarks/codec.py " + " ".join(sys.argv[1:]),
-                malloc_env=_MALLOC_ENV, reps=reps, load_average=os.getloadavg())
+                command="python -m benchmarks.codec " + " ".join(sys.argv[1:]),
+                malloc_env=MALLOC_KEEP, reps=reps, load_average=os.getloadavg())
     out.write_text(json.dumps(dict(meta=meta, rows=rows, rotation=rotation), indent=1))
     print(f"wrote {args.out}")
 

@@ -10,27 +10,26 @@ Compare the build of another commit with this one (docs/benchmarks.md did this f
     git worktree add /tmp/old 10c8723 && pip wheel --no-deps -w /tmp/oldwheel /tmp/old
     mkdir /tmp/oldpkg && cp -r /tmp/old/jax_flashcomm /tmp/oldpkg/ \\
       && unzip -o /tmp/oldwheel/*.whl 'jax_flashcomm/*.so' -d /tmp/oldpkg
-    PYTHONPATH=/tmp/oldpkg .venv/bin/python benchmarks/codec_quick.py
-    .venv/bin/python benchmarks/codec_quick.py avx2 baseline
+    PYTHONPATH=/tmp/oldpkg:. .venv/bin/python -P -m benchmarks.codec_quick
+    .venv/bin/python -m benchmarks.codec_quick avx2 baseline
+
+(``-P``: the current directory is not put first on ``sys.path``, so ``/tmp/oldpkg``'s
+jax_flashcomm is the one imported, and ``.`` after it provides ``benchmarks``.)
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from malloc_env import KEEP, reexec_with  # noqa: E402
+from benchmarks.common import MALLOC_KEEP, median_seconds, reexec_with
 
-reexec_with(KEEP)
+if __name__ == "__main__":
+    reexec_with(MALLOC_KEEP)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jax_flashcomm import codec  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from codec import median_seconds  # noqa: E402  (benchmarks/codec.py)
 
 REPS = 7
 

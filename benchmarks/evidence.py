@@ -9,7 +9,7 @@ Runs, in order (each prints its own progress bar):
    -> docs/accuracy.{json,md,png} (about 50 minutes on 2 cores).
 2. ``benchmarks.ttft``: TTFT and decode at TP=3, 3 gloo processes on a tc-limited loopback
    (root) -> docs/ttft.{json,md,png} (about 15 minutes).
-3. ``benchmarks/gpu_model.py``: the cost model, checked against 2. and the all-reduce
+3. ``benchmarks.gpu_model``: the cost model, checked against 2. and the all-reduce
    measurements -> docs/gpu_model.{json,md,png} (seconds).
 4. the headline table of README.md, from the three JSON files.
 """
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.markdown_block import replace_block
+from benchmarks.common import replace_block
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
@@ -32,7 +32,7 @@ BEGIN, END = "<!-- evidence headline: begin -->", "<!-- evidence headline: end -
 STEPS = {
     "accuracy": [sys.executable, "-m", "benchmarks.accuracy"],
     "ttft": [sys.executable, "-m", "benchmarks.ttft"],
-    "gpu_model": [sys.executable, "benchmarks/gpu_model.py"],
+    "gpu_model": [sys.executable, "-m", "benchmarks.gpu_model"],
 }
 
 

@@ -10,7 +10,7 @@ is fitted to a row it predicts.
 
 Re-run (a few seconds, no GPU)::
 
-    .venv/bin/python benchmarks/gpu_model.py      # -> docs/gpu_model.{json,png}, tables on stdout
+    .venv/bin/python -m benchmarks.gpu_model      # -> docs/gpu_model.{json,png}, tables on stdout
 """
 
 from __future__ import annotations
@@ -20,12 +20,11 @@ import dataclasses
 import json
 import re
 import statistics
-import sys
 from pathlib import Path
 
+from jax_flashcomm.codec import spec
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from jax_flashcomm.codec import spec  # noqa: E402
 
 MIB = 2**20
 BF16 = 2                 # bytes per activation value of the exact all-reduce
@@ -193,8 +192,9 @@ PAPER = [{"claim": "INT4 all-reduce vs NCCL ring, >= 64 MB", "gpu": "L40", "kind
           "bits": 4, "size": 64 * MIB, "paper": 3.18},
          {"claim": "TTFT, INT4 vs bf16", "gpu": "L40", "kind": "ttft", "bits": 4, "paper": 2.06},
          {"claim": "TTFT, INT4 vs bf16", "gpu": "A100", "kind": "ttft", "bits": 4, "paper": 1.19}]
-TTFT_SETTINGS = [("LLaMA-3-70B", 4, 8, 1024), ("LLaMA-3-70B", 8, 8, 1024), ("LLaMA-3-8B", 4, 8, 1024),
-                 ("LLaMA-2-7B", 4, 8, 1024), ("SmolLM2-135M", 3, 1, 1024)]
+TTFT_SETTINGS = [("LLaMA-3-70B", 4, 8, 1024), ("LLaMA-3-70B", 8, 8, 1024),
+                 ("LLaMA-3-8B", 4, 8, 1024), ("LLaMA-2-7B", 4, 8, 1024),
+                 ("SmolLM2-135M", 3, 1, 1024)]
 TABLE_SIZES = [MIB, 16 * MIB, 64 * MIB, 256 * MIB, 1024 * MIB]
 
 
@@ -209,14 +209,18 @@ def sensitivity() -> list[dict]:
     """The paper-comparison predictions with one stated assumption changed at a time."""
     every = lambda **kw: {g: kw for g in GPUS}  # noqa: E731
     switched = dataclasses.replace(GPUS["L40"].link, topology="switched")
-    variants = {"as stated": {}, "L40 on per-GPU (switched) PCIe links": {"L40": {"link": switched}},
+    variants = {"as stated": {},
+                "L40 on per-GPU (switched) PCIe links": {"L40": {"link": switched}},
                 "A100 on the L40's shared PCIe": {"A100": {"link": GPUS["L40"].link}},
                 "prefill MFU 0.3": every(mfu=0.3), "prefill MFU 0.7": every(mfu=0.7),
                 "codec efficiency 0.25": every(codec_efficiency=0.25),
                 "codec efficiency 1.0": every(codec_efficiency=1.0)}
-    gs = {name: {k: dataclasses.replace(v, **ch.get(k, {})) for k, v in GPUS.items()} for name, ch in variants.items()}
-    return [{"variant": name, "L40 all-reduce int4 64 MiB N=4": gpu_allreduce_speedup(g["L40"], 64 * MIB, 4, 4),
-             "L40 TTFT int4": ttft_speedup(g["L40"], 4), "A100 TTFT int4": ttft_speedup(g["A100"], 4)}
+    gs = {name: {k: dataclasses.replace(v, **ch.get(k, {})) for k, v in GPUS.items()}
+          for name, ch in variants.items()}
+    return [{"variant": name,
+             "L40 all-reduce int4 64 MiB N=4": gpu_allreduce_speedup(g["L40"], 64 * MIB, 4, 4),
+             "L40 TTFT int4": ttft_speedup(g["L40"], 4),
+             "A100 TTFT int4": ttft_speedup(g["A100"], 4)}
             for name, g in gs.items()]
 
 
@@ -266,7 +270,8 @@ def emulated_allreduce_check() -> dict:
     and bits (measured with 2 processes), else docs/codec_isa.json throughputs (1 process);
     either x max(1, N / cores) / max(1, N_measured / cores) when N processes share the cores."""
     files = [_load(p) for p in EMULATED_LINK_FILES]
-    bd_n, bd = next(((int(n), e) for d in files for n, e in d.get("breakdown", {}).items()), (1, []))
+    bd_n, bd = next(((int(n), e) for d in files for n, e in d.get("breakdown", {}).items()),
+                    (1, []))
     bd_times = {(e["bytes"], e["bits"]): e["times_s"] for e in bd}
     isa_rows, rate = _load(CODEC_ISA_FILE)["rows"], parse_rate(files[0]["rate"])
     lat, rows = emulated_latency(rate), []
@@ -283,7 +288,8 @@ def emulated_allreduce_check() -> dict:
                 for b in d["bits"]:
                     times, n_meas, source = bd_times.get((size, b)), bd_n, "breakdown"
                     if times is None:
-                        times, n_meas, source = isa_codec_times(isa_rows, isa, size, b), 1, "codec_isa"
+                        times, n_meas, source = (isa_codec_times(isa_rows, isa, size, b), 1,
+                                                 "codec_isa")
                     q = flash_allreduce(size, n, link, cpu_codec(
                         times, max(1.0, n / cores) / max(1.0, n_meas / cores)), b)
                     rows.append({"file": path, "n": n, "bytes": size, "method": f"int{b}",
@@ -301,18 +307,22 @@ def emulated_allreduce_check() -> dict:
 
 
 def ttft_check(data: dict) -> dict:
-    """Predict each rate-limited row of docs/ttft.json from its "unlimited" twin, fitting nothing to
-    the rows predicted (docs/gpu_model.md, "Self-check 2"): T_c = U - tp B / R_u (non-link work:
-    unlimited TTFT less its own transfer), T_l = bus B / R + K lam (bus = tp on a shared link, 1 if
-    "switched"; lam = small psum less the unlimited one, >= 0); TTFT = max(T_c, T_l + T_c min(1, C/N))."""
+    """Predict each rate-limited row of docs/ttft.json from its "unlimited" twin, fitting nothing
+    to the rows predicted (docs/gpu_model.md, "Self-check 2"): T_c = U - tp B / R_u (non-link
+    work: unlimited TTFT less its own transfer), T_l = bus B / R + K lam (bus = tp on a shared
+    link, 1 if "switched"; lam = small psum less the unlimited one, >= 0);
+    TTFT = max(T_c, T_l + T_c min(1, C/N))."""
     if missing := [k for k in ("tp", "links", "rows") if k not in data]:
         raise ValueError(f"ttft json: missing key(s) {missing}")
     tp, notes, out, lat, links, m = int(data["tp"]), [], [], {}, data["links"], data.get("machine")
-    c = m.get("cores") if isinstance(m, dict) else next(iter(re.findall(r"(\d+) cores", str(m))), None)
+    c = (m.get("cores") if isinstance(m, dict)
+         else next(iter(re.findall(r"(\d+) cores", str(m))), None))
     cores, unl = int(c or tp), links.get("unlimited", {})
     r_u, share = float(unl.get("measured_bytes_per_s") or 0), min(1.0, int(c or tp) / tp)
-    notes += ["no core count in the file: C = N."] * (not c) + ["no unlimited psum rate: T_c = U."] * (not r_u > 0)
-    key = lambda r: (r["strategy"], r["kind"], r.get("rs_bits"), r.get("ag_bits"), r.get("group_size"))  # noqa: E731
+    notes += (["no core count in the file: C = N."] * (not c)
+              + ["no unlimited psum rate: T_c = U."] * (not r_u > 0))
+    key = lambda r: (r["strategy"], r["kind"], r.get("rs_bits"), r.get("ag_bits"),  # noqa: E731
+                     r.get("group_size"))
     base = {key(r): r for r in data["rows"] if r["link"] == "unlimited"}
     for name, link in ((k, v) for k, v in links.items() if k != "unlimited"):
         rate = float(link.get("rate_bytes_per_s") or 0)
@@ -325,9 +335,11 @@ def ttft_check(data: dict) -> dict:
             t_c = max(0.0, u - (tp * b / r_u if r_u > 0 else 0.0))
             t_l = bus * b / rate + r.get("collectives_prefill", 0) * lat[name]
             pred = max(t_c, t_l + share * t_c)
-            out.append({"link": name, **{k: r.get(k) for k in ("strategy", "kind", "rs_bits", "ag_bits")},
-                        "unlimited_s": u, "compute_s": t_c, "link_s": t_l, "bounds_s": [max(t_c, t_l), t_c + t_l],
-                        "measured_s": r["ttft_s"], "predicted_s": pred, "err": pred / r["ttft_s"] - 1})
+            out.append({"link": name,
+                        **{k: r.get(k) for k in ("strategy", "kind", "rs_bits", "ag_bits")},
+                        "unlimited_s": u, "compute_s": t_c, "link_s": t_l,
+                        "bounds_s": [max(t_c, t_l), t_c + t_l], "measured_s": r["ttft_s"],
+                        "predicted_s": pred, "err": pred / r["ttft_s"] - 1})
     worst = max((abs(r["err"]) for r in out), default=None)
     return {"tp": tp, "cores": cores, "exposed_share": share, "unlimited_bytes_per_s": r_u or None,
             "latency_per_collective_s": lat, "rows": out, "notes": notes,
@@ -347,41 +359,54 @@ def predictions() -> dict:
                  for b in (None, 8, 4)}
             tt.append({"model": model, "tp": tp, "batch": batch, "seq": seq, "gpu": g, **e,
                        "comm_share": e["bf16"]["comm_s"] / e["bf16"]["ttft_s"], **{
-                           f"speedup_int{b}": e["bf16"]["ttft_s"] / e[f"int{b}"]["ttft_s"] for b in (8, 4)}})
-    paper = [{**p, "predicted": {f"N={n}, {s // MIB} MiB": gpu_allreduce_speedup(GPUS[p["gpu"]], s, n, p["bits"])
-                                 for n in (4, 8) for s in (p["size"], 1024 * MIB)} if p["kind"] == "allreduce"
+                           f"speedup_int{b}": e["bf16"]["ttft_s"] / e[f"int{b}"]["ttft_s"]
+                           for b in (8, 4)}})
+    paper = [{**p, "predicted": {
+                 f"N={n}, {s // MIB} MiB": gpu_allreduce_speedup(GPUS[p["gpu"]], s, n, p["bits"])
+                 for n in (4, 8) for s in (p["size"], 1024 * MIB)} if p["kind"] == "allreduce"
               else {f"int{b}": ttft_speedup(GPUS[p["gpu"]], b) for b in (4, 8)}} for p in PAPER]
     for p in paper:  # the first prediction is the stated setting (N=4; PAPER_SETTING at INT4)
         p["error"] = next(iter(p["predicted"].values())) / p["paper"] - 1
     return {"allreduce": ar, "ttft": tt, "paper": paper, "sensitivity": sensitivity()}
 
 
-_table = lambda head, rows: ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"] + [  # noqa: E731
-    "| " + " | ".join(map(str, r)) + " |" for r in rows]
+_table = lambda head, rows: (  # noqa: E731
+    ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
 
 
 def markdown(res: dict) -> str:
     """The tables of docs/gpu_model.md."""
-    P, ms, pct, x = res["predictions"], lambda s: f"{s * 1e3:.1f} ms", lambda e: f"{e:+.1%}", lambda v: f"{v:.2f}x"
-    L = ["### All-reduce speedup over the NCCL bf16 ring (message = bf16 bytes per rank)\n"] + _table(
+    P, ms = res["predictions"], lambda s: f"{s * 1e3:.1f} ms"
+    pct, x = lambda e: f"{e:+.1%}", lambda v: f"{v:.2f}x"
+    L = ["### All-reduce speedup over the NCCL bf16 ring "
+         "(message = bf16 bytes per rank)\n"] + _table(
         ["GPU", "N", "bits", *(f"{s // MIB} MiB" for s in TABLE_SIZES), "byte ideal"],
-        [[r["gpu"], r["n"], f"int{r['bits']}", *map(x, r["speedups"]), x(r["byte_ideal"])] for r in P["allreduce"]])
-    L += ["\n### Predicted vs paper\n"] + _table(["claim", "GPU", "paper", "predicted", "error (first)"], [
-        [p["claim"], p["gpu"], x(p["paper"]), ", ".join(f"{k}: {x(v)}" for k, v in p["predicted"].items()),
-         pct(p["error"])] for p in P["paper"]])
-    L += ["\n### Sensitivity of the paper comparison (one assumption changed at a time)\n"] + _table(
-        list(P["sensitivity"][0]), [[v if isinstance(v, str) else x(v) for v in s.values()] for s in P["sensitivity"]])
+        [[r["gpu"], r["n"], f"int{r['bits']}", *map(x, r["speedups"]), x(r["byte_ideal"])]
+         for r in P["allreduce"]])
+    L += ["\n### Predicted vs paper\n"] + _table(
+        ["claim", "GPU", "paper", "predicted", "error (first)"],
+        [[p["claim"], p["gpu"], x(p["paper"]),
+          ", ".join(f"{k}: {x(v)}" for k, v in p["predicted"].items()), pct(p["error"])]
+         for p in P["paper"]])
+    L += ["\n### Sensitivity of the paper comparison "
+          "(one assumption changed at a time)\n"] + _table(
+        list(P["sensitivity"][0]),
+        [[v if isinstance(v, str) else x(v) for v in s.values()] for s in P["sensitivity"]])
     L += ["\n### Predicted TTFT\n"] + _table(
-        ["model", "TP", "batch x seq", "GPU", "bf16 TTFT", "comm share (bf16)", "int8 speedup", "int4 speedup"],
+        ["model", "TP", "batch x seq", "GPU", "bf16 TTFT", "comm share (bf16)", "int8 speedup",
+         "int4 speedup"],
         [[t["model"], t["tp"], f"{t['batch']} x {t['seq']}", t["gpu"], ms(t["bf16"]["ttft_s"]),
           f"{t['comm_share']:.0%}", x(t["speedup_int8"]), x(t["speedup_int4"])] for t in P["ttft"]])
     em = res["checks"]["emulated_allreduce"]
-    L += [f"\n### Predicted vs measured: all-reduce on the emulated link ({em['rate_bytes_per_s'] / 1e6:.0f} MB/s, "
-          "shared)\n"] + _table(
-        ["N", "message", "method", "measured", "predicted", "error", "measured vs bf16 two-step", "predicted",
-         "error", "codec priced from"],
-        [[r["n"], f"{r['bytes'] // MIB} MiB", r["method"], ms(r["measured_s"]), ms(r["predicted_s"]), pct(r["err"])]
-         + ([x(r["measured_ratio"]), x(r["predicted_ratio"]), pct(r["ratio_err"]), r["codec_source"]]
+    L += ["\n### Predicted vs measured: all-reduce on the emulated link "
+          f"({em['rate_bytes_per_s'] / 1e6:.0f} MB/s, shared)\n"] + _table(
+        ["N", "message", "method", "measured", "predicted", "error", "measured vs bf16 two-step",
+         "predicted", "error", "codec priced from"],
+        [[r["n"], f"{r['bytes'] // MIB} MiB", r["method"], ms(r["measured_s"]),
+          ms(r["predicted_s"]), pct(r["err"])]
+         + ([x(r["measured_ratio"]), x(r["predicted_ratio"]), pct(r["ratio_err"]),
+             r["codec_source"]]
             if "measured_ratio" in r else ["", "", "", ""]) for r in em["rows"]])
     L.append(f"\nLargest |error| (times and ratios): {em['max_abs_err']:.1%}; "
              f"within {TOLERANCE:.0%}: {em['within_tolerance']}")
@@ -389,15 +414,18 @@ def markdown(res: dict) -> str:
     L.append("\n### Predicted vs measured: TTFT\n")
     if "skipped" in tc:
         return "\n".join(L + [tc["skipped"]])
-    L += _table(["link", "strategy", "bits (rs/ag)", "unlimited", "T_c", "T_l", "[max, sum]", "measured", "predicted",
-                 "error"], [[r["link"], r["strategy"], f"{r['rs_bits']}/{r['ag_bits']}", *map(ms, (
-                     r["unlimited_s"], r["compute_s"], r["link_s"])), " - ".join(map(ms, r["bounds_s"])),
-                     ms(r["measured_s"]), ms(r["predicted_s"]), pct(r["err"])] for r in tc["rows"]])
-    lat, worst = ", ".join(f"{k}: {v * 1e6:.0f} us" for k, v in tc["latency_per_collective_s"].items()), (
-        "n/a" if tc["max_abs_err"] is None else f"{tc['max_abs_err']:.1%}")
-    return "\n".join(L + [f"\nCores C = {tc['cores']}, exposed share min(1, C/N) = {tc['exposed_share']:.3f}, latency "
-                          f"per collective: {lat}. Largest |error|: {worst}; within {TOLERANCE:.0%}: "
-                          f"{tc['within_tolerance']}. " + " ".join(tc["notes"])])
+    L += _table(["link", "strategy", "bits (rs/ag)", "unlimited", "T_c", "T_l", "[max, sum]",
+                 "measured", "predicted", "error"],
+                [[r["link"], r["strategy"], f"{r['rs_bits']}/{r['ag_bits']}",
+                  *map(ms, (r["unlimited_s"], r["compute_s"], r["link_s"])),
+                  " - ".join(map(ms, r["bounds_s"])), ms(r["measured_s"]), ms(r["predicted_s"]),
+                  pct(r["err"])] for r in tc["rows"]])
+    lat = ", ".join(f"{k}: {v * 1e6:.0f} us" for k, v in tc["latency_per_collective_s"].items())
+    worst = "n/a" if tc["max_abs_err"] is None else f"{tc['max_abs_err']:.1%}"
+    return "\n".join(L + [f"\nCores C = {tc['cores']}, exposed share min(1, C/N) = "
+                          f"{tc['exposed_share']:.3f}, latency per collective: {lat}. Largest "
+                          f"|error|: {worst}; within {TOLERANCE:.0%}: {tc['within_tolerance']}. "
+                          + " ".join(tc["notes"])])
 
 
 def plot(path: Path) -> None:
@@ -407,12 +435,15 @@ def plot(path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sizes, colors = [int(2 ** (k / 4)) for k in range(64, 121)], {8: "tab:blue", 6: "tab:orange", 4: "tab:green"}
+    sizes = [int(2 ** (k / 4)) for k in range(64, 121)]
+    colors = {8: "tab:blue", 6: "tab:orange", 4: "tab:green"}
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8), sharey=True)
-    topo = {"L40": "PCIe Gen4, shared bus", "A100": "NVLink3 + NVSwitch", "H100": "NVLink4 + NVSwitch"}
+    topo = {"L40": "PCIe Gen4, shared bus", "A100": "NVLink3 + NVSwitch",
+            "H100": "NVLink4 + NVSwitch"}
     for ax, g in zip(axes, GPUS):
         for b, c in colors.items():
-            ax.plot(sizes, [gpu_allreduce_speedup(GPUS[g], s, 4, b) for s in sizes], color=c, label=f"int{b}")
+            ax.plot(sizes, [gpu_allreduce_speedup(GPUS[g], s, 4, b) for s in sizes], color=c,
+                    label=f"int{b}")
             ax.axhline(BF16 / wire_bytes_per_element(b), color=c, ls="--", lw=1,
                        label=f"int{b} byte ideal ({BF16 / wire_bytes_per_element(b):.2f}x)")
         if g == "L40":
@@ -420,7 +451,8 @@ def plot(path: Path) -> None:
             ax.hlines(3.18, 64 * MIB, 2**30, color="k", lw=1, ls=":")
         ax.set_xscale("log", base=2)
         ax.set_xticks([2**k for k in range(16, 31, 2)],
-                      [f"{2 ** (k - 10)}K" if k < 20 else f"{2 ** (k - 20)}M" for k in range(16, 31, 2)])
+                      [f"{2 ** (k - 10)}K" if k < 20 else f"{2 ** (k - 20)}M"
+                       for k in range(16, 31, 2)])
         ax.set(title=f"{g}, {topo[g]}, N=4", xlabel="message (bf16 bytes per rank)", ylim=(0, 4.2))
         ax.grid(alpha=0.3)
         ax.axhline(1.0, color="gray", lw=0.8)
@@ -437,7 +469,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--ttft", default=TTFT_FILE, help="TTFT measurements to check against")
     args = ap.parse_args(argv)
     tpath = REPO / args.ttft
-    res = {"command": ".venv/bin/python benchmarks/gpu_model.py",
+    res = {"command": ".venv/bin/python -m benchmarks.gpu_model",
            "inputs": {"constants": {k: v for k, v in globals().items()
                                     if k.isupper() and isinstance(v, (int, float, str, tuple))},
                       "gpus": {g: dataclasses.asdict(v) for g, v in GPUS.items()},
@@ -446,8 +478,9 @@ def main(argv=None) -> dict:
            "predictions": predictions(),
            "checks": {"emulated_allreduce": emulated_allreduce_check(),
                       "ttft": ttft_check(json.loads(tpath.read_text())) if tpath.exists() else {
-                          "skipped": f"{args.ttft} does not exist yet (benchmarks/ttft.py writes it): "
-                                     "this check is skipped; re-run this script once it exists."}}}
+                          "skipped": f"{args.ttft} does not exist yet (benchmarks/ttft.py "
+                                     "writes it): this check is skipped; re-run this script once "
+                                     "it exists."}}}
     print(markdown(res))
     (REPO / f"{args.out}.json").write_text(json.dumps(res, indent=1) + "\n")
     plot(REPO / f"{args.out}.png")

@@ -17,9 +17,9 @@ so the policy is never chosen on the text it is judged on) this measures:
   same size, so the average is the model's).
 
 The smallest ``k`` whose calibration perplexity is within ``--target`` of exact is the chosen
-policy (``chosen`` in the JSON); ``benchmarks/accuracy.py --sections layers`` scores it on the
-evaluation windows. Rows are written to ``OUT.json`` as they finish; ``OUT.md`` gets the table
-and ``OUT.png`` the per-site plot.
+policy (``chosen`` in the JSON); ``benchmarks.accuracy --sections layers`` scores it on
+the evaluation windows. Rows are written to ``OUT.json`` as they finish; ``OUT.md`` gets the
+table and ``OUT.png`` the per-site plot.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from benchmarks.scoring import score_windows, wire
+from models import cli  # sets no jax state
 
-from models import cli  # noqa: E402  (sets no jax state)
+REPO = Path(__file__).resolve().parents[1]
 
 
 def base_config(bits: int, ag_bits: int | None):
@@ -65,8 +65,6 @@ def policy_overrides(data: dict, k: int) -> dict:
 
 def mean_wire(base, upgrade, n_sites: int, k: int) -> dict:
     """Wire bytes per element averaged over ``n_sites`` equal all-reduces, ``k`` upgraded."""
-    from benchmarks.accuracy import wire
-
     b, u = wire(base)["bytes_per_element"], wire(upgrade)["bytes_per_element"]
     per = (b * (n_sites - k) + u * k) / n_sites
     return {"bytes_per_element": per, "vs_bf16_ring": per / 2.0}
@@ -75,7 +73,6 @@ def mean_wire(base, upgrade, n_sites: int, k: int) -> dict:
 def score(model, mesh, windows, reference, overrides: dict, base=None) -> dict:
     """``mean_nll`` and mean ``kl`` against ``reference`` (exact's log-probs; None: score exact
     and return its ``logps``) with ``base`` (None: exact) and per-site ``overrides``."""
-    from benchmarks.accuracy import score_windows
     from jax_flashcomm.nn import TPComm
     from models.llama import set_comm
 
@@ -92,11 +89,11 @@ def run(args) -> dict:
     cli.set_devices(args.tp)
     import jax
 
-    from models.machine import first_line
     from jax_flashcomm.nn import TPComm
     from models import corpus
     from models.eval import progress, window_tokens
     from models.llama import SITES
+    from models.machine import first_line
     from models.weights import load_model
 
     mesh = jax.make_mesh((args.tp,), ("tp",), devices=jax.devices()[:args.tp])

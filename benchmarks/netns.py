@@ -7,10 +7,11 @@ whose loopback goes through a ``tc tbf`` qdisc, and N python worker processes st
 Launcher side::
 
     from benchmarks.netns import run_workers
-    results = run_workers("benchmarks/my_bench.py", 2, args=["--size", "64"], rate="2gbit")
+    results = run_workers("benchmarks.my_bench", 2, args=["--size", "64"], rate="2gbit")
     # results[i] is whatever process i passed to write_result (JSON)
 
-Worker side (``my_bench.py``, run by ``run_workers``)::
+Worker side (``benchmarks/my_bench.py``, which ``run_workers`` runs as the module
+``benchmarks.my_bench``)::
 
     from benchmarks.netns import worker_init, write_result
     process_id, num_processes = worker_init()  # gloo + jax.distributed.initialize
@@ -80,11 +81,13 @@ def rate_limited_netns(rate: str = "2gbit", burst: str = "256kb", latency: str =
         subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=30)
 
 
-def run_workers(script, num_processes: int, *, args=(), rate: str = "2gbit",
+def run_workers(module: str, num_processes: int, *, args=(), rate: str = "2gbit",
                 burst: str = "256kb", latency: str = "100ms", timeout: float = 900.0,
                 pin_cpus: bool = True, port: int = 23456, env: dict | None = None,
                 mtu: int | None = None) -> list:
-    """Run ``sys.executable script *args`` as ``num_processes`` JAX processes in a rate-limited netns.
+    """Run ``sys.executable -m module *args`` as ``num_processes`` JAX processes in a
+    rate-limited netns (``module``: e.g. ``"benchmarks.ttft_worker"``; the workers find it
+    through ``PYTHONPATH``, which gets the repository root).
 
     Each worker finds its coordinates in the environment (read them with :func:`worker_init`)
     and returns a JSON value with :func:`write_result`. With ``pin_cpus`` process i is pinned to
@@ -95,7 +98,8 @@ def run_workers(script, num_processes: int, *, args=(), rate: str = "2gbit",
     """
     if num_processes < 1:
         raise ValueError(f"num_processes must be >= 1, got {num_processes}")
-    script = str(Path(script).resolve())
+    if "/" in module or module.endswith(".py"):
+        raise ValueError(f"run_workers takes a module name (benchmarks.x), got {module!r}")
     ncpu = os.cpu_count() or 1
     with tempfile.TemporaryDirectory(prefix="flashcomm-netns-") as tmp, \
             rate_limited_netns(rate, burst, latency, mtu) as ns:
@@ -116,7 +120,8 @@ def run_workers(script, num_processes: int, *, args=(), rate: str = "2gbit",
                 log = open(os.path.join(tmp, f"stderr_{i}.txt"), "w+")
                 logs.append(log)
                 procs.append(subprocess.Popen(
-                    ["ip", "netns", "exec", ns, *pin, sys.executable, script, *map(str, args)],
+                    ["ip", "netns", "exec", ns, *pin, sys.executable, "-m", module,
+                     *map(str, args)],
                     env=wenv, stdout=log, stderr=subprocess.STDOUT))
             deadline = time.monotonic() + timeout
             while any(p.poll() is None for p in procs):
@@ -124,7 +129,7 @@ def run_workers(script, num_processes: int, *, args=(), rate: str = "2gbit",
                 if failed:
                     break  # one died: the others would wait for it forever
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"run_workers: {script} did not finish in {timeout} s")
+                    raise TimeoutError(f"run_workers: {module} did not finish in {timeout} s")
                 time.sleep(0.2)
             for i, p in enumerate(procs):
                 if p.poll() not in (None, 0):

@@ -29,7 +29,7 @@ Also: CPU codec time with and without rotation (FFI kernels, bf16 operand, G = 1
 
 Re-run::
 
-    .venv/bin/python benchmarks/outliers.py            # -> docs/outliers.json, table on stdout
+    .venv/bin/python -m benchmarks.outliers            # -> docs/outliers.json, table on stdout
 """
 
 from __future__ import annotations
@@ -116,8 +116,10 @@ def rel_rms(y, x) -> float:
 # --- check against jax_flashcomm.psum ---------------------------------------------------------
 
 def check_against_psum(x, bits, g, rotation, spikes):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     import jax_flashcomm as fc
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
     mesh = jax.make_mesh((N_RANKS,), ("i",))
     f = jax.jit(jax.shard_map(

@@ -15,8 +15,8 @@ from its timeline, how long a collective-permute and a dot actually ran at the s
 
 Re-run (root, ~1 min on 2 cores)::
 
-    .venv/bin/python benchmarks/overlap.py            # -> docs/overlap.json, docs/overlap.png
-    .venv/bin/python benchmarks/overlap.py --quick    # smaller sweep, fewer repetitions
+    .venv/bin/python -m benchmarks.overlap            # -> docs/overlap.json, docs/overlap.png
+    .venv/bin/python -m benchmarks.overlap --quick    # smaller sweep, fewer repetitions
 """
 
 from __future__ import annotations
@@ -34,10 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from benchmarks.netns import run_workers, worker_init, write_result
 
-from benchmarks.netns import run_workers, worker_init, write_result  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 # Shapes: m rows per rank, k contraction (per rank for rs), n columns (per rank for ag).
 # Measured here (2 processes, one core each, 2 Gbit/s): ~150 GFLOP/s per core, ~270 MB/s on
@@ -246,7 +245,7 @@ def main() -> None:
         return worker(a.quick, reps)
     args = ["--worker", "--reps", reps] + (["--quick"] if a.quick else [])
     t0 = time.time()
-    procs = run_workers(__file__, a.nproc, args=args, rate=a.rate, timeout=3600,
+    procs = run_workers("benchmarks.overlap", a.nproc, args=args, rate=a.rate, timeout=3600,
                         pin_cpus=not a.no_pin, env={"XLA_FLAGS": a.xla_flags})
     import jax
 
@@ -264,11 +263,11 @@ def main() -> None:
                                              for r in rows]
         summary.append(s)
     data = dict(
-        command=" ".join(["python", "benchmarks/overlap.py"] + sys.argv[1:]),
+        command=" ".join(["python", "-m", "benchmarks.overlap"] + sys.argv[1:]),
         machine=dict(cpu=cpu, cores=os.cpu_count(), gpu=None, python=platform.python_version(),
                      jax=jax.__version__),
-        nproc=a.nproc, rate=a.rate, xla_flags=a.xla_flags, pinned=not a.no_pin, reps=reps, wall_s=time.time() - t0, summary=summary,
-        processes=procs,
+        nproc=a.nproc, rate=a.rate, xla_flags=a.xla_flags, pinned=not a.no_pin, reps=reps,
+        wall_s=time.time() - t0, summary=summary, processes=procs,
     )
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

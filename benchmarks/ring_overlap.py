@@ -22,8 +22,8 @@ its waits) and measures how long moves and compute ran at the same time
 
 Re-run (~2 min on 2 cores)::
 
-    .venv/bin/python benchmarks/ring_overlap.py            # -> docs/ring_overlap.{json,png}
-    .venv/bin/python benchmarks/ring_overlap.py --quick    # one op, fewer repetitions
+    .venv/bin/python -m benchmarks.ring_overlap            # -> docs/ring_overlap.{json,png}
+    .venv/bin/python -m benchmarks.ring_overlap --quick    # one op, fewer repetitions
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 DEVICES = 2
 FLAGS = ("--xla_cpu_multi_thread_eigen=false --xla_cpu_experimental_ynn_fusion_type= "
@@ -54,7 +53,7 @@ def _setup(loops):
     from jax.sharding import PartitionSpec as P
 
     import jax_flashcomm as fc
-    from jax_flashcomm.transport import ring
+    from jax_flashcomm.transport import ring, wire
 
     mesh = jax.make_mesh((DEVICES,), ("i",), axis_types=(jax.sharding.AxisType.Explicit,))
     n = DEVICES
@@ -76,7 +75,7 @@ def _setup(loops):
         """``p`` and the ``steps`` chunks that follow it round the ring, moved one after the
         other over p2p (each move starts from the chunk the last one brought); the local
         chunk comes back through the last done, so whatever reads it waits for every move."""
-        link = ring.make_link(("p2p", 60_000, ring._link_bytes_per_s), "i", {})
+        link = ring.make_link(ring.spec("p2p", 60_000), "i", {})
         chunks, local = [], p
         for _ in range(steps):
             sent, pending = link.begin(p, shift)
@@ -108,8 +107,8 @@ def _setup(loops):
 
         def payload(x):  # what one step moves: the chunk (or its codec payload), or a block
             if bits:
-                from jax_flashcomm.rings import _pack
-                return _pack(fc.codec.quantize(x, bits=bits, group_size=128, backend="jnp"))
+                return wire.pack_tree(fc.codec.quantize(x, bits=bits, group_size=128,
+                                                        backend="jnp"))
             return x if ag else jnp.zeros((M, NCOL), x.dtype) + x[0, 0]
 
 
@@ -139,9 +138,8 @@ def _setup(loops):
                 chunks = moved(payload(x))
                 if bits:
                     like = fc.codec.quantize(x, bits=bits, group_size=128, backend="jnp")
-                    from jax_flashcomm.rings import _unpack
                     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), like)
-                    chunks = [fc.codec.dequantize(_unpack(c, shapes), dtype=x.dtype,
+                    chunks = [fc.codec.dequantize(wire.unpack_tree(c, shapes), dtype=x.dtype,
                                                   backend="jnp") for c in chunks]
                 return jnp.concatenate(chunks) @ w
             full = x @ w  # one dot, then the reduce-scatter ring of its blocks
@@ -370,7 +368,8 @@ def plot(rows, path):
 
 def markdown(rows) -> str:
     head = ("| op | step bytes | link MB/s | compute | comm | unfused | ring | exposed p2p | "
-            "xla unfused | xla ring | exposed xla, gloo |\n|---|---|---|---|---|---|---|---|---|---|---|")
+            "xla unfused | xla ring | exposed xla, gloo |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         t = r["ms"]
@@ -394,8 +393,8 @@ def main():
     ap.add_argument("--out", default=str(REPO / "docs" / "ring_overlap.json"))
     args = ap.parse_args()
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FLAGS).strip()
-    from models import machine
     from jax_flashcomm import codec
+    from models import machine
 
     print(machine.first_line(), flush=True)
     ops = args.ops or (OPS[:1] if args.quick else OPS)
@@ -403,8 +402,9 @@ def main():
     rows, dot_ms = run(ops, args.loops, reps)
     data = {"machine": machine.describe(), "cpu_isa": codec.cpu_isa(), "devices": DEVICES,
             "xla_flags": FLAGS, "shape_per_rank": dict(m=M, k=K, n=NCOL), "loops": args.loops,
-            "reps": reps, "dot_ms": dot_ms, "command": ".venv/bin/python benchmarks/ring_overlap.py " +
-            " ".join(sys.argv[1:]), "rows": rows}
+            "reps": reps, "dot_ms": dot_ms,
+            "command": ".venv/bin/python -m benchmarks.ring_overlap " + " ".join(sys.argv[1:]),
+            "rows": rows}
     Path(args.out).write_text(json.dumps(data, indent=1))
     png = str(Path(args.out).with_suffix(".png"))
     plot(rows, png)

@@ -12,8 +12,8 @@ at 8 and 4 bits (G = 128, spikes = 0, min_bytes = 0), and prints every time agai
 
 Re-run (~5 min on 2 cores)::
 
-    .venv/bin/python benchmarks/transport.py                 # -> docs/transport.json
-    .venv/bin/python benchmarks/transport.py --quick         # 2 sizes
+    .venv/bin/python -m benchmarks.transport                 # -> docs/transport.json
+    .venv/bin/python -m benchmarks.transport --quick         # 2 sizes
 """
 
 from __future__ import annotations
@@ -24,10 +24,9 @@ import os
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from benchmarks.common import time_calls
 
-from benchmarks.allreduce import _time  # noqa: E402  (one timing loop for both benchmarks)
+REPO = Path(__file__).resolve().parents[1]
 
 KIB, MIB = 1024, 1024 * 1024
 SIZES = [256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB]
@@ -70,7 +69,7 @@ def run(sizes, reps, budget_s):
         row = {"bytes": size, "times_s": {}, "reps": {}}
         for name, fn in methods.items():
             r = reps if size < 16 * MIB else max(3, reps // 2)
-            row["times_s"][name], row["reps"][name] = _time(fn, x, r, budget_s)
+            row["times_s"][name], row["reps"][name] = time_calls(fn, x, r, budget_s)
         t = row["times_s"]
         row["vs_lax_psum"] = {k: t["lax.psum"] / v for k, v in t.items() if k != "lax.psum"}
         row["p2p_vs_xla"] = {f"int{b}": t[f"xla int{b}"] / t[f"p2p int{b}"] for b in BITS}
@@ -108,14 +107,14 @@ def main():
     args = ap.parse_args()
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + f" --xla_force_host_platform_device_count={DEVICES}").strip()
-    from models import machine
     from jax_flashcomm import codec
+    from models import machine
 
     print(machine.first_line(), flush=True)
     sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
     data = {"machine": machine.describe(), "cpu_isa": codec.cpu_isa(), "devices": DEVICES,
             "sizes": sizes, "bits": list(BITS), "group_size": 128, "dtype": "bfloat16",
-            "spikes": 0, "command": ".venv/bin/python benchmarks/transport.py " +
+            "spikes": 0, "command": ".venv/bin/python -m benchmarks.transport " +
             " ".join(sys.argv[1:]), "rows": run(sizes, args.reps, args.budget)}
     Path(args.out).write_text(json.dumps(data, indent=1))
     print(markdown(data["rows"]))

@@ -27,8 +27,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 TP = 3
 LINKS = ("pcie", "nvlink")
@@ -203,7 +201,7 @@ def run(args) -> dict:
              "--prompt-tokens", args.prompt_tokens, "--decode-tokens", args.decode_tokens,
              "--reps", args.reps]
     try:
-        results = run_workers(REPO / "benchmarks" / "ttft_worker.py", TP, args=wargs,
+        results = run_workers("benchmarks.ttft_worker", TP, args=wargs,
                               rate="10gbit", burst=BURST, latency=TBF_LATENCY, mtu=LO_MTU,
                               timeout=args.timeout, pin_cpus=False, port=24600,
                               env={"FLASHCOMM_TTFT_PROGRESS": str(progress)})
@@ -270,7 +268,7 @@ END = "<!-- ttft tables: end -->"
 
 def write_tables(path: Path, block: str) -> None:
     """Put ``block`` between the BEGIN and END markers of ``path`` (the rest of the page kept)."""
-    from benchmarks.markdown_block import replace_block
+    from benchmarks.common import replace_block
 
     replace_block(path, BEGIN, END, block)
 

@@ -35,10 +35,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from models import cli  # sets no jax state
 
-from models import cli  # noqa: E402  (sets no jax state)
+REPO = Path(__file__).resolve().parents[1]
 
 TP = 3
 BEGIN = "<!-- ttft p2p table: begin (written by benchmarks/ttft_p2p.py) -->"
@@ -73,13 +72,13 @@ def run(args) -> dict:
     import jax
 
     from benchmarks import ttft
-    from models.machine import first_line
     from jax_flashcomm.nn import TPComm
     from jax_flashcomm.transport import ring
     from models.corpus import load_text
     from models.engine import Engine
     from models.eval import progress
     from models.llama import set_comm
+    from models.machine import first_line
     from models.weights import load_model
 
     mesh = jax.make_mesh((TP,), ("tp",), devices=jax.devices()[:TP])
@@ -102,7 +101,7 @@ def run(args) -> dict:
             samples.append(engine.last_timings["ttft"])
         row = {"ttft_s": statistics.median(samples), "samples_s": samples,
                "seq": engine.bucket(len(ids))}
-        if comm.overlap and comm.ring_transport == "p2p":
+        if comm.overlap and comm.config.transport == "p2p":
             with ring.recording() as events:
                 list(engine.generate(ids, 1))
             moves = [e for e in events if e["kind"] == "move" and e["rank"] == 0]
@@ -111,8 +110,8 @@ def run(args) -> dict:
         return row
 
     plan = [("exact", "-", TPComm("exact")),
-            ("overlap", "xla", TPComm("overlap", ring_transport="xla")),
-            ("overlap", "p2p", TPComm("overlap", ring_transport="p2p"))]
+            ("overlap", "xla", TPComm("overlap", transport="xla")),
+            ("overlap", "p2p", TPComm("overlap", transport="p2p"))]
     rows, start = [], time.perf_counter()
     total = len(plan) + 3 + len(args.extra_rates)
     for i, (kind, transport, comm) in enumerate(plan):
@@ -126,7 +125,7 @@ def run(args) -> dict:
     share = ring_dot_share(model.cfg, exact["seq"])
     rates.append(("matched", unpaced["bytes_into_rank0"] / (unpaced["ttft_s"] * share)))
     rates += [(f"{r / 1e6:g} MB/s", r) for r in args.extra_rates]
-    p2p = TPComm("overlap", ring_transport="p2p")
+    p2p = TPComm("overlap", transport="p2p")
     for i, (name, rate) in enumerate(rates, len(plan)):
         progress(i, total, start, unit="rows", what=f"overlap p2p at {rate / 1e6:.2f} MB/s")
         row = {"strategy": "overlap", "transport": "p2p", "link": name, "rate_bytes_per_s": rate,
@@ -184,7 +183,7 @@ def main(argv=None) -> int:
     table = markdown(data)
     print(table)
     if args.markdown:
-        from benchmarks.markdown_block import replace_block
+        from benchmarks.common import replace_block
 
         replace_block(Path(args.markdown), BEGIN, END, table)
     return 0

@@ -1,7 +1,7 @@
 """Worker of benchmarks/ttft.py: one of the TP processes, started by ``run_workers`` inside the
-benchmark's network namespace. Process 0 also sets the namespace's loopback qdisc (``tc``)
-between measurements, with barriers around each change, and reports progress to the file in
-``$FLASHCOMM_TTFT_PROGRESS``."""
+benchmark's network namespace (run as the module ``benchmarks.ttft_worker``). Process 0 also
+sets the namespace's loopback qdisc (``tc``) between measurements, with barriers around each
+change, and reports progress to the file in ``$FLASHCOMM_TTFT_PROGRESS``."""
 
 from __future__ import annotations
 
@@ -9,14 +9,10 @@ import argparse
 import os
 import statistics
 import subprocess
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import ttft  # noqa: E402
-from benchmarks.netns import worker_init, write_result  # noqa: E402
+from benchmarks import ttft
+from benchmarks.netns import worker_init, write_result
 
 
 def _namespace() -> str:

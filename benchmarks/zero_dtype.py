@@ -45,7 +45,7 @@ dtype, a rounding that is the same for every option):
   against a bf16 ring all-reduce, which moves 2 bytes per element per phase: ratio =
   bytes_per_element / 2.
 
-Run:  .venv/bin/python benchmarks/zero_dtype.py   -> table on stdout, docs/zero_dtype.json
+Run:  .venv/bin/python -m benchmarks.zero_dtype   -> table on stdout, docs/zero_dtype.json
 """
 
 from __future__ import annotations
@@ -217,6 +217,7 @@ def wire(bits, zero_type):
 def check_against_codec(x, bits, operand):
     """Codes, scales, zeros and decoded values of the bf16 option == jax_flashcomm's."""
     import jax.numpy as jnp
+
     from jax_flashcomm import codec
 
     q, scale, zero, scale_bits = quantize(x, bits, "bf16")
@@ -335,7 +336,7 @@ def main():
     print(f"elapsed {elapsed:.1f} s")
 
     out = dict(
-        command=".venv/bin/python benchmarks/zero_dtype.py",
+        command=".venv/bin/python -m benchmarks.zero_dtype",
         machine=machine(),
         group_size=G, groups_per_dataset=N_GROUPS, scale="bf16 rounded toward +inf",
         budget_int8_ratio=BUDGET, checked_against_codec=checked,

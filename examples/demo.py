@@ -15,7 +15,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_flashcomm as fc  # noqa: E402
 from jax_flashcomm import codec  # noqa: E402
@@ -75,7 +76,8 @@ def main():
     ref = jax.jit(jax.shard_map(lambda a, b: lax.all_gather(a, "tp", tiled=True) @ b,
                                 mesh=mesh, in_specs=spec_in, out_specs=spec_out))
     hlo = ring.lower(xs, ws).compile().as_text()
-    print(f"\nall_gather_matmul (ring, {hlo.count('collective-permute-start(') or hlo.count('collective-permute(')} "
+    permutes = hlo.count("collective-permute-start(") or hlo.count("collective-permute(")
+    print(f"\nall_gather_matmul (ring, {permutes} "
           f"permutes, no all-gather: {' all-gather(' not in hlo}): "
           f"max |ring - unfused| = {float(jnp.max(jnp.abs(ring(xs, ws) - ref(xs, ws)))):.2e}")
 

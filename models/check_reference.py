@@ -4,8 +4,8 @@ PyTorch, loading the same GGUF file.
 Two steps, because torch is a heavy optional dependency kept out of this project's install:
 
     # 1. in an environment with torch + transformers + gguf (not this project's .venv):
-    refvenv/bin/python models/reference_hf.py --gguf PATH --text FILE --window 512 --max-windows 6 \\
-        --prompts-json models/prompts.json --out ref.npz
+    refvenv/bin/python models/reference_hf.py --gguf PATH --text FILE --window 512 \\
+        --max-windows 6 --prompts-json models/prompts.json --out ref.npz
     # 2. here:
     .venv/bin/python -m models.check_reference --ref ref.npz [--model smollm2] [--tp 1] [--json OUT]
 
@@ -39,9 +39,9 @@ def main(argv=None) -> int:
     import jax
     import numpy as np
 
-    from models.machine import first_line
     from models.engine import Engine, Sampling
     from models.eval import nll_fn
+    from models.machine import first_line
     from models.weights import load_model
 
     ref = np.load(args.ref)

@@ -35,11 +35,11 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from models.machine import first_line
     from jax_flashcomm.nn import TPComm
     from models.checkpoint import open_checkpoint
     from models.corpus import load_text
     from models.engine import Engine
+    from models.machine import first_line
     from models.weights import load_model
 
     ckpt = open_checkpoint(args.model)

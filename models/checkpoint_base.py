@@ -44,7 +44,7 @@ class Checkpoint(abc.ABC):
         """Tensor ``name`` (float32, HF layout), or just ``[index]`` of it (a tuple of slices),
         so that one shard can be read alone."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - an optional hook: most formats hold no files open
         """Release the files (optional)."""
 
     def __repr__(self):

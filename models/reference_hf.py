@@ -1,7 +1,8 @@
 """Reference logits, perplexity and greedy generations from Hugging Face transformers on CPU.
 
-    refvenv/bin/python models/reference_hf.py --gguf PATH --text FILE --window 512 --max-windows 6 \\
-        --out ref.npz [--logit-windows 2] [--prompts-json models/prompts.json --max-new-tokens 32]
+    refvenv/bin/python models/reference_hf.py --gguf PATH --text FILE --window 512 \\
+        --max-windows 6 --out ref.npz [--logit-windows 2] \\
+        [--prompts-json models/prompts.json --max-new-tokens 32]
 
 An independent implementation to check ``models/`` against: transformers loads the same GGUF
 file (dequantized to float32, llama.cpp's Q/K row permutation undone by its GGUF loader) and its
@@ -59,7 +60,8 @@ def score(model, ids: np.ndarray, keep_logits: bool):
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gguf", required=True)
-    p.add_argument("--text", required=True, help="UTF-8 text file (.venv/bin/python -m models.corpus)")
+    p.add_argument("--text", required=True,
+                   help="UTF-8 text file (.venv/bin/python -m models.corpus)")
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--max-windows", type=int, default=6)
     p.add_argument("--logit-windows", type=int, default=2)

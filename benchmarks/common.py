@@ -1,0 +1,86 @@
+"""What the benchmarks share: the glibc malloc settings they run with, their timing loops, and
+the generated block of a hand-written page.
+
+Nothing here imports jax at module level: a benchmark imports this before it sets ``XLA_FLAGS``
+or re-executes itself under :data:`MALLOC_KEEP`, both of which must happen before jax is first
+imported. (The machine line every benchmark prints first is :mod:`models.machine`.)
+
+glibc reads its ``MALLOC_*`` variables once, at process start. By default it maps any block
+above 32 MiB afresh on each allocation and unmaps it on free, and the arenas of XLA's threads
+hand freed memory back to the kernel, so each call on a buffer of tens of MiB faults its pages
+in again (16384 minor faults for 64 MiB: docs/allreduce.md measures the difference).
+:data:`MALLOC_KEEP`: one arena, no mmap'd blocks, never trim, grow the heap 256 MiB at a time:
+freed buffers are reused, as under an allocator that keeps memory (what a server would run).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["MALLOC_KEEP", "reexec_with", "median_seconds", "time_calls", "replace_block"]
+
+MALLOC_KEEP = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0",
+               "MALLOC_TRIM_THRESHOLD_": str(2**40), "MALLOC_TOP_PAD_": str(256 * 2**20)}
+
+
+def reexec_with(env: dict) -> None:
+    """Re-execute this Python program with ``env`` added, unless it is already set.
+
+    The command line is the interpreter's own (``sys.orig_argv``: its options and
+    ``-m benchmarks.NAME`` included), so a benchmark run as a module is re-run as one.
+    """
+    if any(os.environ.get(k) != v for k, v in env.items()):
+        os.environ.update(env)
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+
+
+def median_seconds(fn, reps: int) -> float:
+    """Median wall time of ``reps`` calls of ``fn()`` (each blocked on), after one warm-up call."""
+    import jax
+
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def time_calls(fn, x, reps: int, budget_s: float, warm: bool = True) -> tuple[float, int]:
+    """``(median seconds, calls timed)`` of up to ``reps`` calls of ``fn(x)`` (each blocked on),
+    stopping once ``budget_s`` seconds have passed; ``warm``: one untimed call first (compile and
+    warm up)."""
+    import jax
+
+    if warm:
+        jax.block_until_ready(fn(x))
+    times = []
+    start = time.perf_counter()
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        times.append(time.perf_counter() - t)
+        if time.perf_counter() - start > budget_s:
+            break
+    return statistics.median(times), len(times)
+
+
+def replace_block(path: Path, begin: str, end: str, block: str) -> None:
+    """Put ``block`` between the ``begin`` and ``end`` markers of ``path``, keeping the rest of
+    the page; a missing file becomes a page of just the block. A page without the markers is a
+    ValueError (it is not overwritten)."""
+    path = Path(path)
+    body = f"{begin}\n{block.rstrip(chr(10))}\n{end}"
+    if not path.exists():
+        path.write_text(body + "\n")
+        return
+    text = path.read_text()
+    if begin not in text or end not in text:
+        raise ValueError(f"{path} has no '{begin}' ... '{end}' markers")
+    head, rest = text.split(begin, 1)
+    path.write_text(head + body + rest.split(end, 1)[1])
