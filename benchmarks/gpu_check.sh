@@ -7,7 +7,8 @@
 #   1. builds the CUDA module in place: FLASHCOMM_CUDA=ON pip install --no-deps
 #      --no-build-isolation -e . (falling back to a plain CMake build copied into
 #      jax_flashcomm/ when pip cannot build);
-#   2. runs the tests marked gpu (pytest -m gpu -rs: every skip is listed with its reason);
+#   2. runs the tests marked gpu, all in tests/gpu (pytest -m gpu -rs: every skip is listed
+#      with its reason);
 #   3. measures (benchmarks/gpu_bench.py) and writes docs/cuda_check.json and the table between
 #      the gpu_check markers in docs/cuda.md.
 # Without a GPU it does the same, as CI would: the build (the CUDA module compiles without a
@@ -190,10 +191,12 @@ if [[ $cuda == ON && $status == 0 ]]; then
   fi
 fi
 
-say "tests: pytest -m gpu (every skip listed with its reason)"
+say "tests: pytest -m gpu tests/gpu (every skip listed with its reason)"
+# Every test marked gpu lives in tests/gpu: collecting only there keeps the check independent
+# of the rest of the suite (CI runs that).
 export FLASHCOMM_TEST_XLA_OPT=default  # XLA's default code generation, as users run it
 t0=$(date +%s)
-"$PY" -m pytest -m gpu -rs -p no:cacheprovider --junitxml="$tmp/gpu_tests.xml" tests
+"$PY" -m pytest -m gpu -rs -p no:cacheprovider --junitxml="$tmp/gpu_tests.xml" tests/gpu
 rc=$?
 echo "pytest: exit status $rc, $(( $(date +%s) - t0 )) s"
 if [[ $rc -ne 0 ]]; then status=1; fi
