@@ -23,7 +23,7 @@ def test_p2p_prefill_moves_the_ring_bytes_of_the_traffic_model():
     """One TP=3 overlap prefill on the p2p rings: every rank receives exactly the per-layer ring
     bytes of ttft.step_traffic, in 2 L x 2 (N - 1) moves, paced or not."""
     mesh = jax.make_mesh((3,), ("tp",), devices=jax.devices()[:3])
-    comm = TPComm("overlap", ring_transport="p2p")
+    comm = TPComm("overlap", transport="p2p")
     model, _ = load_model(None, tp=3, mesh=mesh, comm=comm,
                           ckpt=DictCheckpoint(TINY3, tiny_tensors(TINY3)))
     ids = list(range(3, 33))

@@ -219,7 +219,7 @@ def test_transport_record_bytes_and_round_trip():
     """pack writes each group as [codes, scale, zero] with the bf16s little-endian (docs/format.md,
     "Transport record"; bf16 1.0 is [0x80, 0x3F]), for every bf16 bit pattern (NaN payloads and
     signed zeros included); unpack gives back the same codes and bf16 bits."""
-    from jax_flashcomm import _common
+    from jax_flashcomm.transport import wire
 
     patterns = np.arange(1 << 16, dtype=np.uint16)
     scale = jnp.asarray(patterns.view(jnp.bfloat16))
@@ -227,16 +227,16 @@ def test_transport_record_bytes_and_round_trip():
     codes = jnp.asarray(np.random.RandomState(0).randint(0, 256, (1 << 16, 6)), jnp.uint8)
     p = codec.Payload(codes, scale, zero, bits=3, group_size=16, shape=(1 << 20,),
                       dtype=np.dtype(jnp.bfloat16))
-    buf = np.asarray(jax.jit(_common.pack)(p))
+    buf = np.asarray(jax.jit(wire.pack)(p))
     assert buf.shape == (1 << 16, 10) and buf.dtype == np.uint8
     np.testing.assert_array_equal(buf[:, :6], np.asarray(codes))
     np.testing.assert_array_equal(buf[:, 6] | (buf[:, 7].astype(np.uint16) << 8), patterns)
     np.testing.assert_array_equal(buf[:, 8] | (buf[:, 9].astype(np.uint16) << 8), patterns[::-1])
-    one = _common.pack(codec.Payload(codes[:1], jnp.ones(1, jnp.bfloat16), zero[:1], bits=3,
-                                     group_size=16, shape=(16,), dtype=np.dtype(jnp.bfloat16)))
+    one = wire.pack(codec.Payload(codes[:1], jnp.ones(1, jnp.bfloat16), zero[:1], bits=3,
+                                  group_size=16, shape=(16,), dtype=np.dtype(jnp.bfloat16)))
     assert list(np.asarray(one)[0, 6:8]) == [0x80, 0x3F]
-    back = jax.jit(lambda b: _common.unpack(b, bits=3, group_size=16, shape=(1 << 20,),
-                                            dtype=jnp.bfloat16))(buf)
+    back = jax.jit(lambda b: wire.unpack(b, bits=3, group_size=16, shape=(1 << 20,),
+                                         dtype=jnp.bfloat16))(buf)
     np.testing.assert_array_equal(np.asarray(back.codes), np.asarray(codes))
     np.testing.assert_array_equal(np.asarray(back.scale).view(np.uint16), patterns)
     np.testing.assert_array_equal(np.asarray(back.zero).view(np.uint16), patterns[::-1])

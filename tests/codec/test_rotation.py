@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 import jax_flashcomm as fc
 from jax_flashcomm import allreduce, codec
 from jax_flashcomm.codec import kernels, reference
-from jax_flashcomm.policy import CommConfig
+from jax_flashcomm import CommConfig
 
 from tests.support.codec_data import bit_view as _bits, every_isa, jit_quantize as _quant
 
@@ -351,7 +351,8 @@ def test_all_gather_matmul_rotated(mesh_factory):
 
     def body(xl, wl):
         xl, wl = xl[0], wl[0]
-        y = fc.all_gather_matmul(xl, wl, "i", bits=4, group_size=128, rotation=2)
+        y = fc.all_gather_matmul(xl, wl, "i", bits=4, group_size=128, rotation=2,
+                                 spikes=0, min_bytes=0)
         xq = codec.dequantize(codec.quantize(xl, bits=4, group_size=128, rotation=2,
                                              backend="jnp"), backend="jnp")
         want = lax.all_gather(xq, "i", axis=0, tiled=True) @ wl

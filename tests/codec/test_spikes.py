@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 import jax_flashcomm as fc
 from jax_flashcomm import codec
 from jax_flashcomm.codec import kernels, reference, spec
-from jax_flashcomm.policy import CommConfig
+from jax_flashcomm import CommConfig
 
 from tests.support.codec_data import bit_view as _bits, every_isa, jit_quantize as _quant
 
@@ -389,7 +389,7 @@ def test_all_gather_matmul_with_spikes(mesh_factory):
     q = dict(bits=4, group_size=32, spikes=2)
 
     def body(xl, wl):
-        y = fc.all_gather_matmul(xl[0], wl[0], "i", **q)
+        y = fc.all_gather_matmul(xl[0], wl[0], "i", min_bytes=0, **q)
         deq = codec.dequantize(codec.quantize(xl[0], backend="jnp", **q), backend="jnp")
         gathered = jax.lax.all_gather(deq, "i", axis=0, tiled=True)
         return y[None], (gathered @ wl[0])[None], (jnp.abs(gathered) @ jnp.abs(wl[0]))[None]

@@ -13,12 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_flashcomm.attention import TPAttention, tp_attention
+from jax_flashcomm import tp_attention
 
 U32 = float(jnp.finfo(jnp.float32).eps) / 2
 B, S_PER_RANK, D, HEADS_PER_RANK, DH = 2, 4, 16, 2, 8
@@ -108,34 +107,8 @@ def test_decomposed_block_has_no_reduce_scatter(mesh_factory):
         assert f" {op}(" not in hlo and f" {op}-start(" not in hlo, op
 
 
-def test_nnx_module_is_the_pure_block(mesh_factory):
-    """TPAttention runs tp_attention on its weights (same program: bit-identical), its weights
-    are sharded over the TP axis, and nnx.grad gives gradients of the parameters' shapes."""
-    mesh = mesh_factory((2, 4), ("dp", "tp"))
-    module = TPAttention(D, 4 * HEADS_PER_RANK, DH, mesh=mesh, axis_name="tp", batch_axis="dp",
-                         rngs=nnx.Rngs(0))
-    assert module.w_qkv[...].sharding.spec == P(None, "tp")
-    assert module.w_o[...].sharding.spec == P("tp", None)
-    x = np.random.default_rng(1).standard_normal((4, 4 * S_PER_RANK, D)).astype(np.float32)
-    xspec = P("dp", "tp", None)
-    pure = jax.shard_map(
-        lambda a, b, c: tp_attention(a, b, c, "tp", num_heads=HEADS_PER_RANK), mesh=mesh,
-        in_specs=(xspec, P(None, "tp"), P("tp", None)), out_specs=xspec)
-    with jax.set_mesh(mesh):
-        xs = jax.device_put(x, NamedSharding(mesh, xspec))
-        y = nnx.jit(lambda m, a: m(a))(module, xs)
-        y_pure = jax.jit(pure)(xs, module.w_qkv[...], module.w_o[...])
-        grads = nnx.jit(nnx.grad(lambda m, a: (m(a) ** 2).sum()))(module, xs)
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_pure))
-    assert grads.w_qkv[...].shape == module.w_qkv[...].shape
-    assert grads.w_o[...].shape == module.w_o[...].shape
-    assert np.all(np.isfinite(np.asarray(grads.w_qkv[...])))
-
-
 def test_invalid_heads(mesh_factory):
     mesh = mesh_factory((4,), ("tp",))
-    with pytest.raises(ValueError, match="num_heads=6 is not divisible by the size 4"):
-        TPAttention(D, 6, DH, mesh=mesh, axis_name="tp", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="is not 3 \\* num_heads"):
         jax.eval_shape(lambda a, b, c: jax.shard_map(
             lambda a, b, c: tp_attention(a, b, c, "tp", num_heads=5), mesh=mesh,

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 import jax_flashcomm as fc
 from tests.support.collective_oracles import all_gather_check, psum_check, psum_scatter_check
 from jax_flashcomm import codec
-from jax_flashcomm.attention import tp_attention
+from jax_flashcomm import tp_attention
 
 EPS32 = float(np.finfo(np.float32).eps)
 MESHES = {"2x4": ((2, 4), ("a", "b")), "2x2x2": ((2, 2, 2), ("a", "b", "c"))}
@@ -74,7 +74,7 @@ def _ring_program(mesh, axes):
                 # the same composition on absolute values bounds the rounding of both
                 absval = jax.value_and_grad(ref, argnums=(0, 1))(*map(jnp.abs, args))
                 out.append((val, want, absval))
-        q = fc.all_gather_matmul(x, w, ax, bits=4, group_size=8)
+        q = fc.all_gather_matmul(x, w, ax, bits=4, group_size=8, spikes=0, min_bytes=0)
         rt = codec.dequantize(codec.quantize(x, bits=4, group_size=8, backend="jnp"),
                               backend="jnp")
         q_ref = lax.all_gather(rt, ax, tiled=True) @ w

@@ -174,7 +174,8 @@ def test_backward_is_the_other_ring(mesh_factory, op):
 def test_quantized_sends_one_uint8_buffer_per_step(mesh_factory):
     n = 4
     mesh = mesh_factory((n,), ("i",))
-    fn, x, w, (in_specs, out_spec) = _case("ag", n, False, bits=4, group_size=32)
+    fn, x, w, (in_specs, out_spec) = _case("ag", n, False, bits=4, group_size=32, spikes=0,
+                                                min_bytes=0)
     entry, ancestors, permutes, dots, others = _analyse(
         _compiled(fn, mesh, x, w, in_specs, out_spec))
     assert others == [] and len(permutes) == n - 1

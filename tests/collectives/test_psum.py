@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 import jax_flashcomm as fc
 from jax_flashcomm import allreduce
 from jax_flashcomm import codec
-from jax_flashcomm.policy import CommConfig
+from jax_flashcomm import CommConfig
 
 from tests.support.collective_oracles import MESH_CASES
 

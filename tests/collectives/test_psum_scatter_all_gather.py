@@ -13,9 +13,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_flashcomm as fc
-from jax_flashcomm import allreduce, codec
+from jax_flashcomm import CommConfig, allreduce, codec, planner, transport
 from jax_flashcomm import scatter_gather as sg
-from jax_flashcomm.policy import CommConfig
 
 from tests.support.meshes import make_mesh
 
@@ -57,7 +56,8 @@ def _ag_checks(xl, axes, axis, tiled, cfg):
     b = jnp.moveaxis(codec.error_bound(pg), 0, axis).reshape(y.shape)
     assert jax.typeof(y).mat.varying == jax.typeof(ref).mat.varying
     # the ring == decoding all gathered payloads at once (the one-shot gather), bit for bit
-    one_shot = sg._decode_gathered(pg, axis, tiled, cfg)
+    one_shot = transport.xla.decode_gathered(pg, axis, tiled,
+                                             planner.as_plan("all_gather", xl, axes, cfg))
     same = jnp.all(lax.bitcast_convert_type(y, jnp.uint32)
                    == lax.bitcast_convert_type(one_shot, jnp.uint32))
     return (jnp.all(jnp.abs(y - ref) <= b), jnp.max(jnp.abs(y - ref) / b),
@@ -210,7 +210,9 @@ def test_ring_all_gather_equals_one_shot(mesh_shape, names, axes, rotation, spik
                                (xl, 0, False), (xl, 1, False), (xl[0], 2, False)):
             v = allreduce.vary(v.astype(dtype), axes, cfg)
             y, p = sg.all_gather_parts(v, axes, axis, tiled, cfg)
-            one_shot = sg._decode_gathered(sg.gather_payloads(p, axes), axis, tiled, cfg)
+            one_shot = transport.xla.decode_gathered(
+                sg.gather_payloads(p, axes), axis, tiled, planner.as_plan("all_gather", v, axes,
+                                                                          cfg))
             ok.append(jnp.all(lax.bitcast_convert_type(y, jnp.uint16 if dtype != jnp.float32
                                                        else jnp.uint32)
                               == lax.bitcast_convert_type(one_shot, jnp.uint16

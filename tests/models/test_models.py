@@ -168,15 +168,15 @@ def test_untied_lm_head():
 
 @pytest.mark.parametrize("kind", ["overlap", "flash+overlap"])
 def test_overlap_rings_on_the_p2p_transport_match_xla(kind):
-    """TPComm(ring_transport="p2p") runs the model's ring matmuls as p2p start/done steps (one
+    """TPComm(transport="p2p") runs the model's ring matmuls as p2p start/done steps (one
     process, the virtual devices as peers), inside the layer scan: the same bits as the xla
     transport's ppermute rings, prefill and scoring; a bad name is a clear error."""
     runs = {}
     for transport in ("xla", "p2p"):
-        engine = _engine(4, TPComm(kind, ring_transport=transport))
+        engine = _engine(4, TPComm(kind, transport=transport))
         logits, _ = engine.prefill(TOKENS[:1, :12], engine.new_cache(1))
         runs[transport] = (np.asarray(engine.score(TOKENS)), np.asarray(logits))
     for got, want in zip(runs["p2p"], runs["xla"]):
         np.testing.assert_array_equal(got, want)
-    with pytest.raises(ValueError, match="ring_transport"):
-        TPComm("overlap", ring_transport="nccl")
+    with pytest.raises(ValueError, match="transport"):
+        TPComm("overlap", transport="nccl")

@@ -123,7 +123,7 @@ def test_rewritten_plain_lax_equals_flashcomm_and_is_within_lax_bound(axis_type)
 def test_report_lists_exactly_the_collectives_and_jaxpr_changes_only_there():
     """Known counts: 3 psum (one under a named scope, one of an int), 1 psum_scatter, 2
     all_gather (tiled and stacked), 1 ppermute, 1 all_gather_invariant."""
-    from jax_flashcomm._common import all_gather_invariant
+    from jax_flashcomm.jax_compat import all_gather_invariant
 
     mesh = _mesh()
 
@@ -178,7 +178,7 @@ def test_report_lists_exactly_the_collectives_and_jaxpr_changes_only_there():
 
 def _direct_body(x, w, counts):
     """The body of the report test written with flashcomm at the two rewritten sites."""
-    from jax_flashcomm._common import all_gather_invariant
+    from jax_flashcomm.jax_compat import all_gather_invariant
 
     y = x @ w
     a = fc.psum(y, "i", config=CFG)
@@ -334,8 +334,7 @@ def test_docs_tp_mlp_fused_equals_ring_ops(bits):
         if bits is None:
             h = jax.nn.relu(fc.all_gather_matmul(x, w1, "i"))
             return fc.matmul_reduce_scatter(h, w2, "i")
-        h = jax.nn.relu(fc.all_gather_matmul(x, w1, "i", bits=8, rotation=config.rotation,
-                                             spikes=config.phase2_spikes))
+        h = jax.nn.relu(fc.all_gather_matmul(x, w1, "i", config=config))
         return fc.psum_scatter(h @ w2, "i", scatter_dimension=0, tiled=True, config=config)
 
     rewritten = rewrite(plain, RewritePolicy(config=config, fuse_matmul=True))

@@ -141,7 +141,7 @@ def test_cuda_lowering_quantized_all_gather_matmul(as_gpu):
     """The quantized ring moves one uint8 payload per step."""
     n = 4
     lowered = _lower(lambda x, w: fc.all_gather_matmul(
-        x, w, "i", bits=8, group_size=32, transport="p2p", p2p_timeout_ms=777), n)
+        x, w, "i", bits=8, group_size=32, transport="p2p", p2p_timeout_ms=777, min_bytes=0), n)
     _check_steps(lowered, n, n - 1, 777, (1, -1))
     (line, *_) = _custom_calls(lowered.as_text())[START]
     assert re.search(r"\(tensor<\d+xui8>, tensor<i32>, tensor<i32>\)", line), line

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_flashcomm as fc
-from jax_flashcomm.attention import tp_attention
+from jax_flashcomm import tp_attention
 from jax_flashcomm.transport import ring
 
 from tests.support.meshes import make_mesh
@@ -47,9 +47,10 @@ def _ops(ax, n, transport):
     return {
         "ag": lambda x, w: fc.all_gather_matmul(x, w, ax, **t),
         "ag_bidi": lambda x, w: fc.all_gather_matmul(x, w, ax, bidirectional=True, **t),
-        "ag_int8": lambda x, w: fc.all_gather_matmul(x, w, ax, bits=8, group_size=32, **t),
+        "ag_int8": lambda x, w: fc.all_gather_matmul(x, w, ax, bits=8, group_size=32, rotation=0,
+                                                  min_bytes=0, **t),
         "ag_int4_ffi_bidi": lambda x, w: fc.all_gather_matmul(
-            x, w, ax, bits=4, group_size=32, codec_backend="ffi", rotation=1, spikes=1,
+            x, w, ax, bits=4, group_size=32, backend="ffi", rotation=1, spikes=1,
             bidirectional=True, **t),
         "rs": lambda x, w: fc.matmul_reduce_scatter(jnp.tile(x, (n, 1)), w, ax, **t),
         "rs_bidi": lambda x, w: fc.matmul_reduce_scatter(jnp.tile(x, (n, 1)), w, ax,
