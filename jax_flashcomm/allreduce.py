@@ -35,7 +35,7 @@ from jax import lax
 
 from jax_flashcomm import _axes, transport
 from jax_flashcomm.config import CommConfig, config_from, option
-from jax_flashcomm.planner import Plan, plan
+from jax_flashcomm.planner import Plan, as_plan, plan
 
 __all__ = ["psum", "pmean"]
 
@@ -148,14 +148,16 @@ def vary(x, axes, config: CommConfig):
 
 # --- the two-step all-reduce -------------------------------------------------------------------
 
-def two_step(x, axes, p: Plan):
-    """Run the two-step all-reduce of plan ``p`` on a varying ``x``; also return both phases'
+def two_step(x, axes, p: Plan | CommConfig):
+    """Run the two-step all-reduce of plan ``p`` (or of a config: its quantized plan,
+    :func:`jax_flashcomm.planner.as_plan`) on a varying ``x``; also return both phases'
     payloads.
 
     Returns ``(y, p1, p2)``: ``p1`` is this rank's phase-1 payload of the whole operand
     (varying), ``p2`` the gathered phase-2 payload (replicated) with ``x``'s shape, so
     ``codec.error_bound`` of each gives the per-element bounds of the two quantizations.
     """
+    p = as_plan("psum", x, axes, p)
     return transport.by_name(p.transport).all_reduce(x, axes, p)
 
 

@@ -44,7 +44,8 @@ from jax_flashcomm.config import CommConfig, auto_spikes
 from jax_flashcomm.transport import p2p as p2p_transport
 from jax_flashcomm.transport import ring as ring_transport
 
-__all__ = ["Plan", "Decision", "plan", "record", "size_policy", "OPS", "PATHS"]
+__all__ = ["Plan", "Decision", "plan", "quantized_plan", "as_plan", "record", "size_policy",
+           "OPS", "PATHS"]
 
 logger = logging.getLogger("jax_flashcomm")
 
@@ -209,6 +210,34 @@ def plan(op: str, axes: tuple, shape, dtype, axis_size: int, config: CommConfig,
         for sink in _recorders.get():
             sink.append(result)
     return result
+
+
+def quantized_plan(op: str, axes: tuple, shape, dtype, axis_size: int, config: CommConfig, *,
+                   where: str | None = None) -> Plan:
+    """The quantized plan of ``op`` whatever ``config.min_bytes`` says (not recorded): for
+    callers that run the quantized path on purpose (error-bound oracles, benchmarks).
+
+    Raises:
+      ValueError: the config is exact, the axis has one rank or the operand is empty.
+    """
+    forced = dataclasses.replace(config, min_bytes=0)
+    p = plan(op, axes, shape, dtype, axis_size, forced, record=False, where=where)
+    if not p.quantized:
+        raise ValueError(f"{where or op}: nothing to quantize ({p.reason})")
+    return dataclasses.replace(p, config=config)
+
+
+def as_plan(op: str, x, axes: tuple, config_or_plan) -> Plan:
+    """``config_or_plan`` if it is a :class:`Plan`, else the :func:`quantized_plan` of ``x``
+    over the bound ``axes`` under that config."""
+    if isinstance(config_or_plan, Plan):
+        return config_or_plan
+    import math
+
+    from jax import lax
+
+    n = math.prod(int(lax.axis_size(a)) for a in axes)
+    return quantized_plan(op, axes, x.shape, x.dtype, n, config_or_plan)
 
 
 @contextlib.contextmanager

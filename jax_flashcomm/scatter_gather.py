@@ -32,7 +32,7 @@ from jax import lax
 from jax_flashcomm import _axes, transport
 from jax_flashcomm.allreduce import vary
 from jax_flashcomm.config import CommConfig, config_from, option
-from jax_flashcomm.planner import Plan, plan
+from jax_flashcomm.planner import Plan, as_plan, plan
 
 __all__ = ["psum_scatter", "all_gather"]
 
@@ -124,13 +124,14 @@ def _chunked(x, n, dim):
     return moved.reshape(n, -1), moved.shape[1:]
 
 
-def reduce_scatter_parts(x, axes, dim, tiled, p: Plan):
-    """Quantized reduce-scatter of plan ``p`` of a varying ``x``; also returns this rank's
-    payload.
+def reduce_scatter_parts(x, axes, dim, tiled, p: Plan | CommConfig):
+    """Quantized reduce-scatter of plan ``p`` (or of a config: its quantized plan) of a varying
+    ``x``; also returns this rank's payload.
 
     Returns ``(y, p1)``: ``p1`` holds this rank's N chunks ``(N, groups, ...)``, its ``shape``
     the padded chunk ``(Mp,)``, so ``codec.error_bound(p1)`` is ``(N, Mp)``.
     """
+    p = as_plan("psum_scatter", x, axes, p)
     n = _axes.axis_size(axes)
     g = p.group_size
     rows, rest = _chunked(x, n, dim)                               # (N, M)
@@ -222,14 +223,15 @@ def _all_gather_leaf(x, axes, axis, tiled, config, name="x"):
     return _qall_gather(vary(x, axes, config), axes, axis, tiled, p)
 
 
-def all_gather_parts(x, axes, axis, tiled, p: Plan):
-    """Quantized all-gather of plan ``p`` of a varying ``x``; also returns this rank's
-    payload.
+def all_gather_parts(x, axes, axis, tiled, p: Plan | CommConfig):
+    """Quantized all-gather of plan ``p`` (or of a config: its quantized plan) of a varying
+    ``x``; also returns this rank's payload.
 
     Returns ``(y, p)``: ``p`` is this rank's payload of ``x`` (``x``'s shape);
     :func:`gather_payloads` of it gives every sender's, whose ``codec.error_bound`` is
     ``(N, *x.shape)``.
     """
+    p = as_plan("all_gather", x, axes, p)
     return transport.by_name(p.transport).all_gather(x, axes, axis, tiled, p)
 
 

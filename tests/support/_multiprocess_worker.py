@@ -25,7 +25,7 @@ jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=
 import jax_flashcomm as fc  # noqa: E402
 from jax_flashcomm import codec  # noqa: E402
 from jax_flashcomm import allreduce  # noqa: E402
-from jax_flashcomm.policy import CommConfig  # noqa: E402
+from jax_flashcomm import CommConfig  # noqa: E402
 
 EPS32 = float(np.finfo(np.float32).eps)
 ndev = jax.device_count()
