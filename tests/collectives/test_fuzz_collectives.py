@@ -216,11 +216,11 @@ def test_fuzz_all_gather(case, data):
 U32 = float(jnp.finfo(jnp.float32).eps) / 2
 
 
-@functools.lru_cache(maxsize=None)
 #: The ring format these tests derive their bounds for: plain groups, every size quantized.
 RING_QUANT = dict(rotation=0, spikes=0, min_bytes=0)
 
 
+@functools.lru_cache(maxsize=None)
 def _matmul_programs(op, n, m, k, c, dtype, bidirectional, bits, g):
     """(ours, unfused lax reference, reference on |.|) for a 1-D ring of n devices."""
     mesh = _mesh((n,), ("i",))
