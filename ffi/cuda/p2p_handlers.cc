@@ -616,8 +616,8 @@ size_t P2pMeetingsInProgress() { return Rendezvous::Global().InProgress(); }
 // The same operands, results and attributes as the CPU handlers (ffi/cpu/p2p_kernels.cc), in
 // the same order; the contexts add the stream and XLA's scratch allocator.
 //
-// No traits: these handlers are NOT command-buffer compatible and must not declare
-// kCmdBufferCompatible. Each call reads the rank and group from device memory on the host
+// No traits: these handlers are NOT command-buffer compatible and must never declare XLA's
+// command-buffer trait. Each call reads the rank and group from device memory on the host
 // (polling the stream with cudaStreamQuery), meets its peers on the host, records and waits on
 // events published by other devices' calls and allocates scratch memory: a CUDA graph would
 // freeze the rank of its capture, the peers' pointers and events of one run (silently stale
