@@ -64,7 +64,7 @@ def _dispatch(op: str, *args, backend: str, **params):
     return lax.platform_dependent(*args, default=twin, **built)
 
 
-def _as_groups(x, group_size: int, num_chunks: int):
+def as_groups(x, group_size: int, num_chunks: int):
     flat = jnp.ravel(x)
     padded = spec.padded_size(flat.size, group_size, num_chunks)
     if padded != flat.size:
@@ -94,7 +94,7 @@ def quantize(x, *, bits: int = 8, group_size: int = DEFAULT_GROUP_SIZE, num_chun
         raise ValueError("x is empty: there is nothing to quantize")
     if not isinstance(num_chunks, (int, np.integer)) or num_chunks < 1:
         raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
-    groups = _as_groups(x, group_size, int(num_chunks))
+    groups = as_groups(x, group_size, int(num_chunks))
     codes, scale, zero = _dispatch("quantize", groups, backend=backend, bits=bits,
                                    group_size=group_size, rotation=rotation, spikes=spikes)
     return Payload(codes, scale, zero, bits=bits, group_size=group_size,
@@ -134,7 +134,7 @@ def _check_payload(payload, name="payload", *, covers_shape: bool = False) -> Pa
     return payload
 
 
-def _restore(flat, shape):
+def restore_shape(flat, shape):
     size = math.prod(shape)
     flat = flat.reshape(*flat.shape[:-2], -1)
     return flat[..., :size].reshape(*flat.shape[:-1], *shape)
@@ -147,7 +147,7 @@ def dequantize(payload: Payload, *, dtype=None, backend: str = "auto"):
     groups = _dispatch("dequantize", p.codes, p.scale, p.zero, backend=backend, bits=p.bits,
                        group_size=p.group_size, dtype=dtype, rotation=p.rotation,
                        spikes=p.spikes)
-    return _restore(groups, p.shape)
+    return restore_shape(groups, p.shape)
 
 
 def _static_offset(offset):
@@ -266,7 +266,7 @@ def error_bound(payload: Payload, *, dtype=None):
         rot_bound, top = rotated_domain_bound(p)
         bound = rotation_bound(rot_bound, top, p.group_size, dtype)
         per_elem = jnp.broadcast_to(bound[..., None], (*bound.shape, p.group_size))
-        return _restore(per_elem, p.shape)
+        return restore_shape(per_elem, p.shape)
     bound, _ = _group_bound(p, dtype)
     per_elem = jnp.broadcast_to(bound[..., None], (*bound.shape, p.group_size))
     if p.spikes:
@@ -275,14 +275,14 @@ def error_bound(payload: Payload, *, dtype=None):
         spike_b = spike_bound(values, dtype)
         for j in range(p.spikes):
             per_elem = jnp.where(iota == positions[..., j:j + 1], spike_b[..., j:j + 1], per_elem)
-    return _restore(per_elem, p.shape)
+    return restore_shape(per_elem, p.shape)
 
 
 def _spikes(p: Payload):
     """A spiked payload's spike values (f32) and positions (uint32), ``(..., groups, k)``."""
     nb = spec.group_bytes(p.group_size, p.bits)
-    values = reference.bf16_bits_to_f32(reference._from_le_bytes(p.codes[..., nb:nb + 2 * p.spikes], 2))
-    positions = reference._from_le_bytes(p.codes[..., nb + 2 * p.spikes:],
+    values = reference.bf16_bits_to_f32(reference.from_le_bytes(p.codes[..., nb:nb + 2 * p.spikes], 2))
+    positions = reference.from_le_bytes(p.codes[..., nb + 2 * p.spikes:],
                                          spec.position_bytes(p.group_size))
     return values, positions
 

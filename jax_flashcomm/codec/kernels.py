@@ -84,7 +84,7 @@ def _apply_threads_env(module) -> None:
         module.set_cpu_threads(threads)
 
 
-def _cpu_module():
+def cpu_module():
     if not available("cpu"):
         require("cpu")
     return importlib.import_module("jax_flashcomm._flashcomm_cpu")
@@ -94,17 +94,17 @@ def cpu_isa() -> str:
     """The instruction-set build the CPU codec kernels run: ``"avx512"`` (16 f32 lanes),
     ``"avx2"`` (8), ``"baseline"`` (SSE2 on x86-64, 4) or ``"neon"`` (aarch64, 4). The best the
     CPU supports unless ``FLASHCOMM_CPU_ISA`` names another."""
-    return _cpu_module().cpu_isa()
+    return cpu_module().cpu_isa()
 
 
 def cpu_isas() -> list[str]:
     """The builds this CPU can run, best first."""
-    return list(_cpu_module().supported_isas())
+    return list(cpu_module().supported_isas())
 
 
 def cpu_features() -> str:
     """The CPU's vector features as the kernel library sees them (for reports)."""
-    return _cpu_module().cpu_features()
+    return cpu_module().cpu_features()
 
 
 @contextlib.contextmanager
@@ -112,7 +112,7 @@ def use_cpu_isa(name: str):
     """Run the CPU codec kernels with build ``name`` inside the block (tests and benchmarks:
     compiled executables call the kernel library at run time, so no recompilation is needed).
     Raises ValueError for a build this CPU cannot run."""
-    module = _cpu_module()
+    module = cpu_module()
     with _swapped(module.cpu_isa, module.set_cpu_isa, name):
         yield
 
@@ -121,7 +121,7 @@ def cpu_threads() -> int:
     """At most how many threads one CPU codec call uses: ``0`` means every thread of XLA's
     intra-op pool (the default, as XLA's own ops), ``1`` the calling thread alone. Calls on
     operands under 512 KiB stay on one thread; the bytes never depend on the split."""
-    return int(_cpu_module().cpu_threads())
+    return int(cpu_module().cpu_threads())
 
 
 @contextlib.contextmanager
@@ -131,7 +131,7 @@ def use_cpu_threads(threads: int):
     process. Raises ValueError for a negative count."""
     if not isinstance(threads, int) or threads < 0:
         raise ValueError(f"threads must be an int >= 0, got {threads!r}")
-    module = _cpu_module()
+    module = cpu_module()
     with _swapped(module.cpu_threads, module.set_cpu_threads, threads):
         yield
 
@@ -167,7 +167,7 @@ def require(platform: str) -> None:
             "or pass backend='jnp' to use the pure-JAX codec")
 
 
-def _like(x, shape, dtype):
+def result_like(x, shape, dtype):
     """Result type of ``x``'s kind (same mesh, varying over the same manual axes) with a new
     shape and dtype, unsharded along its dimensions."""
     aval = jax.typeof(x)
@@ -180,8 +180,8 @@ def quantize(v, *, bits: int, group_size: int, rotation: int = 0, spikes: int = 
     lead = v.shape[:-1]
     call = jax.ffi.ffi_call(
         "flashcomm_quantize",
-        (_like(v, (*lead, spec.record_bytes(group_size, bits, spikes)), jnp.uint8),
-         _like(v, lead, jnp.bfloat16), _like(v, lead, jnp.bfloat16)),
+        (result_like(v, (*lead, spec.record_bytes(group_size, bits, spikes)), jnp.uint8),
+         result_like(v, lead, jnp.bfloat16), result_like(v, lead, jnp.bfloat16)),
         vmap_method="broadcast_all",
     )
     return tuple(call(v, bits=np.int32(bits), group_size=np.int64(group_size),
@@ -191,7 +191,7 @@ def quantize(v, *, bits: int, group_size: int, rotation: int = 0, spikes: int = 
 def dequantize(codes, scale, zero, *, bits: int, group_size: int, dtype, rotation: int = 0,
                spikes: int = 0):
     call = jax.ffi.ffi_call(
-        "flashcomm_dequantize", _like(codes, (*scale.shape, group_size), dtype),
+        "flashcomm_dequantize", result_like(codes, (*scale.shape, group_size), dtype),
         vmap_method="broadcast_all",
     )
     return call(codes, scale, zero, bits=np.int32(bits), group_size=np.int64(group_size),
@@ -203,7 +203,7 @@ def dequantize_sum(codes, scale, zero, *, bits: int, group_size: int, dtype,
     """Chunked ``(..., N, groups, bytes)`` -> f32-summed ``(..., groups, group_size)``."""
     out_shape = (*scale.shape[:-2], scale.shape[-1], group_size)
     call = jax.ffi.ffi_call(
-        "flashcomm_dequantize_sum", _like(codes, out_shape, dtype), vmap_method="broadcast_all"
+        "flashcomm_dequantize_sum", result_like(codes, out_shape, dtype), vmap_method="broadcast_all"
     )
     return call(codes, scale, zero, bits=np.int32(bits), group_size=np.int64(group_size),
                 rotation=np.int32(rotation), spikes=np.int32(spikes))
@@ -217,8 +217,8 @@ def dequantize_sum_quantize(codes, scale, zero, *, bits: int, out_bits: int, gro
     groups = (*scale.shape[:-2], scale.shape[-1])
     call = jax.ffi.ffi_call(
         "flashcomm_dequantize_sum_quantize",
-        (_like(codes, (*groups, spec.record_bytes(group_size, out_bits, out_spikes)), jnp.uint8),
-         _like(codes, groups, jnp.bfloat16), _like(codes, groups, jnp.bfloat16)),
+        (result_like(codes, (*groups, spec.record_bytes(group_size, out_bits, out_spikes)), jnp.uint8),
+         result_like(codes, groups, jnp.bfloat16), result_like(codes, groups, jnp.bfloat16)),
         vmap_method="broadcast_all",
     )
     return tuple(call(codes, scale, zero, bits=np.int32(bits), out_bits=np.int32(out_bits),
@@ -234,7 +234,7 @@ def dequantize_into(out, codes, scale, zero, offset, *, bits: int, group_size: i
     buffer in place. An out-of-range offset is an error of the CPU kernel (the CUDA kernel
     writes nothing)."""
     call = jax.ffi.ffi_call(
-        "flashcomm_dequantize_into", _like(out, out.shape, out.dtype),
+        "flashcomm_dequantize_into", result_like(out, out.shape, out.dtype),
         input_output_aliases={0: 0}, vmap_method="sequential",
     )
     return call(out, codes, scale, zero, offset, bits=np.int32(bits),

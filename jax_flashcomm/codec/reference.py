@@ -155,7 +155,7 @@ def _le_bytes(x, nbytes: int):
     return jnp.stack(parts, axis=-1).reshape(*x.shape[:-1], -1).astype(jnp.uint8)
 
 
-def _from_le_bytes(b, nbytes: int):
+def from_le_bytes(b, nbytes: int):
     """uint8 ``(..., k * nbytes)`` -> uint32 ``(..., k)``."""
     b = b.astype(_U32).reshape(*b.shape[:-1], -1, nbytes)
     return sum(b[..., i] << (8 * i) for i in range(nbytes))
@@ -197,8 +197,8 @@ def decode_groups(codes, scale, zero, bits: int, group_size: int, spikes: int = 
     from_halves = (q * (scale * half) + zero * half) * np.float32(2)
     d = jnp.where(jnp.isfinite(prod), prod + zero, from_halves)
     if spikes:
-        values = bf16_bits_to_f32(_from_le_bytes(codes[..., nb:nb + 2 * spikes], 2))
-        pos = _from_le_bytes(codes[..., nb + 2 * spikes:], spec.position_bytes(group_size))
+        values = bf16_bits_to_f32(from_le_bytes(codes[..., nb:nb + 2 * spikes], 2))
+        pos = from_le_bytes(codes[..., nb + 2 * spikes:], spec.position_bytes(group_size))
         iota = lax.broadcasted_iota(_U32, d.shape, d.ndim - 1)
         for j in range(spikes):
             d = jnp.where(iota == pos[..., j:j + 1], values[..., j:j + 1], d)

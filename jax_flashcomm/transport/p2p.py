@@ -26,15 +26,15 @@ from jax import lax
 
 from jax_flashcomm import _axes
 from jax_flashcomm.codec import Payload, kernels, spec
-from jax_flashcomm.codec import _as_groups, _restore
-from jax_flashcomm.transport.xla import _arrange_gathered
+from jax_flashcomm.codec import as_groups, restore_shape
+from jax_flashcomm.transport.xla import arrange_gathered
 
 _sites = itertools.count(1)
 
 
-def _result(x, shape, dtype, vma):
+def result_aval(x, shape, dtype, vma):
     """The aval of one result: ``x``'s mesh, ``shape``/``dtype``, varying over ``vma``."""
-    aval = kernels._like(x, shape, dtype)
+    aval = kernels.result_like(x, shape, dtype)
     mat = aval.manual_axis_type
     return aval.update(manual_axis_type=mat.update(varying=frozenset(vma)))
 
@@ -56,7 +56,7 @@ TARGETS = ("flashcomm_p2p_all_reduce", "flashcomm_p2p_reduce_scatter",
            "flashcomm_p2p_all_gather")
 
 
-def _kernel_platform(backend: str) -> str | None:
+def kernel_platform(backend: str) -> str | None:
     """The kernel module ("cpu" or "cuda") whose p2p handlers run on JAX backend ``backend``,
     or None when that module is not built or lacks them. CUDA: one process with several GPUs
     (ffi/cuda/p2p_handlers.cc), compiled and lowered but never run on hardware."""
@@ -80,7 +80,7 @@ def unsupported_reason(axes: tuple) -> str | None:
     if jax.process_count() != 1:
         return "peers in other processes (the p2p transport is one process, many devices)"
     platform = jax.default_backend()
-    if _kernel_platform(platform) is None:
+    if kernel_platform(platform) is None:
         return (f"no p2p kernels for platform {platform!r} in this build (the CPU module has "
                 "them; the CUDA ones need FLASHCOMM_CUDA=ON and have not run on a GPU, "
                 "docs/cuda.md)")
@@ -106,18 +106,18 @@ def all_reduce(x, axes: tuple, plan):
     n = _axes.axis_size(axes)
     g, b1, b2 = plan.group_size, plan.rs_bits, plan.ag_bits
     rot, k1, k2 = plan.rotation, plan.rs_spikes, plan.ag_spikes
-    groups = _as_groups(x, g, n)
+    groups = as_groups(x, g, n)
     total = groups.shape[0]
     vma = _axes.varying_axes(x)
     rep = vma - frozenset(axes)
     call = jax.ffi.ffi_call(
         "flashcomm_p2p_all_reduce",
-        (_result(x, groups.shape, x.dtype, rep),
-         _result(x, (n, total // n, spec.record_bytes(g, b1, k1)), jnp.uint8, vma),
-         _result(x, (n, total // n), jnp.bfloat16, vma),
-         _result(x, (n, total // n), jnp.bfloat16, vma),
-         _result(x, (total, spec.record_bytes(g, b2, k2)), jnp.uint8, rep),
-         _result(x, (total,), jnp.bfloat16, rep), _result(x, (total,), jnp.bfloat16, rep)),
+        (result_aval(x, groups.shape, x.dtype, rep),
+         result_aval(x, (n, total // n, spec.record_bytes(g, b1, k1)), jnp.uint8, vma),
+         result_aval(x, (n, total // n), jnp.bfloat16, vma),
+         result_aval(x, (n, total // n), jnp.bfloat16, vma),
+         result_aval(x, (total, spec.record_bytes(g, b2, k2)), jnp.uint8, rep),
+         result_aval(x, (total,), jnp.bfloat16, rep), result_aval(x, (total,), jnp.bfloat16, rep)),
         vmap_method="sequential")
     rank, group = rank_and_group(axes)
     y, c1, s1, z1, c2, s2, z2 = call(
@@ -127,7 +127,7 @@ def all_reduce(x, axes: tuple, plan):
     meta = dict(group_size=g, shape=tuple(x.shape), dtype=np.dtype(x.dtype), rotation=rot)
     p1 = Payload(c1, s1, z1, bits=b1, spikes=k1, **meta).merge_groups()
     p2 = Payload(c2, s2, z2, bits=b2, spikes=k2, **meta)
-    return _restore(y, x.shape), p1, p2
+    return restore_shape(y, x.shape), p1, p2
 
 
 def reduce_scatter(rows, axes: tuple, plan):
@@ -141,10 +141,10 @@ def reduce_scatter(rows, axes: tuple, plan):
     vma = _axes.varying_axes(rows)
     call = jax.ffi.ffi_call(
         "flashcomm_p2p_reduce_scatter",
-        (_result(rows, (mp // g, g), rows.dtype, vma),
-         _result(rows, (n, mp // g, spec.record_bytes(g, bits, k1)), jnp.uint8, vma),
-         _result(rows, (n, mp // g), jnp.bfloat16, vma),
-         _result(rows, (n, mp // g), jnp.bfloat16, vma)),
+        (result_aval(rows, (mp // g, g), rows.dtype, vma),
+         result_aval(rows, (n, mp // g, spec.record_bytes(g, bits, k1)), jnp.uint8, vma),
+         result_aval(rows, (n, mp // g), jnp.bfloat16, vma),
+         result_aval(rows, (n, mp // g), jnp.bfloat16, vma)),
         vmap_method="sequential")
     rank, group = rank_and_group(axes)
     y, c1, s1, z1 = call(groups, rank, group, bits=np.int32(bits), group_size=np.int64(g),
@@ -162,14 +162,14 @@ def all_gather(x, axes: tuple, axis: int, tiled: bool, plan):
     n = _axes.axis_size(axes)
     g, bits = plan.group_size, plan.ag_bits
     rot, k2 = plan.rotation, plan.ag_spikes
-    groups = _as_groups(x, g, 1)
+    groups = as_groups(x, g, 1)
     count = groups.shape[0]
     vma = _axes.varying_axes(x)
     call = jax.ffi.ffi_call(
         "flashcomm_p2p_all_gather",
-        (_result(x, (n, count, g), x.dtype, vma),
-         _result(x, (count, spec.record_bytes(g, bits, k2)), jnp.uint8, vma),
-         _result(x, (count,), jnp.bfloat16, vma), _result(x, (count,), jnp.bfloat16, vma)),
+        (result_aval(x, (n, count, g), x.dtype, vma),
+         result_aval(x, (count, spec.record_bytes(g, bits, k2)), jnp.uint8, vma),
+         result_aval(x, (count,), jnp.bfloat16, vma), result_aval(x, (count,), jnp.bfloat16, vma)),
         vmap_method="sequential")
     rank, group = rank_and_group(axes)
     y, c, s, z = call(groups, rank, group, bits=np.int32(bits), group_size=np.int64(g),
@@ -177,16 +177,16 @@ def all_gather(x, axes: tuple, axis: int, tiled: bool, plan):
                       **_attrs(axes, plan.timeout_ms))
     p = Payload(c, s, z, bits=bits, group_size=g, shape=tuple(x.shape), dtype=np.dtype(x.dtype),
                 rotation=rot, spikes=k2)
-    stacked = _restore(y, tuple(x.shape))  # (N, count, g) -> (N, *x.shape)
-    return _arrange_gathered(stacked, axis, tiled), p
+    stacked = restore_shape(y, tuple(x.shape))  # (N, count, g) -> (N, *x.shape)
+    return arrange_gathered(stacked, axis, tiled), p
 
 
 def kernel_module():
     """The kernel module of the default backend (CUDA's or the CPU's): each has its own
     rendezvous and ring tables."""
-    if _kernel_platform(jax.default_backend()) == "cuda":
+    if kernel_platform(jax.default_backend()) == "cuda":
         return importlib.import_module("jax_flashcomm._flashcomm_cuda")
-    return kernels._cpu_module()
+    return kernels.cpu_module()
 
 
 def meetings_in_progress() -> int:

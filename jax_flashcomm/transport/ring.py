@@ -98,7 +98,7 @@ def _start_call(payload, static):
     axes, timeout_ms, rate, shift, site = static
     rank, group = p2p.rank_and_group(axes)
     like = _same(payload)
-    order = p2p._result(payload, (), jnp.int32, _axes.varying_axes(payload))
+    order = p2p.result_aval(payload, (), jnp.int32, _axes.varying_axes(payload))
     start = jax.ffi.ffi_call("flashcomm_p2p_ring_start", (like, like, order),
                              input_output_aliases={0: 0}, vmap_method="sequential")
     return start(payload, rank, group, size=np.int64(_axes.axis_size(axes)),
@@ -154,14 +154,14 @@ _finish.defvjp(_finish_fwd, _finish_bwd)
 
 
 def _same(x):
-    return p2p._result(x, x.shape, x.dtype, _axes.varying_axes(x))
+    return p2p.result_aval(x, x.shape, x.dtype, _axes.varying_axes(x))
 
 
 def unsupported_reason(axes: tuple) -> str | None:
     """Why the p2p ring steps cannot run over ``axes`` here, or None."""
     reason = p2p.unsupported_reason(axes)
     if reason is None:
-        platform = p2p._kernel_platform(jax.default_backend())
+        platform = p2p.kernel_platform(jax.default_backend())
         if not set(TARGETS) <= p2p.kernels.registered(platform):
             reason = f"the {platform} kernel module has no ring-step kernels"
     return reason

@@ -85,10 +85,10 @@ def decode_gathered(pg, axis, tiled, plan):
     all-gather; used when the output is too large for int32 offsets, and as the tests' oracle
     of the ring)."""
     stacked = codec.dequantize(pg, backend=plan.backend)          # (N, *x.shape)
-    return _arrange_gathered(stacked, axis, tiled)
+    return arrange_gathered(stacked, axis, tiled)
 
 
-def _arrange_gathered(stacked, axis, tiled):
+def arrange_gathered(stacked, axis, tiled):
     """The N decoded operands ``(N, *x.shape)`` as lax.all_gather lays them out."""
     out = jnp.moveaxis(stacked, 0, axis)
     if tiled:

@@ -46,7 +46,7 @@ def _ops(dtype, bits, rotation, spikes):
     (jnp.bfloat16, 4, 1, 2)])
 def test_split_calls_give_the_bytes_of_one_thread_and_of_the_twin(dtype, bits, rotation, spikes):
     ffi_fn, twin_fn = _ops(dtype, bits, rotation, spikes)
-    module = kernels._cpu_module()
+    module = kernels.cpu_module()
     with codec.use_cpu_threads(1):
         before = module.cpu_split_calls()
         one = _leaves(ffi_fn())
@@ -64,7 +64,7 @@ def test_split_calls_give_the_bytes_of_one_thread_and_of_the_twin(dtype, bits, r
 
 
 def test_small_calls_stay_on_one_thread():
-    module = kernels._cpu_module()
+    module = kernels.cpu_module()
     x = jnp.ones((64 * 1024,), jnp.bfloat16)  # 128 KiB
     before = module.cpu_split_calls()
     jax.block_until_ready(jax.jit(lambda a: codec.quantize(a, bits=8, backend="ffi"))(x))
@@ -104,7 +104,7 @@ def test_split_calls_keep_the_callers_flush_mode():
     x[5::128] = 3e-39
     x = jnp.asarray(x)
     quantize = jax.jit(lambda a: codec.quantize(a, bits=8, backend="ffi"))
-    module = kernels._cpu_module()
+    module = kernels.cpu_module()
     before = module.cpu_split_calls()
     pooled = _leaves(quantize(x))
     assert module.cpu_split_calls() > before
@@ -126,7 +126,7 @@ def test_split_dequantize_into_writes_the_bytes_of_one_thread_and_of_the_twin():
     def into(backend):
         return jax.jit(lambda o, p: codec.dequantize_into(o, p, 500, backend=backend))
 
-    module = kernels._cpu_module()
+    module = kernels.cpu_module()
     before = module.cpu_split_calls()
     pooled = np.asarray(into("ffi")(out, payload))
     assert module.cpu_split_calls() > before

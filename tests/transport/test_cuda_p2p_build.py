@@ -69,12 +69,12 @@ def test_p2p_handlers_compile_with_warnings_as_errors(tmp_path):
 
 def test_kernel_platform_choice():
     """CPU runs unchanged on this machine; "gpu" needs the CUDA module's p2p targets."""
-    assert p2p._kernel_platform(jax.default_backend()) == "cpu"
-    assert p2p._kernel_platform("tpu") is None
+    assert p2p.kernel_platform(jax.default_backend()) == "cpu"
+    assert p2p.kernel_platform("tpu") is None
     if set(p2p.TARGETS) <= kernels.registered("cuda"):
-        assert p2p._kernel_platform("gpu") == "cuda"
+        assert p2p.kernel_platform("gpu") == "cuda"
     else:
-        assert p2p._kernel_platform("gpu") is None
+        assert p2p.kernel_platform("gpu") is None
 
 
 def _lower_collectives(mesh, axis, config, shape=(4 * 1000,)):
