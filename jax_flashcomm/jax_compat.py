@@ -7,20 +7,27 @@ release that moves one of them needs an edit in this file alone.
 * :func:`all_gather_invariant`: an all-gather whose result is invariant (replicated) over the
   gathered axes, the type ``lax.psum`` gives its result; ``jax.lax`` does not export it.
 * ``ad_util``, ``core``, ``source_info_util``, ``linear_util``, ``partial_eval``,
-  ``FlatTree``: the jaxpr machinery :mod:`jax_flashcomm.rewrite` walks and retraces.
+  ``FlatTree`` / :func:`flat_tree_flatten`: the jaxpr machinery :mod:`jax_flashcomm.rewrite`
+  walks and retraces.
 """
 
 from __future__ import annotations
 
 import jax
 
-#: The JAX versions this module was checked against (tests/test_layers.py reads it).
+#: The JAX versions this module was run against (0.11.0: its names read from the 0.11.0 source,
+#: not run: the package index here serves up to 0.10.2).
 CHECKED_JAX_VERSIONS = ("0.10.0", "0.10.1", "0.10.2")
 
 from jax._src import ad_util, core, source_info_util  # noqa: E402
 from jax._src import linear_util  # noqa: E402
 from jax._src.interpreters import partial_eval  # noqa: E402
-from jax._src.tree_util import FlatTree  # noqa: E402
+try:  # jax 0.10
+    from jax._src.tree_util import FlatTree  # noqa: E402
+    flat_tree_flatten = FlatTree.flatten
+except ImportError:  # pragma: no cover - jax 0.11 moved it (checked against the 0.11.0 source)
+    from jax._src.flattree import FlatTree  # noqa: E402
+    from jax._src.flattree import flatten as flat_tree_flatten  # noqa: E402
 
 try:  # Varying -> Invariant all-gather (what psum's result type needs); not re-exported by lax.
     from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant
@@ -28,7 +35,8 @@ except ImportError:  # pragma: no cover - a JAX without it
     _all_gather_invariant = None
 
 __all__ = ["CHECKED_JAX_VERSIONS", "all_gather_invariant", "ad_util", "core",
-           "source_info_util", "linear_util", "partial_eval", "FlatTree", "jax_version"]
+           "source_info_util", "linear_util", "partial_eval", "FlatTree", "flat_tree_flatten",
+           "jax_version"]
 
 
 def jax_version() -> str:

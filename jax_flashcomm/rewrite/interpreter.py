@@ -30,7 +30,7 @@ from jax import lax
 from jax_flashcomm import _axes
 from jax_flashcomm.allreduce import psum as flash_psum
 from jax_flashcomm.collective_matmul import all_gather_matmul, matmul_reduce_scatter
-from jax_flashcomm.jax_compat import FlatTree, ad_util, core, source_info_util
+from jax_flashcomm.jax_compat import ad_util, core, flat_tree_flatten, source_info_util
 from jax_flashcomm.jax_compat import linear_util as lu
 from jax_flashcomm.jax_compat import partial_eval as pe
 from jax_flashcomm.planner import record, size_policy
@@ -386,7 +386,7 @@ def _shard_map(self: Interpreter, eqn, invals, ctx):
 
     def fun(*args):
         outs = self.eval_jaxpr(body, (), args, inner)
-        return FlatTree.flatten(outs).with_aux(out_specs)
+        return flat_tree_flatten(outs).with_aux(out_specs)
 
     params["subfuns"] = (fun,)
     params["debug_info"] = body.debug_info
