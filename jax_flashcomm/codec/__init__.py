@@ -64,7 +64,17 @@ def _dispatch(op: str, *args, backend: str, **params):
     return lax.platform_dependent(*args, default=twin, **built)
 
 
-def as_groups(x, group_size: int, num_chunks: int):
+def as_groups(x: jax.Array, group_size: int, num_chunks: int) -> jax.Array:
+    """``x`` flattened, zero-padded and viewed as groups: the layout the codec ops take.
+
+    Args:
+      x: an array of any shape.
+      group_size: values per group.
+      num_chunks: the size is padded to a multiple of ``num_chunks * group_size``.
+
+    Returns:
+      ``(groups, group_size)`` of ``x``'s dtype (at least one group per chunk).
+    """
     flat = jnp.ravel(x)
     padded = spec.padded_size(flat.size, group_size, num_chunks)
     if padded != flat.size:
@@ -72,8 +82,9 @@ def as_groups(x, group_size: int, num_chunks: int):
     return flat.reshape(padded // group_size, group_size)
 
 
-def quantize(x, *, bits: int = 8, group_size: int = DEFAULT_GROUP_SIZE, num_chunks: int = 1,
-             backend: str = "auto", rotation=0, spikes: int = 0) -> Payload:
+def quantize(x: jax.Array, *, bits: int = 8, group_size: int = DEFAULT_GROUP_SIZE,
+             num_chunks: int = 1, backend: str = "auto", rotation: int | str | None = 0,
+             spikes: int = 0) -> Payload:
     """Quantize ``x`` (f32, bf16 or f16, any shape) to ``bits`` per value in groups.
 
     ``x`` is flattened and zero-padded to a multiple of ``num_chunks * group_size`` so the
@@ -83,6 +94,23 @@ def quantize(x, *, bits: int = 8, group_size: int = DEFAULT_GROUP_SIZE, num_chun
     group (docs/format.md, "Rotation"); decoding applies the inverse. ``spikes`` (0..16, below
     ``group_size``) keeps each group's k largest-magnitude values in bf16 beside the codes
     (docs/format.md, "Spike reserving"), after the rotation if there is one.
+
+    Args:
+      x: the operand: f32, bf16 or f16, any shape, not empty.
+      bits: bits per code, 2..8.
+      group_size: values per group (a positive multiple of 8; a power of two to rotate).
+      num_chunks: the groups split evenly into this many chunks (a positive int).
+      backend: ``"auto"``, ``"ffi"`` or ``"jnp"`` (module docstring).
+      rotation: 0 / ``"none"``, 1 / ``"hadamard"`` or 2 / ``"signed_hadamard"``.
+      spikes: values per group kept in bf16 (0..16, below ``group_size``).
+
+    Returns:
+      A :class:`Payload`: codes ``(groups, record bytes)``, scale and zero ``(groups,)``;
+      ``shape`` and ``dtype`` are ``x``'s.
+
+    Raises:
+      TypeError: a non-float ``x`` or an option of the wrong type.
+      ValueError: an empty ``x`` or an option out of range.
     """
     bits = spec.check_bits(bits)
     group_size = spec.check_group_size(group_size)
@@ -134,14 +162,35 @@ def _check_payload(payload, name="payload", *, covers_shape: bool = False) -> Pa
     return payload
 
 
-def restore_shape(flat, shape):
+def restore_shape(flat: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Inverse of :func:`as_groups`: decoded groups back to the operand's shape.
+
+    Args:
+      flat: ``(..., groups, group_size)`` decoded values.
+      shape: the operand's shape; the padding after ``prod(shape)`` values is dropped.
+
+    Returns:
+      ``(..., *shape)``: the leading axes of ``flat`` are kept.
+    """
     size = math.prod(shape)
     flat = flat.reshape(*flat.shape[:-2], -1)
     return flat[..., :size].reshape(*flat.shape[:-1], *shape)
 
 
-def dequantize(payload: Payload, *, dtype=None, backend: str = "auto"):
-    """Rebuild the operand: ``q * scale + zero`` in f32, cast to ``dtype`` (default: x's)."""
+def dequantize(payload: Payload, *, dtype=None, backend: str = "auto") -> jax.Array:
+    """Rebuild the operand: ``q * scale + zero`` in f32, cast to ``dtype`` (default: x's).
+
+    Args:
+      payload: a :class:`Payload` from :func:`quantize` (leading chunk/batch axes allowed).
+      dtype: f32, bf16 or f16; None: the payload's ``dtype``.
+      backend: ``"auto"``, ``"ffi"`` or ``"jnp"``.
+
+    Returns:
+      ``(..., *payload.shape)`` of ``dtype``: the payload's leading axes, then the operand's.
+
+    Raises:
+      TypeError, ValueError: a payload whose arrays disagree with its metadata.
+    """
     p = _check_payload(payload, covers_shape=True)
     dtype = spec.check_dtype(p.dtype if dtype is None else dtype, "dtype")
     groups = _dispatch("dequantize", p.codes, p.scale, p.zero, backend=backend, bits=p.bits,
@@ -164,7 +213,8 @@ def _static_offset(offset):
     return int(arr)
 
 
-def dequantize_into(out, payload: Payload, offset, *, backend: str = "auto"):
+def dequantize_into(out: jax.Array, payload: Payload, offset, *,
+                    backend: str = "auto") -> jax.Array:
     """``out`` with the decoded ``payload`` written at flat element ``offset``.
 
     ``payload`` is one operand's payload (``scale`` of shape ``(groups,)``; its ``shape``
@@ -177,6 +227,19 @@ def dequantize_into(out, payload: Payload, offset, *, backend: str = "auto"):
     pass over ``out``. A static out-of-range ``offset`` (or ``count > out.size``) is rejected
     here; a traced one is an error of the CPU kernel at run time (the CUDA kernel then writes
     nothing; the jnp twin clamps it, like ``lax.dynamic_update_slice``).
+
+    Args:
+      out: the buffer, f32/bf16/f16, any shape, at most ``2^31 - 1`` elements.
+      payload: one operand's payload (``scale`` of shape ``(groups,)``).
+      offset: the first flat element written: an int or an int32 scalar array.
+      backend: ``"auto"``, ``"ffi"`` or ``"jnp"``.
+
+    Returns:
+      An array of ``out``'s shape and dtype.
+
+    Raises:
+      ValueError: a chunked payload, ``count > out.size`` or a static ``offset`` out of range.
+      TypeError: a non-array ``out`` or a non-integer ``offset``.
     """
     p = _check_payload(payload)
     if p.scale.ndim != 1:
@@ -213,10 +276,23 @@ def _check_chunked(p: Payload):
             "Payload.split_groups(chunks) on a quantized operand")
 
 
-def dequantize_sum(payload: Payload, *, dtype=None, backend: str = "auto"):
+def dequantize_sum(payload: Payload, *, dtype=None, backend: str = "auto") -> jax.Array:
     """Sum the chunks of a chunked payload in f32 (in chunk order): ``(..., groups * G)``.
 
-    A rotated payload is summed in the rotated domain and rotated back once."""
+    A rotated payload is summed in the rotated domain and rotated back once.
+
+    Args:
+      payload: a chunked payload: scale ``(..., chunks, groups)``
+        (:meth:`Payload.split_groups`).
+      dtype: the result's dtype (f32, bf16 or f16); None: the payload's ``dtype``.
+      backend: ``"auto"``, ``"ffi"`` or ``"jnp"``.
+
+    Returns:
+      ``(..., groups * group_size)`` of ``dtype``: the flat sum, padding included.
+
+    Raises:
+      ValueError: a payload without a chunk axis.
+    """
     p = _check_payload(payload)
     _check_chunked(p)
     dtype = spec.check_dtype(p.dtype if dtype is None else dtype, "dtype")
@@ -228,12 +304,23 @@ def dequantize_sum(payload: Payload, *, dtype=None, backend: str = "auto"):
 
 def dequantize_sum_quantize(payload: Payload, *, bits: int | None = None,
                             spikes: int | None = None, backend: str = "auto") -> Payload:
-    """Sum the chunks of a chunked payload in f32 and quantize the sum at ``bits`` with
-    ``spikes`` spikes per group (each defaults to the payload's own).
+    """Sum the chunks of a chunked payload in f32 and quantize the sum.
 
     The result describes a flat operand of ``groups * group_size`` values. A rotated payload
     stays rotated: the sum is formed and re-quantized in the rotated domain (the transform is
     linear), and the result carries the same ``rotation``.
+
+    Args:
+      payload: a chunked payload: scale ``(..., chunks, groups)``.
+      bits: the sum's bits per code (2..8); None: the payload's own.
+      spikes: the sum's spikes per group; None: the payload's own.
+      backend: ``"auto"``, ``"ffi"`` or ``"jnp"``.
+
+    Returns:
+      A :class:`Payload` with scale ``(..., groups)`` and ``shape`` ``(groups * group_size,)``.
+
+    Raises:
+      ValueError: a payload without a chunk axis.
     """
     p = _check_payload(payload)
     _check_chunked(p)
@@ -253,12 +340,19 @@ def _bf16_bits(a):
     return lax.bitcast_convert_type(a, jnp.uint16)
 
 
-def error_bound(payload: Payload, *, dtype=None):
+def error_bound(payload: Payload, *, dtype=None) -> jax.Array:
     """Per-element bound on ``|dequantize(quantize(x)) - x|``, from the stored scales.
 
     ``scale / 2`` (rounding to the nearest code) plus the f32 rounding of encode and decode,
     the flush to zero of f32 values below the smallest normal, and the final rounding to
-    ``dtype`` (docs/format.md derives it). NaN marks groups that hold NaN or Inf. Shape: the operand's.
+    ``dtype`` (docs/format.md derives it). NaN marks groups that hold NaN or Inf.
+
+    Args:
+      payload: a payload from :func:`quantize` (leading axes allowed).
+      dtype: the dtype the operand is decoded to; None: the payload's ``dtype``.
+
+    Returns:
+      f32 of the operand's shape (``(..., *payload.shape)``).
     """
     p = _check_payload(payload, covers_shape=True)
     dtype = spec.check_dtype(p.dtype if dtype is None else dtype, "dtype")
@@ -287,10 +381,20 @@ def _spikes(p: Payload):
     return values, positions
 
 
-def spike_bound(values, dtype):
-    """Bound on ``|x - s|`` of a spike stored as ``s`` (f32): bf16 round-to-nearest
-    (``2^-8 |s|``), subnormals stored as zero (below ``FLT_MIN``), the saturation of values
-    above the largest bf16, and the cast to ``dtype`` (docs/format.md, "Spike reserving")."""
+def spike_bound(values: jax.Array, dtype) -> jax.Array:
+    """Bound on ``|x - s|`` of a spike stored as ``s`` (f32).
+
+    The terms: bf16 round-to-nearest (``2^-8 |s|``), subnormals stored as zero (below
+    ``FLT_MIN``), the saturation of values above the largest bf16, and the cast to ``dtype``
+    (docs/format.md, "Spike reserving").
+
+    Args:
+      values: the stored spike values, f32, any shape.
+      dtype: the dtype the operand is decoded to.
+
+    Returns:
+      f32 of ``values``' shape.
+    """
     mag = jnp.abs(values)
     bound = mag * np.float32(2.0**-8) + 2 * float(spec.FLT_MIN)
     saturated = mag == np.float32(3.3895313892515355e38)
@@ -302,9 +406,18 @@ def spike_bound(values, dtype):
     return bound
 
 
-def rotated_domain_bound(p: Payload):
-    """Per group of a payload's f32 (rotated-domain) values: the elementwise error bound and
-    ``top``, a bound on every decoded value's magnitude; spikes included."""
+def rotated_domain_bound(p: Payload) -> tuple[jax.Array, jax.Array]:
+    """Per group of a payload's f32 (rotated-domain) values: the error bound and ``top``.
+
+    Spikes included.
+
+    Args:
+      p: a (rotated) payload.
+
+    Returns:
+      ``(bound, top)``, f32 ``(..., groups)``: the elementwise error bound and a bound on
+      every decoded value's magnitude.
+    """
     bound, top = _group_bound(p, np.dtype(np.float32))
     if p.spikes:
         values, _ = _spikes(p)
@@ -338,7 +451,8 @@ def _group_bound(p: Payload, dtype):
     return bound, 4 * quarter_top
 
 
-def rotation_bound(rot_bound, top, group_size: int, dtype):
+def rotation_bound(rot_bound: jax.Array, top: jax.Array, group_size: int,
+                   dtype) -> jax.Array:
     """Elementwise bound in the operand's domain from a rotated-domain one (per group).
 
     ``rot_bound`` bounds every element's error in the rotated domain (f32 values), ``top`` every
@@ -348,6 +462,15 @@ def rotation_bound(rot_bound, top, group_size: int, dtype):
     scaling, each at most ``u`` relative in 2-norm, on groups of 2-norm at most
     ``sqrt(G) * (top + rot_bound)``), their flush to zero, and the final cast to ``dtype``
     (docs/format.md, "Rotation").
+
+    Args:
+      rot_bound: f32 ``(..., groups)``, from :func:`rotated_domain_bound`.
+      top: f32 ``(..., groups)``, from :func:`rotated_domain_bound`.
+      group_size: G, a power of two.
+      dtype: the dtype the operand is decoded to.
+
+    Returns:
+      f32 ``(..., groups)``: every element's bound in the operand's domain.
     """
     g = int(group_size)
     k = g.bit_length() - 1

@@ -17,6 +17,17 @@ class Payload:
     around. ``shape`` and ``dtype`` describe the operand that :func:`dequantize` rebuilds.
     A payload is a pytree whose leaves are the three arrays, so it passes through ``jit``,
     ``vmap``, ``lax.all_to_all``, ``lax.ppermute`` and ``lax.all_gather`` unchanged.
+
+    Attributes:
+      codes: uint8 ``(..., groups, record bytes)``: packed codes, then the spike record.
+      scale: bf16 ``(..., groups)``: each group's step.
+      zero: bf16 ``(..., groups)``: each group's offset (the value of code 0).
+      bits: bits per code, 2..8 (static).
+      group_size: values per group (static).
+      shape: the operand's shape (static).
+      dtype: the operand's dtype (static).
+      rotation: 0 (none), 1 (Hadamard) or 2 (signed Hadamard) (static).
+      spikes: values per group kept in bf16 (static).
     """
 
     codes: jax.Array
@@ -35,6 +46,7 @@ class Payload:
 
     @property
     def num_groups(self) -> int:
+        """Groups per chunk (the last axis of ``scale``)."""
         return self.scale.shape[-1]
 
     @property
@@ -43,13 +55,28 @@ class Payload:
         return self.codes.size + 2 * self.scale.size + 2 * self.zero.size
 
     def map_arrays(self, fn, **meta) -> "Payload":
-        """Apply ``fn`` to codes, scale and zero (e.g. a reshape or a collective)."""
+        """Apply ``fn`` to codes, scale and zero (e.g. a reshape or a collective).
+
+        Args:
+          fn: ``array -> array``, applied to each of the three arrays.
+          **meta: static fields to replace (e.g. ``shape=``).
+
+        Returns:
+          The new :class:`Payload`.
+        """
         return dataclasses.replace(
             self, codes=fn(self.codes), scale=fn(self.scale), zero=fn(self.zero), **meta
         )
 
     def split_groups(self, chunks: int) -> "Payload":
-        """View the group axis as ``(chunks, groups // chunks)``, for all_to_all and sums."""
+        """View the group axis as ``(chunks, groups // chunks)``, for all_to_all and sums.
+
+        Args:
+          chunks: how many chunks; it divides the group count.
+
+        Returns:
+          The payload with scale ``(..., chunks, groups // chunks)``.
+        """
         def split(a, trailing):
             lead = a.shape[: a.ndim - 1 - trailing]
             return a.reshape(*lead, chunks, a.shape[a.ndim - 1 - trailing] // chunks,

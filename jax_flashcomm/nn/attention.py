@@ -57,20 +57,34 @@ def attend(q, k, v, qpos, kpos, *, causal: bool = True):
     return out.reshape(b, s, hq, dh)
 
 
-def tp_attention(x, w_qkv, w_o, axis_name, *, num_heads: int, causal: bool = True,
-                 decomposed: bool = True, bidirectional: bool = False,
+def tp_attention(x: jax.Array, w_qkv: jax.Array, w_o: jax.Array, axis_name, *, num_heads: int,
+                 causal: bool = True, decomposed: bool = True, bidirectional: bool = False,
                  transport: str = option("transport"),
-                 p2p_timeout_ms: int = option("p2p_timeout_ms")):
+                 p2p_timeout_ms: int = option("p2p_timeout_ms")) -> jax.Array:
     """One TP attention block on local shards (call inside ``jax.shard_map``).
 
-    ``x``: ``(B, S/N, D)``, this rank's sequence positions. ``w_qkv``: ``(D, 3 * h * dh)``, the
-    q, k and v columns of this rank's ``h = num_heads`` heads (in that order). ``w_o``:
-    ``(h * dh, D)``, the rows of the output projection for these heads. Returns this rank's
-    ``(B, S/N, D)`` positions of the block's output (before any residual).
-    ``decomposed=False`` is the unfused reference: all_gather, dot, attention, dot,
-    psum_scatter. ``transport``, ``p2p_timeout_ms``: how the rings' chunks move (the
-    options of :func:`jax_flashcomm.all_gather_matmul`; the block is exact). The attention
-    math is :func:`attend`, the one :class:`~jax_flashcomm.nn.TPAttention` runs.
+    The block is exact. The attention math is :func:`attend`, the one
+    :class:`~jax_flashcomm.nn.TPAttention` runs.
+
+    Args:
+      x: ``(B, S/N, D)``, this rank's sequence positions.
+      w_qkv: ``(D, 3 * h * dh)``, the q, k and v columns of this rank's ``h = num_heads``
+        heads (in that order).
+      w_o: ``(h * dh, D)``, the rows of the output projection for these heads.
+      axis_name: the TP mesh axis (or a tuple of axes).
+      num_heads: ``h``, this rank's heads.
+      causal: mask keys after each query's position.
+      decomposed: False is the unfused reference: all_gather, dot, attention, dot,
+        psum_scatter.
+      bidirectional: split every ring chunk over both directions.
+      transport, p2p_timeout_ms: how the rings' chunks move (the options of
+        :func:`jax_flashcomm.all_gather_matmul`).
+
+    Returns:
+      This rank's ``(B, S/N, D)`` positions of the block's output (before any residual).
+
+    Raises:
+      ValueError: weights whose shapes do not match ``x`` and ``num_heads``.
     """
     if x.ndim != 3:
         raise ValueError(f"tp_attention: x must be (batch, seq, d_model), got shape {x.shape}")

@@ -25,7 +25,7 @@ import dataclasses
 
 from jax_flashcomm.allreduce import psum
 from jax_flashcomm.collective_matmul import all_gather_matmul, matmul_reduce_scatter
-from jax_flashcomm.config import CommConfig, config_from, option
+from jax_flashcomm.config import CommConfig, config_from, takes_options
 
 __all__ = ["TPComm", "COMM_KINDS"]
 
@@ -52,14 +52,9 @@ class TPComm:
     config: CommConfig
     bidirectional: bool
 
+    @takes_options
     def __init__(self, kind: str = "exact", axis_name: str = "tp",
-                 config: CommConfig | None = None, bidirectional: bool = False, *,
-                 bits: int | None = option("bits"), rs_bits: int | None = option("rs_bits"),
-                 ag_bits: int | None = option("ag_bits"), group_size: int = option("group_size"),
-                 min_bytes: int = option("min_bytes"), backend: str = option("backend"),
-                 grad: str = option("grad"), rotation: int | str = option("rotation"),
-                 spikes: int | str = option("spikes"), transport: str = option("transport"),
-                 p2p_timeout_ms: int = option("p2p_timeout_ms")):
+                 config: CommConfig | None = None, bidirectional: bool = False, **options):
         if kind not in COMM_KINDS:
             raise ValueError(f"TPComm: unknown communication kind {kind!r}; expected one of "
                              f"{COMM_KINDS}")
@@ -69,10 +64,7 @@ class TPComm:
         quantized = _KIND_QUANTIZED[kind]
         if config is None and not quantized:
             config = CommConfig(bits=None)
-        config = config_from(config, dict(
-            bits=bits, rs_bits=rs_bits, ag_bits=ag_bits, group_size=group_size,
-            min_bytes=min_bytes, backend=backend, grad=grad, rotation=rotation, spikes=spikes,
-            transport=transport, p2p_timeout_ms=p2p_timeout_ms), "TPComm")
+        config = config_from(config, options, "TPComm")
         if quantized and config.exact:
             raise ValueError(f"TPComm: kind={kind!r} quantizes; its config has bits=None (use "
                              f"kind='exact' or 'overlap')")

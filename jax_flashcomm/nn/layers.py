@@ -24,7 +24,17 @@ __all__ = ["RMSNorm", "TPAttention", "TPMLP", "kv_heads", "check_heads", "padded
 
 
 def check_heads(n_heads: int, n_kv_heads: int, tp: int) -> None:
-    """Raise a clear ValueError unless ``tp`` ranks can split these heads."""
+    """Raise a clear ValueError unless ``tp`` ranks can split these heads.
+
+    Args:
+      n_heads: query heads.
+      n_kv_heads: KV heads (divides ``n_heads``).
+      tp: the TP size: it must divide ``n_heads`` and divide or be a multiple of ``n_kv_heads``.
+
+    Raises:
+      ValueError: the heads do not split over ``tp`` ranks (the message lists the sizes that
+        do).
+    """
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"the TP size must be a positive int, got {tp!r}")
     if n_heads % n_kv_heads:
@@ -37,20 +47,45 @@ def check_heads(n_heads: int, n_kv_heads: int, tp: int) -> None:
 
 
 def kv_heads(n_kv_heads: int, tp: int) -> list[int]:
-    """For each KV slot (``tp * local`` of them, rank-major), the checkpoint KV head it holds."""
+    """For each KV slot (``tp * local`` of them, rank-major), the checkpoint KV head it holds.
+
+    Args:
+      n_kv_heads: the checkpoint's KV heads.
+      tp: the TP size (valid for these heads: :func:`check_heads`).
+
+    Returns:
+      ``range(n_kv_heads)`` when ``tp <= n_kv_heads``, else ``tp`` head indices (each head
+      replicated over ``tp / n_kv_heads`` consecutive ranks).
+    """
     if tp <= n_kv_heads:
         return list(range(n_kv_heads))
     return [r // (tp // n_kv_heads) for r in range(tp)]
 
 
 def padded_ffn(ffn_dim: int, tp: int) -> int:
-    """The MLP width rounded up to a multiple of ``tp`` (padding units are zero: exact)."""
+    """The MLP width rounded up to a multiple of ``tp`` (padding units are zero: exact).
+
+    Args:
+      ffn_dim: the MLP's hidden width.
+      tp: the TP size.
+
+    Returns:
+      The padded width.
+    """
     return -(-ffn_dim // tp) * tp
 
 
-def rope(x, positions, theta: float):
-    """Rotary embedding, rotate-half layout (Hugging Face Llama): ``x (B, S, h, dh)``,
-    ``positions (S,)``. Angles in f32."""
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, rotate-half layout (Hugging Face Llama). Angles in f32.
+
+    Args:
+      x: ``(B, S, h, dh)`` queries or keys (``dh`` even).
+      positions: ``(S,)`` integer positions.
+      theta: the RoPE base (e.g. 10000.0).
+
+    Returns:
+      ``x`` rotated, same shape and dtype.
+    """
     dh = x.shape[-1]
     inv_freq = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
@@ -62,7 +97,14 @@ def rope(x, positions, theta: float):
 
 
 class RMSNorm(nnx.Module):
-    """``x / rms(x) * scale`` over the last axis, in f32; replicated scale."""
+    """``x / rms(x) * scale`` over the last axis, in f32; replicated scale.
+
+    Args:
+      dim: the size of the last axis.
+      eps: added to the mean square.
+      dtype: the scale's dtype.
+      rngs: any ``nnx.Rngs`` initializes the scale to ones; None to zeros (weights to load).
+    """
 
     def __init__(self, dim: int, *, eps: float = 1e-5, dtype=jnp.float32,
                  rngs: nnx.Rngs | None = None):
@@ -84,6 +126,17 @@ class TPAttention(nnx.Module):
     (``decode=False``) attends over its own keys and writes them at ``[start, start + S)``;
     ``decode=True`` writes then attends over the cache up to each query's position. Returns
     ``(y, cache)`` with ``y`` of ``x``'s layout (the all-reduced or reduce-scattered output).
+
+    Args:
+      d_model: the model width.
+      n_heads: query heads (global).
+      n_kv_heads: KV heads (global); :func:`check_heads` must accept them with ``tp``.
+      head_dim: per-head width.
+      tp: the TP size (ranks on ``comm.axis_name``).
+      comm: the :class:`~jax_flashcomm.nn.TPComm` of both projections.
+      rope_theta: the RoPE base.
+      dtype: the parameters' dtype.
+      rngs: ``nnx.Rngs`` to initialize, or None for zeros (weights to be loaded).
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *, tp: int,
@@ -122,8 +175,19 @@ class TPAttention(nnx.Module):
 
 
 class TPMLP(nnx.Module):
-    """SwiGLU MLP ``down(silu(gate(x)) * up(x))``, hidden units sharded over ``comm.axis_name``
-    (padded to a multiple of ``tp`` with zero units)."""
+    """SwiGLU MLP ``down(silu(gate(x)) * up(x))``, hidden units sharded over ``comm.axis_name``.
+
+    The hidden units are padded to a multiple of ``tp`` with zero units (:func:`padded_ffn`).
+    ``__call__(x, *, sp=False)``: ``x`` in the layout of :class:`TPAttention`'s.
+
+    Args:
+      d_model: the model width.
+      ffn_dim: the hidden width (global, before padding).
+      tp: the TP size.
+      comm: the :class:`~jax_flashcomm.nn.TPComm` of both projections.
+      dtype: the parameters' dtype.
+      rngs: ``nnx.Rngs`` to initialize, or None for zeros (weights to be loaded).
+    """
 
     def __init__(self, d_model: int, ffn_dim: int, *, tp: int, comm: TPComm,
                  dtype=jnp.float32, rngs: nnx.Rngs | None):

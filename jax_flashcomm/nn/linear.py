@@ -24,9 +24,21 @@ from jax_flashcomm.nn.comm import TPComm
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "init_param"]
 
 
-def init_param(rngs: nnx.Rngs | None, shape, dtype, sharding, scale: float | None = None):
-    """An ``nnx.Param`` of ``shape`` with ``out_sharding=sharding``: lecun-normal from ``rngs``,
-    or zeros when ``rngs`` is None (weights to be loaded; use under ``nnx.eval_shape``)."""
+def init_param(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype, sharding: tuple,
+               scale: float | None = None) -> nnx.Param:
+    """An ``nnx.Param`` of ``shape`` with ``out_sharding=sharding``.
+
+    Args:
+      rngs: lecun-normal from ``rngs.params()``; None: zeros (weights to be loaded; use under
+        ``nnx.eval_shape``).
+      shape: the global shape (kernels ``(in, out)``).
+      dtype: the parameter's dtype.
+      sharding: a mesh axis name or None per dimension.
+      scale: with ``rngs``, fill with this constant instead (e.g. 1.0 for a norm's scale).
+
+    Returns:
+      The ``nnx.Param``.
+    """
     if rngs is None:
         value = jnp.zeros(shape, dtype)
     elif scale is not None:
@@ -48,6 +60,14 @@ class ColumnParallelLinear(nnx.Module):
 
     Local: ``x (..., in)`` replicated → ``(..., out / N)``; with ``sp=True``
     ``x (..., S / N, in)`` → ``(..., S, out / N)`` through ``comm.gather_matmul``.
+
+    Args:
+      in_features: input width.
+      out_features: output width (global; a multiple of ``tp``).
+      tp: the TP size.
+      comm: the :class:`~jax_flashcomm.nn.TPComm`.
+      dtype: the kernel's dtype.
+      rngs: ``nnx.Rngs`` to initialize, or None for zeros (weights to be loaded).
     """
 
     def __init__(self, in_features: int, out_features: int, *, tp: int, comm: TPComm,
@@ -71,6 +91,14 @@ class RowParallelLinear(nnx.Module):
 
     Local: ``x (..., in / N)`` → the sum over ranks ``(..., out)`` through ``comm.all_reduce``;
     with ``sp=True`` → this rank's ``(..., S / N, out)`` through ``comm.matmul_scatter``.
+
+    Args:
+      in_features: input width (global; a multiple of ``tp``).
+      out_features: output width.
+      tp: the TP size.
+      comm: the :class:`~jax_flashcomm.nn.TPComm`.
+      dtype: the kernel's dtype.
+      rngs: ``nnx.Rngs`` to initialize, or None for zeros (weights to be loaded).
     """
 
     def __init__(self, in_features: int, out_features: int, *, tp: int, comm: TPComm,
@@ -97,6 +125,14 @@ class VocabParallelEmbedding(nnx.Module):
     zeros elsewhere, and the partial embeddings are summed exactly (``lax.psum``, or
     ``lax.psum_scatter`` over the sequence with ``sp=True``). :meth:`attend` is the tied LM head:
     this rank's logits, all-gathered over the vocabulary (exact).
+
+    Args:
+      vocab_size: the real vocabulary size.
+      d_model: the embedding width.
+      tp: the TP size.
+      comm: the :class:`~jax_flashcomm.nn.TPComm` (its ``axis_name`` shards the rows).
+      dtype: the table's dtype.
+      rngs: ``nnx.Rngs`` to initialize, or None for zeros (weights to be loaded).
     """
 
     def __init__(self, vocab_size: int, d_model: int, *, tp: int, comm: TPComm,

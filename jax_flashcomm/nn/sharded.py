@@ -10,14 +10,29 @@ from jax.sharding import NamedSharding
 __all__ = ["param_specs", "place", "shard_call"]
 
 
-def param_specs(state):
-    """The ``PartitionSpec`` of every variable of an ``nnx.State`` (its ``out_sharding``
-    metadata; unannotated variables are replicated), as a pytree matching the state's."""
+def param_specs(state: nnx.State):
+    """The ``PartitionSpec`` of every variable of an ``nnx.State``.
+
+    Args:
+      state: an ``nnx.State`` (e.g. ``nnx.split(module)[1]``).
+
+    Returns:
+      A pytree matching the state's: each variable's ``out_sharding`` metadata as a
+      ``PartitionSpec`` (unannotated variables are replicated).
+    """
     return nnx.get_partition_spec(state)
 
 
-def place(module: nnx.Module, mesh) -> nnx.Module:
-    """Put every parameter of ``module`` on ``mesh`` as its sharding metadata says (in place)."""
+def place(module: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Module:
+    """Put every parameter of ``module`` on ``mesh`` as its sharding metadata says (in place).
+
+    Args:
+      module: an NNX module whose parameters carry ``out_sharding`` metadata.
+      mesh: the mesh whose axes the metadata names.
+
+    Returns:
+      ``module`` itself, updated.
+    """
     graphdef, state = nnx.split(module)
     specs = param_specs(state)
     state = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), state, specs)
@@ -25,12 +40,22 @@ def place(module: nnx.Module, mesh) -> nnx.Module:
     return module
 
 
-def shard_call(module: nnx.Module, mesh, in_specs, out_specs, **kwargs):
+def shard_call(module: nnx.Module, mesh: jax.sharding.Mesh, in_specs, out_specs, **kwargs):
     """``f(*args)`` = ``module(*args, **kwargs)`` run on local shards inside ``jax.shard_map``.
 
     ``in_specs`` / ``out_specs`` are those of the call's arguments and result; the module's
     parameters travel with their own specs. For using one TP layer on its own; a model step
     puts the shard_map around the whole step instead.
+
+    Args:
+      module: the NNX module (its parameters at global shape with sharding metadata).
+      mesh: the mesh of the ``shard_map``.
+      in_specs: a ``PartitionSpec`` per positional argument of the call.
+      out_specs: the ``PartitionSpec`` (pytree) of the result.
+      **kwargs: static keyword arguments of every call (e.g. ``sp=True``).
+
+    Returns:
+      ``f(*args)``: jitted; it places the (global) arguments on ``mesh`` by ``in_specs``.
     """
     graphdef, state = nnx.split(module)
     specs = param_specs(state)
