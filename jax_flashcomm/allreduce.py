@@ -34,19 +34,14 @@ import numpy as np
 from jax import lax
 
 from jax_flashcomm import _axes, transport
-from jax_flashcomm.config import CommConfig, config_from, option
+from jax_flashcomm.config import CommConfig, config_from, takes_options
 from jax_flashcomm.planner import Plan, as_plan, plan
 
 __all__ = ["psum", "pmean"]
 
 
-def psum(x, axis_name, *, axis_index_groups=None, config: CommConfig | None = None,
-         bits: int | None = option("bits"), rs_bits: int | None = option("rs_bits"),
-         ag_bits: int | None = option("ag_bits"), group_size: int = option("group_size"),
-         min_bytes: int = option("min_bytes"), backend: str = option("backend"),
-         grad: str = option("grad"), rotation: int | str = option("rotation"),
-         spikes: int | str = option("spikes"), transport: str = option("transport"),
-         p2p_timeout_ms: int = option("p2p_timeout_ms")):
+@takes_options
+def psum(x, axis_name, *, axis_index_groups=None, config: CommConfig | None = None, **options):
     """Quantized all-reduce sum over mesh axes ``axis_name``: a drop-in for ``lax.psum``.
 
     The options are :class:`~jax_flashcomm.CommConfig`'s fields, with its defaults; options
@@ -77,10 +72,7 @@ def psum(x, axis_name, *, axis_index_groups=None, config: CommConfig | None = No
     Returns:
       The sum, of ``x``'s structure, shapes and dtypes, invariant over the reduced axes.
     """
-    config = config_from(config, dict(
-        bits=bits, rs_bits=rs_bits, ag_bits=ag_bits, group_size=group_size,
-        min_bytes=min_bytes, backend=backend, grad=grad, rotation=rotation, spikes=spikes,
-        transport=transport, p2p_timeout_ms=p2p_timeout_ms), "psum")
+    config = config_from(config, options, "psum")
     if axis_index_groups is not None:
         raise NotImplementedError("jax_flashcomm.psum: axis_index_groups is not supported")
     axes = _axes.normalize_axes(axis_name, "psum")
@@ -88,22 +80,14 @@ def psum(x, axis_name, *, axis_index_groups=None, config: CommConfig | None = No
         lambda path, leaf: _psum_leaf(leaf, axes, config, _axes.leaf_name(path)), x)
 
 
-def pmean(x, axis_name, *, axis_index_groups=None, config: CommConfig | None = None,
-          bits: int | None = option("bits"), rs_bits: int | None = option("rs_bits"),
-          ag_bits: int | None = option("ag_bits"), group_size: int = option("group_size"),
-          min_bytes: int = option("min_bytes"), backend: str = option("backend"),
-          grad: str = option("grad"), rotation: int | str = option("rotation"),
-          spikes: int | str = option("spikes"), transport: str = option("transport"),
-          p2p_timeout_ms: int = option("p2p_timeout_ms")):
+@takes_options
+def pmean(x, axis_name, *, axis_index_groups=None, config: CommConfig | None = None, **options):
     """``psum(x, axis_name, ...) / N``, like ``lax.pmean`` (the options of :func:`psum`).
 
     Returns:
       The mean over the ranks, of ``x``'s structure, invariant over the reduced axes.
     """
-    total = psum(x, axis_name, axis_index_groups=axis_index_groups, config=config, bits=bits,
-                 rs_bits=rs_bits, ag_bits=ag_bits, group_size=group_size, min_bytes=min_bytes,
-                 backend=backend, grad=grad, rotation=rotation, spikes=spikes,
-                 transport=transport, p2p_timeout_ms=p2p_timeout_ms)
+    total = psum(x, axis_name, axis_index_groups=axis_index_groups, config=config, **options)
     n = _axes.axis_size(_axes.normalize_axes(axis_name, "pmean"))
     return jax.tree.map(lambda v: v / n, total)
 

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_flashcomm import _axes
-from jax_flashcomm.config import CommConfig, config_from, option
+from jax_flashcomm.config import CommConfig, config_from, takes_options
 from jax_flashcomm.planner import Plan, plan
 from jax_flashcomm.rings import ag_ring, rs_ring
 from jax_flashcomm.scatter_gather import psum_scatter
@@ -168,16 +168,9 @@ _mrs.defvjp(_mrs_fwd, _mrs_bwd)
 # ---------------------------------------------------------------------------------------------
 
 
+@takes_options
 def all_gather_matmul(x, w, axis_name, *, axis: int = 0, bidirectional: bool = False,
-                      config: CommConfig | None = None, bits: int | None = option("bits"),
-                      rs_bits: int | None = option("rs_bits"),
-                      ag_bits: int | None = option("ag_bits"),
-                      group_size: int = option("group_size"),
-                      min_bytes: int = option("min_bytes"), backend: str = option("backend"),
-                      grad: str = option("grad"), rotation: int | str = option("rotation"),
-                      spikes: int | str = option("spikes"),
-                      transport: str = option("transport"),
-                      p2p_timeout_ms: int = option("p2p_timeout_ms")):
+                      config: CommConfig | None = None, **options):
     """``lax.all_gather(x, axis_name, axis=axis, tiled=True) @ w`` as an overlapped ring.
 
     Call inside ``jax.shard_map``. N-1 ring steps, each next to the dot of the chunk already
@@ -204,10 +197,7 @@ def all_gather_matmul(x, w, axis_name, *, axis: int = 0, bidirectional: bool = F
       The ``(..., N * x.shape[axis], ..., n_local)`` product.
     """
     fn = "all_gather_matmul"
-    config = config_from(config, dict(
-        bits=bits, rs_bits=rs_bits, ag_bits=ag_bits, group_size=group_size,
-        min_bytes=min_bytes, backend=backend, grad=grad, rotation=rotation, spikes=spikes,
-        transport=transport, p2p_timeout_ms=p2p_timeout_ms), fn)
+    config = config_from(config, options, fn)
     axis = _check_operands(fn, x, w, axis)
     axes = _axes.normalize_axes(axis_name, fn)
     p = plan(fn, axes, x.shape, x.dtype, _axes.axis_size(axes), config)
@@ -219,17 +209,9 @@ def all_gather_matmul(x, w, axis_name, *, axis: int = 0, bidirectional: bool = F
     return _agmm(x, w, axis_name, axis, bool(bidirectional), quant, ring_spec(p))
 
 
+@takes_options
 def matmul_reduce_scatter(x, w, axis_name, *, axis: int = 0, bidirectional: bool = False,
-                          config: CommConfig | None = None, bits: int | None = option("bits"),
-                          rs_bits: int | None = option("rs_bits"),
-                          ag_bits: int | None = option("ag_bits"),
-                          group_size: int = option("group_size"),
-                          min_bytes: int = option("min_bytes"),
-                          backend: str = option("backend"), grad: str = option("grad"),
-                          rotation: int | str = option("rotation"),
-                          spikes: int | str = option("spikes"),
-                          transport: str = option("transport"),
-                          p2p_timeout_ms: int = option("p2p_timeout_ms")):
+                          config: CommConfig | None = None, **options):
     """``lax.psum_scatter(x @ w, axis_name, scatter_dimension=axis, tiled=True)`` as a ring.
 
     Call inside ``jax.shard_map``. The exact path: partial products travel the ring and are
@@ -251,10 +233,7 @@ def matmul_reduce_scatter(x, w, axis_name, *, axis: int = 0, bidirectional: bool
       This rank's ``M / N`` rows of the sum over ranks.
     """
     fn = "matmul_reduce_scatter"
-    config = config_from(config, dict(
-        bits=bits, rs_bits=rs_bits, ag_bits=ag_bits, group_size=group_size,
-        min_bytes=min_bytes, backend=backend, grad=grad, rotation=rotation, spikes=spikes,
-        transport=transport, p2p_timeout_ms=p2p_timeout_ms), fn)
+    config = config_from(config, options, fn)
     axis = _check_operands(fn, x, w, axis)
     axes = _axes.normalize_axes(axis_name, fn)
     n = _axes.axis_size(axes)

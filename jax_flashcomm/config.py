@@ -16,6 +16,7 @@ config never carries a resolution made for other bits.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import operator
 
 import numpy as np
@@ -23,7 +24,8 @@ import numpy as np
 from jax_flashcomm.codec import spec
 
 __all__ = ["CommConfig", "OPTION_NAMES", "TRANSPORTS", "GRAD_MODES", "BACKENDS",
-           "DEFAULT_MIN_BYTES", "auto_rotation", "auto_spikes", "config_from", "option"]
+           "DEFAULT_MIN_BYTES", "auto_rotation", "auto_spikes", "config_from", "option",
+           "is_default", "takes_options"]
 
 #: Below this many operand bytes per rank the exact ``lax`` collective is used: small messages
 #: are latency-bound (docs/allreduce.md has the crossover measured here).
@@ -211,6 +213,36 @@ def option(name: str) -> _Default:
 def is_default(value) -> bool:
     """Whether an option keyword was left at its default (not given by the caller)."""
     return isinstance(value, _Default)
+
+
+_OPTION_TYPES = {"bits": "int | None", "rs_bits": "int | None", "ag_bits": "int | None",
+                 "rotation": "int | str", "spikes": "int | str"}
+
+
+def takes_options(fn):
+    """Give ``fn(..., config=None, **options)`` the option keywords in its signature.
+
+    Every entry point is written ``def op(..., *, config=None, **options)`` and calls
+    :func:`config_from`; this decorator makes ``inspect.signature`` (and ``help``) show each
+    option of :data:`OPTION_NAMES` as a keyword-only parameter with its CommConfig default, the
+    one place those keywords are listed.
+
+    Args:
+      fn: a function whose last parameter is ``**options``.
+
+    Returns:
+      ``fn`` itself, with ``__signature__`` set.
+    """
+    sig = inspect.signature(fn)
+    params = list(sig.parameters.values())
+    if not params or params[-1].kind is not inspect.Parameter.VAR_KEYWORD:
+        raise TypeError(f"takes_options: {fn.__qualname__} must end with **options")
+    params = params[:-1] + [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option(name),
+                          annotation=_OPTION_TYPES.get(name, type(_DEFAULTS[name]).__name__))
+        for name in OPTION_NAMES]
+    fn.__signature__ = sig.replace(parameters=params)
+    return fn
 
 
 def config_from(config: CommConfig | None, options: dict, where: str) -> CommConfig:

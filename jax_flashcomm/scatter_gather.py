@@ -31,7 +31,7 @@ from jax import lax
 
 from jax_flashcomm import _axes, transport
 from jax_flashcomm.allreduce import vary
-from jax_flashcomm.config import CommConfig, config_from, option
+from jax_flashcomm.config import CommConfig, config_from, takes_options
 from jax_flashcomm.planner import Plan, as_plan, plan
 
 __all__ = ["psum_scatter", "all_gather"]
@@ -47,14 +47,9 @@ def _check_dim(dim, ndim, name):
 
 # --- psum_scatter ---------------------------------------------------------------------------------
 
+@takes_options
 def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, axis_index_groups=None,
-                 tiled: bool = False, config: CommConfig | None = None,
-                 bits: int | None = option("bits"), rs_bits: int | None = option("rs_bits"),
-                 ag_bits: int | None = option("ag_bits"), group_size: int = option("group_size"),
-                 min_bytes: int = option("min_bytes"), backend: str = option("backend"),
-                 grad: str = option("grad"), rotation: int | str = option("rotation"),
-                 spikes: int | str = option("spikes"), transport: str = option("transport"),
-                 p2p_timeout_ms: int = option("p2p_timeout_ms")):
+                 tiled: bool = False, config: CommConfig | None = None, **options):
     """Quantized reduce-scatter: a drop-in for ``lax.psum_scatter``.
 
     Rank i gets the sum over ranks of slice i of ``x`` along ``scatter_dimension`` (that
@@ -73,10 +68,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, axis_index_groups=
     Returns:
       This rank's slice of the sum, varying over the axes (``lax.psum_scatter``'s type).
     """
-    config = config_from(config, dict(
-        bits=bits, rs_bits=rs_bits, ag_bits=ag_bits, group_size=group_size,
-        min_bytes=min_bytes, backend=backend, grad=grad, rotation=rotation, spikes=spikes,
-        transport=transport, p2p_timeout_ms=p2p_timeout_ms), "psum_scatter")
+    config = config_from(config, options, "psum_scatter")
     if axis_index_groups is not None:
         raise NotImplementedError("jax_flashcomm.psum_scatter: axis_index_groups is not "
                                   "supported")
@@ -171,14 +163,9 @@ _qpsum_scatter.defvjp(_qpsum_scatter_fwd, _qpsum_scatter_bwd)
 
 # --- all_gather -----------------------------------------------------------------------------------
 
+@takes_options
 def all_gather(x, axis_name, *, axis: int = 0, axis_index_groups=None, tiled: bool = False,
-               config: CommConfig | None = None,
-               bits: int | None = option("bits"), rs_bits: int | None = option("rs_bits"),
-               ag_bits: int | None = option("ag_bits"), group_size: int = option("group_size"),
-               min_bytes: int = option("min_bytes"), backend: str = option("backend"),
-               grad: str = option("grad"), rotation: int | str = option("rotation"),
-               spikes: int | str = option("spikes"), transport: str = option("transport"),
-               p2p_timeout_ms: int = option("p2p_timeout_ms")):
+               config: CommConfig | None = None, **options):
     """Quantized all-gather: a drop-in for ``lax.all_gather``.
 
     Stacks the N ranks' operands on a new dimension ``axis`` (``tiled=False``) or concatenates
@@ -196,10 +183,7 @@ def all_gather(x, axis_name, *, axis: int = 0, axis_index_groups=None, tiled: bo
     Returns:
       The gathered operands, varying over the axes (``lax.all_gather``'s type).
     """
-    config = config_from(config, dict(
-        bits=bits, rs_bits=rs_bits, ag_bits=ag_bits, group_size=group_size,
-        min_bytes=min_bytes, backend=backend, grad=grad, rotation=rotation, spikes=spikes,
-        transport=transport, p2p_timeout_ms=p2p_timeout_ms), "all_gather")
+    config = config_from(config, options, "all_gather")
     if axis_index_groups is not None:
         raise NotImplementedError("jax_flashcomm.all_gather: axis_index_groups is not "
                                   "supported")

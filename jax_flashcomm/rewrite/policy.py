@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 
 from jax_flashcomm.codec import spec
-from jax_flashcomm.config import CommConfig, config_from, is_default, option
+from jax_flashcomm.config import CommConfig, config_from, takes_options
 
 __all__ = ["RewritePolicy", "REWRITABLE_OPS"]
 
@@ -78,21 +78,13 @@ class RewritePolicy:
     skip_sites: tuple[str, ...] | None = None
     fuse_matmul: bool = False
 
+    @takes_options
     def __init__(self, config: CommConfig | None = None, ops=None, axes=None, sites=None,
-                 skip_sites=None, fuse_matmul: bool = False, *,
-                 bits: int | None = option("bits"), rs_bits: int | None = option("rs_bits"),
-                 ag_bits: int | None = option("ag_bits"), group_size: int = option("group_size"),
-                 min_bytes: int = option("min_bytes"), backend: str = option("backend"),
-                 grad: str = option("grad"), rotation: int | str = option("rotation"),
-                 spikes: int | str = option("spikes"), transport: str = option("transport"),
-                 p2p_timeout_ms: int = option("p2p_timeout_ms")):
+                 skip_sites=None, fuse_matmul: bool = False, **options):
         if config is not None and not isinstance(config, CommConfig):
             raise TypeError(f"RewritePolicy: config must be a jax_flashcomm.CommConfig or None, "
                             f"got {type(config).__name__}")
-        options = dict(bits=bits, rs_bits=rs_bits, ag_bits=ag_bits, group_size=group_size,
-                       min_bytes=min_bytes, backend=backend, grad=grad, rotation=rotation,
-                       spikes=spikes, transport=transport, p2p_timeout_ms=p2p_timeout_ms)
-        if config is not None or not all(map(is_default, options.values())):
+        if config is not None or options:
             config = config_from(config, options, "RewritePolicy")
         for name, value in (("config", config), ("ops", ops), ("axes", axes), ("sites", sites),
                             ("skip_sites", skip_sites), ("fuse_matmul", fuse_matmul)):

@@ -195,3 +195,10 @@ def test_cli_flags_are_the_config_fields_with_the_library_defaults():
                               "--rotation", "hadamard", "--spikes", "2"])
     assert cli.comm_from_args(args).config == CommConfig(bits=4, min_bytes=0,
                                                          rotation="hadamard", spikes=2)
+
+
+def test_an_unknown_option_is_a_type_error():
+    with pytest.raises(TypeError, match="psum: unknown options \\['bitz'\\]"):
+        fc.psum(jnp.ones(4), "i", bitz=4)
+    with pytest.raises(TypeError, match="TPComm: unknown options"):
+        nn.TPComm("flash", ring_transport="p2p")
