@@ -27,6 +27,7 @@ axis, lax inserts a ``pvary`` whose transpose all-reduces the cotangent; here th
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,9 @@ from jax import lax
 from jax_flashcomm import _axes, transport
 from jax_flashcomm.config import CommConfig, config_from, takes_options
 from jax_flashcomm.planner import Plan, as_plan, plan
+
+if TYPE_CHECKING:
+    from jax_flashcomm.codec import Payload
 
 __all__ = ["psum", "pmean"]
 
@@ -84,6 +88,13 @@ def psum(x, axis_name, *, axis_index_groups=None, config: CommConfig | None = No
 def pmean(x, axis_name, *, axis_index_groups=None, config: CommConfig | None = None, **options):
     """``psum(x, axis_name, ...) / N``, like ``lax.pmean`` (the options of :func:`psum`).
 
+    Args:
+      x: an array or pytree of arrays, any shape.
+      axis_name: a mesh axis name or a tuple of them.
+      axis_index_groups: not supported (must be None).
+      config: a :class:`~jax_flashcomm.CommConfig`.
+      **options: :func:`psum`'s options, updating ``config``.
+
     Returns:
       The mean over the ranks, of ``x``'s structure, invariant over the reduced axes.
     """
@@ -121,10 +132,18 @@ def _vary_bwd(axes, config, _, ct):
 _vary.defvjp(_vary_fwd, _vary_bwd)
 
 
-def vary(x, axes, config: CommConfig):
+def vary(x: jax.Array, axes: tuple[str, ...], config: CommConfig) -> jax.Array:
     """``x`` made varying over ``axes`` (as lax collectives do implicitly).
 
     The transpose all-reduces the cotangent: exactly, or quantized with ``grad="quantized"``.
+
+    Args:
+      x: an array (inside ``shard_map``).
+      axes: normalized mesh axes (:func:`jax_flashcomm._axes.normalize_axes`).
+      config: whose ``grad`` picks the cotangent's all-reduce.
+
+    Returns:
+      ``x``, varying over every axis of ``axes`` (unchanged where it already is).
     """
     missing = _axes.missing_axes(x, axes)
     return _vary(x, missing, config) if missing else x
@@ -132,14 +151,20 @@ def vary(x, axes, config: CommConfig):
 
 # --- the two-step all-reduce -------------------------------------------------------------------
 
-def two_step(x, axes, p: Plan | CommConfig):
-    """Run the two-step all-reduce of plan ``p`` (or of a config: its quantized plan,
-    :func:`jax_flashcomm.planner.as_plan`) on a varying ``x``; also return both phases'
-    payloads.
+def two_step(x: jax.Array, axes: tuple[str, ...],
+             p: Plan | CommConfig) -> tuple[jax.Array, Payload, Payload]:
+    """Run the two-step all-reduce on a varying ``x``; also return both phases' payloads.
 
-    Returns ``(y, p1, p2)``: ``p1`` is this rank's phase-1 payload of the whole operand
-    (varying), ``p2`` the gathered phase-2 payload (replicated) with ``x``'s shape, so
-    ``codec.error_bound`` of each gives the per-element bounds of the two quantizations.
+    Args:
+      x: one array (f32, bf16 or f16), varying over ``axes``.
+      axes: normalized mesh axes.
+      p: a quantized :class:`~jax_flashcomm.planner.Plan` of op ``"psum"``, or a config (its
+        quantized plan, :func:`jax_flashcomm.planner.as_plan`).
+
+    Returns:
+      ``(y, p1, p2)``: ``y`` the sum; ``p1`` this rank's phase-1 payload of the whole operand
+      (varying), ``p2`` the gathered phase-2 payload (replicated) with ``x``'s shape, so
+      ``codec.error_bound`` of each gives the per-element bounds of the two quantizations.
     """
     p = as_plan("psum", x, axes, p)
     return transport.by_name(p.transport).all_reduce(x, axes, p)

@@ -50,14 +50,30 @@ AUTO_ROTATION_MIN_BITS = 6
 
 
 def auto_rotation(bits: tuple, group_size: int) -> int:
-    """The rotation ``"auto"`` means for quantized phases of ``bits`` and this group size."""
+    """The rotation ``"auto"`` means for quantized phases of ``bits`` and this group size.
+
+    Args:
+      bits: the bits of every quantized phase (e.g. ``(rs_bits, ag_bits)``).
+      group_size: values per quantization group.
+
+    Returns:
+      1 (Hadamard) when every phase has at least 6 bits and ``group_size`` is a power of two,
+      else 0.
+    """
     pow2 = group_size & (group_size - 1) == 0
     wide = bool(bits) and min(bits) >= AUTO_ROTATION_MIN_BITS
     return AUTO_ROTATION if pow2 and wide else 0
 
 
 def auto_spikes(bits: int | None) -> int:
-    """The spikes per group ``"auto"`` means for a phase of ``bits`` (None: not quantized)."""
+    """The spikes per group ``"auto"`` means for a phase of ``bits``.
+
+    Args:
+      bits: the phase's bits per value; None: not quantized.
+
+    Returns:
+      1 for a phase of at most 6 bits, else 0.
+    """
     return AUTO_SPIKES if bits is not None and bits <= AUTO_SPIKES_MAX_BITS else 0
 
 
@@ -206,12 +222,26 @@ class _Default:
 
 
 def option(name: str) -> _Default:
-    """The default of option ``name`` in a signature (``bits=option("bits")``)."""
+    """The default of option ``name`` in a signature (``bits=option("bits")``).
+
+    Args:
+      name: one of :data:`OPTION_NAMES`.
+
+    Returns:
+      A marker that shows as the CommConfig default and that :func:`is_default` recognizes.
+    """
     return _Default(name)
 
 
 def is_default(value) -> bool:
-    """Whether an option keyword was left at its default (not given by the caller)."""
+    """Whether an option keyword was left at its default (not given by the caller).
+
+    Args:
+      value: the keyword's value in a call.
+
+    Returns:
+      True for an :func:`option` marker.
+    """
     return isinstance(value, _Default)
 
 

@@ -37,12 +37,16 @@ import contextlib
 import contextvars
 import dataclasses
 import logging
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jax_flashcomm.config import CommConfig, auto_spikes
 from jax_flashcomm.transport import p2p as p2p_transport
 from jax_flashcomm.transport import ring as ring_transport
+
+if TYPE_CHECKING:
+    import jax
 
 __all__ = ["Plan", "Decision", "plan", "quantized_plan", "as_plan", "record", "size_policy",
            "OPS", "PATHS"]
@@ -124,7 +128,16 @@ Decision = Plan
 
 
 def size_policy(config: CommConfig, nbytes: int, axis_size: int) -> tuple[bool, str]:
-    """``(quantized, reason)``: the size policy alone (what :func:`plan` decides first)."""
+    """``(quantized, reason)``: the size policy alone (what :func:`plan` decides first).
+
+    Args:
+      config: the call's :class:`~jax_flashcomm.CommConfig` (its ``bits`` and ``min_bytes``).
+      nbytes: the operand's bytes per rank.
+      axis_size: the number of ranks.
+
+    Returns:
+      ``(quantized, reason)``: whether the quantized path may run, and why (for the plan).
+    """
     if config.exact:
         return False, "bits=None (exact setting)"
     if axis_size == 1:
@@ -214,8 +227,15 @@ def plan(op: str, axes: tuple, shape, dtype, axis_size: int, config: CommConfig,
 
 def quantized_plan(op: str, axes: tuple, shape, dtype, axis_size: int, config: CommConfig, *,
                    where: str | None = None) -> Plan:
-    """The quantized plan of ``op`` whatever ``config.min_bytes`` says (not recorded): for
-    callers that run the quantized path on purpose (error-bound oracles, benchmarks).
+    """The quantized plan of ``op`` whatever ``config.min_bytes`` says (not recorded).
+
+    For callers that run the quantized path on purpose (error-bound oracles, benchmarks).
+
+    Args:
+      op, axes, shape, dtype, axis_size, config, where: as for :func:`plan`.
+
+    Returns:
+      A quantized :class:`Plan` whose ``config`` is ``config`` itself.
 
     Raises:
       ValueError: the config is exact, the axis has one rank or the operand is empty.
@@ -227,9 +247,22 @@ def quantized_plan(op: str, axes: tuple, shape, dtype, axis_size: int, config: C
     return dataclasses.replace(p, config=config)
 
 
-def as_plan(op: str, x, axes: tuple, config_or_plan) -> Plan:
-    """``config_or_plan`` if it is a :class:`Plan`, else the :func:`quantized_plan` of ``x``
-    over the bound ``axes`` under that config."""
+def as_plan(op: str, x: jax.Array, axes: tuple, config_or_plan: Plan | CommConfig) -> Plan:
+    """``config_or_plan`` if it is a :class:`Plan`, else the :func:`quantized_plan` of ``x``.
+
+    Args:
+      op: one of :data:`OPS`.
+      x: the operand (its shape and dtype).
+      axes: the mesh axes, bound (inside ``shard_map``: their sizes are read).
+      config_or_plan: a :class:`Plan` (returned as is) or a
+        :class:`~jax_flashcomm.CommConfig`.
+
+    Returns:
+      The :class:`Plan`.
+
+    Raises:
+      ValueError: as :func:`quantized_plan`.
+    """
     if isinstance(config_or_plan, Plan):
         return config_or_plan
     import math
@@ -247,6 +280,9 @@ def record():
     >>> with record() as plans:
     ...     jax.jit(f).lower(x)          # doctest: +SKIP
     >>> print(*plans, sep="\\n")         # doctest: +SKIP
+
+    Yields:
+      A list that each :class:`Plan` is appended to, in trace order.
     """
     sink: list[Plan] = []
     token = _recorders.set(_recorders.get() + (sink,))
