@@ -14,11 +14,21 @@ __all__ = ["normalize_axes", "axis_size", "leaf_name", "check_float", "varying_a
            "missing_axes", "to_varying", "match_varying"]
 
 
-def normalize_axes(axis_name, where: str = "", name: str = "axis_name") -> tuple:
+def normalize_axes(axis_name, where: str = "", name: str = "axis_name") -> tuple[str, ...]:
     """``axis_name`` (a mesh axis name or a tuple/list of them) as a tuple of bound names.
 
-    Raises a clear error for an empty or repeated tuple, a positional int axis, a name that is
-    not a string, or an axis not bound here (outside ``jax.shard_map``).
+    Args:
+      axis_name: a mesh axis name, or a tuple/list of them.
+      where: the entry point's name, prefixed to errors.
+      name: the argument's name in errors.
+
+    Returns:
+      The names, in order.
+
+    Raises:
+      ValueError: an empty or repeated tuple, or an axis not bound here (outside
+        ``jax.shard_map``).
+      TypeError: a positional int axis or a name that is not a string.
     """
     prefix = f"{where}: " if where else ""
     axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
@@ -42,44 +52,102 @@ def normalize_axes(axis_name, where: str = "", name: str = "axis_name") -> tuple
     return axes
 
 
-def axis_size(axes: tuple) -> int:
-    """The number of ranks over the bound mesh ``axes``."""
+def axis_size(axes: tuple[str, ...]) -> int:
+    """The number of ranks over the bound mesh ``axes``.
+
+    Args:
+      axes: bound mesh axis names (:func:`normalize_axes`).
+
+    Returns:
+      The product of their sizes.
+    """
     return math.prod(int(lax.axis_size(a)) for a in axes)
 
 
 def leaf_name(path) -> str:
-    """``x`` plus the pytree path of a leaf (``x['a'][0]``), for error messages."""
+    """``x`` plus the pytree path of a leaf (``x['a'][0]``), for error messages.
+
+    Args:
+      path: a key path (from ``jax.tree_util.tree_map_with_path``).
+
+    Returns:
+      The leaf's name.
+    """
     return "x" + jax.tree_util.keystr(path)
 
 
-def check_float(x, name: str = "x"):
-    """The quantized paths take f32, bf16 or f16 leaves only."""
+def check_float(x, name: str = "x") -> np.dtype:
+    """The quantized paths take f32, bf16 or f16 leaves only.
+
+    Args:
+      x: the leaf.
+      name: its name in errors.
+
+    Returns:
+      Its dtype.
+
+    Raises:
+      TypeError: ``x`` is not an array or not of a codec dtype.
+    """
     dtype = getattr(x, "dtype", None)
     if dtype is None:
         raise TypeError(f"{name} must be an array, got {type(x)}")
     return spec.check_dtype(dtype, name)
 
 
-def varying_axes(x) -> frozenset:
-    """Mesh axes over which ``x`` varies (its check_vma type; empty outside shard_map)."""
+def varying_axes(x) -> frozenset[str]:
+    """Mesh axes over which ``x`` varies (its check_vma type; empty outside shard_map).
+
+    Args:
+      x: an array or tracer.
+
+    Returns:
+      The axis names.
+    """
     mat = getattr(jax.typeof(x), "manual_axis_type", None)
     return frozenset(getattr(mat, "varying", frozenset()))
 
 
-def missing_axes(x, axes: tuple) -> tuple:
-    """The axes of ``axes`` over which ``x`` is not (yet) varying, in ``axes`` order."""
+def missing_axes(x, axes: tuple[str, ...]) -> tuple[str, ...]:
+    """The axes of ``axes`` over which ``x`` is not (yet) varying, in ``axes`` order.
+
+    Args:
+      x: an array or tracer.
+      axes: mesh axis names.
+
+    Returns:
+      A sub-tuple of ``axes``.
+    """
     have = varying_axes(x)
     return tuple(a for a in axes if a not in have)
 
 
-def to_varying(x, axes: tuple):
-    """``x`` cast to varying over ``axes`` (no communication): psum's transpose, and the type
-    of a cotangent whose instantiated zeros may not be varying yet."""
+def to_varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """``x`` cast to varying over ``axes`` (no communication).
+
+    psum's transpose, and the type of a cotangent whose instantiated zeros may not be varying
+    yet.
+
+    Args:
+      x: an array.
+      axes: mesh axis names.
+
+    Returns:
+      ``x``, varying over ``axes`` (unchanged where it already is).
+    """
     missing = missing_axes(x, axes)
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
-def match_varying(arrays, axes: tuple) -> list:
-    """The arrays cast to vary over the same axes: the union of theirs and ``axes``."""
+def match_varying(arrays, axes: tuple[str, ...]) -> list[jax.Array]:
+    """The arrays cast to vary over the same axes: the union of theirs and ``axes``.
+
+    Args:
+      arrays: a sequence of arrays.
+      axes: mesh axis names every result varies over too.
+
+    Returns:
+      The arrays, in order.
+    """
     want = frozenset(axes).union(*(varying_axes(a) for a in arrays))
     return [to_varying(a, tuple(sorted(want))) for a in arrays]

@@ -76,7 +76,14 @@ def _check_operands(fn: str, x, w, axis: int) -> int:
 
 
 def ring_spec(p: Plan) -> tuple:
-    """The ring-step spec (:func:`jax_flashcomm.transport.ring.spec`) of a ring plan."""
+    """The ring-step spec (:func:`jax_flashcomm.transport.ring.spec`) of a ring plan.
+
+    Args:
+      p: a plan of a ring path (its ``transport`` and ``timeout_ms``).
+
+    Returns:
+      ``(name, timeout_ms, link_bytes_per_s)``, hashable.
+    """
     return ring_steps.spec(p.transport, p.timeout_ms)
 
 

@@ -53,7 +53,8 @@ def _link(ring, axis_name):
     return ring_steps.make_link(ring, axis_name, {1: fwd, -1: bwd})
 
 
-def ag_ring(x, axis_name, axis, bidirectional, product, place, state, quant, ring):
+def ag_ring(x: jax.Array, axis_name, axis: int, bidirectional: bool, product, place, state,
+            quant: tuple | None, ring: tuple):
     """Ring all-gather of ``x`` along ``axis``, with ``product(chunk)`` of every piece.
 
     ``place(state, chunk, prod, start)`` stores a piece and its product; ``start`` is the
@@ -64,6 +65,20 @@ def ag_ring(x, axis_name, axis, bidirectional, product, place, state, quant, rin
     ``quant=(bits, group_size, codec_backend, rotation, spikes)``: pieces travel as codec payloads,
     quantized once on this rank and never re-quantized; every piece (the local one too) is
     consumed dequantized, so the result is that of gathering ``dequantize(quantize(x))``.
+
+    Args:
+      x: this rank's chunk.
+      axis_name: the ring's mesh axis (or tuple of axes).
+      axis: the dimension of ``x`` gathered.
+      bidirectional: split each chunk in halves that travel both ways (chunks of 2+ rows).
+      product: ``chunk -> prod``, computed on every piece.
+      place: ``(state, chunk, prod, start) -> state``.
+      state: the initial state (e.g. zero outputs).
+      quant: ``(bits, group_size, codec_backend, rotation, spikes)``, or None (exact).
+      ring: the transport spec (:func:`jax_flashcomm.transport.ring.spec`).
+
+    Returns:
+      The final ``state``, after every rank's pieces were placed.
     """
     n = _axes.axis_size(_axes.normalize_axes(axis_name))
     idx = lax.axis_index(axis_name)
@@ -126,7 +141,8 @@ def ag_ring(x, axis_name, axis, bidirectional, product, place, state, quant, rin
     return state
 
 
-def rs_ring(block_fn, axis_name, n, m_out, axis, bidirectional, ring):
+def rs_ring(block_fn, axis_name, n: int, m_out: int, axis: int, bidirectional: bool,
+            ring: tuple) -> jax.Array:
     """Ring reduce-scatter of partial products computed block by block.
 
     ``block_fn(start, size)`` returns this rank's partial product for rows
@@ -136,6 +152,18 @@ def rs_ring(block_fn, axis_name, n, m_out, axis, bidirectional, ring):
     (``ring``: the transport spec). Bidirectional: the lower half of every block travels
     r -> r+1, the upper half (a row longer if the block has an odd number of rows) r -> r-1; a
     one-row block travels one way.
+
+    Args:
+      block_fn: ``(start, size) -> partial product`` (``start`` may be traced).
+      axis_name: the ring's mesh axis (or tuple of axes).
+      n: the number of ranks.
+      m_out: rows per block (this rank's share of the result along ``axis``).
+      axis: the scattered dimension of the products.
+      bidirectional: send the halves of every block both ways.
+      ring: the transport spec (:func:`jax_flashcomm.transport.ring.spec`).
+
+    Returns:
+      This rank's block of the summed result (``m_out`` rows along ``axis``).
     """
     idx = lax.axis_index(axis_name)
     link = _link(ring, axis_name)

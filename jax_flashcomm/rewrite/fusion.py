@@ -27,9 +27,16 @@ __all__ = ["MatmulFusion", "match_gather_dot", "match_dot_scatter"]
 
 @dataclasses.dataclass(frozen=True)
 class MatmulFusion:
-    """One fused pair. ``kind`` is ``"all_gather_matmul"`` or ``"matmul_reduce_scatter"``;
-    ``collective`` and ``dot`` index the equations, ``collective_eqn`` is the collective's,
-    ``x``/``w`` are the ring op's operands (jaxpr atoms), ``axis`` its row axis."""
+    """One fused pair.
+
+    Attributes:
+      kind: ``"all_gather_matmul"`` or ``"matmul_reduce_scatter"``.
+      collective: the collective's equation index.
+      dot: the dot's equation index.
+      collective_eqn: the collective's equation.
+      x, w: the ring op's operands (jaxpr atoms).
+      axis: its row axis.
+    """
 
     kind: str
     collective: int
@@ -65,8 +72,17 @@ def _dot_problem(dot, lhs_var) -> str | None:
 
 def match_gather_dot(jaxpr, index: int, operand, users: dict
                      ) -> tuple[MatmulFusion | None, str]:
-    """The fusion of all-gather eqn ``index`` (whose operand, looked through pvary, is
-    ``operand``) with the dot consuming it, or None and why."""
+    """The fusion of an all-gather equation with the dot consuming it, or None and why.
+
+    Args:
+      jaxpr: the jaxpr holding both equations.
+      index: the all-gather equation's index.
+      operand: its operand, looked through pvary.
+      users: ``{var: [indices of the equations reading it]}`` (None: a jaxpr output).
+
+    Returns:
+      ``(fusion, "")``, or ``(None, reason)`` naming the condition that failed.
+    """
     eqn = jaxpr.eqns[index]
     if not eqn.params["tiled"]:
         return None, "not fused: tiled=False (stacked) all_gather"
@@ -89,8 +105,18 @@ def match_gather_dot(jaxpr, index: int, operand, users: dict
 
 def match_dot_scatter(jaxpr, index: int, operand, producer: dict, users: dict
                       ) -> tuple[MatmulFusion | None, str]:
-    """The fusion of reduce-scatter eqn ``index`` (whose operand, looked through pvary, is
-    ``operand``) with the dot producing it, or None and why."""
+    """The fusion of a reduce-scatter equation with the dot producing it, or None and why.
+
+    Args:
+      jaxpr: the jaxpr holding both equations.
+      index: the reduce-scatter equation's index.
+      operand: its operand, looked through pvary.
+      producer: ``{var: index of the equation computing it}``.
+      users: ``{var: [indices of the equations reading it]}``.
+
+    Returns:
+      ``(fusion, "")``, or ``(None, reason)`` naming the condition that failed.
+    """
     eqn = jaxpr.eqns[index]
     if not eqn.params["tiled"]:
         return None, "not fused: tiled=False psum_scatter"

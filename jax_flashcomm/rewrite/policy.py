@@ -133,8 +133,19 @@ class RewritePolicy:
         return True, "selected by the policy"
 
 
-def as_policy(policy) -> RewritePolicy:
-    """``policy`` as a :class:`RewritePolicy` (None -> defaults; a CommConfig -> its policy)."""
+def as_policy(policy: RewritePolicy | CommConfig | None) -> RewritePolicy:
+    """``policy`` as a :class:`RewritePolicy`.
+
+    Args:
+      policy: a :class:`RewritePolicy` (returned as is), a
+        :class:`~jax_flashcomm.CommConfig` (the policy with that config) or None (defaults).
+
+    Returns:
+      The :class:`RewritePolicy`.
+
+    Raises:
+      TypeError: anything else.
+    """
     if policy is None:
         return RewritePolicy()
     if isinstance(policy, RewritePolicy):

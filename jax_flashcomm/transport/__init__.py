@@ -12,16 +12,27 @@ decision (:func:`jax_flashcomm.planner.plan`).
 
 from __future__ import annotations
 
+import types
+
 from jax_flashcomm.config import TRANSPORTS
 from jax_flashcomm.transport import p2p, ring, wire, xla
 
 __all__ = ["TRANSPORTS", "by_name", "p2p", "ring", "wire", "xla"]
 
 
-def by_name(name: str):
-    """The transport module called ``name`` (``"xla"`` or ``"p2p"``): each has
-    ``all_reduce(x, axes, plan)``, ``reduce_scatter(rows, axes, plan)`` and
-    ``all_gather(x, axes, axis, tiled, plan)``, with the same results bit for bit."""
+def by_name(name: str) -> types.ModuleType:
+    """The transport module called ``name``.
+
+    Args:
+      name: ``"xla"`` or ``"p2p"`` (a plan's ``transport``).
+
+    Returns:
+      The module: each has ``all_reduce(x, axes, plan)``, ``reduce_scatter(rows, axes, plan)``
+      and ``all_gather(x, axes, axis, tiled, plan)``, with the same results bit for bit.
+
+    Raises:
+      ValueError: another name.
+    """
     modules = {"xla": xla, "p2p": p2p}
     if name not in modules:
         raise ValueError(f"transport must be one of {tuple(modules)}, got {name!r}")

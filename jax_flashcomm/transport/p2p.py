@@ -32,17 +32,34 @@ from jax_flashcomm.transport.xla import arrange_gathered
 _sites = itertools.count(1)
 
 
-def result_aval(x, shape, dtype, vma):
-    """The aval of one result: ``x``'s mesh, ``shape``/``dtype``, varying over ``vma``."""
+def result_aval(x: jax.Array, shape: tuple[int, ...], dtype, vma) -> jax.core.ShapedArray:
+    """The aval of one result: ``x``'s mesh, ``shape``/``dtype``, varying over ``vma``.
+
+    Args:
+      x: an operand of the call (its mesh and sharding).
+      shape: the result's shape.
+      dtype: the result's dtype.
+      vma: the mesh axes it varies over.
+
+    Returns:
+      A ``ShapedArray`` for ``jax.ffi.ffi_call``.
+    """
     aval = kernels.result_like(x, shape, dtype)
     mat = aval.manual_axis_type
     return aval.update(manual_axis_type=mat.update(varying=frozenset(vma)))
 
 
-def rank_and_group(axes: tuple):
-    """``(rank, group)``: this device's index over ``axes`` in lax's order (the slot
-    all_to_all / all_gather give it) and its replica group's index over the other manual axes
-    of the mesh (a 2-D mesh reducing over one axis has a group per index of the other)."""
+def rank_and_group(axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array]:
+    """``(rank, group)`` of this device, int32 scalars.
+
+    Args:
+      axes: the mesh axes of the collective (bound).
+
+    Returns:
+      ``rank``: this device's index over ``axes`` in lax's order (the slot all_to_all /
+      all_gather give it); ``group``: its replica group's index over the other manual axes of
+      the mesh (a 2-D mesh reducing over one axis has a group per index of the other).
+    """
     mesh = jax.sharding.get_abstract_mesh()
     others = tuple(a for a in mesh.axis_names if a not in axes and a in mesh.manual_axes)
     rank = lax.axis_index(axes).astype(jnp.int32)
@@ -57,9 +74,17 @@ TARGETS = ("flashcomm_p2p_all_reduce", "flashcomm_p2p_reduce_scatter",
 
 
 def kernel_platform(backend: str) -> str | None:
-    """The kernel module ("cpu" or "cuda") whose p2p handlers run on JAX backend ``backend``,
-    or None when that module is not built or lacks them. CUDA: one process with several GPUs
-    (ffi/cuda/p2p_handlers.cc), compiled and lowered but never run on hardware."""
+    """The kernel module whose p2p handlers run on JAX backend ``backend``.
+
+    CUDA: one process with several GPUs (ffi/cuda/p2p_handlers.cc), compiled and lowered but
+    never run on hardware.
+
+    Args:
+      backend: a JAX backend name (``"cpu"``, ``"gpu"``, ``"cuda"``, ...).
+
+    Returns:
+      ``"cpu"`` or ``"cuda"``, or None when that module is not built or lacks them.
+    """
     platform = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}.get(backend)
     if platform == "cuda" and "rocm" in _platform_version().lower():
         return None
@@ -75,8 +100,15 @@ def _platform_version() -> str:
         return ""
 
 
-def unsupported_reason(axes: tuple) -> str | None:
-    """Why the p2p transport cannot run this collective here, or None when it can."""
+def unsupported_reason(axes: tuple[str, ...]) -> str | None:
+    """Why the p2p transport cannot run this collective here, or None when it can.
+
+    Args:
+      axes: the collective's mesh axes (bound: inside ``jax.shard_map``).
+
+    Returns:
+      A sentence for the plan's errors, or None.
+    """
     if jax.process_count() != 1:
         return "peers in other processes (the p2p transport is one process, many devices)"
     platform = jax.default_backend()
@@ -97,11 +129,19 @@ def _attrs(axes, timeout_ms):
                 timeout_ms=np.int64(timeout_ms))
 
 
-def all_reduce(x, axes: tuple, plan):
+def all_reduce(x: jax.Array, axes: tuple[str, ...],
+               plan) -> tuple[jax.Array, Payload, Payload]:
     """The two-step quantized all-reduce of a varying ``x`` in one call per rank.
 
-    Returns ``(y, p1, p2)`` as :func:`jax_flashcomm.allreduce.two_step` does: this rank's
-    phase-1 payload and the gathered phase-2 payload, for error bounds.
+    Args:
+      x: the operand (f32, bf16 or f16), varying over ``axes``.
+      axes: the reduced mesh axes.
+      plan: the call's quantized :class:`~jax_flashcomm.planner.Plan` (bits, spikes,
+        rotation, group size, timeout).
+
+    Returns:
+      ``(y, p1, p2)`` as :func:`jax_flashcomm.allreduce.two_step` does: the sum, this rank's
+      phase-1 payload and the gathered phase-2 payload, for error bounds.
     """
     n = _axes.axis_size(axes)
     g, b1, b2 = plan.group_size, plan.rs_bits, plan.ag_bits
@@ -130,10 +170,19 @@ def all_reduce(x, axes: tuple, plan):
     return restore_shape(y, x.shape), p1, p2
 
 
-def reduce_scatter(rows, axes: tuple, plan):
-    """Quantized reduce-scatter of varying ``rows`` ``(N, Mp)`` (``Mp`` whole groups): returns
-    ``(y, p1)``, ``y`` the f32-summed row of this rank ``(Mp,)`` in ``rows``' dtype and ``p1``
-    this rank's payload split in N chunks, as the `xla` transport's."""
+def reduce_scatter(rows: jax.Array, axes: tuple[str, ...],
+                   plan) -> tuple[jax.Array, Payload]:
+    """Quantized reduce-scatter of varying ``rows``, as the `xla` transport's.
+
+    Args:
+      rows: ``(N, Mp)`` (``Mp`` whole groups): row i is the slice rank i keeps.
+      axes: the reduced mesh axes.
+      plan: the call's quantized :class:`~jax_flashcomm.planner.Plan`.
+
+    Returns:
+      ``(y, p1)``: ``y`` the f32-summed row of this rank ``(Mp,)`` in ``rows``' dtype, ``p1``
+      this rank's payload split in N chunks.
+    """
     n, mp = rows.shape
     g, bits = plan.group_size, plan.rs_bits
     rot, k1 = plan.rotation, plan.rs_spikes
@@ -155,10 +204,20 @@ def reduce_scatter(rows, axes: tuple, plan):
     return y.reshape(mp), p1
 
 
-def all_gather(x, axes: tuple, axis: int, tiled: bool, plan):
-    """Quantized all-gather of a varying ``x`` laid out as ``lax.all_gather(x, axes, axis=axis,
-    tiled=tiled)`` (the N decoded operands in lax's rank order): ``(y, p)``, ``p`` this rank's
-    payload."""
+def all_gather(x: jax.Array, axes: tuple[str, ...], axis: int, tiled: bool,
+               plan) -> tuple[jax.Array, Payload]:
+    """Quantized all-gather of a varying ``x`` in one call per rank.
+
+    Args:
+      x: the operand (f32, bf16 or f16), varying over ``axes``.
+      axes: the gathered mesh axes.
+      axis, tiled: as for ``lax.all_gather``.
+      plan: the call's quantized :class:`~jax_flashcomm.planner.Plan`.
+
+    Returns:
+      ``(y, p)``: ``y`` laid out as ``lax.all_gather(x, axes, axis=axis, tiled=tiled)`` (the N
+      decoded operands in lax's rank order), ``p`` this rank's payload.
+    """
     n = _axes.axis_size(axes)
     g, bits = plan.group_size, plan.ag_bits
     rot, k2 = plan.rotation, plan.ag_spikes

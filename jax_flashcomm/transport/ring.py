@@ -47,7 +47,12 @@ _link_bytes_per_s: contextvars.ContextVar[int] = contextvars.ContextVar(
 
 
 class XlaLink:
-    """Ring steps as ``lax.ppermute`` over ``axis_name`` (``perms[shift]``: ppermute pairs)."""
+    """Ring steps as ``lax.ppermute`` over ``axis_name``.
+
+    Args:
+      axis_name: the ring's mesh axis (or tuple of axes).
+      perms: ``{shift: ppermute pairs}`` for shift +1 and -1.
+    """
 
     name = "xla"
 
@@ -69,6 +74,11 @@ class P2pLink:
 
     Differentiable (for rings autodiff walks through, like tp_attention's): the transpose of
     moving a chunk by ``shift`` is moving its cotangent by ``-shift``, a p2p step too.
+
+    Args:
+      axes: the ring's mesh axes (normalized).
+      timeout_ms: the limit on every wait for a peer.
+      link_bytes_per_s: the emulated link rate (0: unpaced; :func:`link_emulation`).
     """
 
     name = "p2p"
@@ -157,8 +167,15 @@ def _same(x):
     return p2p.result_aval(x, x.shape, x.dtype, _axes.varying_axes(x))
 
 
-def unsupported_reason(axes: tuple) -> str | None:
-    """Why the p2p ring steps cannot run over ``axes`` here, or None."""
+def unsupported_reason(axes: tuple[str, ...]) -> str | None:
+    """Why the p2p ring steps cannot run over ``axes`` here, or None.
+
+    Args:
+      axes: the ring's mesh axes (bound).
+
+    Returns:
+      A sentence for the plan's errors, or None when they can run.
+    """
     reason = p2p.unsupported_reason(axes)
     if reason is None:
         platform = p2p.kernel_platform(jax.default_backend())
@@ -168,18 +185,34 @@ def unsupported_reason(axes: tuple) -> str | None:
 
 
 def spec(name: str, timeout_ms: int) -> tuple:
-    """The ring transport of a planned collective matmul as a hashable spec
-    ``(name, timeout_ms, link_bytes_per_s)`` (the custom VJPs carry it to the backward rings).
-    ``name`` is the plan's (:func:`jax_flashcomm.planner.plan`); the link emulation rate is read
-    here, at trace time."""
+    """The ring transport of a planned collective matmul as a hashable spec.
+
+    The custom VJPs carry it to the backward rings. The link emulation rate is read here, at
+    trace time.
+
+    Args:
+      name: the plan's transport (:func:`jax_flashcomm.planner.plan`): ``"xla"`` or ``"p2p"``.
+      timeout_ms: the p2p limit on every wait for a peer.
+
+    Returns:
+      ``(name, timeout_ms, link_bytes_per_s)``; ``("xla", 0, 0)`` for the xla transport.
+    """
     if name != "p2p":
         return ("xla", 0, 0)
     return ("p2p", int(timeout_ms), _link_bytes_per_s.get())
 
 
-def make_link(spec: tuple, axis_name, perms: dict):
-    """The link of a ``spec`` (:func:`spec`); ``perms[shift]``: the ppermute pairs
-    of the ``xla`` link for shift +1 and -1."""
+def make_link(spec: tuple, axis_name, perms: dict) -> XlaLink | P2pLink:
+    """The link of a ``spec`` (:func:`spec`).
+
+    Args:
+      spec: ``(name, timeout_ms, link_bytes_per_s)``.
+      axis_name: the ring's mesh axis (or tuple of axes).
+      perms: ``perms[shift]``: the ppermute pairs of the ``xla`` link for shift +1 and -1.
+
+    Returns:
+      A :class:`P2pLink` or an :class:`XlaLink`.
+    """
     name, timeout_ms, rate = spec
     if name == "p2p":
         return P2pLink(_axes.normalize_axes(axis_name), timeout_ms, rate)
@@ -194,6 +227,12 @@ def link_emulation(bytes_per_s: float):
     rate. Each move is copied in ~1 ms slices, none started before the time the bytes before it
     would take on such a link, so a CPU, whose "link" is memcpy, can stand in for a slower one
     and the overlap of copies with dots can be measured (benchmarks/ring_overlap.py).
+
+    Args:
+      bytes_per_s: the emulated rate per link (positive).
+
+    Raises:
+      ValueError: a rate that is not positive.
     """
     if not bytes_per_s > 0:
         raise ValueError(f"link_emulation: bytes_per_s must be positive, got {bytes_per_s!r}")

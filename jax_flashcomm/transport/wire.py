@@ -22,17 +22,33 @@ from jax_flashcomm.codec import Payload, spec
 __all__ = ["pack", "unpack", "with_meta", "pack_tree", "unpack_tree"]
 
 
-def pack(p: Payload):
-    """Payload -> one uint8 buffer ``(..., groups, codes_bytes + 4)``."""
+def pack(p: Payload) -> jax.Array:
+    """Payload -> one uint8 buffer ``(..., groups, codes_bytes + 4)``.
+
+    Args:
+      p: a payload (any leading axes).
+
+    Returns:
+      uint8: each group's codes (and spike record), then its bf16 scale and zero's bytes.
+    """
     scale = lax.bitcast_convert_type(p.scale, jnp.uint8)
     zero = lax.bitcast_convert_type(p.zero, jnp.uint8)
     return jnp.concatenate([p.codes, scale, zero], axis=-1)
 
 
-def unpack(buf, *, bits: int, group_size: int, shape, dtype, rotation: int = 0,
-           spikes: int = 0) -> Payload:
-    """Inverse of :func:`pack`; ``shape``/``dtype`` describe the operand to rebuild (and
-    ``rotation``/``spikes`` its codec options, which the wire record does not carry)."""
+def unpack(buf: jax.Array, *, bits: int, group_size: int, shape: tuple[int, ...], dtype,
+           rotation: int = 0, spikes: int = 0) -> Payload:
+    """Inverse of :func:`pack`.
+
+    Args:
+      buf: uint8 ``(..., groups, record bytes + 4)``.
+      bits, group_size: the payload's codec parameters.
+      shape, dtype: the operand to rebuild.
+      rotation, spikes: its codec options, which the wire record does not carry.
+
+    Returns:
+      The :class:`~jax_flashcomm.codec.Payload`.
+    """
     nb = spec.record_bytes(group_size, bits, spikes)
     codes = buf[..., :nb]
     scale = lax.bitcast_convert_type(buf[..., nb:nb + 2], jnp.bfloat16)
@@ -42,18 +58,41 @@ def unpack(buf, *, bits: int, group_size: int, shape, dtype, rotation: int = 0,
 
 
 def with_meta(p: Payload, **meta) -> Payload:
-    """``p`` with some of its static fields (shape, dtype, ...) replaced."""
+    """``p`` with some of its static fields (shape, dtype, ...) replaced.
+
+    Args:
+      p: a payload.
+      **meta: the static fields to replace.
+
+    Returns:
+      The new payload (same arrays).
+    """
     return dataclasses.replace(p, **meta)
 
 
-def pack_tree(tree):
-    """The leaves of a pytree of arrays as one flat uint8 buffer (see :func:`unpack_tree`)."""
+def pack_tree(tree) -> jax.Array:
+    """The leaves of a pytree of arrays as one flat uint8 buffer (see :func:`unpack_tree`).
+
+    Args:
+      tree: a pytree of arrays (e.g. a payload).
+
+    Returns:
+      uint8 ``(total bytes,)``: the leaves' bytes in leaf order.
+    """
     leaves = jax.tree.leaves(tree)
     return jnp.concatenate([lax.bitcast_convert_type(a, jnp.uint8).reshape(-1) for a in leaves])
 
 
-def unpack_tree(buf, like):
-    """Inverse of :func:`pack_tree`, given the pytree of ShapeDtypeStructs ``like``."""
+def unpack_tree(buf: jax.Array, like):
+    """Inverse of :func:`pack_tree`.
+
+    Args:
+      buf: the flat uint8 buffer.
+      like: a pytree of ``ShapeDtypeStruct`` objects, one per leaf.
+
+    Returns:
+      The pytree, of ``like``'s structure.
+    """
     leaves, treedef = jax.tree.flatten(like)
     out, offset = [], 0
     for leaf in leaves:

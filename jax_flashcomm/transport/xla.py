@@ -24,9 +24,20 @@ from jax_flashcomm.transport import wire
 from jax_flashcomm import codec
 
 
-def all_reduce(x, axes: tuple, plan):
-    """The two-step all-reduce of a varying ``x``: ``(y, p1, p2)``, ``p1`` this rank's
-    phase-1 payload, ``p2`` the gathered phase-2 payload (replicated)."""
+def all_reduce(x: jax.Array, axes: tuple[str, ...],
+               plan) -> tuple[jax.Array, codec.Payload, codec.Payload]:
+    """The two-step all-reduce of a varying ``x``.
+
+    Args:
+      x: the operand (f32, bf16 or f16), varying over ``axes``.
+      axes: the reduced mesh axes.
+      plan: the call's quantized :class:`~jax_flashcomm.planner.Plan` (bits, spikes,
+        rotation, group size, backend).
+
+    Returns:
+      ``(y, p1, p2)``: the sum (replicated), ``p1`` this rank's phase-1 payload, ``p2`` the
+      gathered phase-2 payload (replicated).
+    """
     n = _axes.axis_size(axes)
     g, b1, b2 = plan.group_size, plan.rs_bits, plan.ag_bits
     rot, k1, k2 = plan.rotation, plan.rs_spikes, plan.ag_spikes
@@ -44,10 +55,19 @@ def all_reduce(x, axes: tuple, plan):
     return y, p1, p2
 
 
-def reduce_scatter(rows, axes: tuple, plan):
-    """Quantized reduce-scatter of varying ``rows`` ``(N, Mp)`` (``Mp`` whole groups):
-    ``(y, p1)``, ``y`` this rank's f32-summed row ``(Mp,)`` in ``rows``' dtype, ``p1`` this
-    rank's payload split in N chunks."""
+def reduce_scatter(rows: jax.Array, axes: tuple[str, ...],
+                   plan) -> tuple[jax.Array, codec.Payload]:
+    """Quantized reduce-scatter of varying ``rows``.
+
+    Args:
+      rows: ``(N, Mp)`` (``Mp`` whole groups): row i is the slice rank i keeps.
+      axes: the reduced mesh axes.
+      plan: the call's quantized :class:`~jax_flashcomm.planner.Plan`.
+
+    Returns:
+      ``(y, p1)``: ``y`` this rank's f32-summed row ``(Mp,)`` in ``rows``' dtype, ``p1`` this
+      rank's payload split in N chunks.
+    """
     n, mp = rows.shape
     g, bits = plan.group_size, plan.rs_bits
     p1 = codec.quantize(rows, bits=bits, group_size=g, num_chunks=n, backend=plan.backend,
@@ -59,9 +79,20 @@ def reduce_scatter(rows, axes: tuple, plan):
     return codec.dequantize_sum(recv, backend=plan.backend), p1
 
 
-def all_gather(x, axes: tuple, axis: int, tiled: bool, plan):
-    """Quantized all-gather of a varying ``x`` laid out as ``lax.all_gather(x, axes, axis=axis,
-    tiled=tiled)``: ``(y, p)``, ``p`` this rank's payload."""
+def all_gather(x: jax.Array, axes: tuple[str, ...], axis: int, tiled: bool,
+               plan) -> tuple[jax.Array, codec.Payload]:
+    """Quantized all-gather of a varying ``x`` (a ring of ``ppermute`` steps).
+
+    Args:
+      x: the operand (f32, bf16 or f16), varying over ``axes``.
+      axes: the gathered mesh axes.
+      axis, tiled: as for ``lax.all_gather``.
+      plan: the call's quantized :class:`~jax_flashcomm.planner.Plan`.
+
+    Returns:
+      ``(y, p)``: ``y`` laid out as ``lax.all_gather(x, axes, axis=axis, tiled=tiled)``,
+      ``p`` this rank's payload.
+    """
     p = codec.quantize(x, bits=plan.ag_bits, group_size=plan.group_size,
                        backend=plan.backend, rotation=plan.rotation,
                        spikes=plan.ag_spikes)
@@ -71,25 +102,51 @@ def all_gather(x, axes: tuple, axis: int, tiled: bool, plan):
     return _ring_gather(x, p, axes, axis, tiled, plan), p
 
 
-def gather_payloads(p, axes):
-    """Every rank's payload ``p``, gathered in rank order: ``(N, groups, ...)`` with ``p``'s
-    shape (one ``lax.all_gather`` of the packed payloads). For error bounds in tests; the
-    all-gather itself never holds them all."""
+def gather_payloads(p: codec.Payload, axes: tuple[str, ...]) -> codec.Payload:
+    """Every rank's payload ``p``, gathered in rank order (one ``lax.all_gather``).
+
+    For error bounds in tests; the all-gather itself never holds them all.
+
+    Args:
+      p: this rank's payload.
+      axes: the mesh axes to gather over.
+
+    Returns:
+      A payload with arrays ``(N, groups, ...)`` and ``p``'s ``shape``.
+    """
     gathered = lax.all_gather(wire.pack(p), axes, axis=0, tiled=False)
     return wire.unpack(gathered, bits=p.bits, group_size=p.group_size, shape=p.shape,
                           dtype=p.dtype, rotation=p.rotation, spikes=p.spikes)
 
 
-def decode_gathered(pg, axis, tiled, plan):
-    """The gathered array from gathered payloads ``(N, ...)``, decoded at once (the one-shot
-    all-gather; used when the output is too large for int32 offsets, and as the tests' oracle
-    of the ring)."""
+def decode_gathered(pg: codec.Payload, axis: int, tiled: bool, plan) -> jax.Array:
+    """The gathered array from gathered payloads ``(N, ...)``, decoded at once.
+
+    The one-shot all-gather; used when the output is too large for int32 offsets, and as the
+    tests' oracle of the ring.
+
+    Args:
+      pg: gathered payloads (:func:`gather_payloads`).
+      axis, tiled: as for ``lax.all_gather``.
+      plan: the call's plan (its codec ``backend``).
+
+    Returns:
+      The array ``lax.all_gather`` lays out.
+    """
     stacked = codec.dequantize(pg, backend=plan.backend)          # (N, *x.shape)
     return arrange_gathered(stacked, axis, tiled)
 
 
-def arrange_gathered(stacked, axis, tiled):
-    """The N decoded operands ``(N, *x.shape)`` as lax.all_gather lays them out."""
+def arrange_gathered(stacked: jax.Array, axis: int, tiled: bool) -> jax.Array:
+    """The N decoded operands ``(N, *x.shape)`` as lax.all_gather lays them out.
+
+    Args:
+      stacked: ``(N, *x.shape)``, in lax's rank order.
+      axis, tiled: as for ``lax.all_gather``.
+
+    Returns:
+      ``stacked`` moved (and with ``tiled`` merged) to that layout.
+    """
     out = jnp.moveaxis(stacked, 0, axis)
     if tiled:
         shape = list(stacked.shape[1:])
