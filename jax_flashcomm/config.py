@@ -65,15 +65,19 @@ def auto_rotation(bits: tuple, group_size: int) -> int:
     return AUTO_ROTATION if pow2 and wide else 0
 
 
-def auto_spikes(bits: int | None) -> int:
+def auto_spikes(bits: int | None, group_size: int = spec.DEFAULT_GROUP_SIZE) -> int:
     """The spikes per group ``"auto"`` means for a phase of ``bits``.
 
     Args:
       bits: the phase's bits per value; None: not quantized.
+      group_size: values per group.
 
     Returns:
-      1 for a phase of at most 6 bits, else 0.
+      1 for a phase of at most 6 bits, else 0; 0 for groups too large to hold a spike's
+      position (``spec.MAX_SPIKE_GROUP_SIZE``).
     """
+    if group_size > spec.MAX_SPIKE_GROUP_SIZE:
+        return 0
     return AUTO_SPIKES if bits is not None and bits <= AUTO_SPIKES_MAX_BITS else 0
 
 
@@ -180,7 +184,7 @@ class CommConfig:
         return self.bits if self.ag_bits is None else self.ag_bits
 
     def _spikes_at(self, bits: int | None) -> int:
-        return auto_spikes(bits) if self.spikes == "auto" else self.spikes
+        return auto_spikes(bits, self.group_size) if self.spikes == "auto" else self.spikes
 
     @property
     def phase1_spikes(self) -> int:

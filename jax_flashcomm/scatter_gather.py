@@ -24,6 +24,7 @@ the same bits (``jax_flashcomm/transport/p2p.py``, docs/transport.md).
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,9 @@ from jax_flashcomm import _axes, transport
 from jax_flashcomm.allreduce import vary
 from jax_flashcomm.config import CommConfig, config_from, takes_options
 from jax_flashcomm.planner import Plan, as_plan, plan
+
+if TYPE_CHECKING:
+    from jax_flashcomm.codec import Payload
 
 __all__ = ["psum_scatter", "all_gather"]
 
@@ -91,21 +95,22 @@ def _psum_scatter_leaf(x, axes, dim, tiled, config, name="x"):
         raise ValueError(f"psum_scatter: with tiled=False scatter_dimension {dim} must have "
                          f"the axis size {n}, got {size}")
     if x.size == 0:
-        return _empty_scatter(x, axes, dim, tiled, n)
+        shape = list(x.shape)
+        if tiled:
+            shape[dim] //= n
+        else:
+            del shape[dim]
+        return _empty_result(x, axes, shape)
     p = plan("psum_scatter", axes, x.shape, x.dtype, n, config)
     if not p.quantized:
         return lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=tiled)
     return _qpsum_scatter(vary(x, axes, config), axes, dim, tiled, p)
 
 
-def _empty_scatter(x, axes, dim, tiled, n):
-    """The (empty) result of reducing an empty operand, without a collective: XLA rejects a
-    reduce-scatter whose scattered dimension has size 0, which lax.psum_scatter emits."""
-    shape = list(x.shape)
-    if tiled:
-        shape[dim] //= n
-    else:
-        del shape[dim]
+def _empty_result(x, axes, shape):
+    """The (empty) ``shape`` result of a collective of an empty operand, without a collective:
+    XLA rejects a reduce-scatter or an all-gather whose scattered or gathered dimension has
+    size 0, which lax.psum_scatter / lax.all_gather would emit."""
     out = jnp.zeros(shape, x.dtype) + jnp.sum(x).astype(x.dtype)  # x's varying axes, no values
     return _axes.to_varying(out, axes)
 
@@ -116,12 +121,22 @@ def _chunked(x, n, dim):
     return moved.reshape(n, -1), moved.shape[1:]
 
 
-def reduce_scatter_parts(x, axes, dim, tiled, p: Plan | CommConfig):
-    """Quantized reduce-scatter of plan ``p`` (or of a config: its quantized plan) of a varying
-    ``x``; also returns this rank's payload.
+def reduce_scatter_parts(x: jax.Array, axes: tuple[str, ...], dim: int, tiled: bool,
+                         p: Plan | CommConfig) -> tuple[jax.Array, Payload]:
+    """Quantized reduce-scatter of a varying ``x``; also returns this rank's payload.
 
-    Returns ``(y, p1)``: ``p1`` holds this rank's N chunks ``(N, groups, ...)``, its ``shape``
-    the padded chunk ``(Mp,)``, so ``codec.error_bound(p1)`` is ``(N, Mp)``.
+    Args:
+      x: one array (f32, bf16 or f16), varying over ``axes``.
+      axes: normalized mesh axes.
+      dim: the scatter dimension (non-negative).
+      tiled: as for ``lax.psum_scatter``.
+      p: a quantized :class:`~jax_flashcomm.planner.Plan` of op ``"psum_scatter"``, or a
+        config (its quantized plan).
+
+    Returns:
+      ``(y, p1)``: ``y`` this rank's slice of the sum; ``p1`` holds this rank's N chunks
+      ``(N, groups, ...)``, its ``shape`` the padded chunk ``(Mp,)``, so
+      ``codec.error_bound(p1)`` is ``(N, Mp)``.
     """
     p = as_plan("psum_scatter", x, axes, p)
     n = _axes.axis_size(axes)
@@ -201,19 +216,30 @@ def _all_gather_leaf(x, axes, axis, tiled, config, name="x"):
     axis = _check_dim(axis, ndim if tiled else ndim + 1, "axis")
     if tiled and ndim == 0:
         raise ValueError("all_gather: tiled=True needs an operand of rank >= 1")
+    if tiled and x.shape[axis] == 0:  # n empty slices: the empty operand's shape
+        return _empty_result(x, axes, x.shape)
     p = plan("all_gather", axes, x.shape, x.dtype, n, config)
     if not p.quantized:
         return lax.all_gather(x, axes, axis=axis, tiled=tiled)
     return _qall_gather(vary(x, axes, config), axes, axis, tiled, p)
 
 
-def all_gather_parts(x, axes, axis, tiled, p: Plan | CommConfig):
-    """Quantized all-gather of plan ``p`` (or of a config: its quantized plan) of a varying
-    ``x``; also returns this rank's payload.
+def all_gather_parts(x: jax.Array, axes: tuple[str, ...], axis: int, tiled: bool,
+                     p: Plan | CommConfig) -> tuple[jax.Array, Payload]:
+    """Quantized all-gather of a varying ``x``; also returns this rank's payload.
 
-    Returns ``(y, p)``: ``p`` is this rank's payload of ``x`` (``x``'s shape);
-    :func:`gather_payloads` of it gives every sender's, whose ``codec.error_bound`` is
-    ``(N, *x.shape)``.
+    Args:
+      x: one array (f32, bf16 or f16), varying over ``axes``.
+      axes: normalized mesh axes.
+      axis: the gathered dimension (non-negative).
+      tiled: as for ``lax.all_gather``.
+      p: a quantized :class:`~jax_flashcomm.planner.Plan` of op ``"all_gather"``, or a
+        config (its quantized plan).
+
+    Returns:
+      ``(y, p)``: ``y`` the gathered array; ``p`` this rank's payload of ``x`` (``x``'s
+      shape); :func:`gather_payloads` of it gives every sender's, whose
+      ``codec.error_bound`` is ``(N, *x.shape)``.
     """
     p = as_plan("all_gather", x, axes, p)
     return transport.by_name(p.transport).all_gather(x, axes, axis, tiled, p)

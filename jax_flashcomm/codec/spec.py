@@ -13,6 +13,8 @@ MIN_BITS = 2
 MAX_BITS = 8
 BLOCK = 8  # codes are packed per block of 8 values: 8 * bits bits = bits bytes
 DEFAULT_GROUP_SIZE = 128
+#: The largest group (values): the kernels' scratch and record sizes stay far from overflow.
+MAX_GROUP_SIZE = 1 << 24
 FLT_MIN = np.float32(np.finfo(np.float32).tiny)
 BF16_NAN_BITS = 0x7FC0
 BF16_NEG_INF_BITS = 0xFF80
@@ -26,7 +28,18 @@ BACKENDS = ("auto", "ffi", "jnp")
 
 
 def check_bits(bits, name: str = "bits") -> int:
-    """``bits`` must be an int in 2..8."""
+    """``bits`` must be an int in 2..8.
+
+    Args:
+      bits: the value to check.
+      name: the argument's name in errors.
+
+    Returns:
+      ``bits`` as a Python int.
+
+    Raises:
+      TypeError, ValueError: not an int, or out of range.
+    """
     if isinstance(bits, (bool, np.bool_)) or not isinstance(bits, (int, np.integer)):
         raise TypeError(f"{name} must be an int in {MIN_BITS}..{MAX_BITS}, got {bits!r}")
     if not MIN_BITS <= int(bits) <= MAX_BITS:
@@ -35,16 +48,41 @@ def check_bits(bits, name: str = "bits") -> int:
 
 
 def check_group_size(group_size, name: str = "group_size") -> int:
-    """``group_size`` must be a positive multiple of 8."""
+    """``group_size`` must be a positive multiple of 8.
+
+    Args:
+      group_size: the value to check.
+      name: the argument's name in errors.
+
+    Returns:
+      ``group_size`` as a Python int.
+
+    Raises:
+      TypeError, ValueError: not an int, or not allowed.
+    """
     if isinstance(group_size, (bool, np.bool_)) or not isinstance(group_size, (int, np.integer)):
         raise TypeError(f"{name} must be a positive multiple of {BLOCK}, got {group_size!r}")
     if group_size <= 0 or group_size % BLOCK:
         raise ValueError(f"{name} must be a positive multiple of {BLOCK}, got {group_size}")
+    if group_size > MAX_GROUP_SIZE:
+        raise ValueError(f"{name} must be at most {MAX_GROUP_SIZE} (2**24, docs/format.md), got "
+                         f"{group_size}")
     return int(group_size)
 
 
 def check_dtype(dtype, name: str = "x") -> np.dtype:
-    """The operand dtype must be f32, bf16 or f16."""
+    """The operand dtype must be f32, bf16 or f16.
+
+    Args:
+      dtype: anything ``np.dtype`` takes.
+      name: the argument's name in errors.
+
+    Returns:
+      The ``np.dtype``.
+
+    Raises:
+      TypeError: another dtype.
+    """
     dtype = np.dtype(dtype)
     if dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
@@ -59,8 +97,19 @@ ROTATION_NAMES = {None: 0, "none": 0, "hadamard": 1, "signed_hadamard": 2}
 
 
 def check_rotation(rotation, group_size: int | None = None, name: str = "rotation") -> int:
-    """``rotation`` is 0/None/"none", 1/"hadamard" or 2/"signed_hadamard"; a rotation needs a
-    power-of-two ``group_size``."""
+    """``rotation`` is 0/None/"none", 1/"hadamard" or 2/"signed_hadamard".
+
+    Args:
+      rotation: the value to check (an int or a name).
+      group_size: if given, a rotation needs it to be a power of two.
+      name: the argument's name in errors.
+
+    Returns:
+      The rotation as an int in 0..2.
+
+    Raises:
+      TypeError, ValueError: an unknown rotation, or a group size it cannot rotate.
+    """
     if isinstance(rotation, str) or rotation is None:
         if rotation not in ROTATION_NAMES:
             raise ValueError(f"{name} must be one of {tuple(k for k in ROTATION_NAMES if k)} or "
@@ -79,10 +128,24 @@ def check_rotation(rotation, group_size: int | None = None, name: str = "rotatio
 #: Spike reserving (docs/format.md, "Spike reserving"): at most this many values per group
 #: travel as bf16 beside the codes.
 MAX_SPIKES = 16
+#: Spikes need groups of at most this many values: a position is stored in 2 bytes.
+MAX_SPIKE_GROUP_SIZE = 1 << 16
 
 
 def check_spikes(spikes, group_size: int | None = None, name: str = "spikes") -> int:
-    """``spikes`` (values kept in bf16 per group) is an int in 0..16, below ``group_size``."""
+    """``spikes`` (values kept in bf16 per group) is an int in 0..16, below ``group_size``.
+
+    Args:
+      spikes: the value to check; None means 0.
+      group_size: if given, the group size it must fit.
+      name: the argument's name in errors.
+
+    Returns:
+      ``spikes`` as a Python int.
+
+    Raises:
+      TypeError, ValueError: not an int, or not allowed.
+    """
     if spikes is None:
         return 0
     if isinstance(spikes, (bool, np.bool_)) or not isinstance(spikes, (int, np.integer)):
@@ -91,42 +154,85 @@ def check_spikes(spikes, group_size: int | None = None, name: str = "spikes") ->
         raise ValueError(f"{name} must be in 0..{MAX_SPIKES}, got {spikes}")
     if group_size is not None and int(spikes) >= group_size:
         raise ValueError(f"{name}={spikes} must be below group_size={group_size}")
+    if group_size is not None and int(spikes) and group_size > MAX_SPIKE_GROUP_SIZE:
+        raise ValueError(f"{name}={spikes} needs group_size <= {MAX_SPIKE_GROUP_SIZE} (a spike's "
+                         f"position is stored in 2 bytes, docs/format.md), got {group_size}")
     return int(spikes)
 
 
 def check_backend(backend) -> str:
+    """``backend`` is one of :data:`BACKENDS` (``"auto"``, ``"ffi"``, ``"jnp"``).
+
+    Args:
+      backend: the value to check.
+
+    Returns:
+      ``backend``.
+
+    Raises:
+      ValueError: another value.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     return backend
 
 
 def group_bytes(group_size: int, bits: int) -> int:
-    """Bytes of packed codes per group."""
+    """Bytes of packed codes per group.
+
+    Args:
+      group_size, bits: the codec parameters.
+    """
     return group_size * bits // 8
 
 
 def position_bytes(group_size: int) -> int:
-    """Bytes of one spike position: 1 for G <= 256, else 2."""
+    """Bytes of one spike position: 1 for G <= 256, else 2.
+
+    Args:
+      group_size: G.
+    """
     return 1 if group_size <= 256 else 2
 
 
 def spike_bytes(group_size: int, spikes: int) -> int:
-    """Bytes of a group's spike record: k bf16 values and k positions."""
+    """Bytes of a group's spike record: k bf16 values and k positions.
+
+    Args:
+      group_size: G.
+      spikes: k.
+    """
     return spikes * (2 + position_bytes(group_size))
 
 
 def record_bytes(group_size: int, bits: int, spikes: int = 0) -> int:
-    """Bytes per group of a payload's codes array: packed codes, then the spike record."""
+    """Bytes per group of a payload's codes array: packed codes, then the spike record.
+
+    Args:
+      group_size, bits, spikes: the codec parameters.
+    """
     return group_bytes(group_size, bits) + spike_bytes(group_size, spikes)
 
 
 def padded_size(size: int, group_size: int, multiple: int = 1) -> int:
-    """``size`` rounded up to a multiple of ``multiple * group_size`` (at least one group)."""
+    """``size`` rounded up to a multiple of ``multiple * group_size`` (at least one unit).
+
+    Args:
+      size: values.
+      group_size: values per group.
+      multiple: groups per unit (e.g. the chunk count).
+    """
     unit = multiple * group_size
     return max(unit, -(-size // unit) * unit)
 
 
 def wire_bytes_per_element(bits: int, group_size: int, spikes: int = 0) -> float:
-    """Bytes one payload carries per operand element: codes, spike record, bf16 scale and
-    zero."""
+    """Bytes one payload carries per operand element: codes, spike record, bf16 scale and zero.
+
+    Args:
+      bits, group_size, spikes: the codec parameters.
+
+    Returns:
+      Bytes per element (e.g. 1.03125 for 8 bits, groups of 128, no spikes).
+    """
     return (record_bytes(group_size, bits, spikes) + 4) / group_size

@@ -27,8 +27,9 @@ __all__ = ["rewrite", "Rewritten", "RewritePolicy", "Report", "ReportRow", "REWR
 class Rewritten:
     """``fn`` with its collectives rewritten by ``policy``; made by :func:`rewrite`.
 
-    Calling it traces ``fn`` at the arguments' types and evaluates the rewritten jaxpr under
-    the caller's trace (wrap it in ``jax.jit`` to compile once). :meth:`report` traces
+    Calling it traces ``fn`` at the arguments' types and evaluates the rewritten jaxpr in the
+    caller's trace, or under ``jax.jit`` when called eagerly (wrap it in ``jax.jit`` to compile
+    once). :meth:`report` traces
     abstractly and returns the :class:`Report`.
     """
 
@@ -56,7 +57,14 @@ class Rewritten:
         if len(flat) != len(closed.jaxpr.invars):
             raise TypeError(f"rewrite: {len(flat)} array leaves in the arguments but the traced "
                             f"function takes {len(closed.jaxpr.invars)}")
-        outs = Interpreter(self.policy, rows).run(closed, flat)
+        def run(*leaves):
+            return Interpreter(self.policy, rows).run(closed, list(leaves))
+
+        # An eager call evaluates the rewritten program the way jax.jit(fn) would (eager
+        # shard_map binds reject what traced ones accept, e.g. a nested shard_map over an
+        # Explicit mesh); under a trace it is evaluated in the caller's.
+        traced = any(isinstance(leaf, jax.core.Tracer) for leaf in flat)
+        outs = run(*flat) if traced else jax.jit(run)(*flat)
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
     def __repr__(self):
