@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import types
 
 import jax
 import numpy as np
@@ -48,8 +49,12 @@ def _register(platform: str) -> bool:
     return True
 
 
-def registered(platform: str) -> frozenset:
-    """The FFI target names the ``platform`` module registered (empty when it is not built)."""
+def registered(platform: str) -> frozenset[str]:
+    """The FFI target names the ``platform`` module registered (empty when it is not built).
+
+    Args:
+      platform: ``"cpu"`` or ``"cuda"``.
+    """
     return _registered.get(platform, frozenset()) if available(platform) else frozenset()
 
 
@@ -84,7 +89,12 @@ def _apply_threads_env(module) -> None:
         module.set_cpu_threads(threads)
 
 
-def cpu_module():
+def cpu_module() -> types.ModuleType:
+    """The CPU kernel module (``_flashcomm_cpu``), registered.
+
+    Raises:
+      RuntimeError: it is not built.
+    """
     if not available("cpu"):
         require("cpu")
     return importlib.import_module("jax_flashcomm._flashcomm_cpu")
@@ -109,9 +119,18 @@ def cpu_features() -> str:
 
 @contextlib.contextmanager
 def use_cpu_isa(name: str):
-    """Run the CPU codec kernels with build ``name`` inside the block (tests and benchmarks:
-    compiled executables call the kernel library at run time, so no recompilation is needed).
-    Raises ValueError for a build this CPU cannot run."""
+    """Run the CPU codec kernels with build ``name`` inside the block.
+
+    For tests and benchmarks: compiled executables call the kernel library at run time, so no
+    recompilation is needed.
+
+    Args:
+      name: a build of :func:`cpu_isas` (``"avx512"``, ``"avx2"``, ``"baseline"``,
+        ``"neon"``).
+
+    Raises:
+      ValueError: a build this CPU cannot run.
+    """
     module = cpu_module()
     with _swapped(module.cpu_isa, module.set_cpu_isa, name):
         yield
@@ -126,9 +145,16 @@ def cpu_threads() -> int:
 
 @contextlib.contextmanager
 def use_cpu_threads(threads: int):
-    """Split CPU codec calls over at most ``threads`` threads inside the block (0: the whole
-    pool). Benchmarks use 1 for single-core figures; set ``FLASHCOMM_CPU_THREADS`` for a
-    process. Raises ValueError for a negative count."""
+    """Split CPU codec calls over at most ``threads`` threads inside the block.
+
+    Benchmarks use 1 for single-core figures; set ``FLASHCOMM_CPU_THREADS`` for a process.
+
+    Args:
+      threads: the most threads per call; 0: the whole pool.
+
+    Raises:
+      ValueError: a negative count.
+    """
     if not isinstance(threads, int) or threads < 0:
         raise ValueError(f"threads must be an int >= 0, got {threads!r}")
     module = cpu_module()
@@ -148,7 +174,11 @@ def _swapped(get, set_, value):
 
 
 def available(platform: str) -> bool:
-    """Whether the FFI kernels for ``platform`` ("cpu" or "cuda") are built and registered."""
+    """Whether the FFI kernels for ``platform`` are built and registered (registers them).
+
+    Args:
+      platform: ``"cpu"`` or ``"cuda"``; any other name is not available.
+    """
     if platform not in _PLATFORMS:
         return False
     if platform not in _available:
@@ -157,7 +187,14 @@ def available(platform: str) -> bool:
 
 
 def require(platform: str) -> None:
-    """Raise a clear error when FFI kernels for ``platform`` are asked for but not built."""
+    """Raise a clear error when FFI kernels for ``platform`` are asked for but not built.
+
+    Args:
+      platform: ``"cpu"`` or ``"cuda"``.
+
+    Raises:
+      RuntimeError: they are not built (the message says how to build them).
+    """
     if not available(platform):
         how = ("pip install . (builds the CPU kernels)" if platform == "cpu"
                else "FLASHCOMM_CUDA=ON pip install . (needs nvcc)")
@@ -167,16 +204,32 @@ def require(platform: str) -> None:
             "or pass backend='jnp' to use the pure-JAX codec")
 
 
-def result_like(x, shape, dtype):
-    """Result type of ``x``'s kind (same mesh, varying over the same manual axes) with a new
-    shape and dtype, unsharded along its dimensions."""
+def result_like(x, shape: tuple[int, ...], dtype):
+    """Result type of ``x``'s kind with a new shape and dtype.
+
+    Args:
+      x: an operand (its mesh and varying manual axes are kept).
+      shape: the result's shape (unsharded along its dimensions).
+      dtype: the result's dtype.
+
+    Returns:
+      An aval for ``jax.ffi.ffi_call``.
+    """
     aval = jax.typeof(x)
     sharding = NamedSharding(aval.sharding.mesh, PartitionSpec(*([None] * len(shape))))
     return aval.update(shape=tuple(shape), dtype=np.dtype(dtype), sharding=sharding)
 
 
 def quantize(v, *, bits: int, group_size: int, rotation: int = 0, spikes: int = 0):
-    """``v`` ``(..., group_size)`` of f32/bf16/f16 -> (codes, scale, zero)."""
+    """``v`` ``(..., group_size)`` of f32/bf16/f16 -> (codes, scale, zero).
+
+    Args:
+      v: the groups (:func:`jax_flashcomm.codec.as_groups`).
+      bits, group_size, rotation, spikes: the codec parameters (validated by the caller).
+
+    Returns:
+      ``(codes, scale, zero)``: uint8 ``(..., record bytes)``, bf16 ``(...)`` twice.
+    """
     lead = v.shape[:-1]
     call = jax.ffi.ffi_call(
         "flashcomm_quantize",
@@ -190,6 +243,12 @@ def quantize(v, *, bits: int, group_size: int, rotation: int = 0, spikes: int = 
 
 def dequantize(codes, scale, zero, *, bits: int, group_size: int, dtype, rotation: int = 0,
                spikes: int = 0):
+    """A payload's arrays -> the decoded groups ``(..., groups, group_size)`` of ``dtype``.
+
+    Args:
+      codes, scale, zero: the payload's arrays.
+      bits, group_size, dtype, rotation, spikes: the codec parameters.
+    """
     call = jax.ffi.ffi_call(
         "flashcomm_dequantize", result_like(codes, (*scale.shape, group_size), dtype),
         vmap_method="broadcast_all",
@@ -200,7 +259,12 @@ def dequantize(codes, scale, zero, *, bits: int, group_size: int, dtype, rotatio
 
 def dequantize_sum(codes, scale, zero, *, bits: int, group_size: int, dtype,
                    rotation: int = 0, spikes: int = 0):
-    """Chunked ``(..., N, groups, bytes)`` -> f32-summed ``(..., groups, group_size)``."""
+    """Chunked ``(..., N, groups, bytes)`` -> f32-summed ``(..., groups, group_size)``.
+
+    Args:
+      codes, scale, zero: the chunked payload's arrays.
+      bits, group_size, dtype, rotation, spikes: the codec parameters (``dtype``: the sum's).
+    """
     out_shape = (*scale.shape[:-2], scale.shape[-1], group_size)
     call = jax.ffi.ffi_call(
         "flashcomm_dequantize_sum", result_like(codes, out_shape, dtype), vmap_method="broadcast_all"
@@ -211,8 +275,17 @@ def dequantize_sum(codes, scale, zero, *, bits: int, group_size: int, dtype,
 
 def dequantize_sum_quantize(codes, scale, zero, *, bits: int, out_bits: int, group_size: int,
                             spikes: int = 0, out_spikes: int | None = None):
-    """Chunked payload -> f32 sum over N -> payload ``(..., groups, ...)`` at ``out_bits``
-    with ``out_spikes`` spikes per group (default: the input's ``spikes``)."""
+    """Chunked payload -> f32 sum over N -> payload ``(..., groups, ...)``.
+
+    Args:
+      codes, scale, zero: the chunked payload's arrays.
+      bits, group_size, spikes: the input's codec parameters.
+      out_bits: the sum's bits.
+      out_spikes: the sum's spikes per group (None: the input's ``spikes``).
+
+    Returns:
+      ``(codes, scale, zero)`` of the sum.
+    """
     out_spikes = spikes if out_spikes is None else out_spikes
     groups = (*scale.shape[:-2], scale.shape[-1])
     call = jax.ffi.ffi_call(
@@ -232,7 +305,15 @@ def dequantize_into(out, codes, scale, zero, offset, *, bits: int, group_size: i
     element ``offset`` (an int32 scalar operand): its first ``count`` values, cast to out's
     dtype and saturated. The result is ``out`` itself (aliased to operand 0): XLA updates the
     buffer in place. An out-of-range offset is an error of the CPU kernel (the CUDA kernel
-    writes nothing)."""
+    writes nothing).
+
+    Args:
+      out: the buffer (f32/bf16/f16).
+      codes, scale, zero: one payload's arrays.
+      offset: the first element written (int32 scalar).
+      bits, group_size, rotation, spikes: the codec parameters.
+      count: values written.
+    """
     call = jax.ffi.ffi_call(
         "flashcomm_dequantize_into", result_like(out, out.shape, out.dtype),
         input_output_aliases={0: 0}, vmap_method="sequential",

@@ -25,20 +25,38 @@ def _bits_f32(u):
 
 
 def bf16_bits_to_f32(bits16):
-    """bf16 bit patterns (uint16/uint32) to f32, exactly."""
+    """bf16 bit patterns (uint16/uint32) to f32, exactly.
+
+    Args:
+      bits16: the bit patterns, any shape.
+    """
     return _bits_f32(bits16.astype(_U32) << 16)
 
 
 def bf16_to_bits(a):
+    """bf16 array -> its uint16 bit patterns.
+
+    Args:
+      a: a bf16 array.
+    """
     return lax.bitcast_convert_type(a, jnp.uint16)
 
 
 def bits_to_bf16(bits16):
+    """uint16/uint32 bit patterns -> bf16.
+
+    Args:
+      bits16: the bit patterns (the low 16 bits are kept).
+    """
     return lax.bitcast_convert_type(bits16.astype(jnp.uint16), jnp.bfloat16)
 
 
 def bf16_round_down(x):
-    """f32 -> bf16 bits rounded toward -inf."""
+    """f32 -> bf16 bits (uint32) rounded toward -inf.
+
+    Args:
+      x: f32 values.
+    """
     u = _f32_bits(x)
     truncated = u & _U32(0xFFFF0000)
     bump = ((u >> 31) == 1) & ((u & _U32(0xFFFF)) != 0)
@@ -46,7 +64,11 @@ def bf16_round_down(x):
 
 
 def bf16_round_up(x):
-    """f32 -> bf16 bits rounded toward +inf."""
+    """f32 -> bf16 bits (uint32) rounded toward +inf.
+
+    Args:
+      x: f32 values.
+    """
     u = _f32_bits(x)
     truncated = u & _U32(0xFFFF0000)
     bump = ((u >> 31) == 0) & ((u & _U32(0xFFFF)) != 0)
@@ -55,7 +77,12 @@ def bf16_round_up(x):
 
 def group_params(v, bits: int, finite=None):
     """Per group of ``v``: stored (scale_bits, zero_bits), and zero, pre, inv_scale, finite.
-    ``finite`` (per group) overrides whether the group counts as finite (spike reserving)."""
+
+    Args:
+      v: f32 groups ``(..., G)``.
+      bits: bits per code.
+      finite: per group, overrides whether the group counts as finite (spike reserving).
+    """
     inv_levels = np.float32(1) / np.float32((1 << bits) - 1)
     lo = jnp.min(v, axis=-1)
     hi = jnp.max(v, axis=-1)
@@ -83,14 +110,27 @@ def group_params(v, bits: int, finite=None):
 
 
 def inverse(scale):
-    """(pre, inv_scale): 1/scale, scaled by 2^64 where it would be denormal (see codec.h)."""
+    """(pre, inv_scale): 1/scale, scaled by 2^64 where it would be denormal (see codec.h).
+
+    Args:
+      scale: f32 scales, per group.
+    """
     pre = jnp.where(scale >= np.float32(2.0**120), np.float32(2.0**-64), np.float32(1))
     safe = jnp.where(scale > 0, scale * pre, np.float32(1))
     return pre, jnp.where(scale > 0, np.float32(1) / safe, np.float32(0))
 
 
 def encode(v, zero, pre, inv_scale, finite, bits: int):
-    """Codes ``clamp(round_half_even((v * pre - zero * pre) * inv_scale), 0, 2^bits - 1)``."""
+    """Codes ``clamp(round_half_even((v * pre - zero * pre) * inv_scale), 0, 2^bits - 1)``.
+
+    Args:
+      v: f32 groups ``(..., G)``.
+      zero, pre, inv_scale, finite: per group, from :func:`group_params`.
+      bits: bits per code.
+
+    Returns:
+      uint32 codes ``(..., G)`` (0 in non-finite groups).
+    """
     levels = jnp.float32((1 << bits) - 1)
     t = (v * pre[..., None] - (zero * pre)[..., None]) * inv_scale[..., None]
     t = jnp.where(t > 0, t, jnp.float32(0))
@@ -100,7 +140,12 @@ def encode(v, zero, pre, inv_scale, finite, bits: int):
 
 
 def pack(q, bits: int):
-    """uint32 codes ``(..., G)`` -> uint8 ``(..., G * bits / 8)``, LSB-first per block of 8."""
+    """uint32 codes ``(..., G)`` -> uint8 ``(..., G * bits / 8)``, LSB-first per block of 8.
+
+    Args:
+      q: the codes.
+      bits: bits per code.
+    """
     if bits == 8:
         return q.astype(jnp.uint8)
     lead, g = q.shape[:-1], q.shape[-1]
@@ -112,7 +157,12 @@ def pack(q, bits: int):
 
 
 def unpack(codes, bits: int, group_size: int):
-    """uint8 ``(..., G * bits / 8)`` -> uint32 codes ``(..., G)``."""
+    """uint8 ``(..., G * bits / 8)`` -> uint32 codes ``(..., G)``.
+
+    Args:
+      codes: the packed codes (no spike record).
+      bits, group_size: the codec parameters.
+    """
     if bits == 8:
         return codes.astype(_U32)
     lead = codes.shape[:-1]
@@ -126,8 +176,15 @@ def unpack(codes, bits: int, group_size: int):
 # ---- spike reserving (codec.h select_spikes ..., docs/format.md "Spike reserving") ----
 
 def select_spikes(v, spikes: int):
-    """Positions ``(..., k)`` int32 of the k largest ``|v|`` per group (key: the magnitude's
-    bits), in descending order, ties to the lowest position: k rounds of first-argmax."""
+    """Positions ``(..., k)`` int32 of the k largest ``|v|`` per group.
+
+    Key: the magnitude's bits; in descending order, ties to the lowest position: k rounds of
+    first-argmax.
+
+    Args:
+      v: f32 groups ``(..., G)``.
+      spikes: k.
+    """
     keys = (_f32_bits(v) & _U32(0x7FFFFFFF)).astype(jnp.int32)
     iota = lax.broadcasted_iota(jnp.int32, v.shape, v.ndim - 1)
     positions = []
@@ -139,8 +196,15 @@ def select_spikes(v, spikes: int):
 
 
 def spike_value_bits(v, finite):
-    """bf16 bits (uint32) of the spikes: round to nearest even, saturated to the finite bf16
-    range, subnormals as signed zeros; NaN (0x7FC0) in non-finite groups."""
+    """bf16 bits (uint32) of the spikes.
+
+    Round to nearest even, saturated to the finite bf16 range, subnormals as signed zeros;
+    NaN (0x7FC0) in non-finite groups.
+
+    Args:
+      v: f32 spike values ``(..., k)``.
+      finite: per group, whether it is finite.
+    """
     u = _f32_bits(v)
     rounded = (u + _U32(0x7FFF) + ((u >> 16) & _U32(1))) >> 16
     h = jnp.where((u & _U32(0x7FFFFFFF)) > _U32(0x7F800000), (u >> 16) | _U32(0x40), rounded)
@@ -156,14 +220,26 @@ def _le_bytes(x, nbytes: int):
 
 
 def from_le_bytes(b, nbytes: int):
-    """uint8 ``(..., k * nbytes)`` -> uint32 ``(..., k)``."""
+    """uint8 ``(..., k * nbytes)`` -> uint32 ``(..., k)``, each little-endian.
+
+    Args:
+      b: the bytes.
+      nbytes: bytes per value (1..4).
+    """
     b = b.astype(_U32).reshape(*b.shape[:-1], -1, nbytes)
     return sum(b[..., i] << (8 * i) for i in range(nbytes))
 
 
 def quantize_groups(v, bits: int, spikes: int = 0):
-    """f32 groups ``(..., G)`` -> (codes uint8, scale bf16, zero bf16); with ``spikes`` the codes
-    array holds each group's spike record after its codes."""
+    """f32 groups ``(..., G)`` -> (codes uint8, scale bf16, zero bf16).
+
+    With ``spikes`` the codes array holds each group's spike record after its codes.
+
+    Args:
+      v: the groups (cast to f32).
+      bits: bits per code.
+      spikes: values per group kept in bf16.
+    """
     v = v.astype(jnp.float32)
     if not spikes:
         scale_bits, zero_bits, zero, pre, inv_scale, finite = group_params(v, bits)
@@ -186,8 +262,15 @@ def quantize_groups(v, bits: int, spikes: int = 0):
 
 
 def decode_groups(codes, scale, zero, bits: int, group_size: int, spikes: int = 0):
-    """(codes, scale, zero) -> f32 groups ``(..., G)``: ``fma(q, scale, zero)`` (see codec.h),
-    then the spikes written over their positions, in record order."""
+    """(codes, scale, zero) -> f32 groups ``(..., G)``.
+
+    ``fma(q, scale, zero)`` (see codec.h), then the spikes written over their positions, in
+    record order.
+
+    Args:
+      codes, scale, zero: the payload's arrays.
+      bits, group_size, spikes: the codec parameters.
+    """
     nb = spec.group_bytes(group_size, bits)
     q = unpack(codes[..., :nb], bits, group_size).astype(jnp.float32)
     scale = scale.astype(jnp.float32)[..., None]
@@ -206,7 +289,15 @@ def decode_groups(codes, scale, zero, bits: int, group_size: int, spikes: int = 
 
 
 def sum_chunks(codes, scale, zero, bits: int, group_size: int, spikes: int = 0):
-    """Decode chunked payload arrays ``(..., N, groups, bytes)`` and sum over N in f32, in order."""
+    """Decode chunked payload arrays ``(..., N, groups, bytes)`` and sum over N in f32, in order.
+
+    Args:
+      codes, scale, zero: the chunked payload's arrays.
+      bits, group_size, spikes: the codec parameters.
+
+    Returns:
+      f32 ``(..., groups, G)``.
+    """
     decoded = decode_groups(codes, scale, zero, bits, group_size, spikes)  # (..., N, groups, G)
     n = decoded.shape[-3]
     acc = decoded[..., 0, :, :]
@@ -229,12 +320,20 @@ def sum_chunks(codes, scale, zero, bits: int, group_size: int, spikes: int = 0):
 
 
 def rotation_scale(group_size: int) -> np.float32:
-    """RN(1/sqrt(G)) as an f32 (codec.h rotation_scale)."""
+    """RN(1/sqrt(G)) as an f32 (codec.h rotation_scale).
+
+    Args:
+      group_size: G.
+    """
     return np.float32(1.0 / np.sqrt(np.float64(group_size)))
 
 
 def rotation_sign_bits(group_size: int) -> np.ndarray:
-    """codec.h rotation_sign_bit(i) << 31 for i in 0..G-1 (uint32; 0x80000000 means -1)."""
+    """codec.h rotation_sign_bit(i) << 31 for i in 0..G-1 (uint32; 0x80000000 means -1).
+
+    Args:
+      group_size: G.
+    """
     i = np.arange(group_size, dtype=np.uint64)
     m = np.uint64(0xFFFFFFFF)
     h = (i * np.uint64(0x9E3779B1)) & m
@@ -247,14 +346,23 @@ def rotation_sign_bits(group_size: int) -> np.ndarray:
 
 
 def apply_signs(v):
-    """Flip the sign bit where rotation 2's sign is -1 (exact)."""
+    """Flip the sign bit where rotation 2's sign is -1 (exact).
+
+    Args:
+      v: f32 groups ``(..., G)``.
+    """
     signs = jnp.asarray(rotation_sign_bits(v.shape[-1]))
     return lax.bitcast_convert_type(_f32_bits(v) ^ signs, jnp.float32)
 
 
 def hadamard_scaled(v):
-    """Unnormalized Walsh-Hadamard butterflies over the last axis (stage h = 1, 2, ..., G/2,
-    codec.h hadamard_butterflies), then one multiply by RN(1/sqrt(G))."""
+    """Unnormalized Walsh-Hadamard butterflies over the last axis, then RN(1/sqrt(G)).
+
+    Stages h = 1, 2, ..., G/2 (codec.h hadamard_butterflies), then one multiply.
+
+    Args:
+      v: f32 groups ``(..., G)``, G a power of two.
+    """
     lead, g = v.shape[:-1], v.shape[-1]
     h = 1
     while h < g:
@@ -266,19 +374,35 @@ def hadamard_scaled(v):
 
 
 def rotate(v, rotation: int):
-    """Forward rotation of f32 groups ``(..., G)``: ``H (D v) / sqrt(G)``."""
+    """Forward rotation of f32 groups ``(..., G)``: ``H (D v) / sqrt(G)``.
+
+    Args:
+      v: f32 groups.
+      rotation: 1 (Hadamard) or 2 (signed Hadamard).
+    """
     if rotation == 2:
         v = apply_signs(v)
     return hadamard_scaled(v)
 
 
 def unrotate(v, rotation: int):
-    """Inverse rotation: ``D (H v) / sqrt(G)``."""
+    """Inverse rotation: ``D (H v) / sqrt(G)``.
+
+    Args:
+      v: f32 groups ``(..., G)``.
+      rotation: 1 (Hadamard) or 2 (signed Hadamard).
+    """
     v = hadamard_scaled(v)
     return apply_signs(v) if rotation == 2 else v
 
 
 def quantize(v, *, bits: int, group_size: int, rotation: int = 0, spikes: int = 0):
+    """The twin of :func:`jax_flashcomm.codec.kernels.quantize`: (codes, scale, zero).
+
+    Args:
+      v: groups ``(..., group_size)`` of f32/bf16/f16.
+      bits, group_size, rotation, spikes: the codec parameters.
+    """
     del group_size
     if rotation:
         return quantize_groups(rotate(v.astype(jnp.float32), rotation), bits, spikes)
@@ -286,13 +410,24 @@ def quantize(v, *, bits: int, group_size: int, rotation: int = 0, spikes: int = 
 
 
 def saturate(v, dtype):
-    """Clamp to the finite range of ``dtype``; NaN passes through (see codec.h)."""
+    """Clamp to the finite range of ``dtype``; NaN passes through (see codec.h).
+
+    Args:
+      v: f32 values.
+      dtype: the target dtype.
+    """
     top = np.float32(jnp.finfo(dtype).max)
     return jnp.where(v > top, top, jnp.where(v < -top, -top, v))
 
 
 def dequantize(codes, scale, zero, *, bits: int, group_size: int, dtype, rotation: int = 0,
                spikes: int = 0):
+    """The twin of :func:`jax_flashcomm.codec.kernels.dequantize`: groups of ``dtype``.
+
+    Args:
+      codes, scale, zero: the payload's arrays.
+      bits, group_size, dtype, rotation, spikes: the codec parameters.
+    """
     v = decode_groups(codes, scale, zero, bits, group_size, spikes)
     if rotation:
         v = unrotate(v, rotation)
@@ -301,6 +436,12 @@ def dequantize(codes, scale, zero, *, bits: int, group_size: int, dtype, rotatio
 
 def dequantize_sum(codes, scale, zero, *, bits: int, group_size: int, dtype, rotation: int = 0,
                    spikes: int = 0):
+    """The twin of :func:`jax_flashcomm.codec.kernels.dequantize_sum`.
+
+    Args:
+      codes, scale, zero: the chunked payload's arrays.
+      bits, group_size, dtype, rotation, spikes: the codec parameters (``dtype``: the sum's).
+    """
     v = sum_chunks(codes, scale, zero, bits, group_size, spikes)
     if rotation:
         v = unrotate(v, rotation)
@@ -309,6 +450,13 @@ def dequantize_sum(codes, scale, zero, *, bits: int, group_size: int, dtype, rot
 
 def dequantize_sum_quantize(codes, scale, zero, *, bits: int, out_bits: int, group_size: int,
                             spikes: int = 0, out_spikes: int | None = None):
+    """The twin of :func:`jax_flashcomm.codec.kernels.dequantize_sum_quantize`.
+
+    Args:
+      codes, scale, zero: the chunked payload's arrays.
+      bits, group_size, spikes: the input's codec parameters.
+      out_bits, out_spikes: the sum's (``out_spikes`` None: ``spikes``).
+    """
     out_spikes = spikes if out_spikes is None else out_spikes
     return quantize_groups(sum_chunks(codes, scale, zero, bits, group_size, spikes), out_bits,
                            out_spikes)
@@ -321,7 +469,15 @@ def dequantize_into(out, codes, scale, zero, offset, *, bits: int, group_size: i
     """``out`` (flat row-major view) with elements ``[offset, offset + count)`` replaced by the
     first ``count`` decoded values of one payload, as the FFI kernel writes them. (An
     out-of-range traced offset is clamped, as ``dynamic_update_slice`` does; the wrapper
-    rejects static ones.)"""
+    rejects static ones.)
+
+    Args:
+      out: the buffer (f32/bf16/f16).
+      codes, scale, zero: one payload's arrays.
+      offset: the first element written (int32 scalar).
+      bits, group_size, rotation, spikes: the codec parameters.
+      count: values written.
+    """
     v = dequantize(codes, scale, zero, bits=bits, group_size=group_size, dtype=out.dtype,
                    rotation=rotation, spikes=spikes)
     flat = lax.dynamic_update_slice(out.reshape(-1), v.reshape(-1)[:count], (offset,))

@@ -48,7 +48,7 @@ def check_bits(bits, name: str = "bits") -> int:
 
 
 def check_group_size(group_size, name: str = "group_size") -> int:
-    """``group_size`` must be a positive multiple of 8.
+    """``group_size`` must be a positive multiple of 8, at most ``MAX_GROUP_SIZE`` (2**24).
 
     Args:
       group_size: the value to check.
@@ -137,7 +137,8 @@ def check_spikes(spikes, group_size: int | None = None, name: str = "spikes") ->
 
     Args:
       spikes: the value to check; None means 0.
-      group_size: if given, the group size it must fit.
+      group_size: if given, ``spikes`` must be below it, and spikes need it at most
+        ``MAX_SPIKE_GROUP_SIZE`` (65536).
       name: the argument's name in errors.
 
     Returns:
