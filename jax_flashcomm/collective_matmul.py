@@ -207,10 +207,11 @@ def all_gather_matmul(x, w, axis_name, *, axis: int = 0, bidirectional: bool = F
     config = config_from(config, options, fn)
     axis = _check_operands(fn, x, w, axis)
     axes = _axes.normalize_axes(axis_name, fn)
+    if not config.exact:  # whatever the size: the dtype is checked like the collectives'
+        _axes.check_float(x, f"{fn}: x (quantized with bits={config.phase2_bits})")
     p = plan(fn, axes, x.shape, x.dtype, _axes.axis_size(axes), config)
     quant = None
     if p.quantized:
-        _axes.check_float(x, f"{fn}: x (quantized with bits={p.ag_bits})")
         quant = (p.ag_bits, p.group_size, p.backend, p.rotation, p.ag_spikes)
     x, w = _axes.match_varying((x, w), axes)
     return _agmm(x, w, axis_name, axis, bool(bidirectional), quant, ring_spec(p))

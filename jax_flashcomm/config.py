@@ -138,13 +138,12 @@ class CommConfig:
     def __post_init__(self):
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         for name in ("bits", "rs_bits", "ag_bits"):
-            value = _as_int(getattr(self, name), name, none_ok=True)
+            value = getattr(self, name)
             put(name, None if value is None else spec.check_bits(value, name))
         if self.bits is None and (self.rs_bits is not None or self.ag_bits is not None):
             raise ValueError("bits=None is the exact setting; rs_bits/ag_bits need bits set "
                              f"(got rs_bits={self.rs_bits}, ag_bits={self.ag_bits})")
-        put("group_size", spec.check_group_size(_as_int(self.group_size, "group_size"),
-                                                "group_size"))
+        put("group_size", spec.check_group_size(self.group_size, "group_size"))
         if self.rotation != "auto":
             rotation = self.rotation
             if isinstance(rotation, (int, np.integer)) and not isinstance(rotation, bool):
@@ -157,7 +156,7 @@ class CommConfig:
             put("spikes", spec.check_spikes(spikes, self.group_size, "spikes"))
         min_bytes = _as_int(self.min_bytes, "min_bytes")
         if min_bytes < 0:
-            raise ValueError(f"min_bytes must be >= 0, got {min_bytes}")
+            raise ValueError(f"min_bytes must be a non-negative int, got {min_bytes}")
         put("min_bytes", min_bytes)
         put("backend", spec.check_backend(self.backend))
         _choice(self.grad, GRAD_MODES, "grad")
