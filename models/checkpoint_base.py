@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 import pathlib
+import re
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -17,7 +18,7 @@ from models.config import LlamaConfig
 if TYPE_CHECKING:
     from models.tokenizer import Tokenizer
 
-__all__ = ["Checkpoint", "CheckpointError", "expected_shapes", "validate"]
+__all__ = ["Checkpoint", "CheckpointError", "check_finite", "expected_shapes", "validate"]
 
 
 class CheckpointError(ValueError):
@@ -76,9 +77,20 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
+
+
 def validate(ckpt: Checkpoint) -> None:
-    """Raise :class:`CheckpointError` unless every expected tensor is present and well shaped."""
+    """Raise :class:`CheckpointError` unless every expected tensor is present and well shaped,
+    and no tensor belongs to a layer the config does not have (a layer count that shrank would
+    otherwise load a shallower model without a word)."""
     have = set(ckpt.names())
+    n_layers = ckpt.config.n_layers
+    for name in sorted(have):
+        m = _LAYER_NAME.match(name)
+        if m and int(m.group(1)) >= n_layers:
+            raise CheckpointError(f"{ckpt.path}: tensor {name} belongs to layer {m.group(1)}, but "
+                                  f"the config has {n_layers} layers (n_layers / block_count)")
     for name, shape in expected_shapes(ckpt.config).items():
         if name not in have:
             raise CheckpointError(f"{ckpt.path}: missing tensor {name} (expected shape {shape})")
@@ -86,3 +98,13 @@ def validate(ckpt: Checkpoint) -> None:
         if actual != shape:
             raise CheckpointError(f"{ckpt.path}: tensor {name} has shape {actual}, expected "
                                   f"{shape} from the config")
+
+
+def check_finite(path, name: str, arr: np.ndarray) -> np.ndarray:
+    """``arr`` if every value is finite; else a :class:`CheckpointError` naming the tensor (no
+    real checkpoint holds a NaN or infinite weight: one that does is corrupt)."""
+    if not np.isfinite(arr).all():
+        bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
+        raise CheckpointError(f"{path}: tensor {name} holds {bad} non-finite value(s) (NaN or "
+                              f"inf): corrupt data")
+    return arr

