@@ -54,12 +54,12 @@ ffi::Error Quantize(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U8>> codes,
   const int64_t item = int64_t(x.size_bytes()) / (n_groups > 0 ? n_groups : 1);
   const int64_t record = record_bytes(group_size, bits, spikes);
   const auto* xs = static_cast<const uint8_t*>(x.untyped_data());
-  runner.ForRanges(n_groups, item, [&](int64_t b, int64_t e) {
-    kernels().quantize(dtype, xs + b * item, e - b, group_size, bits, rotation, spikes,
-                       codes->typed_data() + b * record, scale->typed_data() + b,
-                       zero->typed_data() + b);
+  const size_t failed = runner.ForRangesStatus(n_groups, item, [&](int64_t b, int64_t e) {
+    return kernels().quantize(dtype, xs + b * item, e - b, group_size, bits, rotation, spikes,
+                              codes->typed_data() + b * record, scale->typed_data() + b,
+                              zero->typed_data() + b);
   });
-  return ffi::Error::Success();
+  return failed == 0 ? ffi::Error::Success() : ScratchError("flashcomm_quantize", failed);
 }
 
 ffi::Error Dequantize(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
@@ -82,12 +82,12 @@ ffi::Error Dequantize(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
   const int64_t item = int64_t(y->size_bytes()) / (n_groups > 0 ? n_groups : 1);
   const int64_t record = record_bytes(group_size, bits, spikes);
   auto* ys = static_cast<uint8_t*>(y->untyped_data());
-  runner.ForRanges(n_groups, item, [&](int64_t b, int64_t e) {
-    kernels().dequantize(dtype, codes.typed_data() + b * record, scale.typed_data() + b,
-                         zero.typed_data() + b, e - b, group_size, bits, rotation, spikes,
-                         ys + b * item);
+  const size_t failed = runner.ForRangesStatus(n_groups, item, [&](int64_t b, int64_t e) {
+    return kernels().dequantize(dtype, codes.typed_data() + b * record, scale.typed_data() + b,
+                                zero.typed_data() + b, e - b, group_size, bits, rotation,
+                                spikes, ys + b * item);
   });
-  return ffi::Error::Success();
+  return failed == 0 ? ffi::Error::Success() : ScratchError("flashcomm_dequantize", failed);
 }
 
 ffi::Error DequantizeSum(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
@@ -112,10 +112,11 @@ ffi::Error DequantizeSum(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scal
   }
   // An output group reads `chunks` input groups: its operand bytes, for the piece size.
   const int64_t item = in.chunks * in.group_size * 4;
-  runner.ForRanges(in.batch * in.groups_per_chunk, item, [&](int64_t b, int64_t e) {
-    kernels().dequantize_sum(dtype, in, rotation, y->untyped_data(), b, e);
-  });
-  return ffi::Error::Success();
+  const size_t failed =
+      runner.ForRangesStatus(in.batch * in.groups_per_chunk, item, [&](int64_t b, int64_t e) {
+        return kernels().dequantize_sum(dtype, in, rotation, y->untyped_data(), b, e);
+      });
+  return failed == 0 ? ffi::Error::Success() : ScratchError("flashcomm_dequantize_sum", failed);
 }
 
 ffi::Error DequantizeSumQuantize(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
@@ -137,11 +138,15 @@ ffi::Error DequantizeSumQuantize(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF
     return e;
   }
   const int64_t item = in.chunks * in.group_size * 4;
-  runner.ForRanges(in.batch * in.groups_per_chunk, item, [&](int64_t b, int64_t e) {
-    kernels().dequantize_sum_quantize(in, out_bits, out_spikes, out_codes->typed_data(),
-                                      out_scale->typed_data(), out_zero->typed_data(), b, e);
-  });
-  return ffi::Error::Success();
+  const size_t failed =
+      runner.ForRangesStatus(in.batch * in.groups_per_chunk, item, [&](int64_t b, int64_t e) {
+        return kernels().dequantize_sum_quantize(in, out_bits, out_spikes,
+                                                 out_codes->typed_data(),
+                                                 out_scale->typed_data(),
+                                                 out_zero->typed_data(), b, e);
+      });
+  return failed == 0 ? ffi::Error::Success()
+                     : ScratchError("flashcomm_dequantize_sum_quantize", failed);
 }
 
 namespace {
@@ -153,22 +158,29 @@ ffi::Error QuantizeOnPool(ffi::ThreadPool pool, ffi::AnyBuffer x,
                           ffi::Result<ffi::Buffer<ffi::BF16>> scale,
                           ffi::Result<ffi::Buffer<ffi::BF16>> zero, int32_t bits,
                           int64_t group_size, int32_t rotation, int32_t spikes) {
-  return Quantize(x, codes, scale, zero, bits, group_size, rotation, spikes, PoolRunner(pool));
+  return Guarded("flashcomm_quantize", [&] {
+    return Quantize(x, codes, scale, zero, bits, group_size, rotation, spikes, PoolRunner(pool));
+  });
 }
 
 ffi::Error DequantizeOnPool(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes,
                             ffi::Buffer<ffi::BF16> scale, ffi::Buffer<ffi::BF16> zero,
                             ffi::Result<ffi::AnyBuffer> y, int32_t bits, int64_t group_size,
                             int32_t rotation, int32_t spikes) {
-  return Dequantize(codes, scale, zero, y, bits, group_size, rotation, spikes, PoolRunner(pool));
+  return Guarded("flashcomm_dequantize", [&] {
+    return Dequantize(codes, scale, zero, y, bits, group_size, rotation, spikes,
+                      PoolRunner(pool));
+  });
 }
 
 ffi::Error DequantizeSumOnPool(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes,
                                ffi::Buffer<ffi::BF16> scale, ffi::Buffer<ffi::BF16> zero,
                                ffi::Result<ffi::AnyBuffer> y, int32_t bits, int64_t group_size,
                                int32_t rotation, int32_t spikes) {
-  return DequantizeSum(codes, scale, zero, y, bits, group_size, rotation, spikes,
-                       PoolRunner(pool));
+  return Guarded("flashcomm_dequantize_sum", [&] {
+    return DequantizeSum(codes, scale, zero, y, bits, group_size, rotation, spikes,
+                         PoolRunner(pool));
+  });
 }
 
 ffi::Error DequantizeSumQuantizeOnPool(
@@ -176,8 +188,10 @@ ffi::Error DequantizeSumQuantizeOnPool(
     ffi::Buffer<ffi::BF16> zero, ffi::Result<ffi::Buffer<ffi::U8>> out_codes,
     ffi::Result<ffi::Buffer<ffi::BF16>> out_scale, ffi::Result<ffi::Buffer<ffi::BF16>> out_zero,
     int32_t bits, int32_t out_bits, int64_t group_size, int32_t spikes, int32_t out_spikes) {
-  return DequantizeSumQuantize(codes, scale, zero, out_codes, out_scale, out_zero, bits,
-                               out_bits, group_size, spikes, out_spikes, PoolRunner(pool));
+  return Guarded("flashcomm_dequantize_sum_quantize", [&] {
+    return DequantizeSumQuantize(codes, scale, zero, out_codes, out_scale, out_zero, bits,
+                                 out_bits, group_size, spikes, out_spikes, PoolRunner(pool));
+  });
 }
 
 }  // namespace

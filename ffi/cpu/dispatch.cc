@@ -4,9 +4,12 @@
 #include "flashcomm/cpu_dispatch.h"
 
 #include <atomic>
+#include <cstddef>
 #include <cstdlib>
 #include <string>
 #include <vector>
+
+#include "flashcomm/cpu_alloc.h"
 
 // One declaration per build compiled in (ffi/cpu/isa_kernels.cc; CMake defines the
 // FLASHCOMM_HAVE_ISA_* macros for the builds it compiles). The builds' namespaces are inline
@@ -153,3 +156,18 @@ std::string set_isa(const std::string& name) {
 
 }  // namespace cpu
 }  // namespace flashcomm
+
+// The scratch allocator of cpu_alloc.h (nullptr: std::malloc).
+namespace {
+std::atomic<flashcomm_scratch_alloc_fn> g_scratch_allocator{nullptr};
+}  // namespace
+
+extern "C" void* flashcomm_scratch_alloc(size_t bytes) {
+  const flashcomm_scratch_alloc_fn fn = g_scratch_allocator.load(std::memory_order_relaxed);
+  return fn != nullptr ? fn(bytes) : std::malloc(bytes);
+}
+
+extern "C" flashcomm_scratch_alloc_fn flashcomm_set_scratch_allocator(
+    flashcomm_scratch_alloc_fn fn) {
+  return g_scratch_allocator.exchange(fn);
+}

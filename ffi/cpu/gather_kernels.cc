@@ -65,13 +65,13 @@ ffi::Error DequantizeInto(ffi::AnyBuffer out_in, ffi::Buffer<ffi::U8> codes,
   const int64_t groups = (count + group_size - 1) / group_size;
   const int64_t record = record_bytes(group_size, bits, spikes);
   const int64_t group_out = group_size * int64_t(item);
-  runner.ForRanges(groups, group_out, [&](int64_t b, int64_t e) {
+  const size_t failed = runner.ForRangesStatus(groups, group_out, [&](int64_t b, int64_t e) {
     const int64_t values = (e * group_size < count ? e * group_size : count) - b * group_size;
-    kernels().dequantize_into(dtype, codes.typed_data() + b * record, scale.typed_data() + b,
-                              zero.typed_data() + b, group_size, bits, rotation, spikes, values,
-                              base + b * group_out);
+    return kernels().dequantize_into(dtype, codes.typed_data() + b * record,
+                                     scale.typed_data() + b, zero.typed_data() + b, group_size,
+                                     bits, rotation, spikes, values, base + b * group_out);
   });
-  return ffi::Error::Success();
+  return failed == 0 ? ffi::Error::Success() : ScratchError(kOp, failed);
 }
 
 namespace {
@@ -83,8 +83,10 @@ ffi::Error DequantizeIntoOnPool(ffi::ThreadPool pool, ffi::AnyBuffer out_in,
                                 ffi::Result<ffi::AnyBuffer> out, int32_t bits,
                                 int64_t group_size, int32_t rotation, int32_t spikes,
                                 int64_t count) {
-  return DequantizeInto(out_in, codes, scale, zero, offset, out, bits, group_size, rotation,
-                        spikes, count, PoolRunner(pool));
+  return Guarded(kOp, [&] {
+    return DequantizeInto(out_in, codes, scale, zero, offset, out, bits, group_size, rotation,
+                          spikes, count, PoolRunner(pool));
+  });
 }
 
 }  // namespace

@@ -7,12 +7,17 @@
 // Nothing here may instantiate a template or inline function outside FLASHCOMM_ISA's
 // namespace (no std containers): the linker keeps one copy of such a function for the whole
 // library, and an AVX-512 copy called from the baseline build would not run on other CPUs.
-// Scratch memory comes from malloc.
+// Scratch memory comes from flashcomm_scratch_alloc (cpu_alloc.h: malloc, or a test's
+// allocator), and every allocation is checked: a kernel that cannot get its scratch writes
+// nothing more and returns the size it asked for (cpu_dispatch.h), which the handler reports as
+// an ffi::Error.
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
 #include "flashcomm/codec.h"
+#include "flashcomm/cpu_alloc.h"
 #include "flashcomm/cpu_codec.h"
 #include "flashcomm/cpu_dispatch.h"
 #include "flashcomm/cpu_rotation.h"
@@ -29,41 +34,61 @@ inline namespace FLASHCOMM_ISA {
 namespace cpu {
 namespace {
 
-// Scratch of n values of T (malloc, freed on scope exit; null when n is 0).
+// Scratch of n values of T (flashcomm_scratch_alloc, freed on scope exit; null when n is 0).
+// failed(): the allocation of n > 0 values came back null; bytes: the size asked for.
 template <typename T>
 struct Scratch {
-  explicit Scratch(int64_t n) : data(static_cast<T*>(n > 0 ? std::malloc(size_t(n) * sizeof(T)) : nullptr)) {}
+  explicit Scratch(int64_t n)
+      : bytes(n > 0 ? size_t(n) * sizeof(T) : 0),
+        data(static_cast<T*>(bytes > 0 ? flashcomm_scratch_alloc(bytes) : nullptr)) {}
   ~Scratch() { std::free(data); }
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
-  T* data;
+  bool failed() const { return bytes > 0 && data == nullptr; }
+  const size_t bytes;
+  T* const data;
 };
 
-// Sign masks of rotation 2 (rotation_sign_masks), or null for rotation 0 and 1.
+// The size of the first failed allocation among `scratch`, or 0 when every one succeeded.
+template <typename... S>
+size_t FailedBytes(const S&... scratch) {
+  size_t failed = 0;
+  ((failed = failed == 0 && scratch.failed() ? scratch.bytes : failed), ...);
+  return failed;
+}
+
+// Sign masks of rotation 2 (rotation_sign_masks), or null for rotation 0 and 1 (and when the
+// allocation failed: masks.failed()).
 struct SignMasks {
   SignMasks(int rotation, int64_t g) : masks(rotation == kRotationSignedHadamard ? g : 0) {
     if (masks.data != nullptr) rotation_sign_masks(g, masks.data);
   }
   const uint32_t* get() const { return masks.data; }
+  bool failed() const { return masks.failed(); }
+  size_t bytes() const { return masks.bytes; }
   Scratch<uint32_t> masks;
 };
 
 template <typename T>
-void QuantizeAs(const void* x, int64_t n_groups, int64_t g, int bits, int rotation, int spikes,
-                uint8_t* codes, uint16_t* scale, uint16_t* zero) {
+size_t QuantizeAs(const void* x, int64_t n_groups, int64_t g, int bits, int rotation, int spikes,
+                  uint8_t* codes, uint16_t* scale, uint16_t* zero) {
   const auto* xs = static_cast<const typename T::Storage*>(x);
   if (spikes == 0 && rotation == kRotationNone) {
-    return quantize_groups<T>(xs, n_groups, g, bits, codes, scale, zero);
+    quantize_groups<T>(xs, n_groups, g, bits, codes, scale, zero);
+    return 0;
   }
   const SignMasks masks(rotation, g);
+  if (masks.failed()) return masks.bytes();
   Scratch<float> buf(g);
+  if (buf.failed()) return buf.bytes;
   if (spikes == 0) {
-    return quantize_groups_rotated<T>(xs, n_groups, g, bits, masks.get(), buf.data, codes, scale,
-                                      zero);
+    quantize_groups_rotated<T>(xs, n_groups, g, bits, masks.get(), buf.data, codes, scale, zero);
+    return 0;
   }
   // Spikes (any rotation): each group is widened (and rotated) into buf, then
   // quantize_spiked_group writes its record.
   Scratch<int32_t> keys(g);
+  if (keys.failed()) return keys.bytes;
   const int64_t stride = record_bytes(g, bits, spikes);
   const float c = rotation_scale(g);
   for (int64_t k = 0; k < n_groups; ++k) {
@@ -77,22 +102,27 @@ void QuantizeAs(const void* x, int64_t n_groups, int64_t g, int bits, int rotati
     quantize_spiked_group(buf.data, g, bits, spikes, codes + k * stride, scale + k, zero + k,
                           keys.data);
   }
+  return 0;
 }
 
 // Dequantize: plain groups straight into T; rotated groups fused per group; with spikes:
 // decode, put the spikes back, rotate back, saturate, store.
 template <typename T>
-void DequantizeAs(const uint8_t* codes, const uint16_t* scale, const uint16_t* zero,
-                  int64_t n_groups, int64_t g, int bits, int rotation, int spikes, void* y) {
+size_t DequantizeAs(const uint8_t* codes, const uint16_t* scale, const uint16_t* zero,
+                    int64_t n_groups, int64_t g, int bits, int rotation, int spikes, void* y) {
   auto* ys = static_cast<typename T::Storage*>(y);
   const SignMasks masks(rotation, g);
+  if (masks.failed()) return masks.bytes();
   if (spikes == 0 && rotation == kRotationNone) {
-    return dequantize_groups<T>(codes, scale, zero, n_groups, g, bits, nullptr, ys);
+    dequantize_groups<T>(codes, scale, zero, n_groups, g, bits, nullptr, ys);
+    return 0;
   }
   Scratch<float> buf(g);
+  if (buf.failed()) return buf.bytes;
   if (spikes == 0) {
-    return dequantize_groups_rotated<T>(codes, scale, zero, n_groups, g, bits, masks.get(),
-                                        buf.data, ys);
+    dequantize_groups_rotated<T>(codes, scale, zero, n_groups, g, bits, masks.get(), buf.data,
+                                 ys);
+    return 0;
   }
   const int64_t stride = record_bytes(g, bits, spikes);
   for (int64_t k = 0; k < n_groups; ++k) {
@@ -101,6 +131,7 @@ void DequantizeAs(const uint8_t* codes, const uint16_t* scale, const uint16_t* z
     if (rotation != kRotationNone) unrotate_group(buf.data, g, masks.get());
     store_group<T>(buf.data, g, /*saturating=*/true, ys + k * g);
   }
+  return 0;
 }
 
 // Sum over the chunk axis in order 0..n-1, in f32, of chunk c's group k, into buf.
@@ -163,10 +194,13 @@ void SumGroup(const PayloadView& in, int64_t batch, int64_t k, float* tmp, float
 
 // Sums in the rotated domain; with rotation, the inverse rotation runs once on the sum.
 template <typename T>
-void DequantizeSumAs(const PayloadView& in, int rotation, void* y, int64_t begin, int64_t end) {
+size_t DequantizeSumAs(const PayloadView& in, int rotation, void* y, int64_t begin,
+                       int64_t end) {
   auto* ys = static_cast<typename T::Storage*>(y);
   Scratch<float> buf(in.group_size), tmp(in.group_size);
+  if (const size_t failed = FailedBytes(buf, tmp)) return failed;
   const SignMasks masks(rotation, in.group_size);
+  if (masks.failed()) return masks.bytes();
   for (int64_t o = begin; o < end; ++o) {  // o = b * groups_per_chunk + k
     SumGroup(in, o / in.groups_per_chunk, o % in.groups_per_chunk, tmp.data, buf.data);
     typename T::Storage* out = ys + o * in.group_size;
@@ -176,15 +210,18 @@ void DequantizeSumAs(const PayloadView& in, int rotation, void* y, int64_t begin
       store_group<T>(buf.data, in.group_size, /*saturating=*/false, out);
     }
   }
+  return 0;
 }
 
-void DequantizeSumQuantize(const PayloadView& in, int out_bits, int out_spikes, uint8_t* codes,
-                           uint16_t* scale, uint16_t* zero, int64_t begin, int64_t end) {
+size_t DequantizeSumQuantize(const PayloadView& in, int out_bits, int out_spikes,
+                             uint8_t* codes, uint16_t* scale, uint16_t* zero, int64_t begin,
+                             int64_t end) {
   const int64_t out_nbytes = record_bytes(in.group_size, out_bits, out_spikes);
   const int64_t gpc = in.groups_per_chunk;
   if (out_spikes == 0) {
     constexpr int64_t kSumBatch = 16;
     Scratch<float> sums(kSumBatch * in.group_size), tmp(in.group_size);
+    if (const size_t failed = FailedBytes(sums, tmp)) return failed;
     for (int64_t o0 = begin; o0 < end; o0 += kSumBatch) {  // o = b * groups_per_chunk + k
       const int64_t m = end - o0 < kSumBatch ? end - o0 : kSumBatch;
       for (int64_t i = 0; i < m; ++i) {
@@ -193,64 +230,77 @@ void DequantizeSumQuantize(const PayloadView& in, int out_bits, int out_spikes, 
       quantize_groups<F32>(sums.data, m, in.group_size, out_bits, codes + o0 * out_nbytes,
                            scale + o0, zero + o0);
     }
-    return;
+    return 0;
   }
   Scratch<float> buf(in.group_size), tmp(in.group_size);
   Scratch<int32_t> keys(in.group_size);
+  if (const size_t failed = FailedBytes(buf, tmp, keys)) return failed;
   for (int64_t o = begin; o < end; ++o) {
     SumGroup(in, o / gpc, o % gpc, tmp.data, buf.data);
     quantize_spiked_group(buf.data, in.group_size, out_bits, out_spikes, codes + o * out_nbytes,
                           scale + o, zero + o, keys.data);
   }
+  return 0;
 }
 
 template <typename T>
-void DequantizeIntoAs(const uint8_t* codes, const uint16_t* scale, const uint16_t* zero,
-                      int64_t g, int bits, int rotation, int spikes, int64_t count, void* out) {
+size_t DequantizeIntoAs(const uint8_t* codes, const uint16_t* scale, const uint16_t* zero,
+                        int64_t g, int bits, int rotation, int spikes, int64_t count,
+                        void* out) {
   using S = typename T::Storage;
   S* y = static_cast<S*>(out);
   const int64_t full = count / g;
   const int64_t tail = count - full * g;
   const int64_t stride = record_bytes(g, bits, spikes);
   Scratch<S> last(tail > 0 ? g : 0);
-  if (full > 0) DequantizeAs<T>(codes, scale, zero, full, g, bits, rotation, spikes, y);
+  if (last.failed()) return last.bytes;
+  if (full > 0) {
+    if (const size_t failed =
+            DequantizeAs<T>(codes, scale, zero, full, g, bits, rotation, spikes, y)) {
+      return failed;
+    }
+  }
   if (tail > 0) {
-    DequantizeAs<T>(codes + full * stride, scale + full, zero + full, 1, g, bits, rotation,
-                    spikes, last.data);
+    if (const size_t failed = DequantizeAs<T>(codes + full * stride, scale + full, zero + full,
+                                              1, g, bits, rotation, spikes, last.data)) {
+      return failed;
+    }
     std::memcpy(y + full * g, last.data, size_t(tail) * sizeof(S));
   }
+  return 0;
 }
 
 // dtype dispatch of the templates above.
 template <template <typename> class Op, typename... Args>
-void ByDType(DType dtype, Args... args) {
+size_t ByDType(DType dtype, Args... args) {
   switch (dtype) {
     case DType::kF32: return Op<F32>::run(args...);
     case DType::kBF16: return Op<BF16>::run(args...);
     default: return Op<F16>::run(args...);
   }
 }
-template <typename T> struct QuantizeOp { template <typename... A> static void run(A... a) { QuantizeAs<T>(a...); } };
-template <typename T> struct DequantizeOp { template <typename... A> static void run(A... a) { DequantizeAs<T>(a...); } };
-template <typename T> struct DequantizeSumOp { template <typename... A> static void run(A... a) { DequantizeSumAs<T>(a...); } };
-template <typename T> struct DequantizeIntoOp { template <typename... A> static void run(A... a) { DequantizeIntoAs<T>(a...); } };
+template <typename T> struct QuantizeOp { template <typename... A> static size_t run(A... a) { return QuantizeAs<T>(a...); } };
+template <typename T> struct DequantizeOp { template <typename... A> static size_t run(A... a) { return DequantizeAs<T>(a...); } };
+template <typename T> struct DequantizeSumOp { template <typename... A> static size_t run(A... a) { return DequantizeSumAs<T>(a...); } };
+template <typename T> struct DequantizeIntoOp { template <typename... A> static size_t run(A... a) { return DequantizeIntoAs<T>(a...); } };
 
-void Quantize(DType dtype, const void* x, int64_t n_groups, int64_t g, int bits, int rotation,
-              int spikes, uint8_t* codes, uint16_t* scale, uint16_t* zero) {
-  ByDType<QuantizeOp>(dtype, x, n_groups, g, bits, rotation, spikes, codes, scale, zero);
+size_t Quantize(DType dtype, const void* x, int64_t n_groups, int64_t g, int bits,
+                int rotation, int spikes, uint8_t* codes, uint16_t* scale, uint16_t* zero) {
+  return ByDType<QuantizeOp>(dtype, x, n_groups, g, bits, rotation, spikes, codes, scale, zero);
 }
-void Dequantize(DType dtype, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero,
-                int64_t n_groups, int64_t g, int bits, int rotation, int spikes, void* y) {
-  ByDType<DequantizeOp>(dtype, codes, scale, zero, n_groups, g, bits, rotation, spikes, y);
+size_t Dequantize(DType dtype, const uint8_t* codes, const uint16_t* scale,
+                  const uint16_t* zero, int64_t n_groups, int64_t g, int bits, int rotation,
+                  int spikes, void* y) {
+  return ByDType<DequantizeOp>(dtype, codes, scale, zero, n_groups, g, bits, rotation, spikes, y);
 }
-void DequantizeSum(DType dtype, const PayloadView& in, int rotation, void* y, int64_t begin,
-                   int64_t end) {
-  ByDType<DequantizeSumOp>(dtype, in, rotation, y, begin, end);
+size_t DequantizeSum(DType dtype, const PayloadView& in, int rotation, void* y,
+                     int64_t begin, int64_t end) {
+  return ByDType<DequantizeSumOp>(dtype, in, rotation, y, begin, end);
 }
-void DequantizeInto(DType dtype, const uint8_t* codes, const uint16_t* scale,
-                    const uint16_t* zero, int64_t g, int bits, int rotation, int spikes,
-                    int64_t count, void* y) {
-  ByDType<DequantizeIntoOp>(dtype, codes, scale, zero, g, bits, rotation, spikes, count, y);
+size_t DequantizeInto(DType dtype, const uint8_t* codes, const uint16_t* scale,
+                      const uint16_t* zero, int64_t g, int bits, int rotation, int spikes,
+                      int64_t count, void* y) {
+  return ByDType<DequantizeIntoOp>(dtype, codes, scale, zero, g, bits, rotation, spikes, count, y);
 }
 
 }  // namespace

@@ -12,14 +12,19 @@
 #include "flashcomm/cpu_p2p.h"
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <memory>
+#include <new>
 #include <string>
 #include <vector>
 
 #include "flashcomm/codec.h"
+#include "flashcomm/cpu_alloc.h"
 #include "flashcomm/cpu_dispatch.h"
 #include "flashcomm/cpu_ops.h"
 #include "flashcomm/ffi_checks.h"
@@ -36,8 +41,18 @@ using p2p::Meeting;
 using p2p::Published;
 using p2p::Rendezvous;
 
+// Published[3] of a rank whose codec work failed (a scratch allocation): it still passes every
+// barrier, so that no peer loses a buffer it reads, and every rank's call ends with an error.
+const char kRankFailed = 0;
+
 // One rank's part in one call: joined on creation, left when the call completes (success or
 // error), which completes the call's future.
+//
+// A failure of this rank's codec work (Fail) does not leave the protocol: the rank skips the
+// work that is left, passes its remaining barriers with the kRankFailed mark (peers may still
+// read the buffers it published), and completes with the error; a peer that sees the mark
+// completes with an error naming the rank. Continuations of one call run one after another, so
+// the failure state needs no lock.
 class Call : public std::enable_shared_from_this<Call> {
  public:
   static std::shared_ptr<Call> Join(const char* op, int64_t run_id, int64_t site,
@@ -52,19 +67,51 @@ class Call : public std::enable_shared_from_this<Call> {
     if (meeting_) Rendezvous::Global().Leave(meeting_);
   }
   ffi::Future future() const { return ffi::Future(promise_); }
-  // Publish `mine` at `barrier`; `next` gets every rank's pointers once all have arrived. On a
-  // failure the call completes with the error instead.
-  void Arrive(int barrier, const Published& mine,
+  // Publish `mine` at `barrier` (marked kRankFailed once this rank has failed); `next` gets
+  // every rank's pointers once all have arrived. On a failed meeting the call completes with
+  // the error instead.
+  void Arrive(int barrier, Published mine,
               std::function<void(const std::vector<Published>&)> next) {
     auto self = shared_from_this();
+    if (failed()) mine[3] = &kRankFailed;
     meeting_->Arrive(barrier, rank_, mine,
                      [self, next = std::move(next)](const std::vector<Published>& peers,
                                                     const std::string& error) {
                        if (!error.empty()) return self->Finish(error);
-                       next(peers);
+                       for (size_t j = 0; j < peers.size() && !self->failed(); ++j) {
+                         if (peers[j][3] == &kRankFailed) {
+                           self->Fail(ffi::ErrorCode::kInternal,
+                                      "rank " + std::to_string(j) +
+                                          " failed (its own error says why)");
+                         }
+                       }
+                       try {
+                         next(peers);
+                       } catch (const std::exception& e) {
+                         // A small allocation of the protocol itself: fail the meeting, so
+                         // that the peers do not wait for the deadline.
+                         self->Abort(std::string("rank ") + std::to_string(self->rank_) +
+                                     ": " + e.what());
+                       }
                      });
   }
-  // Complete the call (after its last barrier): leave the meeting, then set the future.
+  // This rank's codec work failed: remember the first failure (Finish reports it).
+  void Fail(ffi::ErrorCode code, const std::string& why) {
+    if (failure_.empty()) {
+      failure_ = why;
+      failure_code_ = code;
+    }
+  }
+  bool failed() const { return !failure_.empty(); }
+  // Fail the whole meeting now (nothing of this rank's is published, or the protocol cannot go
+  // on), then complete this call with `why`.
+  void Abort(const std::string& why) {
+    if (meeting_) meeting_->Abort("peer-to-peer collective: " + why);
+    Fail(ffi::ErrorCode::kInternal, why);
+    Finish();
+  }
+  // Complete the call (after its last barrier): leave the meeting, then set the future, with
+  // `error` (a failed meeting) or this rank's failure (Fail) if any.
   void Finish(const std::string& error = std::string()) {
     if (meeting_) {
       Rendezvous::Global().Leave(meeting_);
@@ -72,12 +119,14 @@ class Call : public std::enable_shared_from_this<Call> {
     }
     // Never on a worker: XLA continues the program on the completing thread.
     ffi::Promise promise = promise_;
-    std::string message = error.empty() ? error : std::string(op_) + ": " + error;
-    p2p::ThreadPool::Completions().Schedule([promise, message]() mutable {
+    const std::string& why = error.empty() ? failure_ : error;
+    const ffi::ErrorCode code = error.empty() ? failure_code_ : ffi::ErrorCode::kInternal;
+    std::string message = why.empty() ? why : std::string(op_) + ": " + why;
+    p2p::ThreadPool::Completions().Schedule([promise, message, code]() mutable {
       if (message.empty()) {
         promise.SetAvailable();
       } else {
-        promise.SetError(ffi::Error::Internal(message));
+        promise.SetError(ffi::Error(code, message));
       }
     });
   }
@@ -89,7 +138,15 @@ class Call : public std::enable_shared_from_this<Call> {
   int rank_;
   std::shared_ptr<Meeting> meeting_;
   ffi::Promise promise_;
+  std::string failure_;
+  ffi::ErrorCode failure_code_ = ffi::ErrorCode::kOk;
 };
+
+// The message of a kernel's failed scratch allocation (cpu_dispatch.h).
+std::string ScratchMessage(size_t bytes, int rank) {
+  return "could not allocate " + std::to_string(bytes) + " bytes of scratch memory (rank " +
+         std::to_string(rank) + ")";
+}
 
 ffi::Future Failed(ffi::Error error) {
   ffi::Promise promise;
@@ -117,20 +174,39 @@ ffi::Error CheckCommon(const char* op, ffi::AnyBuffer x, int32_t rank, int64_t s
   return ffi::Error::Success();
 }
 
-// A reusable per-thread buffer for the chunks read from the peers (grows, never shrinks).
+// A reusable per-thread buffer for the chunks read from the peers (grows, never shrinks;
+// flashcomm_scratch_alloc, cpu_alloc.h). Null when it cannot grow to `bytes` (the old one is kept).
 uint8_t* Scratch(size_t bytes) {
-  thread_local std::vector<uint8_t> buffer;
-  if (buffer.size() < bytes) buffer.resize(bytes);
-  return buffer.data();
+  struct Buffer {
+    ~Buffer() { std::free(data); }
+    uint8_t* data = nullptr;
+    size_t size = 0;
+  };
+  thread_local Buffer buffer;
+  if (buffer.size < bytes) {
+    auto* grown = static_cast<uint8_t*>(flashcomm_scratch_alloc(bytes));
+    if (grown == nullptr) return nullptr;
+    std::free(buffer.data);
+    buffer.data = grown;
+    buffer.size = bytes;
+  }
+  return buffer.data;
 }
 
 // Copies chunk `chunk` (gpc groups) of every peer's payload published at a barrier into one
-// chunked payload (peers in rank order): the input of the fused sum kernels.
-PayloadView GatherChunk(const std::vector<Published>& peers, int64_t chunk, int64_t gpc,
-                        int64_t group_size, int bits, int spikes) {
+// chunked payload (peers in rank order): the input of the fused sum kernels. False (and
+// *failed_bytes, the size asked for) when the scratch buffer cannot be allocated.
+bool GatherChunk(const std::vector<Published>& peers, int64_t chunk, int64_t gpc,
+                 int64_t group_size, int bits, int spikes, PayloadView* out,
+                 size_t* failed_bytes) {
   const int64_t n = int64_t(peers.size());
   const int64_t nb = record_bytes(group_size, bits, spikes);
-  uint8_t* buf = Scratch(size_t(n * gpc * (nb + 4)));
+  const size_t bytes = size_t(n * gpc * (nb + 4));
+  uint8_t* buf = Scratch(bytes);
+  if (buf == nullptr && bytes > 0) {
+    *failed_bytes = bytes;
+    return false;
+  }
   uint8_t* codes = buf;
   auto* scale = reinterpret_cast<uint16_t*>(buf + n * gpc * nb);
   uint16_t* zero = scale + n * gpc;
@@ -153,7 +229,8 @@ PayloadView GatherChunk(const std::vector<Published>& peers, int64_t chunk, int6
   view.group_bytes = nb;
   view.bits = bits;
   view.spikes = spikes;
-  return view;
+  *out = view;
+  return true;
 }
 
 Published Publish(const void* codes, const void* scale, const void* zero) {
@@ -199,24 +276,40 @@ ffi::Future P2pAllReduce(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32>
   void* out = y->untyped_data();
 
   // 1. Quantize the operand (N chunks) into this rank's phase-1 payload (on XLA's thread).
-  kernels().quantize(dtype, x.untyped_data(), n_groups, group_size, bits, rotation, spikes,
-                     p1_codes->typed_data(), reinterpret_cast<uint16_t*>(p1_scale->typed_data()),
-                     reinterpret_cast<uint16_t*>(p1_zero->typed_data()));
+  const size_t quantize_failed = kernels().quantize(
+      dtype, x.untyped_data(), n_groups, group_size, bits, rotation, spikes,
+      p1_codes->typed_data(), reinterpret_cast<uint16_t*>(p1_scale->typed_data()),
+      reinterpret_cast<uint16_t*>(p1_zero->typed_data()));
   std::string error;
   auto call = Call::Join(kOp, run.run_id, site, group_buf.typed_data()[0], rank, size, 3,
                          timeout_ms, &error);
   if (!call) return Failed(ffi::Error::Internal(std::string(kOp) + ": " + error));
   ffi::Future done = call->future();
+  if (quantize_failed != 0) {  // nothing published yet: the peers fail at once
+    call->Fail(ffi::ErrorCode::kResourceExhausted, ScratchMessage(quantize_failed, rank));
+    call->Abort(ScratchMessage(quantize_failed, rank));
+    return done;
+  }
   call->Arrive(0, Publish(p1_codes->typed_data(), p1_scale->typed_data(),
                           p1_zero->typed_data()),
                [=](const std::vector<Published>& peers) {
     // 2. This rank's chunk from every peer, summed in f32 in rank order and re-quantized
     //    into its slot of the gathered phase-2 payload.
-    const PayloadView in = GatherChunk(peers, rank, gpc, group_size, bits, spikes);
-    kernels().dequantize_sum_quantize(in, out_bits, out_spikes, c2 + rank * gpc * nb2,
-                                      s2 + rank * gpc, z2 + rank * gpc, 0, in.batch * gpc);
+    PayloadView in;
+    size_t failed = 0;
+    if (!call->failed() &&
+        (!GatherChunk(peers, rank, gpc, group_size, bits, spikes, &in, &failed) ||
+         (failed = kernels().dequantize_sum_quantize(in, out_bits, out_spikes,
+                                                     c2 + rank * gpc * nb2, s2 + rank * gpc,
+                                                     z2 + rank * gpc, 0, in.batch * gpc)) != 0)) {
+      call->Fail(ffi::ErrorCode::kResourceExhausted, ScratchMessage(failed, rank));
+    }
     call->Arrive(1, Publish(c2, s2, z2), [=](const std::vector<Published>& peers) {
       // 3. Every peer's reduced chunk into its slot, then decode the gathered payload.
+      if (call->failed()) {
+        return call->Arrive(2, Publish(nullptr, nullptr, nullptr),
+                            [=](const std::vector<Published>&) { call->Finish(); });
+      }
       for (int64_t j = 0; j < size; ++j) {
         if (j == rank) continue;
         std::memcpy(c2 + j * gpc * nb2,
@@ -227,8 +320,10 @@ ffi::Future P2pAllReduce(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32>
         std::memcpy(z2 + j * gpc, static_cast<const uint16_t*>(peers[j][2]) + j * gpc,
                     size_t(gpc) * 2);
       }
-      kernels().dequantize(dtype, c2, s2, z2, n_groups, group_size, out_bits, rotation,
-                           out_spikes, out);
+      if (const size_t failed = kernels().dequantize(dtype, c2, s2, z2, n_groups, group_size,
+                                                     out_bits, rotation, out_spikes, out)) {
+        call->Fail(ffi::ErrorCode::kResourceExhausted, ScratchMessage(failed, rank));
+      }
       // 4. Complete once every peer has read this rank's slot.
       call->Arrive(2, Publish(nullptr, nullptr, nullptr),
                    [=](const std::vector<Published>&) { call->Finish(); });
@@ -259,21 +354,33 @@ ffi::Future P2pReduceScatter(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::
   ToDType(x.element_type(), &dtype);
   const int64_t gpc = n_groups / size;
   void* out = y->untyped_data();
-  kernels().quantize(dtype, x.untyped_data(), n_groups, group_size, bits, rotation, spikes,
-                     p1_codes->typed_data(), reinterpret_cast<uint16_t*>(p1_scale->typed_data()),
-                     reinterpret_cast<uint16_t*>(p1_zero->typed_data()));
+  const size_t quantize_failed = kernels().quantize(
+      dtype, x.untyped_data(), n_groups, group_size, bits, rotation, spikes,
+      p1_codes->typed_data(), reinterpret_cast<uint16_t*>(p1_scale->typed_data()),
+      reinterpret_cast<uint16_t*>(p1_zero->typed_data()));
   std::string error;
   auto call = Call::Join(kOp, run.run_id, site, group_buf.typed_data()[0], rank, size, 2,
                          timeout_ms, &error);
   if (!call) return Failed(ffi::Error::Internal(std::string(kOp) + ": " + error));
   ffi::Future done = call->future();
+  if (quantize_failed != 0) {  // nothing published yet: the peers fail at once
+    call->Fail(ffi::ErrorCode::kResourceExhausted, ScratchMessage(quantize_failed, rank));
+    call->Abort(ScratchMessage(quantize_failed, rank));
+    return done;
+  }
   call->Arrive(0, Publish(p1_codes->typed_data(), p1_scale->typed_data(),
                           p1_zero->typed_data()),
                [=](const std::vector<Published>& peers) {
     // This rank's chunk of every peer's payload (copied here), summed in f32 in rank order;
     // complete once every peer has read this rank's payload.
-    const PayloadView in = GatherChunk(peers, rank, gpc, group_size, bits, spikes);
-    kernels().dequantize_sum(dtype, in, rotation, out, 0, in.batch * gpc);
+    PayloadView in;
+    size_t failed = 0;
+    if (!call->failed() &&
+        (!GatherChunk(peers, rank, gpc, group_size, bits, spikes, &in, &failed) ||
+         (failed = kernels().dequantize_sum(dtype, in, rotation, out, 0, in.batch * gpc)) !=
+             0)) {
+      call->Fail(ffi::ErrorCode::kResourceExhausted, ScratchMessage(failed, rank));
+    }
     call->Arrive(1, Publish(nullptr, nullptr, nullptr),
                  [=](const std::vector<Published>&) { call->Finish(); });
   });
@@ -299,24 +406,33 @@ ffi::Future P2pAllGather(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32>
   }
   DType dtype = DType::kF32;
   ToDType(x.element_type(), &dtype);
-  kernels().quantize(dtype, x.untyped_data(), n_groups, group_size, bits, rotation, spikes,
-                     codes->typed_data(), reinterpret_cast<uint16_t*>(scale->typed_data()),
-                     reinterpret_cast<uint16_t*>(zero->typed_data()));
+  const size_t quantize_failed = kernels().quantize(
+      dtype, x.untyped_data(), n_groups, group_size, bits, rotation, spikes, codes->typed_data(),
+      reinterpret_cast<uint16_t*>(scale->typed_data()),
+      reinterpret_cast<uint16_t*>(zero->typed_data()));
   std::string error;
   auto call = Call::Join(kOp, run.run_id, site, group_buf.typed_data()[0], rank, size, 2,
                          timeout_ms, &error);
   if (!call) return Failed(ffi::Error::Internal(std::string(kOp) + ": " + error));
   ffi::Future done = call->future();
+  if (quantize_failed != 0) {  // nothing published yet: the peers fail at once
+    call->Fail(ffi::ErrorCode::kResourceExhausted, ScratchMessage(quantize_failed, rank));
+    call->Abort(ScratchMessage(quantize_failed, rank));
+    return done;
+  }
   const size_t slot_bytes = x.size_bytes();
   auto* out = static_cast<uint8_t*>(y->untyped_data());
   call->Arrive(0, Publish(codes->typed_data(), scale->typed_data(), zero->typed_data()),
                [=](const std::vector<Published>& peers) {
     // Every rank's payload decoded straight from its buffer into its slot.
-    for (int64_t j = 0; j < size; ++j) {
-      kernels().dequantize(dtype, static_cast<const uint8_t*>(peers[j][0]),
-                           static_cast<const uint16_t*>(peers[j][1]),
-                           static_cast<const uint16_t*>(peers[j][2]), n_groups, group_size,
-                           bits, rotation, spikes, out + j * slot_bytes);
+    for (int64_t j = 0; j < size && !call->failed(); ++j) {
+      if (const size_t failed = kernels().dequantize(
+              dtype, static_cast<const uint8_t*>(peers[j][0]),
+              static_cast<const uint16_t*>(peers[j][1]),
+              static_cast<const uint16_t*>(peers[j][2]), n_groups, group_size, bits, rotation,
+              spikes, out + j * slot_bytes)) {
+        call->Fail(ffi::ErrorCode::kResourceExhausted, ScratchMessage(failed, rank));
+      }
     }
     call->Arrive(1, Publish(nullptr, nullptr, nullptr),
                  [=](const std::vector<Published>&) { call->Finish(); });
@@ -337,7 +453,7 @@ size_t P2pMeetingsInProgress() { return Rendezvous::Global().InProgress(); }
       .Attr<int64_t>("timeout_ms") /* every wait gives up after this, with an error */
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FlashcommP2pAllReduceCpu, flashcomm::cpu::P2pAllReduce,
+    FlashcommP2pAllReduceCpu, flashcomm::cpu::Guard<&flashcomm::cpu::P2pAllReduce>::Call,
     ffi::Ffi::Bind()
         .Ctx<ffi::RunId>()                 // the execution: peers of one run meet
         .Arg<ffi::AnyBuffer>()             // x: (N * groups_per_chunk, group_size)
@@ -359,7 +475,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         FLASHCOMM_P2P_COMMON_ATTRS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FlashcommP2pReduceScatterCpu, flashcomm::cpu::P2pReduceScatter,
+    FlashcommP2pReduceScatterCpu, flashcomm::cpu::Guard<&flashcomm::cpu::P2pReduceScatter>::Call,
     ffi::Ffi::Bind()
         .Ctx<ffi::RunId>()                 // the execution: peers of one run meet
         .Arg<ffi::AnyBuffer>()             // x: (N * groups_per_chunk, group_size)
@@ -376,7 +492,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         FLASHCOMM_P2P_COMMON_ATTRS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FlashcommP2pAllGatherCpu, flashcomm::cpu::P2pAllGather,
+    FlashcommP2pAllGatherCpu, flashcomm::cpu::Guard<&flashcomm::cpu::P2pAllGather>::Call,
     ffi::Ffi::Bind()
         .Ctx<ffi::RunId>()                 // the execution: peers of one run meet
         .Arg<ffi::AnyBuffer>()             // x: (groups, group_size)

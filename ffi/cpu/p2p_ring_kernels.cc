@@ -21,6 +21,7 @@
 #include <string>
 #include <utility>
 
+#include "flashcomm/cpu_ops.h"
 #include "flashcomm/p2p_ring.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -158,7 +159,7 @@ size_t P2pRingStepsInProgress() { return RingTable::Global().InProgress(); }
       .Attr<int64_t>("site")   /* the call site: the ranks' calls of one step share it */
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FlashcommP2pRingStartCpu, flashcomm::cpu::P2pRingStart,
+    FlashcommP2pRingStartCpu, flashcomm::cpu::Guard<&flashcomm::cpu::P2pRingStart>::Call,
     ffi::Ffi::Bind()
         .Ctx<ffi::RunId>()                  // the execution: peers of one run meet
         .Arg<ffi::AnyBuffer>()              // send: the chunk this rank sends
@@ -172,7 +173,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("link_bytes_per_s"));  // 0, or the emulated link's rate (benchmarks)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FlashcommP2pRingDoneCpu, flashcomm::cpu::P2pRingDone,
+    FlashcommP2pRingDoneCpu, flashcomm::cpu::Guard<&flashcomm::cpu::P2pRingDone>::Call,
     ffi::Ffi::Bind()
         .Ctx<ffi::RunId>()                  // the execution: peers of one run meet
         .Arg<ffi::AnyBuffer>()              // recv: start's result, the chunk arriving

@@ -412,7 +412,7 @@ ffi::Error P2pAllReduce(ffi::RunId run, cudaStream_t stream, ffi::ScratchAllocat
     return ffi::Error::InvalidArgument(std::string(kOp) + ": y or the group count do not "
                                        "match x and the group size");
   }
-  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  const auto deadline = p2p::DeadlineAfter(timeout_ms);  // saturated: no overflow
   CurrentDevice on;
   int device = 0;
   int32_t rank = 0, group = 0;
@@ -502,7 +502,7 @@ ffi::Error P2pReduceScatter(ffi::RunId run, cudaStream_t stream, ffi::ScratchAll
       y->element_type() != dtype) {
     return ffi::Error::InvalidArgument(std::string(kOp) + ": y must hold one chunk of x");
   }
-  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  const auto deadline = p2p::DeadlineAfter(timeout_ms);  // saturated: no overflow
   CurrentDevice on;
   int device = 0;
   int32_t rank = 0, group = 0;
@@ -563,7 +563,7 @@ ffi::Error P2pAllGather(ffi::RunId run, cudaStream_t stream, ffi::ScratchAllocat
   if (y->element_count() != x.element_count() * size || y->element_type() != dtype) {
     return ffi::Error::InvalidArgument(std::string(kOp) + ": y must hold N copies of x");
   }
-  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  const auto deadline = p2p::DeadlineAfter(timeout_ms);  // saturated: no overflow
   CurrentDevice on;
   int device = 0;
   int32_t rank = 0, group = 0;

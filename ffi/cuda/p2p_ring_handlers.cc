@@ -291,7 +291,7 @@ ffi::Error P2pRingStart(ffi::RunId run, cudaStream_t stream, ffi::AnyBuffer send
       order->element_count() != 1) {
     return ffi::Error::InvalidArgument(Prefix(kOp) + "rank, group and order must be scalars");
   }
-  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  const auto deadline = p2p::DeadlineAfter(timeout_ms);  // saturated: no overflow
   CurrentDevice on;
   int device = 0;
   FLASHCOMM_CUDA_TRY(kOp, "cudaStreamGetDevice", cudaStreamGetDevice(stream, &device));

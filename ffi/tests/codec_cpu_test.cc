@@ -10,6 +10,7 @@
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -22,8 +23,11 @@
 #endif
 
 #include "flashcomm/codec.h"
+#include "flashcomm/cpu_alloc.h"
 #include "flashcomm/cpu_dispatch.h"
+#include "flashcomm/cpu_gather.h"
 #include "flashcomm/cpu_ops.h"
+#include "flashcomm/ffi_checks.h"
 #include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -932,8 +936,168 @@ void TestSpikes(Rng& rng, int64_t g, int k, int32_t rotation) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Failed scratch allocations (cpu_alloc.h): a test allocator that fails the allocation number
+// g_fail_at (0-based) and every later one, and counts the calls.
+
+int g_alloc_calls = 0;
+int g_fail_at = -1;  // -1: never fail
+
+void* FailingAlloc(size_t bytes) {
+  const int call = g_alloc_calls++;
+  if (g_fail_at >= 0 && call >= g_fail_at) return nullptr;
+  return std::malloc(bytes);
+}
+
+// Runs `op` (returning the handler's ffi::Error) with allocation 0, 1, ... failing until it
+// succeeds: every failing run must be ResourceExhausted naming the op and the bytes, the last
+// must succeed, and at least `min_allocs` allocations must have been tried (every path under
+// test allocates).
+template <typename Op>
+void CheckAllocFailures(const std::string& what, const char* op_name, int min_allocs, Op&& op) {
+  flashcomm_set_scratch_allocator(FailingAlloc);
+  g_fail_at = -1;
+  g_alloc_calls = 0;
+  ffi::Error ok = op();
+  const int allocs = g_alloc_calls;
+  CHECK(ok.success() && allocs >= min_allocs,
+        Fmt("%s: succeeds with %d scratch allocations (>= %d)", what.c_str(), allocs, min_allocs));
+  for (int fail_at = 0; fail_at < allocs; ++fail_at) {
+    g_fail_at = fail_at;
+    g_alloc_calls = 0;
+    ffi::Error e = op();
+    const std::string msg = e.failure() ? e.message() : std::string();
+    CHECK(e.failure() && e.errc() == ffi::ErrorCode::kResourceExhausted &&
+              msg.find(op_name) != std::string::npos &&
+              msg.find("could not allocate") != std::string::npos &&
+              msg.find(" bytes") != std::string::npos,
+          Fmt("%s: allocation %d of %d failing is an error (%s)", what.c_str(), fail_at, allocs,
+              msg.c_str()));
+  }
+  g_fail_at = -1;
+  flashcomm_set_scratch_allocator(nullptr);
+}
+
+void TestAllocFailure() {
+  const int64_t g = 64, groups = 3;  // a power of two: rotation 2 allocates its sign masks
+  Array<float> x({groups, g}, XLA_FFI_DataType_F32);
+  for (size_t i = 0; i < x.data.size(); ++i) x.data[i] = float(int(i % 13) - 6) * 0.37f;
+  for (int rotation : {kRotationNone, kRotationSignedHadamard}) {
+    for (int k : {0, 3}) {
+      if (rotation == kRotationNone && k == 0) continue;  // the one path without scratch
+      const int64_t rec = record_bytes(g, 8, k);
+      const std::string tag = Fmt("rotation %d spikes %d", rotation, k);
+      Codes codes({groups, rec}, XLA_FFI_DataType_U8);
+      Bf16s scale({groups}, XLA_FFI_DataType_BF16), zero({groups}, XLA_FFI_DataType_BF16);
+      auto quantize = [&] {
+        return cpu::Quantize(ffi::AnyBuffer(x.view()), ffi::Buffer<ffi::U8>(codes.view()),
+                             ffi::Buffer<ffi::BF16>(scale.view()),
+                             ffi::Buffer<ffi::BF16>(zero.view()), 8, g, rotation, k);
+      };
+      CheckAllocFailures("quantize " + tag, "flashcomm_quantize",
+                         1 + (rotation != 0) + (k > 0), quantize);
+      CHECK(quantize().success(), "quantize again, allocator restored");
+      Array<float> y({groups, g}, XLA_FFI_DataType_F32);
+      CheckAllocFailures("dequantize " + tag, "flashcomm_dequantize", 1 + (rotation != 0), [&] {
+        return cpu::Dequantize(ffi::Buffer<ffi::U8>(codes.view()),
+                               ffi::Buffer<ffi::BF16>(scale.view()),
+                               ffi::Buffer<ffi::BF16>(zero.view()), ffi::AnyBuffer(y.view()), 8,
+                               g, rotation, k);
+      });
+      // dequantize_into: a cut last group (count not whole groups) allocates its copy too.
+      Array<float> out({groups * g}, XLA_FFI_DataType_F32);
+      Array<int32_t> offset({}, XLA_FFI_DataType_S32, 0);
+      CheckAllocFailures("dequantize_into " + tag, "flashcomm_dequantize_into",
+                         2 + (rotation != 0), [&] {
+        return cpu::DequantizeInto(ffi::AnyBuffer(out.view()),
+                                   ffi::Buffer<ffi::U8>(codes.view()),
+                                   ffi::Buffer<ffi::BF16>(scale.view()),
+                                   ffi::Buffer<ffi::BF16>(zero.view()),
+                                   ffi::Buffer<ffi::S32>(offset.view()),
+                                   ffi::AnyBuffer(out.view()), 8, g, rotation, k,
+                                   groups * g - 5);
+      });
+    }
+  }
+  // The sums: (batch 1, 2 chunks, 2 groups per chunk); every input/output spike count and
+  // rotation (dequantize_sum) and both re-quantize paths (out_spikes 0: the batched sums).
+  for (int k : {0, 3}) {
+    const int64_t rec = record_bytes(g, 8, k);
+    Codes codes({2, 2, rec}, XLA_FFI_DataType_U8);
+    Bf16s scale({2, 2}, XLA_FFI_DataType_BF16), zero({2, 2}, XLA_FFI_DataType_BF16);
+    Array<float> x4({4, g}, XLA_FFI_DataType_F32);
+    for (size_t i = 0; i < x4.data.size(); ++i) x4.data[i] = float(int(i % 7) - 3) * 1.5f;
+    CHECK(cpu::Quantize(ffi::AnyBuffer(x4.view()), ffi::Buffer<ffi::U8>(codes.view()),
+                        ffi::Buffer<ffi::BF16>(scale.view()), ffi::Buffer<ffi::BF16>(zero.view()),
+                        8, g, kRotationNone, k)
+              .success(),
+          "quantize the chunked payload");
+    for (int rotation : {kRotationNone, kRotationSignedHadamard}) {
+      Array<float> y({2 * g}, XLA_FFI_DataType_F32);
+      CheckAllocFailures(Fmt("dequantize_sum spikes %d rotation %d", k, rotation),
+                         "flashcomm_dequantize_sum", 2 + (rotation != 0), [&] {
+        return cpu::DequantizeSum(ffi::Buffer<ffi::U8>(codes.view()),
+                                  ffi::Buffer<ffi::BF16>(scale.view()),
+                                  ffi::Buffer<ffi::BF16>(zero.view()), ffi::AnyBuffer(y.view()),
+                                  8, g, rotation, k);
+      });
+    }
+    for (int ko : {0, 2}) {
+      Codes oc({2, record_bytes(g, 4, ko)}, XLA_FFI_DataType_U8);
+      Bf16s os({2}, XLA_FFI_DataType_BF16), oz({2}, XLA_FFI_DataType_BF16);
+      CheckAllocFailures(Fmt("dequantize_sum_quantize spikes %d out_spikes %d", k, ko),
+                         "flashcomm_dequantize_sum_quantize", ko > 0 ? 3 : 2, [&] {
+        return cpu::DequantizeSumQuantize(
+            ffi::Buffer<ffi::U8>(codes.view()), ffi::Buffer<ffi::BF16>(scale.view()),
+            ffi::Buffer<ffi::BF16>(zero.view()), ffi::Buffer<ffi::U8>(oc.view()),
+            ffi::Buffer<ffi::BF16>(os.view()), ffi::Buffer<ffi::BF16>(oz.view()), 8, 4, g, k, ko);
+      });
+    }
+  }
+}
+
+// The limits of ffi_checks.h: group_size <= 2**24; spikes (and out_spikes) > 0 need
+// group_size <= 65536 (2-byte spike positions, codec.h kMaxSpikeGroupSize).
+void TestGroupSizeLimits() {
+  CHECK(CheckCodecAttrs(8, kMaxGroupSize, 0).success(), "group_size 2**24 accepted");
+  ffi::Error e = CheckCodecAttrs(8, kMaxGroupSize + 8, 0);
+  CHECK(e.failure() && e.errc() == ffi::ErrorCode::kInvalidArgument &&
+            e.message().find("2**24") != std::string::npos,
+        "group_size 2**24 + 8 rejected");
+  CHECK(CheckCodecAttrs(8, kMaxSpikeGroupSize, 4).success(), "spikes at group_size 65536");
+  e = CheckCodecAttrs(8, kMaxSpikeGroupSize + 8, 1);
+  CHECK(e.failure() && e.errc() == ffi::ErrorCode::kInvalidArgument &&
+            e.message().find("65536") != std::string::npos,
+        "spikes at group_size 65544 rejected");
+  CHECK(CheckCodecAttrs(8, kMaxSpikeGroupSize + 8, 0).success(), "no spikes at 65544 accepted");
+  // Through the handlers: quantize with spikes, dequantize_sum_quantize with out_spikes.
+  const int64_t g = kMaxSpikeGroupSize + 8;
+  Array<float> x({1, g}, XLA_FFI_DataType_F32, 1.0f);
+  Codes codes({1, record_bytes(g, 8, 1)}, XLA_FFI_DataType_U8, 0xA5);
+  Bf16s scale({1}, XLA_FFI_DataType_BF16, 0xBEEF), zero({1}, XLA_FFI_DataType_BF16, 0xBEEF);
+  e = cpu::Quantize(ffi::AnyBuffer(x.view()), ffi::Buffer<ffi::U8>(codes.view()),
+                    ffi::Buffer<ffi::BF16>(scale.view()), ffi::Buffer<ffi::BF16>(zero.view()), 8,
+                    g, kRotationNone, 1);
+  CHECK(e.failure() && e.errc() == ffi::ErrorCode::kInvalidArgument && codes.data[0] == 0xA5 &&
+            scale.data[0] == 0xBEEF,
+        "quantize rejects spikes at group_size 65544, writes nothing");
+  Codes cc({1, 1, record_bytes(g, 8, 0)}, XLA_FFI_DataType_U8);
+  Bf16s cs({1, 1}, XLA_FFI_DataType_BF16), cz({1, 1}, XLA_FFI_DataType_BF16);
+  Codes oc({1, record_bytes(g, 8, 2)}, XLA_FFI_DataType_U8, 0xA5);
+  Bf16s os({1}, XLA_FFI_DataType_BF16, 0xBEEF), oz({1}, XLA_FFI_DataType_BF16, 0xBEEF);
+  e = cpu::DequantizeSumQuantize(
+      ffi::Buffer<ffi::U8>(cc.view()), ffi::Buffer<ffi::BF16>(cs.view()),
+      ffi::Buffer<ffi::BF16>(cz.view()), ffi::Buffer<ffi::U8>(oc.view()),
+      ffi::Buffer<ffi::BF16>(os.view()), ffi::Buffer<ffi::BF16>(oz.view()), 8, 8, g, 0, 2);
+  CHECK(e.failure() && e.errc() == ffi::ErrorCode::kInvalidArgument &&
+            e.message().find("out_spikes") != std::string::npos && oc.data[0] == 0xA5,
+        "dequantize_sum_quantize rejects out_spikes at group_size 65544");
+}
+
 // Every test, with the kernels of the instruction-set build in use (cpu_dispatch.h).
 void RunAll() {
+  TestAllocFailure();
+  TestGroupSizeLimits();
   Rng rng;
   TestPacking();
   TestHuge();

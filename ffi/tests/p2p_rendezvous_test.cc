@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <functional>
@@ -245,7 +246,106 @@ static void TestStagedRingStep() {
   CHECK(bad->Start(1, e1, run).find("disagree on the chunk size") != std::string::npos);
 }
 
+// Huge timeouts (issue 38): INT64_MAX, 2**62 and 9e15 ms used to overflow now + timeout into a
+// deadline in the past, so a healthy collective "timed out" at once. Deadlines saturate at
+// kMaxTimeoutMs: a two-thread rendezvous completes normally, and the watchdog's check does not
+// expire it. A timeout <= 0 is an error.
+static void TestHugeTimeouts() {
+  auto& rv = p2p::Rendezvous::Global();
+  const int64_t huge[] = {INT64_MAX, int64_t(1) << 62, int64_t(9e15), p2p::kMaxTimeoutMs};
+  int64_t site = 1;
+  for (int64_t timeout : huge) {
+    const auto now = Clock::now();
+    const auto deadline = p2p::DeadlineAfter(timeout, now);
+    CHECK(deadline > now + std::chrono::hours(24 * 24));
+    CHECK(deadline <= now + std::chrono::milliseconds(p2p::kMaxTimeoutMs));
+    std::atomic<int> wrong{0};
+    std::vector<std::thread> threads;
+    for (int rank = 0; rank < 2; ++rank) {
+      threads.emplace_back([&, rank] {
+        std::string error;
+        auto m = rv.Join({11, site, 0}, rank, 2, 1, &error, timeout);
+        std::vector<p2p::Published> peers;
+        if (m) m->ExpireIfLate(Clock::now());  // the watchdog's check: not late
+        if (!m || !m->Arrive(0, rank, {Tag(rank, 0, 0)}, Clock::now() + std::chrono::seconds(10),
+                             &peers, &error)) {
+          ++wrong;
+          std::fprintf(stderr, "timeout %lld: %s\n", static_cast<long long>(timeout),
+                       error.c_str());
+        } else {
+          wrong += peers[1 - rank][0] != Tag(1 - rank, 0, 0);
+        }
+        if (m) rv.Leave(m);
+      });
+    }
+    for (auto& t : threads) t.join();
+    CHECK(wrong.load() == 0);
+    // A ring step with the same timeout is not late either.
+    std::string error;
+    auto step = p2p::RingTable::Global().Start({11, 100 + site, 0}, 0, 1, 1, timeout, &error);
+    CHECK(step != nullptr);
+    if (step) {
+      step->ExpireIfLate(Clock::now());
+      CHECK(!step->failed());
+      p2p::Endpoint ep;
+      char in = 'z', out = 0;
+      ep.send = &in;
+      ep.recv = &out;
+      ep.bytes = 1;
+      CHECK(step->Start(0, ep, [](p2p::Move m) {
+        std::memcpy(m.to.recv, m.from.send, m.to.bytes);
+        m.finished(true);
+      }).empty());
+      bool ok = false;
+      step->Done(0, &out, [&](const std::string& e) { ok = e.empty(); });
+      CHECK(ok && out == 'z');
+      p2p::RingTable::Global().Done({11, 100 + site, 0}, 0);
+    }
+    ++site;
+  }
+  for (int64_t bad : {int64_t(0), int64_t(-1), INT64_MIN}) {
+    std::string error;
+    CHECK(rv.Join({12, 1, 0}, 0, 2, 1, &error, bad) == nullptr);
+    CHECK(error.find("timeout_ms must be positive") != std::string::npos);
+    error.clear();
+    CHECK(p2p::RingTable::Global().Start({12, 2, 0}, 0, 2, 1, bad, &error) == nullptr);
+    CHECK(error.find("timeout_ms must be positive") != std::string::npos);
+  }
+  CHECK(rv.InProgress() == 0);
+  CHECK(p2p::RingTable::Global().InProgress() == 0);
+}
+
+// Abort (a rank whose codec work failed before it published anything): the waiting ranks get
+// the reason at once, a rank arriving later too, long before the deadline.
+static void TestAbort() {
+  auto& rv = p2p::Rendezvous::Global();
+  std::string error;
+  auto a = rv.Join({13, 1, 0}, 0, 2, 2, &error, 60000);
+  std::string seen;
+  Latch got;
+  a->Arrive(0, 0, {nullptr}, [&](const std::vector<p2p::Published>&, const std::string& e) {
+    seen = e;
+    got.Add();
+  });
+  auto b = rv.Join({13, 1, 0}, 1, 2, 2, &error, 60000);
+  const auto t0 = Clock::now();
+  b->Abort("rank 1: could not allocate 64 bytes");
+  CHECK(got.Wait(1));
+  CHECK(Clock::now() - t0 < std::chrono::seconds(5));
+  CHECK(seen.find("could not allocate 64 bytes") != std::string::npos);
+  std::string late;
+  b->Arrive(0, 1, {nullptr}, [&](const std::vector<p2p::Published>&, const std::string& e) {
+    late = e;
+  });
+  CHECK(late.find("could not allocate") != std::string::npos);
+  rv.Leave(a);
+  rv.Leave(b);
+  CHECK(rv.InProgress() == 0);
+}
+
 int main() {
+  TestHugeTimeouts();
+  TestAbort();
   TestContinuationsInALoop(1, 4, 200);
   TestContinuationsInALoop(2, 8, 50);
   TestMissingRank(4);

@@ -398,6 +398,13 @@ FC_HD void hadamard_butterflies(float* v, int64_t g) {
 constexpr int kMaxSpikes = 16;
 
 FC_HD int64_t position_bytes(int64_t group_size) { return group_size <= 256 ? 1 : 2; }
+// The largest group_size that can keep spikes: a position is at most 2 bytes, so a group of
+// more than 65536 values would write positions >= 65536 modulo 65536 (a silent wrong answer).
+// The handlers reject spikes > 0 above it (ffi_checks.h), as the Python side does at trace time.
+constexpr int64_t kMaxSpikeGroupSize = 65536;
+// The largest group_size of any payload (the handlers and the Python side share the limit):
+// a group's scratch (a few f32 copies of it per thread) stays within what a host can allocate.
+constexpr int64_t kMaxGroupSize = int64_t(1) << 24;
 FC_HD int64_t spike_bytes(int64_t group_size, int spikes) {
   return int64_t(spikes) * (2 + position_bytes(group_size));
 }

@@ -9,6 +9,7 @@
 #ifndef FLASHCOMM_CPU_DISPATCH_H_
 #define FLASHCOMM_CPU_DISPATCH_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -21,31 +22,33 @@ namespace cpu {
 enum class DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
 // The handler bodies, after the shape and attribute checks (ffi/cpu/codec_kernels.cc,
-// ffi/cpu/gather_kernels.cc): plain pointers, validated sizes.
+// ffi/cpu/gather_kernels.cc): plain pointers, validated sizes. Each returns 0 on success, else
+// the size in bytes of the scratch allocation that failed (cpu_alloc.h): it then stopped, its
+// outputs partly written, and the handler returns an ffi::Error (ScratchError, ffi_checks.h).
 struct CodecKernels {
   const char* isa;  // "avx512", "avx2", "baseline" or "neon"
   // x (n_groups * g of dtype) -> codes (n_groups * record_bytes), scale, zero.
-  void (*quantize)(DType dtype, const void* x, int64_t n_groups, int64_t g, int bits,
-                   int rotation, int spikes, uint8_t* codes, uint16_t* scale, uint16_t* zero);
+  size_t (*quantize)(DType dtype, const void* x, int64_t n_groups, int64_t g, int bits,
+                     int rotation, int spikes, uint8_t* codes, uint16_t* scale, uint16_t* zero);
   // codes, scale, zero -> y (n_groups * g of dtype), saturated to dtype's finite range.
-  void (*dequantize)(DType dtype, const uint8_t* codes, const uint16_t* scale,
-                     const uint16_t* zero, int64_t n_groups, int64_t g, int bits, int rotation,
-                     int spikes, void* y);
+  size_t (*dequantize)(DType dtype, const uint8_t* codes, const uint16_t* scale,
+                       const uint16_t* zero, int64_t n_groups, int64_t g, int bits, int rotation,
+                       int spikes, void* y);
   // Chunked payload -> y (batch * groups_per_chunk * group_size of dtype): the f32 sum over the
   // chunks in order, rotated back once when rotation != 0. Only output groups [begin, end) of
   // the batch * groups_per_chunk (y, codes, scale and zero stay the whole arrays), so that a
   // call can be split over threads.
-  void (*dequantize_sum)(DType dtype, const PayloadView& in, int rotation, void* y,
-                         int64_t begin, int64_t end);
+  size_t (*dequantize_sum)(DType dtype, const PayloadView& in, int rotation, void* y,
+                           int64_t begin, int64_t end);
   // Chunked payload -> the f32 sum re-quantized at out_bits with out_spikes spikes per group
   // (no rotation: a rotated payload stays in the rotated domain); output groups [begin, end).
-  void (*dequantize_sum_quantize)(const PayloadView& in, int out_bits, int out_spikes,
-                                  uint8_t* codes, uint16_t* scale, uint16_t* zero,
-                                  int64_t begin, int64_t end);
+  size_t (*dequantize_sum_quantize)(const PayloadView& in, int out_bits, int out_spikes,
+                                    uint8_t* codes, uint16_t* scale, uint16_t* zero,
+                                    int64_t begin, int64_t end);
   // The first `count` decoded values of a payload into y (dtype), saturated.
-  void (*dequantize_into)(DType dtype, const uint8_t* codes, const uint16_t* scale,
-                          const uint16_t* zero, int64_t g, int bits, int rotation, int spikes,
-                          int64_t count, void* y);
+  size_t (*dequantize_into)(DType dtype, const uint8_t* codes, const uint16_t* scale,
+                            const uint16_t* zero, int64_t g, int bits, int rotation, int spikes,
+                            int64_t count, void* y);
 };
 
 // The table in use (chosen on first use; see set_isa).

@@ -9,6 +9,12 @@
 #define FLASHCOMM_CPU_OPS_H_
 
 #include <cstdint>
+#include <exception>
+#include <new>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
 
 #include "flashcomm/cpu_dispatch.h"
 #include "flashcomm/cpu_parallel.h"
@@ -23,6 +29,47 @@ inline Runner PoolRunner(xla::ffi::ThreadPool& pool) {
   return Runner([&pool](Runner::Task task) { pool.Schedule(std::move(task)); },
                 pool.num_threads());
 }
+
+// A handler body run so that no exception leaves the handler (XLA calls it through a C API):
+// std::bad_alloc (a small allocation of the handler itself: a message, the thread pool's
+// shared state) becomes ResourceExhausted, any other exception Internal, named by `op`.
+template <typename Body>
+xla::ffi::Error Guarded(const char* op, Body&& body) {
+  try {
+    return body();
+  } catch (const std::bad_alloc&) {
+    return xla::ffi::Error(xla::ffi::ErrorCode::kResourceExhausted,
+                           std::string(op) + ": out of memory");
+  } catch (const std::exception& e) {
+    return xla::ffi::Error::Internal(std::string(op) + ": " + e.what());
+  } catch (...) {
+    return xla::ffi::Error::Internal(std::string(op) + ": unknown exception");
+  }
+}
+
+// Guarded for a handler bound directly by its function: Guard<&F>::Call has F's signature and
+// returns F's result, or the error of an exception leaving F (as an ffi::Error, or a future
+// completed with it, for the asynchronous handlers).
+template <auto F>
+struct Guard;
+template <typename R, typename... A, R (*F)(A...)>
+struct Guard<F> {
+  static R Call(A... args) {
+    if constexpr (std::is_same_v<R, xla::ffi::Future>) {
+      std::optional<R> result;
+      xla::ffi::Error error = Guarded("flashcomm handler", [&] {
+        result.emplace(F(std::move(args)...));
+        return xla::ffi::Error::Success();
+      });
+      if (result) return std::move(*result);
+      xla::ffi::Promise promise;
+      promise.SetError(std::move(error));
+      return xla::ffi::Future(promise);
+    } else {
+      return Guarded("flashcomm handler", [&] { return F(std::move(args)...); });
+    }
+  }
+};
 
 // The codec's operand dtypes (f32, bf16, f16); false for any other.
 inline bool ToDType(xla::ffi::DataType type, DType* dtype) {

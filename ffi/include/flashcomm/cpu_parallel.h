@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -128,6 +129,23 @@ class Runner {
     Work(*state);
     std::unique_lock<std::mutex> lock(state->mu);
     state->cv.wait(lock, [&] { return state->done == state->pieces; });
+  }
+
+  // ForRanges over a body that returns a status (0: success, else a nonzero code, e.g. the bytes
+  // of a scratch allocation that failed, cpu_dispatch.h): once a piece has failed, the pieces
+  // not yet started are skipped; returns the first failure recorded, or 0.
+  template <typename Body>
+  size_t ForRangesStatus(int64_t n, int64_t item_bytes, Body&& body) const {
+    std::atomic<size_t> failed{0};
+    ForRanges(n, item_bytes, [&](int64_t b, int64_t e) {
+      if (failed.load(std::memory_order_relaxed) != 0) return;
+      const size_t status = body(b, e);
+      if (status != 0) {
+        size_t none = 0;
+        failed.compare_exchange_strong(none, status, std::memory_order_relaxed);
+      }
+    });
+    return failed.load(std::memory_order_relaxed);
   }
 
  private:

@@ -4,6 +4,7 @@
 #ifndef FLASHCOMM_FFI_CHECKS_H_
 #define FLASHCOMM_FFI_CHECKS_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -15,6 +16,24 @@ namespace flashcomm {
 
 namespace ffi = xla::ffi;
 
+// Spike positions are 2 bytes (codec.h position_bytes): spikes > 0 needs group_size <= 65536.
+inline ffi::Error CheckSpikeGroupSize(int32_t spikes, int64_t group_size, const char* what) {
+  if (spikes > 0 && group_size > kMaxSpikeGroupSize) {
+    return ffi::Error::InvalidArgument(
+        std::string("flashcomm: ") + what + " > 0 needs group_size <= 65536 (spike positions are " +
+        "2 bytes), got group_size " + std::to_string(group_size));
+  }
+  return ffi::Error::Success();
+}
+
+// A kernel's failed scratch allocation (cpu_dispatch.h: the bytes it asked for) as the
+// handler's error.
+inline ffi::Error ScratchError(const char* op, size_t bytes) {
+  return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                    std::string(op) + ": could not allocate " + std::to_string(bytes) +
+                        " bytes of scratch memory");
+}
+
 inline ffi::Error CheckCodecAttrs(int32_t bits, int64_t group_size, int32_t spikes) {
   if (bits < kMinBits || bits > kMaxBits) {
     return ffi::Error::InvalidArgument("flashcomm: bits must be in 2..8");
@@ -22,9 +41,14 @@ inline ffi::Error CheckCodecAttrs(int32_t bits, int64_t group_size, int32_t spik
   if (group_size <= 0 || group_size % kBlock != 0) {
     return ffi::Error::InvalidArgument("flashcomm: group_size must be a positive multiple of 8");
   }
+  if (group_size > kMaxGroupSize) {
+    return ffi::Error::InvalidArgument("flashcomm: group_size " + std::to_string(group_size) +
+                                       " is above the limit of 2**24 (16777216)");
+  }
   if (spikes < 0 || spikes > kMaxSpikes || spikes >= group_size) {
     return ffi::Error::InvalidArgument("flashcomm: spikes must be in 0..16 and below group_size");
   }
+  if (ffi::Error e = CheckSpikeGroupSize(spikes, group_size, "spikes"); e.failure()) return e;
   return ffi::Error::Success();
 }
 
@@ -91,6 +115,9 @@ ffi::Error CheckSumQuantizeOutputs(const PayloadView& in, const C& out_codes, co
   if (out_spikes < 0 || out_spikes > kMaxSpikes || out_spikes >= in.group_size) {
     return ffi::Error::InvalidArgument(
         "flashcomm_dequantize_sum_quantize: out_spikes not in 0..16 and below group_size");
+  }
+  if (ffi::Error e = CheckSpikeGroupSize(out_spikes, in.group_size, "out_spikes"); e.failure()) {
+    return e;
   }
   *n_out = in.batch * in.groups_per_chunk;
   const int64_t out_nbytes = record_bytes(in.group_size, out_bits, out_spikes);

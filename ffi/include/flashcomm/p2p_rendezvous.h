@@ -45,6 +45,25 @@ namespace p2p {
 // The pointers a rank publishes at one barrier (codes, scale, zero of a payload, or an event).
 using Published = std::array<const void*, 4>;
 
+// The longest wait a deadline allows: 2**31 - 1 ms (about 24.8 days; the Python side rejects
+// longer timeouts). Longer timeouts are clamped to it, so that now + timeout never overflows
+// the clock (a timeout of 2**62 ms or INT64_MAX used to give a deadline in the past: a healthy
+// collective failed at once with "timed out").
+constexpr int64_t kMaxTimeoutMs = (int64_t(1) << 31) - 1;
+
+// now + timeout_ms, the timeout clamped to [0, kMaxTimeoutMs] (callers reject timeout_ms <= 0).
+inline std::chrono::steady_clock::time_point DeadlineAfter(
+    int64_t timeout_ms,
+    std::chrono::steady_clock::time_point now = std::chrono::steady_clock::now()) {
+  const int64_t ms = std::min<int64_t>(std::max<int64_t>(timeout_ms, 0), kMaxTimeoutMs);
+  return now + std::chrono::milliseconds(ms);
+}
+
+// The error of a timeout that is not positive (nullptr-free: the message), for the handlers.
+inline std::string TimeoutError(int64_t timeout_ms) {
+  return "timeout_ms must be positive (got " + std::to_string(timeout_ms) + ")";
+}
+
 struct SiteKey {
   int64_t run_id;
   int64_t site;   // the call site (a trace-time id, an FFI attribute)
@@ -215,6 +234,19 @@ class Meeting {
     return true;
   }
 
+  // Fail the meeting now with `why` (a rank that cannot take part, e.g. its scratch allocation
+  // failed before it published anything): every waiting rank gets the error at once, and every
+  // later arrival too, instead of waiting for the deadline.
+  void Abort(const std::string& why) {
+    std::vector<Continuation> pending;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (failed_) return;
+      pending = FailLocked(why);
+    }
+    Notify(std::move(pending));
+  }
+
   // The watchdog's check: past the deadline with a barrier still closed, fail the meeting.
   void ExpireIfLate(std::chrono::steady_clock::time_point now) {
     std::vector<Continuation> pending;
@@ -286,6 +318,10 @@ class Rendezvous {
                std::to_string(size) + " is out of range";
       return nullptr;
     }
+    if (timeout_ms <= 0) {
+      *error = "peer-to-peer collective: " + TimeoutError(timeout_ms);
+      return nullptr;
+    }
     std::shared_ptr<Meeting> meeting;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -293,8 +329,7 @@ class Rendezvous {
       const MeetingKey mk{key, seq};
       auto it = meetings_.find(mk);
       if (it == meetings_.end()) {
-        const auto deadline =
-            std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+        const auto deadline = DeadlineAfter(timeout_ms);
         Entry entry{std::make_shared<Meeting>(size, barriers, deadline), size, 0};
         StartWatchdog();
         watchdog_cv_.notify_one();

@@ -28,6 +28,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <queue>
 #include <set>
 #include <string>
@@ -112,8 +113,16 @@ class Step : public std::enable_shared_from_this<Step> {
             break;
           }
         } else if (to.recv == kPending && from.started && !to.started && staged_) {
-          to.recv = kMoving;  // this rank sends first: into the staging buffer
-          ready.push_back(MakeStagingMove(sender, receiver));
+          // This rank sends first: into the staging buffer (null: it could not be allocated).
+          Move m{};
+          if (!MakeStagingMove(sender, receiver, &m)) {
+            error = "could not allocate " + std::to_string(from.ep.bytes) +
+                    " bytes of staging buffer for rank " + std::to_string(receiver);
+            complete = FailLocked(error);
+            break;
+          }
+          to.recv = kMoving;
+          ready.push_back(std::move(m));
         } else if (to.recv == kPending && from.started && to.started) {
           error = SizeErrorLocked(sender, receiver, from.ep.bytes);
           if (!error.empty()) {
@@ -226,15 +235,19 @@ class Step : public std::enable_shared_from_this<Step> {
   Move MakeMove(int sender, int receiver) {
     return MakeMove(sender, receiver, ranks_[receiver].ep);
   }
-  // Sender -> the receiver's staging buffer (the receiver has not started).
-  Move MakeStagingMove(int sender, int receiver) {
+  // Sender -> the receiver's staging buffer (the receiver has not started); false when the
+  // buffer cannot be allocated (nothing changed then).
+  bool MakeStagingMove(int sender, int receiver, Move* out) {
     Rank& to = ranks_[receiver];
-    to.staged_bytes = ranks_[sender].ep.bytes;
-    to.staging.reset(new char[std::max<size_t>(to.staged_bytes, 1)]);
+    const size_t bytes = ranks_[sender].ep.bytes;
+    to.staging.reset(new (std::nothrow) char[std::max<size_t>(bytes, 1)]);
+    if (!to.staging) return false;
+    to.staged_bytes = bytes;
     Endpoint buffer;
     buffer.recv = to.staging.get();
     buffer.bytes = to.staged_bytes;
-    return MakeMove(sender, receiver, buffer);
+    *out = MakeMove(sender, receiver, buffer);
+    return true;
   }
   // The staged chunk of a started receiver: the local move from the staging buffer into its
   // buffer (appended to `out`, the chunk marked moving), or the error if the sizes disagree.
@@ -339,12 +352,15 @@ class RingTable {
                " is out of range";
       return nullptr;
     }
+    if (timeout_ms <= 0) {
+      *error = TimeoutError(timeout_ms);
+      return nullptr;
+    }
     std::lock_guard<std::mutex> lock(mu_);
     const StepKey sk{key, starts_.Next(key, rank)};
     auto it = steps_.find(sk);
     if (it == steps_.end()) {
-      auto step = std::make_shared<Step>(
-          size, shift, Clock::now() + std::chrono::milliseconds(timeout_ms), staged);
+      auto step = std::make_shared<Step>(size, shift, DeadlineAfter(timeout_ms), staged);
       it = steps_.emplace(sk, Entry{step, size, shift}).first;
       StartWatchdog();
       watchdog_cv_.notify_one();
