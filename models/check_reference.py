@@ -35,6 +35,11 @@ def main(argv=None) -> int:
     parser.add_argument("--text", default=None, help="the text the reference tokenized")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    cli.check(parser, args)
+    return cli.run_checked(parser, _main, args)
+
+
+def _main(args) -> int:
     cli.set_devices(args.tp)
     import jax
     import numpy as np
@@ -45,6 +50,10 @@ def main(argv=None) -> int:
     from models.weights import load_model
 
     ref = np.load(args.ref)
+    missing = [k for k in ("token_ids", "perplexity", "nll") if k not in ref.files]
+    if missing:
+        raise ValueError(f"{args.ref}: not a models/reference_hf.py file (no "
+                         f"{', '.join(missing)})")
     mesh = jax.make_mesh((args.tp,), ("tp",), devices=jax.devices()[:args.tp])
     model, ckpt = load_model(args.model, tp=args.tp, mesh=mesh)
     engine = Engine(model, mesh, cache_len=max(1024, ref["token_ids"].shape[1]))
@@ -69,7 +78,8 @@ def main(argv=None) -> int:
            "max_abs_delta_token_nll": float(np.abs(np.concatenate(ours_nll)
                                                    - ref["nll"].reshape(-1)).max())}
     if args.text:
-        ids = ckpt.tokenizer.encode(open(args.text, encoding="utf-8").read())
+        with open(args.text, encoding="utf-8") as f:
+            ids = ckpt.tokenizer.encode(f.read())
         n = windows.size
         out["tokenizer_equal_on_text"] = bool(np.array_equal(np.asarray(ids[:n]),
                                                               windows.reshape(-1)))

@@ -15,13 +15,12 @@ perplexity of comm="exact" itself (lax.psum, not rewritten).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
 
 from models import cli
-from models.eval import nll_fn, progress, run_windows_cli, setup_windows
+from models.eval import write_json, nll_fn, progress, run_windows_cli, setup_windows
 
 #: The policy's call-site filter: comm="flash" quantizes the row-parallel all-reduces only.
 SKIP_SITES = ("VocabParallelEmbedding",)
@@ -109,9 +108,8 @@ def main(argv=None) -> int:
     print(f"equal: {result['perplexities_equal']}; logits bit-equal per window: "
           f"{result['logits_bit_equal_per_window']} ({result['tokens']} tokens, {result['comm']}, "
           f"TP={args.tp}, {result['seconds']:.1f} s)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1, default=str)
+    if args.json and cli.run_checked(parser, write_json, args.json, result, default=str):
+        return 2
     return 0 if result["perplexities_equal"] else 1
 
 

@@ -24,12 +24,18 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m models.check_tp", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--tp", default="3,9")
+    parser.add_argument("--tp", type=cli.tp_list, default=[3, 9],
+                        help="comma-separated TP sizes (default 3,9)")
     parser.add_argument("--kinds", default="exact,overlap")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    sizes = [int(s) for s in args.tp.split(",")]
+    cli.check(parser, args)
+    return cli.run_checked(parser, _main, args)
+
+
+def _main(args) -> int:
+    sizes = args.tp
     cli.set_devices(max(sizes + [1]))
     import jax
     import jax.numpy as jnp
@@ -43,6 +49,8 @@ def main(argv=None) -> int:
     from models.weights import load_model
 
     ckpt = open_checkpoint(args.model)
+    if ckpt.tokenizer is None:
+        raise ValueError(f"{args.model}: the checkpoint has no tokenizer")
     tokens = np.asarray([ckpt.tokenizer.encode(load_text())[:args.tokens]], np.int32)
 
     def logits(tp, kind="exact", dtype=jnp.float32):

@@ -1,7 +1,15 @@
-"""What the model CLIs share: the communication and TP options, and the setup they imply.
+"""What the model CLIs share: the communication and TP options, the argument check, the error
+convention, and the setup they imply.
 
 The device count must be set before JAX's backends start, so :func:`setup` sets it before it
 builds anything (``jax_num_cpu_devices``).
+
+Errors (docs/models.md, "CLI errors"): every CLI's ``main`` calls :func:`check` right after
+parsing, before it imports jax's backends or loads a model; a bad argument is reported by
+argparse (``usage: ...`` then ``<prog>: error: <message>``, exit status 2). What only the run can
+find (a corrupt checkpoint, a chat template over its limits, a text too short for one window)
+goes through :func:`run_checked`: the same ``<prog>: error: <message>`` line, exit status 2,
+never a traceback.
 """
 
 from __future__ import annotations
@@ -9,6 +17,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import os
+import pathlib
+import struct
+import sys
+import zipfile
 
 COMM_CHOICES = ("exact", "flash", "overlap", "flash+overlap")
 
@@ -53,8 +67,256 @@ def add_common(parser: argparse.ArgumentParser) -> None:
                         help="parameter and activation dtype")
 
 
+#: int (or float) options and the least value each takes; checked on any parser that has them.
+AT_LEAST = {"tp": 1, "devices": 1, "max_new_tokens": 1, "window": 2, "max_windows": 1,
+            "cache_len": 1, "tokens": 2, "top_k": 0, "temperature": 0.0}
+#: options that must be > 0
+POSITIVE = ("max_shard_mb", "top_p")
+#: options naming a file the run reads (must exist and be a regular file)
+INPUT_FILES = ("text", "prompts", "ref")
+#: options naming a file the run writes (its folder must exist; it must not be a folder)
+OUTPUT_FILES = ("json", "out")
+#: options naming a checkpoint: a known name or an existing path
+MODEL_OPTIONS = ("model", "src")
+
+
 def check(parser: argparse.ArgumentParser, args) -> None:
-    """Option errors that need no jax: reported by argparse (exit status 2)."""
+    """The argument check of every model CLI, called right after parsing: whatever can be found
+    wrong before the run (no jax backend, no model load; the TP size against the checkpoint's
+    heads reads only its config) is reported by argparse (``parser.error``: exit status 2).
+
+    Checks the options the parser has, by destination name: the ints of :data:`AT_LEAST` /
+    :data:`POSITIVE`; the input files of :data:`INPUT_FILES` (``--text``: UTF-8 and not empty;
+    ``--prompts``: a JSON list of strings; ``--ref``: an npz); the folders of the outputs of
+    :data:`OUTPUT_FILES` and ``outdir``; the checkpoint (:data:`MODEL_OPTIONS`) and whether its
+    heads split over ``--tp`` (one size or a list); ``--settings`` (``models.compare``);
+    ``--kinds``; the communication options of :func:`add_common`.
+    """
+    def flag(dest):
+        return "--" + dest.replace("_", "-")
+
+    for dest, least in AT_LEAST.items():
+        values = getattr(args, dest, None)
+        for v in values if isinstance(values, list) else [values]:
+            if v is not None and v < least:
+                parser.error(f"{flag(dest)} must be >= {least}, got {v}")
+    for dest in POSITIVE:
+        v = getattr(args, dest, None)
+        if v is not None and not v > 0:
+            parser.error(f"{flag(dest)} must be > 0, got {v}")
+    for dest in INPUT_FILES:
+        path = getattr(args, dest, None)
+        if path is not None:
+            _check_input(parser, flag(dest), dest, path)
+    for dest in OUTPUT_FILES:
+        path = getattr(args, dest, None)
+        if path is not None:
+            _check_output(parser, flag(dest), pathlib.Path(path))
+    outdir = getattr(args, "outdir", None)
+    if outdir is not None and pathlib.Path(outdir).exists() and not pathlib.Path(outdir).is_dir():
+        parser.error(f"outdir {outdir}: exists and is not a folder")
+    for dest in MODEL_OPTIONS:
+        model = getattr(args, dest, None)
+        if model is not None:
+            _check_model(parser, model, getattr(args, "tp", None))
+    if getattr(args, "settings", None) is not None:
+        try:
+            if not args.settings.strip():
+                raise ValueError("no setting given")
+            for name in args.settings.split(","):
+                parse_setting(name.strip())
+        except (TypeError, ValueError) as e:
+            parser.error(f"--settings {args.settings!r}: {e}")
+    if getattr(args, "kinds", None) is not None:
+        bad = [k for k in args.kinds.split(",") if k not in COMM_CHOICES]
+        if bad:
+            parser.error(f"--kinds: unknown {', '.join(map(repr, bad))}: choose among "
+                         f"{', '.join(COMM_CHOICES)}")
+    if getattr(args, "comm", None) is not None and hasattr(args, "bits"):
+        _check_comm(parser, args)
+
+
+def _check_input(parser, flag: str, dest: str, path: str) -> None:
+    p = pathlib.Path(path)
+    if not p.exists():
+        parser.error(f"{flag} {path}: no such file")
+    if not p.is_file():
+        parser.error(f"{flag} {path}: not a file")
+    if dest == "ref":
+        if not zipfile.is_zipfile(p):
+            parser.error(f"{flag} {path}: not an npz file (models/reference_hf.py writes one)")
+        return
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        parser.error(f"{flag} {path}: cannot read it as UTF-8 text ({e})")
+    if dest == "text" and not text.strip():
+        parser.error(f"{flag} {path}: the file is empty: no windows to score")
+    if dest == "prompts":
+        try:
+            prompts = json.loads(text)
+        except json.JSONDecodeError as e:
+            parser.error(f"{flag} {path}: not JSON ({e})")
+        if (not isinstance(prompts, list) or not prompts
+                or not all(isinstance(x, str) for x in prompts)):
+            parser.error(f"{flag} {path}: expected a JSON list of prompt strings")
+
+
+def _check_output(parser, flag: str, path: pathlib.Path) -> None:
+    folder = path.parent if str(path.parent) else pathlib.Path(".")
+    if path.is_dir():
+        parser.error(f"{flag} {path}: is a folder, not a file")
+    if not folder.is_dir():
+        parser.error(f"{flag} {path}: no such folder {str(folder)!r}")
+    if not os.access(folder, os.W_OK):
+        parser.error(f"{flag} {path}: the folder {str(folder)!r} is not writable")
+
+
+def model_heads(model: str) -> tuple[int, int] | None:
+    """``(query heads, KV heads)`` of a checkpoint, read from its config alone (a GGUF file's
+    metadata header, a Hugging Face ``config.json``); ``None`` when they cannot be read that
+    way (a known model not fetched yet, an unreadable file: the load reports those)."""
+    from models.fetch import REGISTRY, cache_dir
+
+    path = (cache_dir() / REGISTRY[model].filename if model in REGISTRY
+            else pathlib.Path(model).expanduser())
+    try:
+        if path.is_dir():
+            d = json.loads((path / "config.json").read_text(encoding="utf-8"))
+            n = int(d["num_attention_heads"])
+            return n, int(d.get("num_key_value_heads", n))
+        if path.is_file():
+            return _gguf_heads(path)
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        pass
+    return None
+
+
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q",
+                 11: "q", 12: "d"}
+
+
+def _gguf_heads(path: pathlib.Path) -> tuple[int, int] | None:
+    """The ``*.attention.head_count`` / ``head_count_kv`` of a GGUF (v2/v3) metadata header,
+    reading key-value pairs until both are found (they precede the tokenizer's arrays)."""
+    with open(path, "rb") as f:
+        head = f.read(24)
+        if len(head) < 24 or head[:4] != b"GGUF" or struct.unpack("<I", head[4:8])[0] < 2:
+            return None
+        (count,) = struct.unpack("<Q", head[16:24])
+
+        def read(fmt):
+            size = struct.calcsize(fmt)
+            data = f.read(size)
+            if len(data) < size:
+                raise ValueError("truncated GGUF header")
+            return struct.unpack("<" + fmt, data)[0]
+
+        def string():
+            n = read("Q")
+            if n > 1 << 24:
+                raise ValueError("implausible GGUF string")
+            return f.read(n)
+
+        def value(kind):
+            if kind == 8:
+                return string()
+            if kind == 9:
+                inner, n = read("I"), read("Q")
+                for _ in range(n):
+                    value(inner)
+                return None
+            return read(_GGUF_SCALARS[kind])
+
+        heads = kv = None
+        for _ in range(min(count, 1 << 16)):
+            key = string().decode("utf-8", "replace")
+            v = value(read("I"))
+            if key.endswith(".attention.head_count"):
+                heads = int(v)
+            elif key.endswith(".attention.head_count_kv"):
+                kv = int(v)
+            if heads is not None and kv is not None:
+                return heads, kv
+        return (heads, heads) if heads is not None else None
+
+
+def _check_model(parser, model: str, tp) -> None:
+    from models.fetch import REGISTRY
+
+    if model not in REGISTRY and not pathlib.Path(model).expanduser().exists():
+        parser.error(f"no such model file or directory: {model!r} (known model names: "
+                     f"{', '.join(sorted(REGISTRY))})")
+    sizes = [s for s in (tp if isinstance(tp, list) else [tp]) if isinstance(s, int) and s > 1]
+    heads = model_heads(model) if sizes else None
+    if heads is None:
+        return
+    from jax_flashcomm.nn.layers import check_heads
+
+    for size in sizes:
+        try:
+            check_heads(heads[0], heads[1], size)
+        except ValueError as e:
+            parser.error(f"--tp {size}: {e}")
+
+
+def tp_list(text: str) -> list[int]:
+    """An argparse type: a comma-separated list of TP sizes."""
+    try:
+        return [int(s) for s in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of ints: {text!r}") \
+            from None
+
+
+def parse_setting(name: str):
+    """``(label, TPComm)`` of a setting name of ``models.compare``: ``exact``, ``overlap``,
+    ``intB`` (flash, B bits both phases), ``intR/A`` (flash, reduce-scatter R bits, all-gather
+    A bits) or ``overlap+intB``."""
+    from jax_flashcomm import CommConfig
+    from jax_flashcomm.nn import TPComm
+
+    kind, _, quant = name.partition("+")
+    if name in ("exact", "overlap"):
+        return name, TPComm(name)
+    if kind == "overlap" and quant.startswith("int"):
+        kind, spec = "flash+overlap", quant[3:]
+    elif kind.startswith("int") and not quant:
+        kind, spec = "flash", kind[3:]
+    else:
+        spec = None
+    rs, _, ag = (spec or "").partition("/")
+    if spec is None or not rs.isdigit() or not (ag == "" or ag.isdigit()):
+        raise ValueError(f"unknown setting {name!r}: use exact, overlap, intB, intR/A or "
+                         f"overlap+intB")
+    config = CommConfig(bits=int(rs), ag_bits=int(ag) if ag else None, min_bytes=0)
+    return name, TPComm(kind, config=config)
+
+
+#: The errors a run meets in its inputs (CheckpointError, ChatTemplateError, a text too short,
+#: FileNotFoundError, JSON and UTF-8 errors are subclasses): one line, exit status 2.
+RUN_ERRORS = (ValueError, OSError, zipfile.BadZipFile)
+
+
+def fail(parser: argparse.ArgumentParser, message) -> int:
+    """Print ``<prog>: error: <message>`` (on one line) to stderr; return exit status 2."""
+    text = " ".join(str(message).split()) or type(message).__name__
+    print(f"{parser.prog}: error: {text}", file=sys.stderr, flush=True)
+    return 2
+
+
+def run_checked(parser: argparse.ArgumentParser, body, *args, **kwargs) -> int:
+    """``body(*args, **kwargs)`` (an exit status); a :data:`RUN_ERRORS` error instead prints
+    one ``<prog>: error: ...`` line and returns 2."""
+    try:
+        return body(*args, **kwargs)
+    except RUN_ERRORS as e:
+        sys.stdout.flush()
+        return fail(parser, e)
+
+
+def _check_comm(parser: argparse.ArgumentParser, args) -> None:
+    """Option errors of :func:`add_common`'s communication options."""
     if args.comm not in COMM_CHOICES:
         parser.error(f"unknown --comm {args.comm!r}: choose one of {', '.join(COMM_CHOICES)}")
     if args.tp < 1:

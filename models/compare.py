@@ -22,26 +22,7 @@ import sys
 import time
 
 from models import cli
-
-
-def parse_setting(name: str):
-    """``(label, TPComm)`` of a setting name (see the module docstring)."""
-    from jax_flashcomm import CommConfig
-    from jax_flashcomm.nn import TPComm
-
-    kind, _, quant = name.partition("+")
-    if name in ("exact", "overlap"):
-        return name, TPComm(name)
-    if kind == "overlap" and quant.startswith("int"):
-        kind, spec = "flash+overlap", quant[3:]
-    elif kind.startswith("int") and not quant:
-        kind, spec = "flash", kind[3:]
-    else:
-        raise ValueError(f"unknown setting {name!r}: use exact, overlap, intB, intR/A or "
-                         f"overlap+intB")
-    rs, _, ag = spec.partition("/")
-    config = CommConfig(bits=int(rs), ag_bits=int(ag) if ag else None, min_bytes=0)
-    return name, TPComm(kind, config=config)
+from models.cli import parse_setting
 
 
 def greedy(engine, tok, prompts, max_new: int, stop):
@@ -76,7 +57,7 @@ def run(model, ckpt, mesh, settings, *, text=None, window=512, max_windows=6, pr
 
     tok = ckpt.tokenizer
     stop = tuple(set(ckpt.config.eos_token_ids) | set(tok.eos_ids))
-    windows = window_tokens(tok.encode(text), window, max_windows) if text else []
+    windows = window_tokens(tok.encode(text), window, max_windows) if text is not None else []
     nll = nll_fn()
     rows = []
     for label, comm in settings:
@@ -135,7 +116,7 @@ def table(rows, tp: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m models.compare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
@@ -148,21 +129,40 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", default=None, help="JSON list of prompts")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--json", default=None)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    cli.check(parser, args)
+    if args.text is None and args.prompts is None:
+        parser.error("nothing to compare: give --text FILE (perplexity) and/or --prompts FILE "
+                     "(greedy continuations)")
+    if args.devices is not None and args.devices < args.tp:
+        parser.error(f"--devices {args.devices} is fewer than --tp {args.tp}")
+    return cli.run_checked(parser, _main, args)
+
+
+def _main(args) -> int:
     cli.set_devices(args.devices or args.tp)
     import jax
 
     from models.weights import load_model
 
-    try:
-        settings = [parse_setting(s) for s in args.settings.split(",")]
-        mesh = jax.make_mesh((args.tp,), ("tp",), devices=jax.devices()[:args.tp])
-        model, ckpt = load_model(args.model, tp=args.tp, mesh=mesh)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    text = open(args.text, encoding="utf-8").read() if args.text else None
-    prompts = json.load(open(args.prompts)) if args.prompts else []
+    settings = [parse_setting(s.strip()) for s in args.settings.split(",")]
+    text = None
+    if args.text is not None:
+        with open(args.text, encoding="utf-8") as f:
+            text = f.read()
+    prompts = []
+    if args.prompts:
+        with open(args.prompts, encoding="utf-8") as f:
+            prompts = json.load(f)
+    mesh = jax.make_mesh((args.tp,), ("tp",), devices=jax.devices()[:args.tp])
+    model, ckpt = load_model(args.model, tp=args.tp, mesh=mesh)
+    if ckpt.tokenizer is None:
+        raise ValueError(f"{args.model}: the checkpoint has no tokenizer")
     rows = run(model, ckpt, mesh, settings, text=text, window=args.window,
                max_windows=args.max_windows, prompts=prompts,
                max_new_tokens=args.max_new_tokens)

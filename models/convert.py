@@ -20,6 +20,7 @@ import sys
 
 import numpy as np
 
+from models import cli
 from models.checkpoint import Checkpoint, expected_shapes, open_checkpoint
 
 __all__ = ["convert", "write_checkpoint", "main", "DTYPES"]
@@ -127,6 +128,11 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="the stored tensor type (default float32)")
     args = p.parse_args(argv)
+    cli.check(p, args)
+    return cli.run_checked(p, _main, args)
+
+
+def _main(args) -> int:
     out = convert(args.src, args.outdir, args.max_shard_mb,
                   log=lambda m: print(m, file=sys.stderr, flush=True), dtype=args.dtype)
     print(out)

@@ -27,6 +27,8 @@ import re
 import sys
 from pathlib import Path
 
+from models import cli
+
 
 def _paragraphs(text: str):
     """Yields blank-line-separated blocks of ``text`` as lists of lines."""
@@ -91,12 +93,18 @@ def load_text(name: str | None = None) -> str:
     return TEXTS[name or DEFAULT][3]()
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m models.corpus",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--name", default=DEFAULT, choices=sorted(TEXTS))
     parser.add_argument("--out", help="file to write (default: stdout)")
     parser.add_argument("--stats", action="store_true", help="print sizes, not the text")
     args = parser.parse_args(argv)
+    cli.check(parser, args)
+    return cli.run_checked(parser, _main, args)
+
+
+def _main(args) -> int:
     text = load_text(args.name)
     if args.stats:
         desc, src, lic, _ = TEXTS[args.name]
@@ -106,7 +114,8 @@ def main(argv=None) -> None:
         Path(args.out).write_text(text, encoding="utf-8")
     else:
         sys.stdout.buffer.write(text.encode("utf-8"))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

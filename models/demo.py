@@ -19,7 +19,7 @@ from models import cli
 PROMPT = "What is the capital of France, and what is it famous for?"
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m models.demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
@@ -28,7 +28,17 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt", default=PROMPT)
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--window", type=int, default=256)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    cli.check(parser, args)
+    return cli.run_checked(parser, _main, args)
+
+
+def _main(args) -> int:
     cli.set_devices(args.tp)
     import jax
 
@@ -37,11 +47,13 @@ def main(argv=None) -> int:
     from models.machine import first_line
     from models.weights import load_model
 
+    settings = [parse_setting(s.strip()) for s in args.settings.split(",")]
     print(first_line())
     mesh = jax.make_mesh((args.tp,), ("tp",), devices=jax.devices()[:args.tp])
     print(f"loading {args.model} at TP={args.tp} ...", file=sys.stderr)
     model, ckpt = load_model(args.model, tp=args.tp, mesh=mesh)
-    settings = [parse_setting(s) for s in args.settings.split(",")]
+    if ckpt.tokenizer is None:
+        raise ValueError(f"{args.model}: the checkpoint has no tokenizer")
     rows = run(model, ckpt, mesh, settings, text=load_text(), window=args.window,
                max_windows=1, prompts=[args.prompt], max_new_tokens=args.max_new_tokens)
     print(f"\nSmolLM2-135M-Instruct, TP={args.tp} on {args.tp} CPU devices; perplexity on "

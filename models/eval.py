@@ -115,12 +115,10 @@ def run_windows_cli(parser, args, run_fn) -> dict | None:
     """The common part of the perplexity CLIs: checks the options, runs ``run_fn(args)`` and
     adds the machine it ran on; ``None`` (the error printed) when the checkpoint or text fails."""
     cli.check(parser, args)
-    if args.window < 2 or args.max_windows < 1:
-        parser.error("--window must be >= 2 and --max-windows >= 1")
     try:
         result = run_fn(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except cli.RUN_ERRORS as e:
+        cli.fail(parser, e)
         return None
     from models.machine import first_line
 
@@ -137,8 +135,14 @@ def main(argv=None) -> int:
     print(f"perplexity {result['perplexity']:.4f} over {result['tokens']} tokens "
           f"({result['comm']}, TP={args.tp}, {result['seconds']:.1f} s)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        return cli.run_checked(parser, write_json, args.json, result)
+    return 0
+
+
+def write_json(path, result, **kwargs) -> int:
+    """Write ``result`` as JSON to ``path``; exit status 0."""
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, **kwargs)
     return 0
 
 

@@ -86,13 +86,11 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     cli.check(parser, args)
-    if args.max_new_tokens < 1:
-        parser.error("--max-new-tokens must be >= 1")
-    try:
-        r = run(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return cli.run_checked(parser, _main, args)
+
+
+def _main(args) -> int:
+    r = run(args)
     ratio = (f" ({r['allreduce_bytes_per_token'] / r['exact_bytes_per_token']:.3f}x of exact)"
              if r["exact_bytes_per_token"] else "")
     print(f"[{cli.describe(args)}, TP={args.tp}] prompt {r['prompt_tokens']} tokens, "
