@@ -162,14 +162,14 @@ class _Cursor:
         except UnicodeDecodeError:
             self.fail(f"{what} is not UTF-8: {raw[:40]!r}")
 
-    def value(self, vtype: int, what: str, in_array: bool = False):
+    def value(self, vtype: int, what: str):
         if vtype in _SCALARS:
             fmt, size = _SCALARS[vtype]
             v = self.scalar(fmt, size, what)
             return bool(v) if vtype == _BOOL else v
         if vtype == _STRING:
-            return self.string(what)
-        if vtype == _ARRAY and not in_array:
+            return self.text(what)
+        if vtype == _ARRAY:
             item = self.scalar("<I", 4, f"the item type of {what}")
             count = self.scalar("<Q", 8, f"the length of {what}")
             if item in _SCALARS:
@@ -179,7 +179,7 @@ class _Cursor:
                 if count > (self.size - self.pos) // 8:
                     self.fail(f"{what} claims {count} strings, more than the file can hold")
                 for i in range(count):
-                    self.take(self.scalar("<Q", 8, f"the length of {what}[{i}]"), f"{what}[{i}]")
+                    self.text(f"{what}[{i}]")
             else:
                 self.fail(f"{what} has items of type {item}, not a GGUF scalar or string type")
             return _Array(item, count)
@@ -372,8 +372,8 @@ class GGUFCheckpoint(Checkpoint):
         return check_float(key, value, *FLOAT_LIMITS[field])
 
     def _config(self) -> LlamaConfig:
-        vtype, arch = self._value("general.architecture", b"llama")
-        if arch != b"llama":
+        vtype, arch = self._value("general.architecture", "llama")
+        if arch != "llama":
             raise ValueError(f"general.architecture is {arch!r}, not 'llama'")
         arch = "llama"
         d = self._int(f"{arch}.embedding_length", "d_model")

@@ -119,7 +119,7 @@ def gguf_map(data: bytes) -> dict:
 
     def string(at):
         n = u("<Q", at)
-        return data[at + 8:at + 8 + n].decode(), at + 8 + n
+        return data[at + 8:at + 8 + n].decode("utf-8", "surrogateescape"), at + 8 + n
 
     n_tensors, n_kv = u("<Q", 8), u("<Q", 16)
     fields = {}
