@@ -246,11 +246,14 @@ def test_validation():
     assert CommConfig(bits=4, rotation="hadamard").rotation == 1
     # rotation="auto" (the default): Hadamard when both phases have >= 6 bits and G is a
     # power of two, else none
-    assert CommConfig().rotation == 1 and CommConfig(bits=6).rotation == 1
-    assert CommConfig(bits=4).rotation == 0 and CommConfig(bits=8, rs_bits=4).rotation == 0
-    assert CommConfig(bits=8, ag_bits=5).rotation == 0
-    assert CommConfig(bits=8, group_size=24).rotation == 0
-    assert CommConfig(bits=None).rotation == 0
+    # "auto" stays as written and resolves per call (CommConfig.resolved_rotation)
+    assert CommConfig().rotation == "auto"
+    assert CommConfig().resolved_rotation == 1 and CommConfig(bits=6).resolved_rotation == 1
+    assert CommConfig(bits=4).resolved_rotation == 0
+    assert CommConfig(bits=8, rs_bits=4).resolved_rotation == 0
+    assert CommConfig(bits=8, ag_bits=5).resolved_rotation == 0
+    assert CommConfig(bits=8, group_size=24).resolved_rotation == 0
+    assert CommConfig(bits=None).resolved_rotation == 0
     assert CommConfig(bits=8, rotation=0).rotation == 0
     with pytest.raises(ValueError):
         CommConfig(bits=8, rotation="automatic")
