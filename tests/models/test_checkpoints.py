@@ -16,6 +16,7 @@ import pytest
 from models.checkpoint import CheckpointError, expected_shapes, open_checkpoint
 from models.config import LlamaConfig
 from models.gguf_checkpoint import llama_cpp_permute, unpermute_qk
+from tests.support.checkpoint_files import save_hf_dir
 from tests.support.tiny_llama import TINY, tiny_tensors
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -24,24 +25,8 @@ from tests.support.tiny_llama import TINY, tiny_tensors
 def write_hf(directory, cfg=TINY, tensors=None, shards=None):
     """A Hugging Face directory of ``tensors`` (default: the tiny random ones), in one file or,
     with ``shards`` (a number), in that many files plus an index."""
-    from safetensors.numpy import save_file
-
     tensors = tiny_tensors(cfg) if tensors is None else tensors
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(cfg.to_hf()))
-    if not shards:
-        save_file(tensors, str(directory / "model.safetensors"))
-        return directory
-    names = list(tensors)
-    weight_map = {}
-    for k in range(shards):
-        fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
-        part = {n: tensors[n] for n in names[k::shards]}
-        save_file(part, str(directory / fname))
-        weight_map.update(dict.fromkeys(part, fname))
-    (directory / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return directory
+    return save_hf_dir(directory, cfg, tensors, shards)
 
 
 def write_tiny_gguf(path, cfg=TINY, tensors=None):

@@ -191,8 +191,6 @@ def write_hf(directory, cfg: LlamaConfig = SMALL, tensors=None, shards=None, dty
     """A Hugging Face directory of ``tensors`` (default: random ones of ``cfg``), one file or
     ``shards`` files plus an index; ``dtypes(name)`` picks each tensor's numpy dtype (default
     float32; ``"bfloat16"`` uses ml_dtypes). Returns the float32 tensors the files hold."""
-    from safetensors.numpy import save_file
-
     tensors = tiny_tensors(cfg) if tensors is None else tensors
     stored, out = {}, {}
     for name, arr in tensors.items():
@@ -203,21 +201,30 @@ def write_hf(directory, cfg: LlamaConfig = SMALL, tensors=None, shards=None, dty
             dt = ml_dtypes.bfloat16
         out[name] = np.ascontiguousarray(arr.astype(dt))
         stored[name] = out[name].astype(np.float32)
+    save_hf_dir(directory, cfg, out, shards)
+    return stored
+
+
+def save_hf_dir(directory, cfg: LlamaConfig, tensors: dict, shards=None):
+    """``config.json`` and ``tensors`` in ``directory``: one ``model.safetensors`` or, with
+    ``shards`` (a number), that many files plus ``model.safetensors.index.json``."""
+    from safetensors.numpy import save_file
+
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(cfg.to_hf()))
     if not shards:
-        save_file(out, str(directory / "model.safetensors"))
-        return stored
-    names = list(out)
+        save_file(tensors, str(directory / "model.safetensors"))
+        return directory
+    names = list(tensors)
     weight_map = {}
     for k in range(shards):
         fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
-        part = {n: out[n] for n in names[k::shards]}
+        part = {n: tensors[n] for n in names[k::shards]}
         save_file(part, str(directory / fname))
         weight_map.update(dict.fromkeys(part, fname))
     (directory / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return stored
+    return directory
 
 
 def safetensors_header(data: bytes) -> tuple[dict, int]:
