@@ -23,7 +23,7 @@ import numpy as np
 
 from jax_flashcomm.codec import spec
 
-__all__ = ["CommConfig", "OPTION_NAMES", "TRANSPORTS", "GRAD_MODES", "BACKENDS",
+__all__ = ["CommConfig", "OPTION_NAMES", "COMM_KINDS", "TRANSPORTS", "GRAD_MODES", "BACKENDS",
            "DEFAULT_MIN_BYTES", "auto_rotation", "auto_spikes", "config_from", "option",
            "is_default", "takes_options"]
 
@@ -32,6 +32,8 @@ __all__ = ["CommConfig", "OPTION_NAMES", "TRANSPORTS", "GRAD_MODES", "BACKENDS",
 DEFAULT_MIN_BYTES = 1 << 20
 #: ``"exact"``: cotangent collectives are the lax ones; ``"quantized"``: they use the config.
 GRAD_MODES = ("exact", "quantized")
+#: The communication kinds of :class:`jax_flashcomm.nn.TPComm` (and the model CLIs' --comm).
+COMM_KINDS = ("exact", "flash", "overlap", "flash+overlap")
 #: How a call's bytes move between ranks (:mod:`jax_flashcomm.transport`).
 TRANSPORTS = ("auto", "xla", "p2p")
 #: The codec implementation: its FFI kernels, its pure-jnp twin, or the plan's choice.

@@ -24,7 +24,7 @@ import struct
 import sys
 import zipfile
 
-COMM_CHOICES = ("exact", "flash", "overlap", "flash+overlap")
+from jax_flashcomm.config import COMM_KINDS as COMM_CHOICES  # the one tuple of kinds
 
 
 #: The communication options: every field of jax_flashcomm.CommConfig, as --flag (type, help).

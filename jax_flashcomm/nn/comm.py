@@ -25,12 +25,10 @@ import dataclasses
 
 from jax_flashcomm.allreduce import psum
 from jax_flashcomm.collective_matmul import all_gather_matmul, matmul_reduce_scatter
-from jax_flashcomm.config import CommConfig, config_from, takes_options
+from jax_flashcomm.config import COMM_KINDS, CommConfig, config_from, takes_options
 
 __all__ = ["TPComm", "COMM_KINDS"]
 
-#: The communication kinds: (quantized, overlap) of each.
-COMM_KINDS = ("exact", "flash", "overlap", "flash+overlap")
 _KIND_QUANTIZED = {"exact": False, "flash": True, "overlap": False, "flash+overlap": True}
 
 

@@ -73,19 +73,20 @@ TARGETS = ("flashcomm_p2p_all_reduce", "flashcomm_p2p_reduce_scatter",
            "flashcomm_p2p_all_gather")
 
 
-def kernel_platform(backend: str) -> str | None:
-    """The kernel module whose p2p handlers run on JAX backend ``backend``.
+def kernel_platform(jax_platform: str) -> str | None:
+    """The kernel module whose p2p handlers run on the JAX platform ``jax_platform``.
 
     CUDA: one process with several GPUs (ffi/cuda/p2p_handlers.cc), compiled and lowered but
     never run on hardware.
 
     Args:
-      backend: a JAX backend name (``"cpu"``, ``"gpu"``, ``"cuda"``, ...).
+      jax_platform: a JAX platform name, ``jax.default_backend()`` (``"cpu"``, ``"gpu"``,
+        ``"cuda"``, ...); not the codec's ``backend`` option.
 
     Returns:
       ``"cpu"`` or ``"cuda"``, or None when that module is not built or lacks them.
     """
-    platform = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}.get(backend)
+    platform = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}.get(jax_platform)
     if platform == "cuda" and "rocm" in _platform_version().lower():
         return None
     if platform is None or not set(TARGETS) <= kernels.registered(platform):
