@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jax_flashcomm import _axes
 from jax_flashcomm.config import CommConfig, auto_spikes
 from jax_flashcomm.transport import p2p as p2p_transport
 from jax_flashcomm.transport import ring as ring_transport
@@ -265,12 +266,7 @@ def as_plan(op: str, x: jax.Array, axes: tuple, config_or_plan: Plan | CommConfi
     """
     if isinstance(config_or_plan, Plan):
         return config_or_plan
-    import math
-
-    from jax import lax
-
-    n = math.prod(int(lax.axis_size(a)) for a in axes)
-    return quantized_plan(op, axes, x.shape, x.dtype, n, config_or_plan)
+    return quantized_plan(op, axes, x.shape, x.dtype, _axes.axis_size(axes), config_or_plan)
 
 
 @contextlib.contextmanager

@@ -20,7 +20,6 @@ import json
 import math
 import os
 import pathlib
-import struct
 import sys
 import zipfile
 
@@ -187,58 +186,22 @@ def model_heads(model: str) -> tuple[int, int] | None:
             return n, int(d.get("num_key_value_heads", n))
         if path.is_file():
             return _gguf_heads(path)
-    except (OSError, ValueError, KeyError, TypeError, struct.error):
+    except (OSError, ValueError, KeyError, TypeError):  # CheckpointError is a ValueError
         pass
     return None
 
 
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q",
-                 11: "q", 12: "d"}
-
-
 def _gguf_heads(path: pathlib.Path) -> tuple[int, int] | None:
-    """The ``*.attention.head_count`` / ``head_count_kv`` of a GGUF (v2/v3) metadata header,
-    reading key-value pairs until both are found (they precede the tokenizer's arrays)."""
-    with open(path, "rb") as f:
-        head = f.read(24)
-        if len(head) < 24 or head[:4] != b"GGUF" or struct.unpack("<I", head[4:8])[0] < 2:
-            return None
-        (count,) = struct.unpack("<Q", head[16:24])
+    """The ``*.attention.head_count`` / ``head_count_kv`` of a GGUF's metadata, read by the
+    checkpoint reader's own header scan (no tensor is read)."""
+    from models.gguf_checkpoint import scan_gguf
 
-        def read(fmt):
-            size = struct.calcsize(fmt)
-            data = f.read(size)
-            if len(data) < size:
-                raise ValueError("truncated GGUF header")
-            return struct.unpack("<" + fmt, data)[0]
-
-        def string():
-            n = read("Q")
-            if n > 1 << 24:
-                raise ValueError("implausible GGUF string")
-            return f.read(n)
-
-        def value(kind):
-            if kind == 8:
-                return string()
-            if kind == 9:
-                inner, n = read("I"), read("Q")
-                for _ in range(n):
-                    value(inner)
-                return None
-            return read(_GGUF_SCALARS[kind])
-
-        heads = kv = None
-        for _ in range(min(count, 1 << 16)):
-            key = string().decode("utf-8", "replace")
-            v = value(read("I"))
-            if key.endswith(".attention.head_count"):
-                heads = int(v)
-            elif key.endswith(".attention.head_count_kv"):
-                kv = int(v)
-            if heads is not None and kv is not None:
-                return heads, kv
-        return (heads, heads) if heads is not None else None
+    fields = scan_gguf(path).fields
+    heads = next((v for k, (_, v) in fields.items() if k.endswith(".attention.head_count")),
+                 None)
+    kv = next((v for k, (_, v) in fields.items() if k.endswith(".attention.head_count_kv")),
+              heads)
+    return None if heads is None else (int(heads), int(kv))
 
 
 def _check_model(parser, model: str, tp) -> None:

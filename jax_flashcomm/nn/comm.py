@@ -29,9 +29,6 @@ from jax_flashcomm.config import COMM_KINDS, CommConfig, config_from, takes_opti
 
 __all__ = ["TPComm", "COMM_KINDS"]
 
-_KIND_QUANTIZED = {"exact": False, "flash": True, "overlap": False, "flash+overlap": True}
-
-
 @dataclasses.dataclass(frozen=True, init=False)
 class TPComm:
     """A communication strategy over the mesh axis ``axis_name`` (hashable: a static argument).
@@ -59,7 +56,7 @@ class TPComm:
         if not isinstance(axis_name, str):
             raise TypeError(f"TPComm: axis_name must be a mesh axis name (str), got "
                             f"{axis_name!r}")
-        quantized = _KIND_QUANTIZED[kind]
+        quantized = kind.startswith("flash")
         if config is None and not quantized:
             config = CommConfig(bits=None)
         config = config_from(config, options, "TPComm")
