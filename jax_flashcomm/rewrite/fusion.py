@@ -22,7 +22,7 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["MatmulFusion", "match_gather_dot", "match_dot_scatter"]
+__all__ = ["MatmulFusion", "match_gather_dot", "match_dot_scatter", "dot_problem"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +47,7 @@ class MatmulFusion:
     axis: int
 
 
-def _dot_problem(dot, lhs_var) -> str | None:
+def dot_problem(dot, lhs_var) -> str | None:
     """Why ``dot`` (a dot_general eqn) is not ``lhs @ w`` in the ring ops' form, or None."""
     lhs, rhs = dot.invars
     if lhs is not lhs_var:
@@ -94,7 +94,7 @@ def match_gather_dot(jaxpr, index: int, operand, users: dict
     dot = jaxpr.eqns[k]
     if dot.primitive.name != "dot_general":
         return None, f"not fused: the gathered value feeds {dot.primitive.name}, not a dot"
-    problem = _dot_problem(dot, out)
+    problem = dot_problem(dot, out)
     if problem:
         return None, f"not fused: {problem}"
     axis = eqn.params["all_gather_dimension"]
@@ -126,7 +126,7 @@ def match_dot_scatter(jaxpr, index: int, operand, producer: dict, users: dict
     dot = jaxpr.eqns[k]
     if len(users.get(operand, [])) != 1:
         return None, "not fused: the dot's result has other uses"
-    problem = _dot_problem(dot, dot.invars[0])
+    problem = dot_problem(dot, dot.invars[0])
     if problem:
         return None, f"not fused: {problem}"
     axis = eqn.params["scatter_dimension"]

@@ -34,7 +34,7 @@ from jax_flashcomm.jax_compat import ad_util, core, flat_tree_flatten, source_in
 from jax_flashcomm.jax_compat import linear_util as lu
 from jax_flashcomm.jax_compat import partial_eval as pe
 from jax_flashcomm.planner import record, size_policy
-from jax_flashcomm.rewrite import fusion
+from jax_flashcomm.rewrite import explicit, fusion, islands
 from jax_flashcomm.rewrite.policy import RewritePolicy
 from jax_flashcomm.rewrite.report import ReportRow
 from jax_flashcomm.scatter_gather import all_gather as flash_all_gather
@@ -84,6 +84,9 @@ class _Plan:
     fused: dict = dataclasses.field(default_factory=dict)     # emitting eqn -> MatmulFusion
     notes: dict = dataclasses.field(default_factory=dict)     # collective -> fusion note
     tangent: set = dataclasses.field(default_factory=set)     # eqns on a JVP rule's tangents
+    islands: dict = dataclasses.field(default_factory=dict)   # eqn -> islands.Island
+    implied_kept: dict = dataclasses.field(default_factory=dict)  # eqn -> explicit.Kept
+    jaxpr: object = None
 
 
 def _short_path(path: str) -> str:
@@ -125,6 +128,29 @@ def _axis_size(eqn, axes) -> int:
         return 0
 
 
+def _implied_axis_size(aval, axes) -> int:
+    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+    try:
+        return int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64))
+    except (AttributeError, KeyError, TypeError):
+        return 0
+
+
+def _outcome(decisions, note: str | None) -> tuple[str, str, str]:
+    """``(action, detail, reason)`` of a report row from the recorded plans of a flashcomm
+    collective."""
+    decision = decisions[0] if decisions else None
+    if decision is not None and decision.quantized:
+        bits = "/".join(f"int{b}" for b in (decision.rs_bits, decision.ag_bits) if b)
+        action, detail, reason = "quantized", bits, decision.reason
+    else:
+        action, detail = "exact", "lax"
+        reason = decision.reason if decision is not None else "bits=None (exact setting)"
+    if note:
+        reason = f"{reason}; {note}"
+    return action, detail, reason
+
+
 def _is_flashcomm_internal(closed) -> bool:
     """Whether a custom_jvp/custom_vjp body is one of jax_flashcomm's own ops."""
     src = getattr(closed.jaxpr.debug_info, "func_src_info", None) or ""
@@ -133,7 +159,8 @@ def _is_flashcomm_internal(closed) -> bool:
 
 def _same_type(a, b) -> bool:
     return (a.shape == b.shape and a.dtype == b.dtype
-            and getattr(a, "vma", frozenset()) == getattr(b, "vma", frozenset()))
+            and getattr(a, "vma", frozenset()) == getattr(b, "vma", frozenset())
+            and explicit.entries(a) == explicit.entries(b))
 
 
 def _bind(primitive, invals, params):
@@ -205,7 +232,13 @@ class Interpreter:
             return self._fused(plan.fused[i], eqn, read, ctx)
         if i in plan.operand:
             return self._replace(eqn, read(plan.operand[i]), ctx, plan.notes.get(i))
+        if i in plan.islands:
+            return self._island(plan.islands[i], plan.jaxpr, read, ctx)
         invals = [read(v) for v in eqn.invars]
+        if i in plan.implied_kept:
+            kept = plan.implied_kept[i]
+            self._row(eqn, ctx, "kept", "lax", kept.reason, op=kept.op, axes=kept.axes,
+                      shape=kept.shape or None, dtype=kept.dtype)
         if name in REWRITABLE or name in OTHER_COLLECTIVES:
             reason = plan.kept.get(i) or OTHER_COLLECTIVES.get(name, "")
             self._row(eqn, ctx, "kept", "lax", reason)
@@ -221,7 +254,7 @@ class Interpreter:
     # --- planning ---------------------------------------------------------------------------
 
     def _plan(self, jaxpr: core.Jaxpr, ctx: _Context, tangent_invars=None) -> _Plan:
-        plan = _Plan()
+        plan = _Plan(jaxpr=jaxpr)
         users, producer = collections.defaultdict(list), {}
         tangents = {v for v, t in zip(jaxpr.invars, tangent_invars or ()) if t}
         for i, eqn in enumerate(jaxpr.eqns):
@@ -265,7 +298,23 @@ class Interpreter:
             plan.operand[i] = operand
         if self.policy.fuse_matmul:
             self._plan_fusions(jaxpr, plan, users, producer)
+        self._plan_islands(jaxpr, plan, users, producer, ctx)
         return plan
+
+    def _plan_islands(self, jaxpr, plan: _Plan, users, producer, ctx: _Context):
+        """The collectives implied by Explicit sharding (:mod:`.explicit`, :mod:`.islands`)."""
+        def select(i, implied):
+            if ctx.frozen or i in plan.tangent:
+                return False, ctx.frozen or TANGENT_REASON
+            eqn = jaxpr.eqns[i]
+            _, frames = _call_site(eqn)
+            scope = "/".join(s for s in (ctx.scope, str(eqn.source_info.name_stack)) if s)
+            return self.policy.select(implied.op, implied.axes, implied.dtype, scope, frames)
+
+        found = islands.plan_islands(jaxpr, users, producer, select, self.policy.fuse_matmul,
+                                     self.policy.comm_config)
+        plan.islands, plan.implied_kept = found.islands, found.kept
+        plan.skip |= found.skip
 
     def _plan_fusions(self, jaxpr, plan: _Plan, users, producer):
         config = self.policy.comm_config
@@ -311,16 +360,28 @@ class Interpreter:
                 out = flash_all_gather(x, axes, axis=p["all_gather_dimension"],
                                        tiled=p["tiled"], config=config)
         self._check_type(eqn, out, ctx)
-        decision = decisions[0] if decisions else None
-        if decision is not None and decision.quantized:
-            bits = "/".join(f"int{b}" for b in (decision.rs_bits, decision.ag_bits) if b)
-            action, detail, reason = "quantized", bits, decision.reason
+        self._row(eqn, ctx, *_outcome(decisions, note))
+        return out
+
+    def _island(self, island: islands.Island, jaxpr, read, ctx: _Context):
+        """A shard_map island in place of a collective implied by Explicit sharding."""
+        implied = island.implied
+        out, plans = islands.emit(island, jaxpr, [read(v) for v in island.inputs],
+                                  self.policy.comm_config)
+        self._check_type(jaxpr.eqns[island.at], out, ctx)
+        if island.kind in ("all_gather_matmul", "matmul_reduce_scatter"):
+            ring = plans[0]
+            action = "fused"
+            detail = island.kind + (f" int{ring.ag_bits}" if ring.quantized else "")
+            reason = f"fused with the dot; {ring.path} over {ring.transport} ({ring.reason})"
         else:
-            action, detail = "exact", "lax"
-            reason = decision.reason if decision is not None else "bits=None (exact setting)"
-        if note:
-            reason = f"{reason}; {note}"
-        self._row(eqn, ctx, action, detail, reason)
+            action, detail, reason = _outcome(plans, island.note)
+        where = {"collective": "implied by the sharding", "region": (
+            f"the reduction point of an unreduced value ({len(island.eqns) - 1} equations "
+            f"before it)")}.get(island.kind, "implied by the sharding")
+        self._row(jaxpr.eqns[island.report], ctx, action, detail, f"{where}; {reason}",
+                  op=implied.op, axes=implied.axes, shape=implied.shape, dtype=implied.dtype,
+                  axis_size=implied.axis_size)
         return out
 
     def _fused(self, match: fusion.MatmulFusion, eqn, read, ctx: _Context):
@@ -344,19 +405,26 @@ class Interpreter:
 
     # --- report -----------------------------------------------------------------------------
 
-    def _row(self, eqn, ctx: _Context, action: str, detail: str, reason: str):
+    def _row(self, eqn, ctx: _Context, action: str, detail: str, reason: str, *, op=None,
+             axes=None, shape=None, dtype=None, axis_size=None):
+        """One report row; ``op`` ... ``axis_size`` default to the equation's own (a lax
+        collective's), and are given for the collectives implied by sharding."""
         if self.rows is None:
             return
         aval = eqn.invars[0].aval
-        axes = _axes_of(eqn)
+        name = eqn.primitive.name
+        axes = _axes_of(eqn) if axes is None else tuple(axes)
+        shape = tuple(aval.shape if shape is None else shape)
+        dtype = np.dtype(aval.dtype if dtype is None else dtype)
+        if axis_size is None:
+            axis_size = (_axis_size(eqn, axes) if name in REWRITABLE or name in OTHER_COLLECTIVES
+                         else _implied_axis_size(aval, axes))
         site, _ = _call_site(eqn)
         scope = "/".join(s for s in (ctx.scope, str(eqn.source_info.name_stack)) if s)
-        name = eqn.primitive.name
-        op = REWRITABLE.get(name, name)
         self.rows.append(ReportRow(
-            primitive=name, op=op, axes=axes, shape=tuple(aval.shape), dtype=str(aval.dtype),
-            bytes_per_rank=int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize,
-            axis_size=_axis_size(eqn, axes), site=site, scope=scope, path=ctx.path or "-",
+            primitive=name, op=op or REWRITABLE.get(name, name), axes=axes, shape=shape,
+            dtype=str(dtype), bytes_per_rank=int(np.prod(shape, dtype=np.int64)) * dtype.itemsize,
+            axis_size=axis_size, site=site, scope=scope, path=ctx.path or "-",
             action=action, detail=detail, reason=reason))
 
     def _report_unentered(self, jaxpr: core.Jaxpr, ctx: _Context, primitive: str):

@@ -1,0 +1,273 @@
+"""The ``shard_map`` islands that replace the collectives implied by Explicit sharding.
+
+:func:`plan_islands` decides, for one jaxpr, which equations become an island (the patterns of
+:mod:`jax_flashcomm.rewrite.explicit`, filtered by the policy, fused with their dot when the
+policy fuses matmuls); :func:`emit` builds one. Every Explicit axis of the mesh is manual in an
+island, so its body sees per-rank shards the way XLA's partitioned program does; its inputs
+and output keep the shardings they had, so the program around it is unchanged:
+
+* dot, all-reduce: ``shard_map(lambda a, b: fc.psum(dot(a, b), R))``;
+* dot, reduce-scatter: ``fc.psum_scatter(dot(a, b), R, scatter_dimension=d, tiled=True)``
+  (or :func:`~jax_flashcomm.matmul_reduce_scatter` when fused);
+* reshard, all-gather: ``fc.all_gather(x, A, axis=d, tiled=True)`` (or
+  :func:`~jax_flashcomm.all_gather_matmul` with the dot that consumes it);
+* unreduced chain: the dots and the linear steps up to the reshard, then ``fc.psum``.
+
+The all-gather's result is replicated but typed varying inside the island (there is no
+varying-to-invariant cast), so that island is built with ``check_vma=False`` under a
+``custom_vjp`` whose backward is the reshard's own transpose (a local slice): flashcomm's
+all-gather decodes every payload, its own too, with one kernel, so the replicas are
+bit-identical and the replicated type holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jax_flashcomm import _axes
+from jax_flashcomm.allreduce import psum as flash_psum
+from jax_flashcomm.collective_matmul import all_gather_matmul, matmul_reduce_scatter
+from jax_flashcomm.jax_compat import core
+from jax_flashcomm.planner import record, size_policy
+from jax_flashcomm.rewrite import explicit, fusion
+from jax_flashcomm.rewrite.explicit import Implied, Kept
+from jax_flashcomm.scatter_gather import all_gather as flash_all_gather
+from jax_flashcomm.scatter_gather import psum_scatter as flash_psum_scatter
+
+__all__ = ["Island", "IslandPlan", "plan_islands", "emit"]
+
+#: Equation parameters that name a sharding; None inside an island, where every axis is manual.
+_SHARDING_PARAMS = ("out_sharding", "sharding")
+
+
+@dataclasses.dataclass(frozen=True)
+class Island:
+    """One island, emitted at equation ``at``.
+
+    Attributes:
+      kind: ``"collective"`` (a dot with its all-reduce / reduce-scatter, or a reshard's
+        all-gather), ``"region"`` (an unreduced chain), ``"all_gather_matmul"`` or
+        ``"matmul_reduce_scatter"``.
+      implied: the collective.
+      at: the equation whose result the island replaces.
+      report: the equation reported (the dot, the reshard, or the gather of a fused pair).
+      eqns: the equations it evaluates, in order (``at`` last).
+      inputs: its inputs (jaxpr atoms).
+      note: why a matmul was not fused with it, if it was not.
+    """
+
+    kind: str
+    implied: Implied
+    at: int
+    report: int
+    eqns: tuple
+    inputs: tuple
+    note: str = ""
+
+
+@dataclasses.dataclass
+class IslandPlan:
+    islands: dict = dataclasses.field(default_factory=dict)   # at -> Island
+    kept: dict = dataclasses.field(default_factory=dict)      # eqn -> Kept
+    skip: set = dataclasses.field(default_factory=set)        # eqns evaluated by an island
+
+
+def plan_islands(jaxpr, users: dict, producer: dict, select, fuse: bool, config
+                 ) -> IslandPlan:
+    """The islands of one jaxpr.
+
+    Args:
+      jaxpr: the jaxpr.
+      users: ``{var: [indices of the equations reading it]}`` (None: a jaxpr output).
+      producer: ``{var: index of the equation computing it}``.
+      select: ``select(index, implied) -> (bool, reason)``, the policy's filter for the
+        equation at ``index``.
+      fuse: whether the policy fuses matmuls.
+      config: the policy's CommConfig (its size policy decides whether a reduce-scatter is
+        quantized, which is never fused).
+
+    Returns:
+      The :class:`IslandPlan`.
+    """
+    plan = IslandPlan()
+    analyzed = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive.name == "dot_general":
+            found = explicit.analyze_dot(eqn)
+        elif eqn.primitive.name == "reshard":
+            found = explicit.analyze_reshard(eqn)
+        else:
+            continue
+        if found is not None:
+            analyzed[i] = found
+    for i, found in analyzed.items():
+        eqn = jaxpr.eqns[i]
+        if isinstance(found, Kept):
+            plan.kept[i] = found
+            continue
+        if found.op == "unreduced":
+            continue                                  # rewritten (or reported) at its reshard
+        if eqn.primitive.name == "reshard" and found.op == "psum":
+            region = explicit.unreduced_region(jaxpr, i, found, producer, users, analyzed)
+            if isinstance(region, Kept):
+                plan.kept[i] = region
+                continue
+            island = Island("region", region.implied, i, i, (*region.eqns, i), region.inputs)
+        else:
+            island = Island("collective", found, i, i, (i,), tuple(eqn.invars))
+        selected, why = select(i, island.implied)
+        if not selected:
+            plan.kept[i] = Kept(found.op, found.axes, why, found.shape, found.dtype)
+            continue
+        plan.islands[i] = island
+        plan.skip.update(island.eqns[:-1])
+    if fuse:
+        _plan_fusions(jaxpr, plan, analyzed, users, producer, config)
+    return plan
+
+
+def _plan_fusions(jaxpr, plan: IslandPlan, analyzed, users, producer, config):
+    for i, island in list(plan.islands.items()):
+        implied = island.implied
+        if island.kind != "collective" or len(implied.axes) != 1:
+            continue
+        eqn = jaxpr.eqns[i]
+        if implied.op == "all_gather":
+            fused, note = _gather_dot(jaxpr, i, implied, analyzed, users)
+        elif implied.op == "psum_scatter":
+            if size_policy(config, implied.nbytes, implied.axis_size)[0]:
+                note = ("not fused: quantized psum_scatter after the dot (there is no quantized "
+                        "reduce-scatter ring)")
+                fused = None
+            else:
+                fused, note = _dot_scatter(eqn, i, implied)
+        else:
+            continue
+        if fused is None:
+            plan.islands[i] = dataclasses.replace(island, note=note)
+            continue
+        del plan.islands[i]
+        plan.islands[fused.at] = fused
+        plan.skip.update(fused.eqns[:-1])
+
+
+def _gather_dot(jaxpr, i, implied: Implied, analyzed, users):
+    out = jaxpr.eqns[i].outvars[0]
+    consumers = users.get(out, [])
+    if len(consumers) != 1 or consumers[0] is None:
+        return None, "not fused: the gathered value has other uses than one dot"
+    k = consumers[0]
+    dot = jaxpr.eqns[k]
+    if dot.primitive.name != "dot_general":
+        return None, f"not fused: the gathered value feeds {dot.primitive.name}, not a dot"
+    if k in analyzed:
+        return None, "not fused: the dot implies a collective of its own"
+    problem = fusion.dot_problem(dot, out)
+    if problem:
+        return None, f"not fused: {problem}"
+    if implied.dim == out.aval.ndim - 1:
+        return None, "not fused: the gather axis is the contracted dimension"
+    w = dot.invars[1]
+    w_entries = explicit.entries(w.aval)
+    if w_entries is None or w_entries[0] != ((), implied.axes):
+        return None, (f"not fused: the weight is not sharded over {implied.axes[0]!r} in its "
+                      f"columns only")
+    out_entries = explicit.entries(dot.outvars[0].aval)[0]
+    fused = dataclasses.replace(implied, in_specs=(implied.in_specs[0], explicit.spec_of(
+        w_entries[0])), out_spec=explicit.spec_of(out_entries))
+    return Island("all_gather_matmul", fused, k, i, (i, k), (jaxpr.eqns[i].invars[0], w)), ""
+
+
+def _dot_scatter(dot, i, implied: Implied):
+    problem = fusion.dot_problem(dot, dot.invars[0])
+    if problem:
+        return None, f"not fused: {problem}"
+    if implied.dim >= dot.invars[0].aval.ndim - 1:
+        return None, "not fused: the scatter dimension is the weight's column dimension"
+    return Island("matmul_reduce_scatter", implied, i, i, (i,), tuple(dot.invars)), ""
+
+
+def _local(eqn, invals):
+    """``eqn`` bound on per-rank values: its sharding parameters dropped, its operands made to
+    vary over the same axes (what tracing ``jnp`` code inside a shard_map does implicitly)."""
+    if len(invals) > 1:
+        invals = _axes.match_varying(invals, ())
+    params = {k: (None if k in _SHARDING_PARAMS else v) for k, v in eqn.params.items()}
+    out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
+    return out if eqn.primitive.multiple_results else [out]
+
+
+def _collective(implied: Implied, x, config):
+    if implied.op == "psum":
+        return flash_psum(x, implied.axes, config=config)
+    if implied.op == "psum_scatter":
+        return flash_psum_scatter(x, implied.axes, scatter_dimension=implied.dim, tiled=True,
+                                  config=config)
+    return flash_all_gather(x, implied.axes, axis=implied.dim, tiled=True, config=config)
+
+
+def emit(island: Island, jaxpr, invals, config) -> tuple[jax.Array, list]:
+    """The island's result, and the :class:`~jax_flashcomm.Plan` of its flashcomm call.
+
+    Args:
+      island: what to build.
+      jaxpr: the jaxpr holding its equations.
+      invals: the values of ``island.inputs``.
+      config: the CommConfig of the flashcomm op.
+    """
+    implied, plans = island.implied, []
+
+    def body(*vals):
+        env = dict(zip(island.inputs, vals))
+        with record() as seen:
+            if island.kind == "all_gather_matmul":
+                out = all_gather_matmul(vals[0], vals[1], implied.axes[0], axis=implied.dim,
+                                        config=config)
+            elif island.kind == "matmul_reduce_scatter":
+                out = matmul_reduce_scatter(vals[0], vals[1], implied.axes[0], axis=implied.dim,
+                                            config=config)
+            elif jaxpr.eqns[island.at].primitive.name == "reshard" and island.kind != "region":
+                out = _collective(implied, vals[0], config)
+            else:
+                for k in island.eqns[:-1] if island.kind == "region" else island.eqns:
+                    eqn = jaxpr.eqns[k]
+                    args = [a.val if isinstance(a, core.Literal) else env[a]
+                            for a in eqn.invars]
+                    env.update(zip(eqn.outvars, _local(eqn, args)))
+                last = jaxpr.eqns[island.eqns[-1]]
+                partial = (env[last.invars[0]] if island.kind == "region"
+                           else env[last.outvars[0]])
+                out = _collective(implied, partial, config)
+        plans.extend(seen)
+        return out
+
+    def run(*vals, check_vma=True):
+        return jax.shard_map(body, mesh=implied.mesh, in_specs=implied.in_specs,
+                             out_specs=implied.out_spec, axis_names=set(implied.manual),
+                             check_vma=check_vma)(*vals)
+
+    if island.kind == "collective" and implied.op == "all_gather":
+        out = _replicated_gather(run, jaxpr.eqns[island.at])(*invals)
+    else:
+        out = run(*invals)
+    return out, plans
+
+
+def _replicated_gather(run, reshard):
+    """The all-gather island with a replicated result (see the module docstring)."""
+    source = reshard.invars[0].aval.sharding
+
+    @jax.custom_vjp
+    def gather(x):
+        return run(x, check_vma=False)
+
+    def fwd(x):
+        return gather(x), None
+
+    def bwd(_, ct):
+        return (jax.sharding.reshard(ct, source),)
+
+    gather.defvjp(fwd, bwd)
+    return gather
