@@ -20,6 +20,7 @@
 #include "flashcomm/cpu_alloc.h"
 #include "flashcomm/cpu_codec.h"
 #include "flashcomm/cpu_dispatch.h"
+#include "flashcomm/cpu_norm.h"
 #include "flashcomm/cpu_rotation.h"
 #include "flashcomm/cpu_spikes.h"
 
@@ -303,13 +304,75 @@ size_t DequantizeInto(DType dtype, const uint8_t* codes, const uint16_t* scale,
   return ByDType<DequantizeIntoOp>(dtype, codes, scale, zero, g, bits, rotation, spikes, count, y);
 }
 
+// The fused residual add + RMSNorm (cpu_dispatch.h NormArgs, docs/fused_norm.md), rows
+// [begin, end) in tiles of about 4096 values: the tile's groups are decoded to f32 (the
+// dequantize of a payload as f32, rotation and spikes included), then per row the residual
+// add and the sum of squares (one pass), then the scaling by the weight (a second pass over
+// the row in L1); with a quantized output the tile's normalised rows are quantized from L1.
+template <typename T, typename W>
+size_t AddRmsNormAs(const NormArgs& a, int64_t begin, int64_t end) {
+  using S = typename T::Storage;
+  const int64_t h = a.hidden, g = a.group_size;
+  const int64_t tile = h >= 4096 ? 1 : 4096 / h;
+  Scratch<float> dec(((tile * h + g - 1) / g + 1) * g);
+  Scratch<S> normed(a.out == nullptr ? tile * h : 0);
+  if (const size_t failed = FailedBytes(dec, normed)) return failed;
+  const float inv_h = 1.0f / float(h), eps_h = mul_rn(a.eps, float(h));
+  const int64_t stride = record_bytes(g, a.bits, a.spikes);
+  const auto* res = static_cast<const S*>(a.residual);
+  const auto* w = static_cast<const typename W::Storage*>(a.weight);
+  auto* new_res = static_cast<S*>(a.new_residual);
+  auto* out = static_cast<S*>(a.out);
+  for (int64_t r0 = begin; r0 < end; r0 += tile) {
+    const int64_t rows = end - r0 < tile ? end - r0 : tile;
+    const int64_t first = r0 * h / g, last = ((r0 + rows) * h + g - 1) / g;
+    if (const size_t failed = DequantizeAs<F32>(a.codes + first * stride, a.scale + first,
+                                                a.zero + first, last - first, g, a.bits,
+                                                a.rotation, a.spikes, dec.data)) {
+      return failed;
+    }
+    for (int64_t k = 0; k < rows; ++k) {
+      const int64_t row = r0 + k;
+      float* d = dec.data + (row * h - first * g);
+      const float inv_rms = add_residual_row<T>(d, res + row * h, h, inv_h, eps_h,
+                                                new_res + row * h);
+      scale_row<T, W>(d, inv_rms, w, h, out != nullptr ? out + row * h : normed.data + k * h);
+    }
+    if (out == nullptr) {
+      const int64_t og = a.out_group_size, o0 = r0 * h / og;
+      if (const size_t failed = QuantizeAs<T>(
+              normed.data, rows * h / og, og, a.out_bits, kRotationNone, 0,
+              a.out_codes + o0 * record_bytes(og, a.out_bits, 0), a.out_scale + o0,
+              a.out_zero + o0)) {
+        return failed;
+      }
+    }
+  }
+  return 0;
+}
+
+template <typename T>
+size_t AddRmsNormW(const NormArgs& a, int64_t begin, int64_t end) {
+  return a.wtype == DType::kBF16 ? AddRmsNormAs<T, BF16>(a, begin, end)
+                                 : AddRmsNormAs<T, F32>(a, begin, end);
+}
+
+size_t AddRmsNorm(const NormArgs& a, int64_t begin, int64_t end) {
+  switch (a.dtype) {
+    case DType::kF32: return AddRmsNormW<F32>(a, begin, end);
+    case DType::kBF16: return AddRmsNormW<BF16>(a, begin, end);
+    default: return AddRmsNormW<F16>(a, begin, end);
+  }
+}
+
 }  // namespace
 
 // This build's table (declared per ISA in ffi/cpu/dispatch.cc).
 const CodecKernels& isa_kernels() {
   // The build's name: FLASHCOMM_ISA without its "isa_" prefix.
   static const CodecKernels table = {FC_STRING(FLASHCOMM_ISA) + 4, Quantize, Dequantize, DequantizeSum,
-                                     DequantizeSumQuantize, DequantizeInto};
+                                     DequantizeSumQuantize, DequantizeInto,
+                                     AddRmsNorm};
   return table;
 }
 

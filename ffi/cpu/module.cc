@@ -20,6 +20,7 @@ NB_MODULE(_flashcomm_cpu, m) {
     flashcomm::AddP2pRegistrations(d, FlashcommP2pAllReduceCpu, FlashcommP2pReduceScatterCpu,
                                    FlashcommP2pAllGatherCpu);
     flashcomm::AddP2pRingRegistrations(d, FlashcommP2pRingStartCpu, FlashcommP2pRingDoneCpu);
+    flashcomm::AddNormRegistrations(d, FlashcommAddRmsNormCpu, FlashcommAddRmsNormQuantizeCpu);
     return d;
   });
   m.def("p2p_meetings_in_progress", &flashcomm::cpu::P2pMeetingsInProgress,

@@ -25,6 +25,8 @@ TARGETS = (
     "flashcomm_dequantize_sum",
     "flashcomm_dequantize_sum_quantize",
     "flashcomm_dequantize_into",
+    "flashcomm_add_rms_norm",
+    "flashcomm_add_rms_norm_quantize",
 )
 _PLATFORMS = {"cpu": "_flashcomm_cpu", "cuda": "_flashcomm_cuda"}
 _XLA_PLATFORM = {"cpu": "cpu", "cuda": "CUDA"}
@@ -315,9 +317,59 @@ def dequantize_into(out, codes, scale, zero, offset, *, bits: int, group_size: i
       count: values written.
     """
     call = jax.ffi.ffi_call(
-        "flashcomm_dequantize_into", result_like(out, out.shape, out.dtype),
+        "flashcomm_dequantize_into",
+    "flashcomm_add_rms_norm",
+    "flashcomm_add_rms_norm_quantize", result_like(out, out.shape, out.dtype),
         input_output_aliases={0: 0}, vmap_method="sequential",
     )
     return call(out, codes, scale, zero, offset, bits=np.int32(bits),
                 group_size=np.int64(group_size), rotation=np.int32(rotation),
                 spikes=np.int32(spikes), count=np.int64(count))
+
+
+def _union_like(x, others, shape: tuple[int, ...], dtype):
+    """:func:`result_like` of ``x``, varying over every axis any of ``x``, ``others`` varies over."""
+    aval = result_like(x, shape, dtype)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is None:
+        return aval
+    vma = frozenset().union(*(getattr(getattr(jax.typeof(a), "manual_axis_type", None),
+                                      "varying", frozenset()) for a in (x, *others)))
+    return aval.update(manual_axis_type=mat.update(varying=vma))
+
+
+def add_rms_norm(codes, scale, zero, residual, weight, *, bits: int, group_size: int,
+                 rotation: int, spikes: int, eps: float, out_bits: int | None,
+                 out_group_size: int):
+    """The fused decode + residual add + RMSNorm (docs/fused_norm.md) as one FFI call.
+
+    Args:
+      codes, scale, zero: one operand's payload arrays (``(groups, record)``, ``(groups,)``).
+      residual: ``(..., hidden)`` f32/bf16/f16; weight: ``(hidden,)`` f32 or bf16.
+      bits, group_size, rotation, spikes: the payload's codec parameters.
+      eps: added to the mean square.
+      out_bits, out_group_size: None: the normalised output is written; else quantized.
+
+    Returns:
+      ``(out, new_residual)``, ``out`` the array or ``(codes, scale, zero)``.
+    """
+    others = (codes, scale, zero, weight)
+    res = _union_like(residual, others, residual.shape, residual.dtype)
+    attrs = dict(bits=np.int32(bits), group_size=np.int64(group_size),
+                 rotation=np.int32(rotation), spikes=np.int32(spikes), eps=np.float32(eps))
+    if out_bits is None:
+        call = jax.ffi.ffi_call("flashcomm_add_rms_norm", (res, res),
+                                vmap_method="broadcast_all")
+        new_residual, out = call(codes, scale, zero, residual, weight, **attrs)
+        return out, new_residual
+    groups = residual.size // out_group_size
+    call = jax.ffi.ffi_call(
+        "flashcomm_add_rms_norm_quantize",
+        (res, _union_like(residual, others, (groups, spec.record_bytes(out_group_size,
+                                                                       out_bits, 0)), jnp.uint8),
+         _union_like(residual, others, (groups,), jnp.bfloat16),
+         _union_like(residual, others, (groups,), jnp.bfloat16)),
+        vmap_method="broadcast_all")
+    new_residual, c, s, z = call(codes, scale, zero, residual, weight, out_bits=np.int32(out_bits),
+                                 out_group_size=np.int64(out_group_size), **attrs)
+    return (c, s, z), new_residual

@@ -498,6 +498,45 @@ FC_HD void apply_spikes(const uint8_t* rec, int k, int64_t g, float* d) {
 FC_HD float saturate(float v, float max) { return v > max ? max : (v < -max ? -max : v); }
 
 // Element loads and stores for the three operand dtypes, as f32.
+// ---- residual add + RMSNorm (docs/fused_norm.md): the arithmetic of the fused epilogue ----
+// Sum of squares of a row of H values: kNormLanes running sums, value i added to sum i % 16 in
+// order of i (acc = RN(acc + RN(v * v)), never an FMA), then the 16 sums reduced by the fixed
+// tree of norm_reduce. Every implementation (CPU builds of any vector width, CUDA, the jnp
+// twin) follows this order, so the bits agree.
+constexpr int kNormLanes = 16;
+
+FC_HD float norm_reduce(const float* acc) {
+  float t[kNormLanes / 2];
+  for (int j = 0; j < 8; ++j) t[j] = add_rn(acc[j], acc[j + 8]);
+  for (int j = 0; j < 4; ++j) t[j] = add_rn(t[j], t[j + 4]);
+  for (int j = 0; j < 2; ++j) t[j] = add_rn(t[j], t[j + 2]);
+  return add_rn(t[0], t[1]);
+}
+
+FC_HD float sqrt_rn(float a) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(a);
+#else
+  return __builtin_sqrtf(a);
+#endif
+}
+
+FC_HD float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+// 1 / sqrt((sumsq + eps_h) * inv_h), each step one rounding, with eps_h = RN(eps * H) and
+// inv_h = RN(1 / H) (a true division), both computed once. The add comes before the multiply
+// so that no implementation can contract them into an FMA (XLA's CPU backend contracts
+// a * b + c), and the division is a true one (never an rsqrt approximation).
+FC_HD float norm_inverse_rms(float sumsq, float inv_h, float eps_h) {
+  return div_rn(1.0f, sqrt_rn(mul_rn(add_rn(sumsq, eps_h), inv_h)));
+}
+
 struct F32 {
   using Storage = float;
   static constexpr float kMax = kFltMax;

@@ -21,6 +21,31 @@ namespace cpu {
 
 enum class DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
+// The fused epilogue of the all-reduce (docs/fused_norm.md): a decoded payload of rows * hidden
+// values (plus padding) + residual -> new residual; RMSNorm with weight -> out, or (out null)
+// the normalised rows quantized to out_bits in groups of out_group_size (no rotation, no
+// spikes; hidden a multiple of out_group_size).
+struct NormArgs {
+  DType dtype;    // residual, new residual and out
+  DType wtype;    // weight: kF32 or kBF16
+  const uint8_t* codes;
+  const uint16_t* scale;
+  const uint16_t* zero;
+  int64_t group_size;
+  int bits, rotation, spikes;
+  const void* residual;
+  const void* weight;
+  int64_t hidden;
+  float eps;
+  void* new_residual;
+  void* out;
+  int out_bits;
+  int64_t out_group_size;
+  uint8_t* out_codes;
+  uint16_t* out_scale;
+  uint16_t* out_zero;
+};
+
 // The handler bodies, after the shape and attribute checks (ffi/cpu/codec_kernels.cc,
 // ffi/cpu/gather_kernels.cc): plain pointers, validated sizes. Each returns 0 on success, else
 // the size in bytes of the scratch allocation that failed (cpu_alloc.h): it then stopped, its
@@ -49,6 +74,8 @@ struct CodecKernels {
   size_t (*dequantize_into)(DType dtype, const uint8_t* codes, const uint16_t* scale,
                             const uint16_t* zero, int64_t g, int bits, int rotation, int spikes,
                             int64_t count, void* y);
+  // Rows [begin, end) of the fused residual add + RMSNorm (NormArgs).
+  size_t (*add_rms_norm)(const NormArgs& args, int64_t begin, int64_t end);
 };
 
 // The table in use (chosen on first use; see set_isa).

@@ -10,5 +10,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommDequantizeCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommDequantizeSumCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommDequantizeSumQuantizeCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommDequantizeIntoCpu);
+// ffi/cpu/norm_kernels.cc: the fused residual add + RMSNorm (docs/fused_norm.md).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommAddRmsNormCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommAddRmsNormQuantizeCpu);
 
 #endif  // FLASHCOMM_CPU_KERNELS_H_

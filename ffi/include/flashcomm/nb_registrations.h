@@ -41,6 +41,14 @@ inline void AddP2pRegistrations(nanobind::dict& d, Handler* all_reduce, Handler*
   d["flashcomm_p2p_all_gather"] = capsule(all_gather);
 }
 
+// The fused all-reduce epilogue (docs/fused_norm.md), added to `d`.
+inline void AddNormRegistrations(nanobind::dict& d, Handler* add_rms_norm,
+                                 Handler* add_rms_norm_quantize) {
+  auto capsule = [](Handler* fn) { return nanobind::capsule(reinterpret_cast<void*>(fn)); };
+  d["flashcomm_add_rms_norm"] = capsule(add_rms_norm);
+  d["flashcomm_add_rms_norm_quantize"] = capsule(add_rms_norm_quantize);
+}
+
 // The ring steps of the collective matmuls (docs/transport.md, "Ring steps"), added to `d`.
 inline void AddP2pRingRegistrations(nanobind::dict& d, Handler* start, Handler* done) {
   auto capsule = [](Handler* fn) { return nanobind::capsule(reinterpret_cast<void*>(fn)); };
