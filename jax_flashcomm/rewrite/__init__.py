@@ -7,8 +7,11 @@
 ``f`` is any function whose traced jaxpr has ``lax.psum`` / ``lax.psum_scatter`` /
 ``lax.all_gather`` inside a ``jax.shard_map`` (or ``nnx.shard_map``), at any depth of ``jit``,
 ``scan``, ``while_loop``, ``cond``, ``checkpoint``, ``custom_jvp`` and ``custom_vjp``; or the
-function that runs inside a shard_map itself. See :mod:`jax_flashcomm.rewrite.interpreter` for
-what is replaced and ``docs/rewrite.md`` for the limits.
+function that runs inside a shard_map itself; or a model written with sharding in types
+(Explicit mesh axes, no shard_map), whose collectives are implied by ``dot_general`` /
+``reshard`` types and replaced by shard_map islands (:mod:`jax_flashcomm.rewrite.explicit`,
+:mod:`jax_flashcomm.rewrite.islands`). See :mod:`jax_flashcomm.rewrite.interpreter` for what is
+replaced and ``docs/rewrite.md`` for the limits.
 """
 
 from __future__ import annotations
@@ -76,7 +79,10 @@ def rewrite(fn, policy: RewritePolicy | None = None, *, report: bool = False) ->
 
     Args:
       fn: a function that calls ``jax.shard_map`` (or ``nnx.shard_map``), or the function that
-        runs inside one (then call the result inside the shard_map).
+        runs inside one (then call the result inside the shard_map), or one written with
+        Explicit sharding (``out_sharding=``, ``reshard``, unreduced types; call it under the
+        mesh, ``jax.set_mesh``). Its arguments must be arrays (pytrees of them): bind the
+        others with ``functools.partial``.
       policy: a :class:`RewritePolicy`; a :class:`~jax_flashcomm.CommConfig` (every collective,
         that config); or None (every collective, the flashcomm defaults, size policy included).
       report: when True, each call returns ``(outputs, Report)`` (outside ``jax.jit`` only:
