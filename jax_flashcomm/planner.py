@@ -55,11 +55,13 @@ __all__ = ["Plan", "Decision", "plan", "quantized_plan", "as_plan", "record", "s
 logger = logging.getLogger("jax_flashcomm")
 
 #: The ops a plan is made for.
-OPS = ("psum", "psum_scatter", "all_gather", "all_gather_matmul", "matmul_reduce_scatter")
+OPS = ("psum", "psum_scatter", "all_gather", "all_gather_matmul", "matmul_reduce_scatter",
+       "psum_add_rms_norm")
 #: The paths a call can take (see the module docstring).
 PATHS = ("lax", "quantized", "ring", "quantized ring", "matmul, quantized")
 _PHASES = {"psum": ("rs", "ag"), "psum_scatter": ("rs",), "all_gather": ("ag",),
-           "all_gather_matmul": ("ag",), "matmul_reduce_scatter": ("rs",)}
+           "all_gather_matmul": ("ag",), "matmul_reduce_scatter": ("rs",),
+           "psum_add_rms_norm": ("rs", "ag")}
 _RINGS = ("all_gather_matmul", "matmul_reduce_scatter")
 
 _recorders: contextvars.ContextVar[tuple] = contextvars.ContextVar("jax_flashcomm_recorders",

@@ -31,6 +31,7 @@ __all__ = [
     "dequantize_sum",
     "dequantize_sum_quantize",
     "dequantize_into",
+    "add_rms_norm",
     "error_bound",
     "spike_bound",
     "wire_bytes_per_element",
@@ -42,6 +43,7 @@ __all__ = [
     "use_cpu_threads",
 ]
 
+from jax_flashcomm.codec.norm import add_rms_norm  # noqa: E402
 from jax_flashcomm.codec.kernels import (  # noqa: E402
     cpu_isa, cpu_isas, cpu_threads, use_cpu_isa, use_cpu_threads)
 

@@ -16,6 +16,7 @@ SELECTION = [
     "tests/codec/test_codec_parity.py::test_quantize_dequantize_bit_identical",
     "tests/codec/test_rotation.py::test_parity_fused_sums",
     "tests/codec/test_spikes.py::test_fused_op_spikes_per_phase_parity",
+    "tests/codec/test_norm_parity.py::test_fused_norm_bit_identical",
 ]
 
 
