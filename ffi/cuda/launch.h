@@ -26,6 +26,30 @@ namespace cuda {
 // Rotated kernels hold the group in shared memory: 8 warps * 1024 * 4 B = 32 KB per block.
 constexpr int64_t kMaxRotatedGroup = 1024;
 
+// norm_kernels.cu: the fused residual add + RMSNorm (docs/fused_norm.md). The payload of the
+// gathered all-reduce (group_size, bits, rotation, spikes) covers rows * hidden values; `out`
+// null: the normalised rows are quantized to out_bits in groups of out_group_size (a divisor of
+// hidden) into out_codes / out_scale / out_zero. inv_h = RN(1 / hidden), eps_h = RN(eps * hidden).
+struct NormLaunch {
+  const uint8_t* codes;
+  const uint16_t* scale;
+  const uint16_t* zero;
+  int64_t group_size;
+  int bits, rotation, spikes;
+  int64_t rows, hidden;
+  float inv_h, eps_h;
+  int out_bits;
+  int64_t out_group_size;
+  uint8_t* out_codes;
+  uint16_t* out_scale;
+  uint16_t* out_zero;
+};
+// Shared memory of one block: the row's groups as f32 (at most hidden / G + 2 of them).
+size_t NormSharedBytes(int64_t hidden, int64_t group_size);
+template <typename T, typename W, bool kSpiked>
+cudaError_t LaunchAddRmsNorm(cudaStream_t stream, const NormLaunch& args, const void* residual,
+                             const void* weight, void* new_residual, void* out);
+
 // codec_quantize.cu
 template <typename T, bool kSpiked>
 cudaError_t LaunchQuantize(cudaStream_t stream, const void* x, int64_t n_groups,

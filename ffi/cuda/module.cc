@@ -16,6 +16,7 @@ nanobind::dict CudaRegistrations() {
   flashcomm::AddP2pRegistrations(d, FlashcommP2pAllReduceCuda, FlashcommP2pReduceScatterCuda,
                                  FlashcommP2pAllGatherCuda);
   flashcomm::AddP2pRingRegistrations(d, FlashcommP2pRingStartCuda, FlashcommP2pRingDoneCuda);
+  flashcomm::AddNormRegistrations(d, FlashcommAddRmsNormCuda, FlashcommAddRmsNormQuantizeCuda);
   return d;
 }
 

@@ -15,6 +15,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommDequantizeCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommDequantizeSumCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommDequantizeSumQuantizeCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommDequantizeIntoCuda);
+// The fused all-reduce epilogue (ffi/cuda/norm_handlers.cc, docs/fused_norm.md).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommAddRmsNormCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommAddRmsNormQuantizeCuda);
 // The peer-to-peer transport (docs/cuda.md, "Peer-to-peer transport (not run on hardware)").
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommP2pAllReduceCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommP2pReduceScatterCuda);
