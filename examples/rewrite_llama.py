@@ -66,64 +66,86 @@ def run(args, log=sys.stderr) -> dict:
 
     set_devices(args.tp)
     import jax
-    import numpy as np
     from jax.sharding import AxisType
 
     from examples import explicit_llama
-    from jax_flashcomm.rewrite import rewrite
     from models.checkpoint import open_checkpoint
-    from models.eval import nll_fn, progress, window_tokens
+    from models.eval import window_tokens
 
     ckpt = open_checkpoint(args.model)
+    if ckpt.tokenizer is None:
+        raise SystemExit(f"{args.model}: the checkpoint has no tokenizer")
     with open(args.text, encoding="utf-8") as f:
         windows = window_tokens(ckpt.tokenizer.encode(f.read()), args.window, args.max_windows)
     mesh = jax.make_mesh((args.tp,), ("tp",), axis_types=(AxisType.Explicit,),
                          devices=jax.devices()[:args.tp])
-    nll, results = nll_fn(), {}
     with jax.set_mesh(mesh):
         dims, weights = explicit_llama.load(ckpt, mesh)
-        padded = -(-args.window // args.tp) * args.tp      # sequence parallel: S % TP == 0
-        for name in args.settings.split(","):
-            sp, policy = _setting(name)
-            fn = functools.partial(explicit_llama.logits, dims, sequence_parallel=sp)
-            report = None
-            if policy is not None:
-                length = padded if sp else args.window
-                report = rewrite(fn, policy).report(
-                    weights_spec(weights), jax.ShapeDtypeStruct((1, length), np.int32))
-                fn = rewrite(fn, policy)
-            score = jax.jit(fn)
-            length = padded if sp else args.window
-
-            def logits_of(w, score=score, length=length):
-                tokens = np.zeros((1, length), np.int32)
-                tokens[0, :len(w)] = w
-                return score(weights, jax.device_put(tokens))[:, :len(w)]
-
-            start, per_window = time.perf_counter(), []
-            print(f"{name}: {len(windows)} windows of {args.window} tokens, TP={args.tp}",
-                  file=log)
-            progress(0, len(windows), start, log)
-            for i, w in enumerate(windows):
-                tokens = np.asarray([w], np.int32)
-                per_window.append(np.asarray(nll(logits_of(w), tokens))[0].astype(np.float64))
-                progress(i + 1, len(windows), start, log)
-            ttft = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                jax.block_until_ready(logits_of(windows[0]))
-                ttft.append(time.perf_counter() - t0)
-            all_nll = np.concatenate(per_window)
-            results[name] = {"perplexity": math.exp(float(all_nll.mean())),
-                             "tokens": int(all_nll.size), "ttft_s": statistics.median(ttft),
-                             "report_counts": dict(report.counts()) if report else {},
-                             "report_rows": len(report) if report else 0}
-            print(f"{name}: perplexity {results[name]['perplexity']:.6f}, TTFT "
-                  f"{results[name]['ttft_s'] * 1e3:.0f} ms", file=log)
-            if report is not None:
-                text = str(report)
-                print(text.splitlines()[-1] if args.quiet_report else text)
+        results, reports = evaluate(dims, weights, windows, args.settings.split(","), log=log)
+    for name, report in reports.items():
+        text = str(report)
+        print(f"{name}: " + (text.splitlines()[-1] if args.quiet_report else "\n" + text))
     return results
+
+
+def evaluate(dims, weights, windows, settings, *, log=sys.stderr) -> tuple[dict, dict]:
+    """Perplexity, TTFT and report of each setting (call under the model's mesh).
+
+    Args:
+      dims, weights: :func:`examples.explicit_llama.load`'s results.
+      windows: token id lists of one length.
+      settings: names among :data:`SETTINGS`.
+      log: where the progress goes.
+
+    Returns:
+      ``({setting: {"perplexity", "tokens", "ttft_s", "report_counts", "report_rows"}},
+      {setting: Report}``) (rewritten settings only in the second).
+    """
+    import jax
+    import numpy as np
+
+    from examples import explicit_llama
+    from jax_flashcomm.rewrite import rewrite
+    from models.eval import nll_fn, progress
+
+    nll, results, reports = nll_fn(), {}, {}
+    window = len(windows[0])
+    for name in settings:
+        sp, policy = _setting(name)
+        length = -(-window // dims.tp) * dims.tp if sp else window   # sequence parallel: S % TP
+        fn = functools.partial(explicit_llama.logits, dims, sequence_parallel=sp)
+        if policy is not None:
+            reports[name] = rewrite(fn, policy).report(
+                weights_spec(weights), jax.ShapeDtypeStruct((1, length), np.int32))
+            fn = rewrite(fn, policy)
+        score = jax.jit(fn)
+
+        def logits_of(w, score=score, length=length):
+            tokens = np.zeros((1, length), np.int32)
+            tokens[0, :len(w)] = w
+            return score(weights, jax.device_put(tokens))[:, :len(w)]
+
+        start, per_window = time.perf_counter(), []
+        print(f"{name}: {len(windows)} windows of {window} tokens, TP={dims.tp}", file=log)
+        progress(0, len(windows), start, log)
+        for i, w in enumerate(windows):
+            tokens = np.asarray([w], np.int32)
+            per_window.append(np.asarray(nll(logits_of(w), tokens))[0].astype(np.float64))
+            progress(i + 1, len(windows), start, log)
+        ttft = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            jax.block_until_ready(logits_of(windows[0]))
+            ttft.append(time.perf_counter() - t0)
+        all_nll = np.concatenate(per_window)
+        report = reports.get(name)
+        results[name] = {"perplexity": math.exp(float(all_nll.mean())),
+                         "tokens": int(all_nll.size), "ttft_s": statistics.median(ttft),
+                         "report_counts": dict(report.counts()) if report else {},
+                         "report_rows": len(report) if report else 0}
+        print(f"{name}: perplexity {results[name]['perplexity']:.6f}, TTFT "
+              f"{results[name]['ttft_s'] * 1e3:.0f} ms", file=log)
+    return results, reports
 
 
 def weights_spec(weights: dict):
