@@ -220,3 +220,20 @@ def test_kept_patterns_run_unchanged_with_their_reasons():
         for got, want in zip(jax.jit(rewrite(fn, CFG))(x, w, r), jax.jit(fn)(x, w, r)):
             np.testing.assert_array_equal(np.asarray(jax.sharding.reshard(got, P())),
                                           np.asarray(jax.sharding.reshard(want, P())))
+
+
+def test_mesh_with_an_auto_axis_beside_the_explicit_one():
+    """data Auto, tp Explicit: the island is manual over tp only; data stays with XLA."""
+    mesh = jax.make_mesh((2, 4), ("data", "tp"), axis_types=(AxisType.Auto, AxisType.Explicit),
+                         devices=jax.devices()[:8])
+    with jax.set_mesh(mesh):
+        h = jax.device_put(_normal(0, (B, S, F)), NamedSharding(mesh, P("data", None, "tp")))
+        w = jax.device_put(_normal(1, (F, D), 0.1), NamedSharding(mesh, P("tp", None)))
+        fn = lambda h, w: jnp.einsum("bsf,fd->bsd", h, w, out_sharding=P())  # noqa: E731
+        assert [(r.op, r.axes, r.action) for r in rewrite(fn, CFG).report(h, w)] == [
+            ("psum", ("tp",), "quantized")]
+        want = jax.jit(fn)(h, w)
+        np.testing.assert_allclose(np.asarray(jax.jit(rewrite(fn, EXACT))(h, w)),
+                                   np.asarray(want), rtol=1e-5, atol=1e-5)
+        got = jax.jit(rewrite(fn, CFG))(h, w)
+        assert 0 < np.abs(np.asarray(got) - np.asarray(want)).max()
