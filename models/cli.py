@@ -64,6 +64,9 @@ def add_common(parser: argparse.ArgumentParser) -> None:
                             help=f"{text} (default: {getattr(defaults, name)!r})")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="parameter and activation dtype")
+    parser.add_argument("--fuse-norm", dest="fuse_norm", action="store_true",
+                        help="fuse every all-reduce with the residual add and the next RMSNorm "
+                             "(TPComm(fuse_norm=True), docs/fused_norm.md)")
 
 
 #: int (or float) options and the least value each takes; checked on any parser that has them.
@@ -342,7 +345,8 @@ def comm_from_args(args):
     """The :class:`jax_flashcomm.nn.TPComm` the options describe."""
     from jax_flashcomm.nn import TPComm
 
-    return TPComm(args.comm, "tp", **comm_options(args))
+    return TPComm(args.comm, "tp", fuse_norm=getattr(args, "fuse_norm", False),
+                  **comm_options(args))
 
 
 def setup(args):

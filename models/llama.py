@@ -76,6 +76,18 @@ class Block(nnx.Module):
         x = x + h
         return x + self.mlp(self.mlp_norm(x), sp=sp), cache
 
+    def fused(self, x, normed, next_scale, start, cache, *, decode: bool):
+        """The block with its all-reduces fused into the residual adds and the next norms
+        (``TPComm.fuse_norm``, docs/fused_norm.md): ``normed`` is ``attn_norm(x)`` (from the
+        previous block's fused op), ``next_scale`` the weight of the norm after this block (the
+        next block's ``attn_norm`` or the final norm). Returns ``(x, next_norm(x), cache)``."""
+        h, cache = self.attn(normed, start, cache, decode=decode, reduce=False)
+        normed, x = self.attn.o.comm.all_reduce_add_norm(h, x, self.mlp_norm.scale[...],
+                                                         self.mlp_norm.eps)
+        m = self.mlp(normed, reduce=False)
+        normed, x = self.mlp.down.comm.all_reduce_add_norm(m, x, next_scale, self.mlp_norm.eps)
+        return x, normed, cache
+
 
 class Llama(nnx.Module):
     """The decoder. ``rngs=None`` makes zero parameters (to be loaded: use under
@@ -120,6 +132,8 @@ class Llama(nnx.Module):
         """Final-norm hidden states of ``tokens (B, S)`` at positions ``start + [0, S)``
         (``(B, S / N, D)`` with ``sp``), and the updated ``cache`` (``(k, v)`` or None)."""
         x = self.embed(tokens, sp=sp).astype(self.dtype)
+        if self.comm.fuse_norm and not sp:
+            return self._hidden_fused(x, start, cache, decode=decode)
         graphdef, state = nnx.split(self.blocks)
         layers = jnp.arange(self.cfg.n_layers)
 
@@ -146,6 +160,40 @@ class Llama(nnx.Module):
         for first, stop, site_comms in layer_segments(self.cfg.n_layers, self.comm_overrides):
             x, cache = scan_layers(x, cache, first, stop, site_comms)
         return self.norm(x), cache
+
+    def _hidden_fused(self, x, start, cache, *, decode: bool):
+        """:meth:`hidden` with every all-reduce fused into the residual add and the norm after
+        it (:meth:`Block.fused`): the first block's ``attn_norm`` runs alone, each block then
+        hands the next one its normalised input, the last one the final norm's output."""
+        graphdef, state = nnx.split(self.blocks)
+        layers = jnp.arange(self.cfg.n_layers)
+        norms = self.blocks.attn_norm.scale[...]                       # (layers, d)
+        next_scales = jnp.concatenate([norms[1:], self.norm.scale[...][None].astype(norms.dtype)])
+        normed = nn.rms_norm(x, norms[0], self.cfg.rms_eps)
+
+        def scan_layers(carry, first, stop, site_comms):
+            def step(carry, xs):
+                x, normed, cache = carry
+                layer_state, i, next_scale = xs
+                block = nnx.merge(graphdef, layer_state)
+                for site, comm in site_comms:
+                    set_comm(getattr(block, site), comm)
+                layer_cache = None if cache is None else (cache[0][i], cache[1][i])
+                x, normed, kv = block.fused(x, normed, next_scale, start, layer_cache,
+                                            decode=decode)
+                if cache is not None:
+                    cache = (lax.dynamic_update_index_in_dim(cache[0], kv[0], i, 0),
+                             lax.dynamic_update_index_in_dim(cache[1], kv[1], i, 0))
+                return (x, normed, cache), None
+
+            xs = jax.tree.map(lambda a: a[first:stop], (state, layers, next_scales))
+            return lax.scan(step, carry, xs)[0]
+
+        carry = (x, normed, cache)
+        for first, stop, site_comms in layer_segments(self.cfg.n_layers, self.comm_overrides):
+            carry = scan_layers(carry, first, stop, site_comms)
+        _, normed, cache = carry
+        return normed, cache
 
     def logits(self, h):
         """Logits over the vocabulary, replicated: ``h (..., D)`` → ``(..., vocab)`` (f32 or

@@ -10,7 +10,8 @@ from jax_flashcomm.nn.layers import (RMSNorm, TPAttention, TPMLP, check_heads, k
                                      padded_ffn, rope)
 from jax_flashcomm.nn.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from jax_flashcomm.nn.sharded import param_specs, place, shard_call
+from jax_flashcomm.fused_norm import rms_norm
 
 __all__ = ["COMM_KINDS", "TPComm", "RMSNorm", "TPAttention", "TPMLP", "check_heads", "kv_heads",
            "padded_ffn", "rope", "ColumnParallelLinear", "RowParallelLinear",
-           "VocabParallelEmbedding", "param_specs", "place", "shard_call"]
+           "VocabParallelEmbedding", "param_specs", "place", "shard_call", "rms_norm"]

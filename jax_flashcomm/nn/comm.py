@@ -15,6 +15,12 @@ sequence-parallel ring matmuls are used; the path of every call is
   quantized ``psum_scatter`` (``rs_bits``; a quantized reduce-scatter ring would add N-1
   quantization errors).
 
+``fuse_norm=True`` (any kind) ends each block's all-reduce with
+:func:`jax_flashcomm.psum_add_rms_norm`: the all-reduce, the residual add and the next RMSNorm as
+one op (:meth:`TPComm.all_reduce_add_norm`; one codec kernel after the all-gather on the
+quantized path, the same lax ops on the exact path; docs/fused_norm.md). The model decides
+where (``models/llama.py``: both all-reduces of every block, outside sequence parallelism).
+
 Sequence parallelism needs the sequence length to be a multiple of the TP size, so the overlap
 kinds use it where the caller says so (prefill); a one-token decode step all-reduces instead.
 """
@@ -26,6 +32,7 @@ import dataclasses
 from jax_flashcomm.allreduce import psum
 from jax_flashcomm.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from jax_flashcomm.config import COMM_KINDS, CommConfig, config_from, takes_options
+from jax_flashcomm.fused_norm import psum_add_rms_norm, rms_norm
 
 __all__ = ["TPComm", "COMM_KINDS"]
 
@@ -39,6 +46,8 @@ class TPComm:
       config: a :class:`~jax_flashcomm.CommConfig`; the exact kinds need ``bits=None`` (their
         default), the quantized ones a quantized config (default ``CommConfig()``).
       bidirectional: split every ring chunk over both directions (overlap kinds).
+      fuse_norm: end the all-reduces with the residual add and RMSNorm fused
+        (:meth:`all_reduce_add_norm`); off by default (docs/fused_norm.md says why).
       bits, ...: the options of every jax_flashcomm op, updating ``config``.
     """
 
@@ -46,10 +55,12 @@ class TPComm:
     axis_name: str
     config: CommConfig
     bidirectional: bool
+    fuse_norm: bool
 
     @takes_options
     def __init__(self, kind: str = "exact", axis_name: str = "tp",
-                 config: CommConfig | None = None, bidirectional: bool = False, **options):
+                 config: CommConfig | None = None, bidirectional: bool = False,
+                 fuse_norm: bool = False, **options):
         if kind not in COMM_KINDS:
             raise ValueError(f"TPComm: unknown communication kind {kind!r}; expected one of "
                              f"{COMM_KINDS}")
@@ -68,7 +79,8 @@ class TPComm:
                              f"bits={config.bits} would be ignored (use 'flash' or "
                              f"'flash+overlap')")
         for name, value in (("kind", kind), ("axis_name", axis_name), ("config", config),
-                            ("bidirectional", bool(bidirectional))):
+                            ("bidirectional", bool(bidirectional)),
+                            ("fuse_norm", bool(fuse_norm))):
             object.__setattr__(self, name, value)
 
     @property
@@ -84,6 +96,18 @@ class TPComm:
     def all_reduce(self, x):
         """Sum of the ranks' partial results, replicated (after a row-parallel matmul)."""
         return psum(x, self.axis_name, config=self.config)
+
+    def all_reduce_add_norm(self, x, residual, weight, eps: float):
+        """``h = residual + all_reduce(x)``; ``(rms_norm(h) * weight, h)``.
+
+        With ``fuse_norm``: :func:`jax_flashcomm.psum_add_rms_norm` (one op); without: the
+        all-reduce of :meth:`all_reduce`, then the add and the norm as lax ops.
+        """
+        if self.fuse_norm:
+            return psum_add_rms_norm(x, residual, weight, self.axis_name, eps=eps,
+                                     config=self.config)
+        h = residual + self.all_reduce(x)
+        return rms_norm(h, weight, eps), h
 
     def gather_matmul(self, x, w, axis: int):
         """``all_gather(x, axis) @ w``: the sequence-parallel input of a column-parallel matmul."""

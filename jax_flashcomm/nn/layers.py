@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jax_flashcomm.fused_norm import rms_norm
 from jax_flashcomm.nn.attention import attend
 from jax_flashcomm.nn.comm import TPComm
 from jax_flashcomm.nn.linear import ColumnParallelLinear, RowParallelLinear, init_param
@@ -112,9 +113,7 @@ class RMSNorm(nnx.Module):
         self.scale = init_param(rngs, (dim,), dtype, (None,), scale=1.0)
 
     def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        normed = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        return rms_norm(x, self.scale[...], self.eps)
 
 
 class TPAttention(nnx.Module):
@@ -152,7 +151,8 @@ class TPAttention(nnx.Module):
         self.o = RowParallelLinear(n_heads * head_dim, d_model, tp=tp, comm=comm, dtype=dtype,
                                    rngs=rngs)
 
-    def __call__(self, x, start, cache=None, *, decode: bool = False, sp: bool = False):
+    def __call__(self, x, start, cache=None, *, decode: bool = False, sp: bool = False,
+                 reduce: bool = True):
         qkv = self.qkv(x, sp=sp)
         b, s = qkv.shape[0], qkv.shape[1]
         dh, hq, hkv = self.head_dim, self.q_local, self.kv_local
@@ -171,7 +171,7 @@ class TPAttention(nnx.Module):
             raise ValueError("TPAttention: decode=True needs a cache")
         kpos = jnp.arange(k.shape[1], dtype=jnp.int32) if decode else positions
         out = attend(q, k, v, positions, kpos)
-        return self.o(out.reshape(b, s, hq * dh), sp=sp), cache
+        return self.o(out.reshape(b, s, hq * dh), sp=sp, reduce=reduce), cache
 
 
 class TPMLP(nnx.Module):
@@ -197,6 +197,6 @@ class TPMLP(nnx.Module):
         self.down = RowParallelLinear(tp * self.ffn_local, d_model, tp=tp, comm=comm,
                                       dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, *, sp: bool = False):
+    def __call__(self, x, *, sp: bool = False, reduce: bool = True):
         gate, up = jnp.split(self.gate_up(x, sp=sp), 2, axis=-1)
-        return self.down(jax.nn.silu(gate) * up, sp=sp)
+        return self.down(jax.nn.silu(gate) * up, sp=sp, reduce=reduce)

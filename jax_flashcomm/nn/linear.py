@@ -89,7 +89,9 @@ class ColumnParallelLinear(nnx.Module):
 class RowParallelLinear(nnx.Module):
     """``y = x @ kernel`` with ``kernel`` ``(in, out)`` sharded by rows over ``comm.axis_name``.
 
-    Local: ``x (..., in / N)`` → the sum over ranks ``(..., out)`` through ``comm.all_reduce``;
+    Local: ``x (..., in / N)`` → the sum over ranks ``(..., out)`` through ``comm.all_reduce``
+    (``reduce=False``: this rank's partial ``x @ kernel``, for a caller that all-reduces it
+    fused with what follows, :meth:`TPComm.all_reduce_add_norm`);
     with ``sp=True`` → this rank's ``(..., S / N, out)`` through ``comm.matmul_scatter``.
 
     Args:
@@ -110,10 +112,12 @@ class RowParallelLinear(nnx.Module):
         self.kernel = init_param(rngs, (in_features, out_features), dtype,
                                  (comm.axis_name, None))
 
-    def __call__(self, x, *, sp: bool = False):
+    def __call__(self, x, *, sp: bool = False, reduce: bool = True):
         w = self.kernel[...]
         if sp and self.tp > 1:
             return self.comm.matmul_scatter(x, w, _sequence_axis(x, "RowParallelLinear"))
+        if not reduce:  # this rank's partial sum, all-reduced by the caller (fuse_norm)
+            return x @ w
         return self.comm.all_reduce(x @ w)
 
 
