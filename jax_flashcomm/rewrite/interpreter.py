@@ -37,7 +37,8 @@ from jax_flashcomm.jax_compat import ad_util, core, flat_tree_flatten, source_in
 from jax_flashcomm.jax_compat import linear_util as lu
 from jax_flashcomm.jax_compat import partial_eval as pe
 from jax_flashcomm.planner import record, size_policy
-from jax_flashcomm.rewrite import explicit, fusion, islands
+from jax_flashcomm.fused_norm import psum_add_rms_norm
+from jax_flashcomm.rewrite import explicit, fusion, islands, norm_fusion
 from jax_flashcomm.rewrite.higher_order import HANDLERS, bind
 from jax_flashcomm.rewrite.policy import RewritePolicy
 from jax_flashcomm.rewrite.report import ReportRow
@@ -90,6 +91,7 @@ class _Plan:
     tangent: set = dataclasses.field(default_factory=set)     # eqns on a JVP rule's tangents
     islands: dict = dataclasses.field(default_factory=dict)   # eqn -> islands.Island
     implied_kept: dict = dataclasses.field(default_factory=dict)  # eqn -> explicit.Kept
+    norm: dict = dataclasses.field(default_factory=dict)      # last norm eqn -> NormFusion
     jaxpr: object = None
 
 
@@ -213,7 +215,10 @@ class Interpreter:
             with (source_info_util.user_context(eqn.source_info.traceback,
                                                 name_stack=name_stack),
                   eqn.ctx.manager):
-                outs = self._eval_eqn(i, eqn, plan, read, ctx)
+                if i in plan.norm:
+                    outs, env[plan.norm[i][0].new_residual] = self._norm(plan.norm[i], read, ctx)
+                else:
+                    outs = self._eval_eqn(i, eqn, plan, read, ctx)
             if not eqn.primitive.multiple_results:
                 outs = [outs]
             for v, val in zip(eqn.outvars, outs):
@@ -292,8 +297,21 @@ class Interpreter:
             plan.operand[i] = operand
         if self.policy.fuse_matmul:
             self._plan_fusions(jaxpr, plan, users, producer)
+        if self.policy.fuse_norm:
+            self._plan_norms(jaxpr, plan, users, producer)
         self._plan_islands(jaxpr, plan, users, producer, ctx)
         return plan
+
+    def _plan_norms(self, jaxpr, plan: _Plan, users, producer):
+        for i in sorted(plan.operand):
+            if jaxpr.eqns[i].primitive.name not in ("psum_invariant", "psum"):
+                continue
+            match, note = norm_fusion.match_psum_norm(jaxpr, i, users, producer)
+            if match is None or plan.skip & set(match.eqns):
+                plan.notes[i] = f"not fused with a norm: {note or 'overlaps another fusion'}"
+                continue
+            plan.norm[match.last] = (match, plan.operand.pop(i), jaxpr.eqns[i])
+            plan.skip.update({i, *match.eqns} - {match.last})
 
     def _plan_islands(self, jaxpr, plan: _Plan, users, producer, ctx: _Context):
         """The collectives implied by Explicit sharding (:mod:`.explicit`, :mod:`.islands`)."""
@@ -356,6 +374,25 @@ class Interpreter:
         self._check_type(eqn, out, ctx)
         self._row(eqn, ctx, *_outcome(decisions, note))
         return out
+
+    def _norm(self, planned, read, ctx: _Context):
+        """:func:`~jax_flashcomm.psum_add_rms_norm` in place of psum, add and RMSNorm."""
+        match, x, psum_eqn = planned
+        axes = _axes_of(psum_eqn)
+        with record() as plans:
+            out, residual = psum_add_rms_norm(read(x), read(match.residual), read(match.weight),
+                                              axes, eps=match.eps,
+                                              config=self.policy.comm_config)
+        for value, var in ((out, match.out), (residual, match.new_residual)):
+            if not _same_type(core.typeof(value), var.aval):
+                raise RuntimeError(f"rewrite: psum_add_rms_norm at {_call_site(psum_eqn)[0]} "
+                                   f"gives {core.typeof(value).str_short()} where the chain "
+                                   f"gave {var.aval.str_short()}")
+        action, detail, reason = _outcome(plans, None)
+        detail = f"psum_add_rms_norm {detail}".strip()
+        self._row(psum_eqn, ctx, "fused", detail,
+                  f"fused with the residual add and the RMSNorm ({action}); {reason}")
+        return out, residual
 
     def _island(self, island: islands.Island, jaxpr, read, ctx: _Context):
         """A shard_map island in place of a collective implied by Explicit sharding."""

@@ -69,6 +69,12 @@ class RewritePolicy:
         :func:`~jax_flashcomm.all_gather_matmul` and ``psum_scatter(x @ w, tiled=True)`` by
         :func:`~jax_flashcomm.matmul_reduce_scatter` where the pattern matches exactly (the
         report says why it did not elsewhere).
+      fuse_norm: replace ``residual + psum(x)`` followed by an RMSNorm of the sum (the
+        expression of :class:`~jax_flashcomm.nn.RMSNorm`) by
+        :func:`~jax_flashcomm.psum_add_rms_norm`, which returns the normalised rows and the new
+        residual in one op (on the quantized path the all-gather's decode, the add and the norm
+        are one kernel; on the exact path the same lax ops). The report says why a psum was
+        not fused where it was not.
     """
 
     config: CommConfig | None = None
@@ -77,17 +83,20 @@ class RewritePolicy:
     sites: tuple[str, ...] | None = None
     skip_sites: tuple[str, ...] | None = None
     fuse_matmul: bool = False
+    fuse_norm: bool = False
 
     @takes_options
     def __init__(self, config: CommConfig | None = None, ops=None, axes=None, sites=None,
-                 skip_sites=None, fuse_matmul: bool = False, **options):
+                 skip_sites=None, fuse_matmul: bool = False, fuse_norm: bool = False,
+                 **options):
         if config is not None and not isinstance(config, CommConfig):
             raise TypeError(f"RewritePolicy: config must be a jax_flashcomm.CommConfig or None, "
                             f"got {type(config).__name__}")
         if config is not None or options:
             config = config_from(config, options, "RewritePolicy")
         for name, value in (("config", config), ("ops", ops), ("axes", axes), ("sites", sites),
-                            ("skip_sites", skip_sites), ("fuse_matmul", fuse_matmul)):
+                            ("skip_sites", skip_sites), ("fuse_matmul", fuse_matmul),
+                            ("fuse_norm", fuse_norm)):
             object.__setattr__(self, name, value)
         self._validate()
 
@@ -102,9 +111,10 @@ class RewritePolicy:
         object.__setattr__(self, "axes", _as_str_tuple(self.axes, "axes"))
         object.__setattr__(self, "sites", _as_str_tuple(self.sites, "sites"))
         object.__setattr__(self, "skip_sites", _as_str_tuple(self.skip_sites, "skip_sites"))
-        if not isinstance(self.fuse_matmul, (bool, np.bool_)):
-            raise TypeError(f"RewritePolicy: fuse_matmul must be a bool, got "
-                            f"{self.fuse_matmul!r}")
+        for name in ("fuse_matmul", "fuse_norm"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise TypeError(f"RewritePolicy: {name} must be a bool, got "
+                                f"{getattr(self, name)!r}")
 
     @property
     def comm_config(self) -> CommConfig:
