@@ -369,8 +369,9 @@ def setup(args):
 
 def describe(args) -> str:
     """A one-line summary of the communication options."""
+    fused = " fuse_norm" if getattr(args, "fuse_norm", False) else ""
     if args.comm in ("exact", "overlap"):
-        return args.comm
+        return args.comm + fused
     c = comm_from_args(args).config
     return (f"{args.comm} int{c.phase1_bits}/int{c.phase2_bits} G={c.group_size} "
-            f"spikes={c.spikes} rotation={c.rotation} min_bytes={c.min_bytes}")
+            f"spikes={c.spikes} rotation={c.rotation} min_bytes={c.min_bytes}{fused}")

@@ -104,7 +104,7 @@ def run(args, log=sys.stderr) -> dict:
         "seconds": time.perf_counter() - start,
         "options": {k: getattr(args, k) for k in (
             "model", "tp", "comm", "bits", "rs_bits", "ag_bits", "group_size", "spikes",
-            "rotation", "min_bytes", "dtype", "window", "max_windows", "text")},
+            "rotation", "min_bytes", "dtype", "window", "max_windows", "text", "fuse_norm")},
         "comm": cli.describe(args),
         "machine": platform.processor() or platform.machine(),
         "traces": {str(k): v for k, v in engine.traces.items()},
