@@ -2,8 +2,7 @@
 
     .venv/bin/python -m models.corpus --out text.txt
     .venv/bin/python -m examples.rewrite_llama --model smollm2 --tp 3 --text text.txt \\
-        --window 512 --max-windows 6 [--settings exact,rewritten-exact,int8,int8-fused] \\
-        [--json OUT]
+        --window 512 --max-windows 6 [--settings exact,int8,...] [--json OUT]
 
 Scores the same windows as ``models.eval`` (tokenized without BOS, consecutive windows, each on
 its own) under each setting and prints perplexity, the time to first token of one window
@@ -14,6 +13,8 @@ its own) under each setting and prints perplexity, the time to first token of on
   collectives (the rewrite's own check: it must equal ``exact`` within f32 rounding);
 * ``int8``: ``rewrite(logits, CommConfig(bits=8))``, the library's defaults otherwise (size
   policy, rotation), i.e. ``models.eval --comm flash --bits 8``;
+* ``int8-norm``: ``int8`` with ``fuse_norm=True``: each all-reduce, the residual add and the
+  next RMSNorm are one ``psum_add_rms_norm`` (``docs/fused_norm.md``);
 * ``int8-fused``: the sequence-parallel form rewritten with ``fuse_matmul=True``: the gathers
   fused with the column-parallel dots into ``all_gather_matmul`` rings (int8 chunks), the
   reduce-scatters quantized after the row-parallel dots.
@@ -29,7 +30,7 @@ import statistics
 import sys
 import time
 
-SETTINGS = ("exact", "rewritten-exact", "int8", "int8-fused")
+SETTINGS = ("exact", "rewritten-exact", "int8", "int8-norm", "int8-fused")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,6 +58,7 @@ def _setting(name: str):
     return {"exact": (False, None),
             "rewritten-exact": (False, RewritePolicy(config=fc.CommConfig(bits=None))),
             "int8": (False, RewritePolicy(config=fc.CommConfig(bits=8))),
+            "int8-norm": (False, RewritePolicy(config=fc.CommConfig(bits=8), fuse_norm=True)),
             "int8-fused": (True, RewritePolicy(config=fc.CommConfig(bits=8),
                                                fuse_matmul=True))}[name]
 

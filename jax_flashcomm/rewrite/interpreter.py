@@ -217,6 +217,9 @@ class Interpreter:
                   eqn.ctx.manager):
                 if i in plan.norm:
                     outs, env[plan.norm[i][0].new_residual] = self._norm(plan.norm[i], read, ctx)
+                elif i in plan.islands and plan.islands[i].kind == "norm":
+                    outs, env[plan.islands[i].norm.new_residual] = self._island(
+                        plan.islands[i], jaxpr, read, ctx)
                 else:
                     outs = self._eval_eqn(i, eqn, plan, read, ctx)
             if not eqn.primitive.multiple_results:
@@ -324,7 +327,7 @@ class Interpreter:
             return self.policy.select(implied.op, implied.axes, implied.dtype, scope, frames)
 
         found = islands.plan_islands(jaxpr, users, producer, select, self.policy.fuse_matmul,
-                                     self.policy.comm_config)
+                                     self.policy.comm_config, self.policy.fuse_norm)
         plan.islands, plan.implied_kept = found.islands, found.kept
         plan.skip |= found.skip
 
@@ -399,7 +402,19 @@ class Interpreter:
         implied = island.implied
         out, plans = islands.emit(island, jaxpr, [read(v) for v in island.inputs],
                                   self.policy.comm_config)
-        self._check_type(jaxpr.eqns[island.at], out, ctx)
+        self._check_type(jaxpr.eqns[island.at], out[0] if island.kind == "norm" else out, ctx)
+        if island.kind == "norm":
+            if not _same_type(core.typeof(out[1]), island.norm.new_residual.aval):
+                raise RuntimeError(f"rewrite: the fused norm island at "
+                                   f"{_call_site(jaxpr.eqns[island.report])[0]} gives a "
+                                   f"residual of another type")
+            action, detail, reason = _outcome(plans, None)
+            self._row(jaxpr.eqns[island.report], ctx, "fused",
+                      f"psum_add_rms_norm {detail}".strip(),
+                      f"implied by the sharding; fused with the residual add and the RMSNorm "
+                      f"({action}); {reason}", op=implied.op, axes=implied.axes,
+                      shape=implied.shape, dtype=implied.dtype, axis_size=implied.axis_size)
+            return out
         if island.kind in ("all_gather_matmul", "matmul_reduce_scatter"):
             ring = plans[0]
             action = "fused"

@@ -31,7 +31,8 @@ from jax_flashcomm.allreduce import psum as flash_psum
 from jax_flashcomm.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from jax_flashcomm.jax_compat import core
 from jax_flashcomm.planner import record, size_policy
-from jax_flashcomm.rewrite import explicit, fusion
+from jax_flashcomm.fused_norm import psum_add_rms_norm
+from jax_flashcomm.rewrite import explicit, fusion, norm_fusion
 from jax_flashcomm.rewrite.explicit import Implied, Kept
 from jax_flashcomm.scatter_gather import all_gather as flash_all_gather
 from jax_flashcomm.scatter_gather import psum_scatter as flash_psum_scatter
@@ -48,14 +49,15 @@ class Island:
 
     Attributes:
       kind: ``"collective"`` (a dot with its all-reduce / reduce-scatter, or a reshard's
-        all-gather), ``"region"`` (an unreduced chain), ``"all_gather_matmul"`` or
-        ``"matmul_reduce_scatter"``.
+        all-gather), ``"region"`` (an unreduced chain), ``"all_gather_matmul"``,
+        ``"matmul_reduce_scatter"`` or ``"norm"`` (a dot, its all-reduce, the residual add and
+        the RMSNorm: two results).
       implied: the collective.
       at: the equation whose result the island replaces.
       report: the equation reported (the dot, the reshard, or the gather of a fused pair).
       eqns: the equations it evaluates, in order (``at`` last).
       inputs: its inputs (jaxpr atoms).
-      note: why a matmul was not fused with it, if it was not.
+      note: why a matmul or a norm was not fused with it, if it was not.
     """
 
     kind: str
@@ -65,6 +67,7 @@ class Island:
     eqns: tuple
     inputs: tuple
     note: str = ""
+    norm: object = None        # the norm_fusion.NormFusion of a "norm" island
 
 
 @dataclasses.dataclass
@@ -74,8 +77,8 @@ class IslandPlan:
     skip: set = dataclasses.field(default_factory=set)        # eqns evaluated by an island
 
 
-def plan_islands(jaxpr, users: dict, producer: dict, select, fuse: bool, config
-                 ) -> IslandPlan:
+def plan_islands(jaxpr, users: dict, producer: dict, select, fuse: bool, config,
+                 fuse_norm: bool = False) -> IslandPlan:
     """The islands of one jaxpr.
 
     Args:
@@ -85,6 +88,7 @@ def plan_islands(jaxpr, users: dict, producer: dict, select, fuse: bool, config
       select: ``select(index, implied) -> (bool, reason)``, the policy's filter for the
         equation at ``index``.
       fuse: whether the policy fuses matmuls.
+      fuse_norm: whether it fuses an all-reduce with the residual add and RMSNorm after it.
       config: the policy's CommConfig (its size policy decides whether a reduce-scatter is
         quantized, which is never fused).
 
@@ -125,7 +129,35 @@ def plan_islands(jaxpr, users: dict, producer: dict, select, fuse: bool, config
         plan.skip.update(island.eqns[:-1])
     if fuse:
         _plan_fusions(jaxpr, plan, analyzed, users, producer, config)
+    if fuse_norm:
+        _plan_norms(jaxpr, plan, users, producer)
     return plan
+
+
+def _plan_norms(jaxpr, plan: IslandPlan, users, producer):
+    """A dot's all-reduce followed by the residual add and an RMSNorm: one island with
+    :func:`~jax_flashcomm.psum_add_rms_norm` (two results: the norm's and the new residual)."""
+    for i, island in list(plan.islands.items()):
+        if island.kind != "collective" or island.implied.op != "psum":
+            continue
+        match, note = norm_fusion.match_psum_norm(jaxpr, i, users, producer)
+        if match is None or plan.skip & set(match.eqns) or set(match.eqns) & set(plan.islands):
+            note = f"not fused with a norm: {note or 'overlaps another island'}"
+            plan.islands[i] = dataclasses.replace(island, note=note)
+            continue
+        specs = [explicit.entries(v.aval) for v in (match.residual, match.weight, match.out,
+                                                     match.new_residual)]
+        if any(s is None or s[1] for s in specs):
+            continue
+        residual, weight, out, new = (explicit.spec_of(s[0]) for s in specs)
+        implied = dataclasses.replace(island.implied, in_specs=(*island.implied.in_specs,
+                                                                residual, weight),
+                                      out_spec=(out, new))
+        del plan.islands[i]
+        plan.islands[match.last] = Island(
+            "norm", implied, match.last, i, (i, *match.eqns),
+            (*island.inputs, match.residual, match.weight), norm=match)
+        plan.skip.update({i, *match.eqns} - {match.last})
 
 
 def _plan_fusions(jaxpr, plan: IslandPlan, analyzed, users, producer, config):
@@ -230,6 +262,11 @@ def emit(island: Island, jaxpr, invals, config) -> tuple[jax.Array, list]:
                                             config=config)
             elif jaxpr.eqns[island.at].primitive.name == "reshard" and island.kind != "region":
                 out = _collective(implied, vals[0], config)
+            elif island.kind == "norm":
+                dot = jaxpr.eqns[island.report]
+                partial = _local(dot, list(vals[:2]))[0]
+                out = psum_add_rms_norm(partial, vals[2], vals[3], implied.axes,
+                                        eps=island.norm.eps, config=config)
             else:
                 for k in island.eqns[:-1] if island.kind == "region" else island.eqns:
                     eqn = jaxpr.eqns[k]

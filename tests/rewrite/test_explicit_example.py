@@ -91,3 +91,25 @@ def test_the_script_evaluates_every_setting(explicit):
     assert fused.counts() == {"fused": 4 * MODEL.n_layers, "exact": 1}
     for r in results.values():
         assert r["tokens"] == 22 and r["ttft_s"] > 0 and np.isfinite(r["perplexity"])
+
+
+def test_fused_norm_islands_match_the_project_llama(checkpoint, explicit):
+    """fuse_norm=True: every block's two all-reduces end in the residual add and the next
+    RMSNorm (the last one in the final norm), so all become psum_add_rms_norm islands: exact,
+    the model's bits; int8, TPComm("flash", fuse_norm=True)'s logits within f32 rounding."""
+    _, dims, weights = explicit
+    fn = functools.partial(explicit_llama.logits, dims)
+    tokens = jax.device_put(TOKENS)
+    exact = np.asarray(jax.jit(fn)(weights, tokens))
+    policy = fc.RewritePolicy(config=fc.CommConfig(bits=None), fuse_norm=True)
+    report = fc.rewrite(fn, policy).report(weights, tokens)
+    assert report.counts() == {"fused": 2 * MODEL.n_layers}
+    assert all(r.detail.startswith("psum_add_rms_norm") for r in report)
+    np.testing.assert_array_equal(np.asarray(jax.jit(fc.rewrite(fn, policy))(weights, tokens)),
+                                  exact)
+    int8 = np.asarray(jax.jit(fc.rewrite(fn, fc.RewritePolicy(config=CFG, fuse_norm=True)))(
+        weights, tokens))
+    flash = _project_logits(checkpoint, TPComm("flash", "tp", config=CFG, fuse_norm=True))
+    rounding = 1e-5 * np.abs(exact).max()
+    np.testing.assert_allclose(int8, flash, atol=rounding, rtol=0)
+    assert np.abs(int8 - exact).max() > 100 * rounding
