@@ -17,6 +17,23 @@ namespace cpu {
 
 static_assert(kNormLanes % kLanes == 0, "the norm's running sums fill whole vectors");
 
+// f32(T(v)) lane-wise: the value the stored T holds, without reading the store back (bf16: the
+// rounded bits widened; f32: v itself; f16: through a small buffer).
+template <typename T>
+FC_ALWAYS_INLINE Lanes round_lanes_t(Lanes v) {
+  typename T::Storage tmp[kLanes];
+  store_lanes_t<T>(v, tmp);
+  return load_lanes_t<T>(tmp);
+}
+template <>
+FC_ALWAYS_INLINE Lanes round_lanes_t<F32>(Lanes v) {
+  return v;
+}
+template <>
+FC_ALWAYS_INLINE Lanes round_lanes_t<BF16>(Lanes v) {
+  return bits_lanes(bf16_bits_lanes(v) << 16);
+}
+
 // One row of H values: d (the decoded all-reduce, f32) plus the residual r gives the new
 // residual h = T(d + r), written to h_out; d is overwritten by f32(h). Returns 1 / rms(h)
 // (codec.h norm_inverse_rms of the 16 running sums).
@@ -32,7 +49,7 @@ FC_ALWAYS_INLINE float add_residual_row(float* d, const typename T::Storage* r, 
       const int64_t at = i + v * kLanes;
       const Lanes s = add_rn(load_lanes(d + at), load_lanes_t<T>(r + at));
       store_lanes_t<T>(s, h_out + at);
-      const Lanes hv = load_lanes_t<T>(h_out + at);  // f32(T(s)): the stored residual
+      const Lanes hv = round_lanes_t<T>(s);  // f32(T(s)): the stored residual
       store_lanes(d + at, hv);
       acc[v] = add_rn(acc[v], mul_rn(hv, hv));
     }
