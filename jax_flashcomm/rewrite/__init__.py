@@ -21,6 +21,8 @@ import functools
 import jax
 
 from jax_flashcomm.rewrite.interpreter import Interpreter
+from jax_flashcomm.rewrite.partitioner import inserted_collectives, partitioner_mesh, \
+    partitioner_row
 from jax_flashcomm.rewrite.policy import REWRITABLE_OPS, RewritePolicy, as_policy
 from jax_flashcomm.rewrite.report import Report, ReportRow
 
@@ -49,10 +51,20 @@ class Rewritten:
 
     def report(self, *args, **kwargs) -> Report:
         """The report of a call with these arguments (arrays or ``jax.ShapeDtypeStruct``s);
-        nothing runs."""
+        nothing runs.
+
+        For arguments sharded over Auto mesh axes (GSPMD) the function is also compiled once,
+        and the collectives XLA's partitioner inserted are rows too (``path="partitioner"``);
+        ``Report.compile_seconds`` is what that compile took (None when there was none).
+        """
         rows: list = []
         jax.make_jaxpr(lambda a, k: self._run(a, k, rows))(args, kwargs)
-        return Report(rows)
+        mesh = partitioner_mesh(jax.tree.leaves((args, kwargs)))
+        if mesh is None:
+            return Report(rows)
+        inserted, seconds = inserted_collectives(self.fn, args, kwargs, mesh)
+        rows.extend(partitioner_row(c) for c in inserted)
+        return Report(rows, compile_seconds=seconds)
 
     def _run(self, args, kwargs, rows):
         closed, out_shape = jax.make_jaxpr(self.fn, return_shape=True)(*args, **kwargs)

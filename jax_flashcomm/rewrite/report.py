@@ -48,8 +48,10 @@ class ReportRow:
 class Report:
     """The rows of one trace of a rewritten function (a sequence of :class:`ReportRow`)."""
 
-    def __init__(self, rows=()):
+    def __init__(self, rows=(), compile_seconds: float | None = None):
         self.rows: list[ReportRow] = list(rows)
+        #: the extra compile that listed the partitioner's collectives (GSPMD), in seconds
+        self.compile_seconds = compile_seconds
 
     def __iter__(self):
         return iter(self.rows)
