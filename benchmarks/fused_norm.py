@@ -149,7 +149,7 @@ def run(reps: int) -> dict:
                          unfused_us_per_layer=2e6 * tu, fused_us_per_layer=2e6 * tf,
                          speedup=tu / tf))
     return dict(machine=machine.describe(), isa=codec.cpu_isa(), reps=reps,
-                command="python -m benchmarks.fused_norm", rows=rows)
+                command=".venv/bin/python -m benchmarks.fused_norm", rows=rows)
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,6 @@
 """The path of one call, decided in one place: :func:`plan` returns a :class:`Plan`.
 
-Every op (``psum``, ``psum_scatter``, ``all_gather``, ``all_gather_matmul``,
+Every op (``psum``, ``psum_scatter``, ``all_gather``, ``all_gather_matmul``, ``psum_add_rms_norm``,
 ``matmul_reduce_scatter``), :class:`jax_flashcomm.nn.TPComm` (through them) and
 :func:`jax_flashcomm.rewrite` ask :func:`plan` which path a call takes, from the config, the op,
 the operand's bytes per rank, the axis size, the platform and the process layout:
