@@ -26,7 +26,7 @@ if [[ "${BAZEL_KEEP_SERVER:-0}" != 1 ]]; then
 fi
 
 "$bazel" test "${flags[@]}" "$@" //:codec_cpu_test //:gather_cpu_test //:p2p_rendezvous_test \
-  //:cpu_parallel_test
+  //:cpu_parallel_test //:norm_cpu_test
 
 # Passed: print each test program's summary line ("N passed, M failed").
 for test in codec_cpu_test gather_cpu_test p2p_rendezvous_test cpu_parallel_test; do
