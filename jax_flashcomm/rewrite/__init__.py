@@ -19,7 +19,9 @@ from __future__ import annotations
 import functools
 
 import jax
+import numpy as np
 
+from jax_flashcomm.rewrite.gspmd import Unsupported, auto_axes_of, in_specs, retype
 from jax_flashcomm.rewrite.interpreter import Interpreter
 from jax_flashcomm.rewrite.partitioner import inserted_collectives, partitioner_mesh, \
     partitioner_row
@@ -46,7 +48,11 @@ class Rewritten:
 
     def __call__(self, *args, **kwargs):
         rows = [] if self.with_report else None
-        out = self._run(args, kwargs, rows)
+        gspmd = self._gspmd(args, kwargs)
+        if gspmd is not None and rows is None:
+            out = self._compiled(args, kwargs, gspmd)
+        else:
+            out = self._run(args, kwargs, rows, gspmd)
         return (out, Report(rows)) if self.with_report else out
 
     def report(self, *args, **kwargs) -> Report:
@@ -54,25 +60,60 @@ class Rewritten:
         nothing runs.
 
         For arguments sharded over Auto mesh axes (GSPMD) the function is also compiled once,
-        and the collectives XLA's partitioner inserted are rows too (``path="partitioner"``);
-        ``Report.compile_seconds`` is what that compile took (None when there was none).
+        and the collectives XLA's partitioner inserted are rows too (``path="partitioner"``),
+        each with what the rewrite did at its equation; ``Report.compile_seconds`` is what that
+        compile took (None when there was none).
         """
         rows: list = []
-        jax.make_jaxpr(lambda a, k: self._run(a, k, rows))(args, kwargs)
-        mesh = partitioner_mesh(jax.tree.leaves((args, kwargs)))
-        if mesh is None:
+        gspmd = self._gspmd(args, kwargs)
+        self._unsupported = None
+        jax.make_jaxpr(lambda a, k: self._run(a, k, rows, gspmd))(args, kwargs)
+        if gspmd is None:
             return Report(rows)
-        inserted, seconds = inserted_collectives(self.fn, args, kwargs, mesh)
-        rows.extend(partitioner_row(c) for c in inserted)
+        inserted, seconds = inserted_collectives(self.fn, args, kwargs, gspmd[0])
+        rows.extend(partitioner_row(c, rows, self._unsupported) for c in inserted)
         return Report(rows, compile_seconds=seconds)
 
-    def _run(self, args, kwargs, rows):
+    def _gspmd(self, args, kwargs):
+        """``(mesh, argument specs)`` of a call whose arguments are sharded over Auto axes.
+
+        Under a trace (``jax.jit``, ``jax.grad``) Auto shardings are not in the arguments'
+        types: the specs are those of the last call outside a trace (or :meth:`report`) with
+        the same shapes and dtypes, else None (the program is left to XLA's partitioner).
+        """
+        flat, tree = jax.tree.flatten((args, kwargs))
+        key = (tree, tuple((tuple(np.shape(x)), str(jax.typeof(x).dtype)) for x in flat))
+        seen = self.__dict__.setdefault("_gspmd_seen", {})
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in flat):
+            return seen.get(key)
+        mesh = partitioner_mesh(flat)
+        found = None if mesh is None else (mesh, in_specs(flat, mesh))
+        if found is not None:
+            seen[key] = found
+        return found
+
+    def _compiled(self, args, kwargs, gspmd):
+        """A GSPMD call outside any trace: jitted once per argument signature."""
+        flat, tree = jax.tree.flatten((args, kwargs))
+        key = (tree, tuple((leaf.shape, str(leaf.dtype)) for leaf in flat), gspmd[1])
+        cache = self.__dict__.setdefault("_gspmd_cache", {})
+        if key not in cache:
+            cache[key] = jax.jit(lambda a, k: self._run(a, k, None, gspmd))
+        return cache[key](args, kwargs)
+
+    def _run(self, args, kwargs, rows, gspmd=None):
         closed, out_shape = jax.make_jaxpr(self.fn, return_shape=True)(*args, **kwargs)
         flat = jax.tree.leaves((args, kwargs))
         if len(flat) != len(closed.jaxpr.invars):
             raise TypeError(f"rewrite: {len(flat)} array leaves in the arguments but the traced "
                             f"function takes {len(closed.jaxpr.invars)}")
+
         def run(*leaves):
+            if gspmd is not None:
+                try:
+                    return self._run_gspmd(closed, leaves, rows, *gspmd)
+                except Unsupported as e:      # typed nothing yet: the program as it was
+                    self._unsupported = str(e)
             return Interpreter(self.policy, rows).run(closed, list(leaves))
 
         # An eager call evaluates the rewritten program the way jax.jit(fn) would (eager
@@ -81,6 +122,16 @@ class Rewritten:
         traced = any(isinstance(leaf, jax.core.Tracer) for leaf in flat)
         outs = run(*flat) if traced else jax.jit(run)(*flat)
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+    def _run_gspmd(self, closed, leaves, rows, mesh, specs):
+        """The GSPMD program typed with Explicit axes (:mod:`.gspmd`), then rewritten."""
+        def explicit(*values):
+            typed = jax.make_jaxpr(retype(closed))(*values)
+            return Interpreter(self.policy, rows).run(typed, list(values))
+
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return jax.sharding.explicit_axes(explicit, axes=auto_axes_of(mesh),
+                                              in_sharding=tuple(specs))(*leaves)
 
     def __repr__(self):
         return f"rewrite({getattr(self.fn, '__name__', self.fn)!r}, {self.policy})"

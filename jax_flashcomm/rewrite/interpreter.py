@@ -41,7 +41,7 @@ from jax_flashcomm.fused_norm import psum_add_rms_norm
 from jax_flashcomm.rewrite import explicit, fusion, islands, norm_fusion
 from jax_flashcomm.rewrite.higher_order import HANDLERS, bind
 from jax_flashcomm.rewrite.policy import RewritePolicy
-from jax_flashcomm.rewrite.report import ReportRow
+from jax_flashcomm.rewrite.report import ReportRow, short_path
 from jax_flashcomm.scatter_gather import all_gather as flash_all_gather
 from jax_flashcomm.scatter_gather import psum_scatter as flash_psum_scatter
 
@@ -95,16 +95,6 @@ class _Plan:
     jaxpr: object = None
 
 
-def _short_path(path: str) -> str:
-    try:
-        rel = os.path.relpath(path)
-    except ValueError:
-        rel = path
-    if not rel.startswith(".."):
-        return rel
-    return "/".join(path.split(os.sep)[-3:])
-
-
 def _call_site(eqn) -> tuple[str, tuple[str, ...]]:
     """``("file:line (function)"`` of the innermost user frame, every user frame as
     ``"/abs/file:line (function)")`` of an equation."""
@@ -114,7 +104,7 @@ def _call_site(eqn) -> tuple[str, tuple[str, ...]]:
     frames = tuple(f"{f.file_name}:{f.start_line} ({f.function_name})"
                    for f in source_info_util.user_frames(tb))
     first = source_info_util.user_frame(tb)
-    site = (f"{_short_path(first.file_name)}:{first.start_line} ({first.function_name})"
+    site = (f"{short_path(first.file_name)}:{first.start_line} ({first.function_name})"
             if first is not None else "?")
     return site, frames
 

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding
 
-from jax_flashcomm.rewrite.report import ReportRow
+from jax_flashcomm.rewrite.report import ReportRow, short_path
 
 __all__ = ["Inserted", "inserted_collectives", "parse_collectives", "replica_groups",
            "partitioner_mesh", "partitioner_row"]
@@ -134,13 +134,7 @@ def _frames(text: str) -> dict[int, str]:
             table("StackFrames")), re.M):
         if loc in locations:
             f, fn, line = locations[loc]
-            path = files.get(f, "?")
-            try:
-                short = os.path.relpath(path)
-                path = short if not short.startswith("..") else path
-            except ValueError:
-                pass
-            frames[int(k)] = f"{path}:{line} ({functions.get(fn, '?')})"
+            frames[int(k)] = f"{short_path(files.get(f, '?'))}:{line} ({functions.get(fn, '?')})"
     return frames
 
 
@@ -219,12 +213,21 @@ def partitioner_mesh(leaves):
     return None
 
 
-def partitioner_row(c: Inserted) -> ReportRow:
-    """The report row of a collective the partitioner inserted (kept: it is not in the
-    jaxpr)."""
+def partitioner_row(c: Inserted, rows=(), unsupported: str | None = None) -> ReportRow:
+    """The report row of a collective the partitioner inserted: what the rewrite did at its
+    equation (an island row of ``rows`` with the same site and op), or kept."""
+    what = f"inserted by XLA's SPMD partitioner ({c.kind} for {c.primitive})"
+    same = next((r for r in rows if r.path != "partitioner" and r.site == c.site
+                 and r.action != "kept"), None)
+    if same is not None:
+        action, detail = same.action, same.detail
+        reason = (f"{what}; replaced by the rewrite's {same.op} at the same equation "
+                  f"({same.reason})")
+    else:
+        action, detail = "kept", "xla"
+        reason = (f"{what}; the program could not be typed with Explicit axes ({unsupported})"
+                  if unsupported else f"{what}; no island at its equation")
     return ReportRow(
         primitive=c.primitive, op=c.op, axes=c.axes, shape=c.shape, dtype=c.dtype,
         bytes_per_rank=c.bytes_per_rank, axis_size=c.group_size, site=c.site,
-        scope=c.op_name, path="partitioner", action="kept", detail="xla",
-        reason=f"inserted by XLA's SPMD partitioner ({c.kind} for {c.primitive}); not in the "
-               f"jaxpr")
+        scope=c.op_name, path="partitioner", action=action, detail=detail, reason=reason)

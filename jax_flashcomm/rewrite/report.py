@@ -8,8 +8,21 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 
-__all__ = ["ReportRow", "Report"]
+__all__ = ["ReportRow", "Report", "short_path"]
+
+def short_path(path: str) -> str:
+    """``path`` relative to the working directory when under it, else its last three parts
+    (the form of a report row's ``site``)."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        rel = path
+    if not rel.startswith(".."):
+        return rel
+    return "/".join(path.split(os.sep)[-3:])
+
 
 #: Values of :attr:`ReportRow.action`.
 ACTIONS = ("quantized", "exact", "fused", "kept")

@@ -1,6 +1,7 @@
 """The report of a model sharded by annotations alone (GSPMD, Auto axes): the collectives XLA's
 partitioner inserts, read from the compiled module (kind, mesh axes from the replica groups,
-per-rank operand, the equation and source line each comes from); the replica-group forms."""
+per-rank operand, the equation and source line each comes from) and what the rewrite did at
+their equation; the replica-group forms."""
 
 import inspect
 
@@ -68,7 +69,11 @@ def test_report_lists_the_partitioners_collectives(shape, names):
     report = fc.rewrite(block, CFG).report(x, w1, w2)
     assert report.compile_seconds > 0
     rows = report.where(path="partitioner")
-    assert len(rows) == len(report) and all(r.action == "kept" for r in rows)
+    islands = [r for r in report if r.path != "partitioner"]
+    assert [(r.op, r.action) for r in islands] == [("psum", "quantized"),
+                                                   ("all_gather", "quantized")]
+    assert all(r.action == "quantized" and "replaced by the rewrite's" in r.reason
+               for r in rows)
     reduce = [r for r in rows if r.op == "psum"]
     gather = [r for r in rows if r.op == "all_gather"]
     assert len(reduce) == 1 and reduce[0].axes == ("tp",) and reduce[0].axis_size == 4

@@ -1,0 +1,208 @@
+"""GSPMD programs (Auto axes) in the Explicit-sharding form the rewrite reads.
+
+A model sharded by annotations alone gives a jaxpr without shardings in its types: the
+placements of its arguments and its ``with_sharding_constraint`` equations are all there is,
+and XLA's partitioner decides the rest. :func:`retype` evaluates that jaxpr again with the Auto
+axes made Explicit, so that JAX's sharding rules type every value the way a model author writing
+with Explicit axes would have:
+
+* ``sharding_constraint`` becomes ``reshard`` to the same spec;
+* a ``dot_general`` whose contracting dimensions are sharded (JAX asks for an ``out_sharding``
+  there) gets the spec of the ``sharding_constraint`` that consumes it, if one does (a
+  reduction to that layout: all-reduce, or reduce-scatter), else the operands' layout without
+  the reduced axes (an all-reduce);
+* another equation JAX cannot type (an ambiguous reshape, say) takes the spec of the
+  constraint that consumes it, else gets its operands replicated first (an all-gather: correct,
+  and in the report);
+* ``jit`` and ``checkpoint`` bodies are evaluated in place, ``scan`` bodies through ``lax.scan``
+  (a carry whose type changes in the body is resharded back to its initial type), custom
+  derivatives through their primal body.
+
+The result is a function of the same arguments whose jaxpr the Explicit patterns
+(:mod:`jax_flashcomm.rewrite.explicit`) read; :func:`in_specs` and :func:`explicit_mesh_axes`
+give what ``jax.sharding.explicit_axes`` needs to run it inside the caller's Auto program.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_flashcomm.jax_compat import core, source_info_util
+
+__all__ = ["retype", "in_specs", "auto_axes_of", "Unsupported"]
+
+
+class Unsupported(Exception):
+    """A primitive the retyping does not handle (the program is then left to XLA)."""
+
+
+def auto_axes_of(mesh) -> tuple:
+    """The Auto axes of ``mesh`` of size > 1."""
+    return tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types)
+                 if t == AxisType.Auto and mesh.shape[n] > 1)
+
+
+def in_specs(leaves, mesh) -> tuple:
+    """The PartitionSpec of each argument leaf on ``mesh`` (replicated if it has none)."""
+    specs = []
+    for leaf in leaves:
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and sharding.mesh.axis_names == mesh.axis_names:
+            specs.append(sharding.spec)
+        else:
+            specs.append(P())
+    return tuple(specs)
+
+
+def _spec(sharding):
+    return sharding.spec if isinstance(sharding, NamedSharding) else sharding
+
+
+def _constraint_of(jaxpr, var, users):
+    """The spec of the ``sharding_constraint`` that is ``var``'s only use, or None."""
+    found = [u for u in dict.fromkeys(users.get(var, []))]
+    if len(found) != 1 or found[0] is None:
+        return None
+    eqn = jaxpr.eqns[found[0]]
+    if eqn.primitive.name != "sharding_constraint" or eqn.params.get("unconstrained_dims"):
+        return None
+    return _spec(eqn.params["sharding"])
+
+
+def _replicated(x):
+    spec = getattr(core.typeof(x), "sharding", None)
+    if spec is None or all(p is None for p in spec.spec):
+        return x
+    return jax.sharding.reshard(x, P())
+
+
+class _Retyper:
+    def eval(self, jaxpr, consts, args):
+        env = {}
+
+        def read(v):
+            return v.val if isinstance(v, core.Literal) else env[v]
+
+        env.update(zip(jaxpr.constvars, consts))
+        env.update(zip(jaxpr.invars, args))
+        users: dict = {}
+        for i, eqn in enumerate(jaxpr.eqns):
+            for v in eqn.invars:
+                if isinstance(v, core.Var):
+                    users.setdefault(v, []).append(i)
+        for v in jaxpr.outvars:
+            if isinstance(v, core.Var):
+                users.setdefault(v, []).append(None)
+        mesh = jax.sharding.get_abstract_mesh()
+        for eqn in jaxpr.eqns:
+            invals = [read(v) for v in eqn.invars]
+            name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+            # the equation's context holds the (empty) mesh of its Auto trace: ours goes inside
+            with (source_info_util.user_context(eqn.source_info.traceback,
+                                                name_stack=name_stack), eqn.ctx.manager,
+                  jax.sharding.use_abstract_mesh(mesh)):
+                outs = self.eqn(jaxpr, eqn, invals, users)
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+            env.update(zip(eqn.outvars, outs))
+        return [read(v) for v in jaxpr.outvars]
+
+    def eqn(self, jaxpr, eqn, invals, users):
+        name, params = eqn.primitive.name, dict(eqn.params)
+        if name == "sharding_constraint":
+            if params.get("unconstrained_dims"):
+                return invals[0]
+            return jax.sharding.reshard(invals[0], _spec(params["sharding"]))
+        if name in ("jit", "pjit"):
+            closed = params["jaxpr"]
+            return self.eval(closed.jaxpr, closed.consts, invals)
+        if name in ("remat2", "checkpoint"):
+            return self.eval(params["jaxpr"], (), invals)
+        if name in ("custom_jvp_call", "custom_vjp_call"):
+            closed = params["call_jaxpr"]
+            return self.eval(closed.jaxpr, closed.consts, invals)
+        if name == "scan":
+            return self.scan(params, invals)
+        if any(core.jaxprs_in_params(params)):
+            raise Unsupported(f"{name} (a primitive with a body other than jit, scan, "
+                              f"checkpoint or a custom derivative)")
+        return self.bind(jaxpr, eqn, invals, users)
+
+    def bind(self, jaxpr, eqn, invals, users):
+        params = dict(eqn.params)
+        prim = eqn.primitive
+        try:
+            return prim.bind(*invals, **prim.get_bind_params(params))
+        except Exception as first:  # noqa: BLE001 - JAX's sharding rules raise several kinds
+            key = "out_sharding" if "out_sharding" in params else (
+                "sharding" if "sharding" in params else None)
+            target = _constraint_of(jaxpr, eqn.outvars[0], users) if len(
+                eqn.outvars) == 1 else None
+            if key is not None and target is None and prim.name == "dot_general":
+                target = _reduced_output(eqn, invals)
+            if key is not None and target is not None:
+                params[key] = NamedSharding(jax.sharding.get_abstract_mesh(), target)
+                try:
+                    return prim.bind(*invals, **prim.get_bind_params(params))
+                except Exception:  # noqa: BLE001
+                    pass
+            try:
+                return prim.bind(*[_replicated(x) for x in invals],
+                                 **prim.get_bind_params(dict(eqn.params)))
+            except Exception:  # noqa: BLE001
+                raise Unsupported(f"{prim.name}: {first}") from first
+
+    def scan(self, params, invals):
+        nc, nk = params["num_consts"], params["num_carry"]
+        consts, init, xs = invals[:nc], invals[nc:nc + nk], invals[nc + nk:]
+        body = params["jaxpr"]
+        init_specs = [core.typeof(c).sharding.spec for c in init]
+
+        def step(carry, x):
+            outs = self.eval(body.jaxpr, body.consts, [*consts, *carry, *x])
+            new = [o if core.typeof(o).sharding.spec == s else jax.sharding.reshard(o, s)
+                   for o, s in zip(outs[:nk], init_specs)]
+            return new, outs[nk:]
+
+        carry, ys = lax.scan(step, list(init), list(xs), length=params["length"],
+                             reverse=params["reverse"], unroll=params["unroll"])
+        return [*carry, *ys]
+
+
+def _reduced_output(eqn, invals):
+    """A dot's output spec with its operands' layout and the contracted axes reduced."""
+    lhs, rhs = (core.typeof(x).sharding.spec for x in invals)
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    pad = lambda spec, n: tuple(spec) + (None,) * (n - len(spec))  # noqa: E731
+    lhs, rhs = pad(lhs, len(invals[0].shape)), pad(rhs, len(invals[1].shape))
+    reduced = set()
+    for i in lc:
+        entry = lhs[i]
+        reduced |= set(entry if isinstance(entry, tuple) else (entry,)) - {None}
+    free_l = [d for d in range(len(lhs)) if d not in lc and d not in lb]
+    free_r = [d for d in range(len(rhs)) if d not in rc and d not in rb]
+    natural = [lhs[i] for i in lb] + [lhs[d] for d in free_l] + [rhs[d] for d in free_r]
+
+    def drop(entry):
+        if entry is None:
+            return None
+        kept = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,))
+                     if a not in reduced)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return P(*(drop(e) for e in natural))
+
+
+def retype(closed: core.ClosedJaxpr):
+    """``closed``'s function with its values typed by Explicit sharding rules (call it under
+    ``jax.sharding.explicit_axes``).
+
+    Raises:
+      Unsupported: (when called) a primitive it cannot type.
+    """
+    def fn(*args):
+        return _Retyper().eval(closed.jaxpr, closed.consts, list(args))
+    return fn
