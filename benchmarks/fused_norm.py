@@ -9,8 +9,10 @@ kernel). Per shape, in one run:
 * bytes read + written, counted from the compiled program: for every kernel of its entry
   computation (custom calls and XLA fusions; not parameters, tuples, bitcasts), the bytes of
   its operands and results. Per layer = 2 epilogues (after attention, after the MLP).
-* CPU time: median of interleaved calls of both programs (fused / unfused alternately, so a
-  shared machine loads both alike), and the ratio unfused / fused.
+* CPU time: median and minimum of interleaved calls of both programs (fused / unfused
+  alternately, so a shared machine loads both alike), and the ratios unfused / fused. The
+  minimum is the least disturbed call of each: on a machine shared with other jobs it is the
+  steadier figure.
 
 Run::
 
@@ -131,7 +133,7 @@ def _interleaved(fns, args, reps):
             t = time.perf_counter()
             jax.block_until_ready(f(*args))
             times[i].append(time.perf_counter() - t)
-    return [statistics.median(t) for t in times]
+    return [(statistics.median(t), min(t)) for t in times]
 
 
 def run(reps: int) -> dict:
@@ -141,13 +143,14 @@ def run(reps: int) -> dict:
         unfused, fused = _programs(out_bits, out_g)
         bu, ku = counted_bytes(unfused.lower(*args).compile())
         bf, kf = counted_bytes(fused.lower(*args).compile())
-        tu, tf = _interleaved((unfused, fused), args, reps)
+        (tu, tu_min), (tf, tf_min) = _interleaved((unfused, fused), args, reps)
         rows.append(dict(case=label, tokens=tokens, hidden=hidden,
                          dtype=str(jnp.dtype(dtype)), out_bits=out_bits,
                          unfused_bytes_per_layer=2 * bu, fused_bytes_per_layer=2 * bf,
                          unfused_kernels=len(ku), fused_kernels=len(kf),
                          unfused_us_per_layer=2e6 * tu, fused_us_per_layer=2e6 * tf,
-                         speedup=tu / tf))
+                         speedup=tu / tf, unfused_min_us_per_layer=2e6 * tu_min,
+                         fused_min_us_per_layer=2e6 * tf_min, speedup_min=tu_min / tf_min))
     return dict(machine=machine.describe(), isa=codec.cpu_isa(), reps=reps,
                 command=".venv/bin/python -m benchmarks.fused_norm", rows=rows)
 
@@ -158,17 +161,19 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     print(machine.first_line())
-    print(f"codec ISA build: {codec.cpu_isa()}; {args.reps} interleaved calls, medians; "
-          f"per layer = 2 epilogues")
+    print(f"codec ISA build: {codec.cpu_isa()}; {args.reps} interleaved calls, medians and "
+          f"minima; per layer = 2 epilogues")
     result = run(args.reps)
     print(f"{'case':20s} {'kernels u/f':>11s} {'MB/layer unfused':>17s} {'fused':>8s} "
-          f"{'ratio':>6s} {'us/layer unfused':>17s} {'fused':>8s} {'speedup':>8s}")
+          f"{'ratio':>6s} {'us/layer unfused':>17s} {'fused':>8s} {'speedup':>8s} "
+          f"{'min: unfused':>12s} {'fused':>6s} {'speedup':>8s}")
     for r in result["rows"]:
         print(f"{r['case']:20s} {r['unfused_kernels']:>5d}/{r['fused_kernels']:<5d} "
               f"{r['unfused_bytes_per_layer'] / 1e6:17.2f} {r['fused_bytes_per_layer'] / 1e6:8.2f} "
               f"{r['unfused_bytes_per_layer'] / r['fused_bytes_per_layer']:6.2f} "
               f"{r['unfused_us_per_layer']:17.0f} {r['fused_us_per_layer']:8.0f} "
-              f"{r['speedup']:7.2f}x")
+              f"{r['speedup']:7.2f}x {r['unfused_min_us_per_layer']:12.0f} "
+              f"{r['fused_min_us_per_layer']:6.0f} {r['speedup_min']:7.2f}x")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)
