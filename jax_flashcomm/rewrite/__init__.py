@@ -24,7 +24,7 @@ import numpy as np
 from jax_flashcomm.rewrite.gspmd import Unsupported, auto_axes_of, in_specs, retype
 from jax_flashcomm.rewrite.interpreter import Interpreter
 from jax_flashcomm.rewrite.partitioner import inserted_collectives, partitioner_mesh, \
-    partitioner_row
+    partitioner_rows
 from jax_flashcomm.rewrite.policy import REWRITABLE_OPS, RewritePolicy, as_policy
 from jax_flashcomm.rewrite.report import Report, ReportRow
 
@@ -71,7 +71,7 @@ class Rewritten:
         if gspmd is None:
             return Report(rows)
         inserted, seconds = inserted_collectives(self.fn, args, kwargs, gspmd[0])
-        rows.extend(partitioner_row(c, rows, self._unsupported) for c in inserted)
+        rows.extend(partitioner_rows(inserted, rows, self._unsupported))
         return Report(rows, compile_seconds=seconds)
 
     def _gspmd(self, args, kwargs):

@@ -12,8 +12,9 @@ with Explicit axes would have:
   reduction to that layout: all-reduce, or reduce-scatter), else the operands' layout without
   the reduced axes (an all-reduce);
 * another equation JAX cannot type (an ambiguous reshape, say) takes the spec of the
-  constraint that consumes it, else gets its operands replicated first (an all-gather: correct,
-  and in the report);
+  constraint that consumes it; an elementwise one whose operands disagree gets them resharded
+  to the most sharded one's spec (a local slice of the replicated ones: a broadcast mask, say);
+  else its operands are replicated first (an all-gather: correct, and in the report);
 * ``jit`` and ``checkpoint`` bodies are evaluated in place, ``scan`` bodies through ``lax.scan``
   (a carry whose type changes in the body is resharded back to its initial type), custom
   derivatives through their primal body.
@@ -26,6 +27,7 @@ give what ``jax.sharding.explicit_axes`` needs to run it inside the caller's Aut
 from __future__ import annotations
 
 import jax
+import numpy as np
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -57,6 +59,16 @@ def in_specs(leaves, mesh) -> tuple:
     return tuple(specs)
 
 
+def _unmeshed(value):
+    """A constant of the Auto trace (typed on its mesh when traced under ``jax.set_mesh``) as
+    a host value, which the Explicit trace takes as replicated."""
+    if isinstance(value, (jax.Array, np.ndarray)) and not isinstance(value, core.Tracer):
+        mesh = getattr(getattr(core.typeof(value), "sharding", None), "mesh", None)
+        if mesh is not None and getattr(mesh, "axis_names", ()):
+            return np.asarray(value)          # literals too (an ndarray that carries a type)
+    return value
+
+
 def _spec(sharding):
     return sharding.spec if isinstance(sharding, NamedSharding) else sharding
 
@@ -84,9 +96,9 @@ class _Retyper:
         env = {}
 
         def read(v):
-            return v.val if isinstance(v, core.Literal) else env[v]
+            return _unmeshed(v.val) if isinstance(v, core.Literal) else env[v]
 
-        env.update(zip(jaxpr.constvars, consts))
+        env.update(zip(jaxpr.constvars, map(_unmeshed, consts)))
         env.update(zip(jaxpr.invars, args))
         users: dict = {}
         for i, eqn in enumerate(jaxpr.eqns):
@@ -132,7 +144,10 @@ class _Retyper:
         return self.bind(jaxpr, eqn, invals, users)
 
     def bind(self, jaxpr, eqn, invals, users):
-        params = dict(eqn.params)
+        # shardings recorded on the Auto trace's mesh name the same specs on ours
+        mesh = jax.sharding.get_abstract_mesh()
+        params = {k: NamedSharding(mesh, v.spec) if isinstance(v, NamedSharding) else v
+                  for k, v in eqn.params.items()}
         prim = eqn.primitive
         try:
             return prim.bind(*invals, **prim.get_bind_params(params))
@@ -149,9 +164,19 @@ class _Retyper:
                     return prim.bind(*invals, **prim.get_bind_params(params))
                 except Exception:  # noqa: BLE001
                     pass
+            params.pop(key, None) if key is not None and target is not None else None
+            if key is not None:
+                params[key] = None if not isinstance(eqn.params[key], NamedSharding) else \
+                    NamedSharding(mesh, eqn.params[key].spec)
+            matched = _matched(invals)
+            if matched is not None:
+                try:
+                    return prim.bind(*matched, **prim.get_bind_params(params))
+                except Exception:  # noqa: BLE001
+                    pass
             try:
                 return prim.bind(*[_replicated(x) for x in invals],
-                                 **prim.get_bind_params(dict(eqn.params)))
+                                 **prim.get_bind_params(params))
             except Exception:  # noqa: BLE001
                 raise Unsupported(f"{prim.name}: {first}") from first
 
@@ -170,6 +195,20 @@ class _Retyper:
         carry, ys = lax.scan(step, list(init), list(xs), length=params["length"],
                              reverse=params["reverse"], unroll=params["unroll"])
         return [*carry, *ys]
+
+
+def _matched(invals):
+    """Operands of one shape resharded to the most sharded one's spec (a replicated operand of
+    an elementwise op, a broadcast mask say, is sliced: no communication), or None."""
+    arrays = [x for x in invals if hasattr(x, "shape")]
+    if len(arrays) < 2 or len({tuple(x.shape) for x in arrays}) != 1:
+        return None
+    specs = [core.typeof(x).sharding.spec for x in arrays]
+    target = max(specs, key=lambda spec: sum(e is not None for e in spec))
+    if any(e is not None and e not in target for spec in specs for e in spec):
+        return None            # axes the target does not have: not a slice
+    return [jax.sharding.reshard(x, target) if hasattr(x, "shape")
+            and core.typeof(x).sharding.spec != target else x for x in invals]
 
 
 def _reduced_output(eqn, invals):

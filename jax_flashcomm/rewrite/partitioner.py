@@ -23,7 +23,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax_flashcomm.rewrite.report import ReportRow, short_path
 
 __all__ = ["Inserted", "inserted_collectives", "parse_collectives", "replica_groups",
-           "partitioner_mesh", "partitioner_row"]
+           "partitioner_mesh", "partitioner_rows"]
 
 #: HLO collective opcodes and the lax names of what they compute.
 OPS = {"all-reduce": "psum", "reduce-scatter": "psum_scatter", "all-gather": "all_gather",
@@ -213,20 +213,40 @@ def partitioner_mesh(leaves):
     return None
 
 
-def partitioner_row(c: Inserted, rows=(), unsupported: str | None = None) -> ReportRow:
-    """The report row of a collective the partitioner inserted: what the rewrite did at its
-    equation (an island row of ``rows`` with the same site and op), or kept."""
+def partitioner_rows(inserted, rows, unsupported: str | None = None) -> list[ReportRow]:
+    """The report rows of the collectives the partitioner inserted, each with what the rewrite
+    did: the island at the same equation (an all-reduce XLA slices afterwards is the
+    reduce-scatter the island runs), else the first unmatched island of
+    the same op, axes and per-rank bytes (XLA often moves a gather or a reduction to a
+    neighbouring equation), else kept."""
+    islands = [r for r in rows if r.path != "partitioner" and r.action != "kept"]
+    used: set = set()
+
+    def pick(test):
+        for k, r in enumerate(islands):
+            if k not in used and test(r):
+                used.add(k)
+                return r
+        return None
+
+    out = []
+    for c in inserted:
+        same = pick(lambda r: r.site == c.site) or pick(
+            lambda r: (r.op, r.axes, r.bytes_per_rank) == (c.op, c.axes, c.bytes_per_rank))
+        out.append(_row(c, same, unsupported))
+    return out
+
+
+def _row(c: Inserted, same, unsupported) -> ReportRow:
     what = f"inserted by XLA's SPMD partitioner ({c.kind} for {c.primitive})"
-    same = next((r for r in rows if r.path != "partitioner" and r.site == c.site
-                 and r.action != "kept"), None)
     if same is not None:
         action, detail = same.action, same.detail
-        reason = (f"{what}; replaced by the rewrite's {same.op} at the same equation "
-                  f"({same.reason})")
+        where = "at the same equation" if same.site == c.site else f"at {same.site}"
+        reason = f"{what}; replaced by the rewrite's {same.op} {where} ({same.reason})"
     else:
         action, detail = "kept", "xla"
         reason = (f"{what}; the program could not be typed with Explicit axes ({unsupported})"
-                  if unsupported else f"{what}; no island at its equation")
+                  if unsupported else f"{what}; no island of this op and size")
     return ReportRow(
         primitive=c.primitive, op=c.op, axes=c.axes, shape=c.shape, dtype=c.dtype,
         bytes_per_rank=c.bytes_per_rank, axis_size=c.group_size, site=c.site,

@@ -113,3 +113,41 @@ def test_fused_norm_islands_match_the_project_llama(checkpoint, explicit):
     rounding = 1e-5 * np.abs(exact).max()
     np.testing.assert_allclose(int8, flash, atol=rounding, rtol=0)
     assert np.abs(int8 - exact).max() > 100 * rounding
+
+
+def test_gspmd_variant_rewritten_like_the_explicit_one(checkpoint, explicit):
+    """examples/gspmd_llama.py (the same weights on an Auto mesh, with_sharding_constraint):
+    the same logits as the Explicit model; rewritten at int8, the same bits as the rewritten
+    Explicit model; every collective XLA's partitioner inserts is replaced by an island."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    _, dims, weights = explicit
+    tokens = jax.device_put(TOKENS)
+    fn = functools.partial(explicit_llama.logits, dims)
+    exact = np.asarray(jax.jit(fn)(weights, tokens))
+    int8 = np.asarray(jax.jit(fc.rewrite(fn, CFG))(weights, tokens))
+    mesh = jax.make_mesh((TP,), ("tp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:TP])
+    auto_dims, auto_weights = explicit_llama.load(open_checkpoint(checkpoint), mesh)
+    auto_tokens = jax.device_put(TOKENS, NamedSharding(mesh, P()))
+    with jax.set_mesh(mesh):                  # leave the fixture's Explicit mesh context
+        _gspmd_checks(mesh, auto_dims, auto_weights, auto_tokens, exact, int8)
+
+
+def _gspmd_checks(mesh, auto_dims, auto_weights, auto_tokens, exact, int8):
+    from examples import gspmd_llama
+
+    for sp in (False, True):
+        gspmd = functools.partial(gspmd_llama.logits, auto_dims, mesh, sequence_parallel=sp)
+        np.testing.assert_allclose(np.asarray(jax.jit(gspmd)(auto_weights, auto_tokens)), exact,
+                                   atol=1e-5 * np.abs(exact).max(), rtol=0)
+        rewritten = fc.rewrite(gspmd, CFG)
+        report = rewritten.report(auto_weights, auto_tokens)
+        islands = [r for r in report if r.path != "partitioner"]
+        inserted = report.where(path="partitioner")
+        assert len(islands) == (4 * MODEL.n_layers + 1 if sp else 2 * MODEL.n_layers)
+        assert len(inserted) == len(islands) and report.compile_seconds > 0
+        assert all(r.action == "quantized" and "replaced by the rewrite's" in r.reason
+                   for r in inserted)
+        if not sp:
+            np.testing.assert_array_equal(np.asarray(rewritten(auto_weights, auto_tokens)), int8)
