@@ -317,9 +317,7 @@ def dequantize_into(out, codes, scale, zero, offset, *, bits: int, group_size: i
       count: values written.
     """
     call = jax.ffi.ffi_call(
-        "flashcomm_dequantize_into",
-    "flashcomm_add_rms_norm",
-    "flashcomm_add_rms_norm_quantize", result_like(out, out.shape, out.dtype),
+        "flashcomm_dequantize_into", result_like(out, out.shape, out.dtype),
         input_output_aliases={0: 0}, vmap_method="sequential",
     )
     return call(out, codes, scale, zero, offset, bits=np.int32(bits),
