@@ -20,6 +20,7 @@ import functools
 
 import jax
 import numpy as np
+from jax.sharding import AxisType
 
 from jax_flashcomm.rewrite.gspmd import Unsupported, auto_axes_of, in_specs, retype
 from jax_flashcomm.rewrite.interpreter import Interpreter
@@ -68,14 +69,16 @@ class Rewritten:
         gspmd = self._gspmd(args, kwargs)
         self._unsupported = None
         jax.make_jaxpr(lambda a, k: self._run(a, k, rows, gspmd))(args, kwargs)
-        if gspmd is None:
+        mesh = partitioner_mesh(jax.tree.leaves((args, kwargs)))
+        if mesh is None:
             return Report(rows)
-        inserted, seconds = inserted_collectives(self.fn, args, kwargs, gspmd[0])
+        inserted, seconds = inserted_collectives(self.fn, args, kwargs, mesh)
         rows.extend(partitioner_rows(inserted, rows, self._unsupported))
         return Report(rows, compile_seconds=seconds)
 
     def _gspmd(self, args, kwargs):
-        """``(mesh, argument specs)`` of a call whose arguments are sharded over Auto axes.
+        """``(mesh, argument specs)`` of a call whose arguments are sharded over a mesh of Auto
+        axes only (GSPMD; a mesh with Explicit axes too is typed already).
 
         Under a trace (``jax.jit``, ``jax.grad``) Auto shardings are not in the arguments'
         types: the specs are those of the last call outside a trace (or :meth:`report`) with
@@ -87,6 +90,8 @@ class Rewritten:
         if any(isinstance(leaf, jax.core.Tracer) for leaf in flat):
             return seen.get(key)
         mesh = partitioner_mesh(flat)
+        if mesh is not None and AxisType.Explicit in mesh.axis_types:
+            mesh = None    # Explicit axes too: those are typed already; Auto ones stay with XLA
         found = None if mesh is None else (mesh, in_specs(flat, mesh))
         if found is not None:
             seen[key] = found
