@@ -1,4 +1,5 @@
-"""A Llama written with Explicit sharding (``examples/explicit_llama.py``), rewritten.
+"""A Llama written with Explicit sharding (``examples/explicit_llama.py``) or with sharding
+annotations on Auto axes (``--style gspmd``: ``examples/gspmd_llama.py``), rewritten.
 
     .venv/bin/python -m models.corpus --out text.txt
     .venv/bin/python -m examples.rewrite_llama --model smollm2 --tp 3 --text text.txt \\
@@ -45,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--settings", default=",".join(SETTINGS),
                         help=f"comma-separated, among {', '.join(SETTINGS)}")
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
+    parser.add_argument("--style", choices=("explicit", "gspmd"), default="explicit",
+                        help="the model as written with Explicit sharding "
+                        "(examples/explicit_llama.py) or with sharding annotations on Auto axes "
+                        "(examples/gspmd_llama.py)")
     parser.add_argument("--quiet-report", action="store_true",
                         help="print the report's summary line only")
     return parser
@@ -79,34 +84,44 @@ def run(args, log=sys.stderr) -> dict:
         raise SystemExit(f"{args.model}: the checkpoint has no tokenizer")
     with open(args.text, encoding="utf-8") as f:
         windows = window_tokens(ckpt.tokenizer.encode(f.read()), args.window, args.max_windows)
-    mesh = jax.make_mesh((args.tp,), ("tp",), axis_types=(AxisType.Explicit,),
+    axis_type = AxisType.Explicit if args.style == "explicit" else AxisType.Auto
+    mesh = jax.make_mesh((args.tp,), ("tp",), axis_types=(axis_type,),
                          devices=jax.devices()[:args.tp])
     with jax.set_mesh(mesh):
         dims, weights = explicit_llama.load(ckpt, mesh)
-        results, reports = evaluate(dims, weights, windows, args.settings.split(","), log=log)
+        results, reports = evaluate(dims, weights, windows, args.settings.split(","),
+                                    style=args.style, mesh=mesh, log=log)
     for name, report in reports.items():
         text = str(report)
         print(f"{name}: " + (text.splitlines()[-1] if args.quiet_report else "\n" + text))
     return results
 
 
-def evaluate(dims, weights, windows, settings, *, log=sys.stderr) -> tuple[dict, dict]:
+def evaluate(dims, weights, windows, settings, *, style: str = "explicit", mesh=None,
+             log=sys.stderr) -> tuple[dict, dict]:
     """Perplexity, TTFT and report of each setting (call under the model's mesh).
 
     Args:
       dims, weights: :func:`examples.explicit_llama.load`'s results.
       windows: token id lists of one length.
       settings: names among :data:`SETTINGS`.
+      style: ``"explicit"`` (:mod:`examples.explicit_llama`) or ``"gspmd"``
+        (:mod:`examples.gspmd_llama`, on ``mesh``'s Auto axes).
+      mesh: the weights' mesh.
       log: where the progress goes.
 
     Returns:
-      ``({setting: {"perplexity", "tokens", "ttft_s", "report_counts", "report_rows"}},
-      {setting: Report}``) (rewritten settings only in the second).
+      ``({setting: {"perplexity", "tokens", "ttft_s", "first_window_s", "report_counts",
+      "report_rows", "report_compile_s"}}, {setting: Report}``) (rewritten settings only in
+      the second). ``first_window_s`` includes the compile; ``report_compile_s`` is the extra
+      compile of a GSPMD report (None otherwise).
     """
     import jax
     import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
-    from examples import explicit_llama
+    from examples import explicit_llama, gspmd_llama
     from jax_flashcomm.rewrite import rewrite
     from models.eval import nll_fn, progress
 
@@ -115,24 +130,32 @@ def evaluate(dims, weights, windows, settings, *, log=sys.stderr) -> tuple[dict,
     for name in settings:
         sp, policy = _setting(name)
         length = -(-window // dims.tp) * dims.tp if sp else window   # sequence parallel: S % TP
-        fn = functools.partial(explicit_llama.logits, dims, sequence_parallel=sp)
+        gspmd = style == "gspmd"
+        fn = (functools.partial(gspmd_llama.logits, dims, mesh, sequence_parallel=sp) if gspmd
+              else functools.partial(explicit_llama.logits, dims, sequence_parallel=sp))
+        placed = NamedSharding(mesh, P()) if gspmd else None
         if policy is not None:
             reports[name] = rewrite(fn, policy).report(
-                weights_spec(weights), jax.ShapeDtypeStruct((1, length), np.int32))
+                weights_spec(weights),
+                jax.ShapeDtypeStruct((1, length), np.int32, sharding=placed))
             fn = rewrite(fn, policy)
-        score = jax.jit(fn)
+        # a rewritten GSPMD function is called outside jit: it reads the arguments' shardings
+        # and compiles itself once per signature
+        score = fn if gspmd and policy is not None else jax.jit(fn)
 
         def logits_of(w, score=score, length=length):
             tokens = np.zeros((1, length), np.int32)
             tokens[0, :len(w)] = w
-            return score(weights, jax.device_put(tokens))[:, :len(w)]
+            return score(weights, jax.device_put(tokens, placed))[:, :len(w)]
 
-        start, per_window = time.perf_counter(), []
+        start, per_window, first = time.perf_counter(), [], 0.0
         print(f"{name}: {len(windows)} windows of {window} tokens, TP={dims.tp}", file=log)
         progress(0, len(windows), start, log)
         for i, w in enumerate(windows):
             tokens = np.asarray([w], np.int32)
             per_window.append(np.asarray(nll(logits_of(w), tokens))[0].astype(np.float64))
+            if i == 0:
+                first = time.perf_counter() - start
             progress(i + 1, len(windows), start, log)
         ttft = []
         for _ in range(3):
@@ -143,8 +166,10 @@ def evaluate(dims, weights, windows, settings, *, log=sys.stderr) -> tuple[dict,
         report = reports.get(name)
         results[name] = {"perplexity": math.exp(float(all_nll.mean())),
                          "tokens": int(all_nll.size), "ttft_s": statistics.median(ttft),
+                         "first_window_s": first,
                          "report_counts": dict(report.counts()) if report else {},
-                         "report_rows": len(report) if report else 0}
+                         "report_rows": len(report) if report else 0,
+                         "report_compile_s": report.compile_seconds if report else None}
         print(f"{name}: perplexity {results[name]['perplexity']:.6f}, TTFT "
               f"{results[name]['ttft_s'] * 1e3:.0f} ms", file=log)
     return results, reports

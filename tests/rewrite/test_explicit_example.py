@@ -151,3 +151,10 @@ def _gspmd_checks(mesh, auto_dims, auto_weights, auto_tokens, exact, int8):
                    for r in inserted)
         if not sp:
             np.testing.assert_array_equal(np.asarray(rewritten(auto_weights, auto_tokens)), int8)
+    windows = [list(TOKENS[0, :12]), list(TOKENS[0, 12:])]
+    results, reports = rewrite_llama.evaluate(auto_dims, auto_weights, windows,
+                                              ("exact", "int8", "int8-fused"), style="gspmd",
+                                              mesh=mesh)
+    assert results["int8"]["report_compile_s"] > 0 and results["exact"]["report_compile_s"] is None
+    assert all(np.isfinite(r["perplexity"]) for r in results.values())
+    assert not any(r.action == "kept" for r in reports["int8-fused"])
