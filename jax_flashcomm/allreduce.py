@@ -151,8 +151,8 @@ def vary(x: jax.Array, axes: tuple[str, ...], config: CommConfig) -> jax.Array:
 
 # --- the two-step all-reduce -------------------------------------------------------------------
 
-def two_step(x: jax.Array, axes: tuple[str, ...],
-             p: Plan | CommConfig) -> tuple[jax.Array, Payload, Payload]:
+def two_step(x: jax.Array, axes: tuple[str, ...], p: Plan | CommConfig,
+             decode: bool = True) -> tuple[jax.Array | None, Payload, Payload]:
     """Run the two-step all-reduce on a varying ``x``; also return both phases' payloads.
 
     Args:
@@ -160,6 +160,9 @@ def two_step(x: jax.Array, axes: tuple[str, ...],
       axes: normalized mesh axes.
       p: a quantized :class:`~jax_flashcomm.planner.Plan` of op ``"psum"``, or a config (its
         quantized plan, :func:`jax_flashcomm.planner.as_plan`).
+      decode: False: stop at the gathered phase-2 payload (``y`` is None; no transport
+        decodes it), for a caller that decodes it fused with what follows
+        (:func:`jax_flashcomm.psum_add_rms_norm`).
 
     Returns:
       ``(y, p1, p2)``: ``y`` the sum; ``p1`` this rank's phase-1 payload of the whole operand
@@ -167,7 +170,7 @@ def two_step(x: jax.Array, axes: tuple[str, ...],
       ``codec.error_bound`` of each gives the per-element bounds of the two quantizations.
     """
     p = as_plan("psum", x, axes, p)
-    return transport.by_name(p.transport).all_reduce(x, axes, p)
+    return transport.by_name(p.transport).all_reduce(x, axes, p, decode=decode)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))

@@ -12,8 +12,8 @@ reads the norm's output once more. :func:`psum_add_rms_norm` is the three as one
   kernel (:func:`jax_flashcomm.codec.norm.add_rms_norm`: C++ per ISA, CUDA, jnp twin, the same
   bits) that decodes the gathered rows, adds the residual, writes the new residual and the
   normalised rows (or quantizes them: ``out_bits``). The all-reduce's own dequantize is never
-  run (with the ``xla`` transport XLA drops it; the ``p2p`` transport's fused call still writes
-  its decoded sum).
+  run: ``two_step(..., decode=False)`` stops at the gathered payload on both transports (the
+  ``p2p`` call gets an empty ``y`` result and skips its decode).
 
 Autodiff: straight through the all-reduce (the cotangent of ``x`` is that of the sum, made
 varying, as ``lax.psum``'s transpose), exact math for the add and the norm.
@@ -127,7 +127,7 @@ def psum_add_rms_norm(x, residual, weight, axis_name, *, eps: float = 1e-5,
         return codec.quantize(out, bits=out_bits, group_size=og, backend=p.backend), h
     xv = vary(x, axes, config)
     if out_bits is not None:
-        _, _, p2 = two_step(xv, axes, p)
+        _, _, p2 = two_step(xv, axes, p, decode=False)
         return codec_norm.add_rms_norm(p2, residual, weight, eps=float(eps), out_bits=out_bits,
                                        out_group_size=og, backend=p.backend)
     return _fused(xv, residual, weight, axes, p, float(eps))
@@ -135,7 +135,7 @@ def psum_add_rms_norm(x, residual, weight, axis_name, *, eps: float = 1e-5,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _fused(x, residual, weight, axes, p, eps):
-    _, _, p2 = two_step(x, axes, p)
+    _, _, p2 = two_step(x, axes, p, decode=False)
     return codec_norm.add_rms_norm(p2, residual, weight, eps=eps, backend=p.backend)
 
 

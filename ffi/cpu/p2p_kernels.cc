@@ -260,9 +260,13 @@ ffi::Future P2pAllReduce(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32>
   int64_t n_groups = 0, n_out = 0;
   FLASHCOMM_RETURN_IF_ERROR(CheckQuantizeShapes(x, *p1_codes, *p1_scale, *p1_zero, bits,
                                                 group_size, spikes, &n_groups));
-  FLASHCOMM_RETURN_IF_ERROR(CheckQuantizeShapes(*y, *p2_codes, *p2_scale, *p2_zero, out_bits,
-                                                group_size, out_spikes, &n_out));
-  if (n_out != n_groups || n_groups % size != 0 || y->element_type() != x.element_type()) {
+  // An empty y: the caller decodes the gathered phase-2 payload itself (the fused epilogue,
+  // docs/fused_norm.md), so step 3 stops after the gather.
+  const bool decode = y->element_count() != 0;
+  FLASHCOMM_RETURN_IF_ERROR(CheckQuantizeShapes(decode ? *y : x, *p2_codes, *p2_scale, *p2_zero,
+                                                out_bits, group_size, out_spikes, &n_out));
+  if (n_out != n_groups || n_groups % size != 0 ||
+      (decode && y->element_type() != x.element_type())) {
     return Failed(ffi::Error::InvalidArgument(
         std::string(kOp) + ": y or the group count do not match x and the group size"));
   }
@@ -320,8 +324,9 @@ ffi::Future P2pAllReduce(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32>
         std::memcpy(z2 + j * gpc, static_cast<const uint16_t*>(peers[j][2]) + j * gpc,
                     size_t(gpc) * 2);
       }
-      if (const size_t failed = kernels().dequantize(dtype, c2, s2, z2, n_groups, group_size,
-                                                     out_bits, rotation, out_spikes, out)) {
+      if (const size_t failed = !decode ? 0
+                                : kernels().dequantize(dtype, c2, s2, z2, n_groups, group_size,
+                                                       out_bits, rotation, out_spikes, out)) {
         call->Fail(ffi::ErrorCode::kResourceExhausted, ScratchMessage(failed, rank));
       }
       // 4. Complete once every peer has read this rank's slot.
@@ -459,7 +464,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()             // x: (N * groups_per_chunk, group_size)
         .Arg<ffi::Buffer<ffi::S32>>()      // rank: () in 0..N-1
         .Arg<ffi::Buffer<ffi::S32>>()      // group: () the replica group's index
-        .Ret<ffi::AnyBuffer>()             // y: x's shape and dtype, the decoded sum
+        .Ret<ffi::AnyBuffer>()             // y: x's shape and dtype, the decoded sum (or empty)
         .Ret<ffi::Buffer<ffi::U8>>()       // phase-1 codes: (N, groups_per_chunk, bytes)
         .Ret<ffi::Buffer<ffi::BF16>>()     // phase-1 scale: (N, groups_per_chunk)
         .Ret<ffi::Buffer<ffi::BF16>>()     // phase-1 zero

@@ -403,12 +403,15 @@ ffi::Error P2pAllReduce(ffi::RunId run, cudaStream_t stream, ffi::ScratchAllocat
     return e;
   }
   int64_t n_out = 0;
-  if (ffi::Error e = CheckQuantizeShapes(*y, *p2_codes, *p2_scale, *p2_zero, out_bits,
-                                         group_size, out_spikes, &n_out);
+  // An empty y: the caller decodes the gathered phase-2 payload itself (the fused epilogue,
+  // docs/fused_norm.md), so step 3 stops after the gather.
+  const bool decode = y->element_count() != 0;
+  if (ffi::Error e = CheckQuantizeShapes(decode ? *y : x, *p2_codes, *p2_scale, *p2_zero,
+                                         out_bits, group_size, out_spikes, &n_out);
       e.failure()) {
     return e;
   }
-  if (n_out != n_groups || n_groups % size != 0 || y->element_type() != dtype) {
+  if (n_out != n_groups || n_groups % size != 0 || (decode && y->element_type() != dtype)) {
     return ffi::Error::InvalidArgument(std::string(kOp) + ": y or the group count do not "
                                        "match x and the group size");
   }
@@ -471,9 +474,11 @@ ffi::Error P2pAllReduce(ffi::RunId run, cudaStream_t stream, ffi::ScratchAllocat
                                    nb2));
   }
   if (ffi::Error e = me.Record(); e.failure()) return e;  // done reading the peers' p2
-  FLASHCOMM_CUDA_TRY(kOp, "dequantize launch",
-                     Dequantize(dtype, stream, c2, s2, z2, n_groups, group_size, out_bits,
-                                rotation, out_spikes, y->untyped_data()));
+  if (decode) {
+    FLASHCOMM_CUDA_TRY(kOp, "dequantize launch",
+                       Dequantize(dtype, stream, c2, s2, z2, n_groups, group_size, out_bits,
+                                  rotation, out_spikes, y->untyped_data()));
+  }
   // 4. This stream's later work waits until every peer has read this rank's buffers.
   return me.Meet(2, nullptr, nullptr, nullptr);
 }

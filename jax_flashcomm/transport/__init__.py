@@ -27,7 +27,7 @@ def by_name(name: str) -> types.ModuleType:
       name: ``"xla"`` or ``"p2p"`` (a plan's ``transport``).
 
     Returns:
-      The module: each has ``all_reduce(x, axes, plan)``, ``reduce_scatter(rows, axes, plan)``
+      The module: each has ``all_reduce(x, axes, plan, decode=True)``, ``reduce_scatter(rows, axes, plan)``
       and ``all_gather(x, axes, axis, tiled, plan)``, with the same results bit for bit.
 
     Raises:

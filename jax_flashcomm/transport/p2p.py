@@ -130,8 +130,8 @@ def _attrs(axes, timeout_ms):
                 timeout_ms=np.int64(timeout_ms))
 
 
-def all_reduce(x: jax.Array, axes: tuple[str, ...],
-               plan) -> tuple[jax.Array, Payload, Payload]:
+def all_reduce(x: jax.Array, axes: tuple[str, ...], plan,
+               decode: bool = True) -> tuple[jax.Array | None, Payload, Payload]:
     """The two-step quantized all-reduce of a varying ``x`` in one call per rank.
 
     Args:
@@ -139,6 +139,8 @@ def all_reduce(x: jax.Array, axes: tuple[str, ...],
       axes: the reduced mesh axes.
       plan: the call's quantized :class:`~jax_flashcomm.planner.Plan` (bits, spikes,
         rotation, group size, timeout).
+      decode: False: the call stops at the gathered phase-2 payload (its ``y`` result is
+        empty, so the kernels skip the decode) and ``y`` is None.
 
     Returns:
       ``(y, p1, p2)`` as :func:`jax_flashcomm.allreduce.two_step` does: the sum, this rank's
@@ -153,7 +155,7 @@ def all_reduce(x: jax.Array, axes: tuple[str, ...],
     rep = vma - frozenset(axes)
     call = jax.ffi.ffi_call(
         "flashcomm_p2p_all_reduce",
-        (result_aval(x, groups.shape, x.dtype, rep),
+        (result_aval(x, groups.shape if decode else (0,), x.dtype, rep),
          result_aval(x, (n, total // n, spec.record_bytes(g, b1, k1)), jnp.uint8, vma),
          result_aval(x, (n, total // n), jnp.bfloat16, vma),
          result_aval(x, (n, total // n), jnp.bfloat16, vma),
@@ -168,7 +170,7 @@ def all_reduce(x: jax.Array, axes: tuple[str, ...],
     meta = dict(group_size=g, shape=tuple(x.shape), dtype=np.dtype(x.dtype), rotation=rot)
     p1 = Payload(c1, s1, z1, bits=b1, spikes=k1, **meta).merge_groups()
     p2 = Payload(c2, s2, z2, bits=b2, spikes=k2, **meta)
-    return restore_shape(y, x.shape), p1, p2
+    return (restore_shape(y, x.shape) if decode else None), p1, p2
 
 
 def reduce_scatter(rows: jax.Array, axes: tuple[str, ...],

@@ -24,8 +24,8 @@ from jax_flashcomm.transport import wire
 from jax_flashcomm import codec
 
 
-def all_reduce(x: jax.Array, axes: tuple[str, ...],
-               plan) -> tuple[jax.Array, codec.Payload, codec.Payload]:
+def all_reduce(x: jax.Array, axes: tuple[str, ...], plan,
+               decode: bool = True) -> tuple[jax.Array | None, codec.Payload, codec.Payload]:
     """The two-step all-reduce of a varying ``x``.
 
     Args:
@@ -33,6 +33,7 @@ def all_reduce(x: jax.Array, axes: tuple[str, ...],
       axes: the reduced mesh axes.
       plan: the call's quantized :class:`~jax_flashcomm.planner.Plan` (bits, spikes,
         rotation, group size, backend).
+      decode: False: stop at the gathered phase-2 payload (``y`` is None).
 
     Returns:
       ``(y, p1, p2)``: the sum (replicated), ``p1`` this rank's phase-1 payload, ``p2`` the
@@ -51,7 +52,7 @@ def all_reduce(x: jax.Array, axes: tuple[str, ...],
     gathered = all_gather_invariant(wire.pack(summed), axes, axis=0, tiled=True)
     p2 = wire.unpack(gathered, bits=b2, group_size=g, shape=x.shape, dtype=x.dtype,
                         rotation=rot, spikes=k2)
-    y = codec.dequantize(p2, backend=plan.backend)
+    y = codec.dequantize(p2, backend=plan.backend) if decode else None
     return y, p1, p2
 
 

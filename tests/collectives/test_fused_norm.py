@@ -199,3 +199,22 @@ def test_xla_transport_runs_no_separate_dequantize(mesh):
     want = _call(mesh, body("p2p"), x, r, w, 2)
     for g, e in zip(got, want):
         np.testing.assert_array_equal(g.view(np.uint16), e.view(np.uint16))
+
+
+@pytest.mark.parametrize("transport", ["p2p", "xla"])
+def test_two_step_without_decode(mesh, transport):
+    """two_step(decode=False) stops at the gathered payload on both transports (the p2p call's
+    decoded result is empty): the same payload bytes as with the decode, and no sum."""
+    x, r, w = _data((16, 512), jnp.float32, jnp.float32)
+    config = fc.CommConfig(bits=8, min_bytes=0, transport=transport)
+
+    def body(xl, r, w):
+        xv = allreduce.vary(xl, ("tp",), config)
+        y0, _, q = allreduce.two_step(xv, ("tp",), config, decode=False)
+        assert y0 is None
+        _, _, p = allreduce.two_step(xv, ("tp",), config)
+        return p.codes, q.codes, p.scale, q.scale
+
+    a, b, c, d = _call(mesh, body, x, r, w, 4)
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(c.view(np.uint16), d.view(np.uint16))
