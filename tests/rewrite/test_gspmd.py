@@ -182,3 +182,23 @@ def test_nnx_module_under_nnx_jit():
 
     np.testing.assert_array_equal(np.asarray(step(module, x)), np.asarray(eager))
     assert 0 < np.abs(np.asarray(eager) - np.asarray(module(x))).max()
+
+
+def test_row_parallel_within_the_psum_error_bound():
+    """The GSPMD island's all-reduce is fc.psum of the per-rank partial products: bit-equal to
+    the oracle's quantized psum of the same partials and within its bound of their sum."""
+    from tests.support import collective_oracles as oracles
+
+    mesh = _mesh((4,), ("tp",))
+    x, w1, w2 = _args(mesh, None, False)
+    h = jax.jit(lambda x, w: jax.nn.silu(jnp.einsum("bsd,df->bsf", x, w)))(x, w1)
+    h = jax.device_put(h, NamedSharding(mesh, P(None, None, "tp")))
+    partial = jax.jit(jax.shard_map(lambda h, w: (h @ w)[None], mesh=mesh, in_specs=(
+        P(None, None, "tp"), P("tp", None)), out_specs=P("tp")))(h, w2)
+    y = rewrite(lambda h, w: lax.with_sharding_constraint(
+        jnp.einsum("bsf,fd->bsd", h, w), NamedSharding(mesh, P())), CFG)(h, w2)
+    oracle_mesh = jax.make_mesh((4,), ("i",), devices=jax.devices()[:4])
+    y_oracle, true, bound = oracles.psum_check(oracle_mesh, ("i",), np.asarray(partial), CFG)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_oracle[0]))
+    err = np.abs(np.asarray(y, np.float64) - true[0])
+    assert (err <= bound[0]).all() and err.max() > 0
