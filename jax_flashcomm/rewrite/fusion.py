@@ -22,7 +22,8 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["MatmulFusion", "match_gather_dot", "match_dot_scatter", "dot_problem"]
+__all__ = ["MatmulFusion", "match_gather_dot", "match_dot_scatter", "dot_problem",
+           "gathered_dot"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +87,17 @@ def match_gather_dot(jaxpr, index: int, operand, users: dict
     eqn = jaxpr.eqns[index]
     if not eqn.params["tiled"]:
         return None, "not fused: tiled=False (stacked) all_gather"
-    out = eqn.outvars[0]
+    axis = eqn.params["all_gather_dimension"]
+    k, why = gathered_dot(jaxpr, eqn.outvars[0], axis, users)
+    if k is None:
+        return None, why
+    return MatmulFusion("all_gather_matmul", index, k, eqn, operand, jaxpr.eqns[k].invars[1],
+                        axis), ""
+
+
+def gathered_dot(jaxpr, out, axis: int, users: dict) -> tuple[int | None, str]:
+    """The index of the one dot that consumes the gathered value ``out`` in the ring op's form
+    (gathered along ``axis``), or None and the reason."""
     consumers = users.get(out, [])
     if len(consumers) != 1 or consumers[0] is None:
         return None, "not fused: the gathered value has other uses than one dot"
@@ -97,10 +108,9 @@ def match_gather_dot(jaxpr, index: int, operand, users: dict
     problem = dot_problem(dot, out)
     if problem:
         return None, f"not fused: {problem}"
-    axis = eqn.params["all_gather_dimension"]
     if axis == out.aval.ndim - 1:
         return None, "not fused: the gather axis is the contracted dimension"
-    return MatmulFusion("all_gather_matmul", index, k, eqn, operand, dot.invars[1], axis), ""
+    return k, ""
 
 
 def match_dot_scatter(jaxpr, index: int, operand, producer: dict, users: dict

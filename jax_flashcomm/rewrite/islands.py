@@ -186,21 +186,12 @@ def _plan_fusions(jaxpr, plan: IslandPlan, analyzed, users, producer, config):
 
 
 def _gather_dot(jaxpr, i, implied: Implied, analyzed, users):
-    out = jaxpr.eqns[i].outvars[0]
-    consumers = users.get(out, [])
-    if len(consumers) != 1 or consumers[0] is None:
-        return None, "not fused: the gathered value has other uses than one dot"
-    k = consumers[0]
-    dot = jaxpr.eqns[k]
-    if dot.primitive.name != "dot_general":
-        return None, f"not fused: the gathered value feeds {dot.primitive.name}, not a dot"
+    k, why = fusion.gathered_dot(jaxpr, jaxpr.eqns[i].outvars[0], implied.dim, users)
+    if k is None:
+        return None, why
     if k in analyzed:
         return None, "not fused: the dot implies a collective of its own"
-    problem = fusion.dot_problem(dot, out)
-    if problem:
-        return None, f"not fused: {problem}"
-    if implied.dim == out.aval.ndim - 1:
-        return None, "not fused: the gather axis is the contracted dimension"
+    dot = jaxpr.eqns[k]
     w = dot.invars[1]
     w_entries = explicit.entries(w.aval)
     if w_entries is None or w_entries[0] != ((), implied.axes):
