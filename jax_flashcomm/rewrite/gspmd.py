@@ -15,9 +15,10 @@ with Explicit axes would have:
   constraint that consumes it; an elementwise one whose operands disagree gets them resharded
   to the most sharded one's spec (a local slice of the replicated ones: a broadcast mask, say);
   else its operands are replicated first (an all-gather: correct, and in the report);
-* ``jit`` and ``checkpoint`` bodies are evaluated in place, ``scan`` bodies through ``lax.scan``
-  (a carry whose type changes in the body is resharded back to its initial type), custom
-  derivatives through their primal body.
+* ``jit`` and ``checkpoint`` bodies are evaluated in place, ``scan`` / ``while`` / ``cond``
+  bodies through ``lax.scan`` / ``lax.while_loop`` / ``lax.switch`` (a carry whose type changes
+  in the body is resharded back to its initial type, a branch's results to the first
+  branch's), custom derivatives through their primal body.
 
 The result is a function of the same arguments whose jaxpr the Explicit patterns
 (:mod:`jax_flashcomm.rewrite.explicit`) read; :func:`in_specs` and :func:`explicit_mesh_axes`
@@ -138,9 +139,13 @@ class _Retyper:
             return self.eval(closed.jaxpr, closed.consts, invals)
         if name == "scan":
             return self.scan(params, invals)
+        if name == "while":
+            return self.while_loop(params, invals)
+        if name == "cond":
+            return self.cond(params, invals)
         if any(core.jaxprs_in_params(params)):
-            raise Unsupported(f"{name} (a primitive with a body other than jit, scan, "
-                              f"checkpoint or a custom derivative)")
+            raise Unsupported(f"{name} (a primitive with a body other than jit, scan, while, "
+                              f"cond, checkpoint or a custom derivative)")
         return self.bind(jaxpr, eqn, invals, users)
 
     def bind(self, jaxpr, eqn, invals, users):
@@ -195,6 +200,39 @@ class _Retyper:
         carry, ys = lax.scan(step, list(init), list(xs), length=params["length"],
                              reverse=params["reverse"], unroll=params["unroll"])
         return [*carry, *ys]
+
+    def while_loop(self, params, invals):
+        nc, nb = params["cond_nconsts"], params["body_nconsts"]
+        cond_consts, body_consts, init = invals[:nc], invals[nc:nc + nb], invals[nc + nb:]
+        cond, body = params["cond_jaxpr"], params["body_jaxpr"]
+
+        def cond_fn(carry):
+            return self.eval(cond.jaxpr, cond.consts, [*cond_consts, *carry])[0]
+
+        def body_fn(carry):
+            return _keep_types(self.eval(body.jaxpr, body.consts, [*body_consts, *carry]), init)
+
+        return lax.while_loop(cond_fn, body_fn, list(init))
+
+    def cond(self, params, invals):
+        index, operands = invals[0], invals[1:]
+        branches = params["branches"]
+        outs = [None]
+
+        def branch(closed):
+            def fn(*ops):
+                got = self.eval(closed.jaxpr, closed.consts, list(ops))
+                outs[0] = outs[0] or got
+                return _keep_types(got, outs[0])
+            return fn
+
+        return lax.switch(index, [branch(b) for b in branches], *operands)
+
+
+def _keep_types(outs, like):
+    """``outs`` resharded where their type differs from ``like``'s (loop carries, branches)."""
+    return [o if core.typeof(o).sharding.spec == core.typeof(x).sharding.spec
+            else jax.sharding.reshard(o, core.typeof(x).sharding.spec) for o, x in zip(outs, like)]
 
 
 def _matched(invals):

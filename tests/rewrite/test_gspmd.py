@@ -202,3 +202,20 @@ def test_row_parallel_within_the_psum_error_bound():
     np.testing.assert_array_equal(np.asarray(y), np.asarray(y_oracle[0]))
     err = np.abs(np.asarray(y, np.float64) - true[0])
     assert (err <= bound[0]).all() and err.max() > 0
+
+
+@pytest.mark.parametrize("wrapper", ["while", "cond", "checkpoint"])
+def test_inside_while_cond_and_checkpoint(wrapper):
+    mesh = _mesh((4,), ("tp",))
+    x, w1, w2 = _args(mesh, None, False)
+    inner = functools.partial(row_parallel, mesh=mesh, data=None)
+    zeros = jnp.zeros((B, S, D), jnp.float32)
+    body = {"while": lambda x, w1, w2: lax.while_loop(
+                lambda c: c[0] < 1, lambda c: (c[0] + 1, inner(x, w1, w2)), (0, zeros))[1],
+            "cond": lambda x, w1, w2: lax.cond(True, inner, lambda *a: zeros, x, w1, w2),
+            "checkpoint": jax.checkpoint(inner)}[wrapper]
+    rewritten = rewrite(body, CFG)
+    islands = [r for r in rewritten.report(x, w1, w2) if r.path != "partitioner"]
+    assert [(r.op, r.action) for r in islands] == [("psum", "quantized")]
+    plain = rewrite(inner, CFG)(x, w1, w2)
+    np.testing.assert_array_equal(np.asarray(rewritten(x, w1, w2)), np.asarray(plain))
