@@ -27,6 +27,7 @@ import argparse
 import functools
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -191,6 +192,8 @@ def main(argv=None) -> int:
         parser.error(f"--settings: unknown {unknown}; choose among {', '.join(SETTINGS)}")
     if args.tp < 1:
         parser.error("--tp must be at least 1")
+    if not os.path.isfile(args.text):
+        parser.error(f"--text {args.text}: no such file")
     results = run(args)
     from models.machine import first_line
 
