@@ -305,15 +305,19 @@ size_t DequantizeInto(DType dtype, const uint8_t* codes, const uint16_t* scale,
 }
 
 // The fused residual add + RMSNorm (cpu_dispatch.h NormArgs, docs/fused_norm.md), rows
-// [begin, end) in tiles of about 4096 values: the tile's groups are decoded to f32 (the
+// [begin, end) in tiles of about kNormTile values: the tile's groups are decoded to f32 (the
 // dequantize of a payload as f32, rotation and spikes included), then per row the residual
 // add and the sum of squares (one pass), then the scaling by the weight (a second pass over
 // the row in L1); with a quantized output the tile's normalised rows are quantized from L1.
+// Values per tile: the tile's decoded f32 values (64 KB) stay in L2 between the passes, and each
+// tile costs one dequantize call (its setup and scratch).
+constexpr int64_t kNormTile = 16384;
+
 template <typename T, typename W>
 size_t AddRmsNormAs(const NormArgs& a, int64_t begin, int64_t end) {
   using S = typename T::Storage;
   const int64_t h = a.hidden, g = a.group_size;
-  const int64_t tile = h >= 4096 ? 1 : 4096 / h;
+  const int64_t tile = h >= kNormTile ? 1 : kNormTile / h;
   Scratch<float> dec(((tile * h + g - 1) / g + 1) * g);
   Scratch<S> normed(a.out == nullptr ? tile * h : 0);
   if (const size_t failed = FailedBytes(dec, normed)) return failed;
