@@ -370,7 +370,10 @@ def hadamard_scaled(v):
         a, b = w[..., 0, :], w[..., 1, :]
         v = jnp.stack([a + b, a - b], axis=-2).reshape(*lead, g)
         h *= 2
-    return v * rotation_scale(g)
+    # The barrier keeps XLA from reassociating this inexact multiply with a consumer's
+    # (the encoder's ``* pre``), after which LLVM contracts the product into the encoder's
+    # subtraction: one rounding where codec.h has two (a code of 1 in ~50000 differed).
+    return lax.optimization_barrier(v * rotation_scale(g))
 
 
 def rotate(v, rotation: int):
