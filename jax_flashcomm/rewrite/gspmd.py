@@ -154,36 +154,33 @@ class _Retyper:
         params = {k: NamedSharding(mesh, v.spec) if isinstance(v, NamedSharding) else v
                   for k, v in eqn.params.items()}
         prim = eqn.primitive
+
+        def attempt(values, changed):
+            try:
+                return True, prim.bind(*values, **prim.get_bind_params({**params, **changed}))
+            except Exception:  # noqa: BLE001 - JAX's sharding rules raise several kinds
+                return False, None
+
         try:
             return prim.bind(*invals, **prim.get_bind_params(params))
-        except Exception as first:  # noqa: BLE001 - JAX's sharding rules raise several kinds
-            key = "out_sharding" if "out_sharding" in params else (
-                "sharding" if "sharding" in params else None)
-            target = _constraint_of(jaxpr, eqn.outvars[0], users) if len(
-                eqn.outvars) == 1 else None
+        except Exception as first:  # noqa: BLE001
+            key = next((k for k in ("out_sharding", "sharding") if k in params), None)
+            target = (_constraint_of(jaxpr, eqn.outvars[0], users)
+                      if key is not None and len(eqn.outvars) == 1 else None)
             if key is not None and target is None and prim.name == "dot_general":
                 target = _reduced_output(eqn, invals)
-            if key is not None and target is not None:
-                params[key] = NamedSharding(jax.sharding.get_abstract_mesh(), target)
-                try:
-                    return prim.bind(*invals, **prim.get_bind_params(params))
-                except Exception:  # noqa: BLE001
-                    pass
-            params.pop(key, None) if key is not None and target is not None else None
-            if key is not None:
-                params[key] = None if not isinstance(eqn.params[key], NamedSharding) else \
-                    NamedSharding(mesh, eqn.params[key].spec)
-            matched = _matched(invals)
-            if matched is not None:
-                try:
-                    return prim.bind(*matched, **prim.get_bind_params(params))
-                except Exception:  # noqa: BLE001
-                    pass
-            try:
-                return prim.bind(*[_replicated(x) for x in invals],
-                                 **prim.get_bind_params(params))
-            except Exception:  # noqa: BLE001
-                raise Unsupported(f"{prim.name}: {first}") from first
+            # in order; each built only when the one before failed (a reshard is an equation)
+            tries = [lambda: (invals, {key: NamedSharding(mesh, target)}) if target is not None
+                     else None,
+                     lambda: (lambda m: (m, {}) if m is not None else None)(_matched(invals)),
+                     lambda: ([_replicated(x) for x in invals], {})]
+            for build in tries:
+                built = build()
+                if built is not None:
+                    ok, out = attempt(*built)
+                    if ok:
+                        return out
+            raise Unsupported(f"{prim.name}: {first}") from first
 
     def scan(self, params, invals):
         nc, nk = params["num_consts"], params["num_carry"]

@@ -251,7 +251,7 @@ def emit(island: Island, jaxpr, invals, config) -> tuple[jax.Array, list]:
             elif island.kind == "matmul_reduce_scatter":
                 out = matmul_reduce_scatter(vals[0], vals[1], implied.axes[0], axis=implied.dim,
                                             config=config)
-            elif jaxpr.eqns[island.at].primitive.name == "reshard" and island.kind != "region":
+            elif island.kind == "collective" and implied.op == "all_gather":
                 out = _collective(implied, vals[0], config)
             elif island.kind == "norm":
                 dot = jaxpr.eqns[island.report]

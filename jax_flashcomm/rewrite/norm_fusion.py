@@ -41,7 +41,6 @@ class NormFusion:
 
     Attributes:
       psum: the psum equation's index.
-      add: the residual add's index.
       last: the norm's last equation (where the fused op is emitted).
       eqns: every equation of the chain but the psum.
       residual: the residual atom; weight: the norm weight's atom; eps: its epsilon.
@@ -49,7 +48,6 @@ class NormFusion:
     """
 
     psum: int
-    add: int
     last: int
     eqns: tuple
     residual: object
@@ -181,7 +179,7 @@ def match_psum_norm(jaxpr, index: int, users: dict, producer: dict
     if any(u <= last for u in h_users if u not in walk.eqns):
         return None, "the sum plus residual is used before the norm ends"
     chain = tuple(sorted({a, *walk.eqns}))
-    return NormFusion(index, a, last, chain, residual, weight, float(eps), h, out), ""
+    return NormFusion(index, last, chain, residual, weight, float(eps), h, out), ""
 
 
 def _is_square(eqn, var) -> bool:
