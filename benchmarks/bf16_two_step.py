@@ -14,6 +14,9 @@ ring on this backend. This baseline keeps the wire in bf16 by moving the bit pat
 
 The result equals ``bf16(sum_r f32(x_r))`` with the sum in rank order, bit for bit on every rank
 (tests/benchmarks/test_bf16_baseline.py). A benchmark baseline, not part of the library.
+
+:class:`Bf16WireComm` is the exact strategy of a model whose all-reduces move bf16: the
+baseline a GPU user's exact all-reduce (NCCL on bf16 activations) is, for ``benchmarks/ttft.py``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_flashcomm.jax_compat import all_gather_invariant
+from jax_flashcomm.nn import TPComm
 
 
 def bf16_two_step_psum(x, axis_name):
@@ -56,3 +60,17 @@ def bf16_two_step_psum(x, axis_name):
     gathered = all_gather_invariant(reduced, axes, axis=0, tiled=True)           # (M_padded,)
     y = lax.bitcast_convert_type(gathered, jnp.bfloat16)
     return y[:m].reshape(x.shape)
+
+
+class Bf16WireComm(TPComm):
+    """``TPComm("exact")`` whose all-reduces move bf16: each partial sum is rounded to bf16 and
+    all-reduced by :func:`bf16_two_step_psum` (half the bytes of XLA:CPU's f32 ``lax.psum``),
+    the sum cast back to the activations' dtype. ``wire_itemsize`` says so to the byte count."""
+
+    wire_itemsize = 2
+
+    def __init__(self, axis_name: str = "tp"):
+        super().__init__("exact", axis_name)
+
+    def all_reduce(self, x):
+        return bf16_two_step_psum(x.astype(jnp.bfloat16), self.axis_name).astype(x.dtype)

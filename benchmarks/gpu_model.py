@@ -1,12 +1,13 @@
 """A cost model of the two-step quantized all-reduce (Flash AllReduce) and of TTFT on GPUs.
 
-Predicts, from bytes moved, link bandwidth and latency, and codec passes at HBM bandwidth, the
-all-reduce speedup over a bf16 NCCL ring and the TTFT speedup of a tensor-parallel Llama prefill
-on L40 (PCIe Gen4, a shared host-bridged bus), A100 and H100 (NVLink through NVSwitch). The same
-equations, fed this machine's link (the tc-limited loopback) and its measured CPU codec times,
-predict the emulated-link measurements of docs/allreduce_bf16*.json and of docs/ttft.json,
-printed beside them. Every input is a named constant below (sources in docs/gpu_model.md); none
-is fitted to a row it predicts.
+The equations live in :mod:`jax_flashcomm.costmodel` (the library prices its automatic choice
+with them). From bytes moved, link bandwidth and latency, and codec passes at HBM bandwidth, this
+predicts the all-reduce speedup over a bf16 NCCL ring and the TTFT speedup of a tensor-parallel
+Llama prefill on L40 (PCIe Gen4, a shared host-bridged bus), A100 and H100 (NVLink through
+NVSwitch). The same equations, fed this machine's link (the tc-limited loopback) and its measured
+CPU codec times, predict the emulated-link measurements of docs/allreduce_bf16*.json and of
+docs/ttft.json, printed beside them. Every input is a named constant (sources in
+docs/gpu_model.md); none is fitted to a row it predicts.
 
 Re-run (a few seconds, no GPU)::
 
@@ -22,129 +23,18 @@ import re
 import statistics
 from pathlib import Path
 
-from jax_flashcomm.codec import spec
+from jax_flashcomm.costmodel import (  # noqa: F401  (the model lives in the library)
+    A100_FLOPS, A100_HBM, BF16, CODEC_EFFICIENCY, GPUS, H100_FLOPS, H100_HBM, KERNEL_LAUNCH_S,
+    L40_FLOPS, L40_HBM, LINK_EFFICIENCY, MIB, NCCL_BASE_LATENCY_S, NCCL_STEP_LATENCY_S,
+    NVLINK3_BYTES_PER_S, NVLINK4_BYTES_PER_S, PASSES, PCIE4_X16_BYTES_PER_S, PREFILL_MFU, Gpu,
+    Link, exact_allreduce, flash_allreduce, gpu_allreduce_speedup, wire_bytes_per_element)
 
-REPO = Path(__file__).resolve().parents[1]
-
-MIB = 2**20
-BF16 = 2                 # bytes per activation value of the exact all-reduce
-PASSES = ("quantize", "dequantize_sum_quantize", "dequantize")
-
-# --- inputs; each one's source is in docs/gpu_model.md, "Parameters" ---------------------------
-PCIE4_X16_BYTES_PER_S = 16e9 * 16 * 128 / 130 / 8   # 31.5 GB/s per direction
-NVLINK3_BYTES_PER_S = 12 * 25e9                     # A100 SXM: 300 GB/s per direction
-NVLINK4_BYTES_PER_S = 18 * 25e9                     # H100 SXM: 450 GB/s per direction
-LINK_EFFICIENCY = 0.8          # assumed: achieved share of the signalling rate, large transfers
-NCCL_BASE_LATENCY_S = 8.4e-6   # NCCL tuning.cc baseLat, Ring/Simple: once per collective
-NCCL_STEP_LATENCY_S = 5.7e-6   # NCCL tuning.cc hwLat, Ring/Simple, NVLink and PCI: per step
-KERNEL_LAUNCH_S = 4e-6         # assumed: one codec kernel launch
-CODEC_EFFICIENCY = 0.5         # assumed: codec kernels' share of HBM bandwidth (bytes in + out)
-PREFILL_MFU = 0.5              # assumed: achieved share of dense bf16 peak in prefill
-L40_HBM, L40_FLOPS = 864e9, 181.05e12       # NVIDIA L40 datasheet (GDDR6; dense bf16)
-A100_HBM, A100_FLOPS = 2039e9, 312e12       # NVIDIA A100 80GB SXM datasheet
-H100_HBM, H100_FLOPS = 3.35e12, 989.4e12    # NVIDIA H100 SXM5 datasheet
 EMULATED_LINK_FILES = ("docs/allreduce_bf16.json", "docs/allreduce_bf16_4p.json")
 LINK_CALIBRATION_FILE = "docs/allreduce.json"   # another run; its ppermute column
 CODEC_ISA_FILE = "docs/codec_isa.json"
 TTFT_FILE = "docs/ttft.json"
 TOLERANCE = 0.25               # the issue's bar: predictions within 25% of the measurements
-
-
-@dataclasses.dataclass(frozen=True)
-class Link:
-    """The link between N ranks. ``shared``: all ranks' traffic crosses one bus of ``bytes_per_s``
-    (a PCIe host bridge; the tc-limited loopback). ``switched``: every rank has ``bytes_per_s``
-    per direction of its own (NVLink through NVSwitch). Latencies: per collective, per step."""
-    bytes_per_s: float
-    topology: str = "switched"
-    base_latency_s: float = 0.0
-    step_latency_s: float = 0.0
-
-    def __post_init__(self):
-        if not self.bytes_per_s > 0:
-            raise ValueError(f"Link.bytes_per_s must be > 0, got {self.bytes_per_s!r}")
-        if self.topology not in ("shared", "switched"):
-            raise ValueError(f"Link.topology must be 'shared' or 'switched', got {self.topology!r}")
-        if self.base_latency_s < 0 or self.step_latency_s < 0:
-            raise ValueError("Link latencies must be >= 0")
-
-    def transfer_s(self, bytes_per_rank: float, n: int) -> float:
-        """Seconds for every one of ``n`` ranks to send ``bytes_per_rank`` at once."""
-        return bytes_per_rank * (n if self.topology == "shared" else 1) / self.bytes_per_s
-
-
-@dataclasses.dataclass(frozen=True)
-class Gpu:
-    """A GPU type: its link, HBM bandwidth, dense bf16 FLOP/s, and the assumed efficiencies of
-    the codec kernels (share of HBM bandwidth) and of prefill (share of peak FLOP/s)."""
-    name: str
-    link: Link
-    hbm_bytes_per_s: float
-    bf16_flops: float
-    codec_efficiency: float = CODEC_EFFICIENCY
-    mfu: float = PREFILL_MFU
-    kernel_launch_s: float = KERNEL_LAUNCH_S
-
-    def codec_pass_s(self, name: str, elems: int, w1: float, w2: float, n: int) -> float:
-        """One codec kernel: the HBM bytes it reads and writes, at the codec's share of HBM."""
-        touched = {"quantize": elems * (BF16 + w1),                          # bf16 in, payload out
-                   "dequantize_sum_quantize": elems * w1 + elems / n * w2,   # N chunks in, 1 out
-                   "dequantize": elems * (w2 + BF16)}[name]                  # payload in, bf16 out
-        return touched / (self.hbm_bytes_per_s * self.codec_efficiency) + self.kernel_launch_s
-
-
-_link = lambda peak, topology: Link(peak * LINK_EFFICIENCY, topology, NCCL_BASE_LATENCY_S,  # noqa: E731
-                                   NCCL_STEP_LATENCY_S)
-GPUS = {"L40": Gpu("L40", _link(PCIE4_X16_BYTES_PER_S, "shared"), L40_HBM, L40_FLOPS),
-        "A100": Gpu("A100", _link(NVLINK3_BYTES_PER_S, "switched"), A100_HBM, A100_FLOPS),
-        "H100": Gpu("H100", _link(NVLINK4_BYTES_PER_S, "switched"), H100_HBM, H100_FLOPS)}
-
-
-def wire_bytes_per_element(bits: int, group_size: int = 128, spikes: int = 0) -> float:
-    """Payload bytes per value (codes, spikes, scale and zero): the codec's own figure, with
-    the arguments checked."""
-    g = spec.check_group_size(group_size)
-    return spec.wire_bytes_per_element(spec.check_bits(bits), g, spec.check_spikes(spikes, g))
-
-
-def _check(size, n):
-    if isinstance(n, bool) or not isinstance(n, int) or n < 2:
-        raise ValueError(f"the number of ranks must be an int >= 2, got {n!r}")
-    if not size > 0:
-        raise ValueError(f"the message size must be > 0 bytes, got {size!r}")
-
-
-def exact_allreduce(size: float, n: int, link: Link, algorithm: str = "ring") -> dict:
-    """bf16 all-reduce of ``size`` bytes per rank; each rank sends 2(N-1)/N * size. ``ring``
-    (NCCL) pays 2(N-1) steps of latency, ``two_step`` (all_to_all + all_gather) 2 collectives."""
-    _check(size, n)
-    if algorithm not in ("ring", "two_step"):
-        raise ValueError(f"algorithm must be 'ring' or 'two_step', got {algorithm!r}")
-    lat = (link.base_latency_s + 2 * (n - 1) * link.step_latency_s if algorithm == "ring"
-           else 2 * (link.base_latency_s + link.step_latency_s))
-    t = {"link_s": link.transfer_s(2 * (n - 1) / n * size, n), "latency_s": lat, "codec_s": 0.0}
-    return {**t, "total_s": sum(t.values())}
-
-
-def flash_allreduce(size: float, n: int, link: Link, codec_pass_s, rs_bits: int,
-                    ag_bits: int | None = None, group_size: int = 128, spikes: int = 0) -> dict:
-    """Two-step quantized all-reduce, run serially: quantize -> all_to_all -> dequantize + sum +
-    requantize -> all_gather -> dequantize. Each phase sends (N-1)/N of its payload (the operand
-    padded to N chunks of whole groups); ``codec_pass_s(name, elems, w1, w2, n)`` prices a pass."""
-    _check(size, n)
-    w1 = wire_bytes_per_element(rs_bits, group_size, spikes)
-    w2 = wire_bytes_per_element(rs_bits if ag_bits is None else ag_bits, group_size, spikes)
-    elems = spec.padded_size(int(size) // BF16, group_size, n)
-    t = {"link_s": sum(link.transfer_s((n - 1) / n * elems * w, n) for w in (w1, w2)),
-         "latency_s": 2 * (link.base_latency_s + link.step_latency_s),
-         "codec_s": sum(codec_pass_s(p, elems, w1, w2, n) for p in PASSES)}
-    return {**t, "total_s": sum(t.values()), "byte_ideal": 2 * BF16 / (w1 + w2)}
-
-
-def gpu_allreduce_speedup(gpu: Gpu, size: float, n: int, bits: int, **kw) -> float:
-    """NCCL bf16 ring time / Flash AllReduce time on ``gpu``."""
-    q = flash_allreduce(size, n, gpu.link, gpu.codec_pass_s, bits, **kw)
-    return exact_allreduce(size, n, gpu.link, "ring")["total_s"] / q["total_s"]
+REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 TP = 3
 LINKS = ("pcie", "nvlink")
-DEFAULT_STRATEGIES = "exact,int8,int4,int4/8,overlap,overlap+int8"
+DEFAULT_STRATEGIES = "exact,exact-bf16,int8,int4,int4/8,overlap,overlap+int8,auto"
 # GPU systems whose ratio of link bandwidth to compute the emulated links copy (assumptions,
 # docs/ttft.md): all-reduce bus bandwidth NCCL achieves, dense bf16 tensor-core peak.
 SYSTEMS = {
@@ -50,9 +50,15 @@ LO_MTU, BURST, TBF_LATENCY = 1500, "16kb", "2s"
 
 # --- pure parts: strategies, FLOPs, calibration, bytes ----------------------------------------
 
+#: The exact strategy whose all-reduces move bf16 (benchmarks/bf16_two_step.py): the baseline
+#: of a GPU user, whose exact all-reduce moves bf16 activations.
+BF16_BASELINE = "exact-bf16"
+
+
 def parse_strategies(text: str) -> list:
-    """``[(name, TPComm)]`` of a comma-separated list (``models.compare.parse_setting``);
-    exact first (the calibration and every speedup are relative to it)."""
+    """``[(name, TPComm)]`` of a comma-separated list (``models.compare.parse_setting``, and
+    :data:`BF16_BASELINE`); exact first (the calibration is relative to it)."""
+    from benchmarks.bf16_two_step import Bf16WireComm
     from models.compare import parse_setting
 
     names = [s.strip() for s in text.split(",") if s.strip()]
@@ -62,7 +68,8 @@ def parse_strategies(text: str) -> list:
         raise ValueError(f"--strategies repeats a name: {text!r}")
     if "exact" in names:
         names.remove("exact")
-    return [parse_setting(n) for n in ["exact"] + names]
+    return [(n, Bf16WireComm()) if n == BF16_BASELINE else parse_setting(n)
+            for n in ["exact"] + names]
 
 
 def parse_links(text: str) -> list[str]:
@@ -110,7 +117,7 @@ def _payload(elems: int, bits: int, group: int, spikes: int, multiple: int = 1) 
 
 
 def step_traffic(cfg, tp: int, comm, seq: int, *, decode: bool, batch: int = 1,
-                 itemsize: int = 4) -> dict:
+                 itemsize: int = 4, auto_quantizes: bool = False) -> dict:
     """Bytes each rank sends, and collectives it joins, in one prefill of ``seq`` (padded)
     positions or one decode step, as the model is written (docs/ttft.md "Bytes"):
 
@@ -123,7 +130,9 @@ def step_traffic(cfg, tp: int, comm, seq: int, *, decode: bool, batch: int = 1,
       this rank's S/N rows; quantized with ``ag_bits`` for overlap+int) before the column
       matmul and a reduce-scatter (ring of N-1 permutes of S/N rows, or the quantized
       ``psum_scatter``: (N-1)/N of the rs payload) after the row matmul.
-    A decode step has S = 1 and all-reduces (the overlap kinds too).
+    A decode step has S = 1 and all-reduces (the overlap kinds too). ``auto`` counts as flash
+    where ``auto_quantizes`` (the choice it made for this step's all-reduces), else as exact;
+    a comm with ``wire_itemsize`` (the bf16 baseline) moves its all-reduces in that many bytes.
     ``{"bytes": total, "blocks": the 2L per-layer collectives' bytes, "collectives": count}``.
     """
     if tp < 2:
@@ -144,13 +153,15 @@ def step_traffic(cfg, tp: int, comm, seq: int, *, decode: bool, batch: int = 1,
     fixed += (n - 1) * batch * vocab_padded // n * 4                # logits all_gather (f32)
     count += 1
     c = comm.config
-    if comm.kind == "exact" or (comm.kind == "overlap" and not sp):
-        block, per = ring, 1
-    elif comm.kind == "flash" or (comm.kind == "flash+overlap" and not sp):
+    kind = ("flash" if auto_quantizes else "exact") if comm.kind == "auto" else comm.kind
+    if kind == "exact" or (kind == "overlap" and not sp):
+        wire = getattr(comm, "wire_itemsize", None)           # bf16 baseline: two collectives
+        block, per = (ring, 1) if wire is None else (ring * wire / itemsize, 2)
+    elif kind == "flash" or (kind == "flash+overlap" and not sp):
         block = (n - 1) / n * (_payload(elems, c.phase1_bits, c.group_size, c.phase1_spikes, n)
                                + _payload(elems, c.phase2_bits, c.group_size, c.phase2_spikes, n))
         per = 2
-    elif comm.kind == "overlap":
+    elif kind == "overlap":
         block, per = 2 * (n - 1) * act / n, 2 * (n - 1)
     else:  # flash+overlap, prefill
         block = ((n - 1) * _payload(elems // n, c.phase2_bits, c.group_size, c.phase2_spikes)
@@ -224,17 +235,20 @@ def add_link_model(data) -> None:
                                   else data["tp"] * r["prefill_bytes_per_rank"] / rate))
 
 
-def speedups(rows) -> dict:
-    """``{(link, strategy): exact's TTFT / this TTFT}``."""
-    exact = {r["link"]: r["ttft_s"] for r in rows if r["strategy"] == "exact"}
-    return {(r["link"], r["strategy"]): exact[r["link"]] / r["ttft_s"] for r in rows}
+def speedups(rows, baseline: str = "exact") -> dict:
+    """``{(link, strategy): the baseline's TTFT / this TTFT}`` (links with a baseline row)."""
+    base = {r["link"]: r["ttft_s"] for r in rows if r["strategy"] == baseline}
+    return {(r["link"], r["strategy"]): base[r["link"]] / r["ttft_s"] for r in rows
+            if r["link"] in base}
 
 
 def markdown(data) -> str:
     sp = speedups(data["rows"])
     exact_dec = {r["link"]: r["decode_s_per_token"] for r in data["rows"]
                  if r["strategy"] == "exact"}
-    head = ["link", "strategy", "TTFT ms (median)", "TTFT vs exact", "unlimited + bytes/rate ms",
+    bf16 = speedups(data["rows"], BF16_BASELINE)
+    head = ["link", "strategy", "TTFT ms (median)", "TTFT vs exact", "TTFT vs exact-bf16",
+            "unlimited + bytes/rate ms",
             "decode ms/token", "decode vs exact", "prefill MB/rank", "decode KB/rank",
             "collectives/prefill"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -242,6 +256,7 @@ def markdown(data) -> str:
         lines.append("| " + " | ".join([
             r["link"], r["strategy"], f"{r['ttft_s'] * 1e3:.0f}",
             f"**{sp[r['link'], r['strategy']]:.2f}x**",
+            f"{bf16[r['link'], r['strategy']]:.2f}x" if bf16 else "-",
             f"{r['ttft_unlimited_plus_link_s'] * 1e3:.0f}", f"{r['decode_s_per_token'] * 1e3:.1f}",
             f"{exact_dec[r['link']] / r['decode_s_per_token']:.2f}x",
             f"{r['prefill_bytes_per_rank'] / 1e6:.2f}", f"{r['decode_bytes_per_rank'] / 1e3:.1f}",

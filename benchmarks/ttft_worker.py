@@ -54,6 +54,9 @@ def main() -> None:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from jax_flashcomm.costmodel import Link
+    from jax_flashcomm.selection import Call, choose
+    from jax_flashcomm.tuning import use_link as use_tuning_link
     from models.corpus import load_text
     from models.engine import Engine
     from models.llama import set_comm
@@ -118,27 +121,59 @@ def main() -> None:
             log(f"link {name}: psum-measured {link_info[name]['measured_bytes_per_s'] / 1e6:.2f}"
                 f" MB/s, 4-byte psum {link_info[name]['small_psum_s'] * 1e3:.2f} ms")
 
+    def link_profile(name: str) -> Link:
+        """The link the automatic choice prices: process 0's measurement of it (every process
+        must make the same choice), shared by the ranks: the tc rate, or with no limit the
+        psum-measured rate; the 4-byte psum's time as the latency of one collective."""
+        info = link_info[name]
+        mine = np.array([info["rate_bytes_per_s"] or info["measured_bytes_per_s"],
+                         info["small_psum_s"]], np.float64)
+        rate, lat = (float(v) for v in multihost_utils.broadcast_one_to_all(mine))
+        return Link(rate, "shared", lat)
+
+    def compiled():
+        engine = Engine(model, mesh, cache_len=len(ids) + args.decode_tokens + 1)
+        list(engine.generate(ids, 2))                       # compile prefill + decode
+        return engine
+
+    def auto_quantizes(comm, seq: int, decode: bool) -> bool:
+        """Whether the automatic choice quantized this step's block all-reduces."""
+        nbytes = (1 if decode else seq) * cfg.d_model * 4
+        call = Call("psum", nbytes, 4, "float32", nproc, "cpu", "processes",
+                    "other processes", (comm.config.phase1_bits, comm.config.phase2_bits),
+                    comm.config.group_size)
+        return choose(call).candidate != "lax"
+
     rows, compute = [], {}
     for name, comm in strategies:
         set_comm(model, comm)
-        engine = Engine(model, mesh, cache_len=len(ids) + args.decode_tokens + 1)
-        seq = engine.bucket(len(ids))
         t = time.perf_counter()
         use_link("unlimited")
-        list(engine.generate(ids, 2))                       # compile prefill + decode
+        engine = None if comm.kind == "auto" else compiled()
         log(f"{name}: compiled and warmed up in {time.perf_counter() - t:.1f} s")
         for link in ["unlimited"] + links:
             use_link(link)
-            samples, decode, tokens = [], [], []
-            for rep in range(args.reps):
-                last = rep == args.reps - 1
-                out = list(engine.generate(ids, args.decode_tokens + 1 if last else 1))
-                samples.append(engine.last_timings["ttft"])
-                if last:
-                    decode, tokens = engine.last_timings["decode"], out
-            pre = ttft.step_traffic(cfg, nproc, comm, seq, decode=False)
-            dec = ttft.step_traffic(cfg, nproc, comm, seq, decode=True)
+            with use_tuning_link(link_profile(link) if comm.kind == "auto" else None):
+                if comm.kind == "auto":   # the choice is made at trace time, per link
+                    t = time.perf_counter()
+                    engine = compiled()
+                    log(f"{name}: compiled for {link} in {time.perf_counter() - t:.1f} s")
+                seq = engine.bucket(len(ids))
+                samples, decode, tokens = [], [], []
+                for rep in range(args.reps):
+                    last = rep == args.reps - 1
+                    out = list(engine.generate(ids, args.decode_tokens + 1 if last else 1))
+                    samples.append(engine.last_timings["ttft"])
+                    if last:
+                        decode, tokens = engine.last_timings["decode"], out
+                auto = {step: comm.kind == "auto" and auto_quantizes(comm, seq, step == "decode")
+                        for step in ("prefill", "decode")}
+            pre = ttft.step_traffic(cfg, nproc, comm, seq, decode=False,
+                                    auto_quantizes=auto["prefill"])
+            dec = ttft.step_traffic(cfg, nproc, comm, seq, decode=True,
+                                    auto_quantizes=auto["decode"])
             row = {"link": link, **ttft.strategy_fields(name, comm),
+                   "auto_quantizes": auto if comm.kind == "auto" else None,
                    "ttft_s": statistics.median(samples), "ttft_samples_s": samples,
                    "decode_s_per_token": statistics.median(decode),
                    "decode_samples_s": decode,

@@ -24,16 +24,18 @@ import numpy as np
 from jax_flashcomm.codec import spec
 
 __all__ = ["CommConfig", "OPTION_NAMES", "COMM_KINDS", "TRANSPORTS", "GRAD_MODES", "BACKENDS",
-           "DEFAULT_MIN_BYTES", "auto_rotation", "auto_spikes", "config_from", "option",
+           "DEFAULT_MIN_BYTES", "AUTO", "auto_rotation", "auto_spikes", "config_from", "option",
            "is_default", "takes_options"]
 
-#: Below this many operand bytes per rank the exact ``lax`` collective is used: small messages
-#: are latency-bound (docs/allreduce.md has the crossover measured here).
+#: ``min_bytes="auto"`` (the default): per call, the fastest path the config allows, from the
+#: measured tuning table or the cost model (:mod:`jax_flashcomm.selection`, docs/autotune.md).
+AUTO = "auto"
+#: The fixed size policy docs/allreduce.md measured its crossover for (``min_bytes=1 << 20``).
 DEFAULT_MIN_BYTES = 1 << 20
 #: ``"exact"``: cotangent collectives are the lax ones; ``"quantized"``: they use the config.
 GRAD_MODES = ("exact", "quantized")
 #: The communication kinds of :class:`jax_flashcomm.nn.TPComm` (and the model CLIs' --comm).
-COMM_KINDS = ("exact", "flash", "overlap", "flash+overlap")
+COMM_KINDS = ("exact", "flash", "overlap", "flash+overlap", "auto")
 #: How a call's bytes move between ranks (:mod:`jax_flashcomm.transport`).
 TRANSPORTS = ("auto", "xla", "p2p")
 #: The codec implementation: its FFI kernels, its pure-jnp twin, or the plan's choice.
@@ -111,7 +113,10 @@ class CommConfig:
       rs_bits, ag_bits: per-phase overrides: the reduce-scatter (all-to-all) phase and the
         all-gather phase of the two-step all-reduce (e.g. ``rs_bits=4, ag_bits=8``).
       group_size: values per quantization group (a multiple of 8).
-      min_bytes: the size policy: operands of fewer bytes per rank take the exact path.
+      min_bytes: ``"auto"`` (default): per call, the exact path or the quantized one, whichever
+        the tuning table (``python -m jax_flashcomm.tune``) or the cost model predicts faster
+        (docs/autotune.md); an int pins the size policy: operands of fewer bytes per rank take
+        the exact path, the others are quantized.
       backend: the codec implementation: ``"auto"``, ``"ffi"`` (the C++/CUDA kernels) or
         ``"jnp"`` (the pure-JAX twin, runs anywhere).
       grad: ``"exact"`` or ``"quantized"`` collectives for the cotangents.
@@ -129,7 +134,7 @@ class CommConfig:
     rs_bits: int | None = None
     ag_bits: int | None = None
     group_size: int = spec.DEFAULT_GROUP_SIZE
-    min_bytes: int = DEFAULT_MIN_BYTES
+    min_bytes: int | str = AUTO
     backend: str = "auto"
     grad: str = "exact"
     rotation: int | str = "auto"
@@ -156,10 +161,15 @@ class CommConfig:
             if isinstance(spikes, (int, np.integer)) and not isinstance(spikes, bool):
                 spikes = _as_int(spikes, "spikes")
             put("spikes", spec.check_spikes(spikes, self.group_size, "spikes"))
-        min_bytes = _as_int(self.min_bytes, "min_bytes")
-        if min_bytes < 0:
-            raise ValueError(f"min_bytes must be a non-negative int, got {min_bytes}")
-        put("min_bytes", min_bytes)
+        if isinstance(self.min_bytes, str) and self.min_bytes != AUTO:
+            raise ValueError(f"min_bytes must be 'auto' or a non-negative int, got "
+                             f"{self.min_bytes!r}")
+        if self.min_bytes != AUTO:
+            min_bytes = _as_int(self.min_bytes, "min_bytes")
+            if min_bytes < 0:
+                raise ValueError(f"min_bytes must be a non-negative int or 'auto', got "
+                                 f"{min_bytes}")
+            put("min_bytes", min_bytes)
         put("backend", spec.check_backend(self.backend))
         _choice(self.grad, GRAD_MODES, "grad")
         _choice(self.transport, TRANSPORTS, "transport")
@@ -168,6 +178,11 @@ class CommConfig:
             raise ValueError(f"p2p_timeout_ms must be a positive int of at most {MAX_TIMEOUT_MS} "
                              f"(ms), got {timeout}")
         put("p2p_timeout_ms", timeout)
+
+    @property
+    def auto(self) -> bool:
+        """Whether the path of each call is chosen from measurements (``min_bytes="auto"``)."""
+        return self.min_bytes == AUTO
 
     @property
     def exact(self) -> bool:
@@ -250,7 +265,7 @@ def is_default(value) -> bool:
     return isinstance(value, _Default)
 
 
-_OPTION_TYPES = {"bits": "int | None", "rs_bits": "int | None", "ag_bits": "int | None",
+_OPTION_TYPES = {"min_bytes": "int | str", "bits": "int | None", "rs_bits": "int | None", "ag_bits": "int | None",
                  "rotation": "int | str", "spikes": "int | str"}
 
 

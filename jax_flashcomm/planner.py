@@ -8,10 +8,12 @@ the operand's bytes per rank, the axis size, the platform and the process layout
 ============================  ==============================================================
 path                          when
 ============================  ==============================================================
-``"lax"``                     collectives: exact setting, axis of size 1, empty operand, or
-                              fewer than ``min_bytes`` per rank: the ``lax`` collective itself
-``"quantized"``               collectives at or above ``min_bytes``: the codec, per-phase bits,
-                              spikes and rotation resolved, over the ``transport``
+``"lax"``                     collectives: exact setting, axis of size 1, empty operand, the
+                              automatic choice's pick, or fewer than an int ``min_bytes`` per
+                              rank: the ``lax`` collective itself
+``"quantized"``               collectives the automatic choice quantizes (or at or above an int
+                              ``min_bytes``): the codec, per-phase bits, spikes and rotation
+                              resolved, over the ``transport``
 ``"ring"``                    ring matmuls, exact: ring steps over the ``transport``
 ``"quantized ring"``          ``all_gather_matmul`` at or above ``min_bytes``: chunks travel
                               quantized once
@@ -20,7 +22,13 @@ path                          when
                               reduce-scatter ring would add N-1 quantization errors)
 ============================  ==============================================================
 
-``transport="auto"`` resolves per op: the collectives' payloads take ``p2p`` where every peer
+``min_bytes="auto"`` (the default) asks :func:`jax_flashcomm.selection.choose` for the fastest of
+exact ``lax`` and the quantized candidates (per transport) the config and the process allow, from
+the tuning table or the cost model; the plan's ``reason`` names the choice, ``predicted_s`` its
+predicted time. A ring matmul weighs its collective (``all_gather`` of ``x``, ``psum_scatter`` of
+the product) the same way. An int ``min_bytes`` is the fixed size policy.
+
+``transport="auto"`` resolves per op (under an int ``min_bytes``): the collectives' payloads take ``p2p`` where every peer
 is a device of this process and the p2p kernels are built (docs/transport.md measured it
 faster at every size), else ``xla``; ring steps take ``xla`` (docs/transport.md, "Ring
 steps"). An explicit ``"p2p"`` that cannot run is an error naming why. ``backend="auto"``
@@ -41,7 +49,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jax_flashcomm import _axes
+from jax_flashcomm import _axes, selection
 from jax_flashcomm.config import CommConfig, auto_spikes
 from jax_flashcomm.transport import p2p as p2p_transport
 from jax_flashcomm.transport import ring as ring_transport
@@ -86,6 +94,8 @@ class Plan:
       group_size: values per group.
       backend: the codec backend the quantized path calls.
       timeout_ms: the p2p transport's limit on a wait for a peer.
+      predicted_s: the automatic choice's predicted seconds of this call (None under a fixed
+        size policy).
       config: the config the plan was made from (the cotangents' collectives use it).
     """
 
@@ -106,6 +116,7 @@ class Plan:
     group_size: int = 128
     backend: str = "auto"
     timeout_ms: int = 60_000
+    predicted_s: float | None = None
     config: CommConfig = dataclasses.field(default_factory=CommConfig, repr=False)
 
     @property
@@ -139,7 +150,8 @@ def size_policy(config: CommConfig, nbytes: int, axis_size: int) -> tuple[bool, 
       axis_size: the number of ranks.
 
     Returns:
-      ``(quantized, reason)``: whether the quantized path may run, and why (for the plan).
+      ``(quantized, reason)``: whether the quantized path may run, and why (for the plan);
+      under ``min_bytes="auto"`` True means the automatic choice weighs it.
     """
     if config.exact:
         return False, "bits=None (exact setting)"
@@ -147,6 +159,8 @@ def size_policy(config: CommConfig, nbytes: int, axis_size: int) -> tuple[bool, 
         return False, "axis size 1: nothing to communicate"
     if nbytes == 0:
         return False, "empty operand: nothing to communicate"
+    if config.auto:
+        return True, "min_bytes='auto' (the automatic choice decides)"
     if nbytes < config.min_bytes:
         return False, f"{nbytes} B < min_bytes={config.min_bytes} (latency-bound)"
     return True, f"{nbytes} B >= min_bytes={config.min_bytes}"
@@ -174,6 +188,42 @@ def _ring_transport(config: CommConfig, axes: tuple, where: str) -> str:
     if reason is not None:
         raise ValueError(f"{where}: transport='p2p' cannot run here: {reason}")
     return "p2p"
+
+
+#: The collective whose time decides an op's path under the automatic choice.
+_WEIGHED = {"all_gather_matmul": "all_gather", "matmul_reduce_scatter": "psum_scatter",
+            "psum_add_rms_norm": "psum"}
+
+
+def _auto_choice(op: str, axes: tuple, fields: dict, config: CommConfig, where: str):
+    """The automatic choice for a call (``min_bytes="auto"``; module docstring)."""
+    import jax
+
+    phases = _PHASES[op]
+    bits = (config.phase1_bits if "rs" in phases else None,
+            config.phase2_bits if "ag" in phases else None)
+    p2p_reason = None
+    if config.transport == "xla":
+        p2p_reason = "transport='xla'"
+    elif op in _RINGS:
+        p2p_reason = "ring matmul (its transport follows the ring rule)"
+    else:
+        p2p_reason = p2p_transport.unsupported_reason(axes)
+        if p2p_reason is None and config.backend == "jnp":
+            p2p_reason = "backend='jnp' (the p2p transport runs the FFI codec kernels)"
+        if config.transport == "p2p" and p2p_reason is not None:
+            raise ValueError(f"{where}: transport='p2p' cannot run here: {p2p_reason}")
+    candidates = selection.CANDIDATES
+    if config.transport == "p2p" and op not in _RINGS:
+        candidates = tuple(c for c in candidates if c.name != "quantized/xla")
+    dtype = np.dtype(fields["dtype"])
+    call = selection.Call(
+        op=_WEIGHED.get(op, op), nbytes=fields["nbytes"], itemsize=dtype.itemsize,
+        dtype=dtype.name, n=fields["axis_size"], platform=jax.default_backend(),
+        layout="in-process" if jax.process_count() == 1 else "processes",
+        p2p_reason=p2p_reason, bits=bits, group_size=config.group_size,
+        spikes=max(config.phase1_spikes, config.phase2_spikes))
+    return selection.choose(call, candidates=candidates)
 
 
 def plan(op: str, axes: tuple, shape, dtype, axis_size: int, config: CommConfig, *,
@@ -204,13 +254,19 @@ def plan(op: str, axes: tuple, shape, dtype, axis_size: int, config: CommConfig,
                   nbytes=nbytes, axis_size=int(axis_size), reason=reason,
                   group_size=config.group_size, timeout_ms=config.p2p_timeout_ms,
                   backend=config.backend, config=config)
+    chosen = None
+    if quantized and config.auto:
+        chosen = _auto_choice(op, axes, fields, config, where)
+        quantized = chosen.candidate != "lax"
+        fields.update(reason=str(chosen), predicted_s=chosen.predicted_s)
     if op in _RINGS and (not quantized or op == "all_gather_matmul"):
         transport = _ring_transport(config, axes, where)
         path = "quantized ring" if quantized else "ring"
         if quantized and config.backend == "auto":
             fields["backend"] = "jnp"
     elif quantized:
-        transport = _collective_transport(config, axes, where)
+        transport = (chosen.transport if chosen is not None and op not in _RINGS
+                     else _collective_transport(config, axes, where))
         path = "matmul, quantized" if op == "matmul_reduce_scatter" else "quantized"
     else:
         transport, path = None, "lax"
@@ -243,7 +299,7 @@ def quantized_plan(op: str, axes: tuple, shape, dtype, axis_size: int, config: C
     Raises:
       ValueError: the config is exact, the axis has one rank or the operand is empty.
     """
-    forced = dataclasses.replace(config, min_bytes=0)
+    forced = dataclasses.replace(config, min_bytes=0)  # also overrides min_bytes="auto"
     p = plan(op, axes, shape, dtype, axis_size, forced, record=False, where=where)
     if not p.quantized:
         raise ValueError(f"{where or op}: nothing to quantize ({p.reason})")

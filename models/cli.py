@@ -33,8 +33,9 @@ CONFIG_FLAGS = {
     "rs_bits": (int, "reduce-scatter phase bits"),
     "ag_bits": (int, "all-gather phase bits"),
     "group_size": (int, "values per quantization group"),
-    "min_bytes": (int, "messages below this many bytes per rank stay exact (0: quantize "
-                       "every all-reduce of the model)"),
+    "min_bytes": (str, "'auto': each call takes the path the tuning table or the cost model "
+                       "predicts fastest; an int: messages below this many bytes per rank stay "
+                       "exact (0: quantize every all-reduce of the model)"),
     "backend": (str, "codec backend: auto, ffi or jnp"),
     "grad": (str, "cotangent collectives: exact or quantized"),
     "rotation": (str, "group rotation: auto, 0/none, 1/hadamard, 2/signed_hadamard"),
@@ -237,14 +238,17 @@ def tp_list(text: str) -> list[int]:
 
 def parse_setting(name: str):
     """``(label, TPComm)`` of a setting name of ``models.compare``: ``exact``, ``overlap``,
-    ``intB`` (flash, B bits both phases), ``intR/A`` (flash, reduce-scatter R bits, all-gather
-    A bits) or ``overlap+intB``."""
+    ``intB`` (flash, B bits both phases, every all-reduce quantized), ``intR/A`` (flash,
+    reduce-scatter R bits, all-gather A bits), ``overlap+intB``, or ``auto`` / ``autoB`` (the
+    automatic choice per call, within a budget of B bits, default 8)."""
     from jax_flashcomm import CommConfig
     from jax_flashcomm.nn import TPComm
 
     kind, _, quant = name.partition("+")
     if name in ("exact", "overlap"):
         return name, TPComm(name)
+    if name.startswith("auto") and (name == "auto" or name[4:].isdigit()):
+        return name, TPComm("auto", bits=int(name[4:] or 8))
     if kind == "overlap" and quant.startswith("int"):
         kind, spec = "flash+overlap", quant[3:]
     elif kind.startswith("int") and not quant:
@@ -253,8 +257,8 @@ def parse_setting(name: str):
         spec = None
     rs, _, ag = (spec or "").partition("/")
     if spec is None or not rs.isdigit() or not (ag == "" or ag.isdigit()):
-        raise ValueError(f"unknown setting {name!r}: use exact, overlap, intB, intR/A or "
-                         f"overlap+intB")
+        raise ValueError(f"unknown setting {name!r}: use exact, overlap, intB, intR/A, "
+                         f"overlap+intB, auto or autoB")
     config = CommConfig(bits=int(rs), ag_bits=int(ag) if ag else None, min_bytes=0)
     return name, TPComm(kind, config=config)
 
@@ -292,7 +296,10 @@ def _check_comm(parser: argparse.ArgumentParser, args) -> None:
     quant = (args.bits, args.rs_bits, args.ag_bits)
     if args.comm in ("exact", "overlap") and any(b is not None for b in quant):
         parser.error(f"--comm {args.comm} does not quantize: --bits/--rs-bits/--ag-bits need "
-                     f"--comm flash or flash+overlap")
+                     f"--comm flash, flash+overlap or auto")
+    if args.comm == "auto" and args.min_bytes not in (None, "auto"):
+        parser.error(f"--comm auto chooses the path of every call; --min-bytes "
+                     f"{args.min_bytes} pins the size policy (use --comm flash)")
     try:
         comm_options(args)
     except (TypeError, ValueError, OSError) as e:
@@ -323,10 +330,10 @@ def comm_options(args) -> dict:
         config = CommConfig(**fields)
     options = {name: getattr(args, name) for name in CONFIG_FLAGS
                if getattr(args, name) is not None}
-    for name in ("rotation", "spikes"):
+    for name in ("rotation", "spikes", "min_bytes"):
         if name in options:
             options[name] = _number_or_name(options[name])
-    if args.comm in ("flash", "flash+overlap"):
+    if args.comm in ("flash", "flash+overlap", "auto"):
         CommConfig(**{**({} if config is None else dataclasses.asdict(config)), **options})
     return {"config": config, **options}
 
@@ -373,5 +380,8 @@ def describe(args) -> str:
     if args.comm in ("exact", "overlap"):
         return args.comm + fused
     c = comm_from_args(args).config
+    if args.comm == "auto":
+        return (f"auto (per call: exact or int{c.phase1_bits}/int{c.phase2_bits} G="
+                f"{c.group_size}){fused}")
     return (f"{args.comm} int{c.phase1_bits}/int{c.phase2_bits} G={c.group_size} "
             f"spikes={c.spikes} rotation={c.rotation} min_bytes={c.min_bytes}{fused}")

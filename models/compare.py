@@ -4,9 +4,10 @@
         [--prompts models/prompts.json] [--max-new-tokens 32] [--window 512] [--max-windows 6] \\
         [--json OUT]
 
-A setting is ``exact``, ``overlap``, ``intB`` (flash, B bits both phases), ``intR/A`` (flash,
-reduce-scatter R bits, all-gather A bits) or ``overlap+intB``. The weights are loaded once;
-each setting gets its own compiled engine. For each setting: perplexity over the text windows,
+A setting is ``exact``, ``overlap``, ``intB`` (flash, B bits both phases), ``intR/A``
+(flash, reduce-scatter R bits, all-gather A bits), ``overlap+intB``, or ``auto`` / ``autoB``
+(per call, exact or B-bit quantized, whichever is predicted faster; docs/autotune.md).
+The weights are loaded once; each setting gets its own compiled engine. For each setting: perplexity over the text windows,
 greedy continuations of the prompts, stopped at EOS (and how many of their tokens match the
 first setting's before the first difference, the table's "greedy match", and position by
 position), TTFT and decode tokens/s of the

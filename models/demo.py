@@ -1,7 +1,8 @@
 """The README's first command: SmolLM2-135M-Instruct tensor-parallel over 3 CPU devices, with
-exact, int8 and int4 all-reduces, side by side.
+exact, int8 and int4 all-reduces and the automatic choice (``auto``: per call, exact or int8,
+whichever the tuning table or the cost model predicts faster), side by side.
 
-    .venv/bin/python -m models.demo [--tp 3] [--settings exact,int8,int4] [--max-new-tokens 24]
+    .venv/bin/python -m models.demo [--tp 3] [--settings exact,int8,int4,auto] [--max-new-tokens 24]
 
 Fetches the model on first use (``models/fetch.py``), loads its weights once, and for each
 setting prints the TTFT and decode tokens/s of one greedy generation, the perplexity on a short
@@ -24,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--tp", type=int, default=3)
-    parser.add_argument("--settings", default="exact,int8,int4")
+    parser.add_argument("--settings", default="exact,int8,int4,auto")
     parser.add_argument("--prompt", default=PROMPT)
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--window", type=int, default=256)

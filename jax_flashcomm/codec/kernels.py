@@ -42,6 +42,7 @@ def _register(platform: str) -> bool:
         _import_errors[platform] = str(err)
         return False
     if platform == "cpu":
+        _apply_isa_rule(module)
         _apply_isa_env(module)
         _apply_threads_env(module)
     registrations = module.registrations()
@@ -72,6 +73,52 @@ def _apply_isa_env(module) -> None:
             module.set_cpu_isa(name)
         except ValueError as err:
             raise RuntimeError(f"jax_flashcomm: {err}") from None
+
+
+def _cpuinfo(field: str) -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.split(":", 1)[0].strip() == field:
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def preferred_isa(supported: list[str], vendor: str, family: str) -> str | None:
+    """The build the loader runs instead of the widest one, or None.
+
+    AMD family 25 (Zen 3 / Zen 4) runs AVX-512 on 256-bit units: there the AVX2 build does the
+    all-reduce's three passes faster (measured on a Zen 4 by ``python -m jax_flashcomm.tune``:
+    docs/autotune.md, "The CPU build"). A tuning table's measured choice overrides this rule,
+    ``FLASHCOMM_CPU_ISA`` both.
+
+    Args:
+      supported: the builds this CPU runs, best first.
+      vendor, family: ``/proc/cpuinfo``'s ``vendor_id`` and ``cpu family``.
+    """
+    if vendor == "AuthenticAMD" and family == "25" and supported[:1] == ["avx512"]:
+        return "avx2" if "avx2" in supported else None
+    return None
+
+
+def _apply_isa_rule(module) -> None:
+    name = preferred_isa(list(module.supported_isas()), _cpuinfo("vendor_id"),
+                         _cpuinfo("cpu family"))
+    if name is not None:
+        module.set_cpu_isa(name)
+
+
+def set_cpu_isa(name: str) -> None:
+    """Run the CPU codec kernels with build ``name`` from now on (unless ``FLASHCOMM_CPU_ISA``
+    names one: the environment wins).
+
+    Raises:
+      ValueError: a build this CPU cannot run.
+    """
+    if not os.environ.get(ISA_ENV, "").strip():
+        cpu_module().set_cpu_isa(name)
 
 
 THREADS_ENV = "FLASHCOMM_CPU_THREADS"
@@ -105,7 +152,8 @@ def cpu_module() -> types.ModuleType:
 def cpu_isa() -> str:
     """The instruction-set build the CPU codec kernels run: ``"avx512"`` (16 f32 lanes),
     ``"avx2"`` (8), ``"baseline"`` (SSE2 on x86-64, 4) or ``"neon"`` (aarch64, 4). The best the
-    CPU supports unless ``FLASHCOMM_CPU_ISA`` names another."""
+    CPU supports, unless :func:`preferred_isa`'s rule, a tuning table or ``FLASHCOMM_CPU_ISA``
+    names another."""
     return cpu_module().cpu_isa()
 
 

@@ -10,6 +10,11 @@ sequence-parallel ring matmuls are used; the path of every call is
   sequence with :func:`jax_flashcomm.all_gather_matmul`, row-parallel ones scatter it with
   :func:`jax_flashcomm.matmul_reduce_scatter` (ring steps next to partial matmuls,
   Flash-Overlap).
+* ``"auto"``: every all-reduce takes the fastest path its config allows, per call site
+  (``min_bytes="auto"``: exact ``lax`` or the quantized one at the config's bits, over the
+  transport that runs here, chosen from the tuning table or the cost model; docs/autotune.md).
+  The config's bits are the accuracy budget (default 8). Sequence parallelism is a choice of
+  layout for the whole model, not of one call: ``auto`` keeps the all-reduce layout.
 * ``"flash+overlap"``: the same ring matmuls with a quantized config: the all-gather ring
   carries chunks quantized once (``ag_bits``), the reduce-scatter is the local matmul then the
   quantized ``psum_scatter`` (``rs_bits``; a quantized reduce-scatter ring would add N-1
@@ -67,10 +72,13 @@ class TPComm:
         if not isinstance(axis_name, str):
             raise TypeError(f"TPComm: axis_name must be a mesh axis name (str), got "
                             f"{axis_name!r}")
-        quantized = kind.startswith("flash")
+        quantized = kind.startswith("flash") or kind == "auto"
         if config is None and not quantized:
             config = CommConfig(bits=None)
         config = config_from(config, options, "TPComm")
+        if kind == "auto" and not config.auto:
+            raise ValueError(f"TPComm: kind='auto' chooses per call; min_bytes="
+                             f"{config.min_bytes} pins the size policy (use kind='flash')")
         if quantized and config.exact:
             raise ValueError(f"TPComm: kind={kind!r} quantizes; its config has bits=None (use "
                              f"kind='exact' or 'overlap')")

@@ -1,0 +1,210 @@
+"""The automatic choice (``min_bytes="auto"``): per call, the fastest path the config allows.
+
+Each candidate is a class that says whether it can take a call and what the call would cost
+(vLLM's device communicators have this shape); :func:`choose` asks them in order and keeps the
+fastest (the first on a tie: exact ``lax`` before the quantized paths):
+
+=====================  ========================================================================
+candidate              can take the call when
+=====================  ========================================================================
+``lax``                always: the exact ``lax`` collective
+``quantized/p2p``      the peers are devices of this process and the p2p kernels run here
+``quantized/xla``      always: the codec around XLA's collectives, at the config's bits
+=====================  ========================================================================
+
+A candidate's time is the measured table's (:mod:`jax_flashcomm.tuning`, interpolated over
+sizes) where it covers the call, else the cost model's (:mod:`jax_flashcomm.costmodel`) with the
+profile of the platform and layout: the table's measured codec speed and in-process link, or the
+defaults below (measured on an AMD EPYC Zen 4 by ``python -m jax_flashcomm.tune``, docs/autotune.md);
+for peers in other processes the link profile (:func:`jax_flashcomm.tuning.link_profile`), else
+gloo over a loopback; on GPUs the cost model's GPU (H100 when the device kind is not known).
+The accuracy budget is the config's: the quantized candidates run at its bits, rotation and
+spikes; ``bits=None`` leaves only ``lax``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from jax_flashcomm import costmodel, tuning
+from jax_flashcomm.costmodel import CpuCodec, Link
+
+__all__ = ["Call", "Choice", "Candidate", "Lax", "Quantized", "CANDIDATES", "choose", "profile",
+           "Profile"]
+
+# Defaults where no table exists: `python -m jax_flashcomm.tune --quick` on an AMD EPYC Zen 4
+# (2 cores, AVX2 build; docs/autotune.md, "Defaults"): the codec's passes with 3 ranks running
+# them at once (values/s per rank) and the in-process link of a 3-device ppermute.
+CPU_CODEC_VALUES_PER_S = {"quantize": 6.8e8, "dequantize_sum_quantize": 5.8e9,
+                          "dequantize": 3.8e8}
+CPU_CODEC_CALL_S = 130e-6
+IN_PROCESS_LINK = Link(21e9, "shared", 145e-6, 0.0)
+P2P_LATENCY_S = 174e-6
+#: gloo over a loopback, 3 processes on 2 cores (docs/ttft.json, "unlimited": the 1 MiB psum's
+#: rate and the 4-byte psum's time).
+GLOO_LOOPBACK_LINK = Link(309e6, "shared", 150e-6, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What the choice weighs: ``op`` of an operand of ``nbytes`` per rank (``itemsize``-byte
+    values of ``dtype``) over ``n`` ranks, on ``platform`` with the peers ``layout``
+    (:data:`jax_flashcomm.tuning.LAYOUTS`); ``p2p_reason``: why the p2p transport cannot run
+    (None: it can); ``bits``: the quantized candidates' ``(rs_bits, ag_bits)`` (None: exact);
+    ``group_size`` and ``spikes`` of their format."""
+    op: str
+    nbytes: int
+    itemsize: int
+    dtype: str
+    n: int
+    platform: str
+    layout: str
+    p2p_reason: str | None
+    bits: tuple | None
+    group_size: int = 128
+    spikes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """The cost model's inputs for a call: the link of the exact and ``xla`` paths, the p2p
+    transport's link, the codec (an object with ``codec_pass_s``), whether ``lax`` widens bf16
+    to f32 (XLA:CPU does) and a name for reports."""
+    name: str
+    link: Link
+    p2p_link: Link | None
+    codec: object
+    widens_bf16: bool
+
+
+def profile(call: Call, table: tuning.Table | None) -> Profile:
+    """The :class:`Profile` of ``call``'s platform and layout (module docstring)."""
+    if call.platform != "cpu":
+        gpu = costmodel.GPUS[_gpu_name()]
+        return Profile(f"cost model {gpu.name}", gpu.link, gpu.link, gpu, False)
+    codec = CpuCodec(CPU_CODEC_VALUES_PER_S, CPU_CODEC_CALL_S)
+    link, p2p, source = IN_PROCESS_LINK, P2P_LATENCY_S, "defaults"
+    # the defaults were measured with 3 ranks on 2 cores: scale to n ranks on this machine's
+    share = max(1.0, call.n / (os.cpu_count() or 1)) / 1.5
+    codec = CpuCodec({k: v / share for k, v in codec.values_per_s.items()}, codec.call_s * share)
+    measured = None if table is None else table.codec.get("by_n", {}).get(str(call.n))
+    if measured:  # measured with n ranks at once: the sharing is in the figures
+        codec = CpuCodec(dict(measured["values_per_s"]), float(measured["call_s"]))
+        source = "table"
+    if table is not None and table.link.get("bytes_per_s"):
+        link = Link(float(table.link["bytes_per_s"]), "shared", float(table.link["latency_s"]))
+        p2p = float(table.link.get("p2p_latency_s", p2p))
+    if call.layout == "processes":
+        ext = tuning.link_profile()
+        return Profile(f"cost model, {'given link' if ext else 'gloo loopback'}, codec {source}",
+                       ext or GLOO_LOOPBACK_LINK, None, codec, True)
+    return Profile(f"cost model, in-process, {source}", link,
+                   dataclasses.replace(link, base_latency_s=p2p), codec, True)
+
+
+def _gpu_name() -> str:
+    import jax
+
+    kind = str(getattr(jax.devices()[0], "device_kind", ""))
+    return next((g for g in costmodel.GPUS if g in kind), "H100")
+
+
+class Candidate:
+    """A path a call can take: :meth:`unavailable` says why not (None: it can),
+    :meth:`model_s` prices it with the cost model."""
+    name = ""
+
+    def unavailable(self, call: Call) -> str | None:
+        return None
+
+    def model_s(self, call: Call, prof: Profile) -> float:
+        raise NotImplementedError
+
+
+class Lax(Candidate):
+    """The exact ``lax`` collective (XLA:CPU moves bf16 as f32)."""
+    name = "lax"
+
+    def model_s(self, call, prof):
+        wide = 2 if prof.widens_bf16 and call.dtype == "bfloat16" else 1
+        return costmodel.exact_collective(call.op, call.nbytes * wide, call.n, prof.link)
+
+
+class Quantized(Candidate):
+    """The codec at the config's bits over ``transport``."""
+
+    def __init__(self, transport: str):
+        self.transport = transport
+        self.name = f"quantized/{transport}"
+
+    def unavailable(self, call):
+        if call.bits is None:
+            return "bits=None (exact setting)"
+        if self.transport == "p2p":
+            return call.p2p_reason
+        return None
+
+    def model_s(self, call, prof):
+        link = prof.p2p_link if self.transport == "p2p" else prof.link
+        rs, ag = call.bits
+        return costmodel.flash_collective(call.op, call.nbytes, call.n, link,
+                                          prof.codec.codec_pass_s, rs or ag, ag or rs,
+                                          call.group_size, call.spikes, call.itemsize)
+
+
+#: The candidates, in the order ties are broken.
+CANDIDATES = (Lax(), Quantized("p2p"), Quantized("xla"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The chosen candidate, its predicted seconds and their source (``"table"`` or the cost
+    model's profile), and every candidate considered: ``(name, seconds or None, source or the
+    reason it could not take the call)``."""
+    candidate: str
+    predicted_s: float
+    source: str
+    considered: tuple
+
+    @property
+    def transport(self) -> str | None:
+        return self.candidate.split("/", 1)[1] if "/" in self.candidate else None
+
+    def __str__(self):
+        alts = ", ".join(f"{name} {s * 1e6:.0f} us" for name, s, _ in self.considered
+                         if s is not None and name != self.candidate)
+        return (f"auto: {self.candidate} {self.predicted_s * 1e6:.0f} us ({self.source})"
+                + (f"; {alts}" if alts else ""))
+
+
+def choose(call: Call, table: tuning.Table | None = None, *,
+           candidates=CANDIDATES) -> Choice:
+    """The fastest candidate that can take ``call``.
+
+    Args:
+      call: the :class:`Call`.
+      table: the measured table (default: :func:`jax_flashcomm.tuning.active`).
+      candidates: the candidates to consider, in tie-break order.
+
+    Returns:
+      The :class:`Choice`.
+    """
+    table = tuning.active() if table is None else table
+    prof, considered, best = None, [], None
+    for cand in candidates:
+        reason = cand.unavailable(call)
+        if reason is not None:
+            considered.append((cand.name, None, reason))
+            continue
+        bits = None if cand.name == "lax" else tuple(call.bits)
+        seconds = None if table is None else table.seconds(
+            call.op, call.layout, call.n, call.dtype, cand.name, bits, call.nbytes)
+        source = "table"
+        if seconds is None:
+            prof = prof or profile(call, table)
+            seconds, source = cand.model_s(call, prof), prof.name
+        considered.append((cand.name, seconds, source))
+        if best is None or seconds < best[1]:
+            best = (cand.name, seconds, source)
+    return Choice(best[0], best[1], best[2], tuple(considered))

@@ -1,0 +1,319 @@
+"""Measure this machine's tuning table: ``python -m jax_flashcomm.tune``.
+
+In one process on ``max(--devices)`` CPU devices, for each axis size of ``--devices``: the time
+of ``psum`` (f32 and bf16), ``psum_scatter`` and ``all_gather`` (f32) per size of ``--sizes``
+(bytes per rank), by each candidate of the automatic choice (``lax``, ``quantized/p2p``,
+``quantized/xla``) at each ``--bits``; the codec's three passes with every CPU build (the
+fastest is recorded and used from then on); and the in-process link (a ``ppermute`` at two
+sizes). The table goes to the user's cache (:func:`jax_flashcomm.tuning.table_path`) unless
+``--out`` names a file, and the cost model's predictions are printed beside the measurements
+(:func:`model_check`). A few minutes on 2 cores; ``--quick``: one axis size, four sizes.
+
+    python -m jax_flashcomm.tune [--devices 2,3,4] [--sizes 4096,...] [--bits 8,4] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import statistics
+import sys
+import time
+
+from jax_flashcomm import tuning
+
+KIB, MIB = 1024, 1024 * 1024
+SIZES = (4 * KIB, 32 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB)
+QUICK_SIZES = (4 * KIB, 64 * KIB, 1 * MIB, 4 * MIB)
+DEVICES = (2, 3, 4)
+QUICK_DEVICES = (3,)
+BITS = (8, 4)
+#: (op, dtype) pairs measured.
+OPS = (("psum", "float32"), ("psum", "bfloat16"), ("psum_scatter", "float32"),
+       ("all_gather", "float32"))
+#: The model check's bar (issue: within 25% of the measured table).
+TOLERANCE = 0.25
+
+
+def _progress(done: int, total: int, start: float, what: str, out=sys.stderr) -> None:
+    width, elapsed = 30, time.perf_counter() - start
+    filled = width * done // max(total, 1)
+    eta = f", {elapsed / done * (total - done):.0f} s left" if 0 < done < total else ""
+    out.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total}, {elapsed:.0f} s"
+              f"{eta}  {what[:44]:<44}")
+    if done == total:
+        out.write("\n")
+    out.flush()
+
+
+def _median_s(fn, x, reps: int, budget_s: float = 2.0) -> float:
+    import jax
+
+    jax.block_until_ready(fn(x))
+    times, start = [], time.perf_counter()
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        times.append(time.perf_counter() - t)
+        if time.perf_counter() - start > budget_s and len(times) >= 3:
+            break
+    return statistics.median(times)
+
+
+def _candidate_fn(op: str, candidate: str, bits, mesh):
+    """A jitted shard_map running ``op`` by ``candidate`` on a ``(n, m)`` operand."""
+    import jax
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    from jax_flashcomm import allreduce, scatter_gather
+    from jax_flashcomm.config import CommConfig
+
+    if candidate == "lax":
+        body = {"psum": lambda v: lax.psum(v, "i"),
+                "psum_scatter": lambda v: lax.psum_scatter(v, "i", tiled=True),
+                "all_gather": lambda v: lax.all_gather(v, "i", tiled=True)}[op]
+    else:
+        cfg = CommConfig(bits=bits[0] or bits[1], rs_bits=bits[0], ag_bits=bits[1],
+                         min_bytes=0, transport=candidate.split("/")[1], backend="ffi")
+        body = {"psum": lambda v: allreduce.psum(v, "i", config=cfg),
+                "psum_scatter": lambda v: scatter_gather.psum_scatter(v, "i", tiled=True,
+                                                                      config=cfg),
+                "all_gather": lambda v: scatter_gather.all_gather(v, "i", tiled=True,
+                                                                  config=cfg)}[op]
+    out = P() if op == "psum" else P("i")
+    return jax.jit(jax.shard_map(lambda v: body(v[0]), mesh=mesh, in_specs=P("i"),
+                                 out_specs=out, check_vma=False))
+
+
+def _phase_bits(op: str, b: int):
+    return {"psum": (b, b), "psum_scatter": (b, None), "all_gather": (None, b)}[op]
+
+
+def measure_collectives(devices, sizes, bits, reps, start, step, total, p2p: bool):
+    """The :class:`~jax_flashcomm.tuning.Measurement` rows."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rows = []
+    for n in devices:
+        mesh = jax.make_mesh((n,), ("i",), devices=jax.devices()[:n],
+                             axis_types=(jax.sharding.AxisType.Explicit,))
+        for op, dtype in OPS:
+            for size in sizes:
+                m = max(size // np.dtype(dtype).itemsize, n)
+                m -= m % n
+                x = jax.device_put(jax.random.normal(jax.random.key(0), (n, m), dtype),
+                                   NamedSharding(mesh, P("i")))
+                cands = [("lax", None)] + [(f"quantized/{t}", _phase_bits(op, b))
+                                           for t in (("p2p", "xla") if p2p else ("xla",))
+                                           for b in bits]
+                for cand, b in cands:
+                    seconds = _median_s(_candidate_fn(op, cand, b, mesh), x, reps)
+                    rows.append(tuning.Measurement(op, "in-process", n, dtype,
+                                                   m * np.dtype(dtype).itemsize, cand, b,
+                                                   seconds))
+                    step[0] += 1
+                    _progress(step[0], total, start, f"N={n} {op} {dtype} {size} B {cand}")
+                del x
+    return rows
+
+
+def measure_codec(reps: int, devices) -> dict:
+    """The fastest CPU build for the all-reduce's three passes (8 bits, 4 MiB of bf16, each
+    build), and with it, per axis size ``n``, the values/s of each pass when ``n`` ranks run it
+    at once (as they do inside a collective), in the collectives' default 8-bit format (Hadamard
+    rotation) on 256 Ki f32 values per rank (a 1 MiB message), less the fixed cost of a call
+    (one group)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jax_flashcomm import codec
+
+    x = jax.random.normal(jax.random.key(0), (2 * MIB,), jnp.bfloat16)
+    q = jax.jit(lambda a: codec.quantize(a, bits=8, backend="ffi"))
+    d = jax.jit(lambda p: codec.dequantize(p, backend="ffi"))
+    f = jax.jit(lambda p: codec.dequantize_sum_quantize(p, backend="ffi"))
+    chunked = codec.quantize(x, bits=8, num_chunks=4).split_groups(4)
+    per_isa = {}
+    for isa in codec.cpu_isas():
+        with codec.use_cpu_isa(isa):
+            per_isa[isa] = (_median_s(q, x, reps) + _median_s(f, chunked, reps)
+                            + _median_s(d, q(x), reps))
+    best = min(per_isa, key=per_isa.get)
+
+    def ranked(n, m):
+        mesh = jax.make_mesh((n,), ("i",), devices=jax.devices()[:n],
+                             axis_types=(jax.sharding.AxisType.Explicit,))
+        sm = lambda body: jax.jit(jax.shard_map(  # noqa: E731
+            lambda v: body(v[0])[None], mesh=mesh, in_specs=P("i"), out_specs=P("i"),
+            check_vma=False))
+        enc = lambda v: codec.quantize(v, bits=8, rotation=1, num_chunks=n,  # noqa: E731
+                                       backend="ffi")
+        qn = sm(lambda v: enc(v).codes)
+        fn = sm(lambda v: codec.dequantize_sum_quantize(enc(v).split_groups(n),
+                                                        backend="ffi").codes)
+        dn = sm(lambda v: codec.dequantize(enc(v), backend="ffi"))
+        v = jax.device_put(jax.random.normal(jax.random.key(1), (n, m), jnp.float32),
+                           NamedSharding(mesh, P("i")))
+        tq = _median_s(qn, v, reps)
+        return {"quantize": tq, "dequantize_sum_quantize": _median_s(fn, v, reps) - tq,
+                "dequantize": _median_s(dn, v, reps) - tq}
+
+    by_n = {}
+    with codec.use_cpu_isa(best):
+        for n in devices:
+            small = ranked(n, 128 * n)
+            call = small["quantize"]
+            t = ranked(n, 256 * KIB)
+            by_n[str(n)] = {"call_s": call, "values_per_s": {
+                k: 256 * KIB / max(v - call, 1e-9) for k, v in t.items()}}
+    return {"isa": best, "isa_seconds": per_isa, "by_n": by_n}
+
+
+def measure_link(n: int, reps: int, p2p: bool) -> dict:
+    """The in-process link from a ``ppermute`` ring step at 64 KiB and 4 MiB per rank (every
+    rank sends its message at once: ``n`` messages cross the shared memory), and the p2p
+    transport's latency from a 4-value p2p all-gather less one codec call pair."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((n,), ("i",), devices=jax.devices()[:n],
+                         axis_types=(jax.sharding.AxisType.Explicit,))
+    perm = [(i, (i + 1) % n) for i in range(n)]
+    fn = jax.jit(jax.shard_map(lambda v: lax.ppermute(v, "i", perm), mesh=mesh,
+                               in_specs=P("i"), out_specs=P("i")))
+    t = {}
+    for size in (64 * KIB, 4 * MIB):
+        x = jax.device_put(jnp.ones((n * size // 4,), jnp.float32), NamedSharding(mesh, P("i")))
+        t[size] = _median_s(fn, x, reps)
+    rate = n * (4 * MIB - 64 * KIB) / max(t[4 * MIB] - t[64 * KIB], 1e-9)
+    latency = max(0.0, t[64 * KIB] - n * 64 * KIB / rate)
+    out = {"bytes_per_s": rate, "latency_s": latency, "n": n, "ppermute_s": t}
+    if p2p:
+        from jax_flashcomm.config import CommConfig
+        from jax_flashcomm.scatter_gather import all_gather
+
+        cfg = CommConfig(bits=8, min_bytes=0, transport="p2p", backend="ffi")
+        g = jax.jit(jax.shard_map(lambda v: all_gather(v, "i", tiled=True, config=cfg),
+                                  mesh=mesh, in_specs=P("i"), out_specs=P("i"),
+                                  check_vma=False))
+        x = jax.device_put(jnp.ones((n * 128,), jnp.float32), NamedSharding(mesh, P("i")))
+        out["p2p_latency_s"] = _median_s(g, x, reps)
+    return out
+
+
+def model_check(table: tuning.Table, min_bytes: int = 0) -> dict:
+    """The cost model's prediction of every row of ``table`` at or above ``min_bytes``
+    (its inputs: the table's codec and link entries, not its rows) and the largest error.
+
+    Returns:
+      ``{"rows": [{..., "predicted_s", "err"}], "max_abs_err", "within_tolerance"}``.
+    """
+    import numpy as np
+
+    from jax_flashcomm import selection
+
+    out = []
+    cands = {c.name: c for c in selection.CANDIDATES}
+    for r in table.rows:
+        if r.nbytes < min_bytes:
+            continue
+        call = selection.Call(op=r.op, nbytes=r.nbytes, itemsize=np.dtype(r.dtype).itemsize,
+                              dtype=r.dtype, n=r.n, platform="cpu", layout=r.layout,
+                              p2p_reason=None, bits=r.bits)
+        pred = cands[r.candidate].model_s(call, selection.profile(call, table))
+        out.append({**dataclasses.asdict(r), "predicted_s": pred, "err": pred / r.seconds - 1})
+    worst = max((abs(r["err"]) for r in out), default=math.nan)
+    return {"rows": out, "max_abs_err": worst, "within_tolerance": worst <= TOLERANCE,
+            "min_bytes": min_bytes}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jax_flashcomm.tune", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--devices", default=None, help="axis sizes, comma-separated (default "
+                    f"{','.join(map(str, DEVICES))}; --quick: {QUICK_DEVICES[0]})")
+    ap.add_argument("--sizes", default=None, help="bytes per rank, comma-separated")
+    ap.add_argument("--bits", default=",".join(map(str, BITS)))
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=None, help="write the table here (default: the cache)")
+    ap.add_argument("--check-min-bytes", type=int, default=256 * KIB,
+                    help="the model check covers rows of at least this many bytes")
+    args = ap.parse_args(argv)
+
+    def ints(text, what):
+        try:
+            values = tuple(int(v) for v in text.split(","))
+        except ValueError:
+            ap.error(f"--{what}: not a comma-separated list of ints: {text!r}")
+        if not values or min(values) < (2 if what == "devices" else 1):
+            ap.error(f"--{what}: values must be >= {2 if what == 'devices' else 1}")
+        return values
+
+    devices = ints(args.devices, "devices") if args.devices else (
+        QUICK_DEVICES if args.quick else DEVICES)
+    sizes = ints(args.sizes, "sizes") if args.sizes else (QUICK_SIZES if args.quick else SIZES)
+    bits = ints(args.bits, "bits")
+    if any(not 2 <= b <= 8 for b in bits):
+        ap.error("--bits: each must be in 2..8")
+    if args.reps < 1:
+        ap.error("--reps must be >= 1")
+
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", max(devices))
+    except RuntimeError as e:
+        ap.error(f"run it in a fresh process (JAX has started: {e})")
+    from jax_flashcomm.codec import kernels
+
+    if not kernels.available("cpu"):
+        print("jax_flashcomm.tune: the CPU kernels are not built: nothing to tune (the "
+              "automatic choice uses the cost model)", file=sys.stderr)
+        return 2
+    p2p = jax.process_count() == 1
+    key = tuning.machine_key()
+    print(f"tuning on {key['cpu']} ({key['cores']} cores), jax {key['jax']}, axis sizes "
+          f"{list(devices)}, sizes {list(sizes)} B, bits {list(bits)}", flush=True)
+    start = time.perf_counter()
+    codec_info = measure_codec(args.reps, devices)
+    print("codec builds (seconds of quantize + fused + dequantize, 4 MiB bf16): "
+          + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in codec_info["isa_seconds"].items())
+          + f"; fastest: {codec_info['isa']}", flush=True)
+    from jax_flashcomm import codec
+
+    with codec.use_cpu_isa(codec_info["isa"]):
+        link = measure_link(devices[0], args.reps, p2p)
+        per = len(OPS) * len(sizes) * (1 + len(bits) * (2 if p2p else 1))
+        step = [0]
+        rows = measure_collectives(devices, sizes, bits, args.reps, start, step,
+                                   per * len(devices), p2p)
+    table = tuning.Table(key=key, rows=tuple(rows), codec=codec_info, link=link,
+                         created=tuning.now())
+    path = tuning.save(table, args.out)
+    check = model_check(table, args.check_min_bytes)
+    print(f"\n{'N':>2} {'op':<13}{'dtype':<9}{'bytes':>9}  {'candidate':<14}{'bits':<9}"
+          f"{'measured':>10}{'model':>10}{'error':>8}")
+    for r in check["rows"]:
+        print(f"{r['n']:>2} {r['op']:<13}{r['dtype']:<9}{r['nbytes']:>9}  {r['candidate']:<14}"
+              f"{str(r['bits']):<9}{r['seconds'] * 1e3:>9.3f}m{r['predicted_s'] * 1e3:>9.3f}m"
+              f"{r['err']:>+8.0%}")
+    print(f"cost model vs measured (rows >= {args.check_min_bytes} B): largest |error| "
+          f"{check['max_abs_err']:.0%}, within {TOLERANCE:.0%}: {check['within_tolerance']}")
+    print(f"wrote {path} ({time.perf_counter() - start:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

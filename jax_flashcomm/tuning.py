@@ -1,0 +1,347 @@
+"""The per-machine tuning table the automatic choice reads, its cache, and the link profile.
+
+``python -m jax_flashcomm.tune`` measures a :class:`Table` once per machine (collective times
+per op, size, axis size, dtype and candidate path; the codec's speed per CPU build; the
+in-process link) and saves it in the user's cache directory, keyed by :func:`machine_key`: the
+CPU, the library (its version and a hash of its compiled kernels), JAX and jaxlib versions, and
+the link. A key that no longer matches (a new JAX, a rebuilt kernel library, another CPU) makes
+the table stale: :func:`active` ignores it and the choice falls back to the cost model until the
+command is run again.
+
+Where the table is:
+
+* ``FLASHCOMM_TUNING_TABLE=FILE``: that file (``off``: no table at all);
+* else ``<cache>/tune-<key digest>.json``, ``<cache>`` being ``FLASHCOMM_CACHE_DIR``, else
+  ``$XDG_CACHE_HOME/jax_flashcomm``, else ``~/.cache/jax_flashcomm``.
+
+The link between processes cannot be read off the machine: :func:`link_profile` gives it (set by
+:func:`use_link`, or ``FLASHCOMM_LINK="rate=400mbit,latency=0.2ms,topology=shared"``), and the
+choice prices peers in other processes with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import math
+import os
+import pathlib
+import platform
+import re
+import time
+
+from jax_flashcomm.costmodel import Link
+
+__all__ = ["Table", "Measurement", "machine_key", "key_digest", "cache_dir", "table_path",
+           "save", "load", "active", "clear", "use_table", "link_profile", "use_link",
+           "parse_link", "TABLE_VERSION", "LAYOUTS"]
+
+logger = logging.getLogger("jax_flashcomm")
+
+TABLE_VERSION = 1
+TABLE_ENV = "FLASHCOMM_TUNING_TABLE"
+CACHE_ENV = "FLASHCOMM_CACHE_DIR"
+LINK_ENV = "FLASHCOMM_LINK"
+#: Where a call's peers are: devices of this process, or other processes.
+LAYOUTS = ("in-process", "processes")
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """One measured time: ``op`` over ``n`` ranks of a ``dtype`` operand of ``nbytes`` per rank,
+    by ``candidate`` (``"lax"``, ``"quantized/xla"``, ``"quantized/p2p"``) at ``bits``
+    (``(rs_bits, ag_bits)`` of the quantized candidates, ``None`` for ``lax``)."""
+    op: str
+    layout: str
+    n: int
+    dtype: str
+    nbytes: int
+    candidate: str
+    bits: tuple | None
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """A machine's measurements (``python -m jax_flashcomm.tune`` writes one).
+
+    Attributes:
+      key: the :func:`machine_key` it was measured under.
+      rows: the :class:`Measurement` s.
+      codec: ``{"values_per_s": {pass: values/s}, "call_s": s, "isa": the fastest build,
+        "isa_seconds": {build: seconds of the all-reduce's three passes}}`` (CPU).
+      link: ``{"bytes_per_s", "latency_s"}`` of the in-process link (a ``ppermute``).
+      created: when (ISO 8601, UTC).
+    """
+    key: dict
+    rows: tuple = ()
+    codec: dict = dataclasses.field(default_factory=dict)
+    link: dict = dataclasses.field(default_factory=dict)
+    created: str = ""
+
+    def seconds(self, op: str, layout: str, n: int, dtype: str, candidate: str, bits,
+                nbytes: int) -> float | None:
+        """The time of a call, interpolated in log-log between the two nearest measured sizes;
+        below the smallest, the smallest's time (latency-bound); above the largest, scaled with
+        the bytes (bandwidth-bound). None when no row matches.
+
+        Args:
+          op, layout, n, dtype, candidate, bits: as :class:`Measurement`.
+          nbytes: the operand's bytes per rank.
+        """
+        bits = None if bits is None else tuple(bits)
+        pts = sorted((r.nbytes, r.seconds) for r in self.rows
+                     if (r.op, r.layout, r.n, r.dtype, r.candidate, r.bits)
+                     == (op, layout, n, dtype, candidate, bits))
+        if not pts:
+            return None
+        if nbytes <= pts[0][0]:
+            return pts[0][1]
+        if nbytes >= pts[-1][0]:
+            return pts[-1][1] * nbytes / pts[-1][0]
+        for (s0, t0), (s1, t1) in zip(pts, pts[1:]):
+            if s0 <= nbytes <= s1:
+                f = math.log(nbytes / s0) / math.log(s1 / s0)
+                return math.exp(math.log(t0) + f * math.log(t1 / t0))
+        return None  # unreachable: the sizes bracket nbytes
+
+    def to_json(self) -> dict:
+        return {"version": TABLE_VERSION, "key": self.key, "created": self.created,
+                "codec": self.codec, "link": self.link,
+                "rows": [dataclasses.asdict(r) for r in self.rows]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Table:
+        """A table from :meth:`to_json`'s dict.
+
+        Raises:
+          ValueError: another version, or a malformed table.
+        """
+        if not isinstance(data, dict) or data.get("version") != TABLE_VERSION:
+            raise ValueError(f"not a version-{TABLE_VERSION} tuning table")
+        try:
+            rows = tuple(Measurement(**{**r, "bits": None if r["bits"] is None
+                                        else tuple(r["bits"])}) for r in data["rows"])
+            return cls(key=dict(data["key"]), rows=rows, codec=dict(data.get("codec", {})),
+                       link=dict(data.get("link", {})), created=str(data.get("created", "")))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"malformed tuning table ({e})") from None
+
+
+def _kernel_hash() -> str:
+    """A hash of the compiled kernel library (a rebuild changes the speeds)."""
+    from jax_flashcomm.codec import kernels
+
+    try:
+        path = pathlib.Path(kernels.cpu_module().__file__)
+    except Exception:  # noqa: BLE001 - not built: the jnp twin only
+        return "none"
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@functools.cache
+def machine_key(link: str = "in-process") -> dict:
+    """What a table's measurements depend on: the CPU (model, features, cores), the library
+    (version, kernel hash), JAX and jaxlib versions, and the link.
+
+    Args:
+      link: the link the table measured (``"in-process"`` for ``python -m
+        jax_flashcomm.tune``).
+    """
+    import importlib.metadata
+
+    import jax
+    import jaxlib
+
+    from jax_flashcomm.codec import kernels
+
+    try:
+        features = kernels.cpu_features()
+    except Exception:  # noqa: BLE001
+        features = ""
+    return {"cpu": _cpu_name(), "features": features, "cores": os.cpu_count(),
+            "machine": platform.machine(),
+            "library": importlib.metadata.version("jax_flashcomm"),
+            "kernels": _kernel_hash(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "link": link}
+
+
+def key_digest(key: dict) -> str:
+    """A short hash of a :func:`machine_key` (the table's file name)."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cache_dir() -> pathlib.Path:
+    """The folder tables are cached in (module docstring)."""
+    if os.environ.get(CACHE_ENV):
+        return pathlib.Path(os.environ[CACHE_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(base) / "jax_flashcomm"
+
+
+def table_path(key: dict | None = None) -> pathlib.Path:
+    """Where the table of ``key`` (default: this machine's) is cached."""
+    return cache_dir() / f"tune-{key_digest(key or machine_key())}.json"
+
+
+def save(table: Table, path: pathlib.Path | str | None = None) -> pathlib.Path:
+    """Write ``table`` (atomically) to ``path`` (default: the cache path of its key).
+
+    Returns:
+      The path written.
+    """
+    path = pathlib.Path(path) if path is not None else table_path(table.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(table.to_json(), indent=1) + "\n")
+    os.replace(tmp, path)
+    clear()
+    return path
+
+
+def load(path: pathlib.Path | str | None = None, *, key: dict | None = None) -> Table | None:
+    """The table at ``path`` (default: this machine's cache path), or None when there is none
+    or it is stale (its key is not ``key``, default: this machine's).
+
+    Raises:
+      ValueError: the file is not a tuning table.
+    """
+    path = pathlib.Path(path) if path is not None else table_path(key)
+    if not path.is_file():
+        return None
+    try:
+        table = Table.from_json(json.loads(path.read_text()))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    want = key or machine_key()
+    if table.key != want:
+        changed = sorted(k for k in set(want) | set(table.key) if want.get(k) != table.key.get(k))
+        logger.warning("jax_flashcomm: the tuning table %s is stale (%s changed); re-run "
+                       "`python -m jax_flashcomm.tune`", path, ", ".join(changed))
+        return None
+    return table
+
+
+_override: contextvars.ContextVar = contextvars.ContextVar("jax_flashcomm_table", default=False)
+
+
+@functools.cache
+def _cached_active() -> Table | None:
+    env = os.environ.get(TABLE_ENV, "").strip()
+    if env.lower() == "off":
+        return None
+    try:
+        table = load(env or None, key=None) if env else load()
+    except ValueError as e:
+        logger.warning("jax_flashcomm: ignoring the tuning table: %s", e)
+        return None
+    apply_isa(table)
+    return table
+
+
+def apply_isa(table: Table | None) -> None:
+    """Run the CPU codec with the build ``table`` measured fastest (``FLASHCOMM_CPU_ISA``
+    still wins)."""
+    from jax_flashcomm.codec import kernels
+
+    isa = None if table is None else table.codec.get("isa")
+    if isa and kernels.available("cpu") and isa in kernels.cpu_isas():
+        kernels.set_cpu_isa(isa)
+
+
+def active() -> Table | None:
+    """The table the automatic choice reads now (:func:`use_table`'s, else the environment's or
+    the cache's; loaded once per process), or None."""
+    table = _override.get()
+    return _cached_active() if table is False else table
+
+
+def clear() -> None:
+    """Forget the loaded table (the next :func:`active` reads the file again)."""
+    _cached_active.cache_clear()
+
+
+@contextlib.contextmanager
+def use_table(table: Table | None):
+    """Inside the block, :func:`active` is ``table`` (None: no table; the cost model decides)."""
+    token = _override.set(table)
+    try:
+        yield table
+    finally:
+        _override.reset(token)
+
+
+# --- the link between processes -----------------------------------------------------------------
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
+_TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
+
+
+def parse_link(text: str) -> Link:
+    """A :class:`~jax_flashcomm.costmodel.Link` from ``"rate=400mbit,latency=0.2ms,
+    topology=shared"`` (rate in tc units: ``bit`` or ``bps`` = bytes/s, k/m/g = 10^3/6/9;
+    latency per collective in s, ms or us; topology shared or switched, default shared).
+
+    Raises:
+      ValueError: a malformed profile.
+    """
+    fields = dict(part.split("=", 1) for part in str(text).split(",") if "=" in part)
+    bad = set(fields) - {"rate", "latency", "topology"}
+    if bad or "rate" not in fields:
+        raise ValueError(f"{LINK_ENV}: expected rate=...[,latency=...][,topology=...], got "
+                         f"{text!r}")
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmg]?)(bit|bps)\s*", fields["rate"].lower())
+    if not m:
+        raise ValueError(f"{LINK_ENV}: not a rate: {fields['rate']!r} (e.g. 400mbit)")
+    rate = float(m[1]) * _UNITS[m[2]] / (8 if m[3] == "bit" else 1)
+    lat = 0.0
+    if "latency" in fields:
+        t = re.fullmatch(r"\s*([0-9.]+)\s*(s|ms|us)\s*", fields["latency"].lower())
+        if not t:
+            raise ValueError(f"{LINK_ENV}: not a latency: {fields['latency']!r} (e.g. 0.2ms)")
+        lat = float(t[1]) * _TIME[t[2]]
+    return Link(rate, fields.get("topology", "shared").strip(), lat, 0.0)
+
+
+_link: contextvars.ContextVar = contextvars.ContextVar("jax_flashcomm_link", default=None)
+
+
+def link_profile() -> Link | None:
+    """The link between processes the choice prices: :func:`use_link`'s, else
+    ``FLASHCOMM_LINK``'s, else None (the library's default profile)."""
+    link = _link.get()
+    if link is None and os.environ.get(LINK_ENV):
+        link = parse_link(os.environ[LINK_ENV])
+    return link
+
+
+@contextlib.contextmanager
+def use_link(link: Link | None):
+    """Inside the block, calls whose peers are other processes are priced on ``link``."""
+    token = _link.set(link)
+    try:
+        yield link
+    finally:
+        _link.reset(token)
+
+
+def now() -> str:
+    """The current time for :attr:`Table.created`."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
