@@ -26,7 +26,7 @@ import dataclasses
 from jax_flashcomm.codec import spec
 
 __all__ = ["Link", "Gpu", "GPUS", "CpuCodec", "MIB", "BF16", "PASSES", "wire_bytes_per_element",
-           "exact_allreduce", "flash_allreduce", "exact_collective", "flash_collective",
+           "exact_allreduce", "flash_allreduce", "exact_collective", "flash_collective", "nccl_ll_link",
            "gpu_allreduce_speedup"]
 
 MIB = 2**20
@@ -40,6 +40,9 @@ NVLINK4_BYTES_PER_S = 18 * 25e9                     # H100 SXM: 450 GB/s per dir
 LINK_EFFICIENCY = 0.8          # assumed: achieved share of the signalling rate, large transfers
 NCCL_BASE_LATENCY_S = 8.4e-6   # NCCL tuning.cc baseLat, Ring/Simple: once per collective
 NCCL_STEP_LATENCY_S = 5.7e-6   # NCCL tuning.cc hwLat, Ring/Simple, NVLink and PCI: per step
+NCCL_LL_BASE_LATENCY_S = 3.6e-6   # NCCL tuning.h baseLat, Ring/LL: small messages
+NCCL_LL_STEP_LATENCY_S = 0.47e-6  # NCCL tuning.h hwLat, Ring/LL, NVLink: per step
+NCCL_LL_BANDWIDTH_SHARE = 0.5     # LL lines carry 4 bytes of data per 8 (flag + data)
 KERNEL_LAUNCH_S = 4e-6         # assumed: one codec kernel launch
 CODEC_EFFICIENCY = 0.5         # assumed: codec kernels' share of HBM bandwidth (bytes in + out)
 PREFILL_MFU = 0.5              # assumed: achieved share of dense bf16 peak in prefill
@@ -110,6 +113,13 @@ class CpuCodec:
 
 _link = lambda peak, topology: Link(peak * LINK_EFFICIENCY, topology, NCCL_BASE_LATENCY_S,  # noqa: E731
                                    NCCL_STEP_LATENCY_S)
+
+
+def nccl_ll_link(link: Link) -> Link:
+    """The same link under NCCL's LL protocol (what it picks for small messages): lower
+    latency, half the bandwidth."""
+    return Link(link.bytes_per_s * NCCL_LL_BANDWIDTH_SHARE, link.topology,
+                NCCL_LL_BASE_LATENCY_S, NCCL_LL_STEP_LATENCY_S)
 GPUS = {"L40": Gpu("L40", _link(PCIE4_X16_BYTES_PER_S, "shared"), L40_HBM, L40_FLOPS),
         "A100": Gpu("A100", _link(NVLINK3_BYTES_PER_S, "switched"), A100_HBM, A100_FLOPS),
         "H100": Gpu("H100", _link(NVLINK4_BYTES_PER_S, "switched"), H100_HBM, H100_FLOPS)}

@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     import jax
 
 __all__ = ["Plan", "Decision", "plan", "quantized_plan", "as_plan", "record", "size_policy",
+           "quantizes",
            "OPS", "PATHS"]
 
 logger = logging.getLogger("jax_flashcomm")
@@ -197,12 +198,6 @@ _WEIGHED = {"all_gather_matmul": "all_gather", "matmul_reduce_scatter": "psum_sc
 
 def _auto_choice(op: str, axes: tuple, fields: dict, config: CommConfig, where: str):
     """The automatic choice for a call (``min_bytes="auto"``; module docstring)."""
-    import jax
-
-    phases = _PHASES[op]
-    bits = (config.phase1_bits if "rs" in phases else None,
-            config.phase2_bits if "ag" in phases else None)
-    p2p_reason = None
     if config.transport == "xla":
         p2p_reason = "transport='xla'"
     elif op in _RINGS:
@@ -213,17 +208,52 @@ def _auto_choice(op: str, axes: tuple, fields: dict, config: CommConfig, where: 
             p2p_reason = "backend='jnp' (the p2p transport runs the FFI codec kernels)"
         if config.transport == "p2p" and p2p_reason is not None:
             raise ValueError(f"{where}: transport='p2p' cannot run here: {p2p_reason}")
+    return _choose(op, fields["nbytes"], fields["axis_size"], fields["dtype"], config,
+                   p2p_reason)
+
+
+def _choose(op, nbytes, axis_size, dtype, config, p2p_reason):
+    import jax
+
+    phases = _PHASES[op]
+    bits = (config.phase1_bits if "rs" in phases else None,
+            config.phase2_bits if "ag" in phases else None)
     candidates = selection.CANDIDATES
     if config.transport == "p2p" and op not in _RINGS:
         candidates = tuple(c for c in candidates if c.name != "quantized/xla")
-    dtype = np.dtype(fields["dtype"])
+    dtype = np.dtype(dtype)
     call = selection.Call(
-        op=_WEIGHED.get(op, op), nbytes=fields["nbytes"], itemsize=dtype.itemsize,
-        dtype=dtype.name, n=fields["axis_size"], platform=jax.default_backend(),
+        op=_WEIGHED.get(op, op), nbytes=int(nbytes), itemsize=dtype.itemsize, dtype=dtype.name,
+        n=int(axis_size), platform=jax.default_backend(),
         layout="in-process" if jax.process_count() == 1 else "processes",
         p2p_reason=p2p_reason, bits=bits, group_size=config.group_size,
         spikes=max(config.phase1_spikes, config.phase2_spikes))
     return selection.choose(call, candidates=candidates)
+
+
+def quantizes(op: str, nbytes: int, axis_size: int, dtype, config: CommConfig) -> bool:
+    """Whether :func:`plan` quantizes a call of ``op``, asked outside a trace (by callers that
+    choose a structure from it: the rewrite's fusions, byte counts). The p2p transport is
+    assumed where this process's devices are the peers and the platform has its kernels.
+
+    Args:
+      op: one of :data:`OPS`.
+      nbytes: the operand's bytes per rank (the product's for ``matmul_reduce_scatter``).
+      axis_size: the number of ranks.
+      dtype: the operand's dtype.
+      config: the call's :class:`~jax_flashcomm.CommConfig`.
+    """
+    import jax
+
+    quantized, _ = size_policy(config, int(nbytes), int(axis_size))
+    if not (quantized and config.auto):
+        return quantized
+    p2p_reason = None
+    if op in _RINGS or config.transport == "xla" or config.backend == "jnp":
+        p2p_reason = "not the p2p transport"
+    elif jax.process_count() != 1 or p2p_transport.kernel_platform(jax.default_backend()) is None:
+        p2p_reason = "no p2p transport here"
+    return _choose(op, nbytes, axis_size, dtype, config, p2p_reason).candidate != "lax"
 
 
 def plan(op: str, axes: tuple, shape, dtype, axis_size: int, config: CommConfig, *,

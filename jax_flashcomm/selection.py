@@ -70,19 +70,22 @@ class Call:
 class Profile:
     """The cost model's inputs for a call: the link of the exact and ``xla`` paths, the p2p
     transport's link, the codec (an object with ``codec_pass_s``), whether ``lax`` widens bf16
-    to f32 (XLA:CPU does) and a name for reports."""
+    to f32 (XLA:CPU does), a name for reports, and the link the exact collective may take for
+    small messages instead (NCCL's LL protocol on GPUs)."""
     name: str
     link: Link
     p2p_link: Link | None
     codec: object
     widens_bf16: bool
+    small_link: Link | None = None
 
 
 def profile(call: Call, table: tuning.Table | None) -> Profile:
     """The :class:`Profile` of ``call``'s platform and layout (module docstring)."""
     if call.platform != "cpu":
         gpu = costmodel.GPUS[_gpu_name()]
-        return Profile(f"cost model {gpu.name}", gpu.link, gpu.link, gpu, False)
+        return Profile(f"cost model {gpu.name}", gpu.link, gpu.link, gpu, False,
+                       costmodel.nccl_ll_link(gpu.link))
     codec = CpuCodec(CPU_CODEC_VALUES_PER_S, CPU_CODEC_CALL_S)
     link, p2p, source = IN_PROCESS_LINK, P2P_LATENCY_S, "defaults"
     # the defaults were measured with 3 ranks on 2 cores: scale to n ranks on this machine's
@@ -128,7 +131,9 @@ class Lax(Candidate):
 
     def model_s(self, call, prof):
         wide = 2 if prof.widens_bf16 and call.dtype == "bfloat16" else 1
-        return costmodel.exact_collective(call.op, call.nbytes * wide, call.n, prof.link)
+        links = [prof.link] + ([prof.small_link] if prof.small_link else [])
+        return min(costmodel.exact_collective(call.op, call.nbytes * wide, call.n, link)
+                   for link in links)
 
 
 class Quantized(Candidate):

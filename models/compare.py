@@ -7,18 +7,20 @@
 A setting is ``exact``, ``overlap``, ``intB`` (flash, B bits both phases), ``intR/A``
 (flash, reduce-scatter R bits, all-gather A bits), ``overlap+intB``, or ``auto`` / ``autoB``
 (per call, exact or B-bit quantized, whichever is predicted faster; docs/autotune.md).
-The weights are loaded once; each setting gets its own compiled engine. For each setting: perplexity over the text windows,
-greedy continuations of the prompts, stopped at EOS (and how many of their tokens match the
-first setting's before the first difference, the table's "greedy match", and position by
-position), TTFT and decode tokens/s of the
-first prompt, and the bytes each rank sends in one decode step's all-reduces.
+The weights are loaded once; each setting gets its own compiled engine. For each setting:
+perplexity over the text windows, greedy continuations of the prompts, stopped at EOS (and how
+many of their tokens match the first setting's before the first difference, the table's
+"greedy match", and position by position), TTFT and decode tokens/s of the first prompt, and
+the bytes each rank sends in one decode step's all-reduces.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
+import statistics
 import sys
 import time
 
@@ -49,12 +51,8 @@ def matching(a, b) -> tuple[int, int]:
 
 def run(model, ckpt, mesh, settings, *, text=None, window=512, max_windows=6, prompts=(),
         max_new_tokens=32, log=sys.stderr) -> list[dict]:
-    import numpy as np
-
-    from models.engine import Engine
-    from models.eval import nll_fn, progress, window_tokens
-    from models.llama import set_comm
-    from models.traffic import allreduce_bytes_per_token
+    from jax_flashcomm import record
+    from models.eval import nll_fn, window_tokens
 
     tok = ckpt.tokenizer
     stop = tuple(set(ckpt.config.eos_token_ids) | set(tok.eos_ids))
@@ -62,34 +60,13 @@ def run(model, ckpt, mesh, settings, *, text=None, window=512, max_windows=6, pr
     nll = nll_fn()
     rows = []
     for label, comm in settings:
-        set_comm(model, comm)
-        engine = Engine(model, mesh, cache_len=max(window, 512))
-        row = {"setting": label, "comm": comm.kind}
-        if comm.quantized:
-            row.update(rs_bits=comm.config.phase1_bits, ag_bits=comm.config.phase2_bits,
-                       rs_spikes=comm.config.phase1_spikes,
-                       ag_spikes=comm.config.phase2_spikes, group_size=comm.config.group_size)
-        if windows:
-            print(f"{label}: perplexity over {len(windows)} windows of {window}", file=log)
-            start, parts = time.perf_counter(), []
-            for i, w in enumerate(windows):
-                t = np.asarray([w], np.int32)
-                parts.append(np.asarray(nll(engine.score(t), t))[0].astype(np.float64))
-                progress(i + 1, len(windows), start, log)
-            row["perplexity"] = math.exp(float(np.concatenate(parts).mean()))
-            row["tokens"] = int(sum(p.size for p in parts))
-        if prompts:
-            # warm-up: compile the prefill buckets and the decode step before timing
-            greedy(engine, tok, prompts[:1], 2, ())
-            outs, timings = greedy(engine, tok, prompts, max_new_tokens, stop)
-            row["continuations"] = outs
-            row["texts"] = [tok.decode(o, skip_special_tokens=True) for o in outs]
-            row["ttft_s"] = timings["ttft"]
-            row["tokens_per_s"] = len(timings["decode"]) / sum(timings["decode"])
-        traffic = allreduce_bytes_per_token(ckpt.config, model.tp, comm)
-        row["allreduce_bytes_per_token"] = traffic["sent"]
-        row["traces"] = {str(k): v for k, v in engine.traces.items()}
-        rows.append(row)
+        with record() as plans:
+            rows.append(_run_setting(label, comm, model, ckpt, mesh, engine_args=dict(
+                cache_len=max(window, 512)), windows=windows, window=window, nll=nll,
+                prompts=prompts, max_new_tokens=max_new_tokens, stop=stop, log=log))
+        rows[-1]["plans"] = dict(collections.Counter(
+            f"{p.op}: {p.path}" + (f" over {p.transport}" if p.transport else "")
+            for p in plans))
     if prompts:
         base = rows[0]["continuations"]
         for row in rows:
@@ -98,6 +75,48 @@ def run(model, ckpt, mesh, settings, *, text=None, window=512, max_windows=6, pr
             row["match_positions"] = [m for _, m in pairs]
             row["reference_lengths"] = [len(b) for b in base]
     return rows
+
+
+def _run_setting(label, comm, model, ckpt, mesh, *, engine_args, windows, window, nll, prompts,
+                 max_new_tokens, stop, log) -> dict:
+    """One setting's row of :func:`run`."""
+    import numpy as np
+
+    from models.engine import Engine
+    from models.eval import progress
+    from models.llama import set_comm
+    from models.traffic import allreduce_bytes_per_token
+
+    tok = ckpt.tokenizer
+    set_comm(model, comm)
+    engine = Engine(model, mesh, **engine_args)
+    row = {"setting": label, "comm": comm.kind}
+    if comm.quantized:
+        row.update(rs_bits=comm.config.phase1_bits, ag_bits=comm.config.phase2_bits,
+                   rs_spikes=comm.config.phase1_spikes,
+                   ag_spikes=comm.config.phase2_spikes, group_size=comm.config.group_size)
+    if windows:
+        print(f"{label}: perplexity over {len(windows)} windows of {window}", file=log)
+        start, parts = time.perf_counter(), []
+        for i, w in enumerate(windows):
+            t = np.asarray([w], np.int32)
+            parts.append(np.asarray(nll(engine.score(t), t))[0].astype(np.float64))
+            progress(i + 1, len(windows), start, log)
+        row["perplexity"] = math.exp(float(np.concatenate(parts).mean()))
+        row["tokens"] = int(sum(p.size for p in parts))
+    if prompts:
+        # warm-up: compile the prefill buckets and the decode step before timing
+        greedy(engine, tok, prompts[:1], 2, ())
+        outs, timings = greedy(engine, tok, prompts, max_new_tokens, stop)
+        row["continuations"] = outs
+        row["texts"] = [tok.decode(o, skip_special_tokens=True) for o in outs]
+        row["ttft_s"] = timings["ttft"]
+        row["tokens_per_s"] = len(timings["decode"]) / sum(timings["decode"])
+        row["tokens_per_s_median"] = 1 / statistics.median(timings["decode"])
+    traffic = allreduce_bytes_per_token(ckpt.config, model.tp, comm)
+    row["allreduce_bytes_per_token"] = traffic["sent"]
+    row["traces"] = {str(k): v for k, v in engine.traces.items()}
+    return row
 
 
 def table(rows, tp: int) -> str:

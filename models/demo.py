@@ -64,6 +64,10 @@ def _main(args) -> int:
         words = " ".join(r["texts"][0].split()[:10])
         print(f"{r['setting']:<8}{r['ttft_s'] * 1e3:>9.1f}{r['tokens_per_s']:>7.1f}"
               f"{r['perplexity']:>9.3f}{r['allreduce_bytes_per_token']:>13.0f}  {words}")
+    for r in rows:
+        if r["comm"] == "auto":
+            print(f"{r['setting']} chose, per traced call site: " + "; ".join(
+                f"{k} x{v}" for k, v in sorted(r["plans"].items())))
     return 0
 
 

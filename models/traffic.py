@@ -12,8 +12,7 @@ counted.
 from __future__ import annotations
 
 from jax_flashcomm.codec import spec
-from jax_flashcomm.planner import size_policy
-from jax_flashcomm.selection import Call, choose
+from jax_flashcomm.planner import quantizes
 
 __all__ = ["allreduce_bytes_per_token"]
 
@@ -28,9 +27,8 @@ def allreduce_bytes_per_token(cfg, tp: int, comm, *, batch: int = 1, itemsize: i
     sent = exact
     if comm.quantized:
         c = comm.config
-        quantized, _ = size_policy(c, elems * itemsize, tp)  # what plan() decides first
-        if quantized and c.auto:
-            quantized = _auto_quantizes(c, elems * itemsize, tp, itemsize)
+        quantized = quantizes("psum", elems * itemsize, tp,
+                              "bfloat16" if itemsize == 2 else "float32", c)
         if quantized:
             padded = spec.padded_size(elems, c.group_size, tp)
             sent = (tp - 1) / tp * padded * (
@@ -38,19 +36,3 @@ def allreduce_bytes_per_token(cfg, tp: int, comm, *, batch: int = 1, itemsize: i
                 + spec.wire_bytes_per_element(c.phase2_bits, c.group_size, c.phase2_spikes))
     return {"sent": n_msgs * sent, "exact": n_msgs * exact, "messages": n_msgs}
 
-
-def _auto_quantizes(config, nbytes: int, tp: int, itemsize: int) -> bool:
-    """Whether the automatic choice quantizes a psum of ``nbytes`` per rank over ``tp`` ranks
-    of this process (the models' layout)."""
-    import jax
-
-    from jax_flashcomm.transport.p2p import kernel_platform
-
-    platform = jax.default_backend()
-    in_process = jax.process_count() == 1
-    p2p = None if in_process and kernel_platform(platform) else "no p2p here"
-    dtype = "bfloat16" if itemsize == 2 else "float32"
-    call = Call("psum", nbytes, itemsize, dtype, tp, platform,
-                "in-process" if in_process else "processes", p2p,
-                (config.phase1_bits, config.phase2_bits), config.group_size)
-    return choose(call).candidate != "lax"

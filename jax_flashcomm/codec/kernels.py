@@ -110,6 +110,13 @@ def _apply_isa_rule(module) -> None:
         module.set_cpu_isa(name)
 
 
+def default_isa() -> str:
+    """The build the loader picks on this CPU without ``FLASHCOMM_CPU_ISA`` or a tuning table:
+    :func:`preferred_isa`'s, else the widest."""
+    isas = cpu_isas()
+    return preferred_isa(isas, _cpuinfo("vendor_id"), _cpuinfo("cpu family")) or isas[0]
+
+
 def set_cpu_isa(name: str) -> None:
     """Run the CPU codec kernels with build ``name`` from now on (unless ``FLASHCOMM_CPU_ISA``
     names one: the environment wins).

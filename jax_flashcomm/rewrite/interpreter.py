@@ -36,7 +36,7 @@ from jax_flashcomm.collective_matmul import all_gather_matmul, matmul_reduce_sca
 from jax_flashcomm.jax_compat import ad_util, core, flat_tree_flatten, source_info_util
 from jax_flashcomm.jax_compat import linear_util as lu
 from jax_flashcomm.jax_compat import partial_eval as pe
-from jax_flashcomm.planner import record, size_policy
+from jax_flashcomm.planner import quantizes, record
 from jax_flashcomm.fused_norm import psum_add_rms_norm
 from jax_flashcomm.rewrite import explicit, fusion, islands, norm_fusion
 from jax_flashcomm.rewrite.higher_order import HANDLERS, bind
@@ -330,7 +330,8 @@ class Interpreter:
             elif eqn.primitive.name == "reduce_scatter":
                 aval = eqn.invars[0].aval
                 nbytes = int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
-                if size_policy(config, nbytes, int(eqn.params["axis_size"]))[0]:
+                if quantizes("matmul_reduce_scatter", nbytes, int(eqn.params["axis_size"]),
+                             aval.dtype, config):
                     plan.notes[i] = ("not fused: quantized psum_scatter after the dot (there is "
                                      "no quantized reduce-scatter ring)")
                     continue

@@ -30,7 +30,7 @@ from jax_flashcomm import _axes
 from jax_flashcomm.allreduce import psum as flash_psum
 from jax_flashcomm.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from jax_flashcomm.jax_compat import core
-from jax_flashcomm.planner import record, size_policy
+from jax_flashcomm.planner import quantizes, record
 from jax_flashcomm.fused_norm import psum_add_rms_norm
 from jax_flashcomm.rewrite import explicit, fusion, norm_fusion
 from jax_flashcomm.rewrite.explicit import Implied, Kept
@@ -169,7 +169,8 @@ def _plan_fusions(jaxpr, plan: IslandPlan, analyzed, users, producer, config):
         if implied.op == "all_gather":
             fused, note = _gather_dot(jaxpr, i, implied, analyzed, users)
         elif implied.op == "psum_scatter":
-            if size_policy(config, implied.nbytes, implied.axis_size)[0]:
+            if quantizes("matmul_reduce_scatter", implied.nbytes, implied.axis_size,
+                         implied.dtype, config):
                 note = ("not fused: quantized psum_scatter after the dot (there is no quantized "
                         "reduce-scatter ring)")
                 fused = None
