@@ -6,6 +6,7 @@ change, and reports progress to the file in ``$FLASHCOMM_TTFT_PROGRESS``."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import subprocess
@@ -13,6 +14,10 @@ import time
 
 from benchmarks import ttft
 from benchmarks.netns import worker_init, write_result
+
+#: The psum sizes (bytes per rank) the auto strategy measures on each link: a decode step's
+#: 2.3 KB and a 129-token prefill's 297 KB lie between them.
+TUNE_SIZES = (2048, 32768, 524288)
 
 
 def _namespace() -> str:
@@ -56,6 +61,9 @@ def main() -> None:
 
     from jax_flashcomm.costmodel import Link
     from jax_flashcomm.selection import Call, choose
+    from jax_flashcomm.tune import measure_mesh
+    from jax_flashcomm.tuning import Table, machine_key, use_table
+    from jax_flashcomm.tuning import active as tuning_active
     from jax_flashcomm.tuning import use_link as use_tuning_link
     from models.corpus import load_text
     from models.engine import Engine
@@ -144,39 +152,87 @@ def main() -> None:
                     comm.config.group_size)
         return choose(call).candidate != "lax"
 
-    rows, compute = [], {}
+    # 1. calibration: the exact prefill's FLOP/s with no limit sets the emulated links' rates
+    exact = dict(strategies)["exact"]
+    set_comm(model, exact)
+    use_link("unlimited")
+    engines = {("exact", None): compiled()}
+    seq = engines["exact", None].bucket(len(ids))
+    calib = []
+    for _ in range(args.reps):
+        list(engines["exact", None].generate(ids, 1))
+        calib.append(engines["exact", None].last_timings["ttft"])
+    flops = ttft.prefill_flops(cfg, seq)
+    compute = {"exact_prefill_flops": flops, "exact_prefill_s_unlimited": min(calib),
+               "achieved_flops_per_s": flops / min(calib), "prefill_positions": seq}
+    for ln in links:
+        rates[ln] = ttft.link_rate(compute["achieved_flops_per_s"], ttft.SYSTEMS[ln])
+    log(f"calibration: {flops / 1e9:.1f} GFLOP in {min(calib):.3f} s = "
+        f"{compute['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s; rates " + ", ".join(
+            f"{ln} {rates[ln] / 1e6:.2f} MB/s" for ln in links))
+
+    # 2. every engine compiled (warm); auto's once per link, under the table measured on it
+    tables, contexts = {}, {}
     for name, comm in strategies:
         set_comm(model, comm)
         t = time.perf_counter()
-        use_link("unlimited")
-        engine = None if comm.kind == "auto" else compiled()
+        for link in (["unlimited"] + links) if comm.kind == "auto" else [None]:
+            if link is None:
+                if (name, None) not in engines:
+                    use_link("unlimited")
+                    engines[name, None] = compiled()
+                continue
+            use_link(link)
+            table = Table(key=machine_key(f"ttft {link}"), rows=tuple(measure_mesh(
+                mesh, "tp", TUNE_SIZES, (comm.config.phase1_bits,), 3,
+                ops=(("psum", "float32"),), layout="processes", transports=("xla",))))
+            tables[link] = [dataclasses.asdict(r) for r in table.rows]
+            contexts[name, link] = (link_profile(link), table)
+            with use_tuning_link(contexts[name, link][0]), use_table(table):
+                engines[name, link] = compiled()
         log(f"{name}: compiled and warmed up in {time.perf_counter() - t:.1f} s")
+
+    def run_once(name, comm, link, decode_tokens):
+        """One generation of ``name`` on ``link`` (the link already set)."""
+        key = (name, link) if comm.kind == "auto" else (name, None)
+        profile, table = contexts.get(key, (None, None))
+        set_comm(model, comm)
+        with use_tuning_link(profile), use_table(table if table is not None else
+                                                 tuning_active()):
+            out = list(engines[key].generate(ids, decode_tokens + 1))
+            auto = {step: comm.kind == "auto" and auto_quantizes(comm, seq, step == "decode")
+                    for step in ("prefill", "decode")}
+        timings = engines[key].last_timings
+        return timings["ttft"], timings["decode"], out, auto
+
+    # 3. rounds: every link, every strategy (the order rotated each round), so the machine's
+    # slow spells hit every setting alike; every generation gives a TTFT and decode steps
+    samples = {(n, ln): {"ttft": [], "decode": []} for n, _ in strategies
+               for ln in ["unlimited"] + links}
+    last = {}
+    for r in range(args.reps):
         for link in ["unlimited"] + links:
             use_link(link)
-            with use_tuning_link(link_profile(link) if comm.kind == "auto" else None):
-                if comm.kind == "auto":   # the choice is made at trace time, per link
-                    t = time.perf_counter()
-                    engine = compiled()
-                    log(f"{name}: compiled for {link} in {time.perf_counter() - t:.1f} s")
-                seq = engine.bucket(len(ids))
-                samples, decode, tokens = [], [], []
-                for rep in range(args.reps):
-                    last = rep == args.reps - 1
-                    out = list(engine.generate(ids, args.decode_tokens + 1 if last else 1))
-                    samples.append(engine.last_timings["ttft"])
-                    if last:
-                        decode, tokens = engine.last_timings["decode"], out
-                auto = {step: comm.kind == "auto" and auto_quantizes(comm, seq, step == "decode")
-                        for step in ("prefill", "decode")}
+            order = strategies[r % len(strategies):] + strategies[:r % len(strategies)]
+            for name, comm in order:
+                t, dec, out, auto = run_once(name, comm, link, args.decode_tokens)
+                samples[name, link]["ttft"].append(t)
+                samples[name, link]["decode"].extend(dec)
+                last[name, link] = (out, auto)
+        log(f"round {r + 1}/{args.reps} done")
+    rows = []
+    for name, comm in strategies:
+        for link in ["unlimited"] + links:
+            smp, (tokens, auto) = samples[name, link], last[name, link]
             pre = ttft.step_traffic(cfg, nproc, comm, seq, decode=False,
                                     auto_quantizes=auto["prefill"])
             dec = ttft.step_traffic(cfg, nproc, comm, seq, decode=True,
                                     auto_quantizes=auto["decode"])
             row = {"link": link, **ttft.strategy_fields(name, comm),
                    "auto_quantizes": auto if comm.kind == "auto" else None,
-                   "ttft_s": statistics.median(samples), "ttft_samples_s": samples,
-                   "decode_s_per_token": statistics.median(decode),
-                   "decode_samples_s": decode,
+                   "ttft_s": statistics.median(smp["ttft"]), "ttft_samples_s": smp["ttft"],
+                   "decode_s_per_token": statistics.median(smp["decode"]),
+                   "decode_samples_s": smp["decode"],
                    "prefill_bytes_per_rank": pre["bytes"], "decode_bytes_per_rank": dec["bytes"],
                    "prefill_block_bytes_per_rank": pre["blocks"],
                    "decode_block_bytes_per_rank": dec["blocks"],
@@ -184,19 +240,9 @@ def main() -> None:
                    "collectives_decode": dec["collectives"],
                    "tokens": [int(x) for x in tokens]}
             rows.append(row)
-            log(f"{name} on {link}: TTFT {row['ttft_s'] * 1e3:.0f} ms "
-                f"({', '.join(f'{s * 1e3:.0f}' for s in samples)}), decode "
-                f"{row['decode_s_per_token'] * 1e3:.1f} ms/token")
-            if name == "exact" and link == "unlimited":
-                flops = ttft.prefill_flops(cfg, seq)
-                compute = {"exact_prefill_flops": flops, "exact_prefill_s_unlimited":
-                           row["ttft_s"], "achieved_flops_per_s": flops / row["ttft_s"],
-                           "prefill_positions": seq}
-                for ln in links:
-                    rates[ln] = ttft.link_rate(compute["achieved_flops_per_s"], ttft.SYSTEMS[ln])
-                log(f"calibration: {flops / 1e9:.1f} GFLOP in {row['ttft_s']:.3f} s = "
-                    f"{compute['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s; rates " + ", ".join(
-                        f"{ln} {rates[ln] / 1e6:.2f} MB/s" for ln in links))
+            log(f"{name} on {link}: TTFT {row['ttft_s'] * 1e3:.0f} ms, decode "
+                f"{row['decode_s_per_token'] * 1e3:.1f} ms/token (median of "
+                f"{len(smp['decode'])})")
     use_link("unlimited")
     for name, info in link_info.items():
         info["calibration"] = _calibration(name, compute)
@@ -205,7 +251,8 @@ def main() -> None:
     write_result({"tp": nproc, "prompt_tokens": len(ids), "decode_tokens": args.decode_tokens,
                   "reps": args.reps, "model": "SmolLM2-135M-Instruct (GGUF Q4_1, run in f32)",
                   "links": {k: link_info[k] for k in ["unlimited"] + links},
-                  "compute": compute, "rows": rows, "tbf": {"burst": ttft.BURST,
+                  "compute": compute, "rows": rows, "auto_tables": tables,
+                  "tbf": {"burst": ttft.BURST,
                                                             "latency": ttft.TBF_LATENCY}})
 
 

@@ -2,7 +2,8 @@
 
 Each candidate is a class that says whether it can take a call and what the call would cost
 (vLLM's device communicators have this shape); :func:`choose` asks them in order and keeps the
-fastest (the first on a tie: exact ``lax`` before the quantized paths):
+fastest (the first on a tie), a quantized one only when it is predicted at least 10% faster
+than exact ``lax`` (:data:`EXACT_PREFERENCE`):
 
 =====================  ========================================================================
 candidate              can take the call when
@@ -41,6 +42,10 @@ CPU_CODEC_VALUES_PER_S = {"quantize": 6.8e8, "dequantize_sum_quantize": 5.8e9,
 CPU_CODEC_CALL_S = 130e-6
 IN_PROCESS_LINK = Link(21e9, "shared", 145e-6, 0.0)
 P2P_LATENCY_S = 174e-6
+#: A quantized candidate is chosen over exact ``lax`` only when predicted at least 10% faster:
+#: exact is exact, and a table's timings of one call vary by about that much on a loaded
+#: machine (docs/autotune.md, "The margin").
+EXACT_PREFERENCE = 0.9
 #: gloo over a loopback, 3 processes on 2 cores (docs/ttft.json, "unlimited": the 1 MiB psum's
 #: rate and the 4-byte psum's time).
 GLOO_LOOPBACK_LINK = Link(309e6, "shared", 150e-6, 0.0)
@@ -210,6 +215,7 @@ def choose(call: Call, table: tuning.Table | None = None, *,
             prof = prof or profile(call, table)
             seconds, source = cand.model_s(call, prof), prof.name
         considered.append((cand.name, seconds, source))
-        if best is None or seconds < best[1]:
-            best = (cand.name, seconds, source)
-    return Choice(best[0], best[1], best[2], tuple(considered))
+        rank = seconds * (EXACT_PREFERENCE if cand.name == "lax" else 1.0)
+        if best is None or rank < best[0]:
+            best = (rank, cand.name, seconds, source)
+    return Choice(best[1], best[2], best[3], tuple(considered))

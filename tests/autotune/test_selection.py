@@ -97,6 +97,16 @@ def test_exact_config_never_asks():
     assert p.path == "lax" and p.predicted_s is None
 
 
+def test_quantized_must_be_ten_percent_faster():
+    close = {"lax": {64 * KIB: 100e-6}, "quantized/xla": {64 * KIB: 95e-6},
+             "quantized/p2p": {64 * KIB: 200e-6}}
+    table = tuning.Table(key={}, rows=tuple(_rows("psum", "float32", close)))
+    assert _plan(64 * KIB, table=table).path == "lax"          # 5% faster: not enough
+    clear = {**close, "quantized/xla": {64 * KIB: 85e-6}}
+    table = tuning.Table(key={}, rows=tuple(_rows("psum", "float32", clear)))
+    assert _plan(64 * KIB, table=table).path == "quantized"    # 15% faster
+
+
 def test_a_table_of_other_sizes_falls_back_to_the_cost_model():
     other = tuning.Table(key={}, rows=tuple(
         dataclasses.replace(r, n=2) for r in _rows("psum", "float32", CROSSING)))
@@ -144,7 +154,10 @@ def test_processes_are_priced_on_the_link_profile():
 def test_the_choice_is_the_fastest_candidate_considered():
     for size in (1 * KIB, 32 * KIB, 1 * MIB, 16 * MIB):
         c = _choose(_call(size), Link(50e6, "shared", 2e-4))
-        times = [s for _, s, _ in c.considered if s is not None]
-        assert c.predicted_s == min(times)
+        times = {name: s for name, s, _ in c.considered if s is not None}
+        quantized = min(times["quantized/xla"], times.get("quantized/p2p", float("inf")))
+        expect = ("lax" if times["lax"] * selection.EXACT_PREFERENCE <= quantized
+                  else "quantized/xla")
+        assert c.candidate == expect and c.predicted_s == times[expect]
         assert [name for name, *_ in c.considered] == ["lax", "quantized/p2p", "quantized/xla"]
         assert c.considered[1][1] is None and c.considered[1][2] == "other processes"
