@@ -16,7 +16,9 @@ from benchmarks import ttft
 from benchmarks.netns import worker_init, write_result
 
 #: The psum sizes (bytes per rank) the auto strategy measures on each link: a decode step's
-#: 2.3 KB and a 129-token prefill's 297 KB lie between them.
+#: 2.3 KB and a 129-token prefill's 297 KB lie between them. One call per program, the
+#: host's pause between calls (a decode step's collectives have compute between them: on the
+#: tc-limited loopback the token bucket refills there), the fastest of 3 rounds.
 TUNE_SIZES = (2048, 32768, 524288)
 
 
@@ -185,7 +187,8 @@ def main() -> None:
             use_link(link)
             table = Table(key=machine_key(f"ttft {link}"), rows=tuple(measure_mesh(
                 mesh, "tp", TUNE_SIZES, (comm.config.phase1_bits,), 3,
-                ops=(("psum", "float32"),), layout="processes", transports=("xla",))))
+                ops=(("psum", "float32"),), layout="processes", transports=("xla",),
+                calls=1, rounds=3)))
             tables[link] = [dataclasses.asdict(r) for r in table.rows]
             contexts[name, link] = (link_profile(link), table)
             with use_tuning_link(contexts[name, link][0]), use_table(table):

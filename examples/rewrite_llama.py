@@ -12,8 +12,9 @@ its own) under each setting and prints perplexity, the time to first token of on
 * ``exact``: the model as written (XLA's collectives);
 * ``rewritten-exact``: ``rewrite(logits, CommConfig(bits=None))``, the islands with exact
   collectives (the rewrite's own check: it must equal ``exact`` within f32 rounding);
-* ``int8``: ``rewrite(logits, CommConfig(bits=8))``, the library's defaults otherwise (size
-  policy, rotation), i.e. ``models.eval --comm flash --bits 8``;
+* ``int8``: ``rewrite(logits, CommConfig(bits=8, min_bytes=1 << 20))``, the library's defaults
+  otherwise (rotation) and the 1 MiB size policy the figures of docs/rewrite.md were measured
+  with, i.e. ``models.eval --comm flash --bits 8 --min-bytes 1048576``;
 * ``int8-norm``: ``int8`` with ``fuse_norm=True``: each all-reduce, the residual add and the
   next RMSNorm are one ``psum_add_rms_norm`` (``docs/fused_norm.md``);
 * ``int8-fused``: the sequence-parallel form rewritten with ``fuse_matmul=True``: the gathers
@@ -61,12 +62,12 @@ def _setting(name: str):
     import jax_flashcomm as fc
     from jax_flashcomm.rewrite import RewritePolicy
 
+    INT8 = fc.CommConfig(bits=8, min_bytes=1 << 20)  # noqa: N806  (the settings' int8 config)
     return {"exact": (False, None),
             "rewritten-exact": (False, RewritePolicy(config=fc.CommConfig(bits=None))),
-            "int8": (False, RewritePolicy(config=fc.CommConfig(bits=8))),
-            "int8-norm": (False, RewritePolicy(config=fc.CommConfig(bits=8), fuse_norm=True)),
-            "int8-fused": (True, RewritePolicy(config=fc.CommConfig(bits=8),
-                                               fuse_matmul=True))}[name]
+            "int8": (False, RewritePolicy(config=INT8)),
+            "int8-norm": (False, RewritePolicy(config=INT8, fuse_norm=True)),
+            "int8-fused": (True, RewritePolicy(config=INT8, fuse_matmul=True))}[name]
 
 
 def run(args, log=sys.stderr) -> dict:

@@ -67,8 +67,10 @@ def _median_s(fn, x, reps: int, budget_s: float = 2.0) -> float:
     return statistics.median(times)
 
 
-def _candidate_fn(op: str, candidate: str, bits, mesh, axis: str = "i"):
-    """A jitted shard_map running ``op`` by ``candidate`` on a ``(n, m)`` operand."""
+def _candidate_fn(op: str, candidate: str, bits, mesh, axis: str = "i",
+                  calls: int = 8):
+    """A jitted shard_map running ``op`` by ``candidate`` ``calls`` times, chained, on a
+    ``(n, m)`` operand."""
     import jax
     from jax import lax
     from jax.sharding import PartitionSpec as P
@@ -95,7 +97,7 @@ def _candidate_fn(op: str, candidate: str, bits, mesh, axis: str = "i"):
         def step(v, _):
             out = body(v)
             return v + out.reshape(-1)[0] * 0.0, None
-        return lax.scan(step, v[0], None, length=CALLS_PER_PROGRAM)[0][None]
+        return lax.scan(step, v[0], None, length=calls)[0][None]
 
     return jax.jit(jax.shard_map(chained, mesh=mesh, in_specs=P(axis), out_specs=P(axis),
                                  check_vma=False))
@@ -106,7 +108,8 @@ def _phase_bits(op: str, b: int):
 
 
 def measure_mesh(mesh, axis: str, sizes, bits, reps: int, *, ops=OPS, layout: str,
-                 transports=("p2p", "xla"), on_step=None) -> list:
+                 transports=("p2p", "xla"), on_step=None, calls: int | None = None,
+                 rounds: int = 1) -> list:
     """Measure every candidate of ``ops`` on ``mesh``'s ``axis`` (one process or several: the
     operand is built from a callback; across processes, process 0's times are every process's,
     so that all make the same choice).
@@ -118,6 +121,11 @@ def measure_mesh(mesh, axis: str, sizes, bits, reps: int, *, ops=OPS, layout: st
       ops: ``(op, dtype)`` pairs; ``layout``: the rows' layout.
       transports: the quantized candidates' transports.
       on_step: called with a label after each candidate.
+      calls: calls per timed program (default :data:`CALLS_PER_PROGRAM`, chained); 1: each
+        call a program of its own, with the host's pause between calls (as a decode step's
+        collectives have their compute between them).
+      rounds: the candidates measured in turn this many times per size; each keeps its
+        fastest round (noise only adds time).
 
     Returns:
       The :class:`~jax_flashcomm.tuning.Measurement` rows.
@@ -128,7 +136,7 @@ def measure_mesh(mesh, axis: str, sizes, bits, reps: int, *, ops=OPS, layout: st
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    n = mesh.shape[axis]
+    n, k = mesh.shape[axis], calls or CALLS_PER_PROGRAM
     rows = []
     for op, dtype in ops:
         for size in sizes:
@@ -139,9 +147,12 @@ def measure_mesh(mesh, axis: str, sizes, bits, reps: int, *, ops=OPS, layout: st
                                              lambda idx, host=host: host[idx])
             cands = [("lax", None)] + [(f"quantized/{t}", _phase_bits(op, b))
                                        for t in transports for b in bits]
-            for cand, b in cands:
-                seconds = (_median_s(_candidate_fn(op, cand, b, mesh, axis), x, reps)
-                           / CALLS_PER_PROGRAM)
+            fns = [_candidate_fn(op, cand, b, mesh, axis, k) for cand, b in cands]
+            best = [math.inf] * len(cands)
+            for _ in range(rounds):
+                for i, fn in enumerate(fns):
+                    best[i] = min(best[i], _median_s(fn, x, reps) / k)
+            for (cand, b), seconds in zip(cands, best):
                 rows.append(tuning.Measurement(op, layout, n, dtype,
                                                m * np.dtype(dtype).itemsize, cand, b, seconds))
                 if on_step is not None:
