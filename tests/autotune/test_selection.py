@@ -27,7 +27,7 @@ def _rows(op, dtype, times):
 
 # lax wins below 64 KiB, the quantized xla path from 64 KiB on, the p2p path never
 CROSSING = {"lax": {4 * KIB: 10e-6, 64 * KIB: 100e-6, 1 * MIB: 2e-3},
-            "quantized/xla": {4 * KIB: 50e-6, 64 * KIB: 80e-6, 1 * MIB: 0.5e-3},
+            "quantized/xla": {4 * KIB: 50e-6, 64 * KIB: 60e-6, 1 * MIB: 0.5e-3},
             "quantized/p2p": {4 * KIB: 60e-6, 64 * KIB: 90e-6, 1 * MIB: 0.9e-3}}
 TABLE = tuning.Table(key={"synthetic": True}, rows=tuple(
     _rows("psum", "float32", CROSSING) + _rows("all_gather", "float32", CROSSING)))
@@ -97,14 +97,14 @@ def test_exact_config_never_asks():
     assert p.path == "lax" and p.predicted_s is None
 
 
-def test_quantized_must_be_ten_percent_faster():
-    close = {"lax": {64 * KIB: 100e-6}, "quantized/xla": {64 * KIB: 95e-6},
+def test_quantized_must_be_a_quarter_faster():
+    close = {"lax": {64 * KIB: 100e-6}, "quantized/xla": {64 * KIB: 80e-6},
              "quantized/p2p": {64 * KIB: 200e-6}}
     table = tuning.Table(key={}, rows=tuple(_rows("psum", "float32", close)))
-    assert _plan(64 * KIB, table=table).path == "lax"          # 5% faster: not enough
-    clear = {**close, "quantized/xla": {64 * KIB: 85e-6}}
+    assert _plan(64 * KIB, table=table).path == "lax"          # 20% faster: not enough
+    clear = {**close, "quantized/xla": {64 * KIB: 70e-6}}
     table = tuning.Table(key={}, rows=tuple(_rows("psum", "float32", clear)))
-    assert _plan(64 * KIB, table=table).path == "quantized"    # 15% faster
+    assert _plan(64 * KIB, table=table).path == "quantized"    # 30% faster
 
 
 def test_a_table_of_other_sizes_falls_back_to_the_cost_model():
