@@ -82,8 +82,11 @@ def headline(acc, ttft, model) -> str:
                      f" | {speedup('pcie', strategy, 'exact')} / "
                      f"{speedup('nvlink', strategy, 'exact')}"
                      f" | {predicted('L40', strategy)} / {predicted('A100', strategy)} |")
-    machine = (acc or ttft or {}).get("machine", "?")
-    lines.append(f"\nMeasured on `{machine}` by `.venv/bin/python -m benchmarks.evidence` "
+    machines = {(acc or {}).get("machine", "?"), (ttft or {}).get("machine", "?")}
+    where = (f"on `{machines.pop()}`" if len(machines) == 1 else
+             f"accuracy on `{(acc or {}).get('machine', '?')}`, TTFT on "
+             f"`{(ttft or {}).get('machine', '?')}`")
+    lines.append(f"\nMeasured {where} by `.venv/bin/python -m benchmarks.evidence` "
                  "(docs/accuracy.md, docs/ttft.md, docs/gpu_model.md). bf16 exact: the exact "
                  "all-reduce moving bf16 (`benchmarks/bf16_two_step.py`), half the bytes of "
                  "XLA:CPU's f32 `lax.psum`.")

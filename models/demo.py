@@ -5,9 +5,10 @@ whichever the tuning table or the cost model predicts faster), side by side.
     .venv/bin/python -m models.demo [--tp 3] [--settings exact,int8,int4,auto] [--max-new-tokens 24]
 
 Fetches the model on first use (``models/fetch.py``), loads its weights once, and for each
-setting prints the TTFT and decode tokens/s of one greedy generation, the perplexity on a short
-passage (the first window of ``models/corpus.py``'s text), the bytes each rank sends in one
-decode step's all-reduces, and the first words the model answers.
+setting prints the TTFT and decode tokens/s (of the median step) of one greedy generation, the
+perplexity on a short passage (the first window of ``models/corpus.py``'s text), the bytes each
+rank sends in one decode step's all-reduces, and the first words the model answers. One run per
+setting: ``benchmarks/decode.py`` interleaves repeated runs to rank them within a few percent.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def _main(args) -> int:
     print(f"{'setting':<8}{'TTFT ms':>9}{'tok/s':>7}{'ppl':>9}{'AR bytes/tok':>13}  answer")
     for r in rows:
         words = " ".join(r["texts"][0].split()[:10])
-        print(f"{r['setting']:<8}{r['ttft_s'] * 1e3:>9.1f}{r['tokens_per_s']:>7.1f}"
+        print(f"{r['setting']:<8}{r['ttft_s'] * 1e3:>9.1f}{r['tokens_per_s_median']:>7.1f}"
               f"{r['perplexity']:>9.3f}{r['allreduce_bytes_per_token']:>13.0f}  {words}")
     for r in rows:
         if r["comm"] == "auto":
