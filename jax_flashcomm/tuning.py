@@ -37,7 +37,7 @@ import time
 
 from jax_flashcomm.costmodel import Link
 
-__all__ = ["Table", "Measurement", "machine_key", "key_digest", "cache_dir", "table_path",
+__all__ = ["Table", "Measurement", "machine_key", "cpu_name", "key_digest", "cache_dir", "table_path",
            "save", "load", "active", "clear", "use_table", "link_profile", "use_link",
            "parse_link", "TABLE_VERSION", "LAYOUTS"]
 
@@ -144,7 +144,8 @@ def _kernel_hash() -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else the platform's processor string."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -175,7 +176,7 @@ def machine_key(link: str = "in-process") -> dict:
         features = kernels.cpu_features()
     except Exception:  # noqa: BLE001
         features = ""
-    return {"cpu": _cpu_name(), "features": features, "cores": os.cpu_count(),
+    return {"cpu": cpu_name(), "features": features, "cores": os.cpu_count(),
             "machine": platform.machine(),
             "library": importlib.metadata.version("jax_flashcomm"),
             "kernels": _kernel_hash(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
@@ -240,6 +241,15 @@ def load(path: pathlib.Path | str | None = None, *, key: dict | None = None) -> 
     return table
 
 
+@contextlib.contextmanager
+def _scoped(var: contextvars.ContextVar, value):
+    token = var.set(value)
+    try:
+        yield value
+    finally:
+        var.reset(token)
+
+
 _override: contextvars.ContextVar = contextvars.ContextVar("jax_flashcomm_table", default=False)
 
 
@@ -279,14 +289,10 @@ def clear() -> None:
     _cached_active.cache_clear()
 
 
-@contextlib.contextmanager
 def use_table(table: Table | None):
-    """Inside the block, :func:`active` is ``table`` (None: no table; the cost model decides)."""
-    token = _override.set(table)
-    try:
-        yield table
-    finally:
-        _override.reset(token)
+    """Inside the block (``with use_table(t):``), :func:`active` is ``table`` (None: no table;
+    the cost model decides)."""
+    return _scoped(_override, table)
 
 
 # --- the link between processes -----------------------------------------------------------------
@@ -332,14 +338,10 @@ def link_profile() -> Link | None:
     return link
 
 
-@contextlib.contextmanager
 def use_link(link: Link | None):
-    """Inside the block, calls whose peers are other processes are priced on ``link``."""
-    token = _link.set(link)
-    try:
-        yield link
-    finally:
-        _link.reset(token)
+    """Inside the block (``with use_link(l):``), calls whose peers are other processes are
+    priced on ``link``."""
+    return _scoped(_link, link)
 
 
 def now() -> str:

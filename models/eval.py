@@ -34,16 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def progress(done: int, total: int, start: float, out=sys.stderr, *, unit: str = "windows",
              what: str = "") -> None:
-    """A one-line progress bar: ``done`` of ``total`` ``unit``, time since ``start``, the time
-    left at the rate so far, and what runs now."""
-    width, elapsed = 30, time.perf_counter() - start
-    filled = width * done // max(total, 1)
-    eta = f", {elapsed / done * (total - done):.0f} s left" if 0 < done < total else ""
-    out.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {unit}, "
-              f"{elapsed:.1f} s{eta}  {what[:48]:<48}")
-    if done == total:
-        out.write("\n")
-    out.flush()
+    """:func:`jax_flashcomm.tune.progress`, counting ``windows`` by default."""
+    from jax_flashcomm import tune
+
+    tune.progress(done, total, start, out, unit=unit, what=what)
 
 
 def window_tokens(ids, window: int, max_windows: int):

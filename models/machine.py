@@ -12,14 +12,10 @@ import platform
 
 
 def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    """The CPU's model name (:func:`jax_flashcomm.tuning.cpu_name`)."""
+    from jax_flashcomm.tuning import cpu_name
+
+    return cpu_name()
 
 
 def describe() -> dict:
