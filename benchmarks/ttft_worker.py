@@ -62,7 +62,7 @@ def main() -> None:
     from jax.sharding import PartitionSpec as P
 
     from jax_flashcomm.costmodel import Link
-    from jax_flashcomm.selection import Call, choose
+    from jax_flashcomm.planner import quantizes
     from jax_flashcomm.tune import measure_mesh
     from jax_flashcomm.tuning import Table, machine_key, use_table
     from jax_flashcomm.tuning import active as tuning_active
@@ -149,10 +149,7 @@ def main() -> None:
     def auto_quantizes(comm, seq: int, decode: bool) -> bool:
         """Whether the automatic choice quantized this step's block all-reduces."""
         nbytes = (1 if decode else seq) * cfg.d_model * 4
-        call = Call("psum", nbytes, 4, "float32", nproc, "cpu", "processes",
-                    "other processes", (comm.config.phase1_bits, comm.config.phase2_bits),
-                    comm.config.group_size)
-        return choose(call).candidate != "lax"
+        return quantizes("psum", nbytes, nproc, "float32", comm.config)
 
     # 1. calibration: the exact prefill's FLOP/s with no limit sets the emulated links' rates
     exact = dict(strategies)["exact"]

@@ -25,6 +25,7 @@ spikes; ``bits=None`` leaves only ``lax``.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import os
 
@@ -119,7 +120,7 @@ def _gpu_name() -> str:
     return next((g for g in costmodel.GPUS if g in kind), "H100")
 
 
-class Candidate:
+class Candidate(abc.ABC):
     """A path a call can take: :meth:`unavailable` says why not (None: it can),
     :meth:`model_s` prices it with the cost model."""
     name = ""
@@ -127,8 +128,9 @@ class Candidate:
     def unavailable(self, call: Call) -> str | None:
         return None
 
+    @abc.abstractmethod
     def model_s(self, call: Call, prof: Profile) -> float:
-        raise NotImplementedError
+        """Seconds of ``call`` on this path, by the cost model with ``prof``."""
 
 
 class Lax(Candidate):

@@ -107,8 +107,7 @@ def _candidate_fn(op: str, candidate: str, bits, mesh, axis: str = "i",
             return v + out.reshape(-1)[0] * 0.0, None
         return lax.scan(step, v[0], None, length=calls)[0][None]
 
-    return jax.jit(jax.shard_map(chained, mesh=mesh, in_specs=P(axis), out_specs=P(axis),
-                                 check_vma=False))
+    return jax.jit(jax.shard_map(chained, mesh=mesh, in_specs=P(axis), out_specs=P(axis)))
 
 
 def _phase_bits(op: str, b: int):
@@ -243,7 +242,7 @@ def measure_codec(reps: int, devices) -> dict:
                 return lax.scan(step, v, None, length=CALLS_PER_PROGRAM)[0]
             return jax.jit(jax.shard_map(
                 lambda v: jax.tree.map(lambda a: a[None], body(jax.tree.map(lambda a: a[0], v))),
-                mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))
+                mesh=mesh, in_specs=P("i"), out_specs=P("i")))
 
         touch = lambda p, out: dataclasses.replace(  # noqa: E731
             p, scale=p.scale + (out.reshape(-1)[0] * 0).astype(p.scale.dtype))
@@ -251,11 +250,10 @@ def measure_codec(reps: int, devices) -> dict:
                            NamedSharding(mesh, P("i")))
         q = jax.jit(jax.shard_map(lambda a: jax.tree.map(lambda t: t[None], enc(a[0])),
                                   mesh=mesh, in_specs=P("i"), out_specs=P("i")))(v)
-        chunked = jax.tree.map(lambda a: a, q)
         fns = {"quantize": (chain(enc, lambda c, p: c + p.scale[0].astype(c.dtype) * 0), v),
                "dequantize_sum_quantize": (chain(
                    lambda p: codec.dequantize_sum_quantize(p.split_groups(n), backend="ffi"),
-                   lambda p, out: touch(p, out.scale)), chunked),
+                   lambda p, out: touch(p, out.scale)), q),
                "dequantize": (chain(lambda p: codec.dequantize(p, backend="ffi"), touch), q)}
         return {k: _median_s(fn, arg, reps) / CALLS_PER_PROGRAM for k, (fn, arg) in fns.items()}
 
@@ -287,8 +285,7 @@ def measure_link(n: int, reps: int, p2p: bool) -> dict:
     def chained(body):
         def run(v):
             return lax.scan(lambda c, _: (body(c), None), v, None, length=CALLS_PER_PROGRAM)[0]
-        return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=P("i"), out_specs=P("i"),
-                                     check_vma=False))
+        return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
 
     fn = chained(lambda v: lax.ppermute(v, "i", perm))
     t = {}

@@ -146,14 +146,9 @@ def _kernel_hash() -> str:
 
 def cpu_name() -> str:
     """The CPU's model name (``/proc/cpuinfo``), else the platform's processor string."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    from jax_flashcomm.codec.kernels import cpuinfo
+
+    return cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 @functools.cache
@@ -259,7 +254,7 @@ def _cached_active() -> Table | None:
     if env.lower() == "off":
         return None
     try:
-        table = load(env or None, key=None) if env else load()
+        table = load(env or None)
     except ValueError as e:
         logger.warning("jax_flashcomm: ignoring the tuning table: %s", e)
         return None

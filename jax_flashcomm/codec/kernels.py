@@ -75,7 +75,8 @@ def _apply_isa_env(module) -> None:
             raise RuntimeError(f"jax_flashcomm: {err}") from None
 
 
-def _cpuinfo(field: str) -> str:
+def cpuinfo(field: str) -> str:
+    """A field of ``/proc/cpuinfo``'s first processor (empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -104,8 +105,8 @@ def preferred_isa(supported: list[str], vendor: str, family: str) -> str | None:
 
 
 def _apply_isa_rule(module) -> None:
-    name = preferred_isa(list(module.supported_isas()), _cpuinfo("vendor_id"),
-                         _cpuinfo("cpu family"))
+    name = preferred_isa(list(module.supported_isas()), cpuinfo("vendor_id"),
+                         cpuinfo("cpu family"))
     if name is not None:
         module.set_cpu_isa(name)
 
@@ -114,7 +115,7 @@ def default_isa() -> str:
     """The build the loader picks on this CPU without ``FLASHCOMM_CPU_ISA`` or a tuning table:
     :func:`preferred_isa`'s, else the widest."""
     isas = cpu_isas()
-    return preferred_isa(isas, _cpuinfo("vendor_id"), _cpuinfo("cpu family")) or isas[0]
+    return preferred_isa(isas, cpuinfo("vendor_id"), cpuinfo("cpu family")) or isas[0]
 
 
 def set_cpu_isa(name: str) -> None:

@@ -37,7 +37,7 @@ def test_reports_a_supported_build():
         # the widest by default, or the rule's (AVX2 on AMD Zen 4: docs/autotune.md)
         assert codec.cpu_isa() == kernels.default_isa()
         assert kernels.default_isa() in (isas[0], kernels.preferred_isa(
-            isas, kernels._cpuinfo("vendor_id"), kernels._cpuinfo("cpu family")))
+            isas, kernels.cpuinfo("vendor_id"), kernels.cpuinfo("cpu family")))
 
 
 def test_use_cpu_isa_switches_and_restores():
