@@ -36,7 +36,7 @@ except ImportError:  # pragma: no cover - a JAX without it
 
 __all__ = ["CHECKED_JAX_VERSIONS", "all_gather_invariant", "ad_util", "core",
            "source_info_util", "linear_util", "partial_eval", "FlatTree", "flat_tree_flatten",
-           "jax_version"]
+           "jax_version", "distributed_client"]
 
 
 def jax_version() -> str:
@@ -60,3 +60,15 @@ def all_gather_invariant(x, axes, *, axis: int = 0, tiled: bool = False):
         raise RuntimeError(f"jax {jax.__version__} has no all_gather_invariant; jax_flashcomm "
                            f"was checked against {CHECKED_JAX_VERSIONS}")
     return _all_gather_invariant(x, axes, axis=axis, tiled=tiled)
+
+
+def distributed_client():
+    """The key-value client of ``jax.distributed`` (None when it is not initialized).
+
+    Returns:
+      An object with ``key_value_set(key, value)`` and ``blocking_key_value_get(key,
+      timeout_in_ms)``, or None.
+    """
+    from jax._src import distributed
+
+    return distributed.global_state.client

@@ -1,15 +1,20 @@
 // nanobind module exposing the CPU handlers as PyCapsules for jax.ffi.register_ffi_target, and
 // the choice of the codec's instruction-set build (cpu_dispatch.h).
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <stdexcept>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "flashcomm/cpu_dispatch.h"
 #include "flashcomm/cpu_kernels.h"
 #include "flashcomm/cpu_parallel.h"
 #include "flashcomm/cpu_p2p.h"
+#include "flashcomm/cpu_shm.h"
+#include "flashcomm/shm_rendezvous.h"
 #include "flashcomm/nb_registrations.h"
 
 NB_MODULE(_flashcomm_cpu, m) {
@@ -20,11 +25,41 @@ NB_MODULE(_flashcomm_cpu, m) {
     flashcomm::AddP2pRegistrations(d, FlashcommP2pAllReduceCpu, FlashcommP2pReduceScatterCpu,
                                    FlashcommP2pAllGatherCpu);
     flashcomm::AddP2pRingRegistrations(d, FlashcommP2pRingStartCpu, FlashcommP2pRingDoneCpu);
+    flashcomm::AddShmRegistrations(d, FlashcommShmAllReduceCpu, FlashcommShmReduceScatterCpu,
+                                   FlashcommShmAllGatherCpu, FlashcommShmPsumCpu);
     flashcomm::AddNormRegistrations(d, FlashcommAddRmsNormCpu, FlashcommAddRmsNormQuantizeCpu);
     return d;
   });
   m.def("p2p_meetings_in_progress", &flashcomm::cpu::P2pMeetingsInProgress,
         "Peer-to-peer collective calls some rank has not finished (0 between collectives).");
+  m.def(
+      "shm_create_block",
+      [](int64_t process_index) {
+        flashcomm::shm::BlockId id;
+        std::string error;
+        if (!flashcomm::shm::CreateBlock(process_index, &id, &error)) {
+          throw std::runtime_error("shared-memory transport: " + error);
+        }
+        return std::make_tuple(id.pid, id.fd);
+      },
+      "Creates this process's shared-memory block (once) and returns its (pid, fd).");
+  m.def(
+      "shm_attach",
+      [](const std::vector<std::tuple<int64_t, int64_t, int64_t>>& blocks) {
+        std::vector<flashcomm::shm::BlockId> ids;
+        for (const auto& [index, pid, fd] : blocks) ids.push_back({index, pid, fd});
+        std::string error;
+        if (!flashcomm::shm::AttachBlocks(ids, &error)) {
+          throw std::runtime_error("shared-memory transport: " + error);
+        }
+      },
+      "Maps the blocks (process_index, pid, fd) of every process of the job on this host.");
+  m.def("shm_attached", &flashcomm::shm::AttachedProcesses,
+        "Processes whose shared-memory blocks this process has mapped.");
+  m.def("shm_meetings_in_progress", &flashcomm::shm::InProgress,
+        "Shared-memory collective calls not finished (0 between collectives).");
+  m.def("shm_segments", &flashcomm::shm::SegmentsMapped,
+        "Shared segments this process owns or maps (blocks excluded).");
   flashcomm::AddP2pRingInspection(
       m, &flashcomm::cpu::P2pRingStepsInProgress,
       "Returns and clears the ring steps' recorded events (kind 0 move, 1 start, 2 wait; "

@@ -2,7 +2,9 @@
 peers' buffers directly (ffi/cpu/p2p_kernels.cc, ffi/include/flashcomm/p2p_rendezvous.h; on
 CUDA ffi/cuda/p2p_handlers.cc, which compiles and lowers but has not run on a GPU).
 
-The ranks are the devices of one process. Every call of a collective meets its peers through
+The ranks are the devices of one process, or processes on one host with one device each: then
+the same protocols run over shared memory (:mod:`jax_flashcomm.transport.shm`, FFI targets
+``flashcomm_shm_*``), and :func:`exact_all_reduce` sums exactly over it too. In one process, every call of a collective meets its peers through
 an in-process rendezvous keyed by the XLA execution (its run id), the call site (an id given
 here at trace time), the replica group (the index over the mesh axes not reduced) and how many
 times this rank has called the site in this run (loops). Inside, the call runs the `xla`
@@ -16,6 +18,7 @@ error (a Python exception from the computation), never a hang.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import itertools
 
@@ -27,6 +30,7 @@ from jax import lax
 from jax_flashcomm import _axes
 from jax_flashcomm.codec import Payload, kernels, spec
 from jax_flashcomm.codec import as_groups, restore_shape
+from jax_flashcomm.transport import shm
 from jax_flashcomm.transport.xla import arrange_gathered
 
 _sites = itertools.count(1)
@@ -111,12 +115,19 @@ def unsupported_reason(axes: tuple[str, ...]) -> str | None:
       A sentence for the plan's errors, or None.
     """
     if jax.process_count() != 1:
-        return "peers in other processes (the p2p transport is one process, many devices)"
+        reason = shm.unsupported_reason()
+        if reason is not None:
+            return f"peers in other processes, and shared memory cannot serve them: {reason}"
+        return _auto_axes_reason()
     platform = jax.default_backend()
     if kernel_platform(platform) is None:
         return (f"no p2p kernels for platform {platform!r} in this build (the CPU module has "
                 "them; the CUDA ones need FLASHCOMM_CUDA=ON and have not run on a GPU, "
                 "docs/cuda.md)")
+    return _auto_axes_reason()
+
+
+def _auto_axes_reason() -> str | None:
     mesh = jax.sharding.get_abstract_mesh()
     auto = [a for a in mesh.axis_names if a not in mesh.manual_axes and mesh.shape[a] > 1]
     if auto:
@@ -125,9 +136,27 @@ def unsupported_reason(axes: tuple[str, ...]) -> str | None:
     return None
 
 
+def across_processes() -> bool:
+    """Whether the peers are processes (the shared-memory targets) rather than devices of this
+    process."""
+    return jax.process_count() != 1
+
+
+def _target(op: str) -> str:
+    return f"flashcomm_{'shm' if across_processes() else 'p2p'}_{op}"
+
+
+def _axes_key(axes) -> int:
+    digest = hashlib.sha1("\0".join(axes).encode()).digest()
+    return int.from_bytes(digest[:7], "little")
+
+
 def _attrs(axes, timeout_ms):
-    return dict(size=np.int64(_axes.axis_size(axes)), site=np.int64(next(_sites)),
-                timeout_ms=np.int64(timeout_ms))
+    attrs = dict(size=np.int64(_axes.axis_size(axes)), site=np.int64(next(_sites)),
+                 timeout_ms=np.int64(timeout_ms))
+    if across_processes():
+        attrs["axes_key"] = np.int64(_axes_key(axes))
+    return attrs
 
 
 def all_reduce(x: jax.Array, axes: tuple[str, ...], plan,
@@ -154,7 +183,7 @@ def all_reduce(x: jax.Array, axes: tuple[str, ...], plan,
     vma = _axes.varying_axes(x)
     rep = vma - frozenset(axes)
     call = jax.ffi.ffi_call(
-        "flashcomm_p2p_all_reduce",
+        _target("all_reduce"),
         (result_aval(x, groups.shape if decode else (0,), x.dtype, rep),
          result_aval(x, (n, total // n, spec.record_bytes(g, b1, k1)), jnp.uint8, vma),
          result_aval(x, (n, total // n), jnp.bfloat16, vma),
@@ -192,7 +221,7 @@ def reduce_scatter(rows: jax.Array, axes: tuple[str, ...],
     groups = rows.reshape(n * mp // g, g)
     vma = _axes.varying_axes(rows)
     call = jax.ffi.ffi_call(
-        "flashcomm_p2p_reduce_scatter",
+        _target("reduce_scatter"),
         (result_aval(rows, (mp // g, g), rows.dtype, vma),
          result_aval(rows, (n, mp // g, spec.record_bytes(g, bits, k1)), jnp.uint8, vma),
          result_aval(rows, (n, mp // g), jnp.bfloat16, vma),
@@ -228,7 +257,7 @@ def all_gather(x: jax.Array, axes: tuple[str, ...], axis: int, tiled: bool,
     count = groups.shape[0]
     vma = _axes.varying_axes(x)
     call = jax.ffi.ffi_call(
-        "flashcomm_p2p_all_gather",
+        _target("all_gather"),
         (result_aval(x, (n, count, g), x.dtype, vma),
          result_aval(x, (count, spec.record_bytes(g, bits, k2)), jnp.uint8, vma),
          result_aval(x, (count,), jnp.bfloat16, vma), result_aval(x, (count,), jnp.bfloat16, vma)),
@@ -254,3 +283,40 @@ def kernel_module():
 def meetings_in_progress() -> int:
     """Peer-to-peer calls that some rank has not finished (0 between collectives)."""
     return int(kernel_module().p2p_meetings_in_progress())
+
+
+#: Bytes per rank from which :func:`exact_all_reduce` takes two shots (each rank sums one chunk,
+#: then every rank copies every chunk) rather than one (every rank sums everything).
+TWO_SHOT_BYTES = 256 * 1024
+
+
+def exact_all_reduce(x: jax.Array, axes: tuple[str, ...], timeout_ms: int,
+                     two_shot: bool | None = None) -> jax.Array:
+    """The exact all-reduce of a varying ``x`` over shared memory (peers in other processes).
+
+    Every rank's ``x`` is summed in f32 in rank order and rounded once to ``x``'s dtype, so every
+    rank gets the same bits (and with two ranks, XLA:CPU's ``lax.psum``'s bits).
+
+    Args:
+      x: the operand (f32, bf16 or f16), varying over ``axes``.
+      axes: the reduced mesh axes.
+      timeout_ms: the limit on every wait for a peer.
+      two_shot: reduce-scatter then gather (True), every rank sums all (False), or by size
+        (None: :data:`TWO_SHOT_BYTES`).
+
+    Returns:
+      The sum, invariant over ``axes``.
+
+    Raises:
+      ValueError: the peers are not processes of this host (:func:`unsupported_reason`).
+    """
+    if not across_processes():
+        raise ValueError("exact_all_reduce runs between processes (one device each); in one "
+                         "process lax.psum is the exact path")
+    if two_shot is None:
+        two_shot = x.size * x.dtype.itemsize >= TWO_SHOT_BYTES
+    rep = _axes.varying_axes(x) - frozenset(axes)
+    call = jax.ffi.ffi_call(_target("psum"), result_aval(x, x.shape, x.dtype, rep),
+                            vmap_method="sequential")
+    rank, group = rank_and_group(axes)
+    return call(x, rank, group, two_shot=np.int32(two_shot), **_attrs(axes, timeout_ms))

@@ -45,6 +45,10 @@ namespace p2p {
 // The pointers a rank publishes at one barrier (codes, scale, zero of a payload, or an event).
 using Published = std::array<const void*, 4>;
 
+// Published[3] of a rank whose own work failed (a scratch allocation): it still passes every
+// barrier, so that no peer loses a buffer it reads, and every rank's call ends with an error.
+inline const char kRankFailed = 0;
+
 // The longest wait a deadline allows: 2**31 - 1 ms (about 24.8 days; the Python side rejects
 // longer timeouts). Longer timeouts are clamped to it, so that now + timeout never overflows
 // the clock (a timeout of 2**62 ms or INT64_MAX used to give a deadline in the past: a healthy

@@ -1,0 +1,280 @@
+// The peer-to-peer transport on CPU between processes on one host, one device each
+// (docs/transport.md, "Across processes"): the protocols of cpu_p2p_protocol.h over the
+// shared-memory meeting point (shm_rendezvous.h), and the exact all-reduce (one-shot or
+// two-shot) over it. Published regions are copied into shared segments that the peers map; the
+// codec work is the in-process transport's, so the bits are the `xla` transport's.
+#include "flashcomm/cpu_shm.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "flashcomm/codec.h"
+#include "flashcomm/cpu_p2p_protocol.h"
+#include "flashcomm/shm_rendezvous.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace flashcomm {
+namespace cpu {
+namespace {
+
+class ShmGang : public Gang {
+ public:
+  explicit ShmGang(std::shared_ptr<shm::Meeting> meeting) : meeting_(std::move(meeting)) {}
+  void Arrive(int barrier, const Spans& mine, bool failed, p2p::Continuation then) override {
+    shm::Arrive(meeting_, barrier, mine, failed, std::move(then));
+  }
+  void Abort(const std::string& why) override { shm::Abort(meeting_, why); }
+  void Leave() override {
+    if (meeting_) shm::Leave(meeting_);
+    meeting_ = nullptr;
+  }
+
+ private:
+  std::shared_ptr<shm::Meeting> meeting_;
+};
+
+// The gang of the call (axes, site, group) of `rank` among `size`.
+GangFactory Shared(int64_t axes_key, int64_t site, int32_t group, int32_t rank, int64_t size,
+                   int64_t timeout_ms) {
+  return [=](int barriers, uint64_t descriptor, std::string* error) -> std::unique_ptr<Gang> {
+    auto meeting = shm::Join({axes_key, site, group, rank, int(size), barriers, descriptor,
+                              timeout_ms},
+                             error);
+    if (!meeting) return nullptr;
+    return std::make_unique<ShmGang>(std::move(meeting));
+  };
+}
+
+// y[i] = every rank's x[i] summed in f32 in rank order, rounded once to the dtype, for i in
+// [begin, end) (XLA:CPU's psum of bf16 / f16 sums in f32 too).
+void SumRanks(DType dtype, const std::vector<const void*>& xs, int64_t begin, int64_t end,
+              void* y) {
+  const size_t n = xs.size();
+  if (dtype == DType::kF32) {
+    auto* out = static_cast<float*>(y);
+    const auto* x0 = static_cast<const float*>(xs[0]);
+    for (int64_t i = begin; i < end; ++i) out[i] = x0[i];
+    for (size_t j = 1; j < n; ++j) {
+      const auto* xj = static_cast<const float*>(xs[j]);
+      for (int64_t i = begin; i < end; ++i) out[i] += xj[i];
+    }
+    return;
+  }
+  constexpr int64_t kBlock = 2048;  // f32 partial sums of one block, kept in cache
+  float acc[kBlock];
+  auto* out = static_cast<uint16_t*>(y);
+  const bool bf16 = dtype == DType::kBF16;
+  for (int64_t lo = begin; lo < end; lo += kBlock) {
+    const int64_t len = std::min(kBlock, end - lo);
+    for (size_t j = 0; j < n; ++j) {
+      const auto* xj = static_cast<const uint16_t*>(xs[j]) + lo;
+      if (bf16) {
+        for (int64_t i = 0; i < len; ++i) {
+          const float v = bf16_to_float(xj[i]);
+          acc[i] = j == 0 ? v : acc[i] + v;
+        }
+      } else {
+        for (int64_t i = 0; i < len; ++i) {
+          const float v = f16_to_float(xj[i]);
+          acc[i] = j == 0 ? v : acc[i] + v;
+        }
+      }
+    }
+    for (int64_t i = 0; i < len; ++i) {
+      out[lo + i] = bf16 ? bf16_from_float(acc[i]) : f16_from_float(acc[i]);
+    }
+  }
+}
+
+ffi::Future ExactAllReduceProtocol(const GangFactory& join, int32_t rank,
+                                   const ffi::AnyBuffer& x, ffi::AnyBuffer& y, int64_t size,
+                                   int64_t timeout_ms, bool two_shot) {
+  constexpr const char* kOp = "flashcomm_shm_psum";
+  if (size < 1 || rank < 0 || rank >= size) {
+    return Failed(ffi::Error::InvalidArgument(std::string(kOp) + ": rank " +
+                                              std::to_string(rank) + " is not in 0.." +
+                                              std::to_string(size - 1)));
+  }
+  if (timeout_ms <= 0) {
+    return Failed(ffi::Error::InvalidArgument(std::string(kOp) + ": timeout_ms must be positive"));
+  }
+  DType dtype = DType::kF32;
+  if (!ToDType(x.element_type(), &dtype)) {
+    return Failed(ffi::Error::InvalidArgument(std::string(kOp) + ": x must be f32, bf16 or f16"));
+  }
+  if (y.element_count() != x.element_count() || y.element_type() != x.element_type()) {
+    return Failed(ffi::Error::InvalidArgument(std::string(kOp) + ": y must be x's shape"));
+  }
+  const int64_t count = int64_t(x.element_count());
+  const size_t item = x.size_bytes() / std::max<size_t>(x.element_count(), 1);
+  std::string error;
+  auto call = Call::Join(kOp, rank, join, two_shot ? 3 : 2,
+                         Describe({4, int64_t(x.element_type()), count, size, two_shot}), &error);
+  if (!call) return Failed(ffi::Error::Internal(std::string(kOp) + ": " + error));
+  ffi::Future done = call->future();
+  auto* out = static_cast<uint8_t*>(y.untyped_data());
+  const Spans mine{Span{x.untyped_data(), x.size_bytes()}, Span{}, Span{}, Span{}};
+  auto inputs = [size](const std::vector<Published>& peers) {
+    std::vector<const void*> xs(size);
+    for (int64_t j = 0; j < size; ++j) xs[j] = peers[j][0];
+    return xs;
+  };
+  if (!two_shot) {
+    call->Arrive(0, mine, [=](const std::vector<Published>& peers) {
+      if (!call->failed()) SumRanks(dtype, inputs(peers), 0, count, out);
+      call->Arrive(1, Spans{}, [=](const std::vector<Published>&) { call->Finish(); });
+    });
+    return done;
+  }
+  // Two-shot: rank r sums chunk r of every rank's x; then every rank copies every chunk.
+  auto bound = [count, size](int64_t j) { return count * j / size; };
+  call->Arrive(0, mine, [=](const std::vector<Published>& peers) {
+    const int64_t lo = bound(rank), hi = bound(rank + 1);
+    if (!call->failed()) SumRanks(dtype, inputs(peers), lo, hi, out);
+    const Spans chunk{Span{out + lo * item, size_t(hi - lo) * item}, Span{}, Span{}, Span{}};
+    call->Arrive(1, chunk, [=](const std::vector<Published>& peers) {
+      for (int64_t j = 0; j < size && !call->failed(); ++j) {
+        if (j == rank || bound(j + 1) == bound(j)) continue;
+        std::memcpy(out + bound(j) * item, peers[j][0], size_t(bound(j + 1) - bound(j)) * item);
+      }
+      call->Arrive(2, Spans{}, [=](const std::vector<Published>&) { call->Finish(); });
+    });
+  });
+  return done;
+}
+
+}  // namespace
+
+ffi::Future ShmAllReduce(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
+                         ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> y,
+                         ffi::Result<ffi::Buffer<ffi::U8>> p1_codes,
+                         ffi::Result<ffi::Buffer<ffi::BF16>> p1_scale,
+                         ffi::Result<ffi::Buffer<ffi::BF16>> p1_zero,
+                         ffi::Result<ffi::Buffer<ffi::U8>> p2_codes,
+                         ffi::Result<ffi::Buffer<ffi::BF16>> p2_scale,
+                         ffi::Result<ffi::Buffer<ffi::BF16>> p2_zero, int32_t bits,
+                         int32_t out_bits, int64_t group_size, int32_t rotation, int32_t spikes,
+                         int32_t out_spikes, int64_t size, int64_t site, int64_t timeout_ms,
+                         int64_t axes_key) {
+  const int32_t rank = rank_buf.typed_data()[0];
+  return AllReduceProtocol(
+      Shared(axes_key, site, group_buf.typed_data()[0], rank, size, timeout_ms), rank, x, *y,
+      *p1_codes, *p1_scale, *p1_zero, *p2_codes, *p2_scale, *p2_zero, bits, out_bits,
+      group_size, rotation, spikes, out_spikes, size, timeout_ms);
+}
+
+ffi::Future ShmReduceScatter(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
+                             ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> y,
+                             ffi::Result<ffi::Buffer<ffi::U8>> codes,
+                             ffi::Result<ffi::Buffer<ffi::BF16>> scale,
+                             ffi::Result<ffi::Buffer<ffi::BF16>> zero, int32_t bits,
+                             int64_t group_size, int32_t rotation, int32_t spikes, int64_t size,
+                             int64_t site, int64_t timeout_ms, int64_t axes_key) {
+  const int32_t rank = rank_buf.typed_data()[0];
+  return ReduceScatterProtocol(
+      Shared(axes_key, site, group_buf.typed_data()[0], rank, size, timeout_ms), rank, x, *y,
+      *codes, *scale, *zero, bits, group_size, rotation, spikes, size, timeout_ms);
+}
+
+ffi::Future ShmAllGather(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
+                         ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> y,
+                         ffi::Result<ffi::Buffer<ffi::U8>> codes,
+                         ffi::Result<ffi::Buffer<ffi::BF16>> scale,
+                         ffi::Result<ffi::Buffer<ffi::BF16>> zero, int32_t bits,
+                         int64_t group_size, int32_t rotation, int32_t spikes, int64_t size,
+                         int64_t site, int64_t timeout_ms, int64_t axes_key) {
+  const int32_t rank = rank_buf.typed_data()[0];
+  return AllGatherProtocol(
+      Shared(axes_key, site, group_buf.typed_data()[0], rank, size, timeout_ms), rank, x, *y,
+      *codes, *scale, *zero, bits, group_size, rotation, spikes, size, timeout_ms);
+}
+
+ffi::Future ShmPsum(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
+                    ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> y,
+                    int64_t size, int64_t site, int64_t timeout_ms, int64_t axes_key,
+                    int32_t two_shot) {
+  const int32_t rank = rank_buf.typed_data()[0];
+  return ExactAllReduceProtocol(
+      Shared(axes_key, site, group_buf.typed_data()[0], rank, size, timeout_ms), rank, x, *y,
+      size, timeout_ms, two_shot != 0);
+}
+
+}  // namespace cpu
+}  // namespace flashcomm
+
+// Shared by the handlers: the rank (lax.axis_index over the reduced axes, lax's tuple order) and
+// replica group (index over the mesh axes not reduced) as int32 scalar operands.
+#define FLASHCOMM_SHM_COMMON_ATTRS                                                         \
+  .Attr<int64_t>("size")          /* ranks in the replica group */                         \
+      .Attr<int64_t>("site")      /* the call site: peers of one call share it */          \
+      .Attr<int64_t>("timeout_ms") /* every wait gives up after this, with an error */     \
+      .Attr<int64_t>("axes_key")  /* the mesh axes (a hash of their names) */
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    FlashcommShmAllReduceCpu, flashcomm::cpu::Guard<&flashcomm::cpu::ShmAllReduce>::Call,
+    ffi::Ffi::Bind()
+        .Arg<ffi::AnyBuffer>()             // x: (N * groups_per_chunk, group_size)
+        .Arg<ffi::Buffer<ffi::S32>>()      // rank: () in 0..N-1
+        .Arg<ffi::Buffer<ffi::S32>>()      // group: () the replica group's index
+        .Ret<ffi::AnyBuffer>()             // y: x's shape and dtype, the decoded sum (or empty)
+        .Ret<ffi::Buffer<ffi::U8>>()       // phase-1 codes: (N, groups_per_chunk, bytes)
+        .Ret<ffi::Buffer<ffi::BF16>>()     // phase-1 scale: (N, groups_per_chunk)
+        .Ret<ffi::Buffer<ffi::BF16>>()     // phase-1 zero
+        .Ret<ffi::Buffer<ffi::U8>>()       // phase-2 codes, gathered: (N * gpc, bytes')
+        .Ret<ffi::Buffer<ffi::BF16>>()     // phase-2 scale: (N * gpc)
+        .Ret<ffi::Buffer<ffi::BF16>>()     // phase-2 zero
+        .Attr<int32_t>("bits")             // phase-1 code width, 2..8
+        .Attr<int32_t>("out_bits")         // phase-2 code width, 2..8
+        .Attr<int64_t>("group_size")       // multiple of 8
+        .Attr<int32_t>("rotation")         // 0, 1 or 2 (both phases)
+        .Attr<int32_t>("spikes")           // phase-1 spikes per group, 0..16
+        .Attr<int32_t>("out_spikes")       // phase-2 spikes per group, 0..16
+        FLASHCOMM_SHM_COMMON_ATTRS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    FlashcommShmReduceScatterCpu, flashcomm::cpu::Guard<&flashcomm::cpu::ShmReduceScatter>::Call,
+    ffi::Ffi::Bind()
+        .Arg<ffi::AnyBuffer>()             // x: (N * groups_per_chunk, group_size)
+        .Arg<ffi::Buffer<ffi::S32>>()      // rank: () in 0..N-1
+        .Arg<ffi::Buffer<ffi::S32>>()      // group: () the replica group's index
+        .Ret<ffi::AnyBuffer>()             // y: (groups_per_chunk, group_size), chunk `rank`
+        .Ret<ffi::Buffer<ffi::U8>>()       // codes: (N, groups_per_chunk, bytes)
+        .Ret<ffi::Buffer<ffi::BF16>>()     // scale: (N, groups_per_chunk)
+        .Ret<ffi::Buffer<ffi::BF16>>()     // zero
+        .Attr<int32_t>("bits")             // code width, 2..8
+        .Attr<int64_t>("group_size")       // multiple of 8
+        .Attr<int32_t>("rotation")         // 0, 1 or 2
+        .Attr<int32_t>("spikes")           // spikes per group, 0..16
+        FLASHCOMM_SHM_COMMON_ATTRS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    FlashcommShmAllGatherCpu, flashcomm::cpu::Guard<&flashcomm::cpu::ShmAllGather>::Call,
+    ffi::Ffi::Bind()
+        .Arg<ffi::AnyBuffer>()             // x: (groups, group_size)
+        .Arg<ffi::Buffer<ffi::S32>>()      // rank: () in 0..N-1
+        .Arg<ffi::Buffer<ffi::S32>>()      // group: () the replica group's index
+        .Ret<ffi::AnyBuffer>()             // y: (N, groups, group_size), rank j's in slot j
+        .Ret<ffi::Buffer<ffi::U8>>()       // codes: (groups, bytes), this rank's payload
+        .Ret<ffi::Buffer<ffi::BF16>>()     // scale: (groups)
+        .Ret<ffi::Buffer<ffi::BF16>>()     // zero
+        .Attr<int32_t>("bits")             // code width, 2..8
+        .Attr<int64_t>("group_size")       // multiple of 8
+        .Attr<int32_t>("rotation")         // 0, 1 or 2
+        .Attr<int32_t>("spikes")           // spikes per group, 0..16
+        FLASHCOMM_SHM_COMMON_ATTRS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    FlashcommShmPsumCpu, flashcomm::cpu::Guard<&flashcomm::cpu::ShmPsum>::Call,
+    ffi::Ffi::Bind()
+        .Arg<ffi::AnyBuffer>()             // x: any shape, f32, bf16 or f16
+        .Arg<ffi::Buffer<ffi::S32>>()      // rank: () in 0..N-1
+        .Arg<ffi::Buffer<ffi::S32>>()      // group: () the replica group's index
+        .Ret<ffi::AnyBuffer>()             // y: x's shape and dtype, the exact sum
+        FLASHCOMM_SHM_COMMON_ATTRS
+        .Attr<int32_t>("two_shot"));       // 0: every rank sums all; 1: reduce-scatter + gather

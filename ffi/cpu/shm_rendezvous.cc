@@ -1,0 +1,634 @@
+// The shared-memory meeting point (flashcomm/shm_rendezvous.h has the design).
+#include "flashcomm/shm_rendezvous.h"
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <climits>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <tuple>
+#include <utility>
+
+namespace flashcomm {
+namespace shm {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr uint64_t kMagic = 0x316d63687361666cULL;  // "lfashcm1"
+constexpr int kChannels = 1024;
+constexpr int kBarriers = 4;
+constexpr int kRegions = 4;
+constexpr int kMembers = 256;
+
+// Everything a peer reads from another process's block is plain data written before the owner
+// publishes it with a release store of its ticket (or member count) and read after an acquire
+// load of it.
+struct Region {
+  int64_t offset;
+  int64_t bytes;
+};
+struct Record {
+  int64_t site, group, seq;
+  uint64_t descriptor;
+  int64_t failed;
+  int64_t seg_fd, seg_gen, seg_bytes;
+  Region regions[kRegions];
+};
+struct alignas(64) ChannelRec {
+  int64_t ticket;
+  Record records[kBarriers];
+};
+struct Member {
+  int64_t axes_key, group, rank, size;
+};
+struct Block {
+  uint64_t magic;
+  int64_t pid;
+  int64_t process_index;
+  alignas(64) uint32_t doorbell;
+  alignas(64) int64_t members;
+  Member member[kMembers];
+  ChannelRec channels[kChannels];
+};
+
+int64_t LoadAcquire(const int64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+void StoreRelease(int64_t* p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+
+void Ring(Block* block) {
+  __atomic_fetch_add(&block->doorbell, 1u, __ATOMIC_RELEASE);
+  syscall(SYS_futex, &block->doorbell, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
+
+// A memfd of `bytes` mapped read-write; base null (and `error`) on failure.
+struct Segment {
+  int fd = -1;
+  uint8_t* base = nullptr;
+  size_t bytes = 0;
+  int64_t gen = 0;
+};
+bool NewSegment(const char* name, size_t bytes, Segment* seg, std::string* error) {
+  const int fd = int(syscall(SYS_memfd_create, name, MFD_CLOEXEC));
+  if (fd < 0) return *error = Errno("memfd_create"), false;
+  if (ftruncate(fd, off_t(bytes)) != 0) {
+    *error = Errno("ftruncate of a " + std::to_string(bytes) + "-byte segment");
+    close(fd);
+    return false;
+  }
+  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (base == MAP_FAILED) {
+    *error = Errno("mmap of a " + std::to_string(bytes) + "-byte segment");
+    close(fd);
+    return false;
+  }
+  seg->fd = fd;
+  seg->base = static_cast<uint8_t*>(base);
+  seg->bytes = bytes;
+  return true;
+}
+
+// Maps another process's memfd (pid, fd) of at least `bytes`.
+void* MapPeer(int64_t pid, int64_t fd, size_t bytes, int prot, std::string* error) {
+  const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
+  const int local = open(path.c_str(), ((prot & PROT_WRITE) ? O_RDWR : O_RDONLY) | O_CLOEXEC);
+  if (local < 0) return *error = Errno("open " + path), nullptr;
+  struct stat st {};
+  if (fstat(local, &st) != 0 || size_t(st.st_size) < bytes) {
+    *error = path + " is smaller than its owner says (" + std::to_string(bytes) + " bytes)";
+    close(local);
+    return nullptr;
+  }
+  void* base = mmap(nullptr, bytes, prot, MAP_SHARED, local, 0);
+  close(local);
+  if (base == MAP_FAILED) return *error = Errno("mmap " + path), nullptr;
+  return base;
+}
+
+// Whether process `pid` has exited (gone, or a zombie nobody has reaped yet).
+bool Exited(int64_t pid) {
+  if (kill(pid_t(pid), 0) != 0 && errno == ESRCH) return true;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const size_t paren = text.rfind(')');
+  return paren != std::string::npos && paren + 2 < text.size() &&
+         (text[paren + 2] == 'Z' || text[paren + 2] == 'X');
+}
+
+}  // namespace
+
+struct Meeting {
+  JoinArgs args;
+  int64_t seq = 0;
+  int channel = 0;
+  bool started = false;  // owns its channel
+  bool left = false;
+  int64_t start_ticket = 0;
+  Clock::time_point deadline;
+  std::vector<int> procs;  // rank -> process index (resolved at the first barrier)
+  // The barrier waited on (-1: none) and what runs when it opens.
+  int waiting = -1;
+  p2p::Continuation then;
+  // The first arrival of a call still queued behind its channel's previous call.
+  bool deferred = false;
+  Spans deferred_spans;
+  bool deferred_failed = false;
+  bool failed = false;
+  std::string failure;
+};
+
+namespace {
+
+class Engine {
+ public:
+  static Engine& Global() {
+    static Engine* engine = new Engine();  // never destroyed: continuations may be pending
+    return *engine;
+  }
+
+  bool CreateBlock(int64_t process_index, BlockId* id, std::string* error) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (mine_ == nullptr) {
+      Segment seg;
+      if (!NewSegment("flashcomm-block", sizeof(Block), &seg, error)) return false;
+      mine_ = reinterpret_cast<Block*>(seg.base);
+      mine_fd_ = seg.fd;
+      mine_->magic = kMagic;
+      mine_->pid = getpid();
+      mine_->process_index = process_index;
+      process_index_ = process_index;
+    }
+    *id = BlockId{process_index_, mine_->pid, mine_fd_};
+    return true;
+  }
+
+  bool AttachBlocks(const std::vector<BlockId>& blocks, std::string* error) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (mine_ == nullptr) return *error = "this process has no block yet", false;
+    for (const BlockId& b : blocks) {
+      if (b.process_index == process_index_) {
+        blocks_[b.process_index] = mine_;
+        pids_[b.process_index] = mine_->pid;
+        continue;
+      }
+      auto it = pids_.find(b.process_index);
+      if (it != pids_.end() && it->second == b.pid) continue;
+      void* base = MapPeer(b.pid, b.fd, sizeof(Block), PROT_READ | PROT_WRITE, error);
+      if (base == nullptr) return false;
+      auto* block = static_cast<Block*>(base);
+      if (block->magic != kMagic || block->pid != b.pid ||
+          block->process_index != b.process_index) {
+        munmap(base, sizeof(Block));
+        *error = "the block of process " + std::to_string(b.process_index) +
+                 " is not a flashcomm block of this version";
+        return false;
+      }
+      blocks_[b.process_index] = block;
+      pids_[b.process_index] = b.pid;
+    }
+    StartProgress();
+    return true;
+  }
+
+  int Attached() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return int(blocks_.size());
+  }
+
+  std::shared_ptr<Meeting> Join(const JoinArgs& args, std::string* error) {
+    if (args.size < 1 || args.rank < 0 || args.rank >= args.size) {
+      *error = "rank " + std::to_string(args.rank) + " of " + std::to_string(args.size) +
+               " is out of range";
+      return nullptr;
+    }
+    if (args.timeout_ms <= 0) return *error = p2p::TimeoutError(args.timeout_ms), nullptr;
+    if (args.barriers < 1 || args.barriers > kBarriers) {
+      return *error = "at most " + std::to_string(kBarriers) + " barriers", nullptr;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (mine_ == nullptr || blocks_.empty()) {
+      *error = "the shared-memory transport is not set up in this process "
+               "(jax_flashcomm.transport.shm.setup)";
+      return nullptr;
+    }
+    if (!AddMemberLocked(args, error)) return nullptr;
+    auto m = std::make_shared<Meeting>();
+    m->args = args;
+    m->seq = seqs_[{args.site, args.group}]++;
+    m->channel = int(uint64_t(args.site * 1000003 + args.group) % kChannels);
+    in_progress_.push_back(m);
+    auto& queue = queues_[m->channel];
+    queue.push_back(m);
+    if (queue.size() == 1) StartLocked(m);
+    return m;
+  }
+
+  void Arrive(const std::shared_ptr<Meeting>& m, int barrier, const Spans& spans, bool failed,
+              p2p::Continuation then) {
+    std::string error;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!m->failed && !m->started) {  // queued: arrives when its channel is free
+        m->deferred = true;
+        m->deferred_spans = spans;
+        m->deferred_failed = failed;
+        m->then = std::move(then);
+        return;
+      }
+      if (m->failed) error = m->failure;
+    }
+    if (!error.empty()) return then({}, error);
+    Publish(m, barrier, spans, failed, std::move(then));
+  }
+
+  void Abort(const std::shared_ptr<Meeting>& m, const std::string& why) {
+    std::lock_guard<std::mutex> lock(mu_);
+    FailLocked(m, why);
+  }
+
+  void Leave(const std::shared_ptr<Meeting>& m) {
+    std::vector<std::shared_ptr<Meeting>> runnable;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (m->left) return;
+      m->left = true;
+      for (auto it = in_progress_.begin(); it != in_progress_.end(); ++it) {
+        if (*it == m) {
+          in_progress_.erase(it);
+          break;
+        }
+      }
+      auto& queue = queues_[m->channel];
+      for (auto it = queue.begin(); it != queue.end(); ++it) {
+        if (*it == m) {
+          queue.erase(it);
+          break;
+        }
+      }
+      if (m->started) {
+        // Pass any barrier left (a failed call): the channel's tickets stay aligned.
+        ChannelRec& ch = mine_->channels[m->channel];
+        const int64_t end = m->start_ticket + m->args.barriers;
+        if (LoadAcquire(&ch.ticket) < end) StoreRelease(&ch.ticket, end);
+        if (!queue.empty()) {
+          StartLocked(queue.front());
+          if (queue.front()->deferred) runnable.push_back(queue.front());
+        }
+      }
+    }
+    for (auto& next : runnable) {
+      p2p::ThreadPool::Workers().Schedule([this, next] {
+        p2p::Continuation then;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (!next->deferred) return;  // failed meanwhile: FailLocked handed `then` the error
+          next->deferred = false;
+          then = std::move(next->then);
+        }
+        Publish(next, 0, next->deferred_spans, next->deferred_failed, std::move(then));
+      });
+    }
+  }
+
+  size_t InProgress() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return in_progress_.size();
+  }
+
+  size_t Segments() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return own_.size() + peer_.size();
+  }
+
+ private:
+  Engine() = default;
+
+  bool AddMemberLocked(const JoinArgs& a, std::string* error) {
+    const auto key = std::make_tuple(a.axes_key, a.group, int64_t(a.size));
+    auto it = my_rank_.find(key);
+    if (it != my_rank_.end()) {
+      if (it->second == a.rank) return true;
+      *error = "this process is rank " + std::to_string(it->second) + " and " +
+               std::to_string(a.rank) + " of one group (one device per process)";
+      return false;
+    }
+    const int64_t n = mine_->members;
+    if (n >= kMembers) return *error = "too many replica groups in this process", false;
+    mine_->member[n] = Member{a.axes_key, a.group, a.rank, a.size};
+    StoreRelease(&mine_->members, n + 1);
+    my_rank_[key] = a.rank;
+    return true;
+  }
+
+  void StartLocked(const std::shared_ptr<Meeting>& m) {
+    m->started = true;
+    m->start_ticket = LoadAcquire(&mine_->channels[m->channel].ticket);
+    m->deadline = p2p::DeadlineAfter(m->args.timeout_ms);
+  }
+
+  // Copies `spans` into this rank's segment of (channel, barrier), publishes the record and
+  // the ticket, rings the peers and leaves the wait to the progress thread.
+  void Publish(const std::shared_ptr<Meeting>& m, int barrier, const Spans& spans, bool failed,
+               p2p::Continuation then) {
+    size_t total = 0;
+    for (const Span& s : spans) total += (s.bytes + 63) & ~size_t(63);
+    Segment* seg = nullptr;
+    std::string error;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      seg = &own_[{m->channel, barrier}];
+      if (seg->bytes < total) {
+        Segment grown;
+        size_t bytes = 4096;
+        while (bytes < total) bytes *= 2;
+        if (NewSegment("flashcomm-segment", bytes, &grown, &error)) {
+          if (seg->base != nullptr) {
+            munmap(seg->base, seg->bytes);
+            close(seg->fd);
+          }
+          grown.gen = ++generation_;
+          *seg = grown;
+        }
+      }
+    }
+    if (!error.empty()) failed = true;
+    Region regions[kRegions];
+    int64_t offset = 0;
+    for (int i = 0; i < kRegions; ++i) {
+      const Span& s = spans[i];
+      const bool copy = !failed && s.data != nullptr && s.bytes > 0;
+      regions[i] = Region{offset, copy ? int64_t(s.bytes) : 0};
+      if (copy) std::memcpy(seg->base + offset, s.data, s.bytes);
+      offset += int64_t((s.bytes + 63) & ~size_t(63));
+    }
+    std::vector<Block*> ring;
+    {
+      // The record is written under the lock, so that a failure (FailLocked) cannot interleave.
+      std::lock_guard<std::mutex> lock(mu_);
+      if (m->failed) {
+        error = m->failure;
+      } else {
+        ChannelRec& ch = mine_->channels[m->channel];
+        Record& rec = ch.records[barrier];
+        rec.site = m->args.site;
+        rec.group = m->args.group;
+        rec.seq = m->seq;
+        rec.descriptor = m->args.descriptor;
+        rec.failed = failed ? 1 : 0;
+        rec.seg_fd = seg->fd;
+        rec.seg_gen = seg->gen;
+        rec.seg_bytes = int64_t(seg->bytes);
+        for (int i = 0; i < kRegions; ++i) rec.regions[i] = regions[i];
+        StoreRelease(&ch.ticket, m->start_ticket + barrier + 1);
+        m->waiting = barrier;
+        m->then = std::move(then);
+        pending_.push_back(m);
+        for (auto& kv : blocks_) ring.push_back(kv.second);
+      }
+    }
+    if (!error.empty()) return then({}, error);
+    for (Block* b : ring) Ring(b);
+  }
+
+  // Resolves rank -> process from the blocks' member tables; false while a rank is missing.
+  bool ResolveLocked(Meeting& m, std::string* error) {
+    if (!m.procs.empty()) return true;
+    std::vector<int> procs(m.args.size, -1);
+    for (auto& kv : blocks_) {
+      const Block* b = kv.second;
+      const int64_t n = std::min<int64_t>(LoadAcquire(&b->members), kMembers);
+      for (int64_t i = 0; i < n; ++i) {
+        const Member& mem = b->member[i];
+        if (mem.axes_key != m.args.axes_key || mem.group != m.args.group ||
+            mem.size != m.args.size || mem.rank < 0 || mem.rank >= m.args.size) {
+          continue;
+        }
+        if (procs[mem.rank] >= 0 && procs[mem.rank] != kv.first) {
+          *error = "processes " + std::to_string(procs[mem.rank]) + " and " +
+                   std::to_string(kv.first) + " both claim rank " + std::to_string(mem.rank) +
+                   " of one group";
+          return false;
+        }
+        procs[mem.rank] = int(kv.first);
+      }
+    }
+    for (int p : procs) {
+      if (p < 0) return false;
+    }
+    m.procs = procs;
+    return true;
+  }
+
+  // Marks `m` failed, passes its remaining barriers (peers see the failure) and hands the
+  // error to its waiting continuation, if any.
+  void FailLocked(const std::shared_ptr<Meeting>& m, const std::string& why) {
+    if (m->failed || m->left) return;
+    m->failed = true;
+    m->failure = why;
+    if (m->started) {
+      ChannelRec& ch = mine_->channels[m->channel];
+      const int64_t done = LoadAcquire(&ch.ticket) - m->start_ticket;
+      for (int64_t b = std::max<int64_t>(done, 0); b < m->args.barriers; ++b) {
+        Record& rec = ch.records[b];
+        rec.site = m->args.site;
+        rec.group = m->args.group;
+        rec.seq = m->seq;
+        rec.descriptor = m->args.descriptor;
+        rec.failed = 1;
+        for (Region& r : rec.regions) r = Region{0, 0};
+      }
+      StoreRelease(&ch.ticket, m->start_ticket + m->args.barriers);
+      for (auto& kv : blocks_) Ring(kv.second);
+    }
+    if (m->waiting >= 0 || m->deferred) {
+      m->waiting = -1;
+      m->deferred = false;
+      auto then = std::move(m->then);
+      p2p::ThreadPool::Workers().Schedule([then, why] { then({}, why); });
+    }
+  }
+
+  // One look at a waiting call: opens its barrier, fails it, or leaves it waiting.
+  void CheckLocked(const std::shared_ptr<Meeting>& m, Clock::time_point now, bool check_exits) {
+    const JoinArgs& a = m->args;
+    const int b = m->waiting;
+    std::string error;
+    if (!ResolveLocked(*m, &error)) {
+      if (!error.empty()) return FailLocked(m, "shared-memory collective: " + error);
+      if (now >= m->deadline) {
+        return FailLocked(m, "shared-memory collective: timed out at barrier 0: not every "
+                             "rank of the group has joined (missing ranks never called it)");
+      }
+      return;
+    }
+    const int64_t target = m->start_ticket + b + 1;
+    std::string missing;
+    int arrived = 0;
+    for (int r = 0; r < a.size; ++r) {
+      const Block* blk = blocks_.at(m->procs[r]);
+      if (LoadAcquire(&blk->channels[m->channel].ticket) >= target) {
+        ++arrived;
+      } else {
+        missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+        if (check_exits && Exited(pids_.at(m->procs[r]))) {
+          return FailLocked(m, "shared-memory collective: rank " + std::to_string(r) +
+                                   " (process " + std::to_string(m->procs[r]) + ", pid " +
+                                   std::to_string(pids_.at(m->procs[r])) + ") exited");
+        }
+      }
+    }
+    if (arrived < a.size) {
+      if (now >= m->deadline) {
+        FailLocked(m, "shared-memory collective: timed out at barrier " + std::to_string(b) +
+                          ": " + std::to_string(arrived) + " of " + std::to_string(a.size) +
+                          " ranks arrived (missing: rank " + missing + ")");
+      }
+      return;
+    }
+    std::vector<p2p::Published> peers(a.size);
+    const bool last = b + 1 == a.barriers;
+    std::string differ, failed;
+    for (int r = 0; r < a.size; ++r) {
+      const int proc = m->procs[r];
+      const Record& rec = blocks_.at(proc)->channels[m->channel].records[b];
+      if (last) {  // no data; a peer may have moved on to its next call (then it succeeded)
+        if (rec.site == a.site && rec.group == a.group && rec.seq == m->seq && rec.failed) {
+          failed += (failed.empty() ? "" : ", ") + std::to_string(r);
+          peers[r][3] = &p2p::kRankFailed;
+        }
+        continue;
+      }
+      if (rec.site != a.site || rec.group != a.group || rec.seq != m->seq) {
+        return FailLocked(m, "shared-memory collective: rank " + std::to_string(r) +
+                                 " is at another call on this channel (site " +
+                                 std::to_string(rec.site) + " call " + std::to_string(rec.seq) +
+                                 ", this rank: site " + std::to_string(a.site) + " call " +
+                                 std::to_string(m->seq) + "): the processes traced or ran "
+                                 "their programs in different orders");
+      }
+      if (rec.descriptor != a.descriptor) differ += (differ.empty() ? "" : ", ") + std::to_string(r);
+      if (rec.failed) {
+        failed += (failed.empty() ? "" : ", ") + std::to_string(r);
+        peers[r][3] = &p2p::kRankFailed;
+        continue;
+      }
+      uint8_t* base = nullptr;
+      if (proc == process_index_) {
+        base = own_[{m->channel, b}].base;
+      } else if (!MapLocked(proc, m->channel, b, rec, &base, &error)) {
+        return FailLocked(m, "shared-memory collective: rank " + std::to_string(r) + ": " + error);
+      }
+      for (int i = 0; i < kRegions; ++i) {
+        peers[r][i] = rec.regions[i].bytes > 0 ? base + rec.regions[i].offset : nullptr;
+      }
+    }
+    if (!differ.empty() && b == 0) {
+      return FailLocked(m, "shared-memory collective: ranks passed different shapes or options "
+                           "(ranks " + differ + " differ from rank " + std::to_string(a.rank) +
+                           ")");
+    }
+    m->waiting = -1;
+    auto then = std::move(m->then);
+    p2p::ThreadPool::Workers().Schedule([then, peers] { then(peers, std::string()); });
+  }
+
+  bool MapLocked(int proc, int channel, int barrier, const Record& rec, uint8_t** base,
+                 std::string* error) {
+    Segment& seg = peer_[{proc, channel, barrier}];
+    if (seg.gen != rec.seg_gen || seg.base == nullptr) {
+      void* mapped = MapPeer(pids_.at(proc), rec.seg_fd, size_t(rec.seg_bytes), PROT_READ, error);
+      if (mapped == nullptr) return false;
+      if (seg.base != nullptr) munmap(seg.base, seg.bytes);
+      seg.base = static_cast<uint8_t*>(mapped);
+      seg.bytes = size_t(rec.seg_bytes);
+      seg.gen = rec.seg_gen;
+    }
+    *base = seg.base;
+    return true;
+  }
+
+  void StartProgress() {
+    if (progress_started_) return;
+    progress_started_ = true;
+    std::thread([this] { Progress(); }).detach();
+  }
+
+  void Progress() {
+    auto last_exit_check = Clock::now();
+    for (;;) {
+      const uint32_t seen = __atomic_load_n(&mine_->doorbell, __ATOMIC_ACQUIRE);
+      bool idle = true;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        const auto now = Clock::now();
+        const bool check_exits = now - last_exit_check > std::chrono::milliseconds(100);
+        if (check_exits) last_exit_check = now;
+        std::vector<std::shared_ptr<Meeting>> waiting;
+        waiting.swap(pending_);
+        for (auto& m : waiting) {
+          if (m->waiting < 0) continue;
+          CheckLocked(m, now, check_exits);
+          if (m->waiting >= 0) pending_.push_back(m);
+        }
+        idle = pending_.empty();
+      }
+      struct timespec ts {0, (idle ? 50 : 10) * 1000 * 1000};
+      syscall(SYS_futex, &mine_->doorbell, FUTEX_WAIT, seen, &ts, nullptr, 0);
+    }
+  }
+
+  std::mutex mu_;
+  Block* mine_ = nullptr;
+  int mine_fd_ = -1;
+  int64_t process_index_ = -1;
+  int64_t generation_ = 0;
+  bool progress_started_ = false;
+  std::map<int64_t, Block*> blocks_;  // process index -> block (this one's included)
+  std::map<int64_t, int64_t> pids_;
+  std::map<std::tuple<int64_t, int64_t, int64_t>, int> my_rank_;
+  std::map<std::pair<int64_t, int64_t>, int64_t> seqs_;  // (site, group) -> next call
+  std::map<int, std::deque<std::shared_ptr<Meeting>>> queues_;
+  std::vector<std::shared_ptr<Meeting>> in_progress_;
+  std::vector<std::shared_ptr<Meeting>> pending_;
+  std::map<std::pair<int, int>, Segment> own_;
+  std::map<std::tuple<int, int, int>, Segment> peer_;
+};
+
+}  // namespace
+
+bool CreateBlock(int64_t process_index, BlockId* id, std::string* error) {
+  return Engine::Global().CreateBlock(process_index, id, error);
+}
+bool AttachBlocks(const std::vector<BlockId>& blocks, std::string* error) {
+  return Engine::Global().AttachBlocks(blocks, error);
+}
+int AttachedProcesses() { return Engine::Global().Attached(); }
+std::shared_ptr<Meeting> Join(const JoinArgs& args, std::string* error) {
+  return Engine::Global().Join(args, error);
+}
+void Arrive(const std::shared_ptr<Meeting>& m, int barrier, const Spans& mine, bool failed,
+            p2p::Continuation then) {
+  Engine::Global().Arrive(m, barrier, mine, failed, std::move(then));
+}
+void Abort(const std::shared_ptr<Meeting>& m, const std::string& why) {
+  Engine::Global().Abort(m, why);
+}
+void Leave(const std::shared_ptr<Meeting>& m) { Engine::Global().Leave(m); }
+size_t InProgress() { return Engine::Global().InProgress(); }
+size_t SegmentsMapped() { return Engine::Global().Segments(); }
+
+}  // namespace shm
+}  // namespace flashcomm

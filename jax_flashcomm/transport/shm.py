@@ -1,0 +1,128 @@
+"""The p2p transport between processes on one host: its setup and whether it can run.
+
+When every device of a job is its own process (``jax.distributed``, one device per process:
+the launch style of SLURM and Kubernetes jobs with one process per GPU, and of CPU
+tensor-parallel inference across sockets) and the processes share a host, the ``p2p`` transport
+reads its peers' buffers through shared memory (ffi/cpu/shm_kernels.cc,
+ffi/include/flashcomm/shm_rendezvous.h): each process owns a block (a memfd: no name in
+``/dev/shm``, only the job's user can open it through ``/proc/<pid>/fd``, gone with the last
+process that maps it), and publishes the regions a call shares in segments of its own that its
+peers map. :func:`setup` exchanges the blocks' addresses once through ``jax.distributed``'s
+key-value store; every process publishes its own readiness there too, so that all of them
+decide alike (a transport that one process takes and another does not would pair different
+programs). Across hosts, or with several devices per process, the transport is unavailable and
+``transport="auto"`` keeps XLA's collectives.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+
+import jax
+
+from jax_flashcomm import jax_compat
+from jax_flashcomm.codec import kernels
+
+__all__ = ["TARGETS", "setup", "unsupported_reason", "meetings_in_progress", "segments"]
+
+#: The FFI targets of the transport between processes (the CPU module registers them).
+TARGETS = ("flashcomm_shm_all_reduce", "flashcomm_shm_reduce_scatter", "flashcomm_shm_all_gather",
+           "flashcomm_shm_psum")
+
+_KEY = "jax_flashcomm/shm/v1/process/{}"
+_SETUP_TIMEOUT_MS = 120_000
+_lock = threading.Lock()
+_decided: dict[str, str | None] = {}
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _local_reason() -> str | None:
+    """Why this process alone cannot take part (None: it can)."""
+    if not os.path.isdir("/proc/self/fd"):
+        return "no /proc (the shared-memory transport maps its peers' memfds through it)"
+    if jax.default_backend() != "cpu":
+        return (f"platform {jax.default_backend()!r} (the shared-memory transport is CPU-only; "
+                "CUDA IPC is not built)")
+    if not set(TARGETS) <= kernels.registered("cpu"):
+        return "the CPU kernel module lacks the shared-memory handlers"
+    if jax.local_device_count() != 1:
+        return (f"{jax.local_device_count()} devices in one process (the shared-memory "
+                "transport takes one device per process)")
+    return None
+
+
+def setup() -> str | None:
+    """Sets the transport up in this process (once; every process of the job must call it).
+
+    Returns:
+      None when the transport runs here, else a sentence saying why not (every process of the
+      job gets the same answer).
+    """
+    if jax.process_count() == 1:
+        return "one process (the in-process p2p transport serves it)"
+    with _lock:
+        if "answer" not in _decided:
+            _decided["answer"] = _exchange()
+        return _decided["answer"]
+
+
+def _exchange() -> str | None:
+    client = jax_compat.distributed_client()
+    if client is None:
+        return "jax.distributed is not initialized"
+    me = jax.process_index()
+    reason = _local_reason()
+    entry = {"host": socket.gethostname(), "boot": _boot_id(), "uid": os.getuid(),
+             "reason": reason, "pid": 0, "fd": -1}
+    if reason is None:
+        try:
+            entry["pid"], entry["fd"] = kernels.cpu_module().shm_create_block(me)
+        except RuntimeError as e:
+            entry["reason"] = str(e)
+    client.key_value_set(_KEY.format(me), json.dumps(entry))
+    peers = [json.loads(client.blocking_key_value_get(_KEY.format(j), _SETUP_TIMEOUT_MS))
+             for j in range(jax.process_count())]
+    for j, peer in enumerate(peers):
+        if peer["reason"] is not None:
+            return f"process {j}: {peer['reason']}"
+        if (peer["host"], peer["boot"]) != (entry["host"], entry["boot"]):
+            return f"process {j} is on another host ({peer['host']})"
+        if peer["uid"] != entry["uid"]:
+            return f"process {j} runs as another user"
+    try:
+        kernels.cpu_module().shm_attach([(j, p["pid"], p["fd"]) for j, p in enumerate(peers)])
+    except RuntimeError as e:
+        # every process fails alike only if they all see it: publish and agree
+        client.key_value_set(_KEY.format(me) + "/attach", str(e))
+        return str(e)
+    client.key_value_set(_KEY.format(me) + "/attach", "")
+    for j in range(jax.process_count()):
+        failure = client.blocking_key_value_get(_KEY.format(j) + "/attach", _SETUP_TIMEOUT_MS)
+        if failure:
+            return f"process {j}: {failure}"
+    return None
+
+
+def unsupported_reason() -> str | None:
+    """Why the transport between processes cannot run here, or None when it can."""
+    return setup()
+
+
+def meetings_in_progress() -> int:
+    """Shared-memory calls that this process has not finished (0 between collectives)."""
+    return int(kernels.cpu_module().shm_meetings_in_progress())
+
+
+def segments() -> int:
+    """Shared segments this process owns or maps (blocks excluded)."""
+    return int(kernels.cpu_module().shm_segments())
