@@ -14,6 +14,9 @@ path                          when
 ``"quantized"``               collectives the automatic choice quantizes (or at or above an int
                               ``min_bytes``): the codec, per-phase bits, spikes and rotation
                               resolved, over the ``transport``
+``"exact"``                   ``psum`` between processes of one host that the automatic
+                              choice sends over shared memory: the exact sum over the ``p2p``
+                              transport (:func:`jax_flashcomm.transport.p2p.exact_all_reduce`)
 ``"ring"``                    ring matmuls, exact: ring steps over the ``transport``
 ``"quantized ring"``          ``all_gather_matmul`` at or above ``min_bytes``: chunks travel
                               quantized once
@@ -53,6 +56,7 @@ from jax_flashcomm import _axes, selection
 from jax_flashcomm.config import CommConfig, auto_spikes
 from jax_flashcomm.transport import p2p as p2p_transport
 from jax_flashcomm.transport import ring as ring_transport
+from jax_flashcomm.transport import shm as shm_transport
 
 if TYPE_CHECKING:
     import jax
@@ -67,7 +71,7 @@ logger = logging.getLogger("jax_flashcomm")
 OPS = ("psum", "psum_scatter", "all_gather", "all_gather_matmul", "matmul_reduce_scatter",
        "psum_add_rms_norm")
 #: The paths a call can take (see the module docstring).
-PATHS = ("lax", "quantized", "ring", "quantized ring", "matmul, quantized")
+PATHS = ("lax", "quantized", "exact", "ring", "quantized ring", "matmul, quantized")
 _PHASES = {"psum": ("rs", "ag"), "psum_scatter": ("rs",), "all_gather": ("ag",),
            "all_gather_matmul": ("ag",), "matmul_reduce_scatter": ("rs",),
            "psum_add_rms_norm": ("rs", "ag")}
@@ -130,8 +134,8 @@ class Plan:
             how = (f"{self.path} rs_bits={self.rs_bits} ag_bits={self.ag_bits} "
                    f"rotation={self.rotation} spikes={self.rs_spikes}/{self.ag_spikes} "
                    f"over {self.transport}")
-        elif self.path == "ring":
-            how = f"exact ring over {self.transport}"
+        elif self.path in ("ring", "exact"):
+            how = f"exact {'ring ' if self.path == 'ring' else ''}over {self.transport}"
         else:
             how = "exact lax"
         return (f"jax_flashcomm.{self.op}{self.axes} {self.dtype}{list(self.shape)} "
@@ -251,9 +255,12 @@ def quantizes(op: str, nbytes: int, axis_size: int, dtype, config: CommConfig) -
     p2p_reason = None
     if op in _RINGS or config.transport == "xla" or config.backend == "jnp":
         p2p_reason = "not the p2p transport"
-    elif jax.process_count() != 1 or p2p_transport.kernel_platform(jax.default_backend()) is None:
+    elif jax.process_count() != 1:
+        p2p_reason = shm_transport.setup()
+    elif p2p_transport.kernel_platform(jax.default_backend()) is None:
         p2p_reason = "no p2p transport here"
-    return _choose(op, nbytes, axis_size, dtype, config, p2p_reason).candidate != "lax"
+    return _choose(op, nbytes, axis_size, dtype, config, p2p_reason).candidate.startswith(
+        "quantized")
 
 
 def plan(op: str, axes: tuple, shape, dtype, axis_size: int, config: CommConfig, *,
@@ -287,13 +294,15 @@ def plan(op: str, axes: tuple, shape, dtype, axis_size: int, config: CommConfig,
     chosen = None
     if quantized and config.auto:
         chosen = _auto_choice(op, axes, fields, config, where)
-        quantized = chosen.candidate != "lax"
+        quantized = chosen.candidate.startswith("quantized")
         fields.update(reason=str(chosen), predicted_s=chosen.predicted_s)
     if op in _RINGS and (not quantized or op == "all_gather_matmul"):
         transport = _ring_transport(config, axes, where)
         path = "quantized ring" if quantized else "ring"
         if quantized and config.backend == "auto":
             fields["backend"] = "jnp"
+    elif chosen is not None and chosen.candidate == "exact/p2p":
+        transport, path = "p2p", "exact"
     elif quantized:
         transport = (chosen.transport if chosen is not None and op not in _RINGS
                      else _collective_transport(config, axes, where))

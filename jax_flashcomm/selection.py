@@ -9,7 +9,10 @@ than exact ``lax`` (:data:`EXACT_PREFERENCE`):
 candidate              can take the call when
 =====================  ========================================================================
 ``lax``                always: the exact ``lax`` collective
-``quantized/p2p``      the peers are devices of this process and the p2p kernels run here
+``exact/p2p``          ``psum`` whose peers are processes of this host: the exact sum over
+                       shared memory
+``quantized/p2p``      the peers are devices of this process (or processes of this host) and
+                       the p2p kernels run here
 ``quantized/xla``      always: the codec around XLA's collectives, at the config's bits
 =====================  ========================================================================
 
@@ -32,8 +35,8 @@ import os
 from jax_flashcomm import costmodel, tuning
 from jax_flashcomm.costmodel import CpuCodec, Link
 
-__all__ = ["Call", "Choice", "Candidate", "Lax", "Quantized", "CANDIDATES", "choose", "profile",
-           "Profile"]
+__all__ = ["Call", "Choice", "Candidate", "Lax", "ExactP2p", "Quantized", "CANDIDATES", "choose",
+           "profile", "Profile"]
 
 # Defaults where no table exists: `python -m jax_flashcomm.tune --quick` on an AMD EPYC Zen 4
 # (2 cores, AVX2 build; docs/autotune.md, "Defaults"): the codec's passes with 3 ranks running
@@ -48,6 +51,9 @@ P2P_LATENCY_S = 174e-6
 #: loaded machine; and an isolated timing undercounts the quantized path's CPU work (its codec
 #: passes) where a model's ranks already keep the cores busy (docs/autotune.md, "The margin").
 EXACT_PREFERENCE = 0.75
+#: The exact all-reduce over shared memory between processes (benchmarks/shm_allreduce.py on an
+#: AMD EPYC Zen 4, 2 processes on 2 cores; docs/transport.md, "Across processes").
+SHM_LINK = Link(4e9, "shared", 60e-6, 0.0)
 #: gloo over a loopback, 3 processes on 2 cores (docs/ttft.json, "unlimited": the 1 MiB psum's
 #: rate and the 4-byte psum's time).
 GLOO_LOOPBACK_LINK = Link(309e6, "shared", 150e-6, 0.0)
@@ -108,9 +114,18 @@ def profile(call: Call, table: tuning.Table | None) -> Profile:
     if call.layout == "processes":
         ext = tuning.link_profile()
         return Profile(f"cost model, {'given link' if ext else 'gloo loopback'}, codec {source}",
-                       ext or GLOO_LOOPBACK_LINK, None, codec, True)
+                       ext or GLOO_LOOPBACK_LINK, _paced(ext), codec, True)
     return Profile(f"cost model, in-process, {source}", link,
                    dataclasses.replace(link, base_latency_s=p2p), codec, True)
+
+
+def _paced(link: Link | None) -> Link:
+    """The shared-memory link when its copies are paced at ``link``'s rate (benchmarks emulate
+    a link so): that rate with shared memory's own latency; unpaced: :data:`SHM_LINK`."""
+    if link is None:
+        return SHM_LINK
+    return dataclasses.replace(link, base_latency_s=SHM_LINK.base_latency_s,
+                               step_latency_s=SHM_LINK.step_latency_s)
 
 
 def _gpu_name() -> str:
@@ -144,6 +159,21 @@ class Lax(Candidate):
                    for link in links)
 
 
+class ExactP2p(Candidate):
+    """The exact ``psum`` over the p2p transport between processes (shared memory)."""
+    name = "exact/p2p"
+
+    def unavailable(self, call):
+        if call.op != "psum":
+            return "only psum has an exact p2p path"
+        if call.layout != "processes":
+            return "peers in this process (lax.psum is its exact path)"
+        return call.p2p_reason
+
+    def model_s(self, call, prof):
+        return costmodel.exact_collective(call.op, call.nbytes, call.n, prof.p2p_link or SHM_LINK)
+
+
 class Quantized(Candidate):
     """The codec at the config's bits over ``transport``."""
 
@@ -167,7 +197,7 @@ class Quantized(Candidate):
 
 
 #: The candidates, in the order ties are broken.
-CANDIDATES = (Lax(), Quantized("p2p"), Quantized("xla"))
+CANDIDATES = (Lax(), ExactP2p(), Quantized("p2p"), Quantized("xla"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +240,8 @@ def choose(call: Call, table: tuning.Table | None = None, *,
         if reason is not None:
             considered.append((cand.name, None, reason))
             continue
-        bits = None if cand.name == "lax" else tuple(call.bits)
+        exact = not cand.name.startswith("quantized")
+        bits = None if exact else tuple(call.bits)
         seconds = None if table is None else table.seconds(
             call.op, call.layout, call.n, call.dtype, cand.name, bits, call.nbytes)
         source = "table"
@@ -218,7 +249,7 @@ def choose(call: Call, table: tuning.Table | None = None, *,
             prof = prof or profile(call, table)
             seconds, source = cand.model_s(call, prof), prof.name
         considered.append((cand.name, seconds, source))
-        rank = seconds * (EXACT_PREFERENCE if cand.name == "lax" else 1.0)
+        rank = seconds * (EXACT_PREFERENCE if exact else 1.0)
         if best is None or rank < best[0]:
             best = (rank, cand.name, seconds, source)
     return Choice(best[1], best[2], best[3], tuple(considered))

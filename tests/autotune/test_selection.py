@@ -159,5 +159,24 @@ def test_the_choice_is_the_fastest_candidate_considered():
         expect = ("lax" if times["lax"] * selection.EXACT_PREFERENCE <= quantized
                   else "quantized/xla")
         assert c.candidate == expect and c.predicted_s == times[expect]
-        assert [name for name, *_ in c.considered] == ["lax", "quantized/p2p", "quantized/xla"]
-        assert c.considered[1][1] is None and c.considered[1][2] == "other processes"
+        assert [name for name, *_ in c.considered] == ["lax", "exact/p2p", "quantized/p2p",
+                                                       "quantized/xla"]
+        for unavailable in c.considered[1:3]:
+            assert unavailable[1] is None and unavailable[2] == "other processes"
+
+
+def test_processes_of_one_host_take_shared_memory():
+    """With the shared-memory transport (p2p_reason None between processes), a decode-sized
+    psum takes the exact sum over it (exact: no margin) rather than gloo, a prefill over a
+    slow paced link the codec over it; psum_scatter has no exact p2p path; in one process
+    exact/p2p never applies."""
+    slow = Link(5e6, "shared", 1e-3)
+    shm = lambda nbytes, op="psum", layout="processes": dataclasses.replace(  # noqa: E731
+        _call(nbytes, layout), op=op, p2p_reason=None)
+    assert _choose(shm(2 * KIB), None).candidate == "exact/p2p"
+    assert _choose(shm(297 * KIB), None).candidate == "exact/p2p"
+    assert _choose(shm(297 * KIB), slow).candidate == "quantized/p2p"
+    scatter = _choose(shm(2 * KIB, op="psum_scatter"), slow)
+    assert dict((n, r) for n, _, r in scatter.considered)["exact/p2p"] == (
+        "only psum has an exact p2p path")
+    assert _choose(shm(2 * KIB, layout="in-process"), None).candidate != "exact/p2p"
