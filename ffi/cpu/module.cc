@@ -26,7 +26,8 @@ NB_MODULE(_flashcomm_cpu, m) {
                                    FlashcommP2pAllGatherCpu);
     flashcomm::AddP2pRingRegistrations(d, FlashcommP2pRingStartCpu, FlashcommP2pRingDoneCpu);
     flashcomm::AddShmRegistrations(d, FlashcommShmAllReduceCpu, FlashcommShmReduceScatterCpu,
-                                   FlashcommShmAllGatherCpu, FlashcommShmPsumCpu);
+                                   FlashcommShmAllGatherCpu, FlashcommShmPsumCpu,
+                                   FlashcommShmRingStartCpu, FlashcommShmRingDoneCpu);
     flashcomm::AddNormRegistrations(d, FlashcommAddRmsNormCpu, FlashcommAddRmsNormQuantizeCpu);
     return d;
   });
@@ -58,6 +59,8 @@ NB_MODULE(_flashcomm_cpu, m) {
         "Processes whose shared-memory blocks this process has mapped.");
   m.def("shm_meetings_in_progress", &flashcomm::shm::InProgress,
         "Shared-memory collective calls not finished (0 between collectives).");
+  m.def("shm_ring_steps_in_progress", &flashcomm::cpu::ShmRingStepsInProgress,
+        "Shared-memory ring steps this process started and has not finished.");
   m.def("shm_segments", &flashcomm::shm::SegmentsMapped,
         "Shared segments this process owns or maps (blocks excluded).");
   flashcomm::AddP2pRingInspection(

@@ -468,6 +468,13 @@ class Engine {
     std::string error;
     if (!ResolveLocked(*m, &error)) {
       if (!error.empty()) return FailLocked(m, "shared-memory collective: " + error);
+      for (auto& kv : pids_) {  // a peer that exits before its first call of this group
+        if (check_exits && kv.first != process_index_ && Exited(kv.second)) {
+          return FailLocked(m, "shared-memory collective: process " + std::to_string(kv.first) +
+                                   " (pid " + std::to_string(kv.second) +
+                                   ") exited before it joined this group");
+        }
+      }
       if (now >= m->deadline) {
         return FailLocked(m, "shared-memory collective: timed out at barrier 0: not every "
                              "rank of the group has joined (missing ranks never called it)");

@@ -146,7 +146,8 @@ def _target(op: str) -> str:
     return f"flashcomm_{'shm' if across_processes() else 'p2p'}_{op}"
 
 
-def _axes_key(axes) -> int:
+def axes_key(axes) -> int:
+    """The mesh axes as the shared-memory handlers' ``axes_key`` (a hash of their names)."""
     digest = hashlib.sha1("\0".join(axes).encode()).digest()
     return int.from_bytes(digest[:7], "little")
 
@@ -155,7 +156,7 @@ def _attrs(axes, timeout_ms):
     attrs = dict(size=np.int64(_axes.axis_size(axes)), site=np.int64(next(_sites)),
                  timeout_ms=np.int64(timeout_ms))
     if across_processes():
-        attrs["axes_key"] = np.int64(_axes_key(axes))
+        attrs["axes_key"] = np.int64(axes_key(axes))
     return attrs
 
 

@@ -109,20 +109,29 @@ def _start_call(payload, static):
     rank, group = p2p.rank_and_group(axes)
     like = _same(payload)
     order = p2p.result_aval(payload, (), jnp.int32, _axes.varying_axes(payload))
-    start = jax.ffi.ffi_call("flashcomm_p2p_ring_start", (like, like, order),
+    start = jax.ffi.ffi_call(_target("start"), (like, like, order),
                              input_output_aliases={0: 0}, vmap_method="sequential")
     return start(payload, rank, group, size=np.int64(_axes.axis_size(axes)),
                  shift=np.int64(shift), site=np.int64(site), timeout_ms=np.int64(timeout_ms),
-                 link_bytes_per_s=np.int64(rate))
+                 link_bytes_per_s=np.int64(rate), **_shm_attrs(axes))
 
 
 def _done_call(recv, sent, after, static):
     axes, _, _, shift, site = static
     rank, group = p2p.rank_and_group(axes)
-    done = jax.ffi.ffi_call("flashcomm_p2p_ring_done", (_same(recv), _same(after)),
+    done = jax.ffi.ffi_call(_target("done"), (_same(recv), _same(after)),
                             input_output_aliases={0: 0, 2: 1}, vmap_method="sequential")
     return done(recv, sent, after, rank, group, size=np.int64(_axes.axis_size(axes)),
-                shift=np.int64(shift), site=np.int64(site))
+                shift=np.int64(shift), site=np.int64(site), **_shm_attrs(axes))
+
+
+def _target(step: str) -> str:
+    """The ring step's FFI target: in one process, or between processes (shared memory)."""
+    return f"flashcomm_{'shm' if p2p.across_processes() else 'p2p'}_ring_{step}"
+
+
+def _shm_attrs(axes) -> dict:
+    return {"axes_key": np.int64(p2p.axes_key(axes))} if p2p.across_processes() else {}
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -179,7 +188,8 @@ def unsupported_reason(axes: tuple[str, ...]) -> str | None:
     reason = p2p.unsupported_reason(axes)
     if reason is None:
         platform = p2p.kernel_platform(jax.default_backend())
-        if not set(TARGETS) <= p2p.kernels.registered(platform):
+        targets = (_target("start"), _target("done"))
+        if not set(targets) <= p2p.kernels.registered(platform):
             reason = f"the {platform} kernel module has no ring-step kernels"
     return reason
 
@@ -253,7 +263,7 @@ def recording():
     from a done call to its completion), ``site``, ``rank``, ``peer``, ``bytes``,
     ``begin_us``/``end_us`` (system clock, the clock of jax.profiler traces)."""
     module = p2p.kernel_module()
-    module.p2p_timeline(True)
+    module.p2p_timeline(True)  # in one process: the shared-memory steps do not record
     events: list = []
     try:
         yield events
@@ -264,5 +274,8 @@ def recording():
 
 
 def steps_in_progress() -> int:
-    """Ring steps some rank has not finished (0 between collective matmuls)."""
+    """Ring steps some rank has not finished (0 between collective matmuls); between
+    processes, the steps this process started and has not finished."""
+    if p2p.across_processes():
+        return int(p2p.kernels.cpu_module().shm_ring_steps_in_progress())
     return int(p2p.kernel_module().p2p_ring_steps_in_progress())

@@ -29,13 +29,10 @@ import os
 import sys
 import time
 
-T0 = time.monotonic()
-
 from tests.support.devices import set_cpu_devices  # PYTHONPATH: the repo root
 
+T0 = time.monotonic()
 set_cpu_devices(1)  # before jax is imported: one device per process
-if os.environ.get("SHM_WORKER_O0"):
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -229,6 +226,53 @@ def parity():
         checked += 3
     assert shm.meetings_in_progress() == 0, shm.meetings_in_progress()
     log("checked", checked, "segments", shm.segments())
+    ring_parity()
+
+
+def ring_parity():
+    """The ring matmuls over shared memory (ring start / done steps) give the xla transport's
+    bits: plain, bidirectional and quantized rings, values and gradients."""
+    rng = np.random.default_rng(99)
+    n, m, k, cols = nproc, 6, 32, 24
+    xs = rng.standard_normal((n, m, k)).astype(np.float32)         # all_gather_matmul: x rows
+    ws = rng.standard_normal((n, k, cols)).astype(np.float32)      # its column shard of w
+    xr = rng.standard_normal((n, 2 * n * 3, k)).astype(np.float32)  # matmul_reduce_scatter
+    wr = rng.standard_normal((n, k, cols)).astype(np.float32)
+    settings = {"plain": dict(bits=None), "bidirectional": dict(bits=None, bidirectional=True),
+                "quantized": dict(bits=8, min_bytes=0)}
+
+    def body_for(transport, opts):
+        bidir = opts.get("bidirectional", False)
+        cfg = CommConfig(bits=opts["bits"], min_bytes=opts.get("min_bytes", "auto"),
+                         transport=transport)
+
+        def body(x, w, x2, w2):
+            def loss(x, w, x2, w2):
+                y = fc.all_gather_matmul(x, w, "x", bidirectional=bidir, config=cfg)
+                z = fc.matmul_reduce_scatter(x2, w2, "x", bidirectional=bidir, config=cfg)
+                return jnp.sum(y * y) + jnp.sum(jnp.sin(z)), (y, z)
+            grads, (y, z) = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(x, w, x2, w2)
+            return (y, z) + grads
+        return body
+
+    checked = 0
+    for name, opts in settings.items():
+        outs = {}
+        for transport in ("xla", "p2p"):
+            f = smap(body_for(transport, opts), 4, 6)
+            args = [global_of(a[pid]) for a in (xs, ws, xr, wr)]
+            outs[transport] = [local(o) for o in f(*args)]
+            if transport == "p2p":
+                text = f.lower(*args).as_text()
+                assert "flashcomm_shm_ring_start" in text, name
+        for i, what in enumerate(("all_gather_matmul", "matmul_reduce_scatter", "d/dx",
+                                  "d/dw", "d/dx2", "d/dw2")):
+            assert_bits_equal(outs["p2p"][i], outs["xla"][i], f"ring {name} {what}")
+            checked += 1
+        log("ring", name, "p2p == xla bitwise (values and gradients)")
+    from jax_flashcomm.transport import ring
+    assert ring.steps_in_progress() == 0, ring.steps_in_progress()
+    log("ring checked", checked)
 
 
 # --- soak -------------------------------------------------------------------------------------

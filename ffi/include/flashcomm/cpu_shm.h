@@ -9,5 +9,17 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommShmAllReduceCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommShmReduceScatterCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommShmAllGatherCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommShmPsumCpu);
+// Ring steps (ffi/cpu/shm_ring_kernels.cc): start / done of one chunk move around a ring.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommShmRingStartCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommShmRingDoneCpu);
+
+#include <cstddef>
+
+namespace flashcomm {
+namespace cpu {
+// Ring steps this process started and has not finished (0 between collective matmuls).
+size_t ShmRingStepsInProgress();
+}  // namespace cpu
+}  // namespace flashcomm
 
 #endif  // FLASHCOMM_CPU_SHM_H_

@@ -44,12 +44,15 @@ inline void AddP2pRegistrations(nanobind::dict& d, Handler* all_reduce, Handler*
 // The peer-to-peer transport between processes over shared memory (docs/transport.md, "Across
 // processes"), added to `d` (CPU only).
 inline void AddShmRegistrations(nanobind::dict& d, Handler* all_reduce, Handler* reduce_scatter,
-                                Handler* all_gather, Handler* psum) {
+                                Handler* all_gather, Handler* psum, Handler* ring_start,
+                                Handler* ring_done) {
   auto capsule = [](Handler* fn) { return nanobind::capsule(reinterpret_cast<void*>(fn)); };
   d["flashcomm_shm_all_reduce"] = capsule(all_reduce);
   d["flashcomm_shm_reduce_scatter"] = capsule(reduce_scatter);
   d["flashcomm_shm_all_gather"] = capsule(all_gather);
   d["flashcomm_shm_psum"] = capsule(psum);
+  d["flashcomm_shm_ring_start"] = capsule(ring_start);
+  d["flashcomm_shm_ring_done"] = capsule(ring_done);
 }
 
 // The fused all-reduce epilogue (docs/fused_norm.md), added to `d`.

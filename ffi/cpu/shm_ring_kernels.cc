@@ -1,0 +1,275 @@
+// Ring steps of the peer-to-peer transport between processes on one host (docs/transport.md,
+// "Across processes"): the start / done pair of p2p_ring_kernels.cc over shared memory.
+//
+// start: copies this rank's send chunk into its shared segment and arrives at the step's first
+// barrier; when every rank has, a worker copies the chunk of rank - shift out of that rank's
+// segment into `recv` (paced at the emulated link's rate, if any), while XLA runs the step's dot.
+// done: completes once the chunk has arrived and every rank has read what it needed (the
+// step's second barrier), so the sender's segment may be reused.
+#include "flashcomm/cpu_shm.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "flashcomm/cpu_ops.h"
+#include "flashcomm/cpu_p2p_protocol.h"
+#include "flashcomm/shm_rendezvous.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace flashcomm {
+namespace cpu {
+namespace {
+
+std::string Prefix(const char* op) { return std::string(op) + ": "; }
+
+// Copies `bytes` from `from` to `to`, no faster than `bytes_per_s` (0: at once), in slices of
+// about 1 ms, none started before the time the bytes before it would take on such a link.
+void PacedCopy(void* to, const void* from, size_t bytes, double bytes_per_s) {
+  if (bytes_per_s <= 0) {
+    std::memcpy(to, from, bytes);
+    return;
+  }
+  const auto begin = std::chrono::steady_clock::now();
+  const size_t slice = std::max<size_t>(4096, size_t(bytes_per_s / 1000));
+  for (size_t done = 0; done < bytes; done += slice) {
+    const auto due = begin + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                 std::chrono::duration<double>(double(done) / bytes_per_s));
+    std::this_thread::sleep_until(due);
+    std::memcpy(static_cast<uint8_t*>(to) + done, static_cast<const uint8_t*>(from) + done,
+                std::min(slice, bytes - done));
+  }
+  std::this_thread::sleep_until(begin + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                            std::chrono::duration<double>(double(bytes) / bytes_per_s)));
+}
+
+// One rank's ring step: started by start, finished by done.
+class Step : public std::enable_shared_from_this<Step> {
+ public:
+  using Complete = std::function<void(const std::string& error)>;
+  explicit Step(std::shared_ptr<shm::Meeting> meeting) : meeting_(std::move(meeting)) {}
+
+  // The chunk has arrived in recv (or the step failed with `error`).
+  void Moved(const std::string& error) {
+    Complete then;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      moved_ = true;
+      error_ = error;
+      if (!done_) return;
+      then = std::move(done_);
+    }
+    Finish(std::move(then));
+  }
+  // done's call: `then` runs once the chunk has arrived and every rank has read its chunk.
+  void Done(Complete then) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!moved_) {
+        done_ = std::move(then);
+        return;
+      }
+    }
+    Finish(std::move(then));
+  }
+
+ private:
+  void Finish(Complete then) {
+    auto self = shared_from_this();
+    if (!error_.empty()) {
+      shm::Leave(meeting_);
+      return then(error_);
+    }
+    shm::Arrive(meeting_, 1, Spans{}, false,
+                [self, then](const std::vector<Published>&, const std::string& error) {
+                  shm::Leave(self->meeting_);
+                  then(error);
+                });
+  }
+
+  std::shared_ptr<shm::Meeting> meeting_;
+  std::mutex mu_;
+  bool moved_ = false;
+  std::string error_;
+  Complete done_;
+};
+
+// The steps this process started and not yet finished, per (site, group), in start order.
+class StepTable {
+ public:
+  static StepTable& Global() {
+    static StepTable* table = new StepTable();
+    return *table;
+  }
+  void Push(int64_t site, int64_t group, std::shared_ptr<Step> step) {
+    std::lock_guard<std::mutex> lock(mu_);
+    steps_[{site, group}].push_back(std::move(step));
+    ++count_;
+  }
+  std::shared_ptr<Step> Pop(int64_t site, int64_t group) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = steps_.find({site, group});
+    if (it == steps_.end() || it->second.empty()) return nullptr;
+    auto step = it->second.front();
+    it->second.pop_front();
+    if (it->second.empty()) steps_.erase(it);
+    --count_;
+    return step;
+  }
+  size_t Count() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return count_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<std::pair<int64_t, int64_t>, std::deque<std::shared_ptr<Step>>> steps_;
+  size_t count_ = 0;
+};
+
+}  // namespace
+
+ffi::Error ShmRingStart(ffi::AnyBuffer send, ffi::Buffer<ffi::S32> rank_buf,
+                        ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> send_out,
+                        ffi::Result<ffi::AnyBuffer> recv, ffi::Result<ffi::Buffer<ffi::S32>> order,
+                        int64_t size, int64_t shift, int64_t site, int64_t timeout_ms,
+                        int64_t link_bytes_per_s, int64_t axes_key) {
+  constexpr const char* kOp = "flashcomm_shm_ring_start";
+  const int32_t rank = rank_buf.typed_data()[0];
+  const int32_t group = group_buf.typed_data()[0];
+  if (size < 1 || rank < 0 || rank >= size || (shift % size == 0 && size > 1)) {
+    return ffi::Error::InvalidArgument(Prefix(kOp) + "rank " + std::to_string(rank) +
+                                       " not in 0.." + std::to_string(size - 1) +
+                                       ", or a shift that sends every chunk to itself");
+  }
+  if (timeout_ms <= 0 || link_bytes_per_s < 0) {
+    return ffi::Error::InvalidArgument(Prefix(kOp) +
+                                       "timeout_ms must be positive, link_bytes_per_s >= 0");
+  }
+  if (send_out->size_bytes() != send.size_bytes() || recv->size_bytes() != send.size_bytes() ||
+      recv->element_type() != send.element_type()) {
+    return ffi::Error::InvalidArgument(Prefix(kOp) +
+                                       "recv and send_out must have send's size and dtype");
+  }
+  if (send_out->untyped_data() != send.untyped_data()) {
+    std::memcpy(send_out->untyped_data(), send.untyped_data(), send.size_bytes());
+  }
+  order->typed_data()[0] = 0;
+  std::string error;
+  auto meeting = shm::Join({axes_key, site, group, rank, int(size), 2,
+                            Describe({5, int64_t(send.size_bytes()), shift, size}), timeout_ms},
+                           &error);
+  if (!meeting) return ffi::Error::Internal(Prefix(kOp) + error);
+  auto step = std::make_shared<Step>(meeting);
+  StepTable::Global().Push(site, group, step);
+  const int sender = int(((rank - shift) % size + size) % size);
+  void* to = recv->untyped_data();
+  const size_t bytes = send.size_bytes();
+  const double rate = double(link_bytes_per_s);
+  shm::Arrive(meeting, 0, Spans{Span{send_out->untyped_data(), bytes}, Span{}, Span{}, Span{}},
+              false, [step, sender, to, bytes, rate](const std::vector<Published>& peers,
+                                                      const std::string& error) {
+                if (!error.empty()) return step->Moved(Prefix(kOp) + error);
+                if (peers[sender][3] == &p2p::kRankFailed || (bytes && !peers[sender][0])) {
+                  return step->Moved(Prefix(kOp) + "rank " + std::to_string(sender) + " failed");
+                }
+                const void* from = peers[sender][0];
+                if (rate <= 0) {
+                  PacedCopy(to, from, bytes, 0);
+                  return step->Moved("");
+                }
+                // A paced copy sleeps: on a thread of its own, not the transport's workers.
+                std::thread([step, to, from, bytes, rate] {
+                  PacedCopy(to, from, bytes, rate);
+                  step->Moved("");
+                }).detach();
+              });
+  return ffi::Error::Success();
+}
+
+ffi::Future ShmRingDone(ffi::AnyBuffer recv, ffi::AnyBuffer send, ffi::AnyBuffer after,
+                        ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
+                        ffi::Result<ffi::AnyBuffer> recv_out, ffi::Result<ffi::AnyBuffer> after_out,
+                        int64_t size, int64_t shift, int64_t site, int64_t axes_key) {
+  constexpr const char* kOp = "flashcomm_shm_ring_done";
+  (void)shift;
+  (void)axes_key;
+  (void)size;
+  if (recv_out->size_bytes() != recv.size_bytes() ||
+      after_out->size_bytes() != after.size_bytes() || send.size_bytes() != recv.size_bytes()) {
+    return Failed(ffi::Error::InvalidArgument(Prefix(kOp) + "results must match recv and after"));
+  }
+  if (after_out->untyped_data() != after.untyped_data()) {
+    std::memcpy(after_out->untyped_data(), after.untyped_data(), after.size_bytes());
+  }
+  const int32_t rank = rank_buf.typed_data()[0];
+  auto step = StepTable::Global().Pop(site, group_buf.typed_data()[0]);
+  if (!step) {
+    return Failed(ffi::Error::Internal(Prefix(kOp) + "rank " + std::to_string(rank) +
+                                       " has no step in progress at this call site"));
+  }
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  const void* in = recv.untyped_data();
+  void* out = recv_out->untyped_data();
+  const size_t bytes = recv.size_bytes();
+  step->Done([promise, in, out, bytes](const std::string& error) mutable {
+    if (error.empty() && in != out) std::memcpy(out, in, bytes);
+    // XLA continues the program on the thread that completes the future.
+    p2p::ThreadPool::Completions().Schedule([promise, error]() mutable {
+      if (error.empty()) {
+        promise.SetAvailable();
+      } else {
+        promise.SetError(ffi::Error::Internal(error));
+      }
+    });
+  });
+  return future;
+}
+
+size_t ShmRingStepsInProgress() { return StepTable::Global().Count(); }
+
+}  // namespace cpu
+}  // namespace flashcomm
+
+#define FLASHCOMM_SHM_RING_ATTRS                                                           \
+  .Attr<int64_t>("size")       /* ranks in the ring */                                     \
+      .Attr<int64_t>("shift")  /* rank r sends to r + shift and receives from r - shift */ \
+      .Attr<int64_t>("site")   /* the call site: the ranks' calls of one step share it */
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    FlashcommShmRingStartCpu, flashcomm::cpu::Guard<&flashcomm::cpu::ShmRingStart>::Call,
+    ffi::Ffi::Bind()
+        .Arg<ffi::AnyBuffer>()              // send: the chunk this rank sends
+        .Arg<ffi::Buffer<ffi::S32>>()       // rank: () in 0..N-1, lax's order
+        .Arg<ffi::Buffer<ffi::S32>>()       // group: () the replica group's index
+        .Ret<ffi::AnyBuffer>()              // send_out: send, aliased (what the dot reads)
+        .Ret<ffi::AnyBuffer>()              // recv: the chunk of rank - shift, once done
+        .Ret<ffi::Buffer<ffi::S32>>()       // order: () zero, added to the step's slice offsets
+        FLASHCOMM_SHM_RING_ATTRS
+        .Attr<int64_t>("timeout_ms")        // the step fails (every done errs) after this
+        .Attr<int64_t>("link_bytes_per_s")  // 0, or the emulated link's rate (benchmarks)
+        .Attr<int64_t>("axes_key"));        // the mesh axes (a hash of their names)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    FlashcommShmRingDoneCpu, flashcomm::cpu::Guard<&flashcomm::cpu::ShmRingDone>::Call,
+    ffi::Ffi::Bind()
+        .Arg<ffi::AnyBuffer>()              // recv: start's result, the chunk arriving
+        .Arg<ffi::AnyBuffer>()              // send: start's send_out
+        .Arg<ffi::AnyBuffer>()              // after: the step's dot, run before this call
+        .Arg<ffi::Buffer<ffi::S32>>()       // rank: () in 0..N-1
+        .Arg<ffi::Buffer<ffi::S32>>()       // group: () the replica group's index
+        .Ret<ffi::AnyBuffer>()              // recv_out: recv, aliased, the chunk arrived
+        .Ret<ffi::AnyBuffer>()              // after_out: after, aliased
+        FLASHCOMM_SHM_RING_ATTRS
+        .Attr<int64_t>("axes_key"));        // the mesh axes (a hash of their names)
