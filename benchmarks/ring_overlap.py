@@ -20,10 +20,16 @@ the transport's own timeline (moves, each rank's compute between its start and d
 its waits) and measures how long moves and compute ran at the same time
 (docs/ring_overlap.png).
 
+With ``--processes 2`` the two ranks are two processes (``jax.distributed``, one CPU device
+each, each pinned to one core), the p2p transport runs over shared memory and the paced copies
+run in the receiving process (docs/transport.md, "Across processes"); no timeline is recorded
+and no xla rows are timed (gloo's figures are docs/overlap.json's).
+
 Re-run (~2 min on 2 cores)::
 
     .venv/bin/python -m benchmarks.ring_overlap            # -> docs/ring_overlap.{json,png}
     .venv/bin/python -m benchmarks.ring_overlap --quick    # one op, fewer repetitions
+    .venv/bin/python -m benchmarks.ring_overlap --processes 2  # -> ring_overlap_processes.json
 """
 
 from __future__ import annotations
@@ -154,14 +160,24 @@ def _setup(loops):
             return lax.psum_scatter(x @ w, "i", scatter_dimension=0, tiled=True)
 
         progs = {"compute": sm(dots), "comm": sm(comm), "unfused": sm(unfused_p2p),
-                 "ring": sm(ring_op("p2p")), "xla unfused": sm(unfused_xla),
-                 "xla ring": sm(ring_op("xla"))}
+                 "ring": sm(ring_op("p2p"))}
+        if jax.process_count() == 1:
+            progs.update({"xla unfused": sm(unfused_xla), "xla ring": sm(ring_op("xla"))})
         key = jax.random.key(0)
-        x = jax.device_put(jax.random.normal(key, xs), NamedSharding(mesh, in_specs[0]))
-        w = jax.device_put(jax.random.normal(key, ws) / 32, NamedSharding(mesh, in_specs[1]))
+        x = _put(jax.random.normal(key, xs), NamedSharding(mesh, in_specs[0]))
+        w = _put(jax.random.normal(key, ws) / 32, NamedSharding(mesh, in_specs[1]))
         return progs, (x, w), payload
 
     return programs, mesh
+
+
+def _put(value, sharding):
+    """``value`` (the same on every process) placed with ``sharding``."""
+    import jax
+    import numpy as np
+
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
 
 def _xla_over_gloo(op):
@@ -231,8 +247,10 @@ def run(ops, loops, reps):
 
     programs, mesh = _setup(loops)
     rows = []
-    dot_ms = _shared_executor(mesh, reps)
-    print(f"one chunk's dot: {dot_ms['alone']:.2f} ms on one device alone "
+    multi = jax.process_count() > 1
+    dot_ms = None if multi else _shared_executor(mesh, reps)
+    if dot_ms:
+        print(f"one chunk's dot: {dot_ms['alone']:.2f} ms on one device alone "
           f"({dot_ms['cores_alone']:.2f} cores busy), {dot_ms['both']:.2f} ms on both devices "
           f"at once ({dot_ms['cores_both']:.2f} cores busy)", flush=True)
     with jax.set_mesh(mesh):
@@ -260,11 +278,14 @@ def run(ops, loops, reps):
             row["exposed_p2p"] = (t["ring"] - t["compute"]) / (t["unfused"] - t["compute"])
             row["exposed_xla_gloo"] = _xla_over_gloo(op)
             rows.append(row)
+            if multi and jax.process_index() != 0:
+                continue
             print(f"{op:8s} link {rate / 1e6:7.1f} MB/s  " + "  ".join(
                 f"{k} {v:6.2f}" for k, v in t.items())
                 + f"  exposed p2p {row['exposed_p2p']:.2f}",
                 flush=True)
-            row["timeline"] = _timeline(progs["ring"], args, rate, loops)
+            if not multi:
+                row["timeline"] = _timeline(progs["ring"], args, rate, loops)
     return rows, dot_ms
 
 
@@ -375,13 +396,52 @@ def markdown(rows) -> str:
         t = r["ms"]
         lines.append(f"| {r['op']} | {r['step_bytes']} | {r['link_bytes_per_s'] / 1e6:.0f} | "
                      f"{t['compute']:.2f} | {t['comm']:.2f} | {t['unfused']:.2f} | "
-                     f"{t['ring']:.2f} | **{r['exposed_p2p']:.2f}** | {t['xla unfused']:.2f} | "
-                     f"{t['xla ring']:.2f} | {_fmt(r['exposed_xla_gloo'])} |")
+                     f"{t['ring']:.2f} | **{r['exposed_p2p']:.2f}** | "
+                     f"{_fmt(t.get('xla unfused'))} | {_fmt(t.get('xla ring'))} | "
+                     f"{_fmt(r['exposed_xla_gloo'])} |")
     return "\n".join(lines)
 
 
 def _fmt(v):
     return "-" if v is None else f"{v:.2f}"
+
+
+def _processes(args) -> int:
+    """Run the benchmark as ``args.processes`` processes; process 0 writes the results."""
+    import socket
+    import subprocess
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    argv = [a for a in sys.argv[1:]]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.ring_overlap", *argv,
+                               "--rank", str(r), "--port", str(port)], cwd=REPO, env=env)
+             for r in range(args.processes)]
+    try:
+        codes = [p.wait(timeout=1800) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return max(codes)
+
+
+def _join(args):
+    """This worker's part: one CPU device, pinned to a core of its own, in the job."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= args.processes:
+        os.sched_setaffinity(0, {cores[args.rank]})
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.processes,
+                               process_id=args.rank, initialization_timeout=120)
+    from jax_flashcomm.transport import shm
+
+    reason = shm.setup()
+    if reason is not None:
+        raise SystemExit(f"the shared-memory transport cannot run: {reason}")
 
 
 def main():
@@ -390,9 +450,22 @@ def main():
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--loops", type=int, default=8, help="ring calls per timed program")
     ap.add_argument("--ops", nargs="*", choices=OPS, help=f"a subset of {OPS}")
-    ap.add_argument("--out", default=str(REPO / "docs" / "ring_overlap.json"))
+    ap.add_argument("--out", help="default: docs/ring_overlap.json, or "
+                    "docs/ring_overlap_processes.json with --processes")
+    ap.add_argument("--processes", type=int, default=1, choices=(1, DEVICES),
+                    help="1: the ranks are devices of one process; 2: processes (shared memory)")
+    ap.add_argument("--rank", type=int, default=-1, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FLAGS).strip()
+    multi = args.processes > 1
+    args.out = args.out or str(REPO / "docs" / ("ring_overlap_processes.json" if multi
+                                               else "ring_overlap.json"))
+    if multi and args.rank < 0:
+        sys.exit(_processes(args))
+    flags = FLAGS.replace(f"count={DEVICES}", "count=1") if multi else FLAGS
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()
+    if multi:
+        _join(args)
     from jax_flashcomm import codec
     from models import machine
 
@@ -400,21 +473,27 @@ def main():
     ops = args.ops or (OPS[:1] if args.quick else OPS)
     reps = 3 if args.quick else args.reps
     rows, dot_ms = run(ops, args.loops, reps)
+    if multi and args.rank != 0:
+        return
     data = {"machine": machine.describe(), "cpu_isa": codec.cpu_isa(), "devices": DEVICES,
-            "xla_flags": FLAGS, "shape_per_rank": dict(m=M, k=K, n=NCOL), "loops": args.loops,
+            "processes": args.processes, "xla_flags": flags,
+            "shape_per_rank": dict(m=M, k=K, n=NCOL), "loops": args.loops,
             "reps": reps, "dot_ms": dot_ms,
-            "command": ".venv/bin/python -m benchmarks.ring_overlap " + " ".join(sys.argv[1:]),
+            "command": ".venv/bin/python -m benchmarks.ring_overlap "
+                       + " ".join(a for a in sys.argv[1:] if not a.startswith("--")
+                                  or a in ("--quick", "--processes")),
             "rows": rows}
     Path(args.out).write_text(json.dumps(data, indent=1))
     png = str(Path(args.out).with_suffix(".png"))
-    plot(rows, png)
+    if not multi:
+        plot(rows, png)
     print(markdown(rows))
     tl = rows[0].get("timeline")
     if tl:
         print(f"timeline: moves overlapped compute {tl['overlap_ms']:.1f} ms of "
               f"{tl['moving_ms']:.1f} ms of moving; {tl['waiting_ms']:.1f} ms waited in done "
               f"({tl['loops']} calls, {DEVICES} ranks)")
-    print("wrote", args.out, png)
+    print("wrote", args.out, *([] if multi else [png]))
 
 
 if __name__ == "__main__":
