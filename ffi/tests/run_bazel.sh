@@ -25,11 +25,11 @@ if [[ "${BAZEL_KEEP_SERVER:-0}" != 1 ]]; then
   trap '"$bazel" shutdown >/dev/null 2>&1 || true' EXIT
 fi
 
-"$bazel" test "${flags[@]}" "$@" //:codec_cpu_test //:gather_cpu_test //:p2p_rendezvous_test \
+"$bazel" test "${flags[@]}" "$@" //:codec_cpu_test //:gather_cpu_test //:p2p_rendezvous_test //:shm_rendezvous_test \
   //:cpu_parallel_test //:norm_cpu_test
 
 # Passed: print each test program's summary line ("N passed, M failed").
-for test in codec_cpu_test gather_cpu_test p2p_rendezvous_test cpu_parallel_test norm_cpu_test; do
+for test in codec_cpu_test gather_cpu_test p2p_rendezvous_test shm_rendezvous_test cpu_parallel_test norm_cpu_test; do
   log="$("$bazel" info bazel-testlogs 2>/dev/null)/$test/test.log"
   summary="$(grep -Eo '[0-9]+ passed, [0-9]+ failed' "$log" | tail -n 1 || true)"
   if [[ -z "$summary" ]]; then
