@@ -84,3 +84,25 @@ def replace_block(path: Path, begin: str, end: str, block: str) -> None:
         raise ValueError(f"{path} has no '{begin}' ... '{end}' markers")
     head, rest = text.split(begin, 1)
     path.write_text(head + body + rest.split(end, 1)[1])
+
+
+def join_shm_job(rank: int, processes: int, port: int, pin: bool = True) -> None:
+    """Join a ``jax.distributed`` job of ``processes`` CPU processes (one device each, gloo)
+    on 127.0.0.1:``port`` as ``rank``, pinned to a core of its own when there are enough, and
+    set the shared-memory transport up (exits with its reason when it cannot run).
+
+    Call before anything else imports JAX's backends (XLA_FLAGS must already say one device).
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    if pin and len(cores) >= processes:
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=processes, process_id=rank,
+                               initialization_timeout=120)
+    from jax_flashcomm.transport import shm
+
+    reason = shm.setup()
+    if reason is not None:
+        raise SystemExit(f"the shared-memory transport cannot run: {reason}")

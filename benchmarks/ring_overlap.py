@@ -427,23 +427,6 @@ def _processes(args) -> int:
     return max(codes)
 
 
-def _join(args):
-    """This worker's part: one CPU device, pinned to a core of its own, in the job."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) >= args.processes:
-        os.sched_setaffinity(0, {cores[args.rank]})
-    import jax
-
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.processes,
-                               process_id=args.rank, initialization_timeout=120)
-    from jax_flashcomm.transport import shm
-
-    reason = shm.setup()
-    if reason is not None:
-        raise SystemExit(f"the shared-memory transport cannot run: {reason}")
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the plain all-gather ring only")
@@ -465,7 +448,9 @@ def main():
     flags = FLAGS.replace(f"count={DEVICES}", "count=1") if multi else FLAGS
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()
     if multi:
-        _join(args)
+        from benchmarks.common import join_shm_job
+
+        join_shm_job(args.rank, args.processes, args.port)
     from jax_flashcomm import codec
     from models import machine
 

@@ -47,24 +47,18 @@ def _free_port() -> int:
 def _worker(args) -> None:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=1")
-    cores = os.sched_getaffinity(0)
-    if args.pin and len(cores) >= args.procs:
-        os.sched_setaffinity(0, {sorted(cores)[args.rank % len(cores)]})
+    from benchmarks.common import join_shm_job
+
+    join_shm_job(args.rank, args.procs, args.port, pin=args.pin)
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax import lax
     from jax.sharding import PartitionSpec as P
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.procs,
-                               process_id=args.rank, initialization_timeout=120)
     import jax_flashcomm as fc
-    from jax_flashcomm.transport import p2p, shm
+    from jax_flashcomm.transport import p2p
 
-    reason = shm.setup()
-    if reason is not None:
-        raise SystemExit(f"the shared-memory transport cannot run: {reason}")
     n = args.procs
     mesh = jax.make_mesh((n,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
     ops = {
