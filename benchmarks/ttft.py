@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.ttft [--links pcie,nvlink] \\
         [--strategies exact,int8,int4,int4/8,overlap,overlap+int8] [--prompt-tokens 128] \\
-        [--decode-tokens 16] [--reps 3] [--out docs/ttft] [--quick]
+        [--decode-tokens 16] [--reps 3] [--out docs/ttft] [--quick] [--transport xla|shm]
 
 Three worker processes (one CPU device each, ``jax.distributed`` over gloo) run in a private
 network namespace (``benchmarks/netns.py``, root). Process 0 sets the namespace's loopback
@@ -14,6 +14,13 @@ names: exact, overlap, intB, intR/A, overlap+intB) is compiled once and timed on
 one followed by a greedy decode of ``--decode-tokens`` tokens. Writes ``OUT.json``, ``OUT.png``
 and the tables into ``OUT.md`` (between its markers, the rest of the page kept; docs/ttft.md
 explains them). Needs root, iproute2 and the SmolLM2 GGUF (fetched on first use).
+
+``--transport xla`` (default): every strategy's collectives go over gloo, through the
+tc-limited loopback. ``--transport shm``: every strategy but ``exact`` / ``exact-bf16`` (the
+gloo baselines) runs its collectives and ring steps over shared memory (``transport="p2p"``,
+docs/transport.md, "Across processes"), and the shared-memory transport emulates the same link
+as one bus of the same rate (``jax_flashcomm.transport.shm.set_link_rate``); ``exact-shm`` is
+the exact all-reduce over it.
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ REPO = Path(__file__).resolve().parents[1]
 TP = 3
 LINKS = ("pcie", "nvlink")
 DEFAULT_STRATEGIES = "exact,exact-bf16,int8,int4,int4/8,overlap,overlap+int8,auto"
+#: With ``--transport shm``.
+SHM_STRATEGIES = "exact,exact-shm,int8,int4,overlap,overlap+int8,auto"
+TRANSPORTS = ("xla", "shm")
 # GPU systems whose ratio of link bandwidth to compute the emulated links copy (assumptions,
 # docs/ttft.md): all-reduce bus bandwidth NCCL achieves, dense bf16 tensor-core peak.
 SYSTEMS = {
@@ -55,9 +65,11 @@ LO_MTU, BURST, TBF_LATENCY = 1500, "16kb", "2s"
 BF16_BASELINE = "exact-bf16"
 
 
-def parse_strategies(text: str) -> list:
-    """``[(name, TPComm)]`` of a comma-separated list (``models.compare.parse_setting``, and
-    :data:`BF16_BASELINE`); exact first (the calibration is relative to it)."""
+def parse_strategies(text: str, transport: str = "xla") -> list:
+    """``[(name, TPComm)]`` of a comma-separated list (``models.compare.parse_setting``,
+    :data:`BF16_BASELINE` and, with ``transport="shm"``, ``exact-shm``); exact first (the
+    calibration is relative to it). Every strategy's config takes ``transport`` (module
+    docstring)."""
     from benchmarks.bf16_two_step import Bf16WireComm
     from models.compare import parse_setting
 
@@ -68,8 +80,30 @@ def parse_strategies(text: str) -> list:
         raise ValueError(f"--strategies repeats a name: {text!r}")
     if "exact" in names:
         names.remove("exact")
-    return [(n, Bf16WireComm()) if n == BF16_BASELINE else parse_setting(n)
-            for n in ["exact"] + names]
+    if transport not in TRANSPORTS:
+        raise ValueError(f"--transport must be one of {TRANSPORTS}, got {transport!r}")
+    if "exact-shm" in names and transport != "shm":
+        raise ValueError("exact-shm needs --transport shm")
+    out = []
+    for n in ["exact"] + names:
+        if n == BF16_BASELINE:
+            out.append((n, Bf16WireComm()))
+            continue
+        name, comm = parse_setting("exact" if n == "exact-shm" else n)
+        over = "p2p" if transport == "shm" and n != "exact" else "xla"
+        out.append((n, _over(comm, over)))
+    return out
+
+
+def _over(comm, transport: str):
+    """``comm`` with its config's transport set to ``transport``."""
+    import dataclasses
+
+    from jax_flashcomm.nn import TPComm
+
+    return TPComm(comm.kind, comm.axis_name,
+                  config=dataclasses.replace(comm.config, transport=transport),
+                  bidirectional=comm.bidirectional, fuse_norm=comm.fuse_norm)
 
 
 def parse_links(text: str) -> list[str]:
@@ -210,7 +244,7 @@ def run(args) -> dict:
     tail.start()
     wargs = ["--links", ",".join(args.links), "--strategies", ",".join(args.names),
              "--prompt-tokens", args.prompt_tokens, "--decode-tokens", args.decode_tokens,
-             "--reps", args.reps]
+             "--reps", args.reps, "--transport", args.transport]
     try:
         results = run_workers("benchmarks.ttft_worker", TP, args=wargs,
                               rate="10gbit", burst=BURST, latency=TBF_LATENCY, mtu=LO_MTU,
@@ -337,18 +371,26 @@ def main(argv=None) -> int:
                     help="output prefix (.json, .png, .md are added)")
     ap.add_argument("--timeout", type=float, default=2400.0, help="seconds for the workers")
     ap.add_argument("--quick", action="store_true",
-                    help="64 prompt tokens, 4 decode tokens, 2 reps, exact and int4 only")
+                    help="64 prompt tokens, 4 decode tokens, 2 reps, exact and int4 only "
+                         "(exact, exact-shm and overlap with --transport shm)")
+    ap.add_argument("--transport", choices=TRANSPORTS, default="xla",
+                    help="xla: every collective over gloo; shm: the strategies but exact over "
+                         "shared memory, paced at the link's rate (module docstring)")
     args = ap.parse_args(argv)
+    if args.transport == "shm" and args.strategies == DEFAULT_STRATEGIES:
+        args.strategies = SHM_STRATEGIES
     if args.quick:
         args.prompt_tokens, args.decode_tokens, args.reps = 64, 4, 2
         if args.strategies == DEFAULT_STRATEGIES:
             args.strategies = "exact,int4"
+        elif args.strategies == SHM_STRATEGIES:
+            args.strategies = "exact,exact-shm,overlap"
     for name, lo in (("--prompt-tokens", 1), ("--decode-tokens", 1), ("--reps", 1)):
         if getattr(args, name[2:].replace("-", "_")) < lo:
             ap.error(f"{name} must be >= {lo}")
     try:
         args.links = parse_links(args.links)
-        args.names = [n for n, _ in parse_strategies(args.strategies)]
+        args.names = [n for n, _ in parse_strategies(args.strategies, args.transport)]
     except ValueError as e:
         ap.error(str(e))
     from benchmarks.netns import available

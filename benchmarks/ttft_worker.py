@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, required=True)
     ap.add_argument("--decode-tokens", type=int, required=True)
     ap.add_argument("--reps", type=int, required=True)
+    ap.add_argument("--transport", choices=ttft.TRANSPORTS, default="xla")
     args = ap.parse_args()
     pid, nproc = worker_init(1)
     import jax
@@ -81,7 +82,13 @@ def main() -> None:
                 fh.write(f"[{time.perf_counter() - t_start:6.0f} s] {msg}\n")
 
     links = ttft.parse_links(args.links)
-    strategies = ttft.parse_strategies(args.strategies)
+    strategies = ttft.parse_strategies(args.strategies, args.transport)
+    if args.transport == "shm":
+        from jax_flashcomm.transport import shm
+
+        reason = shm.setup()
+        if reason is not None:
+            raise SystemExit(f"--transport shm: the shared-memory transport cannot run: {reason}")
     mesh = jax.make_mesh((nproc,), ("tp",), devices=jax.devices())
     model, ckpt = load_model("smollm2", tp=nproc, mesh=mesh)
     cfg = model.cfg
@@ -124,6 +131,8 @@ def main() -> None:
         multihost_utils.sync_global_devices(f"before {name}")
         if pid == 0:
             set_qdisc(rates[name])
+        if args.transport == "shm":  # the same link, emulated for shared memory
+            shm.set_link_rate(rates[name] or 0.0)
         multihost_utils.sync_global_devices(f"after {name}")
         current[0] = name
         if name not in link_info:

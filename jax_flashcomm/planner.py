@@ -15,7 +15,8 @@ path                          when
                               ``min_bytes``): the codec, per-phase bits, spikes and rotation
                               resolved, over the ``transport``
 ``"exact"``                   ``psum`` between processes of one host that the automatic
-                              choice sends over shared memory: the exact sum over the ``p2p``
+                              choice sends over shared memory, or that asks for it
+                              (``bits=None, transport="p2p"``): the exact sum over the ``p2p``
                               transport (:func:`jax_flashcomm.transport.p2p.exact_all_reduce`)
 ``"ring"``                    ring matmuls, exact: ring steps over the ``transport``
 ``"quantized ring"``          ``all_gather_matmul`` at or above ``min_bytes``: chunks travel
@@ -292,6 +293,14 @@ def plan(op: str, axes: tuple, shape, dtype, axis_size: int, config: CommConfig,
                   group_size=config.group_size, timeout_ms=config.p2p_timeout_ms,
                   backend=config.backend, config=config)
     chosen = None
+    if (config.exact and config.transport == "p2p" and op == "psum" and axis_size > 1
+            and nbytes > 0 and p2p_transport.across_processes()):
+        reason = p2p_transport.unsupported_reason(axes)
+        if reason is not None:
+            raise ValueError(f"{where}: transport='p2p' cannot run here: {reason}")
+        return _recorded(Plan(path="exact", transport="p2p", **{
+            **fields, "reason": "bits=None over transport='p2p' between processes: the exact "
+                                "sum over shared memory"}), record)
     if quantized and config.auto:
         chosen = _auto_choice(op, axes, fields, config, where)
         quantized = chosen.candidate.startswith("quantized")
@@ -315,7 +324,10 @@ def plan(op: str, axes: tuple, shape, dtype, axis_size: int, config: CommConfig,
         fields.update(rs_bits=rs, ag_bits=ag, rotation=config.resolved_rotation,
                       rs_spikes=config.phase1_spikes if rs else auto_spikes(None),
                       ag_spikes=config.phase2_spikes if ag else auto_spikes(None))
-    result = Plan(path=path, transport=transport, **fields)
+    return _recorded(Plan(path=path, transport=transport, **fields), record)
+
+
+def _recorded(result: Plan, record: bool) -> Plan:
     if record:
         logger.debug("%s", result)
         for sink in _recorders.get():

@@ -61,6 +61,14 @@ NB_MODULE(_flashcomm_cpu, m) {
         "Shared-memory collective calls not finished (0 between collectives).");
   m.def("shm_ring_steps_in_progress", &flashcomm::cpu::ShmRingStepsInProgress,
         "Shared-memory ring steps this process started and has not finished.");
+  m.def(
+      "shm_set_link_rate",
+      [](double bytes_per_s) {
+        if (!(bytes_per_s >= 0)) throw std::invalid_argument("link rate must be >= 0 bytes/s");
+        flashcomm::shm::SetLinkRate(bytes_per_s);
+      },
+      "Emulate a bus of this many bytes/s shared by the host's ranks (0: none; benchmarks).");
+  m.def("shm_link_rate", &flashcomm::shm::LinkRate, "The emulated bus's bytes/s (0: none).");
   m.def("shm_segments", &flashcomm::shm::SegmentsMapped,
         "Shared segments this process owns or maps (blocks excluded).");
   flashcomm::AddP2pRingInspection(

@@ -97,8 +97,8 @@ ffi::Future AllReduceProtocol(const GangFactory& join, int32_t rank, const ffi::
       }
       // 4. Complete once every peer has read this rank's slot.
       call->Arrive(2, Spans{}, [=](const std::vector<Published>&) { call->Finish(); });
-    });
-  });
+    }, (size - 1) * gpc * (nb2 + 4));  // every peer reads this rank's slot
+  }, (size - 1) * gpc * (nb1 + 4));  // each peer reads its chunk of this rank's payload
   return done;
 }
 
@@ -157,7 +157,7 @@ ffi::Future ReduceScatterProtocol(const GangFactory& join, int32_t rank, const f
       call->Fail(ffi::ErrorCode::kResourceExhausted, ScratchMessage(failed, rank));
     }
     call->Arrive(1, Spans{}, [=](const std::vector<Published>&) { call->Finish(); });
-  });
+  }, (size - 1) * gpc * (nb + 4));  // each peer reads its chunk of this rank's payload
   return done;
 }
 
@@ -215,7 +215,7 @@ ffi::Future AllGatherProtocol(const GangFactory& join, int32_t rank, const ffi::
       }
     }
     call->Arrive(1, Spans{}, [=](const std::vector<Published>&) { call->Finish(); });
-  });
+  }, (size - 1) * n_groups * (nb + 4));  // every peer reads this rank's payload
   return done;
 }
 

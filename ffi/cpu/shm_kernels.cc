@@ -26,8 +26,9 @@ namespace {
 class ShmGang : public Gang {
  public:
   explicit ShmGang(std::shared_ptr<shm::Meeting> meeting) : meeting_(std::move(meeting)) {}
-  void Arrive(int barrier, const Spans& mine, bool failed, p2p::Continuation then) override {
-    shm::Arrive(meeting_, barrier, mine, failed, std::move(then));
+  void Arrive(int barrier, const Spans& mine, bool failed, p2p::Continuation then,
+              int64_t wire_bytes) override {
+    shm::Arrive(meeting_, barrier, mine, failed, std::move(then), wire_bytes);
   }
   void Abort(const std::string& why) override { shm::Abort(meeting_, why); }
   void Leave() override {
@@ -92,6 +93,18 @@ void SumRanks(DType dtype, const std::vector<const void*>& xs, int64_t begin, in
   }
 }
 
+// Bytes per rank from which the exact all-reduce takes two shots when asked to choose
+// (jax_flashcomm.transport.p2p.TWO_SHOT_BYTES).
+constexpr int64_t kTwoShotBytes = 256 * 1024;
+
+// two_shot: 0 one shot, 1 two shots, 2 by size and link: two shots from kTwoShotBytes, and
+// always over an emulated link with more than two ranks (one shot sends N - 1 copies of x per
+// rank, two shots 2 (N - 1) / N, a ring's bytes).
+bool TwoShot(int32_t two_shot, int64_t bytes, int64_t size) {
+  if (two_shot != 2) return two_shot == 1;
+  return bytes >= kTwoShotBytes || (shm::LinkRate() > 0 && size > 2);
+}
+
 ffi::Future ExactAllReduceProtocol(const GangFactory& join, int32_t rank,
                                    const ffi::AnyBuffer& x, ffi::AnyBuffer& y, int64_t size,
                                    int64_t timeout_ms, bool two_shot) {
@@ -125,11 +138,12 @@ ffi::Future ExactAllReduceProtocol(const GangFactory& join, int32_t rank,
     for (int64_t j = 0; j < size; ++j) xs[j] = peers[j][0];
     return xs;
   };
-  if (!two_shot) {
+  const int64_t bytes = int64_t(x.size_bytes());
+  if (!two_shot) {  // every peer reads all of x
     call->Arrive(0, mine, [=](const std::vector<Published>& peers) {
       if (!call->failed()) SumRanks(dtype, inputs(peers), 0, count, out);
       call->Arrive(1, Spans{}, [=](const std::vector<Published>&) { call->Finish(); });
-    });
+    }, (size - 1) * bytes);
     return done;
   }
   // Two-shot: rank r sums chunk r of every rank's x; then every rank copies every chunk.
@@ -144,8 +158,8 @@ ffi::Future ExactAllReduceProtocol(const GangFactory& join, int32_t rank,
         std::memcpy(out + bound(j) * item, peers[j][0], size_t(bound(j + 1) - bound(j)) * item);
       }
       call->Arrive(2, Spans{}, [=](const std::vector<Published>&) { call->Finish(); });
-    });
-  });
+    }, (size - 1) * (hi - lo) * int64_t(item));  // every peer reads this rank's chunk
+  }, bytes - (bound(rank + 1) - bound(rank)) * int64_t(item));  // each peer its chunk of x
   return done;
 }
 
@@ -202,7 +216,7 @@ ffi::Future ShmPsum(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
   const int32_t rank = rank_buf.typed_data()[0];
   return ExactAllReduceProtocol(
       Shared(axes_key, site, group_buf.typed_data()[0], rank, size, timeout_ms), rank, x, *y,
-      size, timeout_ms, two_shot != 0);
+      size, timeout_ms, TwoShot(two_shot, int64_t(x.size_bytes()), size));
 }
 
 }  // namespace cpu
@@ -277,4 +291,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::Buffer<ffi::S32>>()      // group: () the replica group's index
         .Ret<ffi::AnyBuffer>()             // y: x's shape and dtype, the exact sum
         FLASHCOMM_SHM_COMMON_ATTRS
-        .Attr<int32_t>("two_shot"));       // 0: every rank sums all; 1: reduce-scatter + gather
+        .Attr<int32_t>("two_shot"));       // 0: every rank sums all; 1: reduce-scatter + gather;
+                                           // 2: by size and emulated link

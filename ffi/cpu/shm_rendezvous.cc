@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <atomic>
 #include <chrono>
 #include <climits>
 #include <cstring>
@@ -59,6 +60,7 @@ struct Block {
   int64_t pid;
   int64_t process_index;
   alignas(64) uint32_t doorbell;
+  alignas(64) int64_t bus_free_ns;  // the emulated bus is reserved until then (CLOCK_MONOTONIC)
   alignas(64) int64_t members;
   Member member[kMembers];
   ChannelRec channels[kChannels];
@@ -146,6 +148,7 @@ struct Meeting {
   bool deferred = false;
   Spans deferred_spans;
   bool deferred_failed = false;
+  int64_t deferred_wire = 0;
   bool failed = false;
   std::string failure;
 };
@@ -232,18 +235,19 @@ class Engine {
     in_progress_.push_back(m);
     auto& queue = queues_[m->channel];
     queue.push_back(m);
-    if (queue.size() == 1) StartLocked(m);
+    if (queue.size() == 1 && !drains_.count(m->channel)) StartLocked(m);
     return m;
   }
 
   void Arrive(const std::shared_ptr<Meeting>& m, int barrier, const Spans& spans, bool failed,
-              p2p::Continuation then) {
+              p2p::Continuation then, int64_t wire_bytes) {
     std::string error;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!m->failed && !m->started) {  // queued: arrives when its channel is free
         m->deferred = true;
         m->deferred_spans = spans;
+        m->deferred_wire = wire_bytes;
         m->deferred_failed = failed;
         m->then = std::move(then);
         return;
@@ -251,7 +255,7 @@ class Engine {
       if (m->failed) error = m->failure;
     }
     if (!error.empty()) return then({}, error);
-    Publish(m, barrier, spans, failed, std::move(then));
+    Publish(m, barrier, spans, failed, std::move(then), wire_bytes);
   }
 
   void Abort(const std::shared_ptr<Meeting>& m, const std::string& why) {
@@ -283,29 +287,50 @@ class Engine {
         ChannelRec& ch = mine_->channels[m->channel];
         const int64_t end = m->start_ticket + m->args.barriers;
         if (LoadAcquire(&ch.ticket) < end) StoreRelease(&ch.ticket, end);
-        if (!queue.empty()) {
-          StartLocked(queue.front());
-          if (queue.front()->deferred) runnable.push_back(queue.front());
+        if (m->failed && !m->procs.empty()) {
+          // The channel's next call waits until every peer is past this one too (or a short
+          // while): its records must not change under a peer still reading why it failed.
+          const auto wait = std::min<int64_t>(m->args.timeout_ms, 5000);
+          drains_[m->channel] = Drain{end, m->procs, p2p::DeadlineAfter(wait)};
+          Ring(mine_);
+        } else {
+          StartNextLocked(m->channel, &runnable);
         }
       }
     }
-    for (auto& next : runnable) {
-      p2p::ThreadPool::Workers().Schedule([this, next] {
-        p2p::Continuation then;
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          if (!next->deferred) return;  // failed meanwhile: FailLocked handed `then` the error
-          next->deferred = false;
-          then = std::move(next->then);
-        }
-        Publish(next, 0, next->deferred_spans, next->deferred_failed, std::move(then));
-      });
-    }
+    ScheduleDeferred(runnable);
   }
 
   size_t InProgress() {
     std::lock_guard<std::mutex> lock(mu_);
     return in_progress_.size();
+  }
+
+  void SetLinkRate(double bytes_per_s) { rate_.store(bytes_per_s > 0 ? bytes_per_s : 0.0); }
+  double LinkRate() const { return rate_.load(); }
+
+  void Pace(int64_t bytes) {
+    const double rate = rate_.load();
+    if (rate <= 0 || bytes <= 0) return;
+    Block* bus = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (blocks_.empty()) return;
+      bus = blocks_.begin()->second;
+    }
+    const int64_t duration = int64_t(double(bytes) * 1e9 / rate);
+    int64_t end = 0;
+    for (;;) {
+      const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                              Clock::now().time_since_epoch()).count();
+      int64_t free_at = LoadAcquire(&bus->bus_free_ns);
+      end = std::max(now, free_at) + duration;
+      if (__atomic_compare_exchange_n(&bus->bus_free_ns, &free_at, end, false, __ATOMIC_ACQ_REL,
+                                      __ATOMIC_ACQUIRE)) {
+        break;
+      }
+    }
+    std::this_thread::sleep_until(Clock::time_point(std::chrono::nanoseconds(end)));
   }
 
   size_t Segments() {
@@ -333,6 +358,55 @@ class Engine {
     return true;
   }
 
+  struct Drain {
+    int64_t end;             // the failed call's last ticket
+    std::vector<int> procs;  // its ranks' processes
+    Clock::time_point deadline;
+  };
+
+  // Starts the channel's next queued call, if any (and no failed call is draining).
+  void StartNextLocked(int channel, std::vector<std::shared_ptr<Meeting>>* runnable) {
+    auto& queue = queues_[channel];
+    if (queue.empty() || queue.front()->started || drains_.count(channel)) return;
+    StartLocked(queue.front());
+    if (queue.front()->deferred) runnable->push_back(queue.front());
+  }
+
+  // Publishes the first arrival of calls that were queued behind their channel.
+  void ScheduleDeferred(const std::vector<std::shared_ptr<Meeting>>& runnable) {
+    for (auto& next : runnable) {
+      p2p::ThreadPool::Workers().Schedule([this, next] {
+        p2p::Continuation then;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (!next->deferred) return;  // failed meanwhile: FailLocked handed `then` the error
+          next->deferred = false;
+          then = std::move(next->then);
+        }
+        Publish(next, 0, next->deferred_spans, next->deferred_failed, std::move(then),
+                next->deferred_wire);
+      });
+    }
+  }
+
+  // Ends the drains whose peers are all past the failed call (or whose time is up).
+  void DrainLocked(Clock::time_point now, std::vector<std::shared_ptr<Meeting>>* runnable) {
+    for (auto it = drains_.begin(); it != drains_.end();) {
+      bool past = true;
+      for (int proc : it->second.procs) {
+        past = past && LoadAcquire(&blocks_.at(proc)->channels[it->first].ticket) >=
+                           it->second.end;
+      }
+      if (past || now >= it->second.deadline) {
+        const int channel = it->first;
+        it = drains_.erase(it);
+        StartNextLocked(channel, runnable);
+      } else {
+        ++it;
+      }
+    }
+  }
+
   void StartLocked(const std::shared_ptr<Meeting>& m) {
     m->started = true;
     m->start_ticket = LoadAcquire(&mine_->channels[m->channel].ticket);
@@ -342,7 +416,7 @@ class Engine {
   // Copies `spans` into this rank's segment of (channel, barrier), publishes the record and
   // the ticket, rings the peers and leaves the wait to the progress thread.
   void Publish(const std::shared_ptr<Meeting>& m, int barrier, const Spans& spans, bool failed,
-               p2p::Continuation then) {
+               p2p::Continuation then, int64_t wire_bytes) {
     size_t total = 0;
     for (const Span& s : spans) total += (s.bytes + 63) & ~size_t(63);
     Segment* seg = nullptr;
@@ -374,6 +448,7 @@ class Engine {
       if (copy) std::memcpy(seg->base + offset, s.data, s.bytes);
       offset += int64_t((s.bytes + 63) & ~size_t(63));
     }
+    if (!failed) Pace(wire_bytes);
     std::vector<Block*> ring;
     {
       // The record is written under the lock, so that a failure (FailLocked) cannot interleave.
@@ -578,9 +653,11 @@ class Engine {
     for (;;) {
       const uint32_t seen = __atomic_load_n(&mine_->doorbell, __ATOMIC_ACQUIRE);
       bool idle = true;
+      std::vector<std::shared_ptr<Meeting>> runnable;
       {
         std::lock_guard<std::mutex> lock(mu_);
         const auto now = Clock::now();
+        DrainLocked(now, &runnable);
         const bool check_exits = now - last_exit_check > std::chrono::milliseconds(100);
         if (check_exits) last_exit_check = now;
         std::vector<std::shared_ptr<Meeting>> waiting;
@@ -590,14 +667,16 @@ class Engine {
           CheckLocked(m, now, check_exits);
           if (m->waiting >= 0) pending_.push_back(m);
         }
-        idle = pending_.empty();
+        idle = pending_.empty() && drains_.empty();
       }
+      ScheduleDeferred(runnable);
       struct timespec ts {0, (idle ? 50 : 10) * 1000 * 1000};
       syscall(SYS_futex, &mine_->doorbell, FUTEX_WAIT, seen, &ts, nullptr, 0);
     }
   }
 
   std::mutex mu_;
+  std::atomic<double> rate_{0.0};
   Block* mine_ = nullptr;
   int mine_fd_ = -1;
   int64_t process_index_ = -1;
@@ -608,6 +687,7 @@ class Engine {
   std::map<std::tuple<int64_t, int64_t, int64_t>, int> my_rank_;
   std::map<std::pair<int64_t, int64_t>, int64_t> seqs_;  // (site, group) -> next call
   std::map<int, std::deque<std::shared_ptr<Meeting>>> queues_;
+  std::map<int, Drain> drains_;  // channels whose failed call some peer may still be in
   std::vector<std::shared_ptr<Meeting>> in_progress_;
   std::vector<std::shared_ptr<Meeting>> pending_;
   std::map<std::pair<int, int>, Segment> own_;
@@ -627,9 +707,12 @@ std::shared_ptr<Meeting> Join(const JoinArgs& args, std::string* error) {
   return Engine::Global().Join(args, error);
 }
 void Arrive(const std::shared_ptr<Meeting>& m, int barrier, const Spans& mine, bool failed,
-            p2p::Continuation then) {
-  Engine::Global().Arrive(m, barrier, mine, failed, std::move(then));
+            p2p::Continuation then, int64_t wire_bytes) {
+  Engine::Global().Arrive(m, barrier, mine, failed, std::move(then), wire_bytes);
 }
+void SetLinkRate(double bytes_per_s) { Engine::Global().SetLinkRate(bytes_per_s); }
+double LinkRate() { return Engine::Global().LinkRate(); }
+void Pace(int64_t bytes) { Engine::Global().Pace(bytes); }
 void Abort(const std::shared_ptr<Meeting>& m, const std::string& why) {
   Engine::Global().Abort(m, why);
 }

@@ -184,13 +184,20 @@ ffi::Error ShmRingStart(ffi::AnyBuffer send, ffi::Buffer<ffi::S32> rank_buf,
                   return step->Moved(Prefix(kOp) + "rank " + std::to_string(sender) + " failed");
                 }
                 const void* from = peers[sender][0];
-                if (rate <= 0) {
+                const bool bus = rate <= 0 && shm::LinkRate() > 0;
+                if (rate <= 0 && !bus) {
                   PacedCopy(to, from, bytes, 0);
                   return step->Moved("");
                 }
                 // A paced copy sleeps: on a thread of its own, not the transport's workers.
-                std::thread([step, to, from, bytes, rate] {
-                  PacedCopy(to, from, bytes, rate);
+                // The step's own rate paces this link alone; else the emulated bus is shared.
+                std::thread([step, to, from, bytes, rate, bus] {
+                  if (bus) {
+                    std::memcpy(to, from, bytes);
+                    shm::Pace(int64_t(bytes));
+                  } else {
+                    PacedCopy(to, from, bytes, rate);
+                  }
                   step->Moved("");
                 }).detach();
               });

@@ -180,6 +180,9 @@ bool RunScenario(const char* scenario, int size) {
         std::fprintf(stderr, "rank %d: %s\n", r, error.c_str());
         _exit(4);
       }
+      // Every rank has mapped every block before any goes on (Python's setup agrees so too).
+      char go = 1;
+      if (!WriteAll(u[1], &go, 1) || !ReadAll(d[0], &go, 1)) _exit(5);
       const int status = Rank(scenario, r, size);
       std::fflush(nullptr);
       _exit(status);  // the ranks' threads are detached and may be waiting: no static dtors
@@ -196,6 +199,9 @@ bool RunScenario(const char* scenario, int size) {
   for (int r = 0; r < size && ok; ++r) {
     ok = WriteAll(down[size_t(r)], all.data(), sizeof(all[0]) * all.size());
   }
+  char attached = 0;
+  for (int r = 0; r < size && ok; ++r) ok = ReadAll(up[size_t(r)], &attached, 1);
+  for (int r = 0; r < size && ok; ++r) ok = WriteAll(down[size_t(r)], &attached, 1);
   const auto deadline = Clock::now() + std::chrono::seconds(60);
   for (pid_t pid : pids) {
     int status = -1;

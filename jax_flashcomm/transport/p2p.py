@@ -287,7 +287,10 @@ def meetings_in_progress() -> int:
 
 
 #: Bytes per rank from which :func:`exact_all_reduce` takes two shots (each rank sums one chunk,
-#: then every rank copies every chunk) rather than one (every rank sums everything).
+#: then every rank copies every chunk) rather than one (every rank sums everything); over an
+#: emulated link (:func:`jax_flashcomm.transport.shm.set_link_rate`) with more than two ranks
+#: it always takes two (a ring's bytes; one shot sends N - 1 copies). The kernel decides at run
+#: time (ffi/cpu/shm_kernels.cc, kTwoShotBytes).
 TWO_SHOT_BYTES = 256 * 1024
 
 
@@ -303,7 +306,7 @@ def exact_all_reduce(x: jax.Array, axes: tuple[str, ...], timeout_ms: int,
       axes: the reduced mesh axes.
       timeout_ms: the limit on every wait for a peer.
       two_shot: reduce-scatter then gather (True), every rank sums all (False), or by size
-        (None: :data:`TWO_SHOT_BYTES`).
+        and link at run time (None: :data:`TWO_SHOT_BYTES`).
 
     Returns:
       The sum, invariant over ``axes``.
@@ -314,10 +317,9 @@ def exact_all_reduce(x: jax.Array, axes: tuple[str, ...], timeout_ms: int,
     if not across_processes():
         raise ValueError("exact_all_reduce runs between processes (one device each); in one "
                          "process lax.psum is the exact path")
-    if two_shot is None:
-        two_shot = x.size * x.dtype.itemsize >= TWO_SHOT_BYTES
     rep = _axes.varying_axes(x) - frozenset(axes)
     call = jax.ffi.ffi_call(_target("psum"), result_aval(x, x.shape, x.dtype, rep),
                             vmap_method="sequential")
     rank, group = rank_and_group(axes)
-    return call(x, rank, group, two_shot=np.int32(two_shot), **_attrs(axes, timeout_ms))
+    mode = 2 if two_shot is None else int(bool(two_shot))
+    return call(x, rank, group, two_shot=np.int32(mode), **_attrs(axes, timeout_ms))

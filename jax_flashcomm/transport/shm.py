@@ -26,7 +26,8 @@ import jax
 from jax_flashcomm import jax_compat
 from jax_flashcomm.codec import kernels
 
-__all__ = ["TARGETS", "setup", "unsupported_reason", "meetings_in_progress", "segments"]
+__all__ = ["TARGETS", "setup", "unsupported_reason", "meetings_in_progress", "segments",
+           "set_link_rate", "link_rate"]
 
 #: The FFI targets of the transport between processes (the CPU module registers them).
 TARGETS = ("flashcomm_shm_all_reduce", "flashcomm_shm_reduce_scatter", "flashcomm_shm_all_gather",
@@ -126,3 +127,28 @@ def meetings_in_progress() -> int:
 def segments() -> int:
     """Shared segments this process owns or maps (blocks excluded)."""
     return int(kernels.cpu_module().shm_segments())
+
+
+def set_link_rate(bytes_per_s: float) -> None:
+    """Emulate a link of ``bytes_per_s`` shared by every rank of this host (benchmarks only).
+
+    Every shared-memory publication, and every ring step's copy without a rate of its own,
+    then holds one bus for the bytes its peers read, in turn with the other processes (a
+    reservation in the lowest process's block): a PCIe host bridge, or the tc-limited loopback
+    gloo crosses in the same benchmark. Takes effect at once, for compiled programs too; every
+    process of the job should set the same rate.
+
+    Args:
+      bytes_per_s: the bus's rate; 0 turns the emulation off (the default).
+
+    Raises:
+      ValueError: a negative rate.
+    """
+    if not bytes_per_s >= 0:
+        raise ValueError(f"set_link_rate: bytes_per_s must be >= 0, got {bytes_per_s!r}")
+    kernels.cpu_module().shm_set_link_rate(float(bytes_per_s))
+
+
+def link_rate() -> float:
+    """The emulated bus's bytes/s (0: none)."""
+    return float(kernels.cpu_module().shm_link_rate())

@@ -43,9 +43,11 @@ using shm::Spans;
 class Gang {
  public:
   virtual ~Gang() = default;
-  // Publish `mine` at `barrier` (`failed`: this rank's own work failed); `then` gets every
-  // rank's pointers (a failed rank's [3] is &p2p::kRankFailed) or the error that ended the call.
-  virtual void Arrive(int barrier, const Spans& mine, bool failed, p2p::Continuation then) = 0;
+  // Publish `mine` at `barrier` (`failed`: this rank's own work failed; `wire_bytes`: the bytes
+  // of it the peers will read, which an emulated link paces); `then` gets every rank's
+  // pointers (a failed rank's [3] is &p2p::kRankFailed) or the error that ended the call.
+  virtual void Arrive(int barrier, const Spans& mine, bool failed, p2p::Continuation then,
+                      int64_t wire_bytes) = 0;
   // End the call for every rank now.
   virtual void Abort(const std::string& why) = 0;
   // Done with the call (after its last barrier, or an error); called once.
@@ -89,10 +91,11 @@ class Call : public std::enable_shared_from_this<Call> {
     if (gang_) gang_->Leave();
   }
   ffi::Future future() const { return ffi::Future(promise_); }
-  // Publish `mine` at `barrier`; `next` gets every rank's pointers once all have arrived. On a
-  // failed meeting the call completes with the error instead.
+  // Publish `mine` at `barrier` (`wire_bytes` of it read by the peers); `next` gets every
+  // rank's pointers once all have arrived. On a failed meeting the call completes with the
+  // error instead.
   void Arrive(int barrier, const Spans& mine,
-              std::function<void(const std::vector<Published>&)> next) {
+              std::function<void(const std::vector<Published>&)> next, int64_t wire_bytes = 0) {
     auto self = shared_from_this();
     gang_->Arrive(barrier, mine, failed(),
                   [self, next = std::move(next)](const std::vector<Published>& peers,
@@ -113,7 +116,8 @@ class Call : public std::enable_shared_from_this<Call> {
                       self->Abort(std::string("rank ") + std::to_string(self->rank_) + ": " +
                                   e.what());
                     }
-                  });
+                  },
+                  wire_bytes);
   }
   // This rank's codec work failed: remember the first failure (Finish reports it).
   void Fail(ffi::ErrorCode code, const std::string& why) {

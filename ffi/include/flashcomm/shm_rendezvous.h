@@ -73,13 +73,23 @@ struct JoinArgs {
 std::shared_ptr<Meeting> Join(const JoinArgs& args, std::string* error);
 // Publishes `mine` at `barrier` (failed: this rank's own work failed, its peers fail too);
 // `then` runs once every rank has arrived, with every rank's region pointers (a failed rank's
-// entry [3] is &p2p::kRankFailed), or with the error that ended the call. Never blocks.
+// entry [3] is &p2p::kRankFailed), or with the error that ended the call. Never waits for a
+// peer; with an emulated link (SetLinkRate) it first holds the link for `wire_bytes`, the bytes
+// of `mine` its peers will read.
 void Arrive(const std::shared_ptr<Meeting>& meeting, int barrier, const Spans& mine, bool failed,
-            p2p::Continuation then);
+            p2p::Continuation then, int64_t wire_bytes = 0);
 // Ends the call for every rank now (this rank cannot go on): peers fail at their next barrier.
 void Abort(const std::shared_ptr<Meeting>& meeting, const std::string& why);
 // Done with the call (after its last barrier or an error); the channel's next call may start.
 void Leave(const std::shared_ptr<Meeting>& meeting);
+// Emulates a link of `bytes_per_s` shared by every rank of the host (one bus: a PCIe host
+// bridge), for benchmarks: every publication holds the bus for its wire bytes, in turn with the
+// other processes' (a reservation in the lowest process's block). 0: no emulation (default).
+void SetLinkRate(double bytes_per_s);
+double LinkRate();
+// Holds the emulated bus for `bytes` (returns when they would have crossed it); at once when no
+// link is emulated.
+void Pace(int64_t bytes);
 // Calls joined and not left (0 between collectives).
 size_t InProgress();
 // Shared segments this process owns or maps (blocks excluded): for tests.
