@@ -52,8 +52,9 @@ P2P_LATENCY_S = 174e-6
 #: passes) where a model's ranks already keep the cores busy (docs/autotune.md, "The margin").
 EXACT_PREFERENCE = 0.75
 #: The exact all-reduce over shared memory between processes (benchmarks/shm_allreduce.py on an
-#: AMD EPYC Zen 4, 2 processes on 2 cores; docs/transport.md, "Across processes").
-SHM_LINK = Link(4e9, "shared", 60e-6, 0.0)
+#: AMD EPYC Zen 4, 2 processes on 2 cores, fitted to its 2 KiB, 16 and 64 MiB rows;
+#: docs/transport.md, "Across processes").
+SHM_LINK = Link(2.2e9, "shared", 110e-6, 0.0)
 #: gloo over a loopback, 3 processes on 2 cores (docs/ttft.json, "unlimited": the 1 MiB psum's
 #: rate and the 4-byte psum's time).
 GLOO_LOOPBACK_LINK = Link(309e6, "shared", 150e-6, 0.0)
