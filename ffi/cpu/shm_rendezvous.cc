@@ -582,13 +582,12 @@ class Engine {
     }
     std::vector<p2p::Published> peers(a.size);
     const bool last = b + 1 == a.barriers;
-    std::string differ, failed;
+    std::string differ;
     for (int r = 0; r < a.size; ++r) {
       const int proc = m->procs[r];
       const Record& rec = blocks_.at(proc)->channels[m->channel].records[b];
       if (last) {  // no data; a peer may have moved on to its next call (then it succeeded)
         if (rec.site == a.site && rec.group == a.group && rec.seq == m->seq && rec.failed) {
-          failed += (failed.empty() ? "" : ", ") + std::to_string(r);
           peers[r][3] = &p2p::kRankFailed;
         }
         continue;
@@ -603,7 +602,6 @@ class Engine {
       }
       if (rec.descriptor != a.descriptor) differ += (differ.empty() ? "" : ", ") + std::to_string(r);
       if (rec.failed) {
-        failed += (failed.empty() ? "" : ", ") + std::to_string(r);
         peers[r][3] = &p2p::kRankFailed;
         continue;
       }

@@ -131,6 +131,20 @@ static void TestMissingRank(int size) {
   for (auto& e : seen->errors) CHECK(e.find(missing) != std::string::npos);
   for (auto& m : meetings) rv.Leave(m);
   CHECK(rv.InProgress() == 0);
+  // The missing rank comes after its peers have left: it fails at once with their error, not
+  // after a whole timeout of its own.
+  std::string error;
+  const auto late_start = Clock::now();
+  auto late = rv.Join({8, 1, 0}, size - 1, size, 2, &error, 60000);
+  CHECK(late != nullptr);
+  std::string late_error;
+  late->Arrive(0, size - 1, {Tag(size - 1, 0, 0)},
+               [&](auto& peers, const std::string& err) { late_error = peers.empty() ? err : ""; });
+  CHECK(late_error.find(missing) != std::string::npos);
+  CHECK(late_error.find("arrived after its peers had left") != std::string::npos);
+  CHECK(Clock::now() - late_start < std::chrono::seconds(1));
+  rv.Leave(late);
+  CHECK(rv.InProgress() == 0);
 }
 
 // The blocking Arrive: every rank sees every pointer; and a missing rank times out.

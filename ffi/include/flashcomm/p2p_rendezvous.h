@@ -251,6 +251,13 @@ class Meeting {
     Notify(std::move(pending));
   }
 
+  // Whether the meeting failed, and why.
+  bool Failed(std::string* why) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failed_) *why = failure_;
+    return failed_;
+  }
+
   // The watchdog's check: past the deadline with a barrier still closed, fail the meeting.
   void ExpireIfLate(std::chrono::steady_clock::time_point now) {
     std::vector<Continuation> pending;
@@ -335,6 +342,12 @@ class Rendezvous {
       if (it == meetings_.end()) {
         const auto deadline = DeadlineAfter(timeout_ms);
         Entry entry{std::make_shared<Meeting>(size, barriers, deadline), size, 0};
+        auto late = failed_.find(mk);
+        if (late != failed_.end()) {
+          // Its peers met without it, failed and left (XLA started this rank's execution
+          // late): fail at once rather than wait a whole timeout alone.
+          entry.meeting->Abort(late->second + " (this rank arrived after its peers had left)");
+        }
         StartWatchdog();
         watchdog_cv_.notify_one();
         it = meetings_.emplace(mk, std::move(entry)).first;
@@ -358,6 +371,10 @@ class Rendezvous {
     if (j == joined_.end()) return;
     auto it = meetings_.find(j->second);
     if (it != meetings_.end() && ++it->second.left == it->second.joined) {
+      std::string why;
+      if (it->second.joined < it->second.size && it->second.meeting->Failed(&why)) {
+        RememberFailedLocked(it->first, why);  // a rank that never came may still come
+      }
       joined_.erase(j);
       meetings_.erase(it);
     }
@@ -399,6 +416,18 @@ class Rendezvous {
       return std::tie(site, seq) < std::tie(o.site, o.seq);
     }
   };
+
+  // The failures of the last kFailedKept meetings that ended without every rank.
+  void RememberFailedLocked(const MeetingKey& key, const std::string& why) {
+    if (failed_.emplace(key, why).second) failed_order_.push_back(key);
+    if (failed_order_.size() > kFailedKept) {
+      failed_.erase(failed_order_.front());
+      failed_order_.pop_front();
+    }
+  }
+  static constexpr size_t kFailedKept = 1024;
+  std::map<MeetingKey, std::string> failed_;
+  std::deque<MeetingKey> failed_order_;
   struct Entry {
     std::shared_ptr<Meeting> meeting;
     int size;
