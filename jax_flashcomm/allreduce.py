@@ -70,7 +70,8 @@ def psum(x, axis_name, *, axis_index_groups=None, config: CommConfig | None = No
       spikes: per group, keep the k largest-magnitude values in bf16 with their positions
         (0..16). "auto": 1 in a phase of at most 6 bits, else 0 (docs/outliers.md).
       transport: "auto", "xla" (XLA's all_to_all and all_gather) or "p2p" (one fused FFI call
-        per rank reading its peers' buffers; the devices of one process). docs/transport.md.
+        per rank reading its peers' buffers; the devices of one process, or processes of one
+        host over shared memory). docs/transport.md.
       p2p_timeout_ms: the p2p transport's limit on every wait for a peer.
 
     Returns:

@@ -126,7 +126,8 @@ class CommConfig:
       spikes: values per group kept in bf16 beside the codes (0..16); ``"auto"``: 1 in each
         phase of at most 6 bits, else 0.
       transport: how the bytes move: ``"xla"`` (XLA's collectives), ``"p2p"`` (FFI calls
-        reading the peers' buffers, one process) or ``"auto"`` (the plan's choice per op).
+        reading the peers' buffers: one process, or processes of one host over shared memory)
+        or ``"auto"`` (the plan's choice per op).
       p2p_timeout_ms: the p2p transport's limit on every wait for a peer.
     """
 

@@ -4,8 +4,10 @@
 codec calls; runs everywhere, across processes and hosts (gloo on CPU, NCCL on GPU, ICI on
 TPU). ``p2p``: one fused FFI call per rank that reads its peers' buffers directly
 (:mod:`jax_flashcomm.transport.p2p`), and ring steps as start / done FFI calls
-(:mod:`jax_flashcomm.transport.ring`); its peers are the devices of one process. Both run the
-same codec kernels on the same bytes in the same order, so they give the same bits.
+(:mod:`jax_flashcomm.transport.ring`); its peers are the devices of one process, or processes
+of one host with one device each, over shared memory (:mod:`jax_flashcomm.transport.shm`).
+Both run the same codec kernels on the same bytes in the same order, so they give the same
+bits.
 :mod:`jax_flashcomm.transport.wire` is what travels. Which transport a call takes is the plan's
 decision (:func:`jax_flashcomm.planner.plan`).
 """
