@@ -89,10 +89,16 @@ def _exchange() -> str | None:
         try:
             entry["pid"], entry["fd"] = kernels.cpu_module().shm_create_block(me)
         except RuntimeError as e:
-            entry["reason"] = str(e)
+            entry["reason"] = reason = str(e)
     client.key_value_set(_KEY.format(me), json.dumps(entry))
-    peers = [json.loads(client.blocking_key_value_get(_KEY.format(j), _SETUP_TIMEOUT_MS))
-             for j in range(jax.process_count())]
+    if reason is not None:  # the others read it and decide alike; no need to wait for them
+        return f"process {me}: {reason}"
+    peers = []
+    for j in range(jax.process_count()):
+        text = _get(client, _KEY.format(j))
+        if text is None:
+            return f"process {j} did not say whether it can take part within {_SETUP_TIMEOUT_MS} ms"
+        peers.append(json.loads(text))
     for j, peer in enumerate(peers):
         if peer["reason"] is not None:
             return f"process {j}: {peer['reason']}"
@@ -100,18 +106,27 @@ def _exchange() -> str | None:
             return f"process {j} is on another host ({peer['host']})"
         if peer["uid"] != entry["uid"]:
             return f"process {j} runs as another user"
+    failure = ""
     try:
         kernels.cpu_module().shm_attach([(j, p["pid"], p["fd"]) for j, p in enumerate(peers)])
     except RuntimeError as e:
-        # every process fails alike only if they all see it: publish and agree
-        client.key_value_set(_KEY.format(me) + "/attach", str(e))
-        return str(e)
-    client.key_value_set(_KEY.format(me) + "/attach", "")
+        failure = str(e)
+    client.key_value_set(_KEY.format(me) + "/attach", failure)  # every process agrees on it
     for j in range(jax.process_count()):
-        failure = client.blocking_key_value_get(_KEY.format(j) + "/attach", _SETUP_TIMEOUT_MS)
-        if failure:
-            return f"process {j}: {failure}"
+        theirs = _get(client, _KEY.format(j) + "/attach")
+        if theirs is None:
+            return f"process {j} did not attach within {_SETUP_TIMEOUT_MS} ms"
+        if theirs:
+            return f"process {j}: {theirs}"
     return None
+
+
+def _get(client, key: str) -> str | None:
+    """The value of ``key`` once a peer has set it; None if it does not within the timeout."""
+    try:
+        return client.blocking_key_value_get(key, _SETUP_TIMEOUT_MS)
+    except Exception:  # noqa: BLE001  (jax raises its own error type on a timeout)
+        return None
 
 
 def unsupported_reason() -> str | None:
