@@ -2,14 +2,14 @@
 // "Across processes"): the start / done pair of p2p_ring_kernels.cc over shared memory.
 //
 // start: copies this rank's send chunk into its shared segment and arrives at the step's first
-// barrier; when every rank has, a worker copies the chunk of rank - shift out of that rank's
-// segment into `recv` (paced at the emulated link's rate, if any), while XLA runs the step's dot.
+// barrier; when every rank has, the copy engine of p2p_ring.h copies the chunk of rank - shift
+// out of that rank's segment into `recv` (paced at the step's link rate, if any; or holding the
+// emulated bus, shm::Pace), while XLA runs the step's dot.
 // done: completes once the chunk has arrived and every rank has read what it needed (the
 // step's second barrier), so the sender's segment may be reused.
 #include "flashcomm/cpu_shm.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <deque>
@@ -22,6 +22,7 @@
 
 #include "flashcomm/cpu_ops.h"
 #include "flashcomm/cpu_p2p_protocol.h"
+#include "flashcomm/p2p_ring.h"
 #include "flashcomm/shm_rendezvous.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -31,27 +32,10 @@ namespace flashcomm {
 namespace cpu {
 namespace {
 
-std::string Prefix(const char* op) { return std::string(op) + ": "; }
+using p2p::CopyEngine;
+using p2p::Move;
 
-// Copies `bytes` from `from` to `to`, no faster than `bytes_per_s` (0: at once), in slices of
-// about 1 ms, none started before the time the bytes before it would take on such a link.
-void PacedCopy(void* to, const void* from, size_t bytes, double bytes_per_s) {
-  if (bytes_per_s <= 0) {
-    std::memcpy(to, from, bytes);
-    return;
-  }
-  const auto begin = std::chrono::steady_clock::now();
-  const size_t slice = std::max<size_t>(4096, size_t(bytes_per_s / 1000));
-  for (size_t done = 0; done < bytes; done += slice) {
-    const auto due = begin + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                 std::chrono::duration<double>(double(done) / bytes_per_s));
-    std::this_thread::sleep_until(due);
-    std::memcpy(static_cast<uint8_t*>(to) + done, static_cast<const uint8_t*>(from) + done,
-                std::min(slice, bytes - done));
-  }
-  std::this_thread::sleep_until(begin + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                            std::chrono::duration<double>(double(bytes) / bytes_per_s)));
-}
+std::string Prefix(const char* op) { return std::string(op) + ": "; }
 
 // One rank's ring step: started by start, finished by done.
 class Step : public std::enable_shared_from_this<Step> {
@@ -177,29 +161,36 @@ ffi::Error ShmRingStart(ffi::AnyBuffer send, ffi::Buffer<ffi::S32> rank_buf,
   const size_t bytes = send.size_bytes();
   const double rate = double(link_bytes_per_s);
   shm::Arrive(meeting, 0, Spans{Span{send_out->untyped_data(), bytes}, Span{}, Span{}, Span{}},
-              false, [step, sender, to, bytes, rate](const std::vector<Published>& peers,
-                                                      const std::string& error) {
+              false, [step, sender, rank, to, bytes, rate, site](
+                         const std::vector<Published>& peers, const std::string& error) {
                 if (!error.empty()) return step->Moved(Prefix(kOp) + error);
                 if (peers[sender][3] == &p2p::kRankFailed || (bytes && !peers[sender][0])) {
                   return step->Moved(Prefix(kOp) + "rank " + std::to_string(sender) + " failed");
                 }
                 const void* from = peers[sender][0];
-                const bool bus = rate <= 0 && shm::LinkRate() > 0;
-                if (rate <= 0 && !bus) {
-                  PacedCopy(to, from, bytes, 0);
-                  return step->Moved("");
-                }
-                // A paced copy sleeps: on a thread of its own, not the transport's workers.
-                // The step's own rate paces this link alone; else the emulated bus is shared.
-                std::thread([step, to, from, bytes, rate, bus] {
-                  if (bus) {
+                if (rate <= 0 && shm::LinkRate() > 0) {
+                  // The emulated bus is shared: hold it (a sleep) on a thread of its own.
+                  std::thread([step, to, from, bytes] {
                     std::memcpy(to, from, bytes);
                     shm::Pace(int64_t(bytes));
-                  } else {
-                    PacedCopy(to, from, bytes, rate);
-                  }
-                  step->Moved("");
-                }).detach();
+                    step->Moved("");
+                  }).detach();
+                  return;
+                }
+                // The step's own link (or none): the in-process ring steps' copy engine, off
+                // the transport's workers, paced in slices at `rate`.
+                Move m{};
+                m.sender = sender;
+                m.receiver = rank;
+                m.from.send = from;
+                m.from.bytes = bytes;
+                m.to.recv = to;
+                m.to.bytes = bytes;
+                m.failed = [] { return false; };
+                m.finished = [step](bool ok) {
+                  step->Moved(ok ? "" : Prefix(kOp) + "the chunk's move stopped");
+                };
+                CopyEngine::Global().Submit(std::move(m), rate, site);
               });
   return ffi::Error::Success();
 }
