@@ -55,7 +55,8 @@ def _operand(dtype, group_size, kinds, seed):
     """An operand of ``2 * CHUNKS * len(kinds)`` groups less 5 values (the codec pads it),
     with one NaN group and one +Inf group."""
     rng = np.random.default_rng(seed)
-    x = np.array(structured(rng, 2 * CHUNKS * len(kinds), group_size, dtype), np.float32)
+    x = np.array(structured(rng, 2 * CHUNKS * len(kinds), group_size, dtype, kinds=kinds),
+                 np.float32)
     x[group_size + 3] = np.nan
     x[2 * group_size + 1] = np.inf
     return jnp.asarray(x[:-5]).astype(dtype)

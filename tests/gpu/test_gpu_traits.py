@@ -173,22 +173,77 @@ def _computations(hlo: str) -> dict[str, str]:
     return out
 
 
-def test_codec_in_command_buffers_is_never_stale(gpu):
+def _flashcomm_calls(hlo: str) -> dict[str, str]:
+    """HLO text -> {custom-call instruction name: flashcomm target}."""
+    return dict(re.findall(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=[^\n]*custom_call_target='
+                           r'"(flashcomm_\w+)"', hlo, flags=re.M))
+
+
+def _in_command_buffers(thunks: str) -> set[str]:
+    """The words of every thunk nested in a ``kCommandBuffer`` thunk of a thunk sequence dump
+    (``*.thunk_sequence_after_thunk_passes.txt``: one thunk per line, nested thunks indented
+    two spaces deeper than their parent)."""
+    words, depth = set(), None
+    for line in thunks.splitlines():
+        if not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip(" "))
+        if depth is not None and indent > depth:
+            words |= set(re.findall(r"[\w.\-]+", line))
+            continue
+        depth = indent if "kCommandBuffer" in line else None
+    return words
+
+
+def captured_targets(hlo: str, thunks: str) -> set[str]:
+    """The flashcomm targets XLA put in a command buffer. XLA before the thunk-level pass
+    (jax 0.10) outlines them into ``command_buffer`` computations of the optimized HLO; later
+    XLA (jax 0.11) wraps their thunks in ``kCommandBuffer`` thunks after compilation, which
+    only the thunk sequence dump (``--xla_dump_to``) shows."""
+    comps = _computations(hlo)
+    found = {t for name, body in comps.items() if "command_buffer" in name
+             for t in re.findall(r'custom_call_target="(flashcomm_\w+)"', body)}
+    nested = _in_command_buffers(thunks)
+    return found | {t for name, t in _flashcomm_calls(hlo).items() if name in nested}
+
+
+def test_capture_detection_reads_both_xla_generations():
+    """The detector itself, on the two forms (no GPU needed): an HLO ``command_buffer``
+    computation, and a thunk dump where only the call nested under kCommandBuffer counts."""
+    hlo = textwrap.dedent("""\
+        command_buffer.1 {
+          %cc = (u8[4]) custom-call(%p), custom_call_target="flashcomm_quantize"
+        }
+        ENTRY %main.2 {
+          %custom-call.3 = f32[8] custom-call(%a), custom_call_target="flashcomm_dequantize"
+          ROOT %custom-call.4 = f32[8] custom-call(%b), custom_call_target="flashcomm_dequantize_sum"
+        }
+        """)
+    assert captured_targets(hlo, "") == {"flashcomm_quantize"}
+    thunks = ("000: kKernel\tfusion.1\n001: kCommandBuffer\t\n"
+              "  000: kCustomCall\tcustom-call.3\n  001: kKernel\tfusion.2\n"
+              "002: kCustomCall\tcustom-call.4\n")
+    assert captured_targets(hlo, thunks) == {"flashcomm_quantize", "flashcomm_dequantize"}
+
+
+def test_codec_in_command_buffers_is_never_stale(gpu, tmp_path):
     """With custom calls allowed in command buffers (XLA_FLAGS), the codec's custom calls are
     captured into a command buffer, and twelve calls of the same executable with new values and
     a new (traced) dequantize_into offset each give the CPU kernels' bits: nothing of a call is
     baked into the captured graph."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
-                        "FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1").strip()
+                        "FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+                        f" --xla_dump_to={tmp_path}").strip()
     proc = subprocess.run([sys.executable, "-c", _GRAPH_SCRIPT], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["mismatches"] == [], f"(call, output) pairs that differ: {result['mismatches']}"
-    comps = _computations(result["hlo"])
-    captured = {t for name, body in comps.items() if "command_buffer" in name
-                for t in re.findall(r'custom_call_target="(flashcomm_\w+)"', body)}
+    dumps = sorted(tmp_path.glob("*jit_f*thunk_sequence_after_thunk_passes.txt"))
+    thunks = "\n".join(d.read_text() for d in dumps)
+    captured = captured_targets(result["hlo"], thunks)
     assert captured, ("no flashcomm custom call inside a command buffer; computations: "
-                      f"{sorted(comps)[:40]}")
+                      f"{sorted(_computations(result['hlo']))[:40]}; thunks after the thunk "
+                      f"passes ({[d.name for d in dumps]}):\n{thunks[:3000]}")
     assert captured <= CAPTURABLE
