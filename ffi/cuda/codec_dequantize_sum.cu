@@ -60,20 +60,20 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 template <bool kSpikedIn, bool kSpikedOut>
 __global__ void __launch_bounds__(kThreads, kMinBlocksFused)
     DequantizeSumQuantizeKernel(PayloadView in, int64_t n_out, int out_bits, int out_spikes,
-                                uint8_t* __restrict__ codes, uint16_t* __restrict__ scale,
-                                uint16_t* __restrict__ zero) {
-  const int lane = int(threadIdx.x) % kWarp;
-  const int64_t warps = int64_t(gridDim.x) * kWarpsPerBlock;
+                                int width, uint8_t* __restrict__ codes,
+                                uint16_t* __restrict__ scale, uint16_t* __restrict__ zero) {
   const SumSource<kSpikedIn> source{in};
-  for (int64_t g = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp; g < n_out;
-       g += warps) {
-    if constexpr (kSpikedOut) {
+  if constexpr (kSpikedOut) {
+    const int lane = int(threadIdx.x) % kWarp;
+    const int64_t warps = int64_t(gridDim.x) * kWarpsPerBlock;
+    for (int64_t g = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp; g < n_out;
+         g += warps) {
       quantize_group_spiked_warp(source, g, in.group_size / kBlock, out_bits, out_spikes, lane,
                                  codes, scale, zero);
-    } else {
-      quantize_group_warp(source, g, in.group_size / kBlock, out_bits, lane, codes, scale,
-                          zero);
     }
+  } else {  // several output groups per warp when they have fewer than 32 blocks
+    quantize_groups_subwarp(source, n_out, in.group_size / kBlock, out_bits, width, codes,
+                            scale, zero);
   }
 }
 
@@ -107,9 +107,10 @@ cudaError_t LaunchDequantizeSumQuantize(cudaStream_t stream, const PayloadView& 
                                         int64_t n_out, int out_bits, int out_spikes,
                                         uint8_t* codes, uint16_t* scale, uint16_t* zero) {
   if (n_out == 0) return cudaSuccess;
+  const int width = kSpikedOut ? kWarp : SubWarpWidth(in.group_size / kBlock);
   DequantizeSumQuantizeKernel<kSpikedIn, kSpikedOut>
-      <<<GridFor(n_out, kWarpsPerBlock), kThreads, 0, stream>>>(in, n_out, out_bits, out_spikes,
-                                                                 codes, scale, zero);
+      <<<GridFor(n_out, kWarpsPerBlock * (kWarp / width)), kThreads, 0, stream>>>(
+          in, n_out, out_bits, out_spikes, width, codes, scale, zero);
   return cudaGetLastError();
 }
 

@@ -15,23 +15,26 @@ namespace flashcomm {
 namespace cuda {
 namespace {
 
+// Without spikes a group of fewer than 32 blocks takes SubWarpWidth lanes (`width`), so a warp
+// quantizes several groups at once; with spikes one warp takes each group.
 template <typename T, bool kSpiked>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     QuantizeKernel(const typename T::Storage* __restrict__ x, int64_t n_groups,
-                   int64_t group_size, int bits, int spikes, bool vec,
+                   int64_t group_size, int bits, int spikes, int width, bool vec,
                    uint8_t* __restrict__ codes, uint16_t* __restrict__ scale,
                    uint16_t* __restrict__ zero) {
-  const int lane = int(threadIdx.x) % kWarp;
-  const int64_t warps = int64_t(gridDim.x) * kWarpsPerBlock;
   const LoadSource<T> source{x, group_size, vec};
-  for (int64_t g = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp; g < n_groups;
-       g += warps) {
-    if constexpr (kSpiked) {
+  if constexpr (kSpiked) {
+    const int lane = int(threadIdx.x) % kWarp;
+    const int64_t warps = int64_t(gridDim.x) * kWarpsPerBlock;
+    for (int64_t g = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp; g < n_groups;
+         g += warps) {
       quantize_group_spiked_warp(source, g, group_size / kBlock, bits, spikes, lane, codes,
                                  scale, zero);
-    } else {
-      quantize_group_warp(source, g, group_size / kBlock, bits, lane, codes, scale, zero);
     }
+  } else {
+    quantize_groups_subwarp(source, n_groups, group_size / kBlock, bits, width, codes, scale,
+                            zero);
   }
 }
 
@@ -79,8 +82,10 @@ cudaError_t LaunchQuantize(cudaStream_t stream, const void* x, int64_t n_groups,
                            uint16_t* scale, uint16_t* zero) {
   if (n_groups == 0) return cudaSuccess;
   const auto* xs = static_cast<const typename T::Storage*>(x);
-  QuantizeKernel<T, kSpiked><<<GridFor(n_groups, kWarpsPerBlock), kThreads, 0, stream>>>(
-      xs, n_groups, group_size, bits, spikes, Aligned16(xs), codes, scale, zero);
+  const int width = kSpiked ? kWarp : SubWarpWidth(group_size / kBlock);
+  QuantizeKernel<T, kSpiked>
+      <<<GridFor(n_groups, kWarpsPerBlock * (kWarp / width)), kThreads, 0, stream>>>(
+          xs, n_groups, group_size, bits, spikes, width, Aligned16(xs), codes, scale, zero);
   return cudaGetLastError();
 }
 

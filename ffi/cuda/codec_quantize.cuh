@@ -23,21 +23,36 @@ __device__ __forceinline__ void block_range(const float* v, float& lo, float& hi
   }
 }
 
-// Warp-wide min / max / all-finite. Lanes without blocks hold (+inf, -inf, true). Every lane
-// gets the same result: for finite groups min and max do not depend on the reduction order
-// except for the sign of zero, which is canonicalized to +0 as in cpu::load_range; for
-// non-finite groups lo and hi are not used.
-__device__ __forceinline__ void warp_range(float& lo, float& hi, bool& finite) {
+// Min / max / all-finite over each aligned segment of `width` lanes (a power of two <= 32; the
+// whole warp by default), called by all 32 lanes. Lanes without blocks hold (+inf, -inf, true).
+// Every lane of a segment gets the same result: for finite groups min and max do not depend on
+// the reduction order except for the sign of zero, which is canonicalized to +0 as in
+// cpu::load_range; for non-finite groups lo and hi are not used.
+__device__ __forceinline__ void warp_range(float& lo, float& hi, bool& finite,
+                                           int width = kWarp) {
 #pragma unroll
   for (int offset = kWarp / 2; offset > 0; offset >>= 1) {
+    if (offset >= width) continue;  // warp-uniform
     const float l = __shfl_xor_sync(kFullMask, lo, offset);
     const float h = __shfl_xor_sync(kFullMask, hi, offset);
     lo = l < lo ? l : lo;
     hi = h > hi ? h : hi;
   }
-  finite = __all_sync(kFullMask, finite) != 0;
+  const unsigned all = __ballot_sync(kFullMask, finite);
+  const unsigned segment = width == kWarp ? kFullMask
+      : ((1u << width) - 1u) << ((int(threadIdx.x) % kWarp) & ~(width - 1));
+  finite = (all & segment) == segment;
   lo = lo == 0.0f ? 0.0f : lo;
   hi = hi == 0.0f ? 0.0f : hi;
+}
+
+// Lanes per group for groups of `nblocks` blocks: the whole warp from 32 blocks on, else the
+// smallest power of two >= nblocks, so that a warp quantizes kWarp / width groups at once
+// (G = 128: two groups of 16 lanes, where one group would leave half the warp idle).
+__host__ __device__ inline int SubWarpWidth(int64_t nblocks) {
+  int width = 1;
+  while (width < nblocks && width < kWarp) width *= 2;
+  return width;
 }
 
 __device__ __forceinline__ void encode_block(const float* v, const GroupParams& p, bool finite,
@@ -48,29 +63,34 @@ __device__ __forceinline__ void encode_block(const float* v, const GroupParams& 
   pack_block(q, bits, out);
 }
 
-// Quantize group `group` (nblocks blocks, produced by source(blk, v)) with the calling warp.
-// Called by all 32 lanes of the warp (the group index is warp-uniform).
+// Quantize group `group` (nblocks blocks, produced by source(group, blk, v)) with a segment of
+// `width` lanes (the whole warp by default; `lane` is the lane within the segment). Called by
+// all 32 lanes of the warp, each segment with its own group; a segment with `active` false
+// (past the last group) takes part in the shuffles only.
 template <typename Source>
 __device__ __forceinline__ void quantize_group_warp(const Source& source, int64_t group,
                                                     int64_t nblocks, int bits, int lane,
                                                     uint8_t* __restrict__ codes,
                                                     uint16_t* __restrict__ scale,
-                                                    uint16_t* __restrict__ zero) {
+                                                    uint16_t* __restrict__ zero,
+                                                    int width = kWarp, bool active = true) {
   float lo = bits_to_float(0x7F800000u);   // +inf
   float hi = bits_to_float(0xFF800000u);   // -inf
   bool finite = true;
-  const bool has_first = lane < nblocks;
+  const int64_t blocks = active ? nblocks : 0;
+  const bool has_first = lane < blocks;
   float first[kBlock];
   if (has_first) {
     source(group, lane, first);
     block_range(first, lo, hi, finite);
   }
-  for (int64_t blk = lane + kWarp; blk < nblocks; blk += kWarp) {
+  for (int64_t blk = lane + width; blk < blocks; blk += width) {
     float v[kBlock];
     source(group, blk, v);
     block_range(v, lo, hi, finite);
   }
-  warp_range(lo, hi, finite);
+  warp_range(lo, hi, finite, width);
+  if (!active) return;
   const GroupParams p = group_params(lo, hi, finite, bits);
   if (lane == 0) {
     scale[group] = p.scale_bits;
@@ -79,10 +99,30 @@ __device__ __forceinline__ void quantize_group_warp(const Source& source, int64_
   const float levels = float(max_code(bits));
   uint8_t* out = codes + group * group_bytes(nblocks * kBlock, bits);
   if (has_first) encode_block(first, p, finite, levels, bits, out + int64_t(lane) * bits);
-  for (int64_t blk = lane + kWarp; blk < nblocks; blk += kWarp) {
+  for (int64_t blk = lane + width; blk < blocks; blk += width) {
     float v[kBlock];
     source(group, blk, v);
     encode_block(v, p, finite, levels, bits, out + blk * bits);
+  }
+}
+
+// Quantize groups first .. n_groups - 1 of `source`, kWarp / width of them per warp at a time
+// (width = SubWarpWidth(nblocks)), grid-stride over the calling kernel's warps.
+template <typename Source>
+__device__ __forceinline__ void quantize_groups_subwarp(const Source& source, int64_t n_groups,
+                                                        int64_t nblocks, int bits, int width,
+                                                        uint8_t* __restrict__ codes,
+                                                        uint16_t* __restrict__ scale,
+                                                        uint16_t* __restrict__ zero) {
+  const int lane = int(threadIdx.x) % kWarp;
+  const int per_warp = kWarp / width;
+  const int64_t warps = int64_t(gridDim.x) * kWarpsPerBlock;
+  for (int64_t w = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
+       w * per_warp < n_groups; w += warps) {
+    const int64_t g = w * per_warp + lane / width;
+    const bool active = g < n_groups;
+    quantize_group_warp(source, active ? g : 0, nblocks, bits, lane % width, codes, scale,
+                        zero, width, active);
   }
 }
 

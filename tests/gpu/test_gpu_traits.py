@@ -179,51 +179,69 @@ def _flashcomm_calls(hlo: str) -> dict[str, str]:
                            r'"(flashcomm_\w+)"', hlo, flags=re.M))
 
 
-def _in_command_buffers(thunks: str) -> set[str]:
-    """The words of every thunk nested in a ``kCommandBuffer`` thunk of a thunk sequence dump
+def _in_command_buffers(thunks: str) -> list[str]:
+    """The lines of every thunk nested in a ``kCommandBuffer`` thunk of a thunk sequence dump
     (``*.thunk_sequence_after_thunk_passes.txt``: one thunk per line, nested thunks indented
-    two spaces deeper than their parent)."""
-    words, depth = set(), None
+    deeper than their parent)."""
+    nested, depth = [], None
     for line in thunks.splitlines():
         if not line.strip():
             continue
         indent = len(line) - len(line.lstrip(" "))
         if depth is not None and indent > depth:
-            words |= set(re.findall(r"[\w.\-]+", line))
+            nested.append(line)
             continue
         depth = indent if "kCommandBuffer" in line else None
-    return words
+    return nested
 
 
 def captured_targets(hlo: str, thunks: str) -> set[str]:
     """The flashcomm targets XLA put in a command buffer. XLA before the thunk-level pass
-    (jax 0.10) outlines them into ``command_buffer`` computations of the optimized HLO; later
-    XLA (jax 0.11) wraps their thunks in ``kCommandBuffer`` thunks after compilation, which
-    only the thunk sequence dump (``--xla_dump_to``) shows."""
+    (jax 0.10) outlines them into ``command_buffer`` computations of the optimized HLO. Later
+    XLA (jax 0.11) wraps thunks in ``kCommandBuffer`` thunks after compilation, which only the
+    thunk sequence dump (``--xla_dump_to``) shows, and there a custom call's thunk is named
+    ``kCustomCall`` alone: when every custom call of the program is a flashcomm one, as many
+    nested ``kCustomCall`` thunks as the program has custom calls means all were captured."""
     comps = _computations(hlo)
     found = {t for name, body in comps.items() if "command_buffer" in name
              for t in re.findall(r'custom_call_target="(flashcomm_\w+)"', body)}
     nested = _in_command_buffers(thunks)
-    return found | {t for name, t in _flashcomm_calls(hlo).items() if name in nested}
+    calls = _flashcomm_calls(hlo)
+    words = {w for line in nested for w in re.findall(r"[\w.\-]+", line)}
+    found |= {t for name, t in calls.items() if name in words}
+    every_call = re.findall(r'custom_call_target="([^"]+)"', hlo)
+    in_buffers = sum(bool(re.match(r"\s*\d*:?\s*kCustomCall\b", line)) for line in nested)
+    if calls and len(every_call) == len(calls) and in_buffers == len(calls):
+        found |= set(calls.values())
+    return found
 
 
 def test_capture_detection_reads_both_xla_generations():
     """The detector itself, on the two forms (no GPU needed): an HLO ``command_buffer``
-    computation, and a thunk dump where only the call nested under kCommandBuffer counts."""
+    computation; and a thunk dump (the form XLA of jax 0.11.2 wrote on an H200), where the
+    flashcomm calls count as captured only when every one of them is nested under
+    kCommandBuffer."""
     hlo = textwrap.dedent("""\
         command_buffer.1 {
           %cc = (u8[4]) custom-call(%p), custom_call_target="flashcomm_quantize"
         }
         ENTRY %main.2 {
           %custom-call.3 = f32[8] custom-call(%a), custom_call_target="flashcomm_dequantize"
-          ROOT %custom-call.4 = f32[8] custom-call(%b), custom_call_target="flashcomm_dequantize_sum"
+          ROOT %custom-call.4 = f32[8] custom-call(%b), custom_call_target="flashcomm_dequantize"
         }
         """)
     assert captured_targets(hlo, "") == {"flashcomm_quantize"}
-    thunks = ("000: kKernel\tfusion.1\n001: kCommandBuffer\t\n"
-              "  000: kCustomCall\tcustom-call.3\n  001: kKernel\tfusion.2\n"
-              "002: kCustomCall\tcustom-call.4\n")
-    assert captured_targets(hlo, thunks) == {"flashcomm_quantize", "flashcomm_dequantize"}
+    flat = hlo.replace("command_buffer.1", "computation.1")
+    inside = ("000: kCommandBuffer [source | sink] \n"
+              "    001: kCustomKernel [source       | next=002 (1)] loop_pad_fusion\n"
+              "    002: kCustomCall   [prev=001 (1) | next=003 (1)] kCustomCall\n"
+              "    003: kCustomCall   [prev=002 (1) | sink        ] kCustomCall\n"
+              "    004: kCustomCall   [source       | sink        ] kCustomCall\n")
+    assert captured_targets(flat, inside) == {"flashcomm_quantize", "flashcomm_dequantize"}
+    one_outside = inside.replace("    004:", "004:")
+    assert captured_targets(flat, one_outside) == set()
+    other = flat.replace('"flashcomm_quantize"', '"cu_threefry2x32"')
+    assert captured_targets(other, inside) == set()
 
 
 def test_codec_in_command_buffers_is_never_stale(gpu, tmp_path):
