@@ -91,6 +91,55 @@ __device__ __forceinline__ void store_block(const float* v, bool vec,
   for (int j = 0; j < kBlock; ++j) p[j] = T::store(v[j]);
 }
 
+// ---- codes: 8 codes of `bits` bits in `bits` bytes, little-endian (codec.h pack_block) ----
+// The same bytes as codec.h's pack_block / unpack_block, moved with one access where the block
+// is aligned to it (8, 4 and 2 bits: a block is 8, 4 or 2 bytes at a multiple of its size from
+// an aligned payload; spike records shift it, hence the check) and shifted in 32-bit words.
+
+__device__ __forceinline__ void store_codes(const uint32_t* q, int bits, uint8_t* out) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(out);
+  if (bits == 8 && at % 8 == 0) {
+    const uint32_t lo = q[0] | (q[1] << 8) | (q[2] << 16) | (q[3] << 24);
+    const uint32_t hi = q[4] | (q[5] << 8) | (q[6] << 16) | (q[7] << 24);
+    *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
+  } else if (bits == 4 && at % 4 == 0) {
+    uint32_t w = 0;
+#pragma unroll
+    for (int j = 0; j < kBlock; ++j) w |= q[j] << (4 * j);
+    *reinterpret_cast<uint32_t*>(out) = w;
+  } else if (bits == 2 && at % 2 == 0) {
+    uint32_t w = 0;
+#pragma unroll
+    for (int j = 0; j < kBlock; ++j) w |= q[j] << (2 * j);
+    *reinterpret_cast<uint16_t*>(out) = uint16_t(w);
+  } else {
+    pack_block(q, bits, out);
+  }
+}
+
+__device__ __forceinline__ void load_codes(const uint8_t* __restrict__ in, int bits,
+                                           uint32_t* q) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(in);
+  if (bits == 8 && at % 8 == 0) {
+    const uint2 w = *reinterpret_cast<const uint2*>(in);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      q[j] = (w.x >> (8 * j)) & 0xFFu;
+      q[j + 4] = (w.y >> (8 * j)) & 0xFFu;
+    }
+  } else if (bits == 4 && at % 4 == 0) {
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(in);
+#pragma unroll
+    for (int j = 0; j < kBlock; ++j) q[j] = (w >> (4 * j)) & 0xFu;
+  } else if (bits == 2 && at % 2 == 0) {
+    const uint32_t w = *reinterpret_cast<const uint16_t*>(in);
+#pragma unroll
+    for (int j = 0; j < kBlock; ++j) q[j] = (w >> (2 * j)) & 0x3u;
+  } else {
+    unpack_block(in, bits, q);
+  }
+}
+
 // Decode block `blk` of group `group` of a payload into v.
 __device__ __forceinline__ void decode_block(const uint8_t* __restrict__ codes,
                                              const uint16_t* __restrict__ scale,
@@ -98,7 +147,7 @@ __device__ __forceinline__ void decode_block(const uint8_t* __restrict__ codes,
                                              int64_t gbytes, int64_t blk, int bits, float* v) {
   const GroupParams p = stored_params(scale[group], zero[group]);
   uint32_t q[kBlock];
-  unpack_block(codes + group * gbytes + blk * bits, bits, q);
+  load_codes(codes + group * gbytes + blk * bits, bits, q);
 #pragma unroll
   for (int j = 0; j < kBlock; ++j) v[j] = decode(q[j], p);
 }

@@ -60,7 +60,7 @@ __device__ __forceinline__ void encode_block(const float* v, const GroupParams& 
   uint32_t q[kBlock];
 #pragma unroll
   for (int j = 0; j < kBlock; ++j) q[j] = finite ? encode(v[j], p, levels) : 0u;
-  pack_block(q, bits, out);
+  store_codes(q, bits, out);
 }
 
 // Quantize group `group` (nblocks blocks, produced by source(group, blk, v)) with a segment of
