@@ -1,0 +1,83 @@
+"""GPU time of the quantize kernels by group size, and of the fused dequantize-sum-quantize, for
+one build of the package: the before/after comparison of docs/cuda.md ("Kernel speed").
+
+    .venv/bin/python -m benchmarks.gpu_codec_speed --label new
+    .venv/bin/python -m benchmarks.gpu_codec_speed --root /tmp/old --label old   # another checkout's build
+
+``--root`` imports ``jax_flashcomm`` from that tree (its modules built and copied into its
+``jax_flashcomm/``, as ``gpu_check.sh``'s CMake fallback does), bypassing an editable install
+of this one. Each figure: bf16 operand, the median of 7 rounds of one jitted program running
+the op 20 times (``benchmarks.gpu_bench._time_in_program``), beside a copy of the operand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+MIB = 1 << 20
+QUANTIZE_CASES = (("int8", 8, 128), ("int4", 4, 128), ("int8 G=64", 8, 64), ("int8 G=32", 8, 32))
+
+
+def _import_from(root: str | None):
+    if root:
+        # A scikit-build-core editable install puts a redirecting finder ahead of sys.path.
+        sys.meta_path[:] = [f for f in sys.meta_path if "Redirecting" not in type(f).__name__]
+        sys.path.insert(0, str(pathlib.Path(root).resolve()))
+    import jax_flashcomm
+
+    if root and not jax_flashcomm.__file__.startswith(str(pathlib.Path(root).resolve())):
+        raise SystemExit(f"jax_flashcomm came from {jax_flashcomm.__file__}, not {root}")
+    return jax_flashcomm
+
+
+def measure(label: str, sizes_mib, platform: str) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.gpu_bench import _time_in_program
+    from jax_flashcomm import codec
+
+    device = jax.devices(platform)[0]
+    rows = []
+
+    def add(op, config, mib, seconds):
+        rows.append({"label": label, "op": op, "config": config, "mib": mib,
+                     "seconds": seconds, "gbps": mib * MIB / seconds / 1e9})
+        print(f"{label:6s} {op:24s} {config:10s} {mib:4d} MiB {seconds * 1e6:9.1f} us "
+              f"{mib * MIB / seconds / 1e9:8.1f} GB/s", flush=True)
+
+    for mib in sizes_mib:
+        n = mib * MIB // 2
+        x = jax.device_put(jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16), device)
+        add("copy", "-", mib, _time_in_program(jnp.copy, (x,)))
+        for name, bits, g in QUANTIZE_CASES:
+            add("quantize", name, mib, _time_in_program(
+                lambda a, b=bits, g=g: codec.quantize(a, bits=b, group_size=g, backend="ffi"),
+                (x,)))
+        chunks = jax.jit(lambda a: codec.quantize(a, bits=8, group_size=128, num_chunks=8,
+                                                  backend="ffi"))(x).split_groups(8)
+        add("dequantize_sum_quantize", "int8", mib, _time_in_program(
+            lambda q: codec.dequantize_sum_quantize(q, backend="ffi"), (chunks,)))
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", help="import jax_flashcomm from this checkout")
+    parser.add_argument("--label", default="this build")
+    parser.add_argument("--sizes", default="16,256", help="operand sizes in MiB")
+    parser.add_argument("--platform", default="gpu", help="jax platform (cpu: a dry run)")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    _import_from(args.root)
+    rows = measure(args.label, [int(s) for s in args.sizes.split(",")], args.platform)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
