@@ -2,7 +2,8 @@
 one build of the package: the before/after comparison of docs/cuda.md ("Kernel speed").
 
     .venv/bin/python -m benchmarks.gpu_codec_speed --label new
-    .venv/bin/python -m benchmarks.gpu_codec_speed --root /tmp/old --label old   # another checkout's build
+    # another checkout's build:
+    .venv/bin/python -m benchmarks.gpu_codec_speed --root /tmp/old --label old
 
 ``--root`` imports ``jax_flashcomm`` from that tree (its modules built and copied into its
 ``jax_flashcomm/``, as ``gpu_check.sh``'s CMake fallback does), bypassing an editable install
