@@ -35,6 +35,7 @@ Re-run (~2 min on 2 cores)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -59,6 +60,7 @@ def _setup(loops):
     from jax.sharding import PartitionSpec as P
 
     import jax_flashcomm as fc
+    from jax_flashcomm.config import auto_rotation, auto_spikes
     from jax_flashcomm.transport import ring, wire
 
     mesh = jax.make_mesh((DEVICES,), ("i",), axis_types=(jax.sharding.AxisType.Explicit,))
@@ -93,6 +95,10 @@ def _setup(loops):
         ag = op.startswith("ag")
         bidi = op.endswith("bidi")
         bits = 8 if op == "ag_int8" else None
+        # The int8 ring's codec options, given to the ring and to the baselines alike: the
+        # defaults "auto" resolves to at 8 bits (Hadamard rotation, no spikes).
+        quant = dict(bits=8, group_size=128, rotation=auto_rotation((8,), 128),
+                     spikes=auto_spikes(8, 128))
         if ag:
             xs, ws, in_specs = (n * M, K), (K, n * NCOL), (P("i"), P(None, "i"))
             out_local = (n * M, NCOL)
@@ -105,24 +111,29 @@ def _setup(loops):
                                          out_specs=P("i")))
 
         def ring_op(transport):
+            # int8: min_bytes=0, the quantized ring at any size; else bits=None, the exact ring
+            # (neither left to the automatic choice)
             if ag:
                 return lambda x, w: fc.all_gather_matmul(x, w, "i", bidirectional=bidi,
-                                                         bits=bits, transport=transport)
+                                                         transport=transport,
+                                                         **({**quant, "min_bytes": 0} if bits
+                                                            else {"bits": None}))
             return lambda x, w: fc.matmul_reduce_scatter(x, w, "i", bidirectional=bidi,
-                                                         transport=transport)
+                                                         bits=None, transport=transport)
 
         def payload(x):  # what one step moves: the chunk (or its codec payload), or a block
             if bits:
-                return wire.pack_tree(fc.codec.quantize(x, bits=bits, group_size=128,
-                                                        backend="jnp"))
+                return wire.pack_tree(fc.codec.quantize(x, **quant))
             return x if ag else jnp.zeros((M, NCOL), x.dtype) + x[0, 0]
 
 
+        # The codec as the ring runs it (backend="auto"): the FFI quantize, the jnp decode.
         def dots(x, w):  # every dot of the ring (and codec call), no communication
             if ag and bits:  # quantize once, dequantize every chunk, as the ring does
-                q = fc.codec.quantize(x, bits=bits, group_size=128, backend="jnp")
-                dq = fc.codec.dequantize(q, dtype=x.dtype, backend="jnp")
-                return jnp.concatenate([(dq + k) @ w for k in range(n)])
+                q = fc.codec.quantize(x, **quant)
+                return jnp.concatenate([  # codes + k: n payloads, n dequantizes
+                    fc.codec.dequantize(dataclasses.replace(q, codes=q.codes + jnp.uint8(k)),
+                                        dtype=x.dtype, backend="jnp") @ w for k in range(n)])
             if ag:
                 return jnp.concatenate([(x + k) @ w for k in range(n)])
             return sum(lax.dynamic_slice_in_dim(x, k * M, M) @ w for k in range(n))
@@ -143,7 +154,7 @@ def _setup(loops):
             if ag:
                 chunks = moved(payload(x))
                 if bits:
-                    like = fc.codec.quantize(x, bits=bits, group_size=128, backend="jnp")
+                    like = fc.codec.quantize(x, **quant)
                     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), like)
                     chunks = [fc.codec.dequantize(wire.unpack_tree(c, shapes), dtype=x.dtype,
                                                   backend="jnp") for c in chunks]

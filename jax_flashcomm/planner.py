@@ -36,8 +36,8 @@ the product) the same way. An int ``min_bytes`` is the fixed size policy.
 is a device of this process and the p2p kernels are built (docs/transport.md measured it
 faster at every size), else ``xla``; ring steps take ``xla`` (docs/transport.md, "Ring
 steps"). An explicit ``"p2p"`` that cannot run is an error naming why. ``backend="auto"``
-resolves to the FFI kernels for collectives (the codec's own choice) and to the jnp twin for a
-quantized ring, whose elementwise dequantize XLA fuses into the dot's input.
+is the codec's own choice (the FFI kernels where built), except that a quantized ring decodes
+with the jnp twin, whose elementwise dequantize XLA fuses into the dot's input.
 
 Inside :func:`record`, every plan made while tracing is collected (context-local: threads and
 tasks each see their own); every plan is also logged at DEBUG on the ``jax_flashcomm`` logger.
@@ -308,8 +308,6 @@ def plan(op: str, axes: tuple, shape, dtype, axis_size: int, config: CommConfig,
     if op in _RINGS and (not quantized or op == "all_gather_matmul"):
         transport = _ring_transport(config, axes, where)
         path = "quantized ring" if quantized else "ring"
-        if quantized and config.backend == "auto":
-            fields["backend"] = "jnp"
     elif chosen is not None and chosen.candidate == "exact/p2p":
         transport, path = "p2p", "exact"
     elif quantized:

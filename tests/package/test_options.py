@@ -92,6 +92,21 @@ def test_options_beside_a_config_update_it():
         _plans(lambda v: fc.psum(v, "i", config={"bits": 4}), x)
 
 
+def test_quantized_ring_quantizes_with_the_kernels_and_decodes_with_the_twin():
+    """backend="auto" in a quantized ring: the FFI quantize (the twin's costs several times
+    more), the jnp twin's decode (fused into the dot); backend="jnp": the twin for both."""
+    x, w = jnp.ones((64, 32), jnp.float32), jnp.ones((32, 32), jnp.float32)
+
+    def hlo(**options):
+        fn = jax.shard_map(lambda a, b: fc.all_gather_matmul(a, b, "i", min_bytes=0, **options),
+                           mesh=_mesh(), in_specs=(P("i"), P(None, "i")), out_specs=P(None, "i"))
+        return jax.jit(fn).lower(x, w).as_text()
+
+    auto, twin = hlo(), hlo(backend="jnp")
+    assert "flashcomm_quantize" in auto and "flashcomm_dequantize" not in auto
+    assert "flashcomm_quantize" not in twin and "flashcomm_dequantize" not in twin
+
+
 def test_psum_scatter_and_all_gather_take_their_phase_bits():
     x = jnp.ones((4096,), jnp.float32)
     (p,) = _plans(lambda v: fc.psum_scatter(v, "i", tiled=True, rs_bits=4, min_bytes=0), x,
@@ -123,7 +138,7 @@ def test_plan_paths():
     assert (p.path, p.transport) == ("ring", "xla")
     (p,) = _plans(lambda a, b: fc.all_gather_matmul(a, b, "i", min_bytes=0), x, w,
                   in_specs=spec, out_specs=P(None, "i"))
-    assert (p.path, p.ag_bits, p.backend) == ("quantized ring", 8, "jnp")
+    assert (p.path, p.ag_bits, p.backend) == ("quantized ring", 8, "auto")
     spec = (P(None, "i"), P("i", None))
     (p,) = _plans(lambda a, b: fc.matmul_reduce_scatter(a, b, "i", bits=None), x, w,
                   in_specs=spec, out_specs=P("i"))
