@@ -10,6 +10,8 @@ interleaved, a bf16 psum of each size per rank:
 * ``int8-shm`` / ``int4-shm``  the quantized two-step all-reduce over shared memory
                      (``transport="p2p"``)
 * ``int8-xla``       the same codec around XLA's all_to_all / all_gather (gloo)
+* ``int8-shm plain`` / ``int4-shm plain``  as ``int8-shm`` / ``int4-shm`` without the accuracy
+                     defaults (``rotation=0, spikes=0``): the plain codec's cost
 
 Each program chains ``--chain`` calls (the next call's operand is the last sum, scaled back),
 so a time is one call's; the figure is the median over ``--reps`` programs. Prints the table and
@@ -35,7 +37,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 KIB, MIB = 1024, 1024 * 1024
 SIZES = (2 * KIB, 64 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB)
-STRATEGIES = ("lax", "exact-shm", "int8-shm", "int4-shm", "int8-xla")
+STRATEGIES = ("lax", "exact-shm", "int8-shm", "int4-shm", "int8-xla", "int8-shm plain",
+              "int4-shm plain")
 
 
 def _free_port() -> int:
@@ -70,6 +73,12 @@ def _worker(args) -> None:
                                                                   transport="p2p")),
         "int8-xla": lambda v: fc.psum(v, "x", config=fc.CommConfig(8, min_bytes=0,
                                                                   transport="xla")),
+        # The codec without its accuracy defaults (8 bits: Hadamard rotation; 4 bits: a spike
+        # per group): what the codec passes themselves cost over shared memory.
+        "int8-shm plain": lambda v: fc.psum(v, "x", config=fc.CommConfig(
+            8, min_bytes=0, transport="p2p", rotation=0, spikes=0)),
+        "int4-shm plain": lambda v: fc.psum(v, "x", config=fc.CommConfig(
+            4, min_bytes=0, transport="p2p", rotation=0, spikes=0)),
     }
     sizes = [s for s in SIZES if s <= args.max_bytes]
 
