@@ -106,7 +106,7 @@ __device__ __forceinline__ void quantize_group_warp(const Source& source, int64_
   }
 }
 
-// Quantize groups first .. n_groups - 1 of `source`, kWarp / width of them per warp at a time
+// Quantize groups 0 .. n_groups - 1 of `source`, kWarp / width of them per warp at a time
 // (width = SubWarpWidth(nblocks)), grid-stride over the calling kernel's warps.
 template <typename Source>
 __device__ __forceinline__ void quantize_groups_subwarp(const Source& source, int64_t n_groups,
