@@ -148,7 +148,7 @@ def _time(fn, *args, chain: bool = False) -> float:
     return statistics.median(rounds)
 
 
-def _time_in_program(op, args, chain: bool = False) -> float:
+def time_in_program(op, args, chain: bool = False) -> float:
     """GPU seconds per call of ``op``: one jitted program runs it CALLS times, on CALLS
     parameters that XLA cannot merge (the same buffers, passed as distinct arguments) or, with
     ``chain``, as a chain ``o = op(o, args[1])`` on a donated buffer; median over ROUNDS."""
@@ -196,7 +196,7 @@ def measure_codec(device, sizes_mib=(16, 256)) -> list[dict]:
     for mib in sizes_mib:
         n = mib * MIB // 2
         x = jax.device_put(jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16), device)
-        t_copy = _time_in_program(jnp.copy, (x,))  # a device-to-device copy of the operand
+        t_copy = time_in_program(jnp.copy, (x,))  # a device-to-device copy of the operand
         nbytes = n * 2
         for label, bits, spikes, rotation in _codec_cases():
             opts = dict(bits=bits, group_size=128, spikes=spikes, rotation=rotation,
@@ -220,7 +220,7 @@ def measure_codec(device, sizes_mib=(16, 256)) -> list[dict]:
                     (jax.device_put(out, device), one)),
             }
             for op, (fn, args) in ops.items():
-                t = _time_in_program(fn, args, chain=op == "dequantize_into")
+                t = time_in_program(fn, args, chain=op == "dequantize_into")
                 op_bytes = nbytes // chunks if op == "dequantize_into" else nbytes
                 copy_t = t_copy * op_bytes / nbytes  # the copy of the same bytes
                 rows.append({"op": op, "config": label, "mib": mib, "seconds": t,

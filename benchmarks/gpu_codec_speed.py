@@ -8,7 +8,7 @@ one build of the package: the before/after comparison of docs/cuda.md ("Kernel s
 ``--root`` imports ``jax_flashcomm`` from that tree (its modules built and copied into its
 ``jax_flashcomm/``, as ``gpu_check.sh``'s CMake fallback does), bypassing an editable install
 of this one. Each figure: bf16 operand, the median of 7 rounds of one jitted program running
-the op 20 times (``benchmarks.gpu_bench._time_in_program``), beside a copy of the operand.
+the op 20 times (``benchmarks.gpu_bench.time_in_program``), beside a copy of the operand.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def measure(label: str, sizes_mib, platform: str) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.gpu_bench import _time_in_program
+    from benchmarks.gpu_bench import time_in_program
     from jax_flashcomm import codec
 
     device = jax.devices(platform)[0]
@@ -53,14 +53,14 @@ def measure(label: str, sizes_mib, platform: str) -> list[dict]:
     for mib in sizes_mib:
         n = mib * MIB // 2
         x = jax.device_put(jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16), device)
-        add("copy", "-", mib, _time_in_program(jnp.copy, (x,)))
+        add("copy", "-", mib, time_in_program(jnp.copy, (x,)))
         for name, bits, g in QUANTIZE_CASES:
-            add("quantize", name, mib, _time_in_program(
+            add("quantize", name, mib, time_in_program(
                 lambda a, b=bits, g=g: codec.quantize(a, bits=b, group_size=g, backend="ffi"),
                 (x,)))
         chunks = jax.jit(lambda a: codec.quantize(a, bits=8, group_size=128, num_chunks=8,
                                                   backend="ffi"))(x).split_groups(8)
-        add("dequantize_sum_quantize", "int8", mib, _time_in_program(
+        add("dequantize_sum_quantize", "int8", mib, time_in_program(
             lambda q: codec.dequantize_sum_quantize(q, backend="ffi"), (chunks,)))
     return rows
 
