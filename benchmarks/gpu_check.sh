@@ -20,7 +20,9 @@
 # CMAKE_CUDA_ARCHITECTURES list; default 80;89;90 plus the GPU's own), FLASHCOMM_XLA_INCLUDE
 # ("jaxlib": build against the installed jaxlib's XLA FFI headers instead of the vendored
 # ones; also tried by itself when the module built with the vendored ones cannot register),
-# GPU_CHECK_QUICK=1 (16 MiB measurements only), GPU_CHECK_SKIP_BUILD=1 (use the build there is).
+# GPU_CHECK_QUICK=1 (16 MiB measurements only), GPU_CHECK_SKIP_BUILD=1 (use the build there is),
+# GPU_CHECK_PROFILE=0 (no Nsight Compute profile; by default, with a GPU and ncu, the codec
+# kernels' profile goes to docs/cuda_profile.txt).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -206,6 +208,31 @@ quick=()
 [[ "${GPU_CHECK_QUICK:-0}" == 1 ]] && quick=(--quick)
 "$PY" -m benchmarks.gpu_bench --junit "$tmp/gpu_tests.xml" --build "$build" \
   --json docs/cuda_check.json --markdown docs/cuda.md "${quick[@]}" || status=1
+
+# Where Nsight Compute runs (it did on the Firecracker H200s, not under gVisor), a profile of the
+# codec kernels for the next round of kernel work: never a failure of the check.
+if [[ "$gpus" -gt 0 && "${GPU_CHECK_PROFILE:-1}" == 1 ]]; then
+  say "kernel profile (Nsight Compute) -> docs/cuda_profile.txt"
+  ncu_bin=$(command -v ncu || true)  # nvcc's folder is on PATH since the build tools step
+  if [[ -z "$ncu_bin" && -n "$nvcc" && -x "$(dirname "$nvcc")/ncu" ]]; then
+    ncu_bin="$(dirname "$nvcc")/ncu"
+  fi
+  if [[ -z "$ncu_bin" ]]; then
+    echo "ncu: not found (no profile)"
+  elif timeout 240 "$ncu_bin" --target-processes all --launch-count 10 \
+      -k regex:'Quantize|Dequantize' \
+      --section SpeedOfLight --section LaunchStats --section Occupancy \
+      --section ComputeWorkloadAnalysis \
+      "$PY" -m benchmarks.gpu_codec_speed --once --sizes 64 >"$tmp/ncu.txt" 2>&1; then
+    { echo "# Nsight Compute on the codec kernels ($(date -u '+%Y-%m-%d %H:%M UTC'), $(
+        nvidia-smi -L 2>/dev/null | head -1)); written by benchmarks/gpu_check.sh"
+      grep -v '^==PROF==' "$tmp/ncu.txt"; } >docs/cuda_profile.txt
+    grep -E "^  [a-z].*Kernel|Duration|Compute \(SM\) Throughput|DRAM Throughput" \
+      docs/cuda_profile.txt | head -40
+  else
+    echo "ncu failed or timed out (no profile):"; tail -5 "$tmp/ncu.txt"
+  fi
+fi
 
 say "gpu_check: exit status $status, $(( $(date +%s) - start )) s (GPUs: $gpus)"
 exit $status

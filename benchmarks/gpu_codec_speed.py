@@ -4,6 +4,8 @@ one build of the package: the before/after comparison of docs/cuda.md ("Kernel s
     .venv/bin/python -m benchmarks.gpu_codec_speed --label new
     # another checkout's build:
     .venv/bin/python -m benchmarks.gpu_codec_speed --root /tmp/old --label old
+    # each kernel once (what gpu_check.sh profiles with Nsight Compute):
+    .venv/bin/python -m benchmarks.gpu_codec_speed --once --sizes 64
 
 ``--root`` imports ``jax_flashcomm`` from that tree (its modules built and copied into its
 ``jax_flashcomm/``, as ``gpu_check.sh``'s CMake fallback does), bypassing an editable install
@@ -65,6 +67,30 @@ def measure(label: str, sizes_mib, platform: str) -> list[dict]:
     return rows
 
 
+def run_once(sizes_mib, platform: str) -> None:
+    """Each codec kernel once, unrolled into no timing loop: the target of a profiler
+    (``gpu_check.sh`` runs Nsight Compute on it). Per size: quantize at 8 and 4 bits and 8 bits
+    rotated, dequantize of each, the fused dequantize-sum-quantize of 8 chunks."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_flashcomm import codec
+
+    device = jax.devices(platform)[0]
+    for mib in sizes_mib:
+        x = jax.device_put(jax.random.normal(jax.random.key(0), (mib * MIB // 2,),
+                                             jnp.bfloat16), device)
+        for bits, rotation in ((8, 0), (4, 0), (8, 1)):
+            p = jax.jit(lambda a, b=bits, r=rotation: codec.quantize(
+                a, bits=b, group_size=128, rotation=r, backend="ffi"))(x)
+            jax.block_until_ready(jax.jit(lambda q: codec.dequantize(q, backend="ffi"))(p))
+        chunks = jax.jit(lambda a: codec.quantize(a, bits=8, group_size=128, num_chunks=8,
+                                                  backend="ffi"))(x).split_groups(8)
+        jax.block_until_ready(jax.jit(
+            lambda q: codec.dequantize_sum_quantize(q, backend="ffi"))(chunks))
+        print(f"ran each codec kernel once on {mib} MiB", flush=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", help="import jax_flashcomm from this checkout")
@@ -72,9 +98,15 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", default="16,256", help="operand sizes in MiB")
     parser.add_argument("--platform", default="gpu", help="jax platform (cpu: a dry run)")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--once", action="store_true",
+                        help="each kernel once, no timing (a profiler's target)")
     args = parser.parse_args(argv)
     _import_from(args.root)
-    rows = measure(args.label, [int(s) for s in args.sizes.split(",")], args.platform)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    if args.once:
+        run_once(sizes, args.platform)
+        return 0
+    rows = measure(args.label, sizes, args.platform)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
