@@ -93,16 +93,13 @@ void SumRanks(DType dtype, const std::vector<const void*>& xs, int64_t begin, in
   }
 }
 
-// Bytes per rank from which the exact all-reduce takes two shots when asked to choose
-// (jax_flashcomm.transport.p2p.TWO_SHOT_BYTES).
-constexpr int64_t kTwoShotBytes = 256 * 1024;
-
-// two_shot: 0 one shot, 1 two shots, 2 by size and link: two shots from kTwoShotBytes, and
-// always over an emulated link with more than two ranks (one shot sends N - 1 copies of x per
-// rank, two shots 2 (N - 1) / N, a ring's bytes).
-bool TwoShot(int32_t two_shot, int64_t bytes, int64_t size) {
+// two_shot: 0 one shot, 1 two shots, 2 by size and link: two shots from two_shot_bytes per rank
+// (jax_flashcomm.transport.p2p.TWO_SHOT_BYTES), and always over an emulated link with more
+// than two ranks (one shot sends N - 1 copies of x per rank, two shots 2 (N - 1) / N, a ring's
+// bytes).
+bool TwoShot(int32_t two_shot, int64_t two_shot_bytes, int64_t bytes, int64_t size) {
   if (two_shot != 2) return two_shot == 1;
-  return bytes >= kTwoShotBytes || (shm::LinkRate() > 0 && size > 2);
+  return bytes >= two_shot_bytes || (shm::LinkRate() > 0 && size > 2);
 }
 
 ffi::Future ExactAllReduceProtocol(const GangFactory& join, int32_t rank,
@@ -212,11 +209,11 @@ ffi::Future ShmAllGather(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
 ffi::Future ShmPsum(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
                     ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> y,
                     int64_t size, int64_t site, int64_t timeout_ms, int64_t axes_key,
-                    int32_t two_shot) {
+                    int32_t two_shot, int64_t two_shot_bytes) {
   const int32_t rank = rank_buf.typed_data()[0];
   return ExactAllReduceProtocol(
       Shared(axes_key, site, group_buf.typed_data()[0], rank, size, timeout_ms), rank, x, *y,
-      size, timeout_ms, TwoShot(two_shot, int64_t(x.size_bytes()), size));
+      size, timeout_ms, TwoShot(two_shot, two_shot_bytes, int64_t(x.size_bytes()), size));
 }
 
 }  // namespace cpu
@@ -291,5 +288,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::Buffer<ffi::S32>>()      // group: () the replica group's index
         .Ret<ffi::AnyBuffer>()             // y: x's shape and dtype, the exact sum
         FLASHCOMM_SHM_COMMON_ATTRS
-        .Attr<int32_t>("two_shot"));       // 0: every rank sums all; 1: reduce-scatter + gather;
+        .Attr<int32_t>("two_shot")         // 0: every rank sums all; 1: reduce-scatter + gather;
                                            // 2: by size and emulated link
+        .Attr<int64_t>("two_shot_bytes"));  // with 2: two shots from this many bytes per rank

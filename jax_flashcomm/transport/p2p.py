@@ -290,7 +290,7 @@ def meetings_in_progress() -> int:
 #: then every rank copies every chunk) rather than one (every rank sums everything); over an
 #: emulated link (:func:`jax_flashcomm.transport.shm.set_link_rate`) with more than two ranks
 #: it always takes two (a ring's bytes; one shot sends N - 1 copies). The kernel decides at run
-#: time (ffi/cpu/shm_kernels.cc, kTwoShotBytes).
+#: time from this threshold (its ``two_shot_bytes`` attribute).
 TWO_SHOT_BYTES = 256 * 1024
 
 
@@ -322,4 +322,5 @@ def exact_all_reduce(x: jax.Array, axes: tuple[str, ...], timeout_ms: int,
                             vmap_method="sequential")
     rank, group = rank_and_group(axes)
     mode = 2 if two_shot is None else int(bool(two_shot))
-    return call(x, rank, group, two_shot=np.int32(mode), **_attrs(axes, timeout_ms))
+    return call(x, rank, group, two_shot=np.int32(mode),
+                two_shot_bytes=np.int64(TWO_SHOT_BYTES), **_attrs(axes, timeout_ms))
