@@ -21,8 +21,9 @@
 # ("jaxlib": build against the installed jaxlib's XLA FFI headers instead of the vendored
 # ones; also tried by itself when the module built with the vendored ones cannot register),
 # GPU_CHECK_QUICK=1 (16 MiB measurements only), GPU_CHECK_SKIP_BUILD=1 (use the build there is),
-# GPU_CHECK_PROFILE=0 (no Nsight Compute profile; by default, with a GPU and ncu, the codec
-# kernels' profile goes to docs/cuda_profile.txt).
+# GPU_CHECK_PROFILE=1 (with a GPU and ncu, the codec kernels' Nsight Compute profile goes to
+# docs/cuda_profile.txt: up to 4 minutes, so off by default), GPU_CHECK_TESTS (the test paths;
+# default tests/gpu), GPU_CHECK_BENCH=0 (no measurements: a quick rerun of some tests).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -198,20 +199,25 @@ say "tests: pytest -m gpu tests/gpu (every skip listed with its reason)"
 # of the rest of the suite (CI runs that).
 export FLASHCOMM_TEST_XLA_OPT=default  # XLA's default code generation, as users run it
 t0=$(date +%s)
-"$PY" -m pytest -m gpu -rs -p no:cacheprovider --junitxml="$tmp/gpu_tests.xml" tests/gpu
+read -r -a test_paths <<<"${GPU_CHECK_TESTS:-tests/gpu}"
+"$PY" -m pytest -m gpu -rs -p no:cacheprovider --junitxml="$tmp/gpu_tests.xml" "${test_paths[@]}"
 rc=$?
 echo "pytest: exit status $rc, $(( $(date +%s) - t0 )) s"
 if [[ $rc -ne 0 ]]; then status=1; fi
 
-say "measurements and report"
-quick=()
-[[ "${GPU_CHECK_QUICK:-0}" == 1 ]] && quick=(--quick)
-"$PY" -m benchmarks.gpu_bench --junit "$tmp/gpu_tests.xml" --build "$build" \
-  --json docs/cuda_check.json --markdown docs/cuda.md "${quick[@]}" || status=1
+if [[ "${GPU_CHECK_BENCH:-1}" == 1 ]]; then
+  say "measurements and report"
+  quick=()
+  [[ "${GPU_CHECK_QUICK:-0}" == 1 ]] && quick=(--quick)
+  "$PY" -m benchmarks.gpu_bench --junit "$tmp/gpu_tests.xml" --build "$build" \
+    --json docs/cuda_check.json --markdown docs/cuda.md "${quick[@]}" || status=1
+else
+  say "measurements skipped (GPU_CHECK_BENCH=0): docs/cuda.md keeps its table"
+fi
 
 # Where Nsight Compute runs (it did on the Firecracker H200s, not under gVisor), a profile of the
 # codec kernels for the next round of kernel work: never a failure of the check.
-if [[ "$gpus" -gt 0 && "${GPU_CHECK_PROFILE:-1}" == 1 ]]; then
+if [[ "$gpus" -gt 0 && "${GPU_CHECK_PROFILE:-0}" == 1 ]]; then
   say "kernel profile (Nsight Compute) -> docs/cuda_profile.txt"
   ncu_bin=$(command -v ncu || true)  # nvcc's folder is on PATH since the build tools step
   if [[ -z "$ncu_bin" && -n "$nvcc" && -x "$(dirname "$nvcc")/ncu" ]]; then

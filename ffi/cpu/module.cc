@@ -55,6 +55,13 @@ NB_MODULE(_flashcomm_cpu, m) {
         }
       },
       "Maps the blocks (process_index, pid, fd) of every process of the job on this host.");
+  m.def(
+      "shm_api",
+      []() {
+        return nanobind::capsule(static_cast<const void*>(flashcomm::shm::GetApi()),
+                                 "flashcomm.shm.Api");
+      },
+      "The meeting point's entry points (a capsule) for the CUDA module's shm_bind().");
   m.def("shm_attached", &flashcomm::shm::AttachedProcesses,
         "Processes whose shared-memory blocks this process has mapped.");
   m.def("shm_meetings_in_progress", &flashcomm::shm::InProgress,

@@ -718,5 +718,20 @@ void Leave(const std::shared_ptr<Meeting>& m) { Engine::Global().Leave(m); }
 size_t InProgress() { return Engine::Global().InProgress(); }
 size_t SegmentsMapped() { return Engine::Global().Segments(); }
 
+const Api* GetApi() {
+  static const Api api{kApiVersion,
+                       [](const JoinArgs& args, std::string* error) { return Join(args, error); },
+                       [](const std::shared_ptr<Meeting>& m, int barrier, const Spans& mine,
+                          bool failed, p2p::Continuation then, int64_t wire_bytes) {
+                         Arrive(m, barrier, mine, failed, std::move(then), wire_bytes);
+                       },
+                       [](const std::shared_ptr<Meeting>& m, const std::string& why) {
+                         Abort(m, why);
+                       },
+                       [](const std::shared_ptr<Meeting>& m) { Leave(m); },
+                       []() { return AttachedProcesses(); }, &p2p::kRankFailed};
+  return &api;
+}
+
 }  // namespace shm
 }  // namespace flashcomm

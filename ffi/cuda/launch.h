@@ -84,6 +84,11 @@ cudaError_t LaunchDequantizeSumQuantize(cudaStream_t stream, const PayloadView& 
                                         int64_t n_out, int out_bits, int out_spikes,
                                         uint8_t* codes, uint16_t* scale, uint16_t* zero);
 
+// sum_kernels.cu: y[i] = the f32 sum over j < ranks of in[j * stride + i] in rank order, rounded
+// once to T (T = F32, BF16, F16), for i < count.
+template <typename T>
+cudaError_t LaunchSumRanks(cudaStream_t stream, const void* in, int64_t stride, int ranks,
+                           int64_t count, void* y);
 // gather_kernels.cu: one payload decoded into out[*offset, *offset + count) (T = F32, BF16,
 // F16); `offset` is in device memory, `size` is out's element count.
 template <typename T>

@@ -5,6 +5,10 @@
 #include "flashcomm/cuda_kernels.h"
 #include "flashcomm/handler_metadata.h"
 #include "flashcomm/nb_registrations.h"
+#include "flashcomm/shm_rendezvous.h"
+
+#include <stdexcept>
+#include <string>
 
 namespace {
 
@@ -16,6 +20,9 @@ nanobind::dict CudaRegistrations() {
   flashcomm::AddP2pRegistrations(d, FlashcommP2pAllReduceCuda, FlashcommP2pReduceScatterCuda,
                                  FlashcommP2pAllGatherCuda);
   flashcomm::AddP2pRingRegistrations(d, FlashcommP2pRingStartCuda, FlashcommP2pRingDoneCuda);
+  flashcomm::AddShmRegistrations(d, FlashcommShmAllReduceCuda, FlashcommShmReduceScatterCuda,
+                                 FlashcommShmAllGatherCuda, FlashcommShmPsumCuda, nullptr,
+                                 nullptr);
   flashcomm::AddNormRegistrations(d, FlashcommAddRmsNormCuda, FlashcommAddRmsNormQuantizeCuda);
   return d;
 }
@@ -43,6 +50,25 @@ NB_MODULE(_flashcomm_cuda, m) {
       uint32_t(XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE);
   m.def("p2p_meetings_in_progress", &flashcomm::cuda::P2pMeetingsInProgress,
         "Peer-to-peer collective calls some rank has not finished (0 between collectives).");
+  m.def(
+      "shm_bind",
+      [](nanobind::capsule api) {
+        if (std::string(api.name() ? api.name() : "") != "flashcomm.shm.Api") {
+          throw std::invalid_argument("shm_bind: not the CPU module's shm_api() capsule");
+        }
+        const auto* entry = static_cast<const flashcomm::shm::Api*>(api.data());
+        if (entry->version != flashcomm::shm::kApiVersion) {
+          throw std::invalid_argument("shm_bind: the CPU module's meeting point is version " +
+                                      std::to_string(entry->version) + ", this module's " +
+                                      std::to_string(flashcomm::shm::kApiVersion));
+        }
+        flashcomm::cuda::ShmBind(entry);
+      },
+      "Binds the CPU module's shared-memory meeting point (its shm_api() capsule).");
+  m.def("shm_bound", &flashcomm::cuda::ShmBound,
+        "Whether the shared-memory meeting point is bound (shm_bind).");
+  m.def("shm_peer_buffers_mapped", &flashcomm::cuda::ShmPeerBuffersMapped,
+        "Peers' CUDA IPC staging buffers this process has mapped.");
   flashcomm::AddP2pRingInspection(
       m, &flashcomm::cuda::P2pRingStepsInProgress,
       "Returns and clears the ring steps' recorded events (kind 0 move, 1 start, 2 wait; "

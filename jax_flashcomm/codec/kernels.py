@@ -157,6 +157,17 @@ def cpu_module() -> types.ModuleType:
     return importlib.import_module("jax_flashcomm._flashcomm_cpu")
 
 
+def cuda_module() -> types.ModuleType:
+    """The CUDA kernel module (``_flashcomm_cuda``), registered.
+
+    Raises:
+      RuntimeError: it is not built (``FLASHCOMM_CUDA=ON``).
+    """
+    if not available("cuda"):
+        require("cuda")
+    return importlib.import_module("jax_flashcomm._flashcomm_cuda")
+
+
 def cpu_isa() -> str:
     """The instruction-set build the CPU codec kernels run: ``"avx512"`` (16 f32 lanes),
     ``"avx2"`` (8), ``"baseline"`` (SSE2 on x86-64, 4) or ``"neon"`` (aarch64, 4). The best the

@@ -277,7 +277,7 @@ def kernel_module():
     """The kernel module of the default backend (CUDA's or the CPU's): each has its own
     rendezvous and ring tables."""
     if kernel_platform(jax.default_backend()) == "cuda":
-        return importlib.import_module("jax_flashcomm._flashcomm_cuda")
+        return kernels.cuda_module()
     return kernels.cpu_module()
 
 

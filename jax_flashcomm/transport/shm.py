@@ -7,7 +7,9 @@ reads its peers' buffers through shared memory (ffi/cpu/shm_kernels.cc,
 ffi/include/flashcomm/shm_rendezvous.h): each process owns a block (a memfd: no name in
 ``/dev/shm``, only the job's user can open it through ``/proc/<pid>/fd``, gone with the last
 process that maps it), and publishes the regions a call shares in segments of its own that its
-peers map. :func:`setup` exchanges the blocks' addresses once through ``jax.distributed``'s
+peers map. On CUDA GPUs (one per process) the same meeting point carries CUDA IPC handles of
+device buffers and events instead (ffi/cuda/shm_handlers.cc; docs/cuda.md).
+:func:`setup` exchanges the blocks' addresses once through ``jax.distributed``'s
 key-value store; every process publishes its own readiness there too, so that all of them
 decide alike (a transport that one process takes and another does not would pair different
 programs). Across hosts, or with several devices per process, the transport is unavailable and
@@ -29,7 +31,8 @@ from jax_flashcomm.codec import kernels
 __all__ = ["TARGETS", "setup", "unsupported_reason", "meetings_in_progress", "segments",
            "set_link_rate", "link_rate"]
 
-#: The FFI targets of the transport between processes (the CPU module registers them).
+#: The FFI targets of the transport between processes (the CPU module registers them, and the
+#: CUDA module its CUDA IPC version: ffi/cuda/shm_handlers.cc).
 TARGETS = ("flashcomm_shm_all_reduce", "flashcomm_shm_reduce_scatter", "flashcomm_shm_all_gather",
            "flashcomm_shm_psum")
 
@@ -51,11 +54,14 @@ def _local_reason() -> str | None:
     """Why this process alone cannot take part (None: it can)."""
     if not os.path.isdir("/proc/self/fd"):
         return "no /proc (the shared-memory transport maps its peers' memfds through it)"
-    if jax.default_backend() != "cpu":
-        return (f"platform {jax.default_backend()!r} (the shared-memory transport is CPU-only; "
-                "CUDA IPC is not built)")
+    platform = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}.get(jax.default_backend())
+    if platform is None:
+        return (f"platform {jax.default_backend()!r} (the shared-memory transport runs on CPU "
+                "and on CUDA GPUs)")
     if not set(TARGETS) <= kernels.registered("cpu"):
-        return "the CPU kernel module lacks the shared-memory handlers"
+        return "the CPU kernel module lacks the shared-memory meeting point"
+    if platform == "cuda" and not set(TARGETS) <= kernels.registered("cuda"):
+        return "the CUDA kernel module lacks the shared-memory handlers (FLASHCOMM_CUDA=ON)"
     if jax.local_device_count() != 1:
         return (f"{jax.local_device_count()} devices in one process (the shared-memory "
                 "transport takes one device per process)")
@@ -109,7 +115,9 @@ def _exchange() -> str | None:
     failure = ""
     try:
         kernels.cpu_module().shm_attach([(j, p["pid"], p["fd"]) for j, p in enumerate(peers)])
-    except RuntimeError as e:
+        if jax.default_backend() != "cpu":  # the CUDA handlers meet through the CPU module
+            kernels.cuda_module().shm_bind(kernels.cpu_module().shm_api())
+    except (RuntimeError, ValueError) as e:
         failure = str(e)
     client.key_value_set(_KEY.format(me) + "/attach", failure)  # every process agrees on it
     for j in range(jax.process_count()):

@@ -32,7 +32,7 @@ def _bindings(path: pathlib.Path) -> dict[str, list[tuple[str, str, str]]]:
     """handler symbol -> its binding entries, the file's FLASHCOMM_P2P_* macros expanded."""
     text = re.sub(r"/\*.*?\*/", "", path.read_text())
     macros = {m[1]: m[2].replace("\\\n", " ")
-              for m in re.finditer(r"#define (FLASHCOMM_P2P_\w+)((?:[^\n]*\\\n)*[^\n]*)", text)}
+              for m in re.finditer(r"#define (FLASHCOMM_(?:P2P|SHM)_\w+)((?:[^\n]*\\\n)*[^\n]*)", text)}
     out = {}
     for m in re.finditer(r"XLA_FFI_DEFINE_HANDLER_SYMBOL\(\s*(\w+),(.*?)\);", text, re.S):
         body = re.sub(r"//[^\n]*", "", m[2])

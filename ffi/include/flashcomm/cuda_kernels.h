@@ -25,6 +25,12 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommP2pAllGatherCuda);
 // Ring steps (ffi/cuda/p2p_ring_handlers.cc): start / done of one chunk move around a ring.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommP2pRingStartCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommP2pRingDoneCuda);
+// The transport between processes, one GPU each (ffi/cuda/shm_handlers.cc): the CPU module's
+// shared-memory meeting point, CUDA IPC memory and event handles.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommShmAllReduceCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommShmReduceScatterCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommShmAllGatherCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommShmPsumCuda);
 
 namespace flashcomm {
 namespace cuda {
@@ -35,6 +41,12 @@ size_t P2pMeetingsInProgress();
 // Ring steps some rank has not finished, in this module's own ring table (zero between
 // collective matmuls).
 size_t P2pRingStepsInProgress();
+// The shared-memory meeting point's entry points (a flashcomm::shm::Api* from the CPU module's
+// shm_api capsule): the flashcomm_shm_* handlers fail until it is bound.
+void ShmBind(const void* api);
+bool ShmBound();
+// Peers' IPC staging buffers this process has mapped (for tests).
+size_t ShmPeerBuffersMapped();
 
 }  // namespace cuda
 }  // namespace flashcomm

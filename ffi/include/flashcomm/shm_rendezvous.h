@@ -95,6 +95,26 @@ size_t InProgress();
 // Shared segments this process owns or maps (blocks excluded): for tests.
 size_t SegmentsMapped();
 
+// The meeting point for another extension module of this process (the CUDA module's handlers,
+// ffi/cuda/shm_handlers.cc): it must meet through this module's engine, not a copy of its own,
+// so the CPU module hands out these entry points in a capsule (its shm_api()). Both modules are
+// built by one CMake project with one compiler, so the std:: types in them agree.
+struct Api {
+  uint32_t version;  // kApiVersion
+  std::shared_ptr<Meeting> (*join)(const JoinArgs& args, std::string* error);
+  void (*arrive)(const std::shared_ptr<Meeting>& meeting, int barrier, const Spans& mine,
+                 bool failed, p2p::Continuation then, int64_t wire_bytes);
+  void (*abort)(const std::shared_ptr<Meeting>& meeting, const std::string& why);
+  void (*leave)(const std::shared_ptr<Meeting>& meeting);
+  int (*attached_processes)();
+  // Published[3] of a failed rank: this module's p2p::kRankFailed (an inline variable has one
+  // address per shared object).
+  const void* rank_failed;
+};
+constexpr uint32_t kApiVersion = 1;
+// This module's entry points (static storage).
+const Api* GetApi();
+
 }  // namespace shm
 }  // namespace flashcomm
 

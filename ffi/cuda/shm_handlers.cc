@@ -1,0 +1,705 @@
+// The shared-memory transport on CUDA: the ranks of a mesh axis are processes on one host, one
+// GPU each (the launch of jax.distributed jobs with one process per GPU). They meet through the
+// CPU module's shared-memory meeting point (flashcomm/shm_rendezvous.h; this module gets its
+// entry points once, from Python: jax_flashcomm/transport/shm.py) and share device memory and
+// events by CUDA IPC handles (docs/cuda.md, "Across processes: CUDA IPC"):
+//   - a rank copies what it publishes at a barrier into a staging buffer of its own, allocated
+//     with cudaMalloc (legacy IPC exports only those; XLA's allocator may hand out memory it
+//     cannot), one per (site, group, barrier), grown by doubling;
+//   - after the copy it records an interprocess event (one per site, group and barrier) on its
+//     stream, and publishes the buffer's and the event's IPC handles, its offsets and ids;
+//   - a peer opens each handle once (cached by process and id), makes its stream wait on the
+//     event, and copies from the mapped buffer. The protocols are the in-process ones
+//     (p2p_protocol.h): the last barrier orders the reuse of a staging buffer and of the events
+//     after every peer's reads.
+// Host waits are bounded by timeout_ms (the meeting point's watchdog); a peer that exits fails
+// the call at once. Two processes may share one GPU (CUDA IPC allows it; NCCL does not): that is
+// how one lent GPU tests it (tests/gpu/test_gpu_shm.py).
+//
+// Plain C++ (host compiler, CUDA runtime API). Not CUDA-graph safe (host reads and meetings per
+// call): no command-buffer trait.
+#include <cuda_runtime_api.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "flashcomm/codec.h"
+#include "flashcomm/cuda_kernels.h"
+#include "flashcomm/ffi_checks.h"
+#include "flashcomm/p2p_rendezvous.h"
+#include "flashcomm/shm_rendezvous.h"
+#include "launch.h"
+#include "p2p_host.h"
+#include "p2p_protocol.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace flashcomm {
+namespace cuda {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using p2p::Published;
+using protocol::AlignUp;
+
+std::atomic<const shm::Api*> g_api{nullptr};
+
+// What a rank publishes at one barrier (copied by the meeting point into its shared segment).
+struct IpcSlot {
+  cudaIpcMemHandle_t mem;      // its staging buffer (buffer_id > 0)
+  cudaIpcEventHandle_t event;  // recorded after the staging copy
+  int64_t pid;
+  int64_t buffer_id;  // 0: nothing published at this barrier
+  int64_t event_id;
+  int64_t offset[3];
+};
+
+using Channel = std::tuple<int64_t, int64_t, int>;  // site, group, barrier
+
+// Process-wide: this process's staging buffers and events, and the peers' opened handles.
+// One GPU per process (the Python side checks); every member under mu_.
+class IpcState {
+ public:
+  static IpcState& Global() {
+    static auto* state = new IpcState();  // never destroyed: handlers may run at exit
+    return *state;
+  }
+
+  // This process's staging buffer of `channel`, holding at least `bytes`.
+  cudaError_t Staging(const Channel& channel, size_t bytes, void** ptr, int64_t* id,
+                      cudaIpcMemHandle_t* handle) {
+    std::lock_guard<std::mutex> lock(mu_);
+    Buffer& b = staging_[channel];
+    if (b.bytes < bytes) {
+      size_t grown = b.bytes ? b.bytes : size_t(1) << 20;
+      while (grown < bytes) grown *= 2;
+      // cudaFree waits for the device: this stream's earlier waits on the peers' last events
+      // (every peer done reading the old buffer) come first.
+      if (b.ptr) cudaFree(b.ptr);
+      b = Buffer{};
+      if (cudaError_t e = cudaMalloc(&b.ptr, grown); e != cudaSuccess) return e;
+      if (cudaError_t e = cudaIpcGetMemHandle(&b.handle, b.ptr); e != cudaSuccess) {
+        cudaFree(b.ptr);
+        b = Buffer{};
+        return e;
+      }
+      b.bytes = grown;
+      b.id = ++next_id_;
+    }
+    *ptr = b.ptr;
+    *id = b.id;
+    *handle = b.handle;
+    return cudaSuccess;
+  }
+
+  // This process's interprocess event of `channel`.
+  cudaError_t Event(const Channel& channel, cudaEvent_t* event, cudaIpcEventHandle_t* handle,
+                    int64_t* id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    OwnEvent& e = events_[channel];
+    if (!e.event) {
+      if (cudaError_t err = cudaEventCreateWithFlags(
+              &e.event, cudaEventInterprocess | cudaEventDisableTiming);
+          err != cudaSuccess) {
+        e.event = nullptr;
+        return err;
+      }
+      if (cudaError_t err = cudaIpcGetEventHandle(&e.handle, e.event); err != cudaSuccess) {
+        cudaEventDestroy(e.event);
+        e.event = nullptr;
+        return err;
+      }
+      e.id = ++next_id_;
+    }
+    *event = e.event;
+    *handle = e.handle;
+    *id = e.id;
+    return cudaSuccess;
+  }
+
+  // Peer `pid`'s staging buffer `id` of `channel`, mapped here. A new id replaces the mapping
+  // of the previous one, after `stream` (whose earlier copies read it) has drained.
+  cudaError_t PeerBuffer(int64_t pid, const Channel& channel, int64_t id,
+                         const cudaIpcMemHandle_t& handle, cudaStream_t stream,
+                         Clock::time_point deadline, void** ptr) {
+    std::lock_guard<std::mutex> lock(mu_);
+    Mapping& m = mapped_[{pid, channel}];
+    if (m.id != id) {
+      if (m.ptr) {
+        if (cudaError_t e = Drain(stream, deadline); e != cudaSuccess) return e;
+        cudaIpcCloseMemHandle(m.ptr);
+        m = Mapping{};
+      }
+      if (cudaError_t e = cudaIpcOpenMemHandle(&m.ptr, handle, cudaIpcMemLazyEnablePeerAccess);
+          e != cudaSuccess) {
+        m = Mapping{};
+        return e;
+      }
+      m.id = id;
+    }
+    *ptr = m.ptr;
+    return cudaSuccess;
+  }
+
+  // Peer `pid`'s event `id`, opened here (events live as long as their process).
+  cudaError_t PeerEvent(int64_t pid, int64_t id, const cudaIpcEventHandle_t& handle,
+                        cudaEvent_t* event) {
+    std::lock_guard<std::mutex> lock(mu_);
+    cudaEvent_t& e = peer_events_[{pid, id}];
+    if (!e) {
+      if (cudaError_t err = cudaIpcOpenEventHandle(&e, handle); err != cudaSuccess) {
+        peer_events_.erase({pid, id});
+        return err;
+      }
+    }
+    *event = e;
+    return cudaSuccess;
+  }
+
+  // Peers' staging buffers mapped in this process (for tests).
+  size_t Mapped() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return mapped_.size();
+  }
+
+ private:
+  struct Buffer {
+    void* ptr = nullptr;
+    size_t bytes = 0;
+    int64_t id = 0;
+    cudaIpcMemHandle_t handle{};
+  };
+  struct OwnEvent {
+    cudaEvent_t event = nullptr;
+    cudaIpcEventHandle_t handle{};
+    int64_t id = 0;
+  };
+  struct Mapping {
+    int64_t id = 0;
+    void* ptr = nullptr;
+  };
+
+  // `stream`'s work done, polled until `deadline`.
+  static cudaError_t Drain(cudaStream_t stream, Clock::time_point deadline) {
+    for (;;) {
+      const cudaError_t q = cudaStreamQuery(stream);
+      if (q != cudaErrorNotReady) return q;
+      if (Clock::now() >= deadline) return cudaErrorNotReady;
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
+  std::mutex mu_;
+  int64_t next_id_ = 0;
+  std::map<Channel, Buffer> staging_;
+  std::map<Channel, OwnEvent> events_;
+  std::map<std::pair<int64_t, Channel>, Mapping> mapped_;
+  std::map<std::pair<int64_t, int64_t>, cudaEvent_t> peer_events_;
+};
+
+// One region a rank publishes (device memory).
+struct Region {
+  const void* data = nullptr;
+  size_t bytes = 0;
+};
+
+// One rank's part in one call over IPC: the Participant of p2p_protocol.h. Record() is a no-op:
+// Meet() records the barrier's event after its staging copy, so that the peers' wait covers it
+// (and everything this stream did before).
+class IpcParticipant {
+ public:
+  IpcParticipant(const shm::Api* api, const char* op, cudaStream_t stream,
+                 Clock::time_point deadline, int64_t site, int64_t group)
+      : api_(api), op_(op), stream_(stream), deadline_(deadline), site_(site), group_(group) {}
+  IpcParticipant(const IpcParticipant&) = delete;
+  IpcParticipant& operator=(const IpcParticipant&) = delete;
+  ~IpcParticipant() {
+    if (meeting_) api_->leave(meeting_);
+  }
+
+  ffi::Error Join(int64_t axes_key, int32_t rank, int64_t size, int barriers,
+                  uint64_t descriptor, int64_t timeout_ms) {
+    rank_ = rank;
+    size_ = int(size);
+    std::string error;
+    meeting_ = api_->join({axes_key, site_, group_, rank, int(size), barriers, descriptor,
+                           timeout_ms},
+                          &error);
+    if (!meeting_) return ffi::Error::Internal(std::string(op_) + ": " + error);
+    peers_.assign(size_, Published{});
+    return ffi::Error::Success();
+  }
+
+  ffi::Error Record() { return ffi::Error::Success(); }
+
+  ffi::Error Meet(int barrier, const void* codes, const void* scale, const void* zero,
+                  int64_t groups, int64_t nb) {
+    return MeetRegions(barrier, {Region{codes, size_t(groups * nb)},
+                                 Region{scale, size_t(groups) * 2},
+                                 Region{zero, size_t(groups) * 2}});
+  }
+
+  // Publishes up to three regions of device memory at `barrier` (staged), waits for every
+  // rank, then orders this stream after each peer's staging copy; peers() then points into
+  // their mapped staging buffers.
+  ffi::Error MeetRegions(int barrier, const std::array<Region, 3>& regions) {
+    IpcSlot slot;
+    std::memset(&slot, 0, sizeof slot);
+    slot.pid = int64_t(getpid());
+    IpcState& state = IpcState::Global();
+    const Channel channel{site_, group_, barrier};
+    size_t total = 0;
+    for (const Region& r : regions) total += AlignUp(r.bytes);
+    if (total > 0) {
+      void* base = nullptr;
+      FLASHCOMM_CUDA_TRY(op_, "allocating the IPC staging buffer",
+                         state.Staging(channel, total, &base, &slot.buffer_id, &slot.mem));
+      size_t at = 0;
+      for (int i = 0; i < 3; ++i) {
+        slot.offset[i] = int64_t(at);
+        if (regions[i].bytes == 0) continue;
+        FLASHCOMM_CUDA_TRY(op_, "staging a published region",
+                           cudaMemcpyAsync(static_cast<uint8_t*>(base) + at, regions[i].data,
+                                           regions[i].bytes, cudaMemcpyDeviceToDevice,
+                                           stream_));
+        at += AlignUp(regions[i].bytes);
+      }
+    }
+    cudaEvent_t event = nullptr;
+    FLASHCOMM_CUDA_TRY(op_, "creating the IPC event",
+                       state.Event(channel, &event, &slot.event, &slot.event_id));
+    FLASHCOMM_CUDA_TRY(op_, "recording the IPC event", cudaEventRecord(event, stream_));
+
+    struct Wait {
+      std::mutex mu;
+      std::condition_variable cv;
+      bool done = false;
+      std::string error;
+      std::vector<IpcSlot> slots;
+      std::vector<bool> failed;
+    };
+    auto wait = std::make_shared<Wait>();
+    const void* failed_mark = api_->rank_failed;
+    const int size = size_;
+    api_->arrive(
+        meeting_, barrier, shm::Spans{shm::Span{&slot, sizeof slot}}, false,
+        [wait, failed_mark, size](const std::vector<Published>& peers, const std::string& error) {
+          std::lock_guard<std::mutex> lock(wait->mu);
+          wait->error = error;
+          if (error.empty()) {
+            wait->slots.resize(size);
+            wait->failed.assign(size, false);
+            for (int j = 0; j < size && j < int(peers.size()); ++j) {
+              if (peers[j][3] == failed_mark || peers[j][0] == nullptr) {
+                wait->failed[j] = true;
+              } else {
+                std::memcpy(&wait->slots[j], peers[j][0], sizeof(IpcSlot));
+              }
+            }
+          }
+          wait->done = true;
+          wait->cv.notify_all();
+        },
+        0);
+    {
+      // The meeting point's watchdog answers by the deadline; the margin only guards against a
+      // meeting point that never calls back.
+      std::unique_lock<std::mutex> lock(wait->mu);
+      if (!wait->cv.wait_until(lock, deadline_ + std::chrono::seconds(10),
+                               [&] { return wait->done; })) {
+        return ffi::Error::Internal(std::string(op_) + ": the meeting point did not answer");
+      }
+    }
+    if (!wait->error.empty()) return ffi::Error::Internal(std::string(op_) + ": " + wait->error);
+    for (int j = 0; j < size_; ++j) {
+      if (wait->failed[j]) {
+        return ffi::Error::Internal(std::string(op_) + ": rank " + std::to_string(j) +
+                                    " failed in this call");
+      }
+    }
+    for (int j = 0; j < size_; ++j) {
+      if (j == rank_) {
+        peers_[j] = Published{regions[0].data, regions[1].data, regions[2].data, nullptr};
+        continue;
+      }
+      const IpcSlot& peer = wait->slots[j];
+      cudaEvent_t theirs = nullptr;
+      FLASHCOMM_CUDA_TRY(op_, "opening a peer's IPC event",
+                         state.PeerEvent(peer.pid, peer.event_id, peer.event, &theirs));
+      FLASHCOMM_CUDA_TRY(op_, "waiting for a peer's event",
+                         cudaStreamWaitEvent(stream_, theirs, 0));
+      peers_[j] = Published{};
+      if (peer.buffer_id == 0) continue;
+      void* base = nullptr;
+      FLASHCOMM_CUDA_TRY(op_, "opening a peer's IPC memory",
+                         state.PeerBuffer(peer.pid, channel, peer.buffer_id, peer.mem, stream_,
+                                          deadline_, &base));
+      auto* b = static_cast<const uint8_t*>(base);
+      peers_[j] = Published{b + peer.offset[0], b + peer.offset[1], b + peer.offset[2], nullptr};
+    }
+    return ffi::Error::Success();
+  }
+
+  const std::vector<Published>& peers() const { return peers_; }
+  int size() const { return size_; }
+  // A peer's mapped memory (or this rank's own) into this device's (UVA: one copy kind).
+  cudaError_t Copy(cudaStream_t stream, void* dst, int /*j*/, const void* src, size_t bytes) {
+    return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream);
+  }
+  ffi::Error Prepare() { return ffi::Error::Success(); }  // IPC mappings enable peer access
+
+ private:
+  const shm::Api* api_;
+  const char* op_;
+  cudaStream_t stream_;
+  Clock::time_point deadline_;
+  int64_t site_, group_;
+  int rank_ = 0;
+  int size_ = 1;
+  std::shared_ptr<shm::Meeting> meeting_;
+  std::vector<Published> peers_;
+};
+
+const shm::Api* BoundApi(const char* op, ffi::Error* error) {
+  const shm::Api* api = g_api.load(std::memory_order_acquire);
+  if (!api) {
+    *error = ffi::Error(
+        ffi::ErrorCode::kFailedPrecondition,
+        std::string(op) + ": the shared-memory meeting point is not bound to the CUDA module "
+        "(jax_flashcomm.transport.shm.setup() binds it)");
+  }
+  return api;
+}
+
+uint64_t Describe(std::initializer_list<int64_t> values) {  // as cpu_p2p_protocol.h
+  uint64_t h = 1469598103934665603ULL;
+  for (int64_t v : values) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= uint64_t(v >> (8 * i)) & 0xff;
+      h *= 1099511628211ULL;
+    }
+  }
+  return h;
+}
+
+// What the three quantized handlers do before their protocol: the meeting point, the device,
+// the rank and group, scratch memory, the call joined.
+struct Begun {
+  CurrentDevice on;
+  int device = 0;
+  int32_t rank = 0, group = 0;
+  protocol::ScratchPayload gathered;
+};
+
+ffi::Error Begin(const char* op, cudaStream_t stream, ffi::ScratchAllocator& scratch,
+                 ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf, int64_t size,
+                 int64_t site, int64_t timeout_ms, int64_t axes_key, int barriers,
+                 uint64_t descriptor, int64_t slots, int64_t slot_groups, int64_t nb,
+                 Begun* b, std::unique_ptr<IpcParticipant>* me) {
+  ffi::Error error = ffi::Error::Success();
+  const shm::Api* api = BoundApi(op, &error);
+  if (!api) return error;
+  const auto deadline = p2p::DeadlineAfter(timeout_ms);
+  if (ffi::Error e = protocol::Start(op, stream, rank_buf, group_buf, size, deadline, &b->on,
+                                     &b->device, &b->rank, &b->group);
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e =
+          protocol::AllocateScratch(op, scratch, slots, slot_groups, nb, &b->gathered);
+      e.failure()) {
+    return e;
+  }
+  *me = std::make_unique<IpcParticipant>(api, op, stream, deadline, site, b->group);
+  return (*me)->Join(axes_key, b->rank, size, barriers, descriptor, timeout_ms);
+}
+
+}  // namespace
+
+ffi::Error ShmAllReduce(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
+                        ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
+                        ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::U8>> p1_codes,
+                        ffi::Result<ffi::Buffer<ffi::BF16>> p1_scale,
+                        ffi::Result<ffi::Buffer<ffi::BF16>> p1_zero,
+                        ffi::Result<ffi::Buffer<ffi::U8>> p2_codes,
+                        ffi::Result<ffi::Buffer<ffi::BF16>> p2_scale,
+                        ffi::Result<ffi::Buffer<ffi::BF16>> p2_zero, int32_t bits,
+                        int32_t out_bits, int64_t group_size, int32_t rotation, int32_t spikes,
+                        int32_t out_spikes, int64_t size, int64_t site, int64_t timeout_ms,
+                        int64_t axes_key) {
+  constexpr const char* kOp = "flashcomm_shm_all_reduce";
+  protocol::Codec k;
+  bool decode = false;
+  if (ffi::Error e = protocol::CheckAllReduce(kOp, x, *y, *p1_codes, *p1_scale, *p1_zero,
+                                              *p2_codes, *p2_scale, *p2_zero, bits, out_bits,
+                                              group_size, rotation, spikes, out_spikes, size,
+                                              timeout_ms, &k, &decode);
+      e.failure()) {
+    return e;
+  }
+  Begun b;
+  std::unique_ptr<IpcParticipant> me;
+  const uint64_t descriptor = Describe({1, int64_t(k.dtype), k.n_groups, group_size, bits,
+                                        out_bits, rotation, spikes, out_spikes, decode, size});
+  if (ffi::Error e = Begin(kOp, stream, scratch, rank_buf, group_buf, size, site, timeout_ms,
+                           axes_key, 3, descriptor, size, k.n_groups / size,
+                           record_bytes(group_size, bits, spikes), &b, &me);
+      e.failure()) {
+    return e;
+  }
+  return protocol::AllReduce(kOp, *me, stream, b.gathered, k, b.rank, x.untyped_data(),
+                             y->untyped_data(), decode, p1_codes->typed_data(),
+                             p1_scale->typed_data(), p1_zero->typed_data(),
+                             p2_codes->typed_data(), p2_scale->typed_data(),
+                             p2_zero->typed_data());
+}
+
+ffi::Error ShmReduceScatter(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
+                            ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
+                            ffi::Result<ffi::AnyBuffer> y,
+                            ffi::Result<ffi::Buffer<ffi::U8>> codes,
+                            ffi::Result<ffi::Buffer<ffi::BF16>> scale,
+                            ffi::Result<ffi::Buffer<ffi::BF16>> zero, int32_t bits,
+                            int64_t group_size, int32_t rotation, int32_t spikes, int64_t size,
+                            int64_t site, int64_t timeout_ms, int64_t axes_key) {
+  constexpr const char* kOp = "flashcomm_shm_reduce_scatter";
+  protocol::Codec k;
+  if (ffi::Error e = protocol::CheckReduceScatter(kOp, x, *y, *codes, *scale, *zero, bits,
+                                                  group_size, rotation, spikes, size,
+                                                  timeout_ms, &k);
+      e.failure()) {
+    return e;
+  }
+  Begun b;
+  std::unique_ptr<IpcParticipant> me;
+  const uint64_t descriptor = Describe({2, int64_t(k.dtype), k.n_groups, group_size, bits,
+                                        rotation, spikes, size});
+  if (ffi::Error e = Begin(kOp, stream, scratch, rank_buf, group_buf, size, site, timeout_ms,
+                           axes_key, 2, descriptor, size, k.n_groups / size,
+                           record_bytes(group_size, bits, spikes), &b, &me);
+      e.failure()) {
+    return e;
+  }
+  return protocol::ReduceScatter(kOp, *me, stream, b.gathered, k, b.rank, x.untyped_data(),
+                                 y->untyped_data(), codes->typed_data(), scale->typed_data(),
+                                 zero->typed_data());
+}
+
+ffi::Error ShmAllGather(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
+                        ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
+                        ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::U8>> codes,
+                        ffi::Result<ffi::Buffer<ffi::BF16>> scale,
+                        ffi::Result<ffi::Buffer<ffi::BF16>> zero, int32_t bits,
+                        int64_t group_size, int32_t rotation, int32_t spikes, int64_t size,
+                        int64_t site, int64_t timeout_ms, int64_t axes_key) {
+  constexpr const char* kOp = "flashcomm_shm_all_gather";
+  protocol::Codec k;
+  if (ffi::Error e = protocol::CheckAllGather(kOp, x, *y, *codes, *scale, *zero, bits,
+                                              group_size, rotation, spikes, size, timeout_ms,
+                                              &k);
+      e.failure()) {
+    return e;
+  }
+  Begun b;
+  std::unique_ptr<IpcParticipant> me;
+  const uint64_t descriptor = Describe({3, int64_t(k.dtype), k.n_groups, group_size, bits,
+                                        rotation, spikes, size});
+  if (ffi::Error e = Begin(kOp, stream, scratch, rank_buf, group_buf, size, site, timeout_ms,
+                           axes_key, 2, descriptor, size, k.n_groups,
+                           record_bytes(group_size, bits, spikes), &b, &me);
+      e.failure()) {
+    return e;
+  }
+  return protocol::AllGather(kOp, *me, stream, b.gathered, k, b.rank, x.untyped_data(),
+                             x.size_bytes(), y->untyped_data(), codes->typed_data(),
+                             scale->typed_data(), zero->typed_data());
+}
+
+// The exact all-reduce: one shot (every rank sums every rank's x) or two shots (rank r sums
+// chunk r, then every rank copies every chunk), the f32 rank-order sum of the CPU handler.
+ffi::Error ShmPsum(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
+                   ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
+                   ffi::Result<ffi::AnyBuffer> y, int64_t size, int64_t site,
+                   int64_t timeout_ms, int64_t axes_key, int32_t two_shot,
+                   int64_t two_shot_bytes) {
+  constexpr const char* kOp = "flashcomm_shm_psum";
+  const ffi::DataType dtype = x.element_type();
+  if (size < 1 || size > 1024) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": size must be in 1..1024");
+  }
+  if (timeout_ms <= 0) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": " + p2p::TimeoutError(timeout_ms));
+  }
+  if (dtype != ffi::F32 && dtype != ffi::BF16 && dtype != ffi::F16) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": x must be f32, bf16 or f16");
+  }
+  if (y->element_count() != x.element_count() || y->element_type() != dtype) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": y must be x's shape");
+  }
+  if (two_shot < 0 || two_shot > 2) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": two_shot must be 0, 1 or 2");
+  }
+  ffi::Error error = ffi::Error::Success();
+  const shm::Api* api = BoundApi(kOp, &error);
+  if (!api) return error;
+  const int64_t count = int64_t(x.element_count());
+  const size_t item = dtype == ffi::F32 ? 4 : 2;
+  const bool two = two_shot == 2 ? int64_t(x.size_bytes()) >= two_shot_bytes : two_shot == 1;
+  const auto deadline = p2p::DeadlineAfter(timeout_ms);
+  CurrentDevice on;
+  int device = 0;
+  int32_t rank = 0, group = 0;
+  if (ffi::Error e = protocol::Start(kOp, stream, rank_buf, group_buf, size, deadline, &on,
+                                     &device, &rank, &group);
+      e.failure()) {
+    return e;
+  }
+  auto bound = [count, size](int64_t j) { return count * j / size; };
+  const int64_t lo = two ? bound(rank) : 0, hi = two ? bound(rank + 1) : count;
+  const size_t slot = size_t(hi - lo) * item;
+  uint8_t* stacked = nullptr;  // every rank's [lo, hi), rank-major
+  if (slot * size_t(size) > 0) {
+    const std::optional<void*> mem = scratch.Allocate(slot * size_t(size), protocol::kAlign);
+    if (!mem.has_value() || *mem == nullptr) {
+      return ffi::Error::Internal(std::string(kOp) + ": could not allocate scratch memory");
+    }
+    stacked = static_cast<uint8_t*>(*mem);
+  }
+  IpcParticipant me(api, kOp, stream, deadline, site, group);
+  if (ffi::Error e = me.Join(axes_key, rank, size, two ? 3 : 2,
+                             Describe({4, int64_t(dtype), count, size, two}), timeout_ms);
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = me.MeetRegions(0, {Region{x.untyped_data(), x.size_bytes()}, Region{},
+                                        Region{}});
+      e.failure()) {
+    return e;
+  }
+  for (int j = 0; j < size && slot > 0; ++j) {
+    FLASHCOMM_CUDA_TRY(kOp, "copying a peer's values",
+                       me.Copy(stream, stacked + j * slot, j,
+                               static_cast<const uint8_t*>(me.peers()[j][0]) + lo * item, slot));
+  }
+  auto* out = static_cast<uint8_t*>(y->untyped_data());
+  const auto sum = [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    return LaunchSumRanks<T>(stream, stacked, hi - lo, int(size), hi - lo, out + lo * item);
+  };
+  FLASHCOMM_CUDA_TRY(kOp, "sum launch",
+                     dtype == ffi::F32    ? sum(protocol::Tag<F32>{})
+                     : dtype == ffi::BF16 ? sum(protocol::Tag<BF16>{})
+                                          : sum(protocol::Tag<F16>{}));
+  if (!two) return me.MeetRegions(1, {});
+  if (ffi::Error e = me.MeetRegions(1, {Region{out + lo * item, slot}, Region{}, Region{}});
+      e.failure()) {
+    return e;
+  }
+  for (int j = 0; j < size; ++j) {
+    if (j == rank || bound(j + 1) == bound(j)) continue;
+    FLASHCOMM_CUDA_TRY(kOp, "copying a peer's sum",
+                       me.Copy(stream, out + bound(j) * item, j, me.peers()[j][0],
+                               size_t(bound(j + 1) - bound(j)) * item));
+  }
+  return me.MeetRegions(2, {});
+}
+
+void ShmBind(const void* api) {
+  g_api.store(static_cast<const shm::Api*>(api), std::memory_order_release);
+}
+bool ShmBound() { return g_api.load(std::memory_order_acquire) != nullptr; }
+size_t ShmPeerBuffersMapped() { return IpcState::Global().Mapped(); }
+
+}  // namespace cuda
+}  // namespace flashcomm
+
+// The same operands, results and attributes as the CPU handlers (ffi/cpu/shm_kernels.cc), in
+// the same order; the contexts add the stream and XLA's scratch allocator. No traits: NOT
+// command-buffer compatible (see p2p_handlers.cc).
+#define FLASHCOMM_SHM_COMMON_ATTRS                                                         \
+  .Attr<int64_t>("size")          /* ranks in the replica group */                         \
+      .Attr<int64_t>("site")      /* the call site: peers of one call share it */          \
+      .Attr<int64_t>("timeout_ms") /* every wait gives up after this, with an error */     \
+      .Attr<int64_t>("axes_key")  /* the mesh axes (a hash of their names) */
+
+#define FLASHCOMM_SHM_CUDA_CONTEXT                                                          \
+  .Ctx<ffi::PlatformStream<cudaStream_t>>()  /* this device's stream */                     \
+      .Ctx<ffi::ScratchAllocator>()          /* the chunks copied from the peers */
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    FlashcommShmAllReduceCuda, flashcomm::cuda::ShmAllReduce,
+    ffi::Ffi::Bind() FLASHCOMM_SHM_CUDA_CONTEXT
+        .Arg<ffi::AnyBuffer>()             // x: (N * groups_per_chunk, group_size)
+        .Arg<ffi::Buffer<ffi::S32>>()      // rank: () in 0..N-1
+        .Arg<ffi::Buffer<ffi::S32>>()      // group: () the replica group's index
+        .Ret<ffi::AnyBuffer>()             // y: x's shape and dtype, the decoded sum (or empty)
+        .Ret<ffi::Buffer<ffi::U8>>()       // phase-1 codes: (N, groups_per_chunk, bytes)
+        .Ret<ffi::Buffer<ffi::BF16>>()     // phase-1 scale: (N, groups_per_chunk)
+        .Ret<ffi::Buffer<ffi::BF16>>()     // phase-1 zero
+        .Ret<ffi::Buffer<ffi::U8>>()       // phase-2 codes, gathered: (N * gpc, bytes')
+        .Ret<ffi::Buffer<ffi::BF16>>()     // phase-2 scale: (N * gpc)
+        .Ret<ffi::Buffer<ffi::BF16>>()     // phase-2 zero
+        .Attr<int32_t>("bits")             // phase-1 code width, 2..8
+        .Attr<int32_t>("out_bits")         // phase-2 code width, 2..8
+        .Attr<int64_t>("group_size")       // multiple of 8
+        .Attr<int32_t>("rotation")         // 0, 1 or 2 (both phases)
+        .Attr<int32_t>("spikes")           // phase-1 spikes per group, 0..16
+        .Attr<int32_t>("out_spikes")       // phase-2 spikes per group, 0..16
+        FLASHCOMM_SHM_COMMON_ATTRS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    FlashcommShmReduceScatterCuda, flashcomm::cuda::ShmReduceScatter,
+    ffi::Ffi::Bind() FLASHCOMM_SHM_CUDA_CONTEXT
+        .Arg<ffi::AnyBuffer>()             // x: (N * groups_per_chunk, group_size)
+        .Arg<ffi::Buffer<ffi::S32>>()      // rank: () in 0..N-1
+        .Arg<ffi::Buffer<ffi::S32>>()      // group: () the replica group's index
+        .Ret<ffi::AnyBuffer>()             // y: (groups_per_chunk, group_size), chunk `rank`
+        .Ret<ffi::Buffer<ffi::U8>>()       // codes: (N, groups_per_chunk, bytes)
+        .Ret<ffi::Buffer<ffi::BF16>>()     // scale: (N, groups_per_chunk)
+        .Ret<ffi::Buffer<ffi::BF16>>()     // zero
+        .Attr<int32_t>("bits")             // code width, 2..8
+        .Attr<int64_t>("group_size")       // multiple of 8
+        .Attr<int32_t>("rotation")         // 0, 1 or 2
+        .Attr<int32_t>("spikes")           // spikes per group, 0..16
+        FLASHCOMM_SHM_COMMON_ATTRS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    FlashcommShmAllGatherCuda, flashcomm::cuda::ShmAllGather,
+    ffi::Ffi::Bind() FLASHCOMM_SHM_CUDA_CONTEXT
+        .Arg<ffi::AnyBuffer>()             // x: (groups, group_size)
+        .Arg<ffi::Buffer<ffi::S32>>()      // rank: () in 0..N-1
+        .Arg<ffi::Buffer<ffi::S32>>()      // group: () the replica group's index
+        .Ret<ffi::AnyBuffer>()             // y: (N, groups, group_size), rank j's in slot j
+        .Ret<ffi::Buffer<ffi::U8>>()       // codes: (groups, bytes), this rank's payload
+        .Ret<ffi::Buffer<ffi::BF16>>()     // scale: (groups)
+        .Ret<ffi::Buffer<ffi::BF16>>()     // zero
+        .Attr<int32_t>("bits")             // code width, 2..8
+        .Attr<int64_t>("group_size")       // multiple of 8
+        .Attr<int32_t>("rotation")         // 0, 1 or 2
+        .Attr<int32_t>("spikes")           // spikes per group, 0..16
+        FLASHCOMM_SHM_COMMON_ATTRS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    FlashcommShmPsumCuda, flashcomm::cuda::ShmPsum,
+    ffi::Ffi::Bind() FLASHCOMM_SHM_CUDA_CONTEXT
+        .Arg<ffi::AnyBuffer>()             // x: any shape, f32, bf16 or f16
+        .Arg<ffi::Buffer<ffi::S32>>()      // rank: () in 0..N-1
+        .Arg<ffi::Buffer<ffi::S32>>()      // group: () the replica group's index
+        .Ret<ffi::AnyBuffer>()             // y: x's shape and dtype, the exact sum
+        FLASHCOMM_SHM_COMMON_ATTRS
+        .Attr<int32_t>("two_shot")         // 0: every rank sums all; 1: reduce-scatter + gather;
+                                           // 2: two shots from two_shot_bytes
+        .Attr<int64_t>("two_shot_bytes"));  // with 2: two shots from this many bytes per rank

@@ -1,0 +1,108 @@
+"""The transport between processes on CUDA (ffi/cuda/shm_handlers.cc: CUDA IPC memory and
+event handles over the CPU module's shared-memory meeting point), run on a GPU.
+
+Two and three processes share the one GPU (CUDA IPC works between processes on one device;
+NCCL refuses two ranks on one GPU, so XLA's own collectives cannot be the reference here). The
+reference is one CPU process with N devices running the same programs with transport="xla":
+the codec kernels are bit-identical across CPU and CUDA away from denormals, so every quantized
+result must match bit for bit. The exact all-reduce (one shot and two shots) must equal the f32
+rank-order sum. Each worker checks that no meeting is left in progress; every test checks that
+/dev/shm has no new entry afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.gpu.gpu_support import gpu_devices, no_gpu_reason
+
+pytestmark = pytest.mark.gpu
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = REPO / "tests" / "support" / "_gpu_shm_worker.py"
+HARD_TIMEOUT = 240  # seconds, per launch
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env.pop("XLA_FLAGS", None)
+    env.pop("JAX_PLATFORMS", None)
+    return env
+
+
+def _run(args_per_proc: list[list[str]], tmp: Path, env: dict) -> list[str]:
+    """Runs the worker once per argument list, at once; returns their outputs (all must pass)."""
+    deadline = time.monotonic() + HARD_TIMEOUT
+    logs = [tmp / f"log{i}.txt" for i in range(len(args_per_proc))]
+    procs = []
+    try:
+        for args, log in zip(args_per_proc, logs):
+            with open(log, "w") as out:
+                procs.append(subprocess.Popen([sys.executable, "-u", str(WORKER), *args],
+                                              cwd=tmp, env=env, stdout=out,
+                                              stderr=subprocess.STDOUT))
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    texts = [log.read_text() for log in logs]
+    for p, text in zip(procs, texts):
+        assert p.returncode == 0 and "PASS" in text, text[-4000:]
+    return texts
+
+
+def _check(nproc: int, mode: str, tmp_path: Path):
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    env = _env()
+    ref_env = dict(env, JAX_PLATFORMS="cpu")
+    _run([["reference", str(nproc), str(tmp_path)]], tmp_path, ref_env)
+    port = str(_free_port())
+    texts = _run([[mode, str(nproc), str(tmp_path), port, str(i)] for i in range(nproc)],
+                 tmp_path, env)
+    print("\n".join(line for t in texts for line in t.splitlines() if "exact" in line
+                    or "mapped" in line))
+    ref = np.load(tmp_path / "reference.npz")
+    assert len(ref.files) == 3 * 2 * 4
+    for i in range(nproc):
+        got = np.load(tmp_path / f"p{i}.npz")
+        assert sorted(got.files) == sorted(ref.files)
+        for name in ref.files:
+            want = ref[name][i:i + 1]
+            differ = got[name] != want
+            assert not differ.any(), (f"rank {i}, {name}: {int(differ.sum())} of {want.size} "
+                                      "values differ from the CPU reference")
+    after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert after <= before, sorted(after - before)
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_shm_transport_on_one_gpu_matches_the_cpu_reference(nproc, tmp_path, cuda_module):
+    if not gpu_devices():
+        pytest.skip(no_gpu_reason())
+    _check(nproc, "gpu", tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_launcher_on_cpu_processes(tmp_path):
+    """The same launch and comparison with one CPU device per process (the CPU shm transport):
+    what this module runs on a GPU stays runnable where there is none."""
+    _check(2, "cpu", tmp_path)
