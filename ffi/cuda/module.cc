@@ -67,6 +67,8 @@ NB_MODULE(_flashcomm_cuda, m) {
       "Binds the CPU module's shared-memory meeting point (its shm_api() capsule).");
   m.def("shm_bound", &flashcomm::cuda::ShmBound,
         "Whether the shared-memory meeting point is bound (shm_bind).");
+  m.def("shm_release_events", &flashcomm::cuda::ShmReleaseEvents,
+        "Destroys the CUDA IPC events this process created or opened (at exit); their count.");
   m.def("shm_peer_buffers_mapped", &flashcomm::cuda::ShmPeerBuffersMapped,
         "Peers' CUDA IPC staging buffers this process has mapped.");
   flashcomm::AddP2pRingInspection(

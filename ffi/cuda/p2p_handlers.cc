@@ -180,7 +180,7 @@ class Participant {
 };
 
 
-using protocol::AllocateScratch;
+using protocol::AllocateWork;
 using protocol::CheckCommon;
 using protocol::Codec;
 using protocol::ScratchPayload;
@@ -188,7 +188,7 @@ using protocol::Start;
 
 }  // namespace
 
-ffi::Error P2pAllReduce(ffi::RunId run, cudaStream_t stream, ffi::ScratchAllocator scratch,
+ffi::Error P2pAllReduce(ffi::RunId run, cudaStream_t stream,
                         ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
                         ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> y,
                         ffi::Result<ffi::Buffer<ffi::U8>> p1_codes,
@@ -219,7 +219,7 @@ ffi::Error P2pAllReduce(ffi::RunId run, cudaStream_t stream, ffi::ScratchAllocat
     return e;
   }
   ScratchPayload gathered;  // chunk `rank` of every peer's phase-1 payload
-  if (ffi::Error e = AllocateScratch(kOp, scratch, size, k.n_groups / size,
+  if (ffi::Error e = AllocateWork(kOp, device, site, group, size, k.n_groups / size,
                                      record_bytes(group_size, bits, spikes), &gathered);
       e.failure()) {
     return e;
@@ -233,7 +233,7 @@ ffi::Error P2pAllReduce(ffi::RunId run, cudaStream_t stream, ffi::ScratchAllocat
                              p2_zero->typed_data());
 }
 
-ffi::Error P2pReduceScatter(ffi::RunId run, cudaStream_t stream, ffi::ScratchAllocator scratch,
+ffi::Error P2pReduceScatter(ffi::RunId run, cudaStream_t stream,
                             ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
                             ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> y,
                             ffi::Result<ffi::Buffer<ffi::U8>> p1_codes,
@@ -259,7 +259,7 @@ ffi::Error P2pReduceScatter(ffi::RunId run, cudaStream_t stream, ffi::ScratchAll
     return e;
   }
   ScratchPayload gathered;
-  if (ffi::Error e = AllocateScratch(kOp, scratch, size, k.n_groups / size,
+  if (ffi::Error e = AllocateWork(kOp, device, site, group, size, k.n_groups / size,
                                      record_bytes(group_size, bits, spikes), &gathered);
       e.failure()) {
     return e;
@@ -271,7 +271,7 @@ ffi::Error P2pReduceScatter(ffi::RunId run, cudaStream_t stream, ffi::ScratchAll
                                  p1_scale->typed_data(), p1_zero->typed_data());
 }
 
-ffi::Error P2pAllGather(ffi::RunId run, cudaStream_t stream, ffi::ScratchAllocator scratch,
+ffi::Error P2pAllGather(ffi::RunId run, cudaStream_t stream,
                         ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
                         ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> y,
                         ffi::Result<ffi::Buffer<ffi::U8>> codes,
@@ -297,7 +297,7 @@ ffi::Error P2pAllGather(ffi::RunId run, cudaStream_t stream, ffi::ScratchAllocat
     return e;
   }
   ScratchPayload gathered;  // every peer's payload (this rank's slot unused)
-  if (ffi::Error e = AllocateScratch(kOp, scratch, size, k.n_groups,
+  if (ffi::Error e = AllocateWork(kOp, device, site, group, size, k.n_groups,
                                      record_bytes(group_size, bits, spikes), &gathered);
       e.failure()) {
     return e;
@@ -315,12 +315,12 @@ size_t P2pMeetingsInProgress() { return Rendezvous::Global().InProgress(); }
 }  // namespace flashcomm
 
 // The same operands, results and attributes as the CPU handlers (ffi/cpu/p2p_kernels.cc), in
-// the same order; the contexts add the stream and XLA's scratch allocator.
+// the same order; the contexts add the run id and the stream.
 //
 // No traits: these handlers are NOT command-buffer compatible and must never declare XLA's
 // command-buffer trait. Each call reads the rank and group from device memory on the host
 // (polling the stream with cudaStreamQuery), meets its peers on the host, records and waits on
-// events published by other devices' calls and allocates scratch memory: a CUDA graph would
+// events published by other devices' calls and allocates working memory: a CUDA graph would
 // freeze the rank of its capture, the peers' pointers and events of one run (silently stale
 // data afterwards), and capture forbids the stream query. XLA runs them as plain custom calls
 // outside command buffers (tests/gpu/test_cuda_traits.py checks both ways).
@@ -331,8 +331,7 @@ size_t P2pMeetingsInProgress() { return Rendezvous::Global().InProgress(); }
 
 #define FLASHCOMM_P2P_CUDA_CONTEXT                                                         \
   .Ctx<ffi::RunId>()                             /* the execution: peers of one run meet */ \
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()  /* this device's stream */                 \
-      .Ctx<ffi::ScratchAllocator>()              /* the chunks copied from the peers */
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()  /* this device's stream */
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     FlashcommP2pAllReduceCuda, flashcomm::cuda::P2pAllReduce,

@@ -10,10 +10,12 @@
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <set>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 
 #include "xla/ffi/api/ffi.h"
@@ -23,7 +25,7 @@ namespace cuda {
 
 namespace ffi = xla::ffi;
 
-inline ffi::Error CudaError(const char* op, const char* what, cudaError_t err) {
+inline ffi::Error CudaError(const char* op, const std::string& what, cudaError_t err) {
   return ffi::Error::Internal(std::string(op) + ": " + what + " failed: " +
                               cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
 }
@@ -79,6 +81,35 @@ inline cudaError_t EnablePeerAccess(int device, int peer) {
     }
   }
   done->insert({device, peer});
+  return cudaSuccess;
+}
+
+// Device memory of this process for (device, site, group): the collectives' working copies of
+// their peers' chunks. Cached and grown by doubling (cudaFree waits for the device, so no
+// earlier call still uses the old block); calls of one site run in order on their device's
+// stream, so reusing the block across calls is stream-ordered. XLA's FFI scratch allocator is
+// not used: on jax 0.11.2 it refused even 4864 bytes to these handlers (docs/cuda.md).
+inline cudaError_t Workspace(int device, int64_t site, int64_t group, size_t bytes, void** ptr) {
+  struct Block {
+    void* ptr = nullptr;
+    size_t bytes = 0;
+  };
+  static std::mutex mu;
+  static auto* blocks = new std::map<std::tuple<int, int64_t, int64_t>, Block>();  // never freed
+  std::lock_guard<std::mutex> lock(mu);
+  Block& b = (*blocks)[{device, site, group}];
+  if (b.bytes < bytes) {
+    size_t grown = b.bytes ? b.bytes : size_t(1) << 16;
+    while (grown < bytes) grown *= 2;
+    if (b.ptr) cudaFree(b.ptr);
+    b = Block{};
+    if (cudaError_t e = cudaMalloc(&b.ptr, grown); e != cudaSuccess) {
+      b = Block{};
+      return e;
+    }
+    b.bytes = grown;
+  }
+  *ptr = b.ptr;
   return cudaSuccess;
 }
 

@@ -45,7 +45,7 @@ using p2p::Published;
 inline constexpr size_t kAlign = 256;
 inline size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
-// `slots` payloads of `groups` records of `nb` bytes, as one chunked payload in scratch memory
+// `slots` payloads of `groups` records of `nb` bytes, as one chunked payload in working memory
 // (codes, scale and zero each 256-byte aligned: the kernels read 2-byte scales).
 struct ScratchPayload {
   uint8_t* codes = nullptr;
@@ -53,18 +53,16 @@ struct ScratchPayload {
   uint16_t* zero = nullptr;
 };
 
-inline ffi::Error AllocateScratch(const char* op, ffi::ScratchAllocator& scratch, int64_t slots,
-                           int64_t groups, int64_t nb, ScratchPayload* out) {
+inline ffi::Error AllocateWork(const char* op, int device, int64_t site, int64_t group,
+                               int64_t slots, int64_t groups, int64_t nb, ScratchPayload* out) {
   const size_t codes = AlignUp(size_t(slots * groups * nb));
   const size_t params = AlignUp(size_t(slots * groups) * 2);
   const size_t bytes = codes + 2 * params;
   if (bytes == 0) return ffi::Error::Success();
-  const std::optional<void*> mem = scratch.Allocate(bytes, kAlign);
-  if (!mem.has_value() || *mem == nullptr) {
-    return ffi::Error::Internal(std::string(op) + ": could not allocate " +
-                                std::to_string(bytes) + " bytes of scratch memory");
-  }
-  auto* base = static_cast<uint8_t*>(*mem);
+  void* mem = nullptr;
+  FLASHCOMM_CUDA_TRY(op, "allocating " + std::to_string(bytes) + " bytes of working memory",
+                     Workspace(device, site, group, bytes, &mem));
+  auto* base = static_cast<uint8_t*>(mem);
   out->codes = base;
   out->scale = reinterpret_cast<uint16_t*>(base + codes);
   out->zero = reinterpret_cast<uint16_t*>(base + codes + params);

@@ -58,12 +58,16 @@ using protocol::AlignUp;
 std::atomic<const shm::Api*> g_api{nullptr};
 
 // What a rank publishes at one barrier (copied by the meeting point into its shared segment).
+// The meeting point carries no data at a protocol's last barrier (it only orders buffer reuse),
+// so the last barrier's event travels ahead, in every earlier slot.
 struct IpcSlot {
-  cudaIpcMemHandle_t mem;      // its staging buffer (buffer_id > 0)
-  cudaIpcEventHandle_t event;  // recorded after the staging copy
+  cudaIpcMemHandle_t mem;            // its staging buffer (buffer_id > 0)
+  cudaIpcEventHandle_t event;        // recorded after the staging copy
+  cudaIpcEventHandle_t final_event;  // recorded at the last barrier (done reading the peers)
   int64_t pid;
   int64_t buffer_id;  // 0: nothing published at this barrier
   int64_t event_id;
+  int64_t final_event_id;
   int64_t offset[3];
 };
 
@@ -169,6 +173,24 @@ class IpcState {
     return cudaSuccess;
   }
 
+  // Destroys every interprocess event this process created or opened (at exit). The CUDA
+  // driver backs IPC events with a file in /dev/shm (cuda.shm.0.<pid>.1): on the H200 it was
+  // still there after the processes exited when the events had never been destroyed.
+  // Later calls create them again.
+  int ReleaseEvents() {
+    std::lock_guard<std::mutex> lock(mu_);
+    int n = 0;
+    for (auto& [channel, e] : events_) {
+      if (e.event && cudaEventDestroy(e.event) == cudaSuccess) ++n;
+    }
+    events_.clear();
+    for (auto& [key, e] : peer_events_) {
+      if (e && cudaEventDestroy(e) == cudaSuccess) ++n;
+    }
+    peer_events_.clear();
+    return n;
+  }
+
   // Peers' staging buffers mapped in this process (for tests).
   size_t Mapped() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -234,6 +256,7 @@ class IpcParticipant {
                   uint64_t descriptor, int64_t timeout_ms) {
     rank_ = rank;
     size_ = int(size);
+    barriers_ = barriers;
     std::string error;
     meeting_ = api_->join({axes_key, site_, group_, rank, int(size), barriers, descriptor,
                            timeout_ms},
@@ -254,13 +277,20 @@ class IpcParticipant {
 
   // Publishes up to three regions of device memory at `barrier` (staged), waits for every
   // rank, then orders this stream after each peer's staging copy; peers() then points into
-  // their mapped staging buffers.
+  // their mapped staging buffers. At the last barrier (no regions) it orders this stream after
+  // every peer's reads of this rank's buffers.
   ffi::Error MeetRegions(int barrier, const std::array<Region, 3>& regions) {
     IpcSlot slot;
     std::memset(&slot, 0, sizeof slot);
     slot.pid = int64_t(getpid());
     IpcState& state = IpcState::Global();
     const Channel channel{site_, group_, barrier};
+    const bool last = barrier + 1 == barriers_;
+    if (last) return MeetLast(state, channel);
+    cudaEvent_t final_event = nullptr;  // only its handle travels now
+    FLASHCOMM_CUDA_TRY(op_, "creating the IPC event",
+                       state.Event(Channel{site_, group_, barriers_ - 1}, &final_event,
+                                   &slot.final_event, &slot.final_event_id));
     size_t total = 0;
     for (const Region& r : regions) total += AlignUp(r.bytes);
     if (total > 0) {
@@ -283,45 +313,10 @@ class IpcParticipant {
                        state.Event(channel, &event, &slot.event, &slot.event_id));
     FLASHCOMM_CUDA_TRY(op_, "recording the IPC event", cudaEventRecord(event, stream_));
 
-    struct Wait {
-      std::mutex mu;
-      std::condition_variable cv;
-      bool done = false;
-      std::string error;
-      std::vector<IpcSlot> slots;
-      std::vector<bool> failed;
-    };
-    auto wait = std::make_shared<Wait>();
-    const void* failed_mark = api_->rank_failed;
-    const int size = size_;
-    api_->arrive(
-        meeting_, barrier, shm::Spans{shm::Span{&slot, sizeof slot}}, false,
-        [wait, failed_mark, size](const std::vector<Published>& peers, const std::string& error) {
-          std::lock_guard<std::mutex> lock(wait->mu);
-          wait->error = error;
-          if (error.empty()) {
-            wait->slots.resize(size);
-            wait->failed.assign(size, false);
-            for (int j = 0; j < size && j < int(peers.size()); ++j) {
-              if (peers[j][3] == failed_mark || peers[j][0] == nullptr) {
-                wait->failed[j] = true;
-              } else {
-                std::memcpy(&wait->slots[j], peers[j][0], sizeof(IpcSlot));
-              }
-            }
-          }
-          wait->done = true;
-          wait->cv.notify_all();
-        },
-        0);
-    {
-      // The meeting point's watchdog answers by the deadline; the margin only guards against a
-      // meeting point that never calls back.
-      std::unique_lock<std::mutex> lock(wait->mu);
-      if (!wait->cv.wait_until(lock, deadline_ + std::chrono::seconds(10),
-                               [&] { return wait->done; })) {
-        return ffi::Error::Internal(std::string(op_) + ": the meeting point did not answer");
-      }
+    std::shared_ptr<Wait> wait;
+    if (ffi::Error e = Arrive(barrier, shm::Spans{shm::Span{&slot, sizeof slot}}, true, &wait);
+        e.failure()) {
+      return e;
     }
     if (!wait->error.empty()) return ffi::Error::Internal(std::string(op_) + ": " + wait->error);
     for (int j = 0; j < size_; ++j) {
@@ -330,6 +325,7 @@ class IpcParticipant {
                                     " failed in this call");
       }
     }
+    if (final_events_.empty()) final_events_ = wait->slots;  // the first barrier's slots
     for (int j = 0; j < size_; ++j) {
       if (j == rank_) {
         peers_[j] = Published{regions[0].data, regions[1].data, regions[2].data, nullptr};
@@ -353,6 +349,91 @@ class IpcParticipant {
     return ffi::Error::Success();
   }
 
+  struct Wait {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    std::string error;
+    std::vector<IpcSlot> slots;
+    std::vector<bool> failed;
+  };
+
+  // Arrives at `barrier` with `spans` and waits (bounded) until every rank has; with `slots`,
+  // every rank's published IpcSlot is copied out (a rank that published none counts as failed).
+  ffi::Error Arrive(int barrier, const shm::Spans& spans, bool slots,
+                    std::shared_ptr<Wait>* out) {
+    auto wait = std::make_shared<Wait>();
+    const void* failed_mark = api_->rank_failed;
+    const int size = size_;
+    api_->arrive(
+        meeting_, barrier, spans, false,
+        [wait, failed_mark, size, slots](const std::vector<Published>& peers,
+                                         const std::string& error) {
+          std::lock_guard<std::mutex> lock(wait->mu);
+          wait->error = error;
+          if (error.empty()) {
+            wait->slots.resize(size);
+            wait->failed.assign(size, false);
+            for (int j = 0; j < size && j < int(peers.size()); ++j) {
+              if (peers[j][3] == failed_mark || (slots && peers[j][0] == nullptr)) {
+                wait->failed[j] = true;
+              } else if (slots) {
+                std::memcpy(&wait->slots[j], peers[j][0], sizeof(IpcSlot));
+              }
+            }
+          }
+          wait->done = true;
+          wait->cv.notify_all();
+        },
+        0);
+    {
+      // The meeting point's watchdog answers by the deadline; the margin only guards against a
+      // meeting point that never calls back.
+      std::unique_lock<std::mutex> lock(wait->mu);
+      if (!wait->cv.wait_until(lock, deadline_ + std::chrono::seconds(10),
+                               [&] { return wait->done; })) {
+        return ffi::Error::Internal(std::string(op_) + ": the meeting point did not answer");
+      }
+    }
+    *out = std::move(wait);
+    return ffi::Error::Success();
+  }
+
+  // The last barrier: record this rank's final event, meet, then wait on every peer's (their
+  // handles came with the first barrier's slots).
+  ffi::Error MeetLast(IpcState& state, const Channel& channel) {
+    cudaEvent_t mine = nullptr;
+    cudaIpcEventHandle_t handle;
+    int64_t id = 0;
+    FLASHCOMM_CUDA_TRY(op_, "creating the IPC event", state.Event(channel, &mine, &handle, &id));
+    FLASHCOMM_CUDA_TRY(op_, "recording the IPC event", cudaEventRecord(mine, stream_));
+    std::shared_ptr<Wait> wait;
+    if (ffi::Error e = Arrive(std::get<2>(channel), shm::Spans{}, false, &wait); e.failure()) {
+      return e;
+    }
+    if (!wait->error.empty()) return ffi::Error::Internal(std::string(op_) + ": " + wait->error);
+    for (int j = 0; j < size_; ++j) {
+      if (wait->failed[j]) {
+        return ffi::Error::Internal(std::string(op_) + ": rank " + std::to_string(j) +
+                                    " failed in this call");
+      }
+    }
+    if (int(final_events_.size()) != size_) {
+      return ffi::Error::Internal(std::string(op_) + ": the last barrier came first");
+    }
+    for (int j = 0; j < size_; ++j) {
+      if (j == rank_) continue;
+      const IpcSlot& peer = final_events_[j];
+      cudaEvent_t theirs = nullptr;
+      FLASHCOMM_CUDA_TRY(op_, "opening a peer's IPC event",
+                         state.PeerEvent(peer.pid, peer.final_event_id, peer.final_event,
+                                         &theirs));
+      FLASHCOMM_CUDA_TRY(op_, "waiting for a peer's final event",
+                         cudaStreamWaitEvent(stream_, theirs, 0));
+    }
+    return ffi::Error::Success();
+  }
+
   const std::vector<Published>& peers() const { return peers_; }
   int size() const { return size_; }
   // A peer's mapped memory (or this rank's own) into this device's (UVA: one copy kind).
@@ -369,8 +450,10 @@ class IpcParticipant {
   int64_t site_, group_;
   int rank_ = 0;
   int size_ = 1;
+  int barriers_ = 0;
   std::shared_ptr<shm::Meeting> meeting_;
   std::vector<Published> peers_;
+  std::vector<IpcSlot> final_events_;  // every rank's first slot (their final events)
 };
 
 const shm::Api* BoundApi(const char* op, ffi::Error* error) {
@@ -396,7 +479,7 @@ uint64_t Describe(std::initializer_list<int64_t> values) {  // as cpu_p2p_protoc
 }
 
 // What the three quantized handlers do before their protocol: the meeting point, the device,
-// the rank and group, scratch memory, the call joined.
+// the rank and group, working memory, the call joined.
 struct Begun {
   CurrentDevice on;
   int device = 0;
@@ -404,7 +487,7 @@ struct Begun {
   protocol::ScratchPayload gathered;
 };
 
-ffi::Error Begin(const char* op, cudaStream_t stream, ffi::ScratchAllocator& scratch,
+ffi::Error Begin(const char* op, cudaStream_t stream,
                  ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf, int64_t size,
                  int64_t site, int64_t timeout_ms, int64_t axes_key, int barriers,
                  uint64_t descriptor, int64_t slots, int64_t slot_groups, int64_t nb,
@@ -419,7 +502,8 @@ ffi::Error Begin(const char* op, cudaStream_t stream, ffi::ScratchAllocator& scr
     return e;
   }
   if (ffi::Error e =
-          protocol::AllocateScratch(op, scratch, slots, slot_groups, nb, &b->gathered);
+          protocol::AllocateWork(op, b->device, site, b->group, slots, slot_groups, nb,
+                                 &b->gathered);
       e.failure()) {
     return e;
   }
@@ -429,7 +513,7 @@ ffi::Error Begin(const char* op, cudaStream_t stream, ffi::ScratchAllocator& scr
 
 }  // namespace
 
-ffi::Error ShmAllReduce(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
+ffi::Error ShmAllReduce(cudaStream_t stream, ffi::AnyBuffer x,
                         ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
                         ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::U8>> p1_codes,
                         ffi::Result<ffi::Buffer<ffi::BF16>> p1_scale,
@@ -454,7 +538,7 @@ ffi::Error ShmAllReduce(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
   std::unique_ptr<IpcParticipant> me;
   const uint64_t descriptor = Describe({1, int64_t(k.dtype), k.n_groups, group_size, bits,
                                         out_bits, rotation, spikes, out_spikes, decode, size});
-  if (ffi::Error e = Begin(kOp, stream, scratch, rank_buf, group_buf, size, site, timeout_ms,
+  if (ffi::Error e = Begin(kOp, stream, rank_buf, group_buf, size, site, timeout_ms,
                            axes_key, 3, descriptor, size, k.n_groups / size,
                            record_bytes(group_size, bits, spikes), &b, &me);
       e.failure()) {
@@ -467,7 +551,7 @@ ffi::Error ShmAllReduce(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
                              p2_zero->typed_data());
 }
 
-ffi::Error ShmReduceScatter(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
+ffi::Error ShmReduceScatter(cudaStream_t stream, ffi::AnyBuffer x,
                             ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
                             ffi::Result<ffi::AnyBuffer> y,
                             ffi::Result<ffi::Buffer<ffi::U8>> codes,
@@ -487,7 +571,7 @@ ffi::Error ShmReduceScatter(cudaStream_t stream, ffi::ScratchAllocator scratch, 
   std::unique_ptr<IpcParticipant> me;
   const uint64_t descriptor = Describe({2, int64_t(k.dtype), k.n_groups, group_size, bits,
                                         rotation, spikes, size});
-  if (ffi::Error e = Begin(kOp, stream, scratch, rank_buf, group_buf, size, site, timeout_ms,
+  if (ffi::Error e = Begin(kOp, stream, rank_buf, group_buf, size, site, timeout_ms,
                            axes_key, 2, descriptor, size, k.n_groups / size,
                            record_bytes(group_size, bits, spikes), &b, &me);
       e.failure()) {
@@ -498,7 +582,7 @@ ffi::Error ShmReduceScatter(cudaStream_t stream, ffi::ScratchAllocator scratch, 
                                  zero->typed_data());
 }
 
-ffi::Error ShmAllGather(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
+ffi::Error ShmAllGather(cudaStream_t stream, ffi::AnyBuffer x,
                         ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
                         ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::U8>> codes,
                         ffi::Result<ffi::Buffer<ffi::BF16>> scale,
@@ -517,7 +601,7 @@ ffi::Error ShmAllGather(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
   std::unique_ptr<IpcParticipant> me;
   const uint64_t descriptor = Describe({3, int64_t(k.dtype), k.n_groups, group_size, bits,
                                         rotation, spikes, size});
-  if (ffi::Error e = Begin(kOp, stream, scratch, rank_buf, group_buf, size, site, timeout_ms,
+  if (ffi::Error e = Begin(kOp, stream, rank_buf, group_buf, size, site, timeout_ms,
                            axes_key, 2, descriptor, size, k.n_groups,
                            record_bytes(group_size, bits, spikes), &b, &me);
       e.failure()) {
@@ -530,7 +614,7 @@ ffi::Error ShmAllGather(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
 
 // The exact all-reduce: one shot (every rank sums every rank's x) or two shots (rank r sums
 // chunk r, then every rank copies every chunk), the f32 rank-order sum of the CPU handler.
-ffi::Error ShmPsum(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
+ffi::Error ShmPsum(cudaStream_t stream, ffi::AnyBuffer x,
                    ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
                    ffi::Result<ffi::AnyBuffer> y, int64_t size, int64_t site,
                    int64_t timeout_ms, int64_t axes_key, int32_t two_shot,
@@ -572,11 +656,10 @@ ffi::Error ShmPsum(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyB
   const size_t slot = size_t(hi - lo) * item;
   uint8_t* stacked = nullptr;  // every rank's [lo, hi), rank-major
   if (slot * size_t(size) > 0) {
-    const std::optional<void*> mem = scratch.Allocate(slot * size_t(size), protocol::kAlign);
-    if (!mem.has_value() || *mem == nullptr) {
-      return ffi::Error::Internal(std::string(kOp) + ": could not allocate scratch memory");
-    }
-    stacked = static_cast<uint8_t*>(*mem);
+    void* mem = nullptr;
+    FLASHCOMM_CUDA_TRY(kOp, "allocating working memory",
+                       Workspace(device, site, group, slot * size_t(size), &mem));
+    stacked = static_cast<uint8_t*>(mem);
   }
   IpcParticipant me(api, kOp, stream, deadline, site, group);
   if (ffi::Error e = me.Join(axes_key, rank, size, two ? 3 : 2,
@@ -622,12 +705,13 @@ void ShmBind(const void* api) {
 }
 bool ShmBound() { return g_api.load(std::memory_order_acquire) != nullptr; }
 size_t ShmPeerBuffersMapped() { return IpcState::Global().Mapped(); }
+int ShmReleaseEvents() { return IpcState::Global().ReleaseEvents(); }
 
 }  // namespace cuda
 }  // namespace flashcomm
 
 // The same operands, results and attributes as the CPU handlers (ffi/cpu/shm_kernels.cc), in
-// the same order; the contexts add the stream and XLA's scratch allocator. No traits: NOT
+// the same order; the context adds the stream. No traits: NOT
 // command-buffer compatible (see p2p_handlers.cc).
 #define FLASHCOMM_SHM_COMMON_ATTRS                                                         \
   .Attr<int64_t>("size")          /* ranks in the replica group */                         \
@@ -635,9 +719,8 @@ size_t ShmPeerBuffersMapped() { return IpcState::Global().Mapped(); }
       .Attr<int64_t>("timeout_ms") /* every wait gives up after this, with an error */     \
       .Attr<int64_t>("axes_key")  /* the mesh axes (a hash of their names) */
 
-#define FLASHCOMM_SHM_CUDA_CONTEXT                                                          \
-  .Ctx<ffi::PlatformStream<cudaStream_t>>()  /* this device's stream */                     \
-      .Ctx<ffi::ScratchAllocator>()          /* the chunks copied from the peers */
+#define FLASHCOMM_SHM_CUDA_CONTEXT \
+  .Ctx<ffi::PlatformStream<cudaStream_t>>() /* this device's stream */
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     FlashcommShmAllReduceCuda, flashcomm::cuda::ShmAllReduce,

@@ -18,6 +18,7 @@ programs). Across hosts, or with several devices per process, the transport is u
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
@@ -116,7 +117,11 @@ def _exchange() -> str | None:
     try:
         kernels.cpu_module().shm_attach([(j, p["pid"], p["fd"]) for j, p in enumerate(peers)])
         if jax.default_backend() != "cpu":  # the CUDA handlers meet through the CPU module
-            kernels.cuda_module().shm_bind(kernels.cpu_module().shm_api())
+            cuda = kernels.cuda_module()
+            cuda.shm_bind(kernels.cpu_module().shm_api())
+            # Runs before JAX's own exit handlers (registered earlier): the driver's /dev/shm
+            # files of the IPC events go with the events (docs/cuda.md).
+            atexit.register(cuda.shm_release_events)
     except (RuntimeError, ValueError) as e:
         failure = str(e)
     client.key_value_set(_KEY.format(me) + "/attach", failure)  # every process agrees on it

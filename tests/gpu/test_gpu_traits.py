@@ -40,6 +40,8 @@ CAPTURABLE = frozenset(kernels.TARGETS)
 HOST_SYNCHRONOUS = frozenset({
     "flashcomm_p2p_all_reduce", "flashcomm_p2p_reduce_scatter", "flashcomm_p2p_all_gather",
     "flashcomm_p2p_ring_start", "flashcomm_p2p_ring_done",
+    "flashcomm_shm_all_reduce", "flashcomm_shm_reduce_scatter", "flashcomm_shm_all_gather",
+    "flashcomm_shm_psum",
 })
 
 
@@ -113,9 +115,11 @@ def test_host_synchronous_handlers_do_host_work():
     """The other side of the line: the p2p and ring handlers do what capture must not see
     (a stream query, host waits), which is why they declare no trait."""
     assert "cudaStreamQuery" in _code(CUDA_DIR / "p2p_host.h")  # ReadRankAndGroup polls
-    for name in ("p2p_handlers.cc", "p2p_ring_handlers.cc"):
+    assert "ReadRankAndGroup(" in _code(CUDA_DIR / "p2p_protocol.h")  # in protocol::Start
+    for name in ("p2p_handlers.cc", "p2p_ring_handlers.cc", "shm_handlers.cc"):
         code = _code(CUDA_DIR / name)
-        assert "ReadRankAndGroup(" in code, name  # the rank, read on the host every call
+        # the rank, read on the host every call (directly or through protocol::Start)
+        assert "ReadRankAndGroup(" in code or "Start(" in code, name
         assert "kCmdBufferCompatible" not in code, name
 
 

@@ -57,8 +57,7 @@ def test_cuda_handlers_bind_what_the_cpu_handlers_bind():
         attrs = [e[2] for e in cuda_sig if e[0] == "Attr"]
         assert attrs[-3:] == ["size", "site", "timeout_ms"], attrs
         ctx = [e[1] for e in cuda[h + "Cuda"] if e[0] == "Ctx"]
-        assert ctx == ["ffi::RunId", "ffi::PlatformStream<cudaStream_t>",
-                       "ffi::ScratchAllocator"], ctx
+        assert ctx == ["ffi::RunId", "ffi::PlatformStream<cudaStream_t>"], ctx
     # Not CUDA-graph safe (host reads and barriers per call): no command-buffer trait.
     assert "CmdBuffer" not in CUDA_SOURCE.read_text()
 

@@ -47,6 +47,7 @@ def test_shm_bind_takes_only_the_cpu_meeting_point():
     module.shm_bind(kernels.cpu_module().shm_api())
     assert module.shm_bound()
     assert module.shm_peer_buffers_mapped() == 0
+    assert module.shm_release_events() == 0  # none created without a GPU
 
 
 def test_cuda_handlers_bind_what_the_cpu_handlers_bind():
@@ -59,7 +60,7 @@ def test_cuda_handlers_bind_what_the_cpu_handlers_bind():
         assert len(cpu_sig) >= 8 and cuda_sig == cpu_sig, (h, cpu_sig, cuda_sig)
         assert "axes_key" in [e[2] for e in cuda_sig if e[0] == "Attr"]
         ctx = [e[1] for e in cuda[h + "Cuda"] if e[0] == "Ctx"]
-        assert ctx == ["ffi::PlatformStream<cudaStream_t>", "ffi::ScratchAllocator"], ctx
+        assert ctx == ["ffi::PlatformStream<cudaStream_t>"], ctx
     assert "CmdBuffer" not in CUDA_SOURCE.read_text()
 
 

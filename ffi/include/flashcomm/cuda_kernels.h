@@ -47,6 +47,9 @@ void ShmBind(const void* api);
 bool ShmBound();
 // Peers' IPC staging buffers this process has mapped (for tests).
 size_t ShmPeerBuffersMapped();
+// Destroys the IPC events this process created or opened (their /dev/shm files with them);
+// returns how many. Called at interpreter exit (jax_flashcomm/transport/shm.py).
+int ShmReleaseEvents();
 
 }  // namespace cuda
 }  // namespace flashcomm
