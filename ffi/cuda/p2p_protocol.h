@@ -289,12 +289,13 @@ inline ffi::Error CheckAllReduce(const char* op, const ffi::AnyBuffer& x, const 
   return ffi::Error::Success();
 }
 
-inline ffi::Error CheckReduceScatter(const char* op, const ffi::AnyBuffer& x,
-                                     const ffi::AnyBuffer& y, const ffi::Buffer<ffi::U8>& codes,
-                                     const ffi::Buffer<ffi::BF16>& scale,
-                                     const ffi::Buffer<ffi::BF16>& zero, int32_t bits,
-                                     int64_t group_size, int32_t rotation, int32_t spikes,
-                                     int64_t size, int64_t timeout_ms, Codec* k) {
+// x and its one payload (codes, scale, zero) of a reduce-scatter or all-gather; fills `k`.
+inline ffi::Error CheckOnePayload(const char* op, const ffi::AnyBuffer& x,
+                                  const ffi::Buffer<ffi::U8>& codes,
+                                  const ffi::Buffer<ffi::BF16>& scale,
+                                  const ffi::Buffer<ffi::BF16>& zero, int32_t bits,
+                                  int64_t group_size, int32_t rotation, int32_t spikes,
+                                  int64_t size, int64_t timeout_ms, Codec* k) {
   const ffi::DataType dtype = x.element_type();
   if (ffi::Error e = CheckCommon(op, dtype, size, timeout_ms, rotation, group_size);
       e.failure()) {
@@ -306,11 +307,26 @@ inline ffi::Error CheckReduceScatter(const char* op, const ffi::AnyBuffer& x,
       e.failure()) {
     return e;
   }
-  if (n_groups % size != 0 || int64_t(y.element_count()) * size != n_groups * group_size ||
-      y.element_type() != dtype) {
+  *k = Codec{dtype, n_groups, group_size, bits, bits, rotation, spikes, spikes};
+  return ffi::Error::Success();
+}
+
+inline ffi::Error CheckReduceScatter(const char* op, const ffi::AnyBuffer& x,
+                                     const ffi::AnyBuffer& y, const ffi::Buffer<ffi::U8>& codes,
+                                     const ffi::Buffer<ffi::BF16>& scale,
+                                     const ffi::Buffer<ffi::BF16>& zero, int32_t bits,
+                                     int64_t group_size, int32_t rotation, int32_t spikes,
+                                     int64_t size, int64_t timeout_ms, Codec* k) {
+  if (ffi::Error e = CheckOnePayload(op, x, codes, scale, zero, bits, group_size, rotation,
+                                     spikes, size, timeout_ms, k);
+      e.failure()) {
+    return e;
+  }
+  if (k->n_groups % size != 0 ||
+      int64_t(y.element_count()) * size != k->n_groups * group_size ||
+      y.element_type() != k->dtype) {
     return ffi::Error::InvalidArgument(std::string(op) + ": y must hold one chunk of x");
   }
-  *k = Codec{dtype, n_groups, group_size, bits, bits, rotation, spikes, spikes};
   return ffi::Error::Success();
 }
 
@@ -320,22 +336,31 @@ inline ffi::Error CheckAllGather(const char* op, const ffi::AnyBuffer& x, const 
                                  const ffi::Buffer<ffi::BF16>& zero, int32_t bits,
                                  int64_t group_size, int32_t rotation, int32_t spikes,
                                  int64_t size, int64_t timeout_ms, Codec* k) {
-  const ffi::DataType dtype = x.element_type();
-  if (ffi::Error e = CheckCommon(op, dtype, size, timeout_ms, rotation, group_size);
+  if (ffi::Error e = CheckOnePayload(op, x, codes, scale, zero, bits, group_size, rotation,
+                                     spikes, size, timeout_ms, k);
       e.failure()) {
     return e;
   }
-  int64_t n_groups = 0;
-  if (ffi::Error e = CheckQuantizeShapes(x, codes, scale, zero, bits, group_size, spikes,
-                                         &n_groups);
-      e.failure()) {
-    return e;
-  }
-  if (y.element_count() != x.element_count() * size || y.element_type() != dtype) {
+  if (y.element_count() != x.element_count() * size || y.element_type() != k->dtype) {
     return ffi::Error::InvalidArgument(std::string(op) + ": y must hold N copies of x");
   }
-  *k = Codec{dtype, n_groups, group_size, bits, bits, rotation, spikes, spikes};
   return ffi::Error::Success();
+}
+
+// Step 1 of every protocol: quantize the operand into this rank's payload, publish it at
+// barrier 0 and wait for every rank's.
+template <class P>
+ffi::Error QuantizeAndMeet(const char* op, P& me, cudaStream_t stream, const Codec& k,
+                           const void* x, uint8_t* c, uint16_t* s, uint16_t* z) {
+  FLASHCOMM_CUDA_TRY(op, "quantize launch",
+                     Quantize(k.dtype, stream, x, k.n_groups, k.group_size, k.bits, k.rotation,
+                              k.spikes, c, s, z));
+  if (ffi::Error e = me.Record(); e.failure()) return e;
+  if (ffi::Error e = me.Meet(0, c, s, z, k.n_groups, record_bytes(k.group_size, k.bits, k.spikes));
+      e.failure()) {
+    return e;
+  }
+  return me.Prepare();
 }
 
 // The fused all-reduce (3 barriers): quantize, every rank's chunk `rank` summed and
@@ -350,12 +375,7 @@ ffi::Error AllReduce(const char* op, P& me, cudaStream_t stream, const ScratchPa
   const int64_t nb1 = record_bytes(k.group_size, k.bits, k.spikes);
   const int64_t nb2 = record_bytes(k.group_size, k.out_bits, k.out_spikes);
   // 1. Quantize the operand (N chunks) into this rank's phase-1 payload; meet.
-  FLASHCOMM_CUDA_TRY(op, "quantize launch",
-                     Quantize(k.dtype, stream, x, k.n_groups, k.group_size, k.bits, k.rotation,
-                              k.spikes, c1, s1, z1));
-  if (ffi::Error e = me.Record(); e.failure()) return e;
-  if (ffi::Error e = me.Meet(0, c1, s1, z1, k.n_groups, nb1); e.failure()) return e;
-  if (ffi::Error e = me.Prepare(); e.failure()) return e;
+  if (ffi::Error e = QuantizeAndMeet(op, me, stream, k, x, c1, s1, z1); e.failure()) return e;
   // 2. This rank's chunk of every peer's payload into scratch, summed in f32 in rank order and
   //    re-quantized into its slot of the gathered phase-2 payload.
   if (ffi::Error e = GatherFromPeers(op, stream, me, rank * gpc, gpc, nb1, gathered, -1);
@@ -399,12 +419,7 @@ ffi::Error ReduceScatter(const char* op, P& me, cudaStream_t stream,
   const int size = me.size();
   const int64_t gpc = k.n_groups / size;
   const int64_t nb = record_bytes(k.group_size, k.bits, k.spikes);
-  FLASHCOMM_CUDA_TRY(op, "quantize launch",
-                     Quantize(k.dtype, stream, x, k.n_groups, k.group_size, k.bits, k.rotation,
-                              k.spikes, c1, s1, z1));
-  if (ffi::Error e = me.Record(); e.failure()) return e;
-  if (ffi::Error e = me.Meet(0, c1, s1, z1, k.n_groups, nb); e.failure()) return e;
-  if (ffi::Error e = me.Prepare(); e.failure()) return e;
+  if (ffi::Error e = QuantizeAndMeet(op, me, stream, k, x, c1, s1, z1); e.failure()) return e;
   if (ffi::Error e = GatherFromPeers(op, stream, me, rank * gpc, gpc, nb, gathered, -1);
       e.failure()) {
     return e;
@@ -424,12 +439,7 @@ ffi::Error AllGather(const char* op, P& me, cudaStream_t stream, const ScratchPa
                      uint8_t* c, uint16_t* s, uint16_t* z) {
   const int size = me.size();
   const int64_t nb = record_bytes(k.group_size, k.bits, k.spikes);
-  FLASHCOMM_CUDA_TRY(op, "quantize launch",
-                     Quantize(k.dtype, stream, x, k.n_groups, k.group_size, k.bits, k.rotation,
-                              k.spikes, c, s, z));
-  if (ffi::Error e = me.Record(); e.failure()) return e;
-  if (ffi::Error e = me.Meet(0, c, s, z, k.n_groups, nb); e.failure()) return e;
-  if (ffi::Error e = me.Prepare(); e.failure()) return e;
+  if (ffi::Error e = QuantizeAndMeet(op, me, stream, k, x, c, s, z); e.failure()) return e;
   if (ffi::Error e = GatherFromPeers(op, stream, me, 0, k.n_groups, nb, gathered, rank);
       e.failure()) {
     return e;

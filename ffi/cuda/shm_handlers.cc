@@ -467,16 +467,7 @@ const shm::Api* BoundApi(const char* op, ffi::Error* error) {
   return api;
 }
 
-uint64_t Describe(std::initializer_list<int64_t> values) {  // as cpu_p2p_protocol.h
-  uint64_t h = 1469598103934665603ULL;
-  for (int64_t v : values) {
-    for (int i = 0; i < 8; ++i) {
-      h ^= uint64_t(v >> (8 * i)) & 0xff;
-      h *= 1099511628211ULL;
-    }
-  }
-  return h;
-}
+using shm::Describe;
 
 // What the three quantized handlers do before their protocol: the meeting point, the device,
 // the rank and group, working memory, the call joined.

@@ -26,7 +26,7 @@ import pytest
 
 from jax_flashcomm import codec
 from jax_flashcomm.codec import kernels
-from jax_flashcomm.transport import p2p, ring
+from jax_flashcomm.transport import p2p, ring, shm
 from tests.support.cuda_build import (ARCHS, CODEC_KERNELS, CODEC_TARGETS, EXPECTED_KERNELS,
                                        REQUIRED_FLAGS, _custom_calls, _kernel_base,
                                        _lowered_for_cuda)
@@ -166,6 +166,6 @@ def test_cuda_module_registrations_if_built():
     except ImportError as err:
         pytest.skip(f"_flashcomm_cuda not built (FLASHCOMM_CUDA=OFF): {err}")
     # the codec's targets and the p2p transport's (tests/transport/test_cuda_p2p_build.py,
-    # tests/transport/test_cuda_ring_build.py)
+    # tests/transport/test_cuda_ring_build.py, tests/transport/test_cuda_shm_build.py)
     assert set(_flashcomm_cuda.registrations()) == (set(kernels.TARGETS) | set(p2p.TARGETS)
-                                                    | set(ring.TARGETS))
+                                                    | set(ring.TARGETS) | set(shm.TARGETS))

@@ -44,6 +44,8 @@ CODEC_KERNELS = {
     # the fused all-reduce epilogue (docs/fused_norm.md): (f32, bf16, f16) x (f32, bf16
     # weights) x (spikes = 0, spikes > 0)
     "norm_kernels.cu": {"AddRmsNormKernel": 12},
+    # the exact all-reduce's sum between processes (ffi/cuda/shm_handlers.cc): f32, bf16, f16
+    "sum_kernels.cu": {"SumRanksKernel": 3},
 }
 EXPECTED_KERNELS = {k: n for per_file in CODEC_KERNELS.values() for k, n in per_file.items()}
 # The codec ops' FFI targets (kernels.TARGETS may list further targets of other ops).

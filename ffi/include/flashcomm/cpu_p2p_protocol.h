@@ -59,17 +59,7 @@ class Gang {
 using GangFactory =
     std::function<std::unique_ptr<Gang>(int barriers, uint64_t descriptor, std::string* error)>;
 
-// FNV-1a over the values that every rank of a call must agree on.
-inline uint64_t Describe(std::initializer_list<int64_t> values) {
-  uint64_t h = 1469598103934665603ULL;
-  for (int64_t v : values) {
-    for (int i = 0; i < 8; ++i) {
-      h ^= uint64_t(v >> (8 * i)) & 0xff;
-      h *= 1099511628211ULL;
-    }
-  }
-  return h;
-}
+using shm::Describe;  // the descriptor of a call (JoinArgs::descriptor)
 
 // One rank's part in one call: joined on creation, left when the call completes (success or
 // error), which completes the call's future.

@@ -26,6 +26,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <vector>
@@ -57,6 +58,19 @@ bool AttachBlocks(const std::vector<BlockId>& blocks, std::string* error);
 int AttachedProcesses();
 
 struct Meeting;  // one call of this process's rank
+
+// A call's descriptor (JoinArgs::descriptor): FNV-1a over the values that every rank of the
+// call must agree on (its shapes and options).
+inline uint64_t Describe(std::initializer_list<int64_t> values) {
+  uint64_t h = 1469598103934665603ULL;
+  for (int64_t v : values) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= uint64_t(v >> (8 * i)) & 0xff;
+      h *= 1099511628211ULL;
+    }
+  }
+  return h;
+}
 
 struct JoinArgs {
   int64_t axes_key;     // the mesh axes (a hash of their names)
