@@ -21,8 +21,8 @@ nanobind::dict CudaRegistrations() {
                                  FlashcommP2pAllGatherCuda);
   flashcomm::AddP2pRingRegistrations(d, FlashcommP2pRingStartCuda, FlashcommP2pRingDoneCuda);
   flashcomm::AddShmRegistrations(d, FlashcommShmAllReduceCuda, FlashcommShmReduceScatterCuda,
-                                 FlashcommShmAllGatherCuda, FlashcommShmPsumCuda, nullptr,
-                                 nullptr);
+                                 FlashcommShmAllGatherCuda, FlashcommShmPsumCuda,
+                                 FlashcommShmRingStartCuda, FlashcommShmRingDoneCuda);
   flashcomm::AddNormRegistrations(d, FlashcommAddRmsNormCuda, FlashcommAddRmsNormQuantizeCuda);
   return d;
 }
@@ -69,6 +69,8 @@ NB_MODULE(_flashcomm_cuda, m) {
         "Whether the shared-memory meeting point is bound (shm_bind).");
   m.def("shm_release_events", &flashcomm::cuda::ShmReleaseEvents,
         "Destroys the CUDA IPC events this process created or opened (at exit); their count.");
+  m.def("shm_ring_steps_in_progress", &flashcomm::cuda::ShmRingStepsInProgress,
+        "Ring steps between processes this process started and has not finished.");
   m.def("shm_peer_buffers_mapped", &flashcomm::cuda::ShmPeerBuffersMapped,
         "Peers' CUDA IPC staging buffers this process has mapped.");
   flashcomm::AddP2pRingInspection(

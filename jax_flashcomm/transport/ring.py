@@ -277,5 +277,5 @@ def steps_in_progress() -> int:
     """Ring steps some rank has not finished (0 between collective matmuls); between
     processes, the steps this process started and has not finished."""
     if p2p.across_processes():
-        return int(p2p.kernels.cpu_module().shm_ring_steps_in_progress())
+        return int(p2p.kernel_module().shm_ring_steps_in_progress())
     return int(p2p.kernel_module().p2p_ring_steps_in_progress())

@@ -168,4 +168,6 @@ def test_cuda_module_registrations_if_built():
     # the codec's targets and the p2p transport's (tests/transport/test_cuda_p2p_build.py,
     # tests/transport/test_cuda_ring_build.py, tests/transport/test_cuda_shm_build.py)
     assert set(_flashcomm_cuda.registrations()) == (set(kernels.TARGETS) | set(p2p.TARGETS)
-                                                    | set(ring.TARGETS) | set(shm.TARGETS))
+                                                    | set(ring.TARGETS) | set(shm.TARGETS)
+                                                    | {"flashcomm_shm_ring_start",
+                                                       "flashcomm_shm_ring_done"})

@@ -1,13 +1,15 @@
-"""The transport between processes on CUDA (ffi/cuda/shm_handlers.cc: CUDA IPC memory and
-event handles over the CPU module's shared-memory meeting point), run on a GPU.
+"""The transport between processes on CUDA (ffi/cuda/shm_handlers.cc, shm_ring_handlers.cc:
+CUDA IPC memory and event handles over the CPU module's shared-memory meeting point), run on a
+GPU.
 
 Two and three processes share the one GPU (CUDA IPC works between processes on one device;
 NCCL refuses two ranks on one GPU, so XLA's own collectives cannot be the reference here). The
 reference is one CPU process with N devices running the same programs with transport="xla":
 the codec kernels are bit-identical across CPU and CUDA away from denormals, so every quantized
 result must match bit for bit. The exact all-reduce (one shot and two shots) must equal the f32
-rank-order sum. Each worker checks that no meeting is left in progress; every test checks that
-/dev/shm has no new entry afterwards.
+rank-order sum; the ring matmuls (exact, small integers) must equal numpy's. Each worker checks
+that no meeting or ring step is left in progress; every test checks that /dev/shm has no new
+entry afterwards.
 """
 
 from __future__ import annotations
@@ -69,16 +71,18 @@ def _run(args_per_proc: list[list[str]], tmp: Path, env: dict) -> list[str]:
     return texts
 
 
-def _check(nproc: int, mode: str, tmp_path: Path):
+def _check(nproc: int, mode: str, tmp_path: Path, rings: bool = False):
     before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     env = _env()
+    if rings:
+        env["FLASHCOMM_TEST_RINGS"] = "1"
     ref_env = dict(env, JAX_PLATFORMS="cpu")
     _run([["reference", str(nproc), str(tmp_path)]], tmp_path, ref_env)
     port = str(_free_port())
     texts = _run([[mode, str(nproc), str(tmp_path), port, str(i)] for i in range(nproc)],
                  tmp_path, env)
     print("\n".join(line for t in texts for line in t.splitlines() if "exact" in line
-                    or "mapped" in line))
+                    or "mapped" in line or "ring" in line))
     ref = np.load(tmp_path / "reference.npz")
     assert len(ref.files) == 3 * 2 * 4
     for i in range(nproc):
@@ -100,6 +104,14 @@ def test_shm_transport_on_one_gpu_matches_the_cpu_reference(nproc, tmp_path, cud
     if not gpu_devices():
         pytest.skip(no_gpu_reason())
     _check(nproc, "gpu", tmp_path)
+
+
+def test_shm_ring_steps_on_one_gpu(tmp_path, cuda_module):
+    """The ring steps between processes (ffi/cuda/shm_ring_handlers.cc) under the ring matmuls,
+    exact on small integers; besides the same collectives as above."""
+    if not gpu_devices():
+        pytest.skip(no_gpu_reason())
+    _check(2, "gpu", tmp_path, rings=True)
 
 
 @pytest.mark.slow

@@ -41,7 +41,7 @@ HOST_SYNCHRONOUS = frozenset({
     "flashcomm_p2p_all_reduce", "flashcomm_p2p_reduce_scatter", "flashcomm_p2p_all_gather",
     "flashcomm_p2p_ring_start", "flashcomm_p2p_ring_done",
     "flashcomm_shm_all_reduce", "flashcomm_shm_reduce_scatter", "flashcomm_shm_all_gather",
-    "flashcomm_shm_psum",
+    "flashcomm_shm_psum", "flashcomm_shm_ring_start", "flashcomm_shm_ring_done",
 })
 
 
@@ -116,7 +116,8 @@ def test_host_synchronous_handlers_do_host_work():
     (a stream query, host waits), which is why they declare no trait."""
     assert "cudaStreamQuery" in _code(CUDA_DIR / "p2p_host.h")  # ReadRankAndGroup polls
     assert "ReadRankAndGroup(" in _code(CUDA_DIR / "p2p_protocol.h")  # in protocol::Start
-    for name in ("p2p_handlers.cc", "p2p_ring_handlers.cc", "shm_handlers.cc"):
+    for name in ("p2p_handlers.cc", "p2p_ring_handlers.cc", "shm_handlers.cc",
+                 "shm_ring_handlers.cc"):
         code = _code(CUDA_DIR / name)
         # the rank, read on the host every call (directly or through protocol::Start)
         assert "ReadRankAndGroup(" in code or "Start(" in code, name

@@ -14,6 +14,8 @@ port and the process id.
   shot and two shots, against the f32 rank-order sum in numpy, bit for bit, and that no meeting
   is left in progress.
 
+* with ``FLASHCOMM_TEST_RINGS=1`` (and always in ``cpu`` mode) also the ring matmuls (the ring
+  steps between processes), exact on small integers against numpy.
 * ``cpu``: the same as ``gpu`` with one CPU device per process (gloo, the CPU shm transport):
   the launcher's dry run where there is no GPU.
 
@@ -58,7 +60,7 @@ if mode != "reference":
 import jax_flashcomm as fc  # noqa: E402
 from jax_flashcomm import CommConfig  # noqa: E402
 from jax_flashcomm.codec import kernels  # noqa: E402
-from jax_flashcomm.transport import shm  # noqa: E402
+from jax_flashcomm.transport import ring, shm  # noqa: E402
 
 mesh = jax.make_mesh((nproc,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,),
                      devices=jax.devices()[:nproc])
@@ -141,6 +143,45 @@ def exact():
             log("exact psum", name, dname, "== the f32 rank-order sum, bit for bit")
 
 
+def stacked(full: np.ndarray, dt) -> jax.Array:
+    """An (N, ...) operand, row j on rank j (this process's row)."""
+    full = full.astype(dt)
+    return jax.make_array_from_process_local_data(ROWS, full[pid][None], full.shape)
+
+
+def rings():
+    """The ring matmuls with transport="p2p" (the ring steps between processes), exact
+    (bits=None) on small integers: every product and partial sum is an integer below 256, exact
+    in bf16 and f32 whatever the order, so the results must equal numpy's bit for bit."""
+    r = np.random.default_rng(11)
+    m, k, cols = 6, 32, 8
+    x = r.integers(-2, 3, size=(nproc, m, k)).astype(np.float32)
+    w = r.integers(-1, 2, size=(nproc, k, cols)).astype(np.float32)  # rank j's columns
+    xs = r.integers(-2, 3, size=(nproc, nproc * m, cols)).astype(np.float32)  # K split
+    ws = r.integers(-1, 2, size=(nproc, cols, cols)).astype(np.float32)
+    for dname, dt in DTYPES.items():
+        npdt = ml_dtypes.bfloat16 if dname == "bf16" else np.float32
+        for bidirectional in (False, True):
+            def ag(a, b, bidirectional=bidirectional):
+                return (fc.all_gather_matmul(a, b, "x", bidirectional=bidirectional, bits=None,
+                                             transport="p2p"),)
+
+            def rs(a, b, bidirectional=bidirectional):
+                return (fc.matmul_reduce_scatter(a, b, "x", bidirectional=bidirectional,
+                                                 bits=None, transport="p2p"),)
+
+            (got,) = smap(ag)(stacked(x, dt), stacked(w, dt))
+            want = (x.reshape(nproc * m, k) @ w[pid]).astype(npdt)
+            assert np.array_equal(np.asarray(got.addressable_shards[0].data)[0], want), (
+                f"all_gather_matmul {dname} bidirectional={bidirectional}")
+            (got,) = smap(rs)(stacked(xs, dt), stacked(ws, dt))
+            total = sum(xs[j] @ ws[j] for j in range(nproc))
+            want = total[pid * m:(pid + 1) * m].astype(npdt)
+            assert np.array_equal(np.asarray(got.addressable_shards[0].data)[0], want), (
+                f"matmul_reduce_scatter {dname} bidirectional={bidirectional}")
+            log("ring matmuls", dname, f"bidirectional={bidirectional}: exact")
+
+
 if mode == "reference":
     np.savez(os.path.join(outdir, "reference.npz"), **quantized())
 else:
@@ -150,6 +191,9 @@ else:
     assert mode == "cpu" or kernels.cuda_module().shm_bound()
     np.savez(os.path.join(outdir, f"p{pid}.npz"), **quantized())
     exact()
+    if mode == "cpu" or os.environ.get("FLASHCOMM_TEST_RINGS") == "1":
+        rings()
+        assert ring.steps_in_progress() == 0
     assert shm.meetings_in_progress() == 0
     if mode == "gpu":
         mapped = kernels.cuda_module().shm_peer_buffers_mapped()

@@ -1,15 +1,15 @@
 """The transport between processes on CUDA (ffi/cuda/shm_handlers.cc: the CPU module's
 shared-memory meeting point, CUDA IPC memory and event handles) without a GPU.
 
-- The CUDA module registers the four ``flashcomm_shm_*`` collectives (no ring steps), binds
-  only the CPU module's meeting point capsule, and its handlers bind exactly the CPU handlers'
-  operands, results and attributes.
-- shm_handlers.cc compiles with g++ -Wall -Wextra -Werror.
+- The CUDA module registers the four ``flashcomm_shm_*`` collectives and the two ring steps,
+  binds only the CPU module's meeting point capsule, and its handlers bind exactly the CPU
+  handlers' operands, results and attributes.
+- shm_handlers.cc and shm_ring_handlers.cc compile with g++ -Wall -Wextra -Werror.
 - Lowered for "cuda" with the peers taken as processes, psum / psum_scatter / all_gather and the
-  exact psum emit the ``flashcomm_shm_*`` typed-FFI calls with their ``axes_key``; the
-  collective matmul's ring is refused with a reason (no CUDA ring steps across processes).
+  exact psum emit the ``flashcomm_shm_*`` typed-FFI calls with their ``axes_key``, and the
+  collective matmuls emit ``flashcomm_shm_ring_start`` / ``_done`` pairs.
 
-tests/gpu/test_gpu_shm.py runs it on a GPU (two and three processes sharing one).
+tests/gpu/test_gpu_shm.py runs the collectives on a GPU (two and three processes sharing one).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import re
 import jax
 import pytest
 
-import jax_flashcomm
+
+import jax_flashcomm as fc
 from jax_flashcomm.codec import kernels
 from jax_flashcomm.transport import p2p, ring, shm
 from tests.support.cuda_build import ROOT, _custom_calls
@@ -30,14 +31,18 @@ CPU_SOURCE = ROOT / "ffi" / "cpu" / "shm_kernels.cc"
 CUDA_SOURCE = ROOT / "ffi" / "cuda" / "shm_handlers.cc"
 HANDLERS = ("FlashcommShmAllReduce", "FlashcommShmReduceScatter", "FlashcommShmAllGather",
             "FlashcommShmPsum")
+CPU_RING_SOURCE = ROOT / "ffi" / "cpu" / "shm_ring_kernels.cc"
+CUDA_RING_SOURCE = ROOT / "ffi" / "cuda" / "shm_ring_handlers.cc"
+RING_HANDLERS = ("FlashcommShmRingStart", "FlashcommShmRingDone")
+RING_TARGETS = ("flashcomm_shm_ring_start", "flashcomm_shm_ring_done")
 
 
 def test_cuda_module_registers_the_shm_collectives():
     module = _cuda_module()
     names = set(module.registrations())
-    assert set(shm.TARGETS) <= names, sorted(names)
-    assert not {"flashcomm_shm_ring_start", "flashcomm_shm_ring_done"} & names
-    assert set(shm.TARGETS) <= kernels.registered("cuda")
+    assert set(shm.TARGETS) | set(RING_TARGETS) <= names, sorted(names)
+    assert set(shm.TARGETS) | set(RING_TARGETS) <= kernels.registered("cuda")
+    assert module.shm_ring_steps_in_progress() == 0
 
 
 def test_shm_bind_takes_only_the_cpu_meeting_point():
@@ -50,22 +55,25 @@ def test_shm_bind_takes_only_the_cpu_meeting_point():
     assert module.shm_release_events() == 0  # none created without a GPU
 
 
-def test_cuda_handlers_bind_what_the_cpu_handlers_bind():
-    cpu, cuda = _bindings(CPU_SOURCE), _bindings(CUDA_SOURCE)
-    assert {h + "Cpu" for h in HANDLERS} <= set(cpu), sorted(cpu)
-    assert set(cuda) == {h + "Cuda" for h in HANDLERS}, sorted(cuda)
-    for h in HANDLERS:
+@pytest.mark.parametrize("cpu_source,cuda_source,handlers", [
+    (CPU_SOURCE, CUDA_SOURCE, HANDLERS), (CPU_RING_SOURCE, CUDA_RING_SOURCE, RING_HANDLERS)])
+def test_cuda_handlers_bind_what_the_cpu_handlers_bind(cpu_source, cuda_source, handlers):
+    cpu, cuda = _bindings(cpu_source), _bindings(cuda_source)
+    assert {h + "Cpu" for h in handlers} <= set(cpu), sorted(cpu)
+    assert set(cuda) == {h + "Cuda" for h in handlers}, sorted(cuda)
+    for h in handlers:
         cpu_sig = [e for e in cpu[h + "Cpu"] if e[0] != "Ctx"]
         cuda_sig = [e for e in cuda[h + "Cuda"] if e[0] != "Ctx"]
         assert len(cpu_sig) >= 8 and cuda_sig == cpu_sig, (h, cpu_sig, cuda_sig)
         assert "axes_key" in [e[2] for e in cuda_sig if e[0] == "Attr"]
         ctx = [e[1] for e in cuda[h + "Cuda"] if e[0] == "Ctx"]
         assert ctx == ["ffi::PlatformStream<cudaStream_t>"], ctx
-    assert "CmdBuffer" not in CUDA_SOURCE.read_text()
+    assert "CmdBuffer" not in cuda_source.read_text()
 
 
-def test_shm_handlers_compile_with_warnings_as_errors(tmp_path):
-    compile_host_source(CUDA_SOURCE, tmp_path / "shm.o")
+@pytest.mark.parametrize("source", [CUDA_SOURCE, CUDA_RING_SOURCE])
+def test_shm_handlers_compile_with_warnings_as_errors(source, tmp_path):
+    compile_host_source(source, tmp_path / "shm.o")
 
 
 @pytest.fixture
@@ -75,7 +83,7 @@ def as_processes(as_gpu, monkeypatch):
 
 
 def test_cuda_lowering_emits_the_shm_targets(as_processes):
-    config = jax_flashcomm.CommConfig(bits=4, ag_bits=8, min_bytes=0, rotation=2, spikes=1,
+    config = fc.CommConfig(bits=4, ag_bits=8, min_bytes=0, rotation=2, spikes=1,
                                       transport="p2p", p2p_timeout_ms=4321)
     lowered, n = _lower_collectives(_mesh((4,), ("x",)), "x", config)
     calls = _custom_calls(lowered.as_text())
@@ -94,11 +102,11 @@ def test_cuda_lowering_emits_the_shm_targets(as_processes):
 
 
 def test_cuda_lowering_exact_psum_over_shm(as_processes):
-    config = jax_flashcomm.CommConfig(bits=None, transport="p2p")
+    config = fc.CommConfig(bits=None, transport="p2p")
     mesh = _mesh((4,), ("x",))
 
     def f(x):
-        return jax_flashcomm.psum(x, "x", config=config)
+        return fc.psum(x, "x", config=config)
 
     g = jax.shard_map(f, mesh=mesh, in_specs=jax.P("x"), out_specs=jax.P("x"))
     x = jax.ShapeDtypeStruct((4 * 4096,), jax.numpy.bfloat16,
@@ -109,15 +117,26 @@ def test_cuda_lowering_exact_psum_over_shm(as_processes):
     assert not re.search(r"stablehlo\.all_reduce", text)
 
 
-def test_ring_across_processes_on_cuda_is_refused(as_processes):
-    reasons = []
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_cuda_lowering_ring_matmuls_over_shm(as_processes, bidirectional):
+    n, m, k, cols = 4, 6, 32, 8
+    mesh = _mesh((n,), ("i",))
 
-    def f(x):
-        reasons.append(ring.unsupported_reason(("x",)))
-        return x
+    def op(x, w):
+        return fc.all_gather_matmul(x, w, "i", bidirectional=bidirectional, transport="p2p",
+                                    p2p_timeout_ms=4321)
 
-    mesh = _mesh((4,), ("x",))
-    x = jax.ShapeDtypeStruct((8,), jax.numpy.float32, sharding=jax.NamedSharding(mesh, jax.P("x")))
-    jax.jit(jax.shard_map(f, mesh=mesh, in_specs=jax.P("x"), out_specs=jax.P("x"))).trace(x)
-    (reason,) = reasons
-    assert reason is not None and "ring-step" in reason, reason
+    f = jax.shard_map(op, mesh=mesh, in_specs=(jax.P("i"), jax.P(None, "i")),
+                      out_specs=jax.P(None, "i"))
+    x = jax.ShapeDtypeStruct((n * m, k), jax.numpy.bfloat16,
+                             sharding=jax.NamedSharding(mesh, jax.P("i")))
+    w = jax.ShapeDtypeStruct((k, n * cols), jax.numpy.bfloat16,
+                             sharding=jax.NamedSharding(mesh, jax.P(None, "i")))
+    text = jax.jit(f).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    calls = _custom_calls(text)
+    steps = (n - 1) * (2 if bidirectional else 1)
+    assert len(calls.get(RING_TARGETS[0], [])) == len(calls.get(RING_TARGETS[1], [])) == steps
+    assert not set(ring.TARGETS) & set(calls)
+    for line in calls[RING_TARGETS[0]] + calls[RING_TARGETS[1]]:
+        assert _attr(line, "axes_key") == str(p2p.axes_key(("i",))), line
+    assert not re.search(r"stablehlo\.(collective_permute|all_gather|all_to_all)", text)

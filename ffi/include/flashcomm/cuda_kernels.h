@@ -31,6 +31,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommShmAllReduceCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommShmReduceScatterCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommShmAllGatherCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommShmPsumCuda);
+// Ring steps between processes (ffi/cuda/shm_ring_handlers.cc).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommShmRingStartCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommShmRingDoneCuda);
 
 namespace flashcomm {
 namespace cuda {
@@ -45,6 +48,8 @@ size_t P2pRingStepsInProgress();
 // shm_api capsule): the flashcomm_shm_* handlers fail until it is bound.
 void ShmBind(const void* api);
 bool ShmBound();
+// Ring steps between processes this process started and has not finished.
+size_t ShmRingStepsInProgress();
 // Peers' IPC staging buffers this process has mapped (for tests).
 size_t ShmPeerBuffersMapped();
 // Destroys the IPC events this process created or opened (their /dev/shm files with them);

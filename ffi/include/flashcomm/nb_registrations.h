@@ -42,7 +42,7 @@ inline void AddP2pRegistrations(nanobind::dict& d, Handler* all_reduce, Handler*
 }
 
 // The peer-to-peer transport between processes over shared memory (docs/transport.md, "Across
-// processes"), added to `d` (the CUDA module has no ring steps: null ring_start / ring_done).
+// processes"), added to `d`.
 inline void AddShmRegistrations(nanobind::dict& d, Handler* all_reduce, Handler* reduce_scatter,
                                 Handler* all_gather, Handler* psum, Handler* ring_start,
                                 Handler* ring_done) {
@@ -51,8 +51,8 @@ inline void AddShmRegistrations(nanobind::dict& d, Handler* all_reduce, Handler*
   d["flashcomm_shm_reduce_scatter"] = capsule(reduce_scatter);
   d["flashcomm_shm_all_gather"] = capsule(all_gather);
   d["flashcomm_shm_psum"] = capsule(psum);
-  if (ring_start) d["flashcomm_shm_ring_start"] = capsule(ring_start);  // null: not built
-  if (ring_done) d["flashcomm_shm_ring_done"] = capsule(ring_done);
+  d["flashcomm_shm_ring_start"] = capsule(ring_start);
+  d["flashcomm_shm_ring_done"] = capsule(ring_done);
 }
 
 // The fused all-reduce epilogue (docs/fused_norm.md), added to `d`.

@@ -1,0 +1,471 @@
+// The CUDA IPC side of the transport between processes (docs/cuda.md, "Across processes: CUDA
+// IPC"), shared by the collectives (shm_handlers.cc) and the ring steps (shm_ring_handlers.cc):
+// the staging buffers and interprocess events of this process, the peers' opened handles, and
+// the participant of one call, which meets its peers through the CPU module's shared-memory
+// meeting point (flashcomm/shm_rendezvous.h, bound once from Python).
+//   - A rank copies what it publishes at a barrier into a staging buffer of its own, allocated
+//     with cudaMalloc (legacy IPC exports only those; XLA's allocator may hand out memory it
+//     cannot), one per (site, group, barrier), grown by doubling.
+//   - After the copy it records an interprocess event (one per site, group and barrier) on its
+//     stream, and publishes the buffer's and the event's IPC handles, its offsets and ids.
+//   - A peer opens each handle once (cached by process and id), makes its stream wait on the
+//     event, and copies from the mapped buffer. The last barrier orders the reuse of a staging
+//     buffer and of the events after every peer's reads.
+// Host waits are bounded by timeout_ms (the meeting point's watchdog); a peer that exits fails
+// the call at once. Plain C++ (host compiler, CUDA runtime API).
+#ifndef FLASHCOMM_CUDA_IPC_PARTICIPANT_H_
+#define FLASHCOMM_CUDA_IPC_PARTICIPANT_H_
+
+#include <cuda_runtime_api.h>
+#include <unistd.h>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "flashcomm/p2p_rendezvous.h"
+#include "flashcomm/shm_rendezvous.h"
+#include "p2p_host.h"
+#include "p2p_protocol.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace flashcomm {
+namespace cuda {
+namespace ipc {
+
+namespace ffi = xla::ffi;
+using Clock = std::chrono::steady_clock;
+using p2p::Published;
+using protocol::AlignUp;
+
+// The CPU module's meeting point (shm_bind); null until Python binds it.
+inline std::atomic<const shm::Api*> g_api{nullptr};
+
+// What a rank publishes at one barrier (copied by the meeting point into its shared segment).
+// The meeting point carries no data at a protocol's last barrier (it only orders buffer reuse),
+// so the last barrier's event travels ahead, in every earlier slot.
+struct IpcSlot {
+  cudaIpcMemHandle_t mem;            // its staging buffer (buffer_id > 0)
+  cudaIpcEventHandle_t event;        // recorded after the staging copy
+  cudaIpcEventHandle_t final_event;  // recorded at the last barrier (done reading the peers)
+  int64_t pid;
+  int64_t buffer_id;  // 0: nothing published at this barrier
+  int64_t event_id;
+  int64_t final_event_id;
+  int64_t offset[3];
+};
+
+using Channel = std::tuple<int64_t, int64_t, int>;  // site, group, barrier
+
+// Process-wide: this process's staging buffers and events, and the peers' opened handles.
+// One GPU per process (the Python side checks); every member under mu_.
+class IpcState {
+ public:
+  static IpcState& Global() {
+    static auto* state = new IpcState();  // never destroyed: handlers may run at exit
+    return *state;
+  }
+
+  // This process's staging buffer of `channel`, holding at least `bytes`.
+  cudaError_t Staging(const Channel& channel, size_t bytes, void** ptr, int64_t* id,
+                      cudaIpcMemHandle_t* handle) {
+    std::lock_guard<std::mutex> lock(mu_);
+    Buffer& b = staging_[channel];
+    if (b.bytes < bytes) {
+      size_t grown = b.bytes ? b.bytes : size_t(1) << 20;
+      while (grown < bytes) grown *= 2;
+      // cudaFree waits for the device: this stream's earlier waits on the peers' last events
+      // (every peer done reading the old buffer) come first.
+      if (b.ptr) cudaFree(b.ptr);
+      b = Buffer{};
+      if (cudaError_t e = cudaMalloc(&b.ptr, grown); e != cudaSuccess) return e;
+      if (cudaError_t e = cudaIpcGetMemHandle(&b.handle, b.ptr); e != cudaSuccess) {
+        cudaFree(b.ptr);
+        b = Buffer{};
+        return e;
+      }
+      b.bytes = grown;
+      b.id = ++next_id_;
+    }
+    *ptr = b.ptr;
+    *id = b.id;
+    *handle = b.handle;
+    return cudaSuccess;
+  }
+
+  // This process's interprocess event of `channel`.
+  cudaError_t Event(const Channel& channel, cudaEvent_t* event, cudaIpcEventHandle_t* handle,
+                    int64_t* id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    OwnEvent& e = events_[channel];
+    if (!e.event) {
+      if (cudaError_t err = cudaEventCreateWithFlags(
+              &e.event, cudaEventInterprocess | cudaEventDisableTiming);
+          err != cudaSuccess) {
+        e.event = nullptr;
+        return err;
+      }
+      if (cudaError_t err = cudaIpcGetEventHandle(&e.handle, e.event); err != cudaSuccess) {
+        cudaEventDestroy(e.event);
+        e.event = nullptr;
+        return err;
+      }
+      e.id = ++next_id_;
+    }
+    *event = e.event;
+    *handle = e.handle;
+    *id = e.id;
+    return cudaSuccess;
+  }
+
+  // Peer `pid`'s staging buffer `id` of `channel`, mapped here. A new id replaces the mapping
+  // of the previous one, after `stream` (whose earlier copies read it) has drained.
+  cudaError_t PeerBuffer(int64_t pid, const Channel& channel, int64_t id,
+                         const cudaIpcMemHandle_t& handle, cudaStream_t stream,
+                         Clock::time_point deadline, void** ptr) {
+    std::lock_guard<std::mutex> lock(mu_);
+    Mapping& m = mapped_[{pid, channel}];
+    if (m.id != id) {
+      if (m.ptr) {
+        if (cudaError_t e = Drain(stream, deadline); e != cudaSuccess) return e;
+        cudaIpcCloseMemHandle(m.ptr);
+        m = Mapping{};
+      }
+      if (cudaError_t e = cudaIpcOpenMemHandle(&m.ptr, handle, cudaIpcMemLazyEnablePeerAccess);
+          e != cudaSuccess) {
+        m = Mapping{};
+        return e;
+      }
+      m.id = id;
+    }
+    *ptr = m.ptr;
+    return cudaSuccess;
+  }
+
+  // Peer `pid`'s event `id`, opened here (events live as long as their process).
+  cudaError_t PeerEvent(int64_t pid, int64_t id, const cudaIpcEventHandle_t& handle,
+                        cudaEvent_t* event) {
+    std::lock_guard<std::mutex> lock(mu_);
+    cudaEvent_t& e = peer_events_[{pid, id}];
+    if (!e) {
+      if (cudaError_t err = cudaIpcOpenEventHandle(&e, handle); err != cudaSuccess) {
+        peer_events_.erase({pid, id});
+        return err;
+      }
+    }
+    *event = e;
+    return cudaSuccess;
+  }
+
+  // Destroys every interprocess event this process created or opened (at exit). The CUDA
+  // driver backs IPC events with a file in /dev/shm (cuda.shm.0.<pid>.1): on the H200 it was
+  // still there after the processes exited when the events had never been destroyed.
+  // Later calls create them again.
+  int ReleaseEvents() {
+    std::lock_guard<std::mutex> lock(mu_);
+    int n = 0;
+    for (auto& [channel, e] : events_) {
+      if (e.event && cudaEventDestroy(e.event) == cudaSuccess) ++n;
+    }
+    events_.clear();
+    for (auto& [key, e] : peer_events_) {
+      if (e && cudaEventDestroy(e) == cudaSuccess) ++n;
+    }
+    peer_events_.clear();
+    return n;
+  }
+
+  // Peers' staging buffers mapped in this process (for tests).
+  size_t Mapped() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return mapped_.size();
+  }
+
+ private:
+  struct Buffer {
+    void* ptr = nullptr;
+    size_t bytes = 0;
+    int64_t id = 0;
+    cudaIpcMemHandle_t handle{};
+  };
+  struct OwnEvent {
+    cudaEvent_t event = nullptr;
+    cudaIpcEventHandle_t handle{};
+    int64_t id = 0;
+  };
+  struct Mapping {
+    int64_t id = 0;
+    void* ptr = nullptr;
+  };
+
+  // `stream`'s work done, polled until `deadline`.
+  static cudaError_t Drain(cudaStream_t stream, Clock::time_point deadline) {
+    for (;;) {
+      const cudaError_t q = cudaStreamQuery(stream);
+      if (q != cudaErrorNotReady) return q;
+      if (Clock::now() >= deadline) return cudaErrorNotReady;
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
+  std::mutex mu_;
+  int64_t next_id_ = 0;
+  std::map<Channel, Buffer> staging_;
+  std::map<Channel, OwnEvent> events_;
+  std::map<std::pair<int64_t, Channel>, Mapping> mapped_;
+  std::map<std::pair<int64_t, int64_t>, cudaEvent_t> peer_events_;
+};
+
+// One region a rank publishes (device memory).
+struct Region {
+  const void* data = nullptr;
+  size_t bytes = 0;
+};
+
+// One rank's part in one call over IPC: the Participant of p2p_protocol.h. Record() is a no-op:
+// Meet() records the barrier's event after its staging copy, so that the peers' wait covers it
+// (and everything this stream did before).
+class IpcParticipant {
+ public:
+  IpcParticipant(const shm::Api* api, const char* op, cudaStream_t stream,
+                 Clock::time_point deadline, int64_t site, int64_t group)
+      : api_(api), op_(op), stream_(stream), deadline_(deadline), site_(site), group_(group) {}
+  IpcParticipant(const IpcParticipant&) = delete;
+  IpcParticipant& operator=(const IpcParticipant&) = delete;
+  ~IpcParticipant() {
+    if (meeting_) api_->leave(meeting_);
+  }
+
+  ffi::Error Join(int64_t axes_key, int32_t rank, int64_t size, int barriers,
+                  uint64_t descriptor, int64_t timeout_ms) {
+    rank_ = rank;
+    size_ = int(size);
+    barriers_ = barriers;
+    std::string error;
+    meeting_ = api_->join({axes_key, site_, group_, rank, int(size), barriers, descriptor,
+                           timeout_ms},
+                          &error);
+    if (!meeting_) return ffi::Error::Internal(std::string(op_) + ": " + error);
+    peers_.assign(size_, Published{});
+    return ffi::Error::Success();
+  }
+
+  ffi::Error Record() { return ffi::Error::Success(); }
+
+  ffi::Error Meet(int barrier, const void* codes, const void* scale, const void* zero,
+                  int64_t groups, int64_t nb) {
+    return MeetRegions(barrier, {Region{codes, size_t(groups * nb)},
+                                 Region{scale, size_t(groups) * 2},
+                                 Region{zero, size_t(groups) * 2}});
+  }
+
+  // Publishes up to three regions of device memory at `barrier` (staged), waits for every
+  // rank, then orders this stream after each peer's staging copy; peers() then points into
+  // their mapped staging buffers. At the last barrier (no regions) it orders this stream after
+  // every peer's reads of this rank's buffers.
+  ffi::Error MeetRegions(int barrier, const std::array<Region, 3>& regions) {
+    IpcSlot slot;
+    std::memset(&slot, 0, sizeof slot);
+    slot.pid = int64_t(getpid());
+    IpcState& state = IpcState::Global();
+    const Channel channel{site_, group_, barrier};
+    const bool last = barrier + 1 == barriers_;
+    if (last) return MeetLast(state, channel);
+    cudaEvent_t final_event = nullptr;  // only its handle travels now
+    FLASHCOMM_CUDA_TRY(op_, "creating the IPC event",
+                       state.Event(Channel{site_, group_, barriers_ - 1}, &final_event,
+                                   &slot.final_event, &slot.final_event_id));
+    size_t total = 0;
+    for (const Region& r : regions) total += AlignUp(r.bytes);
+    if (total > 0) {
+      void* base = nullptr;
+      FLASHCOMM_CUDA_TRY(op_, "allocating the IPC staging buffer",
+                         state.Staging(channel, total, &base, &slot.buffer_id, &slot.mem));
+      size_t at = 0;
+      for (int i = 0; i < 3; ++i) {
+        slot.offset[i] = int64_t(at);
+        if (regions[i].bytes == 0) continue;
+        FLASHCOMM_CUDA_TRY(op_, "staging a published region",
+                           cudaMemcpyAsync(static_cast<uint8_t*>(base) + at, regions[i].data,
+                                           regions[i].bytes, cudaMemcpyDeviceToDevice,
+                                           stream_));
+        at += AlignUp(regions[i].bytes);
+      }
+    }
+    cudaEvent_t event = nullptr;
+    FLASHCOMM_CUDA_TRY(op_, "creating the IPC event",
+                       state.Event(channel, &event, &slot.event, &slot.event_id));
+    FLASHCOMM_CUDA_TRY(op_, "recording the IPC event", cudaEventRecord(event, stream_));
+
+    std::shared_ptr<Wait> wait;
+    if (ffi::Error e = Arrive(barrier, shm::Spans{shm::Span{&slot, sizeof slot}}, true, &wait);
+        e.failure()) {
+      return e;
+    }
+    if (!wait->error.empty()) return ffi::Error::Internal(std::string(op_) + ": " + wait->error);
+    for (int j = 0; j < size_; ++j) {
+      if (wait->failed[j]) {
+        return ffi::Error::Internal(std::string(op_) + ": rank " + std::to_string(j) +
+                                    " failed in this call");
+      }
+    }
+    if (final_events_.empty()) final_events_ = wait->slots;  // the first barrier's slots
+    for (int j = 0; j < size_; ++j) {
+      if (j == rank_) {
+        peers_[j] = Published{regions[0].data, regions[1].data, regions[2].data, nullptr};
+        continue;
+      }
+      const IpcSlot& peer = wait->slots[j];
+      cudaEvent_t theirs = nullptr;
+      FLASHCOMM_CUDA_TRY(op_, "opening a peer's IPC event",
+                         state.PeerEvent(peer.pid, peer.event_id, peer.event, &theirs));
+      FLASHCOMM_CUDA_TRY(op_, "waiting for a peer's event",
+                         cudaStreamWaitEvent(stream_, theirs, 0));
+      peers_[j] = Published{};
+      if (peer.buffer_id == 0) continue;
+      void* base = nullptr;
+      FLASHCOMM_CUDA_TRY(op_, "opening a peer's IPC memory",
+                         state.PeerBuffer(peer.pid, channel, peer.buffer_id, peer.mem, stream_,
+                                          deadline_, &base));
+      auto* b = static_cast<const uint8_t*>(base);
+      peers_[j] = Published{b + peer.offset[0], b + peer.offset[1], b + peer.offset[2], nullptr};
+    }
+    return ffi::Error::Success();
+  }
+
+  struct Wait {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    std::string error;
+    std::vector<IpcSlot> slots;
+    std::vector<bool> failed;
+  };
+
+  // Arrives at `barrier` with `spans` and waits (bounded) until every rank has; with `slots`,
+  // every rank's published IpcSlot is copied out (a rank that published none counts as failed).
+  ffi::Error Arrive(int barrier, const shm::Spans& spans, bool slots,
+                    std::shared_ptr<Wait>* out) {
+    auto wait = std::make_shared<Wait>();
+    const void* failed_mark = api_->rank_failed;
+    const int size = size_;
+    api_->arrive(
+        meeting_, barrier, spans, false,
+        [wait, failed_mark, size, slots](const std::vector<Published>& peers,
+                                         const std::string& error) {
+          std::lock_guard<std::mutex> lock(wait->mu);
+          wait->error = error;
+          if (error.empty()) {
+            wait->slots.resize(size);
+            wait->failed.assign(size, false);
+            for (int j = 0; j < size && j < int(peers.size()); ++j) {
+              if (peers[j][3] == failed_mark || (slots && peers[j][0] == nullptr)) {
+                wait->failed[j] = true;
+              } else if (slots) {
+                std::memcpy(&wait->slots[j], peers[j][0], sizeof(IpcSlot));
+              }
+            }
+          }
+          wait->done = true;
+          wait->cv.notify_all();
+        },
+        0);
+    {
+      // The meeting point's watchdog answers by the deadline; the margin only guards against a
+      // meeting point that never calls back.
+      std::unique_lock<std::mutex> lock(wait->mu);
+      if (!wait->cv.wait_until(lock, deadline_ + std::chrono::seconds(10),
+                               [&] { return wait->done; })) {
+        return ffi::Error::Internal(std::string(op_) + ": the meeting point did not answer");
+      }
+    }
+    *out = std::move(wait);
+    return ffi::Error::Success();
+  }
+
+  // The last barrier: record this rank's final event, meet, then wait on every peer's (their
+  // handles came with the first barrier's slots).
+  ffi::Error MeetLast(IpcState& state, const Channel& channel) {
+    cudaEvent_t mine = nullptr;
+    cudaIpcEventHandle_t handle;
+    int64_t id = 0;
+    FLASHCOMM_CUDA_TRY(op_, "creating the IPC event", state.Event(channel, &mine, &handle, &id));
+    FLASHCOMM_CUDA_TRY(op_, "recording the IPC event", cudaEventRecord(mine, stream_));
+    std::shared_ptr<Wait> wait;
+    if (ffi::Error e = Arrive(std::get<2>(channel), shm::Spans{}, false, &wait); e.failure()) {
+      return e;
+    }
+    if (!wait->error.empty()) return ffi::Error::Internal(std::string(op_) + ": " + wait->error);
+    for (int j = 0; j < size_; ++j) {
+      if (wait->failed[j]) {
+        return ffi::Error::Internal(std::string(op_) + ": rank " + std::to_string(j) +
+                                    " failed in this call");
+      }
+    }
+    if (int(final_events_.size()) != size_) {
+      return ffi::Error::Internal(std::string(op_) + ": the last barrier came first");
+    }
+    for (int j = 0; j < size_; ++j) {
+      if (j == rank_) continue;
+      const IpcSlot& peer = final_events_[j];
+      cudaEvent_t theirs = nullptr;
+      FLASHCOMM_CUDA_TRY(op_, "opening a peer's IPC event",
+                         state.PeerEvent(peer.pid, peer.final_event_id, peer.final_event,
+                                         &theirs));
+      FLASHCOMM_CUDA_TRY(op_, "waiting for a peer's final event",
+                         cudaStreamWaitEvent(stream_, theirs, 0));
+    }
+    return ffi::Error::Success();
+  }
+
+  const std::vector<Published>& peers() const { return peers_; }
+  int size() const { return size_; }
+  // The stream of this rank's later barriers (a ring step's done runs on its own call's).
+  void set_stream(cudaStream_t stream) { stream_ = stream; }
+  // A peer's mapped memory (or this rank's own) into this device's (UVA: one copy kind).
+  cudaError_t Copy(cudaStream_t stream, void* dst, int /*j*/, const void* src, size_t bytes) {
+    return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream);
+  }
+  ffi::Error Prepare() { return ffi::Error::Success(); }  // IPC mappings enable peer access
+
+ private:
+  const shm::Api* api_;
+  const char* op_;
+  cudaStream_t stream_;
+  Clock::time_point deadline_;
+  int64_t site_, group_;
+  int rank_ = 0;
+  int size_ = 1;
+  int barriers_ = 0;
+  std::shared_ptr<shm::Meeting> meeting_;
+  std::vector<Published> peers_;
+  std::vector<IpcSlot> final_events_;  // every rank's first slot (their final events)
+};
+
+inline const shm::Api* BoundApi(const char* op, ffi::Error* error) {
+  const shm::Api* api = g_api.load(std::memory_order_acquire);
+  if (!api) {
+    *error = ffi::Error(
+        ffi::ErrorCode::kFailedPrecondition,
+        std::string(op) + ": the shared-memory meeting point is not bound to the CUDA module "
+        "(jax_flashcomm.transport.shm.setup() binds it)");
+  }
+  return api;
+}
+
+}  // namespace ipc
+}  // namespace cuda
+}  // namespace flashcomm
+
+#endif  // FLASHCOMM_CUDA_IPC_PARTICIPANT_H_
