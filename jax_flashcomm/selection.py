@@ -34,6 +34,7 @@ import os
 
 from jax_flashcomm import costmodel, tuning
 from jax_flashcomm.costmodel import CpuCodec, Link
+from jax_flashcomm.transport import shm
 
 __all__ = ["Call", "Choice", "Candidate", "Lax", "ExactP2p", "Quantized", "CANDIDATES", "choose",
            "profile", "Profile"]
@@ -115,18 +116,23 @@ def profile(call: Call, table: tuning.Table | None) -> Profile:
     if call.layout == "processes":
         ext = tuning.link_profile()
         return Profile(f"cost model, {'given link' if ext else 'gloo loopback'}, codec {source}",
-                       ext or GLOO_LOOPBACK_LINK, _paced(ext), codec, True)
+                       ext or GLOO_LOOPBACK_LINK, _shm_link(), codec, True)
     return Profile(f"cost model, in-process, {source}", link,
                    dataclasses.replace(link, base_latency_s=p2p), codec, True)
 
 
-def _paced(link: Link | None) -> Link:
-    """The shared-memory link when its copies are paced at ``link``'s rate (benchmarks emulate
-    a link so): that rate with shared memory's own latency; unpaced: :data:`SHM_LINK`."""
-    if link is None:
+def _shm_link() -> Link:
+    """The shared-memory link between processes as it runs now: paced at the emulated bus's
+    rate where a benchmark set one (:func:`jax_flashcomm.transport.shm.set_link_rate`), with
+    shared memory's own latency; else :data:`SHM_LINK`. (The link profile describes XLA's path
+    between the processes: with no emulation, shared memory does not cross it.)"""
+    try:
+        rate = shm.link_rate()
+    except RuntimeError:  # no CPU kernel module: no shared-memory transport either
+        rate = 0.0
+    if rate <= 0:
         return SHM_LINK
-    return dataclasses.replace(link, base_latency_s=SHM_LINK.base_latency_s,
-                               step_latency_s=SHM_LINK.step_latency_s)
+    return Link(rate, "shared", SHM_LINK.base_latency_s, SHM_LINK.step_latency_s)
 
 
 def _gpu_name() -> str:

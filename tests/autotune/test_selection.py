@@ -1,6 +1,7 @@
 """The automatic choice (min_bytes="auto"): it follows a synthetic measured table, falls back to
 the cost model where the table is silent, honours pinned options, and shows in the plan."""
 
+import contextlib
 import dataclasses
 
 import jax
@@ -12,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 import jax_flashcomm as fc
 from jax_flashcomm import selection, tuning
 from jax_flashcomm.costmodel import Link
+from jax_flashcomm.transport import shm as shm_transport
 
 KIB, MIB = 1024, 1024 * 1024
 N = 4
@@ -165,17 +167,33 @@ def test_the_choice_is_the_fastest_candidate_considered():
             assert unavailable[1] is None and unavailable[2] == "other processes"
 
 
+@contextlib.contextmanager
+def _emulated_bus(bytes_per_s: float):
+    """The shared-memory transport's emulated bus at ``bytes_per_s`` inside the block."""
+    shm_transport.set_link_rate(bytes_per_s)
+    try:
+        yield
+    finally:
+        shm_transport.set_link_rate(0.0)
+
+
 def test_processes_of_one_host_take_shared_memory():
     """With the shared-memory transport (p2p_reason None between processes), a decode-sized
     psum takes the exact sum over it (exact: no margin) rather than gloo, a prefill over a
-    slow paced link the codec over it; psum_scatter has no exact p2p path; in one process
+    slow emulated bus the codec over it; psum_scatter has no exact p2p path; in one process
     exact/p2p never applies."""
     slow = Link(5e6, "shared", 1e-3)
     shm = lambda nbytes, op="psum", layout="processes": dataclasses.replace(  # noqa: E731
         _call(nbytes, layout), op=op, p2p_reason=None)
     assert _choose(shm(2 * KIB), None).candidate == "exact/p2p"
     assert _choose(shm(297 * KIB), None).candidate == "exact/p2p"
-    assert _choose(shm(297 * KIB), slow).candidate == "quantized/p2p"
+    with _emulated_bus(5e6):  # the benchmarks pace shared memory at the link's rate
+        assert _choose(shm(297 * KIB), slow).candidate == "quantized/p2p"
+    # A slow link between the processes (gloo's path) does not slow shared memory down when
+    # nothing paces it: a prefill's exact sum takes it (the ttft "unlimited" row once chose
+    # lax at 572 ms against exact-shm's 385).
+    assert _choose(shm(297 * KIB), slow).candidate == "exact/p2p"
+    assert _choose(shm(297 * KIB), Link(295e6, "shared", 4.5e-4)).candidate == "exact/p2p"
     scatter = _choose(shm(2 * KIB, op="psum_scatter"), slow)
     assert dict((n, r) for n, _, r in scatter.considered)["exact/p2p"] == (
         "only psum has an exact p2p path")
