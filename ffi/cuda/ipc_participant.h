@@ -243,8 +243,15 @@ class IpcParticipant {
       : api_(api), op_(op), stream_(stream), deadline_(deadline), site_(site), group_(group) {}
   IpcParticipant(const IpcParticipant&) = delete;
   IpcParticipant& operator=(const IpcParticipant&) = delete;
+  // A call that did not pass its last barrier (this rank failed: a CUDA error, a bad slot)
+  // ends the meeting for every rank, so that its peers fail now rather than at their timeout.
   ~IpcParticipant() {
-    if (meeting_) api_->leave(meeting_);
+    if (!meeting_) return;
+    if (!finished_) {
+      api_->abort(meeting_, std::string(op_) + ": rank " + std::to_string(rank_) +
+                                " failed in this call");
+    }
+    api_->leave(meeting_);
   }
 
   ffi::Error Join(int64_t axes_key, int32_t rank, int64_t size, int barriers,
@@ -313,13 +320,6 @@ class IpcParticipant {
         e.failure()) {
       return e;
     }
-    if (!wait->error.empty()) return ffi::Error::Internal(std::string(op_) + ": " + wait->error);
-    for (int j = 0; j < size_; ++j) {
-      if (wait->failed[j]) {
-        return ffi::Error::Internal(std::string(op_) + ": rank " + std::to_string(j) +
-                                    " failed in this call");
-      }
-    }
     if (final_events_.empty()) final_events_ = wait->slots;  // the first barrier's slots
     for (int j = 0; j < size_; ++j) {
       if (j == rank_) {
@@ -355,6 +355,7 @@ class IpcParticipant {
 
   // Arrives at `barrier` with `spans` and waits (bounded) until every rank has; with `slots`,
   // every rank's published IpcSlot is copied out (a rank that published none counts as failed).
+  // An error when the meeting failed or a rank did.
   ffi::Error Arrive(int barrier, const shm::Spans& spans, bool slots,
                     std::shared_ptr<Wait>* out) {
     auto wait = std::make_shared<Wait>();
@@ -390,6 +391,13 @@ class IpcParticipant {
         return ffi::Error::Internal(std::string(op_) + ": the meeting point did not answer");
       }
     }
+    if (!wait->error.empty()) return ffi::Error::Internal(std::string(op_) + ": " + wait->error);
+    for (int j = 0; j < size_; ++j) {
+      if (wait->failed[j]) {
+        return ffi::Error::Internal(std::string(op_) + ": rank " + std::to_string(j) +
+                                    " failed in this call");
+      }
+    }
     *out = std::move(wait);
     return ffi::Error::Success();
   }
@@ -406,13 +414,6 @@ class IpcParticipant {
     if (ffi::Error e = Arrive(std::get<2>(channel), shm::Spans{}, false, &wait); e.failure()) {
       return e;
     }
-    if (!wait->error.empty()) return ffi::Error::Internal(std::string(op_) + ": " + wait->error);
-    for (int j = 0; j < size_; ++j) {
-      if (wait->failed[j]) {
-        return ffi::Error::Internal(std::string(op_) + ": rank " + std::to_string(j) +
-                                    " failed in this call");
-      }
-    }
     if (int(final_events_.size()) != size_) {
       return ffi::Error::Internal(std::string(op_) + ": the last barrier came first");
     }
@@ -426,6 +427,7 @@ class IpcParticipant {
       FLASHCOMM_CUDA_TRY(op_, "waiting for a peer's final event",
                          cudaStreamWaitEvent(stream_, theirs, 0));
     }
+    finished_ = true;
     return ffi::Error::Success();
   }
 
@@ -451,6 +453,7 @@ class IpcParticipant {
   std::shared_ptr<shm::Meeting> meeting_;
   std::vector<Published> peers_;
   std::vector<IpcSlot> final_events_;  // every rank's first slot (their final events)
+  bool finished_ = false;              // passed the last barrier
 };
 
 inline const shm::Api* BoundApi(const char* op, ffi::Error* error) {
