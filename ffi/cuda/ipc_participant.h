@@ -54,7 +54,7 @@ inline std::atomic<const shm::Api*> g_api{nullptr};
 
 // What a rank publishes at one barrier (copied by the meeting point into its shared segment).
 // The meeting point carries no data at a protocol's last barrier (it only orders buffer reuse),
-// so the last barrier's event travels ahead, in every earlier slot.
+// so the last barrier's event travels ahead, in the first barrier's slot.
 struct IpcSlot {
   cudaIpcMemHandle_t mem;            // its staging buffer (buffer_id > 0)
   cudaIpcEventHandle_t event;        // recorded after the staging copy
@@ -83,19 +83,17 @@ class IpcState {
     std::lock_guard<std::mutex> lock(mu_);
     Buffer& b = staging_[channel];
     if (b.bytes < bytes) {
-      size_t grown = b.bytes ? b.bytes : size_t(1) << 20;
-      while (grown < bytes) grown *= 2;
-      // cudaFree waits for the device: this stream's earlier waits on the peers' last events
-      // (every peer done reading the old buffer) come first.
-      if (b.ptr) cudaFree(b.ptr);
-      b = Buffer{};
-      if (cudaError_t e = cudaMalloc(&b.ptr, grown); e != cudaSuccess) return e;
+      // cudaFree (in GrowDeviceBlock) waits for the device: this stream's earlier waits on the
+      // peers' last events (every peer done reading the old buffer) come first.
+      if (cudaError_t e = GrowDeviceBlock(bytes, size_t(1) << 20, &b.ptr, &b.bytes);
+          e != cudaSuccess) {
+        return e;
+      }
       if (cudaError_t e = cudaIpcGetMemHandle(&b.handle, b.ptr); e != cudaSuccess) {
         cudaFree(b.ptr);
         b = Buffer{};
         return e;
       }
-      b.bytes = grown;
       b.id = ++next_id_;
     }
     *ptr = b.ptr;
@@ -289,10 +287,12 @@ class IpcParticipant {
     const Channel channel{site_, group_, barrier};
     const bool last = barrier + 1 == barriers_;
     if (last) return MeetLast(state, channel);
-    cudaEvent_t final_event = nullptr;  // only its handle travels now
-    FLASHCOMM_CUDA_TRY(op_, "creating the IPC event",
-                       state.Event(Channel{site_, group_, barriers_ - 1}, &final_event,
-                                   &slot.final_event, &slot.final_event_id));
+    if (barrier == 0) {  // the first slot carries the last barrier's event (only its handle)
+      cudaEvent_t final_event = nullptr;
+      FLASHCOMM_CUDA_TRY(op_, "creating the IPC event",
+                         state.Event(Channel{site_, group_, barriers_ - 1}, &final_event,
+                                     &slot.final_event, &slot.final_event_id));
+    }
     size_t total = 0;
     for (const Region& r : regions) total += AlignUp(r.bytes);
     if (total > 0) {
@@ -320,7 +320,7 @@ class IpcParticipant {
         e.failure()) {
       return e;
     }
-    if (final_events_.empty()) final_events_ = wait->slots;  // the first barrier's slots
+    if (barrier == 0) final_events_ = wait->slots;  // their last barrier's events
     for (int j = 0; j < size_; ++j) {
       if (j == rank_) {
         peers_[j] = Published{regions[0].data, regions[1].data, regions[2].data, nullptr};

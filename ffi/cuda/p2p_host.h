@@ -84,11 +84,29 @@ inline cudaError_t EnablePeerAccess(int device, int peer) {
   return cudaSuccess;
 }
 
+// A cudaMalloc block of at least `bytes` (first `initial`, then doubled), replacing *ptr /
+// *capacity when they are smaller; on failure both are left empty. cudaFree waits for the
+// device, so no earlier work still uses the old block.
+inline cudaError_t GrowDeviceBlock(size_t bytes, size_t initial, void** ptr, size_t* capacity) {
+  if (*capacity >= bytes) return cudaSuccess;
+  size_t grown = *capacity ? *capacity : initial;
+  while (grown < bytes) grown *= 2;
+  if (*ptr) cudaFree(*ptr);
+  *ptr = nullptr;
+  *capacity = 0;
+  if (cudaError_t e = cudaMalloc(ptr, grown); e != cudaSuccess) {
+    *ptr = nullptr;
+    return e;
+  }
+  *capacity = grown;
+  return cudaSuccess;
+}
+
 // Device memory of this process for (device, site, group): the collectives' working copies of
-// their peers' chunks. Cached and grown by doubling (cudaFree waits for the device, so no
-// earlier call still uses the old block); calls of one site run in order on their device's
-// stream, so reusing the block across calls is stream-ordered. XLA's FFI scratch allocator is
-// not used: on jax 0.11.2 it refused even 4864 bytes to these handlers (docs/cuda.md).
+// their peers' chunks, grown by GrowDeviceBlock. Calls of one site run in order on their
+// device's stream, so reusing the block across calls is stream-ordered. XLA's FFI scratch
+// allocator is not used: on jax 0.11.2 it refused even 4864 bytes to these handlers
+// (docs/cuda.md).
 inline cudaError_t Workspace(int device, int64_t site, int64_t group, size_t bytes, void** ptr) {
   struct Block {
     void* ptr = nullptr;
@@ -98,16 +116,9 @@ inline cudaError_t Workspace(int device, int64_t site, int64_t group, size_t byt
   static auto* blocks = new std::map<std::tuple<int, int64_t, int64_t>, Block>();  // never freed
   std::lock_guard<std::mutex> lock(mu);
   Block& b = (*blocks)[{device, site, group}];
-  if (b.bytes < bytes) {
-    size_t grown = b.bytes ? b.bytes : size_t(1) << 16;
-    while (grown < bytes) grown *= 2;
-    if (b.ptr) cudaFree(b.ptr);
-    b = Block{};
-    if (cudaError_t e = cudaMalloc(&b.ptr, grown); e != cudaSuccess) {
-      b = Block{};
-      return e;
-    }
-    b.bytes = grown;
+  if (cudaError_t e = GrowDeviceBlock(bytes, size_t(1) << 16, &b.ptr, &b.bytes);
+      e != cudaSuccess) {
+    return e;
   }
   *ptr = b.ptr;
   return cudaSuccess;

@@ -15,7 +15,6 @@ entry afterwards.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import numpy as np
 import pytest
 
 from tests.gpu.gpu_support import gpu_devices, no_gpu_reason
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.gpu
 
@@ -32,11 +32,6 @@ REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "support" / "_gpu_shm_worker.py"
 HARD_TIMEOUT = 240  # seconds, per launch
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict:
@@ -78,7 +73,7 @@ def _check(nproc: int, mode: str, tmp_path: Path, rings: bool = False):
         env["FLASHCOMM_TEST_RINGS"] = "1"
     ref_env = dict(env, JAX_PLATFORMS="cpu")
     _run([["reference", str(nproc), str(tmp_path)]], tmp_path, ref_env)
-    port = str(_free_port())
+    port = str(free_port())
     texts = _run([[mode, str(nproc), str(tmp_path), port, str(i)] for i in range(nproc)],
                  tmp_path, env)
     print("\n".join(line for t in texts for line in t.splitlines() if "exact" in line

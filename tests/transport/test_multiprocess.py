@@ -3,13 +3,13 @@ over the cross-process axis and over both axes matches lax.psum (exact: bit-equa
 within the stored-scale bound), identical on every rank of both processes."""
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.slow  # several python processes over gloo
 
@@ -17,16 +17,11 @@ REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "support" / "_multiprocess_worker.py"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.multiprocess
 def test_two_processes_gloo_psum_parity():
     nproc = 2
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
     env.pop("XLA_FLAGS", None)  # conftest's 8 devices must not leak into the workers

@@ -19,7 +19,6 @@ subprocess wait has a hard timeout, and the test kills what it started, so it ca
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.slow  # processes over gloo, waiting out timeouts
 
@@ -36,11 +36,6 @@ HEARTBEAT = 10  # jax.distributed.initialize(heartbeat_timeout_seconds=...)
 SLACK = 15  # seconds: the coordination service's polling and process teardown
 HARD_TIMEOUT = 180  # no subprocess of this test outlives this
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_for(path: Path, token: str, deadline: float) -> str:
@@ -57,7 +52,7 @@ def _wait_for(path: Path, token: str, deadline: float) -> str:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["exit", "stop"])
 def test_peer_failure_is_detected_within_bound(mode):
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
     env.pop("XLA_FLAGS", None)

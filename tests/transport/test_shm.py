@@ -19,7 +19,6 @@ after its processes are gone.
 """
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ if not sys.platform.startswith("linux"):
                 allow_module_level=True)
 
 from jax_flashcomm.codec import kernels  # noqa: E402
+from tests.support.ports import free_port  # noqa: E402
 
 if "flashcomm_shm_psum" not in kernels.registered("cpu"):
     pytest.skip("the CPU kernel module lacks the shared-memory handlers",
@@ -46,11 +46,6 @@ HARD_TIMEOUT = 240  # seconds: no subprocess of this module outlives this
 KILL_BOUND = 15.0  # seconds: survivors of a killed peer raise within this (the worker's BOUND_S)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _dev_shm() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
@@ -61,7 +56,7 @@ class _Job:
     deadline, and :meth:`close` kills what is still running."""
 
     def __init__(self, scenario: str, nproc: int, tmp: str):
-        port = _free_port()
+        port = free_port()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")]
                                                            if p])
