@@ -295,7 +295,8 @@ def markdown(report: dict) -> str:
     for reason, count in sorted(t["skips"].items(), key=lambda kv: -kv[1]):
         lines.append(f"| skipped ({count}) | {reason.replace('|', '/')} |")
     for failure in t["failures"][:10]:
-        lines.append(f"| FAILED | {failure.replace('|', '/')} |")
+        first_line = failure.splitlines()[0] if failure else ""  # one table row each
+        lines.append(f"| FAILED | {first_line.replace('|', '/')} |")
     lines += ["", "Codec kernels (bf16, G = 128) against a device-to-device copy of the same "
               "bytes: GB/s of the operand (fraction of the copy's):", ""]
     codec_rows = report["codec"]

@@ -1,16 +1,20 @@
 // The CUDA IPC side of the transport between processes (docs/cuda.md, "Across processes: CUDA
 // IPC"), shared by the collectives (shm_handlers.cc) and the ring steps (shm_ring_handlers.cc):
-// the staging buffers and interprocess events of this process, the peers' opened handles, and
+// the staging buffers and signal words of this process, the peers' mapped handles, and
 // the participant of one call, which meets its peers through the CPU module's shared-memory
 // meeting point (flashcomm/shm_rendezvous.h, bound once from Python).
 //   - A rank copies what it publishes at a barrier into a staging buffer of its own, allocated
 //     with cudaMalloc (legacy IPC exports only those; XLA's allocator may hand out memory it
 //     cannot), one per (site, group, barrier), grown by doubling.
-//   - After the copy it records an interprocess event (one per site, group and barrier) on its
-//     stream, and publishes the buffer's and the event's IPC handles, its offsets and ids.
-//   - A peer opens each handle once (cached by process and id), makes its stream wait on the
-//     event, and copies from the mapped buffer. The last barrier orders the reuse of a staging
-//     buffer and of the events after every peer's reads.
+//   - After the copy it signals on its stream (ipc_signals.h: a 32-bit word in device memory,
+//     one per site, group and barrier, written by the stream), and publishes the buffer's and
+//     the signal block's IPC handles, its offsets, the word and the value.
+//   - A peer maps each handle once (cached by process and id), makes its stream wait for the
+//     word, and copies from the mapped buffer. The last barrier orders the reuse of a staging
+//     buffer after every peer's reads.
+// The stream waits have no timeout of their own: a peer that has passed a barrier has
+// enqueued its signal, so only a peer whose GPU work fails or is lost after that (a crash, a
+// failed kernel) leaves them waiting.
 // Host waits are bounded by timeout_ms (the meeting point's watchdog); a peer that exits fails
 // the call at once. Plain C++ (host compiler, CUDA runtime API).
 #ifndef FLASHCOMM_CUDA_IPC_PARTICIPANT_H_
@@ -36,6 +40,7 @@
 
 #include "flashcomm/p2p_rendezvous.h"
 #include "flashcomm/shm_rendezvous.h"
+#include "ipc_signals.h"
 #include "p2p_host.h"
 #include "p2p_protocol.h"
 #include "xla/ffi/api/ffi.h"
@@ -54,21 +59,20 @@ inline std::atomic<const shm::Api*> g_api{nullptr};
 
 // What a rank publishes at one barrier (copied by the meeting point into its shared segment).
 // The meeting point carries no data at a protocol's last barrier (it only orders buffer reuse),
-// so the last barrier's event travels ahead, in the first barrier's slot.
+// so the last barrier's signal (word and value) travels ahead, in the first barrier's slot.
 struct IpcSlot {
-  cudaIpcMemHandle_t mem;            // its staging buffer (buffer_id > 0)
-  cudaIpcEventHandle_t event;        // recorded after the staging copy
-  cudaIpcEventHandle_t final_event;  // recorded at the last barrier (done reading the peers)
+  cudaIpcMemHandle_t mem;      // its staging buffer (buffer_id > 0)
+  cudaIpcMemHandle_t signals;  // its signal block (the same for every call of a process)
   int64_t pid;
-  int64_t buffer_id;  // 0: nothing published at this barrier
-  int64_t event_id;
-  int64_t final_event_id;
+  int64_t buffer_id;   // 0: nothing published at this barrier
+  int64_t word;        // written with `seq` after the staging copy
+  int64_t seq;
+  int64_t final_word;  // written with `final_seq` at the last barrier (done reading the peers)
+  int64_t final_seq;
   int64_t offset[3];
 };
 
-using Channel = std::tuple<int64_t, int64_t, int>;  // site, group, barrier
-
-// Process-wide: this process's staging buffers and events, and the peers' opened handles.
+// Process-wide: this process's staging buffers and signal words, and the peers' mapped handles.
 // One GPU per process (the Python side checks); every member under mu_.
 class IpcState {
  public:
@@ -84,7 +88,7 @@ class IpcState {
     Buffer& b = staging_[channel];
     if (b.bytes < bytes) {
       // cudaFree (in GrowDeviceBlock) waits for the device: this stream's earlier waits on the
-      // peers' last events (every peer done reading the old buffer) come first.
+      // waits for the peers' last signals (every peer done reading the old buffer) come first.
       if (cudaError_t e = GrowDeviceBlock(bytes, size_t(1) << 20, &b.ptr, &b.bytes);
           e != cudaSuccess) {
         return e;
@@ -102,29 +106,21 @@ class IpcState {
     return cudaSuccess;
   }
 
-  // This process's interprocess event of `channel`.
-  cudaError_t Event(const Channel& channel, cudaEvent_t* event, cudaIpcEventHandle_t* handle,
-                    int64_t* id) {
+  // The next signal of `channel` on this process's block: its word, the value, and the
+  // block's IPC handle; `ptr` is the word's address here.
+  ffi::Error Signal(const char* op, const Channel& channel, cudaStream_t stream, int64_t* word,
+                    uint32_t* seq, cudaIpcMemHandle_t* handle, CUdeviceptr* ptr) {
     std::lock_guard<std::mutex> lock(mu_);
-    OwnEvent& e = events_[channel];
-    if (!e.event) {
-      if (cudaError_t err = cudaEventCreateWithFlags(
-              &e.event, cudaEventInterprocess | cudaEventDisableTiming);
-          err != cudaSuccess) {
-        e.event = nullptr;
-        return err;
-      }
-      if (cudaError_t err = cudaIpcGetEventHandle(&e.handle, e.event); err != cudaSuccess) {
-        cudaEventDestroy(e.event);
-        e.event = nullptr;
-        return err;
-      }
-      e.id = ++next_id_;
+    uint32_t* words = nullptr;
+    FLASHCOMM_CUDA_TRY(op, "allocating the IPC signal block",
+                       signals_.Get(stream, &words, handle));
+    if (!signals_.Next(channel, word, seq)) {
+      return ffi::Error::Internal(std::string(op) + ": every one of the " +
+                                  std::to_string(SignalBlock::kWords) +
+                                  " IPC signal words is taken (too many call sites)");
     }
-    *event = e.event;
-    *handle = e.handle;
-    *id = e.id;
-    return cudaSuccess;
+    *ptr = reinterpret_cast<CUdeviceptr>(words + *word);
+    return ffi::Error::Success();
   }
 
   // Peer `pid`'s staging buffer `id` of `channel`, mapped here. A new id replaces the mapping
@@ -151,37 +147,25 @@ class IpcState {
     return cudaSuccess;
   }
 
-  // Peer `pid`'s event `id`, opened here (events live as long as their process).
-  cudaError_t PeerEvent(int64_t pid, int64_t id, const cudaIpcEventHandle_t& handle,
-                        cudaEvent_t* event) {
+  // Peer `pid`'s signal block, mapped here (once per process: it lives as long as its owner).
+  cudaError_t PeerSignals(int64_t pid, const cudaIpcMemHandle_t& handle, const uint32_t** words) {
     std::lock_guard<std::mutex> lock(mu_);
-    cudaEvent_t& e = peer_events_[{pid, id}];
-    if (!e) {
-      if (cudaError_t err = cudaIpcOpenEventHandle(&e, handle); err != cudaSuccess) {
-        peer_events_.erase({pid, id});
-        return err;
+    void*& m = peer_signals_[pid];
+    if (!m) {
+      if (cudaError_t e = cudaIpcOpenMemHandle(&m, handle, cudaIpcMemLazyEnablePeerAccess);
+          e != cudaSuccess) {
+        peer_signals_.erase(pid);
+        return e;
       }
     }
-    *event = e;
+    *words = static_cast<const uint32_t*>(m);
     return cudaSuccess;
   }
 
-  // Destroys every interprocess event this process created or opened (at exit). The CUDA
-  // driver backs IPC events with a file in /dev/shm (cuda.shm.0.<pid>.1): on the H200 it was
-  // still there after the processes exited when the events had never been destroyed.
-  // Later calls create them again.
-  int ReleaseEvents() {
+  // Signal words this process has given to channels (for tests).
+  size_t SignalChannels() {
     std::lock_guard<std::mutex> lock(mu_);
-    int n = 0;
-    for (auto& [channel, e] : events_) {
-      if (e.event && cudaEventDestroy(e.event) == cudaSuccess) ++n;
-    }
-    events_.clear();
-    for (auto& [key, e] : peer_events_) {
-      if (e && cudaEventDestroy(e) == cudaSuccess) ++n;
-    }
-    peer_events_.clear();
-    return n;
+    return signals_.channels();
   }
 
   // Peers' staging buffers mapped in this process (for tests).
@@ -196,11 +180,6 @@ class IpcState {
     size_t bytes = 0;
     int64_t id = 0;
     cudaIpcMemHandle_t handle{};
-  };
-  struct OwnEvent {
-    cudaEvent_t event = nullptr;
-    cudaIpcEventHandle_t handle{};
-    int64_t id = 0;
   };
   struct Mapping {
     int64_t id = 0;
@@ -220,9 +199,9 @@ class IpcState {
   std::mutex mu_;
   int64_t next_id_ = 0;
   std::map<Channel, Buffer> staging_;
-  std::map<Channel, OwnEvent> events_;
+  SignalBlock signals_;
   std::map<std::pair<int64_t, Channel>, Mapping> mapped_;
-  std::map<std::pair<int64_t, int64_t>, cudaEvent_t> peer_events_;
+  std::map<int64_t, void*> peer_signals_;
 };
 
 // One region a rank publishes (device memory).
@@ -232,8 +211,8 @@ struct Region {
 };
 
 // One rank's part in one call over IPC: the Participant of p2p_protocol.h. Record() is a no-op:
-// Meet() records the barrier's event after its staging copy, so that the peers' wait covers it
-// (and everything this stream did before).
+// Meet() signals after its staging copy, so that the peers' wait covers it (and everything this
+// stream did before).
 class IpcParticipant {
  public:
   IpcParticipant(const shm::Api* api, const char* op, cudaStream_t stream,
@@ -287,11 +266,14 @@ class IpcParticipant {
     const Channel channel{site_, group_, barrier};
     const bool last = barrier + 1 == barriers_;
     if (last) return MeetLast(state, channel);
-    if (barrier == 0) {  // the first slot carries the last barrier's event (only its handle)
-      cudaEvent_t final_event = nullptr;
-      FLASHCOMM_CUDA_TRY(op_, "creating the IPC event",
-                         state.Event(Channel{site_, group_, barriers_ - 1}, &final_event,
-                                     &slot.final_event, &slot.final_event_id));
+    if (barrier == 0) {  // the first slot carries the last barrier's word and value
+      uint32_t seq = 0;
+      if (ffi::Error e = state.Signal(op_, Channel{site_, group_, barriers_ - 1}, stream_,
+                                      &slot.final_word, &seq, &slot.signals, &final_ptr_);
+          e.failure()) {
+        return e;
+      }
+      slot.final_seq = final_seq_ = seq;
     }
     size_t total = 0;
     for (const Region& r : regions) total += AlignUp(r.bytes);
@@ -310,28 +292,28 @@ class IpcParticipant {
         at += AlignUp(regions[i].bytes);
       }
     }
-    cudaEvent_t event = nullptr;
-    FLASHCOMM_CUDA_TRY(op_, "creating the IPC event",
-                       state.Event(channel, &event, &slot.event, &slot.event_id));
-    FLASHCOMM_CUDA_TRY(op_, "recording the IPC event", cudaEventRecord(event, stream_));
+    uint32_t seq = 0;
+    CUdeviceptr word = 0;
+    if (ffi::Error e = state.Signal(op_, channel, stream_, &slot.word, &seq, &slot.signals, &word);
+        e.failure()) {
+      return e;
+    }
+    slot.seq = seq;
+    if (ffi::Error e = WriteSignal(word, seq); e.failure()) return e;
 
     std::shared_ptr<Wait> wait;
     if (ffi::Error e = Arrive(barrier, shm::Spans{shm::Span{&slot, sizeof slot}}, true, &wait);
         e.failure()) {
       return e;
     }
-    if (barrier == 0) final_events_ = wait->slots;  // their last barrier's events
+    if (barrier == 0) final_signals_ = wait->slots;  // their last barrier's words and values
     for (int j = 0; j < size_; ++j) {
       if (j == rank_) {
         peers_[j] = Published{regions[0].data, regions[1].data, regions[2].data, nullptr};
         continue;
       }
       const IpcSlot& peer = wait->slots[j];
-      cudaEvent_t theirs = nullptr;
-      FLASHCOMM_CUDA_TRY(op_, "opening a peer's IPC event",
-                         state.PeerEvent(peer.pid, peer.event_id, peer.event, &theirs));
-      FLASHCOMM_CUDA_TRY(op_, "waiting for a peer's event",
-                         cudaStreamWaitEvent(stream_, theirs, 0));
+      if (ffi::Error e = WaitSignal(state, peer, peer.word, peer.seq); e.failure()) return e;
       peers_[j] = Published{};
       if (peer.buffer_id == 0) continue;
       void* base = nullptr;
@@ -402,32 +384,60 @@ class IpcParticipant {
     return ffi::Error::Success();
   }
 
-  // The last barrier: record this rank's final event, meet, then wait on every peer's (their
-  // handles came with the first barrier's slots).
+  // The last barrier: signal that this rank is done reading its peers, meet, then wait for
+  // every peer's signal (their words and values came with the first barrier's slots).
   ffi::Error MeetLast(IpcState& state, const Channel& channel) {
-    cudaEvent_t mine = nullptr;
-    cudaIpcEventHandle_t handle;
-    int64_t id = 0;
-    FLASHCOMM_CUDA_TRY(op_, "creating the IPC event", state.Event(channel, &mine, &handle, &id));
-    FLASHCOMM_CUDA_TRY(op_, "recording the IPC event", cudaEventRecord(mine, stream_));
+    if (int(final_signals_.size()) != size_) {
+      return ffi::Error::Internal(std::string(op_) + ": the last barrier came first");
+    }
+    if (ffi::Error e = WriteSignal(final_ptr_, final_seq_); e.failure()) return e;
     std::shared_ptr<Wait> wait;
     if (ffi::Error e = Arrive(std::get<2>(channel), shm::Spans{}, false, &wait); e.failure()) {
       return e;
     }
-    if (int(final_events_.size()) != size_) {
-      return ffi::Error::Internal(std::string(op_) + ": the last barrier came first");
-    }
     for (int j = 0; j < size_; ++j) {
       if (j == rank_) continue;
-      const IpcSlot& peer = final_events_[j];
-      cudaEvent_t theirs = nullptr;
-      FLASHCOMM_CUDA_TRY(op_, "opening a peer's IPC event",
-                         state.PeerEvent(peer.pid, peer.final_event_id, peer.final_event,
-                                         &theirs));
-      FLASHCOMM_CUDA_TRY(op_, "waiting for a peer's final event",
-                         cudaStreamWaitEvent(stream_, theirs, 0));
+      const IpcSlot& peer = final_signals_[j];
+      if (ffi::Error e = WaitSignal(state, peer, peer.final_word, peer.final_seq); e.failure()) {
+        return e;
+      }
     }
     finished_ = true;
+    return ffi::Error::Success();
+  }
+
+  // Enqueues this rank's signal: `word` takes `seq` once the stream's earlier work is done.
+  ffi::Error WriteSignal(CUdeviceptr word, uint32_t seq) {
+    std::string error;
+    const StreamMemOps* ops = LoadStreamMemOps(&error);
+    if (!ops) return ffi::Error::Internal(std::string(op_) + ": " + error);
+    if (CUresult r = ops->write(reinterpret_cast<CUstream>(stream_), word, seq,
+                                CU_STREAM_WRITE_VALUE_DEFAULT);
+        r != CUDA_SUCCESS) {
+      return ffi::Error::Internal(std::string(op_) + ": cuStreamWriteValue32 failed, " +
+                                  DriverErrorText(r));
+    }
+    return ffi::Error::Success();
+  }
+
+  // Makes this stream wait until `peer`'s `word` has reached `seq` (a cyclic >=).
+  ffi::Error WaitSignal(IpcState& state, const IpcSlot& peer, int64_t word, int64_t seq) {
+    if (word < 0 || word >= SignalBlock::kWords) {
+      return ffi::Error::Internal(std::string(op_) + ": a peer's signal word is out of range");
+    }
+    const uint32_t* words = nullptr;
+    FLASHCOMM_CUDA_TRY(op_, "mapping a peer's IPC signal block",
+                       state.PeerSignals(peer.pid, peer.signals, &words));
+    std::string error;
+    const StreamMemOps* ops = LoadStreamMemOps(&error);
+    if (!ops) return ffi::Error::Internal(std::string(op_) + ": " + error);
+    if (CUresult r = ops->wait(reinterpret_cast<CUstream>(stream_),
+                               reinterpret_cast<CUdeviceptr>(words + word), uint32_t(seq),
+                               CU_STREAM_WAIT_VALUE_GEQ);
+        r != CUDA_SUCCESS) {
+      return ffi::Error::Internal(std::string(op_) + ": cuStreamWaitValue32 failed, " +
+                                  DriverErrorText(r));
+    }
     return ffi::Error::Success();
   }
 
@@ -452,8 +462,10 @@ class IpcParticipant {
   int barriers_ = 0;
   std::shared_ptr<shm::Meeting> meeting_;
   std::vector<Published> peers_;
-  std::vector<IpcSlot> final_events_;  // every rank's first slot (their final events)
-  bool finished_ = false;              // passed the last barrier
+  std::vector<IpcSlot> final_signals_;  // every rank's first slot (their last signals)
+  CUdeviceptr final_ptr_ = 0;           // this rank's last-barrier word and value
+  uint32_t final_seq_ = 0;
+  bool finished_ = false;  // passed the last barrier
 };
 
 inline const shm::Api* BoundApi(const char* op, ffi::Error* error) {

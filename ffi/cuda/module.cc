@@ -67,8 +67,8 @@ NB_MODULE(_flashcomm_cuda, m) {
       "Binds the CPU module's shared-memory meeting point (its shm_api() capsule).");
   m.def("shm_bound", &flashcomm::cuda::ShmBound,
         "Whether the shared-memory meeting point is bound (shm_bind).");
-  m.def("shm_release_events", &flashcomm::cuda::ShmReleaseEvents,
-        "Destroys the CUDA IPC events this process created or opened (at exit); their count.");
+  m.def("shm_signal_channels", &flashcomm::cuda::ShmSignalChannels,
+        "Signal words (one per site, group and barrier) this process has given out.");
   m.def("shm_ring_steps_in_progress", &flashcomm::cuda::ShmRingStepsInProgress,
         "Ring steps between processes this process started and has not finished.");
   m.def("shm_peer_buffers_mapped", &flashcomm::cuda::ShmPeerBuffersMapped,

@@ -261,7 +261,7 @@ void ShmBind(const void* api) {
 }
 bool ShmBound() { return ipc::g_api.load(std::memory_order_acquire) != nullptr; }
 size_t ShmPeerBuffersMapped() { return ipc::IpcState::Global().Mapped(); }
-int ShmReleaseEvents() { return ipc::IpcState::Global().ReleaseEvents(); }
+size_t ShmSignalChannels() { return ipc::IpcState::Global().SignalChannels(); }
 
 }  // namespace cuda
 }  // namespace flashcomm

@@ -18,7 +18,6 @@ programs). Across hosts, or with several devices per process, the transport is u
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import socket
@@ -119,9 +118,6 @@ def _exchange() -> str | None:
         if jax.default_backend() != "cpu":  # the CUDA handlers meet through the CPU module
             cuda = kernels.cuda_module()
             cuda.shm_bind(kernels.cpu_module().shm_api())
-            # Runs before JAX's own exit handlers (registered earlier): the driver's /dev/shm
-            # files of the IPC events go with the events (docs/cuda.md).
-            atexit.register(cuda.shm_release_events)
     except (RuntimeError, ValueError) as e:
         failure = str(e)
     client.key_value_set(_KEY.format(me) + "/attach", failure)  # every process agrees on it

@@ -1,6 +1,6 @@
 """The transport between processes on CUDA (ffi/cuda/shm_handlers.cc, shm_ring_handlers.cc:
-CUDA IPC memory and event handles over the CPU module's shared-memory meeting point), run on a
-GPU.
+CUDA IPC memory handles and signal words over the CPU module's shared-memory meeting point),
+run on a GPU.
 
 Two and three processes share the one GPU (CUDA IPC works between processes on one device;
 NCCL refuses two ranks on one GPU, so XLA's own collectives cannot be the reference here). The
@@ -9,7 +9,8 @@ the codec kernels are bit-identical across CPU and CUDA away from denormals, so 
 result must match bit for bit. The exact all-reduce (one shot and two shots) must equal the f32
 rank-order sum; the ring matmuls (exact, small integers) must equal numpy's. Each worker checks
 that no meeting or ring step is left in progress; every test checks that /dev/shm has no new
-entry afterwards.
+entry afterwards. The soak, mismatch and killed-peer scenarios of tests/transport/test_shm.py
+run here too, with the processes on the GPU.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import pytest
 
 from tests.gpu.gpu_support import gpu_devices, no_gpu_reason
 from tests.support.ports import free_port
+from tests.support.shm_job import check_mismatch, lines, run_killed, run_scenario
 
 pytestmark = pytest.mark.gpu
 
@@ -115,3 +117,27 @@ def test_the_launcher_on_cpu_processes(tmp_path):
     """The same launch and comparison with one CPU device per process (the CPU shm transport):
     what this module runs on a GPU stays runnable where there is none."""
     _check(2, "cpu", tmp_path)
+
+
+def test_shm_soak_1000_calls_on_one_gpu(cuda_module):
+    """1000 calls dispatched without reading a result (the signal words' sequence numbers run
+    ahead of the GPU), each equal bit for bit to the same call made alone."""
+    if not gpu_devices():
+        pytest.skip(no_gpu_reason())
+    for out in run_scenario("soak", 2, "gpu"):
+        (line,) = lines(out, "SOAK")
+        print(line)
+
+
+def test_shm_mismatched_shapes_raise_on_one_gpu(cuda_module):
+    if not gpu_devices():
+        pytest.skip(no_gpu_reason())
+    check_mismatch(run_scenario("mismatch", 2, "gpu"))
+
+
+@pytest.mark.parametrize("scenario", ["killed", "killed_after_first"])
+def test_shm_killed_peer_is_detected_on_one_gpu(scenario, cuda_module):
+    """A process that exits before a collective: its peer's call raises within the bound."""
+    if not gpu_devices():
+        pytest.skip(no_gpu_reason())
+    run_killed(scenario, "gpu")

@@ -199,4 +199,5 @@ else:
         mapped = kernels.cuda_module().shm_peer_buffers_mapped()
         assert mapped > 0, "no peer IPC buffer was mapped"
         log("peer IPC buffers mapped:", mapped)
+        log("IPC signal words given out:", kernels.cuda_module().shm_signal_channels())
 log("PASS")

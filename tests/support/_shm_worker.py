@@ -1,6 +1,9 @@
 """One process of tests/transport/test_shm.py: ONE CPU device, gloo, jax.distributed; the
 ``p2p`` transport then runs between the processes over shared memory
-(jax_flashcomm/transport/shm.py, FFI targets ``flashcomm_shm_*``).
+(jax_flashcomm/transport/shm.py, FFI targets ``flashcomm_shm_*``). With
+FLASHCOMM_TEST_PLATFORM=gpu (tests/gpu/test_gpu_shm.py) the processes share one GPU instead and
+the transport is CUDA IPC (ffi/cuda/shm_handlers.cc); ``soak`` then compares with the same calls
+made one at a time (no XLA collective runs between processes on one GPU).
 
 argv: coordinator port, process id, number of processes, scenario:
 
@@ -32,7 +35,12 @@ import time
 from tests.support.devices import set_cpu_devices  # PYTHONPATH: the repo root
 
 T0 = time.monotonic()
-set_cpu_devices(1)  # before jax is imported: one device per process
+PLATFORM = os.environ.get("FLASHCOMM_TEST_PLATFORM", "cpu")  # "gpu": the processes share one
+if PLATFORM == "cpu":
+    set_cpu_devices(1)  # before jax is imported: one device per process
+    os.environ["JAX_PLATFORMS"] = "cpu"
+else:
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # several processes on one GPU
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -45,7 +53,8 @@ port, pid, nproc = (int(a) for a in sys.argv[1:4])
 scenario = sys.argv[4]
 BOUND_S = 15.0  # "killed": the survivors must raise within this many seconds
 
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
+if PLATFORM == "cpu":
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid,
                            initialization_timeout=60)
 
@@ -56,6 +65,7 @@ from jax_flashcomm import CommConfig  # noqa: E402
 from jax_flashcomm.transport import p2p, shm  # noqa: E402
 
 assert jax.local_device_count() == 1 and jax.device_count() == nproc
+assert jax.devices()[0].platform == PLATFORM, jax.devices()
 mesh = jax.make_mesh((nproc,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
 ROWS = NamedSharding(mesh, P("x"))
 F32 = jnp.float32
@@ -290,18 +300,21 @@ def soak(calls: int = 1000):
 
     f_p2p, f_xla = make("p2p"), make("xla")
     jax.block_until_ready(f_p2p(x, scales[0]))  # compile, and one warm call
+    refs = None
+    if PLATFORM != "cpu":  # no XLA collective between processes sharing one GPU (NCCL)
+        refs = [jax.block_until_ready(f_p2p(x, s))[0] for s in scales]  # one call at a time
     t0 = time.perf_counter()
     outs = [f_p2p(x, s)[0] for s in scales]
     dispatched = time.perf_counter() - t0
     jax.block_until_ready(outs)
     done = time.perf_counter() - t0
     log(f"dispatched {calls} calls in {dispatched:.3f} s, all done after {done:.3f} s")
-    refs = [f_xla(x, s)[0] for s in scales]
+    refs = refs or [f_xla(x, s)[0] for s in scales]
     bad = []
     for i, (o, r) in enumerate(zip(outs, refs)):
         if bits(local(o)) != bits(local(r)):
             bad.append(i)
-    assert not bad, f"{len(bad)} of {calls} calls differ from the xla transport's: {bad[:20]}"
+    assert not bad, f"{len(bad)} of {calls} calls differ from the reference: {bad[:20]}"
     # and the calls' results differ from each other (a mispairing would show)
     assert bits(local(outs[0])) != bits(local(outs[1]))
     assert shm.meetings_in_progress() == 0, shm.meetings_in_progress()

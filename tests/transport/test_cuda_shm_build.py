@@ -52,7 +52,7 @@ def test_shm_bind_takes_only_the_cpu_meeting_point():
     module.shm_bind(kernels.cpu_module().shm_api())
     assert module.shm_bound()
     assert module.shm_peer_buffers_mapped() == 0
-    assert module.shm_release_events() == 0  # none created without a GPU
+    assert module.shm_signal_channels() == 0  # none given out without a GPU
 
 
 @pytest.mark.parametrize("cpu_source,cuda_source,handlers", [

@@ -52,9 +52,8 @@ bool ShmBound();
 size_t ShmRingStepsInProgress();
 // Peers' IPC staging buffers this process has mapped (for tests).
 size_t ShmPeerBuffersMapped();
-// Destroys the IPC events this process created or opened (their /dev/shm files with them);
-// returns how many. Called at interpreter exit (jax_flashcomm/transport/shm.py).
-int ShmReleaseEvents();
+// Signal words (one per site, group and barrier) this process has given out (for tests).
+size_t ShmSignalChannels();
 
 }  // namespace cuda
 }  // namespace flashcomm
