@@ -33,6 +33,9 @@ pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "support" / "_gpu_shm_worker.py"
 HARD_TIMEOUT = 240  # seconds, per launch
+# The soak took under a minute on an H200; the mismatch scenario, whose good call then still ran
+# over XLA's collectives (NCCL, which refuses two ranks on one GPU), hung until 320 s were spent.
+GPU_SCENARIO_TIMEOUT = 120
 
 
 
@@ -124,7 +127,7 @@ def test_shm_soak_1000_calls_on_one_gpu(cuda_module):
     ahead of the GPU), each equal bit for bit to the same call made alone."""
     if not gpu_devices():
         pytest.skip(no_gpu_reason())
-    for out in run_scenario("soak", 2, "gpu"):
+    for out in run_scenario("soak", 2, "gpu", GPU_SCENARIO_TIMEOUT):
         (line,) = lines(out, "SOAK")
         print(line)
 
@@ -132,7 +135,7 @@ def test_shm_soak_1000_calls_on_one_gpu(cuda_module):
 def test_shm_mismatched_shapes_raise_on_one_gpu(cuda_module):
     if not gpu_devices():
         pytest.skip(no_gpu_reason())
-    check_mismatch(run_scenario("mismatch", 2, "gpu"))
+    check_mismatch(run_scenario("mismatch", 2, "gpu", GPU_SCENARIO_TIMEOUT))
 
 
 @pytest.mark.parametrize("scenario", ["killed", "killed_after_first"])
@@ -140,4 +143,4 @@ def test_shm_killed_peer_is_detected_on_one_gpu(scenario, cuda_module):
     """A process that exits before a collective: its peer's call raises within the bound."""
     if not gpu_devices():
         pytest.skip(no_gpu_reason())
-    run_killed(scenario, "gpu")
+    run_killed(scenario, "gpu", GPU_SCENARIO_TIMEOUT)

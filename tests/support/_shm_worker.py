@@ -18,7 +18,8 @@ argv: coordinator port, process id, number of processes, scenario:
   operand, bit for bit.
 * ``mismatch``: process 0 passes a (4, 256) operand, the others (8, 256), at the same call site:
   every process raises ("different shapes or options", or a timeout); a following good call
-  works.
+  works (on a GPU, or with FLASHCOMM_TEST_EXACT_GOOD_CALL=1: the exact all-reduce, against the
+  f32 rank-order sum).
 * ``killed``: the last process exits (os._exit) right before its first collective; the others'
   psum (p2p_timeout_ms=60000) must raise within BOUND_S seconds ("exited" / "timed out").
 * ``killed_after_first``: the same, but the last process exits after one successful psum, right
@@ -52,6 +53,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 port, pid, nproc = (int(a) for a in sys.argv[1:4])
 scenario = sys.argv[4]
 BOUND_S = 15.0  # "killed": the survivors must raise within this many seconds
+EXACT_GOOD_CALL = PLATFORM != "cpu" or os.environ.get("FLASHCOMM_TEST_EXACT_GOOD_CALL") == "1"
 
 if PLATFORM == "cpu":
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -343,6 +345,18 @@ def mismatch():
     rng = np.random.default_rng(3)
     full = rng.standard_normal((nproc, 8, 256)).astype(np.float32)
     good = global_of(full[pid])
+    if EXACT_GOOD_CALL:
+        # No XLA collective runs between processes on one GPU: the exact all-reduce of the
+        # transport, against the f32 rank-order sum.
+        g = smap(lambda v: (p2p.exact_all_reduce(v, ("x",), 10_000),), 1, 1)
+        y = local(g(good)[0])
+        ref = full[0]
+        for r in range(1, nproc):
+            ref = (ref + full[r]).astype(np.float32)
+        assert_bits_equal(y, ref, "good call after the mismatch")
+        log("good call after the mismatch: == the f32 rank-order sum bitwise")
+        assert shm.meetings_in_progress() == 0, shm.meetings_in_progress()
+        return
     cfg_x = dataclasses.replace(cfg, transport="xla")
     g = smap(lambda v: (fc.psum(v, "x", config=cfg),), 1, 1)
     y = local(g(good)[0])

@@ -25,14 +25,15 @@ class ShmJob:
     """``nproc`` worker processes of one scenario, their output in log files; every wait has a
     deadline, and :meth:`close` kills what is still running."""
 
-    def __init__(self, scenario: str, nproc: int, tmp: str, platform: str = "cpu"):
+    def __init__(self, scenario: str, nproc: int, tmp: str, platform: str = "cpu",
+                 hard_timeout: float = HARD_TIMEOUT):
         port = free_port()
         env = dict(os.environ)
         env["FLASHCOMM_TEST_PLATFORM"] = platform
         env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")]
                                                            if p])
         env.pop("XLA_FLAGS", None)  # conftest's 8 devices must not leak into the workers
-        self.deadline = time.monotonic() + HARD_TIMEOUT
+        self.deadline = time.monotonic() + hard_timeout
         self.logs = [Path(tmp) / f"p{i}.log" for i in range(nproc)]
         self.procs = []
         for i in range(nproc):
@@ -75,19 +76,20 @@ def lines(out: str, token: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith(token)]
 
 
-def run_scenario(scenario: str, nproc: int, platform: str = "cpu") -> list[str]:
+def run_scenario(scenario: str, nproc: int, platform: str = "cpu",
+                 hard_timeout: float = HARD_TIMEOUT) -> list[str]:
     """Runs the scenario to its end; asserts every process exited 0 with PASS and that
     /dev/shm has no new entry; returns the outputs."""
     before = dev_shm()
     with tempfile.TemporaryDirectory() as tmp:
-        job = ShmJob(scenario, nproc, tmp, platform)
+        job = ShmJob(scenario, nproc, tmp, platform, hard_timeout)
         try:
             codes = [job.wait(i) for i in range(nproc)]
             outs = [job.text(i) for i in range(nproc)]
         finally:
             job.close()
     for i, (rc, out) in enumerate(zip(codes, outs)):
-        assert rc is not None, f"process {i} ran past {HARD_TIMEOUT} s:\n{out[-3000:]}"
+        assert rc is not None, f"process {i} ran past {hard_timeout} s:\n{out[-3000:]}"
         assert rc == 0, f"process {i} failed ({rc}):\n{out[-3000:]}"
         assert "PASS" in out.splitlines(), out[-3000:]
     left = dev_shm() - before
@@ -105,14 +107,14 @@ def check_mismatch(outs: list[str]):
         print(f"process {i}: {raised[0][:200]}")
 
 
-def run_killed(scenario: str, platform: str = "cpu"):
+def run_killed(scenario: str, platform: str = "cpu", hard_timeout: float = HARD_TIMEOUT):
     """``killed`` / ``killed_after_first`` with 2 processes: the killed one exits 3, the other
     raises within KILL_BOUND seconds ("exited" / "timed out") and exits 0 with PASS; /dev/shm
     has no new entry."""
     nproc = 2
     before = dev_shm()
     with tempfile.TemporaryDirectory() as tmp:
-        job = ShmJob(scenario, nproc, tmp, platform)
+        job = ShmJob(scenario, nproc, tmp, platform, hard_timeout)
         try:
             for i in range(nproc):
                 job.wait_for_line(i, "READY")
