@@ -86,7 +86,10 @@ def _candidate_fn(op: str, candidate: str, bits, mesh, axis: str = "i",
     from jax_flashcomm import allreduce, scatter_gather
     from jax_flashcomm.config import CommConfig
 
-    if candidate == "lax":
+    if candidate == "exact/p2p":  # the exact all-reduce over shared memory (between processes)
+        cfg = CommConfig(bits=None, transport="p2p", backend="ffi")
+        body = {"psum": lambda v: allreduce.psum(v, axis, config=cfg)}[op]
+    elif candidate == "lax":
         body = {"psum": lambda v: lax.psum(v, axis),
                 "psum_scatter": lambda v: lax.psum_scatter(v, axis, tiled=True),
                 "all_gather": lambda v: lax.all_gather(v, axis, tiled=True)}[op]
@@ -116,7 +119,7 @@ def _phase_bits(op: str, b: int):
 
 def measure_mesh(mesh, axis: str, sizes, bits, reps: int, *, ops=OPS, layout: str,
                  transports=("p2p", "xla"), on_step=None, calls: int | None = None,
-                 rounds: int = 1) -> list:
+                 rounds: int = 1, exact_p2p: bool = False) -> list:
     """Measure every candidate of ``ops`` on ``mesh``'s ``axis`` (one process or several: the
     operand is built from a callback; across processes, process 0's times are every process's,
     so that all make the same choice).
@@ -133,6 +136,8 @@ def measure_mesh(mesh, axis: str, sizes, bits, reps: int, *, ops=OPS, layout: st
         collectives have their compute between them).
       rounds: the candidates measured in turn this many times per size; each keeps its
         fastest round (noise only adds time).
+      exact_p2p: also the exact all-reduce over the p2p transport (``exact/p2p``, psum only:
+        between processes whose shared-memory transport is set up).
 
     Returns:
       The :class:`~jax_flashcomm.tuning.Measurement` rows.
@@ -152,8 +157,8 @@ def measure_mesh(mesh, axis: str, sizes, bits, reps: int, *, ops=OPS, layout: st
             host = np.random.default_rng(0).standard_normal((n, m)).astype(dtype)
             x = jax.make_array_from_callback((n, m), NamedSharding(mesh, P(axis)),
                                              lambda idx, host=host: host[idx])
-            cands = [("lax", None)] + [(f"quantized/{t}", _phase_bits(op, b))
-                                       for t in transports for b in bits]
+            cands = ([("lax", None)] + [("exact/p2p", None)] * (exact_p2p and op == "psum")
+                     + [(f"quantized/{t}", _phase_bits(op, b)) for t in transports for b in bits])
             fns = [_candidate_fn(op, cand, b, mesh, axis, k) for cand, b in cands]
             best = [math.inf] * len(cands)
             for _ in range(rounds):
