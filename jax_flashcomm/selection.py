@@ -44,6 +44,11 @@ __all__ = ["Call", "Choice", "Candidate", "Lax", "ExactP2p", "Quantized", "CANDI
 # them at once (values/s per rank) and the in-process link of a 3-device ppermute.
 CPU_CODEC_VALUES_PER_S = {"quantize": 6.8e8, "dequantize_sum_quantize": 5.8e9,
                           "dequantize": 3.8e8}
+#: The same in the spiked format (4 bits, one spike per group; the default at <= 6 bits): the
+#: defaults above times the spiked / rotated ratio of each pass with 3 ranks in one full
+#: ``python -m jax_flashcomm.tune`` run (same CPU; 0.94, 0.48, 1.57).
+CPU_SPIKED_CODEC_VALUES_PER_S = {"quantize": 6.4e8, "dequantize_sum_quantize": 2.8e9,
+                                 "dequantize": 6.0e8}
 CPU_CODEC_CALL_S = 130e-6
 IN_PROCESS_LINK = Link(21e9, "shared", 145e-6, 0.0)
 P2P_LATENCY_S = 174e-6
@@ -93,6 +98,11 @@ class Profile:
     codec: object
     widens_bf16: bool
     small_link: Link | None = None
+    spiked_codec: object | None = None  # the codec in the spiked format (None: ``codec``)
+
+    def codec_for(self, spikes: int):
+        """The codec's speed in a format with ``spikes`` per group."""
+        return self.spiked_codec if spikes and self.spiked_codec is not None else self.codec
 
 
 def profile(call: Call, table: tuning.Table | None) -> Profile:
@@ -101,14 +111,16 @@ def profile(call: Call, table: tuning.Table | None) -> Profile:
         gpu = costmodel.GPUS[_gpu_name()]
         return Profile(f"cost model {gpu.name}", gpu.link, gpu.link, gpu, False,
                        costmodel.nccl_ll_link(gpu.link))
-    codec = CpuCodec(CPU_CODEC_VALUES_PER_S, CPU_CODEC_CALL_S)
     link, p2p, source = IN_PROCESS_LINK, P2P_LATENCY_S, "defaults"
     # the defaults were measured with 3 ranks on 2 cores: scale to n ranks on this machine's
     share = max(1.0, call.n / (os.cpu_count() or 1)) / 1.5
-    codec = CpuCodec({k: v / share for k, v in codec.values_per_s.items()}, codec.call_s * share)
+    codec, spiked = (CpuCodec({k: v / share for k, v in rates.items()}, CPU_CODEC_CALL_S * share)
+                     for rates in (CPU_CODEC_VALUES_PER_S, CPU_SPIKED_CODEC_VALUES_PER_S))
     measured = None if table is None else table.codec.get("by_n", {}).get(str(call.n))
     if measured:  # measured with n ranks at once: the sharing is in the figures
         codec = CpuCodec(dict(measured["values_per_s"]), float(measured["call_s"]))
+        m = measured.get("spiked")  # absent from tables older than this format's figures
+        spiked = CpuCodec(dict(m["values_per_s"]), float(m["call_s"])) if m else None
         source = "table"
     if table is not None and table.link.get("bytes_per_s"):
         link = Link(float(table.link["bytes_per_s"]), "shared", float(table.link["latency_s"]))
@@ -116,9 +128,10 @@ def profile(call: Call, table: tuning.Table | None) -> Profile:
     if call.layout == "processes":
         ext = tuning.link_profile()
         return Profile(f"cost model, {'given link' if ext else 'gloo loopback'}, codec {source}",
-                       ext or GLOO_LOOPBACK_LINK, _shm_link(), codec, True)
+                       ext or GLOO_LOOPBACK_LINK, _shm_link(), codec, True, spiked_codec=spiked)
     return Profile(f"cost model, in-process, {source}", link,
-                   dataclasses.replace(link, base_latency_s=p2p), codec, True)
+                   dataclasses.replace(link, base_latency_s=p2p), codec, True,
+                   spiked_codec=spiked)
 
 
 def _shm_link() -> Link:
@@ -199,7 +212,8 @@ class Quantized(Candidate):
         link = prof.p2p_link if self.transport == "p2p" else prof.link
         rs, ag = call.bits
         return costmodel.flash_collective(call.op, call.nbytes, call.n, link,
-                                          prof.codec.codec_pass_s, rs or ag, ag or rs,
+                                          prof.codec_for(call.spikes).codec_pass_s,
+                                          rs or ag, ag or rs,
                                           call.group_size, call.spikes, call.itemsize)
 
 

@@ -193,13 +193,19 @@ def measure_collectives(devices, sizes, bits, reps, start, step, total, p2p: boo
     return rows
 
 
+#: The collectives' two default formats (config.auto_rotation / auto_spikes): 8 bits with the
+#: Hadamard rotation, and at most 6 bits with one spike per group (here 4).
+ROTATED_FORMAT = {"bits": 8, "rotation": 1, "spikes": 0}
+SPIKED_FORMAT = {"bits": 4, "rotation": 0, "spikes": 1}
+
+
 def measure_codec(reps: int, devices) -> dict:
     """The CPU build for the all-reduce's three passes (8 bits, 4 MiB of bf16, each build): the
     loader's default unless another is at least 5% faster. With it, per axis size ``n``: the
     values/s of each pass when ``n`` ranks run it at once (as inside a collective), in the
-    collectives' default 8-bit format (Hadamard rotation) on 256 Ki f32 values per rank (a
-    1 MiB message), less the fixed cost of a call (one group per chunk); each per call of 8
-    chained in one program."""
+    collectives' default 8-bit format (Hadamard rotation; under ``"spiked"``, the 4-bit format
+    with a spike per group) on 256 Ki f32 values per rank (a 1 MiB message), less the fixed
+    cost of a call (one group per chunk); each per call of 8 chained in one program."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -228,16 +234,16 @@ def measure_codec(reps: int, devices) -> dict:
     if per_isa[fastest] < 0.95 * per_isa[best]:
         best = fastest
 
-    def per_call(n, m):
-        """Seconds of one call of each pass inside a program, n ranks at once."""
+    def per_call(n, m, fmt):
+        """Seconds of one call of each pass inside a program, n ranks at once, in the format
+        ``fmt`` (codec.quantize's bits, rotation and spikes)."""
         import dataclasses
 
         from jax import lax
 
         mesh = jax.make_mesh((n,), ("i",), devices=jax.devices()[:n],
                              axis_types=(jax.sharding.AxisType.Explicit,))
-        enc = lambda v: codec.quantize(v, bits=8, rotation=1, num_chunks=n,  # noqa: E731
-                                       backend="ffi")
+        enc = lambda v: codec.quantize(v, **fmt, num_chunks=n, backend="ffi")  # noqa: E731
 
         def chain(pass_fn, carry_of):
             """CALLS_PER_PROGRAM calls of ``pass_fn``, each depending on the one before."""
@@ -262,13 +268,17 @@ def measure_codec(reps: int, devices) -> dict:
                "dequantize": (chain(lambda p: codec.dequantize(p, backend="ffi"), touch), q)}
         return {k: _median_s(fn, arg, reps) / CALLS_PER_PROGRAM for k, (fn, arg) in fns.items()}
 
+    def speed(n, fmt):
+        small = per_call(n, 128 * n, fmt)
+        t = per_call(n, 256 * KIB, fmt)
+        return {"call_s": statistics.median(small.values()), "values_per_s": {
+            k: 256 * KIB / max(v - small[k], 1e-9) for k, v in t.items()}}
+
     by_n = {}
     with codec.use_cpu_isa(best):
         for n in devices:
-            small = per_call(n, 128 * n)
-            t = per_call(n, 256 * KIB)
-            by_n[str(n)] = {"call_s": statistics.median(small.values()), "values_per_s": {
-                k: 256 * KIB / max(v - small[k], 1e-9) for k, v in t.items()}}
+            by_n[str(n)] = speed(n, ROTATED_FORMAT)
+            by_n[str(n)]["spiked"] = speed(n, SPIKED_FORMAT)
     return {"isa": best, "isa_seconds": per_isa, "by_n": by_n}
 
 
@@ -321,15 +331,18 @@ def model_check(table: tuning.Table, min_bytes: int = 0) -> dict:
     import numpy as np
 
     from jax_flashcomm import selection
+    from jax_flashcomm.config import auto_spikes
 
     out = []
     cands = {c.name: c for c in selection.CANDIDATES}
     for r in table.rows:
         if r.nbytes < min_bytes:
             continue
+        # the rows were measured in the default formats: spikes where a phase has <= 6 bits
+        spikes = max((auto_spikes(b) for b in (r.bits or ()) if b), default=0)
         call = selection.Call(op=r.op, nbytes=r.nbytes, itemsize=np.dtype(r.dtype).itemsize,
                               dtype=r.dtype, n=r.n, platform="cpu", layout=r.layout,
-                              p2p_reason=None, bits=r.bits)
+                              p2p_reason=None, bits=r.bits, spikes=spikes)
         pred = cands[r.candidate].model_s(call, selection.profile(call, table))
         out.append({**dataclasses.asdict(r), "predicted_s": pred, "err": pred / r.seconds - 1})
     worst = max((abs(r["err"]) for r in out), default=math.nan)

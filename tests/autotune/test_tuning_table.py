@@ -140,7 +140,10 @@ def _model_table():
         for size in (256 * 1024, 4 * 2**20):
             for name in cands:
                 b = None if name == "lax" else bits
-                call = selection.Call(op, size, 4, "float32", 3, "cpu", "in-process", None, b)
+                # the rows' default formats: a spike per group at 4 bits (as model_check reads)
+                spikes = 1 if b is not None and 4 in b else 0
+                call = selection.Call(op, size, 4, "float32", 3, "cpu", "in-process", None, b,
+                                      spikes=spikes)
                 s = cands[name].model_s(call, selection.profile(call, table))
                 rows.append(tuning.Measurement(op, "in-process", 3, "float32", size, name, b, s))
     return dataclasses.replace(table, rows=tuple(rows))
@@ -155,3 +158,26 @@ def test_model_check_compares_every_row():
     check = model_check(dataclasses.replace(table, rows=(slow, *table.rows[1:])))
     assert check["max_abs_err"] == pytest.approx(0.5) and not check["within_tolerance"]
     assert model_check(table, min_bytes=2**20)["rows"][0]["nbytes"] == 4 * 2**20
+
+
+def test_spiked_calls_are_priced_at_the_spiked_codec_speed():
+    """A table's "spiked" codec figures (the 4-bit format with a spike per group) price calls
+    with spikes; the 8-bit figures the others; a table without them falls back to the latter."""
+    rates = {"quantize": 1e9, "dequantize_sum_quantize": 4e9, "dequantize": 5e8}
+    slow = {k: v / 4 for k, v in rates.items()}
+    link = {"bytes_per_s": 2e10, "latency_s": 1e-4, "p2p_latency_s": 2e-4}
+    plain = tuning.Table(key={}, codec={"by_n": {"3": {"call_s": 1e-5, "values_per_s": rates}}},
+                         link=link)
+    spiked = tuning.Table(key={}, codec={"by_n": {"3": {
+        "call_s": 1e-5, "values_per_s": rates,
+        "spiked": {"call_s": 1e-5, "values_per_s": slow}}}}, link=link)
+    q = selection.Quantized("xla")
+
+    def seconds(table, spikes):
+        call = selection.Call("psum", 4 * 2**20, 4, "float32", 3, "cpu", "in-process", None,
+                              (4, 4), spikes=spikes)
+        return q.model_s(call, selection.profile(call, table))
+
+    assert seconds(spiked, 0) == pytest.approx(seconds(plain, 0))
+    assert seconds(spiked, 1) > 1.5 * seconds(plain, 1)
+    assert seconds(plain, 1) > seconds(plain, 0)  # the spikes' wire bytes
