@@ -87,8 +87,8 @@ class IpcState {
     std::lock_guard<std::mutex> lock(mu_);
     Buffer& b = staging_[channel];
     if (b.bytes < bytes) {
-      // cudaFree (in GrowDeviceBlock) waits for the device: this stream's earlier waits on the
-      // waits for the peers' last signals (every peer done reading the old buffer) come first.
+      // cudaFree (in GrowDeviceBlock) waits for the device: this stream's earlier waits for
+      // the peers' last signals (every peer done reading the old buffer) come first.
       if (cudaError_t e = GrowDeviceBlock(bytes, size_t(1) << 20, &b.ptr, &b.bytes);
           e != cudaSuccess) {
         return e;

@@ -1,0 +1,247 @@
+"""What FP8 and FP4 group formats would cost a real model, simulated before the codec has them.
+
+    .venv/bin/python -m benchmarks.format_probe [--tp 3] [--formats all] [--out docs/format_probe]
+
+The codec's formats are integer groups (docs/format.md); the formats of current hardware are
+floating-point: FP8 E4M3 values with a scale per group, MXFP4 (E2M1 values, an E8M0 power-of-two
+scale per 32, the OCP Microscaling spec) and NVFP4 (E2M1 values, an E4M3 scale per 16 and an
+f32 scale per tensor). This probe measures what they would cost SmolLM2 before any kernel
+exists, with the same windows and metrics as ``benchmarks.accuracy``.
+
+Each setting replaces the model's all-reduces (every one, as ``min_bytes=0``) by a simulated
+two-phase quantized all-reduce, with the rounding where the codec's would be:
+
+1. every rank's partial sum, flattened and cut into groups, is quantized and dequantized in f32
+   in the reduce-scatter format (``phase1``);
+2. the f32 sum of those over the ranks (``lax.psum``) is quantized and dequantized again in the
+   all-gather format (``phase2``), identically on every rank.
+
+Optionally a group's orthonormal Walsh-Hadamard transform is quantized instead of the group
+(``+hH``: blocks of H values), undone after decoding. Wire bytes per value are each format's
+codes and scales as its spec stores them, averaged over the two phases, against a bf16 ring's
+2.0. A simulation (numerics only, in ``jnp``): not the codec, nothing here runs a kernel.
+Writes ``OUT.json`` and the table into ``OUT.md`` between its markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.scoring import score_windows
+from models import cli  # sets no jax state
+
+REPO = Path(__file__).resolve().parents[1]
+BEGIN, END = "<!-- format_probe: begin -->", "<!-- format_probe: end -->"
+
+#: E2M1 and E4M3 limits: the largest finite value, and the exponent of the largest power of
+#: two an element can hold (OCP MX v1.0, section 6.3: shared scale 2^(floor(log2 amax) - emax)).
+E2M1_MAX, E2M1_EMAX = 6.0, 2
+E4M3_MAX, E4M3_EMAX = 448.0, 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """One phase's simulated format: ``element`` ("e2m1" or "e4m3"), ``scale`` ("e8m0": a power
+    of two; "e4m3": an E4M3 scale under an f32 per-message scale, NVFP4's two levels; "bf16":
+    amax / element max rounded up to bf16), values per scale ``block``, and a Hadamard rotation
+    of ``hadamard`` values (0: none)."""
+    name: str
+    element: str
+    scale: str
+    block: int
+    hadamard: int = 0
+
+    @property
+    def bytes_per_value(self) -> float:
+        code = 0.5 if self.element == "e2m1" else 1.0
+        return code + {"e8m0": 1, "e4m3": 1, "bf16": 2}[self.scale] / self.block
+
+
+FORMATS = {f.name: f for f in (
+    Format("fp8", "e4m3", "bf16", 128),
+    Format("mxfp8", "e4m3", "e8m0", 32),
+    Format("mxfp4", "e2m1", "e8m0", 32),
+    Format("mxfp4+h32", "e2m1", "e8m0", 32, 32),
+    Format("nvfp4", "e2m1", "e4m3", 16),
+    Format("nvfp4+h16", "e2m1", "e4m3", 16, 16),
+    Format("nvfp4+h128", "e2m1", "e4m3", 16, 128),
+)}
+
+#: (reduce-scatter format, all-gather format) per setting.
+SETTINGS = {
+    "fp8": ("fp8", "fp8"), "mxfp8": ("mxfp8", "mxfp8"),
+    "mxfp4": ("mxfp4", "mxfp4"), "mxfp4+h32": ("mxfp4+h32", "mxfp4+h32"),
+    "nvfp4": ("nvfp4", "nvfp4"), "nvfp4+h16": ("nvfp4+h16", "nvfp4+h16"),
+    "nvfp4+h128": ("nvfp4+h128", "nvfp4+h128"),
+    "nvfp4/fp8": ("nvfp4", "fp8"), "nvfp4+h128/fp8": ("nvfp4+h128", "fp8"),
+    "fp8/nvfp4+h128": ("fp8", "nvfp4+h128"),
+}
+
+
+def hadamard_matrix(n: int):
+    """The orthonormal Walsh-Hadamard matrix of order ``n`` (a power of two), Sylvester's."""
+    import numpy as np
+
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Hadamard order must be a power of two, got {n}")
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return (h / np.sqrt(n)).astype(np.float32)
+
+
+def _cast(x, element: str):
+    """``x`` rounded to the nearest element value (ties to even), saturated at its largest."""
+    import jax.numpy as jnp
+
+    top, dtype = ((E2M1_MAX, jnp.float4_e2m1fn) if element == "e2m1"
+                  else (E4M3_MAX, jnp.float8_e4m3fn))
+    return jnp.clip(x, -top, top).astype(dtype).astype(jnp.float32)
+
+
+def fake_quantize(x, fmt: Format):
+    """``x`` (f32, any shape) quantized to ``fmt`` and decoded back, flattened into groups of
+    ``fmt.block`` values (zero-padded at the end), as the codec groups a message."""
+    import jax.numpy as jnp
+
+    flat = jnp.ravel(x).astype(jnp.float32)
+    unit = max(fmt.block, fmt.hadamard)
+    pad = (-flat.size) % unit
+    v = jnp.pad(flat, (0, pad))
+    if fmt.hadamard:
+        h = jnp.asarray(hadamard_matrix(fmt.hadamard))
+        v = (v.reshape(-1, fmt.hadamard) @ h).reshape(-1)
+    g = v.reshape(-1, fmt.block)
+    amax = jnp.max(jnp.abs(g), axis=1, keepdims=True)
+    top, emax = (E2M1_MAX, E2M1_EMAX) if fmt.element == "e2m1" else (E4M3_MAX, E4M3_EMAX)
+    if fmt.scale == "e8m0":
+        exp = jnp.floor(jnp.log2(jnp.where(amax > 0, amax, 1.0))) - emax
+        scale = jnp.exp2(jnp.clip(exp, -127, 127))
+    elif fmt.scale == "e4m3":  # NVFP4: an f32 scale per message, an E4M3 one per block
+        tensor = jnp.max(amax) / (E4M3_MAX * top)
+        tensor = jnp.where(tensor > 0, tensor, 1.0)
+        scale = _cast(amax / top / tensor, "e4m3") * tensor
+    else:  # bf16, rounded up so that amax / scale <= top
+        s = (amax / top).astype(jnp.bfloat16)
+        s = jnp.where(s.astype(jnp.float32) * top < amax, jnp.nextafter(s, jnp.inf), s)
+        scale = s.astype(jnp.float32)
+    safe = jnp.where(scale > 0, scale, 1.0)
+    q = jnp.where(scale > 0, _cast(g / safe, fmt.element) * scale, 0.0).reshape(-1)
+    if fmt.hadamard:
+        q = (q.reshape(-1, fmt.hadamard) @ h.T).reshape(-1)
+    return q[:flat.size].reshape(x.shape)
+
+
+def simulated_psum(x, axis_name: str, rs: Format, ag: Format):
+    """The two-phase quantized all-reduce of ``x`` over ``axis_name``, simulated (module
+    docstring); inside ``shard_map``, replicated result of ``x``'s dtype."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    total = lax.psum(fake_quantize(x.astype(jnp.float32), rs), axis_name)
+    return fake_quantize(total, ag).astype(x.dtype)
+
+
+def simulated_comm(rs: Format, ag: Format, axis_name: str = "tp"):
+    """A ``TPComm("exact")`` whose all-reduces are :func:`simulated_psum`."""
+    from jax_flashcomm.nn import TPComm
+
+    class SimulatedFormatComm(TPComm):
+        def all_reduce(self, x):
+            return simulated_psum(x, self.axis_name, rs, ag)
+
+    return SimulatedFormatComm("exact", axis_name)
+
+
+def run(args) -> dict:
+    cli.set_devices(args.tp)
+    import jax
+
+    from jax_flashcomm.nn import TPComm
+    from models import corpus
+    from models.eval import progress, window_tokens
+    from models.llama import set_comm
+    from models.machine import first_line
+    from models.weights import load_model
+
+    names = list(SETTINGS) if args.formats == "all" else args.formats.split(",")
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown:
+        raise SystemExit(f"unknown settings {unknown}; known: {', '.join(SETTINGS)}")
+    mesh = jax.make_mesh((args.tp,), ("tp",), devices=jax.devices()[:args.tp])
+    model, ckpt = load_model(args.model, tp=args.tp, mesh=mesh)
+    windows = window_tokens(ckpt.tokenizer.encode(corpus.load_text(corpus.DEFAULT)),
+                            args.window, args.max_windows)
+    data = {"machine": first_line(), "model": args.model, "tp": args.tp, "window": args.window,
+            "windows": len(windows), "command": " ".join(sys.argv), "rows": []}
+    set_comm(model, TPComm("exact"))
+    exact = score_windows(model, mesh, windows)
+    ppl0 = math.exp(float(exact["nll"].mean()))
+    data["rows"].append({"setting": "exact", "perplexity": ppl0, "delta_ppl": 0.0, "kl": 0.0,
+                         "top1": 1.0, "vs_bf16_ring": 1.0})
+    start = time.perf_counter()
+    for i, name in enumerate(names):
+        progress(i, len(names), start, unit="settings", what=name)
+        rs, ag = (FORMATS[f] for f in SETTINGS[name])
+        set_comm(model, simulated_comm(rs, ag))
+        s = score_windows(model, mesh, windows, exact["logps"])
+        ppl = math.exp(float(s["nll"].mean()))
+        data["rows"].append({
+            "setting": name, "rs_format": rs.name, "ag_format": ag.name,
+            "perplexity": ppl, "delta_ppl": ppl / ppl0 - 1, "kl": float(s["kl"].mean()),
+            "top1": float(s["top1"].mean()),
+            "vs_bf16_ring": (rs.bytes_per_value + ag.bytes_per_value) / 2 / 2.0})
+    progress(len(names), len(names), start, unit="settings", what="done")
+    return data
+
+
+def table(data: dict) -> str:
+    lines = [f"SmolLM2 at TP={data['tp']}, {data['windows']} windows of {data['window']} tokens; "
+             f"`{data['machine']}`", "",
+             "| setting | reduce-scatter | all-gather | × bf16 ring bytes | perplexity | Δ ppl "
+             "| KL (nats) | top-1 |", "|---|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        lines.append(f"| {r['setting']} | {r.get('rs_format', '-')} | {r.get('ag_format', '-')} "
+                     f"| {r['vs_bf16_ring']:.3f} | {r['perplexity']:.3f} "
+                     f"| {r['delta_ppl']:+.2%} | {r['kl']:.2e} | {r['top1']:.4f} |")
+    return "\n".join(lines)
+
+
+def write_markdown(data: dict, path: Path):
+    """The table between the markers of ``path`` (the rest of the page kept)."""
+    block = f"{BEGIN}\n{table(data)}\n{END}"
+    text = path.read_text() if path.exists() else f"# Format probe\n\n{BEGIN}\n{END}\n"
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{path} lacks the markers {BEGIN} / {END}")
+    head, rest = text.split(BEGIN, 1)
+    path.write_text(head + block + rest.split(END, 1)[1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.format_probe", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--tp", type=int, default=3)
+    ap.add_argument("--formats", default="all",
+                    help=f"comma-separated settings, or all ({', '.join(SETTINGS)})")
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--max-windows", type=int, default=6)
+    ap.add_argument("--out", default=str(REPO / "docs" / "format_probe"))
+    args = ap.parse_args(argv)
+    if args.tp < 2 or args.window < 2 or args.max_windows < 1:
+        ap.error("--tp must be >= 2, --window >= 2, --max-windows >= 1")
+    data = run(args)
+    Path(args.out + ".json").write_text(json.dumps(data, indent=1))
+    print(table(data))
+    write_markdown(data, Path(args.out + ".md"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
