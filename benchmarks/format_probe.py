@@ -17,7 +17,12 @@ two-phase quantized all-reduce, with the rounding where the codec's would be:
    all-gather format (``phase2``), identically on every rank.
 
 Optionally a group's orthonormal Walsh-Hadamard transform is quantized instead of the group
-(``+hH``: blocks of H values), undone after decoding. Wire bytes per value are each format's
+(``+hH``: blocks of H values), undone after decoding. Settings ending in ``+smooth`` divide
+every channel of a call site's message by a static scale before quantizing and multiply the
+sum by it after (linear, so exact without rounding; the smoothing of SmoothQuant applied to a
+collective): ``amax_c ** --alpha`` normalized to a geometric mean of 1, ``amax_c`` the
+channel's largest magnitude at that site over ``--calibration-windows`` windows that follow
+the scored ones. Wire bytes per value are each format's
 codes and scales as its spec stores them, averaged over the two phases, against a bf16 ring's
 2.0. A simulation (numerics only, in ``jnp``): not the codec, nothing here runs a kernel.
 Writes ``OUT.json`` and the table into ``OUT.md`` between its markers.
@@ -81,6 +86,9 @@ SETTINGS = {
     "nvfp4+h128": ("nvfp4+h128", "nvfp4+h128"),
     "nvfp4/fp8": ("nvfp4", "fp8"), "nvfp4+h128/fp8": ("nvfp4+h128", "fp8"),
     "fp8/nvfp4+h128": ("fp8", "nvfp4+h128"),
+    "mxfp4+smooth": ("mxfp4", "mxfp4"), "nvfp4+smooth": ("nvfp4", "nvfp4"),
+    "nvfp4+h16+smooth": ("nvfp4+h16", "nvfp4+h16"),
+    "nvfp4+smooth/fp8": ("nvfp4", "fp8"),
 }
 
 
@@ -148,15 +156,63 @@ def simulated_psum(x, axis_name: str, rs: Format, ag: Format):
     return fake_quantize(total, ag).astype(x.dtype)
 
 
-def simulated_comm(rs: Format, ag: Format, axis_name: str = "tp"):
-    """A ``TPComm("exact")`` whose all-reduces are :func:`simulated_psum`."""
+def simulated_comm(rs: Format, ag: Format, axis_name: str = "tp", channel_scale=None):
+    """A ``TPComm("exact")`` whose all-reduces are :func:`simulated_psum`, of the message
+    divided by ``channel_scale`` (one per value of its last axis) and multiplied back after."""
+    import jax.numpy as jnp
+
     from jax_flashcomm.nn import TPComm
+
+    scale = None if channel_scale is None else jnp.asarray(channel_scale, jnp.float32)
 
     class SimulatedFormatComm(TPComm):
         def all_reduce(self, x):
-            return simulated_psum(x, self.axis_name, rs, ag)
+            if scale is None:
+                return simulated_psum(x, self.axis_name, rs, ag)
+            y = simulated_psum(x.astype(jnp.float32) / scale, self.axis_name, rs, ag)
+            return (y.astype(jnp.float32) * scale).astype(x.dtype)
 
     return SimulatedFormatComm("exact", axis_name)
+
+
+def channel_amax(model, mesh, windows, n_layers: int) -> dict:
+    """``{(layer, site): amax per channel}`` of every block all-reduce's operand (every rank's
+    partial sum), over ``windows`` scored with exact communication."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+
+    from jax_flashcomm.nn import TPComm
+    from models.llama import SITES, set_comm
+
+    stats = {}
+
+    def record(key, amax):
+        stats[key] = np.maximum(stats.get(key, 0.0), np.asarray(amax, np.float32))
+
+    def recorder(key):
+        class Recorder(TPComm):
+            def all_reduce(self, x):
+                a = jnp.max(jnp.abs(x.astype(jnp.float32)).reshape(-1, x.shape[-1]), axis=0)
+                jax.debug.callback(lambda v: record(key, v), a)
+                return lax.psum(x, self.axis_name)
+        return Recorder("exact", "tp")
+
+    set_comm(model, TPComm("exact"), overrides={
+        (layer, site): recorder((layer, site)) for layer in range(n_layers) for site in SITES})
+    score_windows(model, mesh, windows)
+    return stats
+
+
+def smoothing_scales(amax, alpha: float):
+    """Channel scales ``amax ** alpha``, normalized to a geometric mean of 1 (channels that were
+    0 everywhere get 1)."""
+    import numpy as np
+
+    a = np.asarray(amax, np.float64)
+    s = np.where(a > 0, a, 1.0) ** alpha
+    return (s / np.exp(np.mean(np.log(s)))).astype(np.float32)
 
 
 def run(args) -> dict:
@@ -170,16 +226,27 @@ def run(args) -> dict:
     from models.machine import first_line
     from models.weights import load_model
 
+    from models.llama import SITES
+
     names = list(SETTINGS) if args.formats == "all" else args.formats.split(",")
     unknown = [n for n in names if n not in SETTINGS]
     if unknown:
         raise SystemExit(f"unknown settings {unknown}; known: {', '.join(SETTINGS)}")
     mesh = jax.make_mesh((args.tp,), ("tp",), devices=jax.devices()[:args.tp])
     model, ckpt = load_model(args.model, tp=args.tp, mesh=mesh)
-    windows = window_tokens(ckpt.tokenizer.encode(corpus.load_text(corpus.DEFAULT)),
-                            args.window, args.max_windows)
+    every = window_tokens(ckpt.tokenizer.encode(corpus.load_text(corpus.DEFAULT)),
+                          args.window, args.max_windows + args.calibration_windows)
+    windows, calibration = every[:args.max_windows], every[args.max_windows:]
     data = {"machine": first_line(), "model": args.model, "tp": args.tp, "window": args.window,
-            "windows": len(windows), "command": " ".join(sys.argv), "rows": []}
+            "windows": len(windows), "calibration_windows": len(calibration),
+            "alpha": args.alpha, "command": " ".join(sys.argv), "rows": []}
+    scales = None
+    if any(n.endswith("+smooth") or "+smooth/" in n for n in names):
+        if not calibration:
+            raise SystemExit("the +smooth settings need --calibration-windows >= 1 (the text "
+                             "has no window after the scored ones)")
+        amax = channel_amax(model, mesh, calibration, ckpt.config.n_layers)
+        scales = {key: smoothing_scales(a, args.alpha) for key, a in amax.items()}
     set_comm(model, TPComm("exact"))
     exact = score_windows(model, mesh, windows)
     ppl0 = math.exp(float(exact["nll"].mean()))
@@ -189,7 +256,12 @@ def run(args) -> dict:
     for i, name in enumerate(names):
         progress(i, len(names), start, unit="settings", what=name)
         rs, ag = (FORMATS[f] for f in SETTINGS[name])
-        set_comm(model, simulated_comm(rs, ag))
+        if "+smooth" in name:
+            set_comm(model, TPComm("exact"), overrides={
+                (layer, site): simulated_comm(rs, ag, channel_scale=scales[layer, site])
+                for layer in range(ckpt.config.n_layers) for site in SITES})
+        else:
+            set_comm(model, simulated_comm(rs, ag))
         s = score_windows(model, mesh, windows, exact["logps"])
         ppl = math.exp(float(s["nll"].mean()))
         data["rows"].append({
@@ -232,10 +304,15 @@ def main(argv=None) -> int:
                     help=f"comma-separated settings, or all ({', '.join(SETTINGS)})")
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--max-windows", type=int, default=6)
+    ap.add_argument("--calibration-windows", type=int, default=4,
+                    help="windows after the scored ones that calibrate the +smooth settings")
+    ap.add_argument("--alpha", type=float, default=1.0,
+                    help="smoothing strength: channel scale = calibration amax ** alpha")
     ap.add_argument("--out", default=str(REPO / "docs" / "format_probe"))
     args = ap.parse_args(argv)
-    if args.tp < 2 or args.window < 2 or args.max_windows < 1:
-        ap.error("--tp must be >= 2, --window >= 2, --max-windows >= 1")
+    if args.tp < 2 or args.window < 2 or args.max_windows < 1 or args.calibration_windows < 0:
+        ap.error("--tp must be >= 2, --window >= 2, --max-windows >= 1, "
+                 "--calibration-windows >= 0")
     data = run(args)
     Path(args.out + ".json").write_text(json.dumps(data, indent=1))
     print(table(data))

@@ -77,3 +77,13 @@ def test_simulated_psum_is_two_phases():
     want = np.asarray(fp.fake_quantize(jnp.asarray(total), ag))
     for r in range(n):
         np.testing.assert_allclose(got[r], want, rtol=1e-6, atol=1e-6)
+
+
+def test_smoothing_scales():
+    amax = np.array([0.0, 1.0, 4.0, 100.0], np.float32)
+    s = fp.smoothing_scales(amax, 1.0)
+    assert np.exp(np.mean(np.log(s))) == pytest.approx(1.0, rel=1e-5)
+    assert s[3] / s[2] == pytest.approx(25.0) and s[2] / s[1] == pytest.approx(4.0)
+    half = fp.smoothing_scales(amax, 0.5)
+    assert half[3] / half[2] == pytest.approx(5.0)
+    assert np.isfinite(s).all() and (s > 0).all()
