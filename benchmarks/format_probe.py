@@ -44,6 +44,8 @@ from models import cli  # sets no jax state
 REPO = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- format_probe: begin -->", "<!-- format_probe: end -->"
 
+#: Values per group of the spike selection (the codec's default group size).
+SPIKE_GROUP = 128
 #: E2M1 and E4M3 limits: the largest finite value, and the exponent of the largest power of
 #: two an element can hold (OCP MX v1.0, section 6.3: shared scale 2^(floor(log2 amax) - emax)).
 E2M1_MAX, E2M1_EMAX = 6.0, 2
@@ -61,11 +63,13 @@ class Format:
     scale: str
     block: int
     hadamard: int = 0
+    spikes: int = 0  # values per SPIKE_GROUP kept in bf16 with a 1-byte position
 
     @property
     def bytes_per_value(self) -> float:
         code = 0.5 if self.element == "e2m1" else 1.0
-        return code + {"e8m0": 1, "e4m3": 1, "bf16": 2}[self.scale] / self.block
+        return (code + {"e8m0": 1, "e4m3": 1, "bf16": 2}[self.scale] / self.block
+                + 3 * self.spikes / SPIKE_GROUP)
 
 
 FORMATS = {f.name: f for f in (
@@ -76,6 +80,9 @@ FORMATS = {f.name: f for f in (
     Format("nvfp4", "e2m1", "e4m3", 16),
     Format("nvfp4+h16", "e2m1", "e4m3", 16, 16),
     Format("nvfp4+h128", "e2m1", "e4m3", 16, 128),
+    Format("nvfp4+spike", "e2m1", "e4m3", 16, 0, 1),
+    Format("nvfp4+2spikes", "e2m1", "e4m3", 16, 0, 2),
+    Format("mxfp4+spike", "e2m1", "e8m0", 32, 0, 1),
 )}
 
 #: (reduce-scatter format, all-gather format) per setting.
@@ -86,6 +93,10 @@ SETTINGS = {
     "nvfp4+h128": ("nvfp4+h128", "nvfp4+h128"),
     "nvfp4/fp8": ("nvfp4", "fp8"), "nvfp4+h128/fp8": ("nvfp4+h128", "fp8"),
     "fp8/nvfp4+h128": ("fp8", "nvfp4+h128"),
+    "nvfp4+spike": ("nvfp4+spike", "nvfp4+spike"),
+    "nvfp4+2spikes": ("nvfp4+2spikes", "nvfp4+2spikes"),
+    "mxfp4+spike": ("mxfp4+spike", "mxfp4+spike"),
+    "nvfp4+spike/fp8": ("nvfp4+spike", "fp8"),
     "mxfp4+smooth": ("mxfp4", "mxfp4"), "nvfp4+smooth": ("nvfp4", "nvfp4"),
     "nvfp4+h16+smooth": ("nvfp4+h16", "nvfp4+h16"),
     "nvfp4+smooth/fp8": ("nvfp4", "fp8"),
@@ -119,9 +130,16 @@ def fake_quantize(x, fmt: Format):
     import jax.numpy as jnp
 
     flat = jnp.ravel(x).astype(jnp.float32)
-    unit = max(fmt.block, fmt.hadamard)
+    unit = max(fmt.block, fmt.hadamard, SPIKE_GROUP if fmt.spikes else 1)
     pad = (-flat.size) % unit
     v = jnp.pad(flat, (0, pad))
+    kept = None
+    if fmt.spikes:  # each group's largest magnitudes travel apart, in bf16
+        groups = v.reshape(-1, SPIKE_GROUP)
+        top = jnp.argsort(-jnp.abs(groups), axis=1)[:, :fmt.spikes]
+        mask = jnp.zeros(groups.shape, bool).at[jnp.arange(groups.shape[0])[:, None], top].set(True)
+        kept = jnp.where(mask, groups.astype(jnp.bfloat16).astype(jnp.float32), 0.0).reshape(-1)
+        v = jnp.where(mask, 0.0, groups).reshape(-1)
     if fmt.hadamard:
         h = jnp.asarray(hadamard_matrix(fmt.hadamard))
         v = (v.reshape(-1, fmt.hadamard) @ h).reshape(-1)
@@ -143,6 +161,8 @@ def fake_quantize(x, fmt: Format):
     q = jnp.where(scale > 0, _cast(g / safe, fmt.element) * scale, 0.0).reshape(-1)
     if fmt.hadamard:
         q = (q.reshape(-1, fmt.hadamard) @ h.T).reshape(-1)
+    if kept is not None:
+        q = q + kept  # a spike's own code is 0 (it was zeroed before the quantization)
     return q[:flat.size].reshape(x.shape)
 
 
@@ -306,7 +326,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-windows", type=int, default=6)
     ap.add_argument("--calibration-windows", type=int, default=4,
                     help="windows after the scored ones that calibrate the +smooth settings")
-    ap.add_argument("--alpha", type=float, default=1.0,
+    ap.add_argument("--alpha", type=float, default=0.5,
                     help="smoothing strength: channel scale = calibration amax ** alpha")
     ap.add_argument("--out", default=str(REPO / "docs" / "format_probe"))
     args = ap.parse_args(argv)

@@ -87,3 +87,20 @@ def test_smoothing_scales():
     half = fp.smoothing_scales(amax, 0.5)
     assert half[3] / half[2] == pytest.approx(5.0)
     assert np.isfinite(s).all() and (s > 0).all()
+
+
+def test_spikes_travel_in_bf16_and_cost_three_bytes():
+    fmt = fp.FORMATS["nvfp4+spike"]
+    assert fmt.bytes_per_value == pytest.approx(0.5 + 1 / 16 + 3 / 128)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((4, 128)).astype(np.float32)
+    x[:, 7] = 1000.0 + np.arange(4)  # one outlier per group
+    out = np.asarray(fp.fake_quantize(jnp.asarray(x), fmt))
+    np.testing.assert_array_equal(out[:, 7], np.asarray(
+        jnp.asarray(x[:, 7]).astype(jnp.bfloat16).astype(jnp.float32)))
+    # the rest is quantized on its own scale: far better than with the outlier in its block
+    plain = np.asarray(fp.fake_quantize(jnp.asarray(x), fp.FORMATS["nvfp4"]))
+    rest = np.ones(128, bool)
+    rest[7] = False
+    assert np.abs(out - x)[:, rest].max() < 0.5 * np.abs(x[:, rest]).max()
+    assert np.abs(out - x)[:, rest].max() <= np.abs(plain - x)[:, rest].max()
