@@ -259,7 +259,8 @@ def run(args) -> dict:
     windows, calibration = every[:args.max_windows], every[args.max_windows:]
     data = {"machine": first_line(), "model": args.model, "tp": args.tp, "window": args.window,
             "windows": len(windows), "calibration_windows": len(calibration),
-            "alpha": args.alpha, "command": " ".join(sys.argv), "rows": []}
+            "alpha": args.alpha, "rows": [],
+            "command": " ".join([".venv/bin/python -m benchmarks.format_probe", *sys.argv[1:]])}
     scales = None
     if any(n.endswith("+smooth") or "+smooth/" in n for n in names):
         if not calibration:
