@@ -25,7 +25,10 @@ channel's largest magnitude at that site over ``--calibration-windows`` windows 
 the scored ones. Wire bytes per value are each format's
 codes and scales as its spec stores them, averaged over the two phases, against a bf16 ring's
 2.0. A simulation (numerics only, in ``jnp``): not the codec, nothing here runs a kernel.
-Writes ``OUT.json`` and the table into ``OUT.md`` between its markers.
+With ``--upgrade K [K ...]`` every setting is also scored with its ``K`` most sensitive call
+sites in ``fp8`` (the sites ranked by their KL when quantized alone, from
+``benchmarks.layer_sensitivity``'s JSON, measured on other windows); the wire bytes are then the
+mean over the 60 sites. Writes ``OUT.json`` and the table into ``OUT.md`` between its markers.
 """
 
 from __future__ import annotations
@@ -42,7 +45,6 @@ from benchmarks.scoring import score_windows
 from models import cli  # sets no jax state
 
 REPO = Path(__file__).resolve().parents[1]
-BEGIN, END = "<!-- format_probe: begin -->", "<!-- format_probe: end -->"
 
 #: Values per group of the spike selection (the codec's default group size).
 SPIKE_GROUP = 128
@@ -273,24 +275,39 @@ def run(args) -> dict:
     ppl0 = math.exp(float(exact["nll"].mean()))
     data["rows"].append({"setting": "exact", "perplexity": ppl0, "delta_ppl": 0.0, "kl": 0.0,
                          "top1": 1.0, "vs_bf16_ring": 1.0})
+    ranked = []
+    if args.upgrade:
+        sites = json.loads(Path(args.sensitivity).read_text())["sites"]
+        ranked = [(s["layer"], s["site"]) for s in sorted(sites, key=lambda s: -s["kl"])]
+        data["sensitivity"] = str(Path(args.sensitivity).relative_to(REPO)
+                                  if Path(args.sensitivity).resolve().is_relative_to(REPO)
+                                  else args.sensitivity)
+    runs = [(n, k) for n in names for k in [0, *args.upgrade]]
+    all_sites = [(layer, site) for layer in range(ckpt.config.n_layers) for site in SITES]
+    upgrade = FORMATS["fp8"]
     start = time.perf_counter()
-    for i, name in enumerate(names):
-        progress(i, len(names), start, unit="settings", what=name)
+    for i, (name, k) in enumerate(runs):
+        label = name if not k else f"{name}, top {k} in fp8"
+        progress(i, len(runs), start, unit="settings", what=label)
         rs, ag = (FORMATS[f] for f in SETTINGS[name])
-        if "+smooth" in name:
+        up = set(ranked[:k])
+        if "+smooth" in name or up:
             set_comm(model, TPComm("exact"), overrides={
-                (layer, site): simulated_comm(rs, ag, channel_scale=scales[layer, site])
-                for layer in range(ckpt.config.n_layers) for site in SITES})
+                key: (simulated_comm(upgrade, upgrade) if key in up else simulated_comm(
+                    rs, ag, channel_scale=scales[key] if "+smooth" in name else None))
+                for key in all_sites})
         else:
             set_comm(model, simulated_comm(rs, ag))
         s = score_windows(model, mesh, windows, exact["logps"])
         ppl = math.exp(float(s["nll"].mean()))
+        base = (rs.bytes_per_value + ag.bytes_per_value) / 2
+        mean = (base * (len(all_sites) - len(up)) + upgrade.bytes_per_value * len(up)) / len(
+            all_sites)
         data["rows"].append({
-            "setting": name, "rs_format": rs.name, "ag_format": ag.name,
+            "setting": label, "rs_format": rs.name, "ag_format": ag.name, "upgraded": k,
             "perplexity": ppl, "delta_ppl": ppl / ppl0 - 1, "kl": float(s["kl"].mean()),
-            "top1": float(s["top1"].mean()),
-            "vs_bf16_ring": (rs.bytes_per_value + ag.bytes_per_value) / 2 / 2.0})
-    progress(len(names), len(names), start, unit="settings", what="done")
+            "top1": float(s["top1"].mean()), "vs_bf16_ring": mean / 2.0})
+    progress(len(runs), len(runs), start, unit="settings", what="done")
     return data
 
 
@@ -306,14 +323,15 @@ def table(data: dict) -> str:
     return "\n".join(lines)
 
 
-def write_markdown(data: dict, path: Path):
-    """The table between the markers of ``path`` (the rest of the page kept)."""
-    block = f"{BEGIN}\n{table(data)}\n{END}"
-    text = path.read_text() if path.exists() else f"# Format probe\n\n{BEGIN}\n{END}\n"
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{path} lacks the markers {BEGIN} / {END}")
-    head, rest = text.split(BEGIN, 1)
-    path.write_text(head + block + rest.split(END, 1)[1])
+def write_markdown(data: dict, path: Path, name: str):
+    """The table between the ``name`` markers of ``path`` (the rest of the page kept; the
+    markers are appended where the page has none)."""
+    begin, end = f"<!-- {name}: begin -->", f"<!-- {name}: end -->"
+    text = path.read_text() if path.exists() else "# Format probe\n"
+    if begin not in text or end not in text:
+        text = text.rstrip("\n") + f"\n\n{begin}\n{end}\n"
+    head, rest = text.split(begin, 1)
+    path.write_text(head + f"{begin}\n{table(data)}\n{end}" + rest.split(end, 1)[1])
 
 
 def main(argv=None) -> int:
@@ -329,15 +347,23 @@ def main(argv=None) -> int:
                     help="windows after the scored ones that calibrate the +smooth settings")
     ap.add_argument("--alpha", type=float, default=0.5,
                     help="smoothing strength: channel scale = calibration amax ** alpha")
-    ap.add_argument("--out", default=str(REPO / "docs" / "format_probe"))
+    ap.add_argument("--upgrade", type=int, nargs="*", default=[],
+                    help="also score each setting with its K most sensitive sites in fp8")
+    ap.add_argument("--sensitivity", default=str(REPO / "docs" / "layer_sensitivity.json"),
+                    help="benchmarks/layer_sensitivity.py's JSON (the sites' ranking)")
+    ap.add_argument("--out", default=str(REPO / "docs" / "format_probe"),
+                    help="OUT.json; the table goes between the markers named after OUT")
+    ap.add_argument("--md", default=None, help="the page of the table (default OUT.md)")
     args = ap.parse_args(argv)
+    if any(k < 1 for k in args.upgrade):
+        ap.error("--upgrade values must be >= 1")
     if args.tp < 2 or args.window < 2 or args.max_windows < 1 or args.calibration_windows < 0:
         ap.error("--tp must be >= 2, --window >= 2, --max-windows >= 1, "
                  "--calibration-windows >= 0")
     data = run(args)
     Path(args.out + ".json").write_text(json.dumps(data, indent=1))
     print(table(data))
-    write_markdown(data, Path(args.out + ".md"))
+    write_markdown(data, Path(args.md or args.out + ".md"), Path(args.out).name)
     return 0
 
 

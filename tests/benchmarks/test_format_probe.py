@@ -104,3 +104,21 @@ def test_spikes_travel_in_bf16_and_cost_three_bytes():
     rest[7] = False
     assert np.abs(out - x)[:, rest].max() < 0.5 * np.abs(x[:, rest]).max()
     assert np.abs(out - x)[:, rest].max() <= np.abs(plain - x)[:, rest].max()
+
+
+def test_markdown_tables_live_between_their_markers(tmp_path):
+    data = {"tp": 3, "windows": 6, "window": 512, "machine": "m", "rows": [
+        {"setting": "exact", "perplexity": 15.0, "delta_ppl": 0.0, "kl": 0.0, "top1": 1.0,
+         "vs_bf16_ring": 1.0}]}
+    page = tmp_path / "p.md"
+    page.write_text("# Title\n\nprose\n")
+    fp.write_markdown(data, page, "a")
+    fp.write_markdown(data, page, "b")
+    data["rows"][0]["perplexity"] = 16.0
+    fp.write_markdown(data, page, "a")
+    text = page.read_text()
+    assert text.startswith("# Title\n\nprose\n")
+    assert text.count("<!-- a: begin -->") == 1 and text.count("<!-- b: begin -->") == 1
+    a = text.split("<!-- a: begin -->")[1].split("<!-- a: end -->")[0]
+    b = text.split("<!-- b: begin -->")[1].split("<!-- b: end -->")[0]
+    assert "16.000" in a and "15.000" in b
