@@ -264,7 +264,7 @@ def run(args) -> dict:
             "alpha": args.alpha, "rows": [],
             "command": " ".join([".venv/bin/python -m benchmarks.format_probe", *sys.argv[1:]])}
     scales = None
-    if any(n.endswith("+smooth") or "+smooth/" in n for n in names):
+    if any("+smooth" in n for n in names):
         if not calibration:
             raise SystemExit("the +smooth settings need --calibration-windows >= 1 (the text "
                              "has no window after the scored ones)")

@@ -87,8 +87,10 @@ def _candidate_fn(op: str, candidate: str, bits, mesh, axis: str = "i",
     from jax_flashcomm.config import CommConfig
 
     if candidate == "exact/p2p":  # the exact all-reduce over shared memory (between processes)
+        if op != "psum":
+            raise ValueError(f"exact/p2p is an all-reduce; {op} has no exact p2p path")
         cfg = CommConfig(bits=None, transport="p2p", backend="ffi")
-        body = {"psum": lambda v: allreduce.psum(v, axis, config=cfg)}[op]
+        body = lambda v: allreduce.psum(v, axis, config=cfg)  # noqa: E731
     elif candidate == "lax":
         body = {"psum": lambda v: lax.psum(v, axis),
                 "psum_scatter": lambda v: lax.psum_scatter(v, axis, tiled=True),
@@ -157,8 +159,10 @@ def measure_mesh(mesh, axis: str, sizes, bits, reps: int, *, ops=OPS, layout: st
             host = np.random.default_rng(0).standard_normal((n, m)).astype(dtype)
             x = jax.make_array_from_callback((n, m), NamedSharding(mesh, P(axis)),
                                              lambda idx, host=host: host[idx])
-            cands = ([("lax", None)] + [("exact/p2p", None)] * (exact_p2p and op == "psum")
-                     + [(f"quantized/{t}", _phase_bits(op, b)) for t in transports for b in bits])
+            cands = [("lax", None)]
+            if exact_p2p and op == "psum":
+                cands.append(("exact/p2p", None))
+            cands += [(f"quantized/{t}", _phase_bits(op, b)) for t in transports for b in bits]
             fns = [_candidate_fn(op, cand, b, mesh, axis, k) for cand, b in cands]
             best = [math.inf] * len(cands)
             for _ in range(rounds):
