@@ -12,6 +12,7 @@ choice: ``"ffi"`` (the kernels; an error if not built for the default backend) o
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_flashcomm.codec import kernels, reference, spec
+from jax_flashcomm.codec import fp, kernels, reference, spec
 from jax_flashcomm.codec.payload import Payload
 from jax_flashcomm.codec.spec import DEFAULT_GROUP_SIZE, wire_bytes_per_element
 
@@ -86,7 +87,7 @@ def as_groups(x: jax.Array, group_size: int, num_chunks: int) -> jax.Array:
 
 def quantize(x: jax.Array, *, bits: int = 8, group_size: int = DEFAULT_GROUP_SIZE,
              num_chunks: int = 1, backend: str = "auto", rotation: int | str | None = 0,
-             spikes: int = 0) -> Payload:
+             spikes: int = 0, format: str = "int") -> Payload:
     """Quantize ``x`` (f32, bf16 or f16, any shape) to ``bits`` per value in groups.
 
     ``x`` is flattened and zero-padded to a multiple of ``num_chunks * group_size`` so the
@@ -95,7 +96,9 @@ def quantize(x: jax.Array, *, bits: int = 8, group_size: int = DEFAULT_GROUP_SIZ
     ``group_size``) quantizes each group's orthonormal Walsh-Hadamard transform instead of the
     group (docs/format.md, "Rotation"); decoding applies the inverse. ``spikes`` (0..16, below
     ``group_size``) keeps each group's k largest-magnitude values in bf16 beside the codes
-    (docs/format.md, "Spike reserving"), after the rotation if there is one.
+    (docs/format.md, "Spike reserving"), after the rotation if there is one. ``format``
+    "fp8", "mxfp4" or "nvfp4" quantizes to floating-point groups instead of integer ones
+    (docs/format.md, "Floating-point formats"; ``bits`` is then ignored).
 
     Args:
       x: the operand: f32, bf16 or f16, any shape, not empty.
@@ -105,17 +108,20 @@ def quantize(x: jax.Array, *, bits: int = 8, group_size: int = DEFAULT_GROUP_SIZ
       backend: ``"auto"``, ``"ffi"`` or ``"jnp"`` (module docstring).
       rotation: 0 / ``"none"``, 1 / ``"hadamard"`` or 2 / ``"signed_hadamard"``.
       spikes: values per group kept in bf16 (0..16, below ``group_size``).
+      format: "int" (the default), "fp8", "mxfp4" or "nvfp4".
 
     Returns:
-      A :class:`Payload`: codes ``(groups, record bytes)``, scale and zero ``(groups,)``;
+      A :class:`Payload`: codes ``(groups, record bytes)``, scale and zero ``(groups,)`` (None
+      in a floating-point format);
       ``shape`` and ``dtype`` are ``x``'s.
 
     Raises:
       TypeError: a non-float ``x`` or an option of the wrong type.
       ValueError: an empty ``x`` or an option out of range.
     """
-    bits = spec.check_bits(bits)
     group_size = spec.check_group_size(group_size)
+    fmt = spec.check_format(format, group_size)
+    bits = spec.FP_BITS[fmt] if fmt != "int" else spec.check_bits(bits)
     rotation = spec.check_rotation(rotation, group_size)
     spikes = spec.check_spikes(spikes, group_size)
     x = jnp.asarray(x)
@@ -125,6 +131,12 @@ def quantize(x: jax.Array, *, bits: int = 8, group_size: int = DEFAULT_GROUP_SIZ
     if not isinstance(num_chunks, (int, np.integer)) or num_chunks < 1:
         raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
     groups = as_groups(x, group_size, int(num_chunks))
+    if fmt != "int":
+        codes = fp.quantize(groups, fmt=fmt, group_size=group_size, rotation=rotation,
+                            spikes=spikes, backend=backend)
+        return Payload(codes, None, None, bits=bits, group_size=group_size,
+                       shape=tuple(x.shape), dtype=dtype, rotation=rotation, spikes=spikes,
+                       format=fmt)
     codes, scale, zero = _dispatch("quantize", groups, backend=backend, bits=bits,
                                    group_size=group_size, rotation=rotation, spikes=spikes)
     return Payload(codes, scale, zero, bits=bits, group_size=group_size,
@@ -146,6 +158,13 @@ def _check_payload(payload, name="payload", *, covers_shape: bool = False) -> Pa
     spec.check_group_size(p.group_size, f"{name}.group_size")
     spec.check_rotation(p.rotation, p.group_size, f"{name}.rotation")
     spec.check_spikes(p.spikes, p.group_size, f"{name}.spikes")
+    if p.format != "int":
+        fp.check(p, name)
+        if covers_shape and p.num_groups * p.group_size < math.prod(p.shape):
+            raise ValueError(
+                f"{name} has {p.num_groups} groups of {p.group_size} values, fewer than the "
+                f"{math.prod(p.shape)} of its shape {p.shape}")
+        return payload
     for field, want in (("codes", np.dtype(jnp.uint8)), ("scale", np.dtype(jnp.bfloat16)),
                         ("zero", np.dtype(jnp.bfloat16))):
         got = getattr(getattr(p, field), "dtype", None)
@@ -195,6 +214,8 @@ def dequantize(payload: Payload, *, dtype=None, backend: str = "auto") -> jax.Ar
     """
     p = _check_payload(payload, covers_shape=True)
     dtype = spec.check_dtype(p.dtype if dtype is None else dtype, "dtype")
+    if p.format != "int":
+        return restore_shape(fp.dequantize(p, dtype, backend), p.shape)
     groups = _dispatch("dequantize", p.codes, p.scale, p.zero, backend=backend, bits=p.bits,
                        group_size=p.group_size, dtype=dtype, rotation=p.rotation,
                        spikes=p.spikes)
@@ -244,7 +265,7 @@ def dequantize_into(out: jax.Array, payload: Payload, offset, *,
       TypeError: a non-array ``out`` or a non-integer ``offset``.
     """
     p = _check_payload(payload)
-    if p.scale.ndim != 1:
+    if p.codes.ndim != 2:
         raise ValueError(f"payload must be one operand's payload, scale (groups,); got scale "
                          f"{p.scale.shape} (use one chunk of a chunked payload)")
     _check_payload(p, covers_shape=True)
@@ -266,13 +287,17 @@ def dequantize_into(out: jax.Array, payload: Payload, offset, *,
         if jnp.ndim(offset) != 0 or not jnp.issubdtype(offset.dtype, jnp.integer):
             raise TypeError(f"offset must be an integer scalar, got {jax.typeof(offset)}")
         offset = offset.astype(jnp.int32)
+    if p.format != "int":  # no in-place kernel: decode, then update the slice
+        v = dequantize(p, dtype=out.dtype, backend=backend).reshape(-1)
+        flat = lax.dynamic_update_slice(out.reshape(-1), v, (offset,))
+        return flat.reshape(out.shape)
     return _dispatch("dequantize_into", out, p.codes, p.scale, p.zero, offset, backend=backend,
                      bits=p.bits, group_size=p.group_size, count=count, rotation=p.rotation,
                      spikes=p.spikes)
 
 
 def _check_chunked(p: Payload):
-    if p.scale.ndim < 2:
+    if p.codes.ndim < 3:
         raise ValueError(
             "payload must have a chunk axis: scale (..., chunks, groups); use "
             "Payload.split_groups(chunks) on a quantized operand")
@@ -298,6 +323,9 @@ def dequantize_sum(payload: Payload, *, dtype=None, backend: str = "auto") -> ja
     p = _check_payload(payload)
     _check_chunked(p)
     dtype = spec.check_dtype(p.dtype if dtype is None else dtype, "dtype")
+    if p.format != "int":
+        groups = fp.dequantize_sum(p, dtype, backend)
+        return groups.reshape(*groups.shape[:-2], -1)
     groups = _dispatch("dequantize_sum", p.codes, p.scale, p.zero, backend=backend, bits=p.bits,
                        group_size=p.group_size, dtype=dtype, rotation=p.rotation,
                        spikes=p.spikes)
@@ -305,7 +333,8 @@ def dequantize_sum(payload: Payload, *, dtype=None, backend: str = "auto") -> ja
 
 
 def dequantize_sum_quantize(payload: Payload, *, bits: int | None = None,
-                            spikes: int | None = None, backend: str = "auto") -> Payload:
+                            spikes: int | None = None, backend: str = "auto",
+                            format: str | None = None) -> Payload:
     """Sum the chunks of a chunked payload in f32 and quantize the sum.
 
     The result describes a flat operand of ``groups * group_size`` values. A rotated payload
@@ -317,6 +346,8 @@ def dequantize_sum_quantize(payload: Payload, *, bits: int | None = None,
       bits: the sum's bits per code (2..8); None: the payload's own.
       spikes: the sum's spikes per group; None: the payload's own.
       backend: ``"auto"``, ``"ffi"`` or ``"jnp"``.
+      format: the sum's format; None: the payload's own. Between "int" and a floating-point
+        format the sum is decoded and quantized in two ops.
 
     Returns:
       A :class:`Payload` with scale ``(..., groups)`` and ``shape`` ``(groups * group_size,)``.
@@ -326,8 +357,11 @@ def dequantize_sum_quantize(payload: Payload, *, bits: int | None = None,
     """
     p = _check_payload(payload)
     _check_chunked(p)
-    out_bits = p.bits if bits is None else spec.check_bits(bits)
+    out_fmt = p.format if format is None else spec.check_format(format, p.group_size)
     out_spikes = p.spikes if spikes is None else spec.check_spikes(spikes, p.group_size)
+    if out_fmt != "int" or p.format != "int":
+        return _sum_quantize_formats(p, out_fmt, bits, out_spikes, backend)
+    out_bits = p.bits if bits is None else spec.check_bits(bits)
     codes, scale, zero = _dispatch("dequantize_sum_quantize", p.codes, p.scale, p.zero,
                                    backend=backend, bits=p.bits, out_bits=out_bits,
                                    group_size=p.group_size, spikes=p.spikes,
@@ -335,6 +369,36 @@ def dequantize_sum_quantize(payload: Payload, *, bits: int | None = None,
     return Payload(codes, scale, zero, bits=out_bits, group_size=p.group_size,
                    shape=(scale.shape[-1] * p.group_size,), dtype=p.dtype, rotation=p.rotation,
                    spikes=out_spikes)
+
+
+def _sum_quantize_formats(p: Payload, out_fmt: str, bits, out_spikes: int,
+                          backend: str) -> Payload:
+    """dequantize_sum_quantize where either side is a floating-point format."""
+    shape = (p.num_groups * p.group_size,)
+    if p.format != "int" and out_fmt != "int":
+        codes = fp.dequantize_sum_quantize(p, out_fmt, out_spikes, backend)
+        return Payload(codes, None, None, bits=spec.FP_BITS[out_fmt], group_size=p.group_size,
+                       shape=shape, dtype=p.dtype, rotation=p.rotation, spikes=out_spikes,
+                       format=out_fmt)
+    # Mixed: the f32 sum in the rotated domain, then the other format's quantize.
+    plain = dataclasses.replace(p, rotation=0)
+    total = dequantize_sum(plain, dtype=jnp.float32, backend=backend)
+    lead = total.shape[:-1]
+    if out_fmt == "int":
+        out_bits = p.bits if bits is None else spec.check_bits(bits)
+        if p.format != "int" and bits is None:
+            raise ValueError("dequantize_sum_quantize from a floating-point format to 'int' "
+                             "needs bits")
+        codes, scale, zero = _dispatch("quantize", total.reshape(*lead, -1, p.group_size),
+                                       backend=backend, bits=out_bits, group_size=p.group_size,
+                                       rotation=0, spikes=out_spikes)
+        return Payload(codes, scale, zero, bits=out_bits, group_size=p.group_size, shape=shape,
+                       dtype=p.dtype, rotation=p.rotation, spikes=out_spikes)
+    codes = fp.quantize(total.reshape(*lead, -1, p.group_size), fmt=out_fmt,
+                        group_size=p.group_size, rotation=0, spikes=out_spikes, backend=backend)
+    return Payload(codes, None, None, bits=spec.FP_BITS[out_fmt], group_size=p.group_size,
+                   shape=shape, dtype=p.dtype, rotation=p.rotation, spikes=out_spikes,
+                   format=out_fmt)
 
 
 def _bf16_bits(a):
@@ -358,6 +422,8 @@ def error_bound(payload: Payload, *, dtype=None) -> jax.Array:
     """
     p = _check_payload(payload, covers_shape=True)
     dtype = spec.check_dtype(p.dtype if dtype is None else dtype, "dtype")
+    if p.format != "int":
+        return restore_shape(_fp_bound(p, dtype), p.shape)
     if p.rotation:
         rot_bound, top = rotated_domain_bound(p)
         bound = rotation_bound(rot_bound, top, p.group_size, dtype)
@@ -372,6 +438,24 @@ def error_bound(payload: Payload, *, dtype=None) -> jax.Array:
         for j in range(p.spikes):
             per_elem = jnp.where(iota == positions[..., j:j + 1], spike_b[..., j:j + 1], per_elem)
     return restore_shape(per_elem, p.shape)
+
+
+def _fp_bound(p: Payload, dtype) -> jax.Array:
+    """error_bound of a floating-point payload, ``(..., groups, G)``: the element bound
+    (:func:`fp.element_bound`) plus the f32 rounding of the quotient and of a flushed subnormal,
+    through the inverse rotation (:func:`rotation_bound`), then the cast to ``dtype``."""
+    elem = fp.element_bound(p)
+    top = fp.group_top(p)
+    eps32 = float(np.finfo(np.float32).eps)
+    elem = elem + 2 * eps32 * top[..., None] + 2 * float(spec.FLT_MIN)
+    if p.rotation:
+        bound = rotation_bound(jnp.max(elem, axis=-1), top, p.group_size, dtype)
+        return jnp.broadcast_to(bound[..., None], (*bound.shape, p.group_size))
+    if np.dtype(dtype) != np.float32:
+        info = jnp.finfo(dtype)
+        elem = (elem + float(info.eps) * (top[..., None] + elem)
+                + 0.5 * float(info.smallest_subnormal))
+    return elem
 
 
 def _spikes(p: Payload):

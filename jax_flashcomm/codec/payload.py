@@ -18,16 +18,21 @@ class Payload:
     A payload is a pytree whose leaves are the three arrays, so it passes through ``jit``,
     ``vmap``, ``lax.all_to_all``, ``lax.ppermute`` and ``lax.all_gather`` unchanged.
 
+    A floating-point payload (``format`` "fp8", "mxfp4" or "nvfp4") keeps each whole group,
+    scales included, in its codes record; its ``scale`` and ``zero`` are None.
+
     Attributes:
-      codes: uint8 ``(..., groups, record bytes)``: packed codes, then the spike record.
-      scale: bf16 ``(..., groups)``: each group's step.
-      zero: bf16 ``(..., groups)``: each group's offset (the value of code 0).
+      codes: uint8 ``(..., groups, record bytes)``: packed codes (a floating-point format's
+        element codes and scales), then the spike record.
+      scale: bf16 ``(..., groups)``: each group's step (None in a floating-point format).
+      zero: bf16 ``(..., groups)``: each group's offset, the value of code 0 (None likewise).
       bits: bits per code, 2..8 (static).
       group_size: values per group (static).
       shape: the operand's shape (static).
       dtype: the operand's dtype (static).
       rotation: 0 (none), 1 (Hadamard) or 2 (signed Hadamard) (static).
       spikes: values per group kept in bf16 (static).
+      format: "int" or a floating-point format (static; docs/format.md).
     """
 
     codes: jax.Array
@@ -43,16 +48,19 @@ class Payload:
     #: k > 0: each group's k largest-magnitude values travel as bf16 with their positions after
     #: its codes, in the codes array (docs/format.md, "Spike reserving").
     spikes: int = dataclasses.field(default=0, metadata=dict(static=True))
+    #: "int": integer groups with the scale and zero arrays; "fp8", "mxfp4", "nvfp4": floating-
+    #: point groups, everything in the codes record (docs/format.md, "Floating-point formats").
+    format: str = dataclasses.field(default="int", metadata=dict(static=True))
 
     @property
     def num_groups(self) -> int:
-        """Groups per chunk (the last axis of ``scale``)."""
-        return self.scale.shape[-1]
+        """Groups per chunk (the group axis of ``codes``)."""
+        return self.codes.shape[-2]
 
     @property
     def nbytes(self) -> int:
         """Bytes on the wire: codes (and spike records) plus scale and zero."""
-        return self.codes.size + 2 * self.scale.size + 2 * self.zero.size
+        return self.codes.size + sum(2 * a.size for a in (self.scale, self.zero) if a is not None)
 
     def map_arrays(self, fn, **meta) -> "Payload":
         """Apply ``fn`` to codes, scale and zero (e.g. a reshape or a collective).
@@ -64,9 +72,8 @@ class Payload:
         Returns:
           The new :class:`Payload`.
         """
-        return dataclasses.replace(
-            self, codes=fn(self.codes), scale=fn(self.scale), zero=fn(self.zero), **meta
-        )
+        return dataclasses.replace(self, codes=fn(self.codes), scale=_maybe(fn, self.scale),
+                                   zero=_maybe(fn, self.zero), **meta)
 
     def split_groups(self, chunks: int) -> "Payload":
         """View the group axis as ``(chunks, groups // chunks)``, for all_to_all and sums.
@@ -81,22 +88,27 @@ class Payload:
             lead = a.shape[: a.ndim - 1 - trailing]
             return a.reshape(*lead, chunks, a.shape[a.ndim - 1 - trailing] // chunks,
                              *a.shape[a.ndim - trailing:])
-        return dataclasses.replace(
-            self, codes=split(self.codes, 1), scale=split(self.scale, 0), zero=split(self.zero, 0)
-        )
+        return dataclasses.replace(self, codes=split(self.codes, 1),
+                                   scale=_maybe(split, self.scale, 0),
+                                   zero=_maybe(split, self.zero, 0))
 
     def merge_groups(self) -> "Payload":
         """Inverse of :meth:`split_groups`: fold ``(chunks, groups)`` back into one axis."""
         def merge(a, trailing):
             lead = a.shape[: a.ndim - 2 - trailing]
             return a.reshape(*lead, -1, *a.shape[a.ndim - trailing:])
-        return dataclasses.replace(
-            self, codes=merge(self.codes, 1), scale=merge(self.scale, 0), zero=merge(self.zero, 0)
-        )
+        return dataclasses.replace(self, codes=merge(self.codes, 1),
+                                   scale=_maybe(merge, self.scale, 0),
+                                   zero=_maybe(merge, self.zero, 0))
+
+
+def _maybe(fn, a, *args):
+    """``fn(a, *args)``, or None where a floating-point payload has no such array."""
+    return None if a is None else fn(a, *args)
 
 
 jax.tree_util.register_dataclass(
     Payload,
     data_fields=["codes", "scale", "zero"],
-    meta_fields=["bits", "group_size", "shape", "dtype", "rotation", "spikes"],
+    meta_fields=["bits", "group_size", "shape", "dtype", "rotation", "spikes", "format"],
 )

@@ -237,3 +237,82 @@ def wire_bytes_per_element(bits: int, group_size: int, spikes: int = 0) -> float
       Bytes per element (e.g. 1.03125 for 8 bits, groups of 128, no spikes).
     """
     return (record_bytes(group_size, bits, spikes) + 4) / group_size
+
+
+# ---- floating-point group formats (docs/format.md, "Floating-point formats") ----
+
+#: The codec's formats: integer groups (``bits`` 2..8, a bf16 scale and zero per group) and the
+#: floating-point ones: FP8 E4M3 values with a bf16 scale per group; E2M1 (FP4) values with an
+#: E8M0 scale per 32 (MXFP4) or an E4M3 scale per 16 under an E8M0 scale per group (NVFP4).
+FORMATS = ("int", "fp8", "mxfp4", "nvfp4")
+FP_FORMATS = FORMATS[1:]
+#: Values per block scale (fp8: one scale per group).
+FP_BLOCK = {"mxfp4": 32, "nvfp4": 16}
+#: Bits per value of each floating-point format.
+FP_BITS = {"fp8": 8, "mxfp4": 4, "nvfp4": 4}
+
+
+def check_format(fmt, group_size: int | None = None, name: str = "format") -> str:
+    """``fmt`` is one of :data:`FORMATS`; a block format needs ``group_size`` a multiple of its
+    block (32 for mxfp4, 16 for nvfp4).
+
+    Args:
+      fmt: the value to check.
+      group_size: if given, checked against the format's block.
+      name: the argument's name in errors.
+
+    Returns:
+      ``fmt``.
+
+    Raises:
+      ValueError: another value, or a group size the format cannot split into blocks.
+    """
+    if not isinstance(fmt, str) or fmt not in FORMATS:
+        raise ValueError(f"{name} must be one of {FORMATS}, got {fmt!r}")
+    block = FP_BLOCK.get(fmt)
+    if block and group_size is not None and group_size % block:
+        raise ValueError(f"{name}={fmt!r} needs group_size a multiple of {block} (its block), "
+                         f"got {group_size}")
+    return fmt
+
+
+def fp_code_bytes(fmt: str, group_size: int) -> int:
+    """Bytes of a floating-point group's element codes: 1 per value (fp8) or 1 per 2 (FP4)."""
+    return group_size if fmt == "fp8" else group_size // 2
+
+
+def fp_scale_bytes(fmt: str, group_size: int) -> int:
+    """Bytes of a floating-point group's scales: fp8 a bf16; mxfp4 one E8M0 per 32; nvfp4 one
+    E4M3 per 16 and one E8M0 per group."""
+    if fmt == "fp8":
+        return 2
+    if fmt == "mxfp4":
+        return group_size // FP_BLOCK["mxfp4"]
+    return group_size // FP_BLOCK["nvfp4"] + 1
+
+
+def fp_record_bytes(fmt: str, group_size: int, spikes: int = 0) -> int:
+    """Bytes per group of a floating-point payload's codes array, which holds the whole group:
+    element codes, scales, then the spike record (no separate scale or zero array).
+
+    Args:
+      fmt, group_size, spikes: the codec parameters.
+    """
+    return (fp_code_bytes(fmt, group_size) + fp_scale_bytes(fmt, group_size)
+            + spike_bytes(group_size, spikes))
+
+
+def format_wire_bytes_per_element(fmt: str, group_size: int, bits: int = 8,
+                                  spikes: int = 0) -> float:
+    """Bytes one payload carries per operand element in format ``fmt`` (``bits`` for "int").
+
+    Args:
+      fmt: one of :data:`FORMATS`.
+      group_size, bits, spikes: the codec parameters (``bits`` only for "int").
+
+    Returns:
+      Bytes per element: e.g. 0.5703 for nvfp4 at G = 128 (0.2852x of a bf16 ring).
+    """
+    if fmt == "int":
+        return wire_bytes_per_element(bits, group_size, spikes)
+    return fp_record_bytes(fmt, group_size, spikes) / group_size
