@@ -20,6 +20,7 @@
 #include "flashcomm/cpu_alloc.h"
 #include "flashcomm/cpu_codec.h"
 #include "flashcomm/cpu_dispatch.h"
+#include "flashcomm/cpu_fp.h"
 #include "flashcomm/cpu_norm.h"
 #include "flashcomm/cpu_rotation.h"
 #include "flashcomm/cpu_spikes.h"
@@ -369,6 +370,121 @@ size_t AddRmsNorm(const NormArgs& a, int64_t begin, int64_t end) {
   }
 }
 
+// ---- the floating-point formats (cpu_fp.h) ----
+
+// Group k of x widened (and rotated) into buf, as QuantizeAs does.
+template <typename T>
+void LoadRotated(const typename T::Storage* group, int64_t g, int rotation, const SignMasks& masks,
+                 float* buf) {
+  if (rotation != kRotationNone && g >= kLanes) {
+    rotate_group<T>(group, g, rotation_scale(g), masks.get(), nullptr, buf);
+  } else {
+    load_group<T>(group, g, buf);
+    if (rotation != kRotationNone) rotate_small(buf, g, rotation_scale(g), masks.get(), nullptr);
+  }
+}
+
+template <typename T>
+struct FpQuantizeOp {
+  static size_t run(const void* x, int64_t n_groups, int64_t g, int32_t format, int rotation,
+                    int spikes, uint8_t* records) {
+    const auto* xs = static_cast<const typename T::Storage*>(x);
+    const SignMasks masks(rotation, g);
+    Scratch<float> buf(g);
+    Scratch<int32_t> keys(spikes > 0 ? g : 0);
+    if (const size_t failed = FailedBytes(masks.masks, buf, keys)) return failed;
+    const int64_t stride = fp_record_bytes(format, g, spikes);
+    for (int64_t k = 0; k < n_groups; ++k) {
+      LoadRotated<T>(xs + k * g, g, rotation, masks, buf.data);
+      fp_quantize_group(buf.data, g, format, spikes, keys.data, records + k * stride);
+    }
+    return 0;
+  }
+};
+
+size_t FpQuantize(DType dtype, const void* x, int64_t n_groups, int64_t g, int32_t format,
+                  int rotation, int spikes, uint8_t* records) {
+  return ByDType<FpQuantizeOp>(dtype, x, n_groups, g, format, rotation, spikes, records);
+}
+
+template <typename T>
+struct FpDequantizeOp {
+  static size_t run(const uint8_t* records, int64_t n_groups, int64_t g, int32_t format,
+                    int rotation, int spikes, void* y) {
+    auto* ys = static_cast<typename T::Storage*>(y);
+    const SignMasks masks(rotation, g);
+    Scratch<float> buf(g);
+    if (const size_t failed = FailedBytes(masks.masks, buf)) return failed;
+    const FpTables tables;
+    const int64_t stride = fp_record_bytes(format, g, spikes);
+    for (int64_t k = 0; k < n_groups; ++k) {
+      fp_decode_group(records + k * stride, g, format, spikes, tables, buf.data);
+      if (rotation != kRotationNone) unrotate_group(buf.data, g, masks.get());
+      store_group<T>(buf.data, g, /*saturating=*/true, ys + k * g);
+    }
+    return 0;
+  }
+};
+
+size_t FpDequantize(DType dtype, const uint8_t* records, int64_t n_groups, int64_t g,
+                    int32_t format, int rotation, int spikes, void* y) {
+  return ByDType<FpDequantizeOp>(dtype, records, n_groups, g, format, rotation, spikes, y);
+}
+
+// Output group o's f32 sum over the chunks, in chunk order, into acc (tmp: g of scratch).
+void FpSumGroup(const FpChunks& in, int64_t o, const FpTables& t, float* tmp, float* acc) {
+  const int64_t g = in.group_size, stride = fp_record_bytes(in.format, g, in.spikes);
+  const int64_t batch = o / in.groups_per_chunk, k = o % in.groups_per_chunk;
+  for (int64_t c = 0; c < in.chunks; ++c) {
+    const uint8_t* rec = in.codes + ((batch * in.chunks + c) * in.groups_per_chunk + k) * stride;
+    fp_decode_group(rec, g, in.format, in.spikes, t, c == 0 ? acc : tmp);
+    if (c > 0) {
+      int64_t i = 0;
+      for (; i + kLanes <= g; i += kLanes) {
+        store_lanes(acc + i, add_rn(load_lanes(acc + i), load_lanes(tmp + i)));
+      }
+      for (; i < g; ++i) acc[i] = add_rn(acc[i], tmp[i]);
+    }
+  }
+}
+
+template <typename T>
+struct FpDequantizeSumOp {
+  static size_t run(const FpChunks& in, int rotation, void* y, int64_t begin, int64_t end) {
+    auto* ys = static_cast<typename T::Storage*>(y);
+    const int64_t g = in.group_size;
+    const SignMasks masks(rotation, g);
+    Scratch<float> acc(g), tmp(g);
+    if (const size_t failed = FailedBytes(masks.masks, acc, tmp)) return failed;
+    const FpTables tables;
+    for (int64_t o = begin; o < end; ++o) {
+      FpSumGroup(in, o, tables, tmp.data, acc.data);
+      if (rotation != kRotationNone) unrotate_group(acc.data, g, masks.get());
+      store_group<T>(acc.data, g, /*saturating=*/true, ys + o * g);
+    }
+    return 0;
+  }
+};
+
+size_t FpDequantizeSum(DType dtype, const FpChunks& in, int rotation, void* y, int64_t begin,
+                       int64_t end) {
+  return ByDType<FpDequantizeSumOp>(dtype, in, rotation, y, begin, end);
+}
+
+size_t FpDequantizeSumQuantize(const FpChunks& in, int32_t out_format, int out_spikes,
+                               uint8_t* records, int64_t begin, int64_t end) {
+  const int64_t g = in.group_size, stride = fp_record_bytes(out_format, g, out_spikes);
+  Scratch<float> acc(g), tmp(g);
+  Scratch<int32_t> keys(out_spikes > 0 ? g : 0);
+  if (const size_t failed = FailedBytes(acc, tmp, keys)) return failed;
+  const FpTables tables;
+  for (int64_t o = begin; o < end; ++o) {
+    FpSumGroup(in, o, tables, tmp.data, acc.data);
+    fp_quantize_group(acc.data, g, out_format, out_spikes, keys.data, records + o * stride);
+  }
+  return 0;
+}
+
 }  // namespace
 
 // This build's table (declared per ISA in ffi/cpu/dispatch.cc).
@@ -376,7 +492,8 @@ const CodecKernels& isa_kernels() {
   // The build's name: FLASHCOMM_ISA without its "isa_" prefix.
   static const CodecKernels table = {FC_STRING(FLASHCOMM_ISA) + 4, Quantize, Dequantize, DequantizeSum,
                                      DequantizeSumQuantize, DequantizeInto,
-                                     AddRmsNorm};
+                                     AddRmsNorm, FpQuantize, FpDequantize,
+                                     FpDequantizeSum, FpDequantizeSumQuantize};
   return table;
 }
 

@@ -29,6 +29,8 @@ NB_MODULE(_flashcomm_cpu, m) {
                                    FlashcommShmAllGatherCpu, FlashcommShmPsumCpu,
                                    FlashcommShmRingStartCpu, FlashcommShmRingDoneCpu);
     flashcomm::AddNormRegistrations(d, FlashcommAddRmsNormCpu, FlashcommAddRmsNormQuantizeCpu);
+    flashcomm::AddFpRegistrations(d, FlashcommFpQuantizeCpu, FlashcommFpDequantizeCpu,
+                                  FlashcommFpDequantizeSumCpu, FlashcommFpDequantizeSumQuantizeCpu);
     return d;
   });
   m.def("p2p_meetings_in_progress", &flashcomm::cpu::P2pMeetingsInProgress,

@@ -20,6 +20,10 @@ from jax_flashcomm.codec.reference import (
 _U32 = jnp.uint32
 E4M3_MAX = np.float32(448.0)
 E2M1_MAX = np.float32(6.0)
+#: RN(1/448) and RN(1/6): a division by a constant is this multiplication everywhere (XLA
+#: rewrites such a division so; docs/format.md).
+INV_E4M3_MAX = np.float32(1) / E4M3_MAX
+INV_E2M1_MAX = np.float32(1) / E2M1_MAX
 #: fp8's smallest group scale: every decoded value stays a normal f32 (XLA on CPU flushes
 #: subnormals), 2^-117 * 2^-9 = 2^-126.
 FP8_MIN_SCALE = np.float32(2.0**-117)
@@ -96,6 +100,12 @@ def _pow2(byte):
     return _bits_f32(byte << 23)
 
 
+def inverse(s):
+    """RN(1 / s) per block (fp_codec.h fp_inverse): one IEEE division per scale, so that XLA
+    cannot turn it into anything else; elements are encoded from ``RN(x * inverse)``."""
+    return np.float32(1) / s
+
+
 def _blocks(v, block: int):
     return v.reshape(*v.shape[:-1], v.shape[-1] // block, block)
 
@@ -113,9 +123,9 @@ def encode_groups(v, fmt: str, finite):
     fin = finite[..., None]
     if fmt == "fp8":
         amax = jnp.max(jnp.abs(v), axis=-1)
-        t = jnp.maximum(amax / E4M3_MAX, FP8_MIN_SCALE)
+        t = jnp.maximum(amax * INV_E4M3_MAX, FP8_MIN_SCALE)
         s_bits = bf16_round_up(t)
-        q = v / bf16_bits_to_f32(s_bits)[..., None]
+        q = v * inverse(bf16_bits_to_f32(s_bits))[..., None]
         codes = _signed(e4m3_encode(jnp.abs(q)), q, 7)
         s_bits = jnp.where(finite, s_bits, _U32(spec.BF16_NAN_BITS))
         return jnp.where(fin, codes, _U32(0)), _le_bytes(s_bits[..., None], 2)
@@ -130,11 +140,11 @@ def encode_groups(v, fmt: str, finite):
         return jnp.where(fin, codes, _U32(0)), byte.astype(jnp.uint8)
     gamax = jnp.max(amax, axis=-1)                           # nvfp4
     gbyte = _clamp(_exponent_field(gamax).astype(jnp.int32) - 10, *NV_BYTE_RANGE)
-    r = (amax / E2M1_MAX) * _pow2(_U32(254) - gbyte)[..., None]
+    r = (amax * INV_E2M1_MAX) * _pow2(_U32(254) - gbyte)[..., None]
     sb = e4m3_encode(r)                                      # (..., G/B)
     sval = jnp.asarray(e4m3_table())[sb] * _pow2(gbyte)[..., None]
     safe = jnp.where(sval > 0, sval, np.float32(1))
-    q = vb / safe[..., None]
+    q = vb * inverse(safe)[..., None]
     codes = jnp.where((sval > 0)[..., None], _signed(e2m1_encode(jnp.abs(q)), q, 3), _U32(0))
     codes = jnp.where(fin, codes.reshape(v.shape), _U32(0))
     sb = jnp.where(fin, sb, _U32(0))

@@ -50,6 +50,15 @@ struct NormArgs {
 // ffi/cpu/gather_kernels.cc): plain pointers, validated sizes. Each returns 0 on success, else
 // the size in bytes of the scratch allocation that failed (cpu_alloc.h): it then stopped, its
 // outputs partly written, and the handler returns an ffi::Error (ScratchError, ffi_checks.h).
+// Chunked records of a floating-point format (fp_codec.h): codes (batch, chunks,
+// groups_per_chunk, fp_record_bytes(format, group_size, spikes)).
+struct FpChunks {
+  const uint8_t* codes;
+  int64_t batch, chunks, groups_per_chunk, group_size;
+  int32_t format;
+  int spikes;
+};
+
 struct CodecKernels {
   const char* isa;  // "avx512", "avx2", "baseline" or "neon"
   // x (n_groups * g of dtype) -> codes (n_groups * record_bytes), scale, zero.
@@ -76,6 +85,20 @@ struct CodecKernels {
                             int64_t count, void* y);
   // Rows [begin, end) of the fused residual add + RMSNorm (NormArgs).
   size_t (*add_rms_norm)(const NormArgs& args, int64_t begin, int64_t end);
+  // The floating-point formats (fp_codec.h, cpu_fp.h): x (n_groups * g of dtype) -> records
+  // (n_groups * fp_record_bytes).
+  size_t (*fp_quantize)(DType dtype, const void* x, int64_t n_groups, int64_t g, int32_t format,
+                        int rotation, int spikes, uint8_t* records);
+  // Records -> y (n_groups * g of dtype), rotated back, saturated to dtype's finite range.
+  size_t (*fp_dequantize)(DType dtype, const uint8_t* records, int64_t n_groups, int64_t g,
+                          int32_t format, int rotation, int spikes, void* y);
+  // Output groups [begin, end) of batch * groups_per_chunk: the f32 sum over the chunks in
+  // order, rotated back, saturated, as dtype.
+  size_t (*fp_dequantize_sum)(DType dtype, const FpChunks& in, int rotation, void* y,
+                              int64_t begin, int64_t end);
+  // The same sums (no rotation back) re-quantized in out_format with out_spikes.
+  size_t (*fp_dequantize_sum_quantize)(const FpChunks& in, int32_t out_format, int out_spikes,
+                                       uint8_t* records, int64_t begin, int64_t end);
 };
 
 // The table in use (chosen on first use; see set_isa).

@@ -10,6 +10,11 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommDequantizeCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommDequantizeSumCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommDequantizeSumQuantizeCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommDequantizeIntoCpu);
+// The floating-point formats (ffi/cpu/fp_kernels.cc).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommFpQuantizeCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommFpDequantizeCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommFpDequantizeSumCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommFpDequantizeSumQuantizeCpu);
 // ffi/cpu/norm_kernels.cc: the fused residual add + RMSNorm (docs/fused_norm.md).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommAddRmsNormCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommAddRmsNormQuantizeCpu);

@@ -55,6 +55,16 @@ inline void AddShmRegistrations(nanobind::dict& d, Handler* all_reduce, Handler*
   d["flashcomm_shm_ring_done"] = capsule(ring_done);
 }
 
+// The floating-point group formats (docs/format.md, "Floating-point formats"), added to `d`.
+inline void AddFpRegistrations(nanobind::dict& d, Handler* quantize, Handler* dequantize,
+                               Handler* dequantize_sum, Handler* dequantize_sum_quantize) {
+  auto capsule = [](Handler* fn) { return nanobind::capsule(reinterpret_cast<void*>(fn)); };
+  d["flashcomm_fp_quantize"] = capsule(quantize);
+  d["flashcomm_fp_dequantize"] = capsule(dequantize);
+  d["flashcomm_fp_dequantize_sum"] = capsule(dequantize_sum);
+  d["flashcomm_fp_dequantize_sum_quantize"] = capsule(dequantize_sum_quantize);
+}
+
 // The fused all-reduce epilogue (docs/fused_norm.md), added to `d`.
 inline void AddNormRegistrations(nanobind::dict& d, Handler* add_rms_norm,
                                  Handler* add_rms_norm_quantize) {

@@ -1,0 +1,246 @@
+// XLA FFI handlers of the floating-point group formats on CPU (fp8, mxfp4, nvfp4;
+// docs/format.md, "Floating-point formats"): fp_quantize, fp_dequantize, fp_dequantize_sum and
+// fp_dequantize_sum_quantize. Each checks shapes and attributes, then calls the
+// instruction-set build chosen at load (cpu_dispatch.h, ffi/cpu/isa_kernels.cc, cpu_fp.h);
+// large calls are split over XLA's intra-op pool. A record holds a whole group: element codes,
+// scales, spike record (fp_codec.h).
+#include <cstdint>
+#include <string>
+
+#include "flashcomm/codec.h"
+#include "flashcomm/cpu_dispatch.h"
+#include "flashcomm/cpu_ops.h"
+#include "flashcomm/cpu_parallel.h"
+#include "flashcomm/ffi_checks.h"
+#include "flashcomm/fp_codec.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace flashcomm {
+namespace cpu {
+namespace {
+
+ffi::Error Invalid(const char* op, const std::string& what) {
+  return ffi::Error::InvalidArgument(std::string(op) + ": " + what);
+}
+
+// format 1..3; group_size a multiple of 8 and of the format's block; rotation 0..2 (a power
+// of two group_size); spikes 0..16 below group_size.
+ffi::Error CheckFpAttrs(const char* op, int32_t format, int64_t group_size, int32_t rotation,
+                        int32_t spikes) {
+  if (format < kFormatFp8 || format > kFormatNvfp4) {
+    return Invalid(op, "format must be 1 (fp8), 2 (mxfp4) or 3 (nvfp4)");
+  }
+  if (ffi::Error e = CheckCodecAttrs(8, group_size, spikes); e.failure()) return e;
+  if (group_size % fp_block(format, group_size) != 0) {
+    return Invalid(op, "group_size must be a multiple of the format's block (32 for mxfp4, 16 "
+                       "for nvfp4)");
+  }
+  if (rotation < kRotationNone || rotation > kRotationSignedHadamard ||
+      (rotation != kRotationNone && (group_size & (group_size - 1)) != 0)) {
+    return Invalid(op, "rotation must be 0, 1 or 2 (a rotation needs a power-of-two group_size)");
+  }
+  return ffi::Error::Success();
+}
+
+// Records (..., N, groups, record bytes) as chunks for the sums.
+ffi::Error ViewChunks(const char* op, const ffi::Buffer<ffi::U8>& codes, int32_t format,
+                      int64_t group_size, int32_t spikes, FpChunks* in) {
+  const auto dims = codes.dimensions();
+  if (dims.size() < 3) return Invalid(op, "codes must be (..., chunks, groups, record bytes)");
+  if (dims.back() != fp_record_bytes(format, group_size, spikes)) {
+    return Invalid(op, "codes' last axis must be the record of " +
+                           std::to_string(fp_record_bytes(format, group_size, spikes)) + " bytes");
+  }
+  in->codes = codes.typed_data();
+  in->chunks = dims[dims.size() - 3];
+  in->groups_per_chunk = dims[dims.size() - 2];
+  in->batch = 1;
+  for (size_t i = 0; i + 3 < dims.size(); ++i) in->batch *= dims[i];
+  in->group_size = group_size;
+  in->format = format;
+  in->spikes = spikes;
+  if (in->chunks < 1) return Invalid(op, "codes need at least one chunk");
+  return ffi::Error::Success();
+}
+
+ffi::Error FpQuantize(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U8>> records, int32_t format,
+                      int64_t group_size, int32_t rotation, int32_t spikes,
+                      const Runner& runner) {
+  const char* op = "flashcomm_fp_quantize";
+  if (ffi::Error e = CheckFpAttrs(op, format, group_size, rotation, spikes); e.failure()) {
+    return e;
+  }
+  DType dtype;
+  if (!ToDType(x.element_type(), &dtype)) return Invalid(op, "x must be f32, bf16 or f16");
+  const int64_t n = int64_t(x.element_count());
+  if (n % group_size != 0) return Invalid(op, "x must be whole groups");
+  const int64_t n_groups = n / group_size, stride = fp_record_bytes(format, group_size, spikes);
+  if (int64_t(records->element_count()) != n_groups * stride) {
+    return Invalid(op, "records must hold " + std::to_string(stride) + " bytes per group");
+  }
+  const int64_t item = n_groups > 0 ? int64_t(x.size_bytes()) / n_groups : 1;
+  const auto* xs = static_cast<const uint8_t*>(x.untyped_data());
+  const size_t failed = runner.ForRangesStatus(n_groups, item, [&](int64_t b, int64_t e) {
+    return kernels().fp_quantize(dtype, xs + b * item, e - b, group_size, format, rotation,
+                                 spikes, records->typed_data() + b * stride);
+  });
+  return failed == 0 ? ffi::Error::Success() : ScratchError(op, failed);
+}
+
+ffi::Error FpDequantize(ffi::Buffer<ffi::U8> records, ffi::Result<ffi::AnyBuffer> y,
+                        int32_t format, int64_t group_size, int32_t rotation, int32_t spikes,
+                        const Runner& runner) {
+  const char* op = "flashcomm_fp_dequantize";
+  if (ffi::Error e = CheckFpAttrs(op, format, group_size, rotation, spikes); e.failure()) {
+    return e;
+  }
+  DType dtype;
+  if (!ToDType(y->element_type(), &dtype)) return Invalid(op, "y must be f32, bf16 or f16");
+  const int64_t stride = fp_record_bytes(format, group_size, spikes);
+  const auto dims = records.dimensions();
+  if (dims.size() == 0 || dims.back() != stride) {
+    return Invalid(op, "records' last axis must be " + std::to_string(stride) + " bytes");
+  }
+  const int64_t n_groups = int64_t(records.element_count()) / stride;
+  if (int64_t(y->element_count()) != n_groups * group_size) {
+    return Invalid(op, "y must hold group_size values per record");
+  }
+  const int64_t esize = y->element_count() > 0 ? int64_t(y->size_bytes() / y->element_count()) : 4;
+  const int64_t item = group_size * esize;
+  auto* ys = static_cast<uint8_t*>(y->untyped_data());
+  const size_t failed = runner.ForRangesStatus(n_groups, item, [&](int64_t b, int64_t e) {
+    return kernels().fp_dequantize(dtype, records.typed_data() + b * stride, e - b, group_size,
+                                   format, rotation, spikes, ys + b * item);
+  });
+  return failed == 0 ? ffi::Error::Success() : ScratchError(op, failed);
+}
+
+ffi::Error FpDequantizeSum(ffi::Buffer<ffi::U8> records, ffi::Result<ffi::AnyBuffer> y,
+                           int32_t format, int64_t group_size, int32_t rotation, int32_t spikes,
+                           const Runner& runner) {
+  const char* op = "flashcomm_fp_dequantize_sum";
+  if (ffi::Error e = CheckFpAttrs(op, format, group_size, rotation, spikes); e.failure()) {
+    return e;
+  }
+  FpChunks in;
+  if (ffi::Error e = ViewChunks(op, records, format, group_size, spikes, &in); e.failure()) {
+    return e;
+  }
+  DType dtype;
+  if (!ToDType(y->element_type(), &dtype)) return Invalid(op, "y must be f32, bf16 or f16");
+  const int64_t n_out = in.batch * in.groups_per_chunk;
+  if (int64_t(y->element_count()) != n_out * group_size) return Invalid(op, "y has the wrong size");
+  const size_t failed = runner.ForRangesStatus(n_out, in.chunks * group_size * 4,
+                                               [&](int64_t b, int64_t e) {
+    return kernels().fp_dequantize_sum(dtype, in, rotation, y->untyped_data(), b, e);
+  });
+  return failed == 0 ? ffi::Error::Success() : ScratchError(op, failed);
+}
+
+ffi::Error FpDequantizeSumQuantize(ffi::Buffer<ffi::U8> records,
+                                   ffi::Result<ffi::Buffer<ffi::U8>> out, int32_t format,
+                                   int32_t out_format, int64_t group_size, int32_t spikes,
+                                   int32_t out_spikes, const Runner& runner) {
+  const char* op = "flashcomm_fp_dequantize_sum_quantize";
+  if (ffi::Error e = CheckFpAttrs(op, format, group_size, 0, spikes); e.failure()) return e;
+  if (ffi::Error e = CheckFpAttrs(op, out_format, group_size, 0, out_spikes); e.failure()) {
+    return e;
+  }
+  FpChunks in;
+  if (ffi::Error e = ViewChunks(op, records, format, group_size, spikes, &in); e.failure()) {
+    return e;
+  }
+  const int64_t n_out = in.batch * in.groups_per_chunk;
+  const int64_t stride = fp_record_bytes(out_format, group_size, out_spikes);
+  if (int64_t(out->element_count()) != n_out * stride) {
+    return Invalid(op, "the output must hold " + std::to_string(stride) + " bytes per group");
+  }
+  const size_t failed = runner.ForRangesStatus(n_out, in.chunks * group_size * 4,
+                                               [&](int64_t b, int64_t e) {
+    return kernels().fp_dequantize_sum_quantize(in, out_format, out_spikes,
+                                                out->typed_data(), b, e);
+  });
+  return failed == 0 ? ffi::Error::Success() : ScratchError(op, failed);
+}
+
+ffi::Error FpQuantizeOnPool(ffi::ThreadPool pool, ffi::AnyBuffer x,
+                            ffi::Result<ffi::Buffer<ffi::U8>> records, int32_t format,
+                            int64_t group_size, int32_t rotation, int32_t spikes) {
+  return Guarded("flashcomm_fp_quantize", [&] {
+    return FpQuantize(x, records, format, group_size, rotation, spikes, PoolRunner(pool));
+  });
+}
+
+ffi::Error FpDequantizeOnPool(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> records,
+                              ffi::Result<ffi::AnyBuffer> y, int32_t format, int64_t group_size,
+                              int32_t rotation, int32_t spikes) {
+  return Guarded("flashcomm_fp_dequantize", [&] {
+    return FpDequantize(records, y, format, group_size, rotation, spikes, PoolRunner(pool));
+  });
+}
+
+ffi::Error FpDequantizeSumOnPool(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> records,
+                                 ffi::Result<ffi::AnyBuffer> y, int32_t format,
+                                 int64_t group_size, int32_t rotation, int32_t spikes) {
+  return Guarded("flashcomm_fp_dequantize_sum", [&] {
+    return FpDequantizeSum(records, y, format, group_size, rotation, spikes, PoolRunner(pool));
+  });
+}
+
+ffi::Error FpDequantizeSumQuantizeOnPool(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> records,
+                                         ffi::Result<ffi::Buffer<ffi::U8>> out, int32_t format,
+                                         int32_t out_format, int64_t group_size, int32_t spikes,
+                                         int32_t out_spikes) {
+  return Guarded("flashcomm_fp_dequantize_sum_quantize", [&] {
+    return FpDequantizeSumQuantize(records, out, format, out_format, group_size, spikes,
+                                   out_spikes, PoolRunner(pool));
+  });
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace flashcomm
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommFpQuantizeCpu, flashcomm::cpu::FpQuantizeOnPool,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()          // XLA's intra-op pool
+                                  .Arg<ffi::AnyBuffer>()           // x: (..., group_size)
+                                  .Ret<ffi::Buffer<ffi::U8>>()     // records: (..., bytes)
+                                  .Attr<int32_t>("format")         // 1 fp8, 2 mxfp4, 3 nvfp4
+                                  .Attr<int64_t>("group_size")     // multiple of the block
+                                  .Attr<int32_t>("rotation")       // 0, 1 or 2
+                                  .Attr<int32_t>("spikes"));       // kept per group, 0..16
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommFpDequantizeCpu, flashcomm::cpu::FpDequantizeOnPool,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()          // XLA's intra-op pool
+                                  .Arg<ffi::Buffer<ffi::U8>>()     // records: (..., bytes)
+                                  .Ret<ffi::AnyBuffer>()           // y: (..., group_size)
+                                  .Attr<int32_t>("format")         // 1 fp8, 2 mxfp4, 3 nvfp4
+                                  .Attr<int64_t>("group_size")     // multiple of the block
+                                  .Attr<int32_t>("rotation")       // 0, 1 or 2
+                                  .Attr<int32_t>("spikes"));       // kept per group, 0..16
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommFpDequantizeSumCpu, flashcomm::cpu::FpDequantizeSumOnPool,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()          // XLA's intra-op pool
+                                  .Arg<ffi::Buffer<ffi::U8>>()     // records: (..., N, G, bytes)
+                                  .Ret<ffi::AnyBuffer>()           // y: (..., G, group_size)
+                                  .Attr<int32_t>("format")         // 1 fp8, 2 mxfp4, 3 nvfp4
+                                  .Attr<int64_t>("group_size")     // multiple of the block
+                                  .Attr<int32_t>("rotation")       // 0, 1 or 2
+                                  .Attr<int32_t>("spikes"));       // kept per group, 0..16
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommFpDequantizeSumQuantizeCpu,
+                              flashcomm::cpu::FpDequantizeSumQuantizeOnPool,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()          // XLA's intra-op pool
+                                  .Arg<ffi::Buffer<ffi::U8>>()     // records: (..., N, G, bytes)
+                                  .Ret<ffi::Buffer<ffi::U8>>()     // records: (..., G, bytes')
+                                  .Attr<int32_t>("format")         // of the input
+                                  .Attr<int32_t>("out_format")     // of the output
+                                  .Attr<int64_t>("group_size")     // multiple of both blocks
+                                  .Attr<int32_t>("spikes")         // per input group, 0..16
+                                  .Attr<int32_t>("out_spikes"));   // per output group, 0..16

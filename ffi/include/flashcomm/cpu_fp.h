@@ -1,0 +1,205 @@
+// The CPU loops of the floating-point group formats (fp_codec.h): fp_codec.h's arithmetic,
+// lane-wise in vectors of kLanes f32 (cpu_simd.h), the tails scalar. Compiled once per
+// instruction set with the integer codec (ffi/cpu/isa_kernels.cc). Every block (16 or 32
+// values) is a whole number of vectors; an fp8 group (G values) may end in a scalar tail.
+#ifndef FLASHCOMM_CPU_FP_H_
+#define FLASHCOMM_CPU_FP_H_
+
+#include <cstdint>
+#include <cstring>
+
+#include "flashcomm/codec.h"
+#include "flashcomm/cpu_codec.h"
+#include "flashcomm/cpu_simd.h"
+#include "flashcomm/cpu_spikes.h"
+#include "flashcomm/fp_codec.h"
+
+namespace flashcomm {
+inline namespace FLASHCOMM_ISA {
+namespace cpu {
+
+FC_ALWAYS_INLINE Lanes abs_lanes(Lanes a) { return bits_lanes(lanes_bits(a) & 0x7FFFFFFFu); }
+
+// fp_codec.h e4m3_encode, lane-wise.
+FC_ALWAYS_INLINE ULanes e4m3_encode_lanes(Lanes a) {
+  const Lanes top = Lanes{} + kE4m3Max;
+  a = a < kE4m3Max ? a : top;
+  const ULanes sub = lanes_bits(add_rn(mul_rn(a, 512.0f), 8388608.0f)) - 0x4B000000u;
+  ULanes u = lanes_bits(a);
+  u = u + 0x7FFFFu + ((u >> 20) & 1u);
+  const ULanes normal = (((u >> 23) - 120u) << 3) | ((u >> 20) & 7u);
+  return a < 0.015625f ? sub : normal;
+}
+
+// fp_codec.h e2m1_encode, lane-wise (a true comparison is -1 in each lane).
+FC_ALWAYS_INLINE ULanes e2m1_encode_lanes(Lanes a) {
+  const ILanes k = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
+                   (a >= 3.5f) + (a > 5.0f);
+  return (ULanes)(-k);
+}
+
+// Largest magnitude of n values (n a multiple of kLanes, or any n scalar), as f32 bits order.
+FC_ALWAYS_INLINE float max_abs(const float* v, int64_t n) {
+  int64_t i = 0;
+  int32_t best = 0;
+  if (n >= kLanes) {
+    ILanes m = (ILanes)(lanes_bits(load_lanes(v)) & 0x7FFFFFFFu);
+    for (i = kLanes; i + kLanes <= n; i += kLanes) {
+      const ILanes a = (ILanes)(lanes_bits(load_lanes(v + i)) & 0x7FFFFFFFu);
+      m = a > m ? a : m;
+    }
+    best = reduce_imax(m);
+  }
+  for (; i < n; ++i) {
+    const int32_t a = int32_t(float_to_bits(v[i]) & 0x7FFFFFFFu);
+    best = a > best ? a : best;
+  }
+  return bits_to_float(uint32_t(best));
+}
+
+FC_ALWAYS_INLINE bool all_finite(const float* v, int64_t n) {
+  bool finite = true;
+  for (int64_t i = 0; i < n; ++i) finite = finite && is_finite(v[i]);
+  return finite;
+}
+
+// Element codes of n values RN(v * inv) (inv: fp_inverse of the block scale, or mxfp4's exact
+// power of two), E4M3 bytes (fp8) or E2M1 nibbles from element `first` on (n and first even).
+template <bool kFp8>
+FC_ALWAYS_INLINE void encode_run(const float* v, int64_t n, float inv, int64_t first,
+                                 uint8_t* codes) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const Lanes x = load_lanes(v + i);
+    const Lanes q = mul_rn(x, inv);
+    const ULanes sign = lanes_bits(q) >> 31;
+    if constexpr (kFp8) {
+      const ULanes c = e4m3_encode_lanes(abs_lanes(q)) | (sign << 7);
+      for (int j = 0; j < kLanes; ++j) codes[first + i + j] = uint8_t(c[j]);
+    } else {
+      const ULanes c = e2m1_encode_lanes(abs_lanes(q)) | (sign << 3);
+      for (int j = 0; j < kLanes; j += 2) {
+        codes[(first + i + j) / 2] = uint8_t(c[j] | (c[j + 1] << 4));
+      }
+    }
+  }
+  for (; i < n; ++i) {
+    const float q = mul_rn(v[i], inv);
+    const float a = bits_to_float(float_to_bits(q) & 0x7FFFFFFFu);
+    if constexpr (kFp8) {
+      codes[first + i] = uint8_t(with_sign(e4m3_encode(a), q, 7));
+    } else {
+      const uint32_t c = with_sign(e2m1_encode(a), q, 3);
+      uint8_t& b = codes[(first + i) / 2];
+      b = ((first + i) & 1) ? uint8_t((b & 0x0F) | (c << 4)) : uint8_t(c);
+    }
+  }
+}
+
+// One f32 group v (g values, spikes already zeroed) into its record's codes and scales.
+// finite: every value of the group, spikes included, is finite.
+inline void fp_encode_group(const float* v, int64_t g, int32_t fmt, bool finite, uint8_t* rec) {
+  const int64_t nc = fp_code_bytes(fmt, g), ns = fp_scale_bytes(fmt, g);
+  uint8_t* scales = rec + nc;
+  if (!finite) {
+    std::memset(rec, 0, size_t(nc + ns));
+    if (fmt == kFormatFp8) {
+      scales[0] = uint8_t(kBf16NaN & 0xFF);
+      scales[1] = uint8_t(kBf16NaN >> 8);
+    } else if (fmt == kFormatMxfp4) {
+      std::memset(scales, int(kE8m0Nan), size_t(ns));
+    } else {
+      scales[ns - 1] = uint8_t(kE8m0Nan);
+    }
+    return;
+  }
+  if (fmt == kFormatFp8) {
+    const uint16_t s = fp8_scale_bits(max_abs(v, g));
+    scales[0] = uint8_t(s & 0xFF);
+    scales[1] = uint8_t(s >> 8);
+    encode_run<true>(v, g, fp_inverse(bf16_to_float(s)), 0, rec);
+    return;
+  }
+  const int64_t block = fp_block(fmt, g), blocks = g / block;
+  if (fmt == kFormatMxfp4) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint32_t byte = mxfp4_byte(max_abs(v + b * block, block));
+      scales[b] = uint8_t(byte);
+      encode_run<false>(v + b * block, block, e8m0_value(254u - byte), b * block, rec);
+    }
+    return;
+  }
+  const uint32_t gbyte = nvfp4_group_byte(max_abs(v, g));
+  scales[blocks] = uint8_t(gbyte);
+  const float gscale = e8m0_value(gbyte);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint32_t code = nvfp4_block_code(max_abs(v + b * block, block), gbyte);
+    scales[b] = uint8_t(code);
+    const float s = mul_rn(e4m3_decode(code), gscale);
+    if (s > 0.0f) {
+      encode_run<false>(v + b * block, block, fp_inverse(s), b * block, rec);
+    } else {
+      std::memset(rec + b * block / 2, 0, size_t(block / 2));
+    }
+  }
+}
+
+// One f32 group v (overwritten: spikes zeroed) with k spikes into its whole record.
+// keys: g int32 of scratch (k > 0).
+inline void fp_quantize_group(float* v, int64_t g, int32_t fmt, int k, int32_t* keys,
+                              uint8_t* rec) {
+  const bool finite = all_finite(v, g);
+  if (k == 0) {
+    fp_encode_group(v, g, fmt, finite, rec);
+    return;
+  }
+  int32_t pos[kMaxSpikes];
+  float kept[kMaxSpikes];
+  select_spikes_lanes(v, g, k, keys, pos);
+  for (int j = 0; j < k; ++j) {
+    kept[j] = v[pos[j]];
+    v[pos[j]] = 0.0f;
+  }
+  fp_encode_group(v, g, fmt, finite, rec);
+  uint16_t values[kMaxSpikes];
+  for (int j = 0; j < k; ++j) values[j] = spike_bits(kept[j], finite);
+  store_spikes(values, pos, k, g, rec + fp_code_bytes(fmt, g) + fp_scale_bytes(fmt, g));
+}
+
+// Decode tables: E4M3 codes 0..255 and E2M1 codes 0..15 to f32.
+struct FpTables {
+  FpTables() {
+    for (uint32_t c = 0; c < 256; ++c) e4m3[c] = e4m3_decode(c);
+    for (uint32_t c = 0; c < 16; ++c) e2m1[c] = e2m1_decode(c);
+  }
+  float e4m3[256];
+  float e2m1[16];
+};
+
+// One record to f32 values (element times its block scale), spikes put back.
+inline void fp_decode_group(const uint8_t* rec, int64_t g, int32_t fmt, int k,
+                            const FpTables& t, float* d) {
+  const int64_t nc = fp_code_bytes(fmt, g), ns = fp_scale_bytes(fmt, g);
+  const uint8_t* scales = rec + nc;
+  if (fmt == kFormatFp8) {
+    const float s = fp_block_scale(fmt, scales, g, 0);
+    for (int64_t i = 0; i < g; ++i) d[i] = mul_rn(t.e4m3[rec[i]], s);
+  } else {
+    const int64_t block = fp_block(fmt, g);
+    for (int64_t b = 0; b < g / block; ++b) {
+      const float s = fp_block_scale(fmt, scales, g, b);
+      for (int64_t i = b * block; i < (b + 1) * block; i += 2) {
+        const uint8_t byte = rec[i / 2];
+        d[i] = mul_rn(t.e2m1[byte & 15u], s);
+        d[i + 1] = mul_rn(t.e2m1[byte >> 4], s);
+      }
+    }
+  }
+  if (k > 0) apply_spikes(rec + nc + ns, k, g, d);
+}
+
+}  // namespace cpu
+}  // inline namespace FLASHCOMM_ISA
+}  // namespace flashcomm
+
+#endif  // FLASHCOMM_CPU_FP_H_
