@@ -1,0 +1,142 @@
+"""The floating-point group formats (docs/format.md, "Floating-point formats"): fp8 (E4M3, a
+bf16 scale per group), mxfp4 (E2M1, an E8M0 scale per 32) and nvfp4 (E2M1, an E4M3 scale per
+16 under an E8M0 scale per group). The element encoders against ml_dtypes' round-to-nearest-even
+casts; the jnp twin and the CPU kernels of every instruction-set build bit-identical (records,
+decoded values, sums, fused sums into every format); the error bound from the stored scales;
+a non-finite value poisons its own group only; wire bytes from the formats' layout;
+validation."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from jax_flashcomm import codec
+from jax_flashcomm.codec import fp_reference, kernels, spec
+
+from tests.support.codec_data import bit_view, every_isa
+
+FP = ("fp8", "mxfp4", "nvfp4")
+needs_ffi = pytest.mark.skipif("flashcomm_fp_quantize" not in kernels.registered("cpu"),
+                               reason="CPU kernels of the floating-point formats not built")
+
+
+def _operand(rng, rows, g, dtype):
+    """Rows of groups with outliers, a zero group, a tiny group, signed zeros and denormals."""
+    x = rng.standard_normal((rows, g)) * np.exp(rng.standard_normal((rows, 1)) * 4)
+    x[0] = 0.0
+    x[1] *= 1e-30
+    x[2, 3] *= 300.0
+    x[3, :4] = [-0.0, 1e-39, -1e-40, 448.0]
+    if np.dtype(dtype) == np.float16:
+        x = np.clip(x, -6e4, 6e4)
+    return jnp.asarray(x.astype(np.float32), dtype)
+
+
+def test_element_encoders_round_like_ml_dtypes():
+    rng = np.random.default_rng(0)
+    a = np.abs(rng.standard_normal(100_000)).astype(np.float32)
+    a = (a * np.float32(2.0) ** rng.integers(-14, 10, a.size)).astype(np.float32)
+    grid = np.arange(0, 460, 2.0**-4, dtype=np.float32)  # every tie of the E4M3 grid below 448
+    a = np.concatenate([a, grid, np.float32(2.0**-10) * np.arange(64, dtype=np.float32)])
+    want = np.minimum(a, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    assert np.array_equal(np.asarray(jax.jit(fp_reference.e4m3_encode)(a)), want)
+    b = np.concatenate([np.abs(rng.standard_normal(50_000)).astype(np.float32) * 4,
+                        np.arange(0, 8, 0.125, dtype=np.float32)])
+    want = np.minimum(b, 6).astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 7
+    assert np.array_equal(np.asarray(jax.jit(fp_reference.e2m1_encode)(b)), want)
+    codes = np.arange(0x7F, dtype=np.uint8)
+    assert np.array_equal(fp_reference.e4m3_table()[:0x7F],
+                          codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32))
+
+
+@needs_ffi
+@pytest.mark.parametrize("fmt", FP)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_kernels_bit_identical_to_the_twin(fmt, dtype):
+    rng = np.random.default_rng(1)
+    for g, spikes, rotation in [(32, 0, 0), (128, 1, 0), (128, 2, 2), (256, 0, 1)]:
+        x = _operand(rng, 6, 3 * g, dtype)
+        def run(x, backend):
+            p = codec.quantize(x, format=fmt, group_size=g, spikes=spikes, rotation=rotation,
+                               num_chunks=3, backend=backend)
+            c = p.split_groups(3)
+            sums = [codec.dequantize_sum_quantize(c, format=f, spikes=1, backend=backend).codes
+                    for f in FP]
+            return (p.codes, codec.dequantize(p, backend=backend),
+                    codec.dequantize_sum(c, backend=backend), *sums)
+        got = every_isa(jax.jit(lambda x: run(x, "ffi")), x)
+        want = jax.jit(lambda x: run(x, "jnp"))(x)
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert np.array_equal(bit_view(a), bit_view(b)), (g, spikes, rotation, i)
+
+
+@pytest.mark.parametrize("fmt", FP)
+@pytest.mark.parametrize("spikes,rotation", [(0, 0), (2, 0), (0, 2), (1, 1)])
+def test_error_within_the_bound_of_the_stored_scales(fmt, spikes, rotation):
+    rng = np.random.default_rng(2)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        x = _operand(rng, 9, 256, dtype)
+        p = codec.quantize(x, format=fmt, spikes=spikes, rotation=rotation)
+        err = jnp.abs(codec.dequantize(p).astype(jnp.float32) - x.astype(jnp.float32))
+        bound = codec.error_bound(p)
+        assert bool(jnp.all(err <= bound)), float(jnp.max(err / bound))
+        if not rotation and not spikes:  # the bound is the grid's: some value comes close
+            assert float(jnp.max(err / bound)) > 0.5
+
+
+@pytest.mark.parametrize("fmt", FP)
+@pytest.mark.parametrize("backend", ["jnp", pytest.param("ffi", marks=needs_ffi)])
+def test_a_non_finite_value_poisons_only_its_group(fmt, backend):
+    x = np.random.default_rng(3).standard_normal((4, 256)).astype(np.float32)
+    x[1, 5], x[2, 200] = np.nan, -np.inf
+    y = np.asarray(codec.dequantize(codec.quantize(jnp.asarray(x), format=fmt, spikes=1,
+                                                   backend=backend), backend=backend))
+    nan_groups = np.isnan(y).reshape(8, 128)
+    assert nan_groups.all(axis=1).tolist() == [False, False, True, False, False, True, False,
+                                               False]
+    assert not nan_groups[[0, 1, 3, 4, 6, 7]].any()
+
+
+@pytest.mark.parametrize("fmt,spikes,per_element", [
+    ("fp8", 0, (128 + 2) / 128), ("mxfp4", 0, (64 + 4) / 128), ("nvfp4", 0, (64 + 8 + 1) / 128),
+    ("nvfp4", 1, (64 + 8 + 1 + 3) / 128)])
+def test_wire_bytes_from_the_layout(fmt, spikes, per_element):
+    assert spec.format_wire_bytes_per_element(fmt, 128, spikes=spikes) == per_element
+    p = codec.quantize(jnp.ones((4, 128)), format=fmt, spikes=spikes)
+    assert p.nbytes == 4 * 128 * per_element and p.scale is None and p.zero is None
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.sampled_from(FP), st.sampled_from([1, 3]), st.sampled_from([0, 2]), st.just(300),
+       st.integers(0, 2**32 - 1), st.floats(-30, 30))
+def test_fuzz_twin_and_kernels(fmt, chunks, spikes, size, seed, log_scale):
+    """Drawn operands (sizes that leave padding, magnitudes over 26 decades, sparse NaN-free
+    outliers): within the bound, and the kernels give the twin's bytes."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(size) * np.exp(log_scale) * np.where(rng.random(size) < 0.02, 1e3, 1)
+    x = jnp.asarray(np.clip(x, -3e38, 3e38).astype(np.float32))
+    backends = ("jnp", "ffi") if "flashcomm_fp_quantize" in kernels.registered("cpu") else ("jnp",)
+    out = []
+    for backend in backends:
+        p = codec.quantize(x, format=fmt, spikes=spikes, num_chunks=chunks, backend=backend)
+        y = codec.dequantize(p, backend=backend)
+        assert bool(jnp.all(jnp.abs(y - x) <= codec.error_bound(p)))
+        out.append((np.asarray(p.codes), bit_view(y)))
+    assert all(np.array_equal(a, b) for a, b in zip(out[0], out[-1]))
+
+
+def test_validation():
+    x = jnp.ones((4, 64))
+    with pytest.raises(ValueError, match="format must be one of"):
+        codec.quantize(x, format="fp4")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        codec.quantize(x, format="mxfp4", group_size=16)
+    p = codec.quantize(x, format="nvfp4", group_size=64)
+    with pytest.raises(ValueError, match="codes must be"):
+        codec.dequantize(p.map_arrays(lambda a: a[..., :-1]))
+    with pytest.raises(ValueError, match="bits must be 4"):
+        import dataclasses
+        codec.dequantize(dataclasses.replace(p, bits=8))
