@@ -58,9 +58,38 @@ FC_ALWAYS_INLINE float max_abs(const float* v, int64_t n) {
 }
 
 FC_ALWAYS_INLINE bool all_finite(const float* v, int64_t n) {
+  int64_t i = 0;
+  ULanes exp_all = ULanes{} + 0u;
+  for (; i + kLanes <= n; i += kLanes) {
+    exp_all |= (ULanes)((lanes_bits(load_lanes(v + i)) & 0x7F800000u) == 0x7F800000u);
+  }
   bool finite = true;
-  for (int64_t i = 0; i < n; ++i) finite = finite && is_finite(v[i]);
+  for (int j = 0; j < kLanes; ++j) finite = finite && exp_all[j] == 0;
+  for (; i < n; ++i) finite = finite && is_finite(v[i]);
   return finite;
+}
+
+// E4M3 codes (0..255, one per lane) -> f32, as e4m3_decode: the magnitude's bits placed under
+// an f32 exponent bias of 120 (exact for normal codes); a subnormal code m is
+// (1 + m/8) 2^-6 - 2^-6 (exact); 0x7F is NaN; then the sign.
+FC_ALWAYS_INLINE Lanes e4m3_decode_lanes(ULanes c) {
+  const ULanes mag = c & 0x7Fu;
+  const ULanes sub = (c & 0x78u) == 0u;
+  const Lanes normal = bits_lanes((mag << 20) + (120u << 23));
+  const Lanes subn = bits_lanes((mag << 20) + (121u << 23)) - 0.015625f;
+  Lanes v = sub ? subn : normal;
+  v = mag == 0x7Fu ? bits_lanes(ULanes{} + 0x7FC00000u) : v;
+  return bits_lanes(lanes_bits(v) | ((c & 0x80u) << 24));
+}
+
+// E2M1 codes (0..15) -> f32, as e2m1_decode: (1 + m/2) 2^(e-1) from the bits under a bias of
+// 126, m/2 = (1 + m/2) - 1 for e = 0 (exact), then the sign.
+FC_ALWAYS_INLINE Lanes e2m1_decode_lanes(ULanes c) {
+  const ULanes mag = c & 7u;
+  const Lanes normal = bits_lanes((mag << 22) + (126u << 23));
+  const Lanes subn = bits_lanes((mag << 22) + (127u << 23)) - 1.0f;
+  const Lanes v = (mag & 6u) == 0u ? subn : normal;
+  return bits_lanes(lanes_bits(v) | ((c & 8u) << 28));
 }
 
 // Element codes of n values RN(v * inv) (inv: fp_inverse of the block scale, or mxfp4's exact
@@ -74,8 +103,10 @@ FC_ALWAYS_INLINE void encode_run(const float* v, int64_t n, float inv, int64_t f
     const Lanes q = mul_rn(x, inv);
     const ULanes sign = lanes_bits(q) >> 31;
     if constexpr (kFp8) {
-      const ULanes c = e4m3_encode_lanes(abs_lanes(q)) | (sign << 7);
-      for (int j = 0; j < kLanes; ++j) codes[first + i + j] = uint8_t(c[j]);
+      typedef uint8_t Bytes __attribute__((vector_size(kLanes)));
+      const Bytes c = __builtin_convertvector(e4m3_encode_lanes(abs_lanes(q)) | (sign << 7),
+                                              Bytes);
+      std::memcpy(codes + first + i, &c, sizeof c);
     } else {
       const ULanes c = e2m1_encode_lanes(abs_lanes(q)) | (sign << 3);
       for (int j = 0; j < kLanes; j += 2) {
@@ -183,15 +214,25 @@ inline void fp_decode_group(const uint8_t* rec, int64_t g, int32_t fmt, int k,
   const uint8_t* scales = rec + nc;
   if (fmt == kFormatFp8) {
     const float s = fp_block_scale(fmt, scales, g, 0);
-    for (int64_t i = 0; i < g; ++i) d[i] = mul_rn(t.e4m3[rec[i]], s);
+    int64_t i = 0;
+    for (; i + kLanes <= g; i += kLanes) {
+      ULanes c;
+      for (int j = 0; j < kLanes; ++j) c[j] = rec[i + j];
+      store_lanes(d + i, mul_rn(e4m3_decode_lanes(c), s));
+    }
+    for (; i < g; ++i) d[i] = mul_rn(t.e4m3[rec[i]], s);
   } else {
     const int64_t block = fp_block(fmt, g);
     for (int64_t b = 0; b < g / block; ++b) {
       const float s = fp_block_scale(fmt, scales, g, b);
-      for (int64_t i = b * block; i < (b + 1) * block; i += 2) {
-        const uint8_t byte = rec[i / 2];
-        d[i] = mul_rn(t.e2m1[byte & 15u], s);
-        d[i + 1] = mul_rn(t.e2m1[byte >> 4], s);
+      for (int64_t i = b * block; i < (b + 1) * block; i += kLanes) {
+        ULanes c;
+        for (int j = 0; j < kLanes; j += 2) {
+          const uint32_t byte = rec[(i + j) / 2];
+          c[j] = byte & 15u;
+          c[j + 1] = byte >> 4;
+        }
+        store_lanes(d + i, mul_rn(e2m1_decode_lanes(c), s));
       }
     }
   }
