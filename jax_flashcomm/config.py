@@ -129,6 +129,11 @@ class CommConfig:
         reading the peers' buffers: one process, or processes of one host over shared memory)
         or ``"auto"`` (the plan's choice per op).
       p2p_timeout_ms: the p2p transport's limit on every wait for a peer.
+      format: the group format of both quantized phases: ``"int"`` (``bits`` per value, a
+        bf16 scale and zero per group), ``"fp8"``, ``"mxfp4"`` or ``"nvfp4"`` (docs/format.md,
+        "Floating-point formats"; ``bits`` is then the format's). Floating-point phases move
+        over the ``xla`` transport; the ring matmuls stay exact under them.
+      rs_format, ag_format: per-phase overrides (e.g. ``rs_format="nvfp4", ag_format="fp8"``).
     """
 
     bits: int | None = 8
@@ -142,6 +147,9 @@ class CommConfig:
     spikes: int | str = "auto"
     transport: str = "auto"
     p2p_timeout_ms: int = 60_000
+    format: str = "int"
+    rs_format: str | None = None
+    ag_format: str | None = None
 
     def __post_init__(self):
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -179,6 +187,10 @@ class CommConfig:
             raise ValueError(f"p2p_timeout_ms must be a positive int of at most {MAX_TIMEOUT_MS} "
                              f"(ms), got {timeout}")
         put("p2p_timeout_ms", timeout)
+        spec.check_format(self.format, self.group_size, "format")
+        for name in ("rs_format", "ag_format"):
+            if getattr(self, name) is not None:
+                spec.check_format(getattr(self, name), self.group_size, name)
 
     @property
     def auto(self) -> bool:
@@ -191,14 +203,34 @@ class CommConfig:
         return self.bits is None
 
     @property
+    def phase1_format(self) -> str:
+        """The reduce-scatter phase's group format."""
+        return self.format if self.rs_format is None else self.rs_format
+
+    @property
+    def phase2_format(self) -> str:
+        """The all-gather phase's group format."""
+        return self.format if self.ag_format is None else self.ag_format
+
+    @property
+    def floating_point(self) -> bool:
+        """Whether a quantized phase uses a floating-point format."""
+        return not self.exact and (self.phase1_format, self.phase2_format) != ("int", "int")
+
+    @property
     def phase1_bits(self) -> int | None:
-        """Bits of the reduce-scatter (all-to-all) phase (None: exact)."""
-        return self.bits if self.rs_bits is None else self.rs_bits
+        """Bits of the reduce-scatter (all-to-all) phase (None: exact; a floating-point
+        format's own)."""
+        if self.exact or self.phase1_format == "int":
+            return self.bits if self.rs_bits is None else self.rs_bits
+        return spec.FP_BITS[self.phase1_format]
 
     @property
     def phase2_bits(self) -> int | None:
-        """Bits of the all-gather phase (None: exact)."""
-        return self.bits if self.ag_bits is None else self.ag_bits
+        """Bits of the all-gather phase (None: exact; a floating-point format's own)."""
+        if self.exact or self.phase2_format == "int":
+            return self.bits if self.ag_bits is None else self.ag_bits
+        return spec.FP_BITS[self.phase2_format]
 
     def _spikes_at(self, bits: int | None) -> int:
         return auto_spikes(bits, self.group_size) if self.spikes == "auto" else self.spikes
@@ -219,7 +251,7 @@ class CommConfig:
         phases' bits and the group size; 0 for the exact setting)."""
         if self.rotation != "auto":
             return self.rotation
-        if self.exact:
+        if self.exact or self.floating_point:  # rotation did not help them (docs/format_probe.md)
             return 0
         return auto_rotation((self.phase1_bits, self.phase2_bits), self.group_size)
 

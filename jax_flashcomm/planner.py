@@ -96,6 +96,7 @@ class Plan:
       transport: ``"xla"`` or ``"p2p"`` for the quantized and ring paths, None for ``"lax"``.
       rs_bits, ag_bits: bits of the phases this op quantizes (None: not quantized).
       rs_spikes, ag_spikes: spikes per group of those phases.
+      rs_format, ag_format: the group formats of those phases ("int", "fp8", "mxfp4", "nvfp4").
       rotation: the group rotation (0 none, 1 Hadamard, 2 signed Hadamard).
       group_size: values per group.
       backend: the codec backend the quantized path calls.
@@ -118,6 +119,8 @@ class Plan:
     ag_bits: int | None = None
     rs_spikes: int = 0
     ag_spikes: int = 0
+    rs_format: str = "int"
+    ag_format: str = "int"
     rotation: int = 0
     group_size: int = 128
     backend: str = "auto"
@@ -132,7 +135,9 @@ class Plan:
 
     def __str__(self):
         if self.quantized:
-            how = (f"{self.path} rs_bits={self.rs_bits} ag_bits={self.ag_bits} "
+            formats = ("" if (self.rs_format, self.ag_format) == ("int", "int")
+                       else f"formats={self.rs_format}/{self.ag_format} ")
+            how = (f"{self.path} {formats}rs_bits={self.rs_bits} ag_bits={self.ag_bits} "
                    f"rotation={self.rotation} spikes={self.rs_spikes}/{self.ag_spikes} "
                    f"over {self.transport}")
         elif self.path in ("ring", "exact"):
@@ -177,6 +182,8 @@ def _collective_transport(config: CommConfig, axes: tuple, where: str) -> str:
     if config.transport == "xla":
         return "xla"
     reason = p2p_transport.unsupported_reason(axes)
+    if reason is None and config.floating_point:
+        reason = _FP_REASON
     if reason is None and config.backend == "jnp":
         reason = "backend='jnp' (the p2p transport runs the FFI codec kernels)"
     if config.transport == "p2p":
@@ -184,6 +191,9 @@ def _collective_transport(config: CommConfig, axes: tuple, where: str) -> str:
             raise ValueError(f"{where}: transport='p2p' cannot run here: {reason}")
         return "p2p"
     return "xla" if reason is not None else "p2p"
+
+
+_FP_REASON = "a floating-point format (the p2p transport moves integer groups)"
 
 
 def _ring_transport(config: CommConfig, axes: tuple, where: str) -> str:
@@ -209,6 +219,8 @@ def _auto_choice(op: str, axes: tuple, fields: dict, config: CommConfig, where: 
         p2p_reason = "ring matmul (its transport follows the ring rule)"
     else:
         p2p_reason = p2p_transport.unsupported_reason(axes)
+        if p2p_reason is None and config.floating_point:
+            p2p_reason = _FP_REASON
         if p2p_reason is None and config.backend == "jnp":
             p2p_reason = "backend='jnp' (the p2p transport runs the FFI codec kernels)"
         if config.transport == "p2p" and p2p_reason is not None:
@@ -251,10 +263,13 @@ def quantizes(op: str, nbytes: int, axis_size: int, dtype, config: CommConfig) -
     import jax
 
     quantized, _ = size_policy(config, int(nbytes), int(axis_size))
+    if op in _RINGS and config.floating_point:
+        return False
     if not (quantized and config.auto):
         return quantized
     p2p_reason = None
-    if op in _RINGS or config.transport == "xla" or config.backend == "jnp":
+    if (op in _RINGS or config.transport == "xla" or config.backend == "jnp"
+            or config.floating_point):
         p2p_reason = "not the p2p transport"
     elif jax.process_count() != 1:
         p2p_reason = shm_transport.setup()
@@ -287,6 +302,8 @@ def plan(op: str, axes: tuple, shape, dtype, axis_size: int, config: CommConfig,
     axes = tuple(axes)
     nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
     quantized, reason = size_policy(config, nbytes, int(axis_size))
+    if quantized and op in _RINGS and config.floating_point:
+        quantized, reason = False, "a floating-point format: the ring matmuls stay exact"
     phases = _PHASES[op]
     fields = dict(op=op, axes=axes, shape=tuple(shape), dtype=str(np.dtype(dtype)),
                   nbytes=nbytes, axis_size=int(axis_size), reason=reason,
@@ -320,6 +337,8 @@ def plan(op: str, axes: tuple, shape, dtype, axis_size: int, config: CommConfig,
         rs = config.phase1_bits if "rs" in phases else None
         ag = config.phase2_bits if "ag" in phases else None
         fields.update(rs_bits=rs, ag_bits=ag, rotation=config.resolved_rotation,
+                      rs_format=config.phase1_format if rs else "int",
+                      ag_format=config.phase2_format if ag else "int",
                       rs_spikes=config.phase1_spikes if rs else auto_spikes(None),
                       ag_spikes=config.phase2_spikes if ag else auto_spikes(None))
     return _recorded(Plan(path=path, transport=transport, **fields), record)

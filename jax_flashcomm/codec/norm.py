@@ -141,6 +141,24 @@ def reference_add_rms_norm(codes, scale, zero, residual, weight, *, bits: int, g
     return reference.quantize(groups, bits=out_bits, group_size=out_group_size), new_residual
 
 
+def _add_rms_norm_decoded(payload, residual, weight, eps, out_bits, out_group_size, backend):
+    """add_rms_norm of a floating-point payload: decoded by the codec, then the twin's add and
+    norm (no fused kernel reads these formats yet)."""
+    from jax_flashcomm import codec
+
+    hidden = weight.shape[-1]
+    d = codec.dequantize(payload, dtype=jnp.float32, backend=backend).reshape(-1, hidden)
+    h, sq = add_and_square(d, residual.reshape(-1, hidden))
+    inv = inverse_rms(sum_squares(sq), hidden, eps)
+    out = ((h.astype(jnp.float32) * inv[:, None]) * weight.astype(jnp.float32))
+    out = out.astype(residual.dtype).reshape(residual.shape)
+    new_residual = h.reshape(residual.shape)
+    if out_bits is None:
+        return out, new_residual
+    return codec.quantize(out, bits=out_bits, group_size=out_group_size,
+                          backend=backend), new_residual
+
+
 def _check(payload, residual, weight, eps, out_bits, out_group_size):
     if not isinstance(payload, Payload):
         raise TypeError(f"add_rms_norm: payload must be a jax_flashcomm.codec.Payload, got "
@@ -158,7 +176,7 @@ def _check(payload, residual, weight, eps, out_bits, out_group_size):
     if tuple(payload.shape) != tuple(residual.shape):
         raise ValueError(f"add_rms_norm: the payload's shape {payload.shape} is not the "
                          f"residual's {residual.shape}")
-    if payload.scale.ndim != 1:
+    if payload.codes.ndim != 2:
         raise ValueError(f"add_rms_norm: the payload must be one operand's groups "
                          f"(scale (groups,)), got scale {payload.scale.shape}")
     if not (math.isfinite(float(eps)) and float(eps) >= 0):
@@ -198,6 +216,9 @@ def add_rms_norm(payload: Payload, residual: jax.Array, weight: jax.Array, *, ep
     """
     residual, weight = _check(payload, residual, weight, eps, out_bits, out_group_size)
     spec.check_backend(backend)
+    if payload.format != "int":
+        return _add_rms_norm_decoded(payload, residual, weight, float(eps), out_bits,
+                                     out_group_size, backend)
     params = dict(bits=payload.bits, group_size=payload.group_size, rotation=payload.rotation,
                   spikes=payload.spikes, eps=float(eps), out_bits=out_bits,
                   out_group_size=out_group_size)

@@ -31,13 +31,15 @@ def pack(p: Payload) -> jax.Array:
     Returns:
       uint8: each group's codes (and spike record), then its bf16 scale and zero's bytes.
     """
+    if p.format != "int":  # the record holds its scales
+        return p.codes
     scale = lax.bitcast_convert_type(p.scale, jnp.uint8)
     zero = lax.bitcast_convert_type(p.zero, jnp.uint8)
     return jnp.concatenate([p.codes, scale, zero], axis=-1)
 
 
 def unpack(buf: jax.Array, *, bits: int, group_size: int, shape: tuple[int, ...], dtype,
-           rotation: int = 0, spikes: int = 0) -> Payload:
+           rotation: int = 0, spikes: int = 0, format: str = "int") -> Payload:
     """Inverse of :func:`pack`.
 
     Args:
@@ -45,10 +47,15 @@ def unpack(buf: jax.Array, *, bits: int, group_size: int, shape: tuple[int, ...]
       bits, group_size: the payload's codec parameters.
       shape, dtype: the operand to rebuild.
       rotation, spikes: its codec options, which the wire record does not carry.
+      format: "int", or a floating-point format (the buffer is then the codes records).
 
     Returns:
       The :class:`~jax_flashcomm.codec.Payload`.
     """
+    if format != "int":
+        return Payload(buf, None, None, bits=spec.FP_BITS[format], group_size=group_size,
+                       shape=tuple(shape), dtype=np.dtype(dtype), rotation=rotation,
+                       spikes=spikes, format=format)
     nb = spec.record_bytes(group_size, bits, spikes)
     codes = buf[..., :nb]
     scale = lax.bitcast_convert_type(buf[..., nb:nb + 2], jnp.bfloat16)

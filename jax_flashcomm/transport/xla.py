@@ -42,16 +42,18 @@ def all_reduce(x: jax.Array, axes: tuple[str, ...], plan,
     n = _axes.axis_size(axes)
     g, b1, b2 = plan.group_size, plan.rs_bits, plan.ag_bits
     rot, k1, k2 = plan.rotation, plan.rs_spikes, plan.ag_spikes
+    f1, f2 = plan.rs_format, plan.ag_format
     p1 = codec.quantize(x, bits=b1, group_size=g, num_chunks=n, backend=plan.backend,
-                        rotation=rot, spikes=k1)
+                        rotation=rot, spikes=k1, format=f1)
     chunks = wire.pack(p1.split_groups(n))                     # (N, groups/N, bytes)
     received = lax.all_to_all(chunks, axes, 0, 0, tiled=False)    # [i] = chunk from rank i
     recv = wire.unpack(received, bits=b1, group_size=g, shape=x.shape, dtype=x.dtype,
-                          rotation=rot, spikes=k1)
-    summed = codec.dequantize_sum_quantize(recv, bits=b2, spikes=k2, backend=plan.backend)
+                          rotation=rot, spikes=k1, format=f1)
+    summed = codec.dequantize_sum_quantize(recv, bits=b2, spikes=k2, backend=plan.backend,
+                                           format=f2)
     gathered = all_gather_invariant(wire.pack(summed), axes, axis=0, tiled=True)
     p2 = wire.unpack(gathered, bits=b2, group_size=g, shape=x.shape, dtype=x.dtype,
-                        rotation=rot, spikes=k2)
+                        rotation=rot, spikes=k2, format=f2)
     y = codec.dequantize(p2, backend=plan.backend) if decode else None
     return y, p1, p2
 
@@ -72,11 +74,11 @@ def reduce_scatter(rows: jax.Array, axes: tuple[str, ...],
     n, mp = rows.shape
     g, bits = plan.group_size, plan.rs_bits
     p1 = codec.quantize(rows, bits=bits, group_size=g, num_chunks=n, backend=plan.backend,
-                        rotation=plan.rotation, spikes=plan.rs_spikes)
+                        rotation=plan.rotation, spikes=plan.rs_spikes, format=plan.rs_format)
     p1 = wire.with_meta(p1.split_groups(n), shape=(mp,))
     received = lax.all_to_all(wire.pack(p1), axes, 0, 0, tiled=False)
     recv = wire.unpack(received, bits=bits, group_size=g, shape=(mp,), dtype=rows.dtype,
-                          rotation=plan.rotation, spikes=plan.rs_spikes)
+                          rotation=plan.rotation, spikes=plan.rs_spikes, format=plan.rs_format)
     return codec.dequantize_sum(recv, backend=plan.backend), p1
 
 
@@ -96,7 +98,7 @@ def all_gather(x: jax.Array, axes: tuple[str, ...], axis: int, tiled: bool,
     """
     p = codec.quantize(x, bits=plan.ag_bits, group_size=plan.group_size,
                        backend=plan.backend, rotation=plan.rotation,
-                       spikes=plan.ag_spikes)
+                       spikes=plan.ag_spikes, format=plan.ag_format)
     n = _axes.axis_size(axes)
     if n * x.size > np.iinfo(np.int32).max:  # beyond an int32 element offset
         return decode_gathered(gather_payloads(p, axes), axis, tiled, plan), p
@@ -117,7 +119,7 @@ def gather_payloads(p: codec.Payload, axes: tuple[str, ...]) -> codec.Payload:
     """
     gathered = lax.all_gather(wire.pack(p), axes, axis=0, tiled=False)
     return wire.unpack(gathered, bits=p.bits, group_size=p.group_size, shape=p.shape,
-                          dtype=p.dtype, rotation=p.rotation, spikes=p.spikes)
+                          dtype=p.dtype, rotation=p.rotation, spikes=p.spikes, format=p.format)
 
 
 def decode_gathered(pg: codec.Payload, axis: int, tiled: bool, plan) -> jax.Array:
@@ -204,7 +206,8 @@ def _ring_gather(x, p, axes, axis, tiled, plan):
 
     def unpack(buf):
         return wire.unpack(buf, bits=p.bits, group_size=p.group_size, shape=p.shape,
-                              dtype=p.dtype, rotation=p.rotation, spikes=p.spikes)
+                              dtype=p.dtype, rotation=p.rotation, spikes=p.spikes,
+                              format=p.format)
 
     def decode(out, buf, k):
         sender = slot((me + n - k) % n)
