@@ -42,7 +42,13 @@ CONFIG_FLAGS = {
     "spikes": (str, "values per group kept in bf16: auto or 0..16"),
     "transport": (str, "how the bytes move: auto, xla or p2p"),
     "p2p_timeout_ms": (int, "the p2p transport's limit on a wait for a peer"),
+    "format": (str, "group format of both quantized phases: int (--bits), fp8, mxfp4 or nvfp4"),
+    "rs_format": (str, "reduce-scatter phase format"),
+    "ag_format": (str, "all-gather phase format"),
 }
+#: The flags with a fixed set of values.
+FLAG_CHOICES = {name: ("int", "fp8", "mxfp4", "nvfp4") for name in ("format", "rs_format",
+                                                                     "ag_format")}
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +68,7 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     defaults = CommConfig()
     for name, (kind, text) in CONFIG_FLAGS.items():
         parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None,
+                            choices=FLAG_CHOICES.get(name),
                             help=f"{text} (default: {getattr(defaults, name)!r})")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="parameter and activation dtype")
@@ -293,10 +300,10 @@ def _check_comm(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"--tp must be >= 1, got {args.tp}")
     if args.devices is not None and args.devices < args.tp:
         parser.error(f"--devices {args.devices} is fewer than --tp {args.tp}")
-    quant = (args.bits, args.rs_bits, args.ag_bits)
+    quant = (args.bits, args.rs_bits, args.ag_bits, args.format, args.rs_format, args.ag_format)
     if args.comm in ("exact", "overlap") and any(b is not None for b in quant):
-        parser.error(f"--comm {args.comm} does not quantize: --bits/--rs-bits/--ag-bits need "
-                     f"--comm flash, flash+overlap or auto")
+        parser.error(f"--comm {args.comm} does not quantize: --bits/--rs-bits/--ag-bits and "
+                     f"--format/--rs-format/--ag-format need --comm flash, flash+overlap or auto")
     if args.comm == "auto" and args.min_bytes not in (None, "auto"):
         parser.error(f"--comm auto chooses the path of every call; --min-bytes "
                      f"{args.min_bytes} pins the size policy (use --comm flash)")

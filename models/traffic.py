@@ -14,7 +14,23 @@ from __future__ import annotations
 from jax_flashcomm.codec import spec
 from jax_flashcomm.planner import quantizes
 
-__all__ = ["allreduce_bytes_per_token"]
+__all__ = ["allreduce_bytes_per_token", "wire_per_element", "wire_vs_bf16"]
+
+
+def wire_per_element(c) -> tuple[float, float]:
+    """Bytes per element of the two phases' payloads of a quantized config ``c``."""
+    return (spec.format_wire_bytes_per_element(c.phase1_format, c.group_size, c.phase1_bits,
+                                               c.phase1_spikes),
+            spec.format_wire_bytes_per_element(c.phase2_format, c.group_size, c.phase2_bits,
+                                               c.phase2_spikes))
+
+
+def wire_vs_bf16(comm) -> float:
+    """A quantized all-reduce's wire bytes per element (the mean of its two phases) over a bf16
+    ring's 2 bytes per element and phase; 1.0 for a strategy that does not quantize."""
+    if not comm.quantized:
+        return 1.0
+    return sum(wire_per_element(comm.config)) / 2 / 2.0
 
 
 def allreduce_bytes_per_token(cfg, tp: int, comm, *, batch: int = 1, itemsize: int = 4) -> dict:
@@ -31,8 +47,6 @@ def allreduce_bytes_per_token(cfg, tp: int, comm, *, batch: int = 1, itemsize: i
                               "bfloat16" if itemsize == 2 else "float32", c)
         if quantized:
             padded = spec.padded_size(elems, c.group_size, tp)
-            sent = (tp - 1) / tp * padded * (
-                spec.wire_bytes_per_element(c.phase1_bits, c.group_size, c.phase1_spikes)
-                + spec.wire_bytes_per_element(c.phase2_bits, c.group_size, c.phase2_spikes))
+            sent = (tp - 1) / tp * padded * sum(wire_per_element(c))
     return {"sent": n_msgs * sent, "exact": n_msgs * exact, "messages": n_msgs}
 
