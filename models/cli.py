@@ -387,8 +387,9 @@ def describe(args) -> str:
     if args.comm in ("exact", "overlap"):
         return args.comm + fused
     c = comm_from_args(args).config
+    phases = "/".join(f"int{b}" if f == "int" else f for f, b in (
+        (c.phase1_format, c.phase1_bits), (c.phase2_format, c.phase2_bits)))
     if args.comm == "auto":
-        return (f"auto (per call: exact or int{c.phase1_bits}/int{c.phase2_bits} G="
-                f"{c.group_size}){fused}")
-    return (f"{args.comm} int{c.phase1_bits}/int{c.phase2_bits} G={c.group_size} "
+        return f"auto (per call: exact or {phases} G={c.group_size}){fused}"
+    return (f"{args.comm} {phases} G={c.group_size} "
             f"spikes={c.spikes} rotation={c.rotation} min_bytes={c.min_bytes}{fused}")
