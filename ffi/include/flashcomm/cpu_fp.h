@@ -20,6 +20,34 @@ namespace cpu {
 
 FC_ALWAYS_INLINE Lanes abs_lanes(Lanes a) { return bits_lanes(lanes_bits(a) & 0x7FFFFFFFu); }
 
+// 0 in even lanes, 4 in odd ones: the nibble of a code in its byte.
+constexpr ULanes kNibbleShift = (ULanes)((kLaneIndex & 1) * 4);
+
+// kLanes E2M1 codes (0..15, one per lane) packed into kLanes / 2 bytes, the even lane's code in
+// the low nibble.
+FC_ALWAYS_INLINE void store_nibbles(ULanes c, uint8_t* out) {
+  const ULanes shifted = c << kNibbleShift;
+  const ULanes pairs = shifted | __builtin_shuffle(shifted, (ULanes)(kLaneIndex ^ 1));
+  const ByteLanes bytes = __builtin_convertvector(
+      __builtin_shuffle(pairs, (ULanes)((kLaneIndex * 2) & (kLanes - 1))), ByteLanes);
+  std::memcpy(out, &bytes, kLanes / 2);
+}
+
+// kLanes E2M1 codes from kLanes / 2 bytes, as store_nibbles wrote them.
+FC_ALWAYS_INLINE ULanes load_nibbles(const uint8_t* in) {
+  ByteLanes bytes = {};
+  std::memcpy(&bytes, in, kLanes / 2);
+  const ULanes wide = __builtin_convertvector(bytes, ULanes);
+  return (__builtin_shuffle(wide, (ULanes)(kLaneIndex >> 1)) >> kNibbleShift) & 15u;
+}
+
+// kLanes bytes as one code per lane.
+FC_ALWAYS_INLINE ULanes load_bytes(const uint8_t* in) {
+  ByteLanes bytes;
+  std::memcpy(&bytes, in, kLanes);
+  return __builtin_convertvector(bytes, ULanes);
+}
+
 // fp_codec.h e4m3_encode, lane-wise.
 FC_ALWAYS_INLINE ULanes e4m3_encode_lanes(Lanes a) {
   const Lanes top = Lanes{} + kE4m3Max;
@@ -57,18 +85,6 @@ FC_ALWAYS_INLINE float max_abs(const float* v, int64_t n) {
   return bits_to_float(uint32_t(best));
 }
 
-FC_ALWAYS_INLINE bool all_finite(const float* v, int64_t n) {
-  int64_t i = 0;
-  ULanes exp_all = ULanes{} + 0u;
-  for (; i + kLanes <= n; i += kLanes) {
-    exp_all |= (ULanes)((lanes_bits(load_lanes(v + i)) & 0x7F800000u) == 0x7F800000u);
-  }
-  bool finite = true;
-  for (int j = 0; j < kLanes; ++j) finite = finite && exp_all[j] == 0;
-  for (; i < n; ++i) finite = finite && is_finite(v[i]);
-  return finite;
-}
-
 // E4M3 codes (0..255, one per lane) -> f32, as e4m3_decode: the magnitude's bits placed under
 // an f32 exponent bias of 120 (exact for normal codes); a subnormal code m is
 // (1 + m/8) 2^-6 - 2^-6 (exact); 0x7F is NaN; then the sign.
@@ -103,15 +119,11 @@ FC_ALWAYS_INLINE void encode_run(const float* v, int64_t n, float inv, int64_t f
     const Lanes q = mul_rn(x, inv);
     const ULanes sign = lanes_bits(q) >> 31;
     if constexpr (kFp8) {
-      typedef uint8_t Bytes __attribute__((vector_size(kLanes)));
-      const Bytes c = __builtin_convertvector(e4m3_encode_lanes(abs_lanes(q)) | (sign << 7),
-                                              Bytes);
+      const ByteLanes c = __builtin_convertvector(
+          e4m3_encode_lanes(abs_lanes(q)) | (sign << 7), ByteLanes);
       std::memcpy(codes + first + i, &c, sizeof c);
     } else {
-      const ULanes c = e2m1_encode_lanes(abs_lanes(q)) | (sign << 3);
-      for (int j = 0; j < kLanes; j += 2) {
-        codes[(first + i + j) / 2] = uint8_t(c[j] | (c[j + 1] << 4));
-      }
+      store_nibbles(e2m1_encode_lanes(abs_lanes(q)) | (sign << 3), codes + (first + i) / 2);
     }
   }
   for (; i < n; ++i) {
@@ -127,9 +139,10 @@ FC_ALWAYS_INLINE void encode_run(const float* v, int64_t n, float inv, int64_t f
   }
 }
 
-// One f32 group v (g values, spikes already zeroed) into its record's codes and scales.
-// finite: every value of the group, spikes included, is finite.
-inline void fp_encode_group(const float* v, int64_t g, int32_t fmt, bool finite, uint8_t* rec) {
+// One f32 group v (g values, spikes already zeroed, largest magnitude amax) into its record's
+// codes and scales. finite: every value of the group, spikes included, is finite.
+inline void fp_encode_group(const float* v, int64_t g, int32_t fmt, float amax, bool finite,
+                            uint8_t* rec) {
   const int64_t nc = fp_code_bytes(fmt, g), ns = fp_scale_bytes(fmt, g);
   uint8_t* scales = rec + nc;
   if (!finite) {
@@ -145,7 +158,7 @@ inline void fp_encode_group(const float* v, int64_t g, int32_t fmt, bool finite,
     return;
   }
   if (fmt == kFormatFp8) {
-    const uint16_t s = fp8_scale_bits(max_abs(v, g));
+    const uint16_t s = fp8_scale_bits(amax);
     scales[0] = uint8_t(s & 0xFF);
     scales[1] = uint8_t(s >> 8);
     encode_run<true>(v, g, fp_inverse(bf16_to_float(s)), 0, rec);
@@ -160,7 +173,7 @@ inline void fp_encode_group(const float* v, int64_t g, int32_t fmt, bool finite,
     }
     return;
   }
-  const uint32_t gbyte = nvfp4_group_byte(max_abs(v, g));
+  const uint32_t gbyte = nvfp4_group_byte(amax);
   scales[blocks] = uint8_t(gbyte);
   const float gscale = e8m0_value(gbyte);
   for (int64_t b = 0; b < blocks; ++b) {
@@ -179,9 +192,11 @@ inline void fp_encode_group(const float* v, int64_t g, int32_t fmt, bool finite,
 // keys: g int32 of scratch (k > 0).
 inline void fp_quantize_group(float* v, int64_t g, int32_t fmt, int k, int32_t* keys,
                               uint8_t* rec) {
-  const bool finite = all_finite(v, g);
+  // The largest magnitude's bits are those of an Inf or a NaN exactly when one is there.
+  const float amax = max_abs(v, g);
+  const bool finite = float_to_bits(amax) < 0x7F800000u;
   if (k == 0) {
-    fp_encode_group(v, g, fmt, finite, rec);
+    fp_encode_group(v, g, fmt, amax, finite, rec);
     return;
   }
   int32_t pos[kMaxSpikes];
@@ -191,7 +206,7 @@ inline void fp_quantize_group(float* v, int64_t g, int32_t fmt, int k, int32_t* 
     kept[j] = v[pos[j]];
     v[pos[j]] = 0.0f;
   }
-  fp_encode_group(v, g, fmt, finite, rec);
+  fp_encode_group(v, g, fmt, max_abs(v, g), finite, rec);
   uint16_t values[kMaxSpikes];
   for (int j = 0; j < k; ++j) values[j] = spike_bits(kept[j], finite);
   store_spikes(values, pos, k, g, rec + fp_code_bytes(fmt, g) + fp_scale_bytes(fmt, g));
@@ -216,9 +231,7 @@ inline void fp_decode_group(const uint8_t* rec, int64_t g, int32_t fmt, int k,
     const float s = fp_block_scale(fmt, scales, g, 0);
     int64_t i = 0;
     for (; i + kLanes <= g; i += kLanes) {
-      ULanes c;
-      for (int j = 0; j < kLanes; ++j) c[j] = rec[i + j];
-      store_lanes(d + i, mul_rn(e4m3_decode_lanes(c), s));
+      store_lanes(d + i, mul_rn(e4m3_decode_lanes(load_bytes(rec + i)), s));
     }
     for (; i < g; ++i) d[i] = mul_rn(t.e4m3[rec[i]], s);
   } else {
@@ -226,13 +239,7 @@ inline void fp_decode_group(const uint8_t* rec, int64_t g, int32_t fmt, int k,
     for (int64_t b = 0; b < g / block; ++b) {
       const float s = fp_block_scale(fmt, scales, g, b);
       for (int64_t i = b * block; i < (b + 1) * block; i += kLanes) {
-        ULanes c;
-        for (int j = 0; j < kLanes; j += 2) {
-          const uint32_t byte = rec[(i + j) / 2];
-          c[j] = byte & 15u;
-          c[j + 1] = byte >> 4;
-        }
-        store_lanes(d + i, mul_rn(e2m1_decode_lanes(c), s));
+        store_lanes(d + i, mul_rn(e2m1_decode_lanes(load_nibbles(rec + i / 2)), s));
       }
     }
   }
