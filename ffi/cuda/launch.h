@@ -97,6 +97,30 @@ cudaError_t LaunchDequantizeInto(cudaStream_t stream, const uint8_t* codes,
                                  int64_t group_size, int bits, int rotation, int spikes,
                                  int64_t count, const int32_t* offset, int64_t size, void* out);
 
+// fp_kernels.cu: the floating-point group formats (flashcomm/fp_codec.h; docs/format.md,
+// "Floating-point formats"), one warp per group in shared memory (RotatedSharedBytes, G <=
+// kMaxRotatedGroup). Records hold whole groups; chunked records are (batch, chunks,
+// groups_per_chunk, fp_record_bytes(format, group_size, spikes)).
+struct FpChunkArgs {
+  int64_t batch, chunks, groups_per_chunk, group_size;
+  int32_t format;
+  int spikes;
+};
+template <typename T>
+cudaError_t LaunchFpQuantize(cudaStream_t stream, const void* x, int64_t n_groups,
+                             int64_t group_size, int32_t format, int rotation, int spikes,
+                             uint8_t* records);
+template <typename T>
+cudaError_t LaunchFpDequantize(cudaStream_t stream, const uint8_t* records, int64_t n_groups,
+                               int64_t group_size, int32_t format, int rotation, int spikes,
+                               void* y);
+template <typename T>
+cudaError_t LaunchFpDequantizeSum(cudaStream_t stream, const uint8_t* records,
+                                  const FpChunkArgs& in, int rotation, void* y);
+cudaError_t LaunchFpDequantizeSumQuantize(cudaStream_t stream, const uint8_t* records,
+                                          const FpChunkArgs& in, int32_t out_format,
+                                          int out_spikes, uint8_t* out);
+
 }  // namespace cuda
 }  // namespace flashcomm
 

@@ -24,6 +24,8 @@ nanobind::dict CudaRegistrations() {
                                  FlashcommShmAllGatherCuda, FlashcommShmPsumCuda,
                                  FlashcommShmRingStartCuda, FlashcommShmRingDoneCuda);
   flashcomm::AddNormRegistrations(d, FlashcommAddRmsNormCuda, FlashcommAddRmsNormQuantizeCuda);
+  flashcomm::AddFpRegistrations(d, FlashcommFpQuantizeCuda, FlashcommFpDequantizeCuda,
+                                FlashcommFpDequantizeSumCuda, FlashcommFpDequantizeSumQuantizeCuda);
   return d;
 }
 

@@ -3,7 +3,8 @@
 E8M0 scale per 32) and nvfp4 (E2M1 values, an E4M3 scale per 16 under an E8M0 scale per group).
 
 :mod:`jax_flashcomm.codec` calls these for a payload whose ``format`` is not "int". Each op
-runs the CPU kernel where it is registered (ffi/cpu/fp_kernels.cc) and the jnp twin
+runs the FFI kernel where it is registered (CPU: ffi/cpu/fp_kernels.cc; CUDA:
+ffi/cuda/fp_kernels.cu, compiled and lowered, not yet run on a GPU) and the jnp twin
 (:mod:`jax_flashcomm.codec.fp_reference`) elsewhere.
 """
 
@@ -26,23 +27,26 @@ ELEMENT_ERROR = {"fp8": 16.0, "mxfp4": 2.0, "nvfp4": 1.0}
 
 
 def dispatch(op: str, *args, backend: str, **params):
-    """Run floating-point op ``op`` with the CPU kernel, or the jnp twin."""
+    """Run floating-point op ``op`` with the FFI kernel of the lowering platform (CPU, or CUDA
+    where built), or the jnp twin elsewhere."""
     backend = spec.check_backend(backend)
     twin = functools.partial(getattr(fp_reference, op), **params)
     if backend == "jnp":
         return twin(*args)
     kernel = functools.partial(getattr(fp_kernels, op), **params)
-    have = "flashcomm_fp_quantize" in kernels.registered("cpu")
+    built = {p: kernel for p in ("cpu", "cuda")
+             if "flashcomm_fp_quantize" in kernels.registered(p)}
     if backend == "ffi":
-        if jax.default_backend() != "cpu" or not have:
+        platform = {"gpu": "cuda"}.get(jax.default_backend(), jax.default_backend())
+        if platform not in built:
             raise RuntimeError(
-                f"backend='ffi': the floating-point formats have CPU kernels only (registered: "
-                f"{have}); the default backend is {jax.default_backend()!r}. Use backend='jnp' "
-                f"or 'auto' (the jnp twin elsewhere)")
-        return lax.platform_dependent(*args, cpu=kernel)
-    if not have:
+                f"backend='ffi': no floating-point format kernels are registered for "
+                f"{jax.default_backend()!r} (built: {sorted(built) or 'none'}). Use "
+                f"backend='jnp' or 'auto' (the jnp twin elsewhere)")
+        return lax.platform_dependent(*args, cpu=kernel, cuda=kernel)
+    if not built:
         return twin(*args)
-    return lax.platform_dependent(*args, default=twin, cpu=kernel)
+    return lax.platform_dependent(*args, default=twin, **built)
 
 
 def check(p: Payload, name: str) -> None:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import pytest
 
 from jax_flashcomm import codec
-from jax_flashcomm.codec import kernels
+from jax_flashcomm.codec import fp_kernels, kernels
 from jax_flashcomm.transport import p2p, ring, shm
 from tests.support.cuda_build import (ARCHS, CODEC_KERNELS, CODEC_TARGETS, EXPECTED_KERNELS,
                                        REQUIRED_FLAGS, _custom_calls, _kernel_base,
@@ -160,6 +160,23 @@ def test_cpu_lowering_uses_the_same_target_names():
     assert {"flashcomm_quantize", "flashcomm_dequantize"} <= set(calls), sorted(calls)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4", "nvfp4"])
+def test_cuda_lowering_emits_the_fp_format_targets(fmt):
+    x = jnp.linspace(-3.0, 5.0, 4 * 512, dtype=jnp.float32).reshape(4, 512)
+
+    def f(x):
+        p = codec.quantize(x, format=fmt, spikes=1, num_chunks=2, backend="ffi")
+        chunked = p.split_groups(2)
+        return (codec.dequantize(p, backend="ffi"), codec.dequantize_sum(chunked, backend="ffi"),
+                codec.dequantize_sum_quantize(chunked, format="fp8", backend="ffi"))
+
+    calls = _custom_calls(_lowered_for_cuda(f, x).as_text())
+    assert set(fp_kernels.TARGETS) <= set(calls), sorted(calls)
+    fid = codec.spec.FORMATS.index(fmt)
+    assert f"format = {fid} : i32" in calls["flashcomm_fp_quantize"][0]
+    assert "out_format = 1 : i32" in calls["flashcomm_fp_dequantize_sum_quantize"][0]
+
+
 def test_cuda_module_registrations_if_built():
     try:
         from jax_flashcomm import _flashcomm_cuda
@@ -168,6 +185,7 @@ def test_cuda_module_registrations_if_built():
     # the codec's targets and the p2p transport's (tests/transport/test_cuda_p2p_build.py,
     # tests/transport/test_cuda_ring_build.py, tests/transport/test_cuda_shm_build.py)
     assert set(_flashcomm_cuda.registrations()) == (set(kernels.TARGETS) | set(p2p.TARGETS)
+                                                    | set(fp_kernels.TARGETS)
                                                     | set(ring.TARGETS) | set(shm.TARGETS)
                                                     | {"flashcomm_shm_ring_start",
                                                        "flashcomm_shm_ring_done"})

@@ -31,6 +31,9 @@ ARCHS = ("80", "89", "90")
 # parameter (spike reserving: spikes = 0 and spikes > 0 are separate instances), so each count
 # is (dtypes) x 2.
 CODEC_KERNELS = {
+    # the floating-point formats (docs/format.md): f32, bf16, f16 (the fused sum has no dtype)
+    "fp_kernels.cu": {"FpQuantizeKernel": 3, "FpDequantizeKernel": 3, "FpDequantizeSumKernel": 3,
+                      "FpDequantizeSumQuantizeKernel": 1},
     "codec_quantize.cu": {
         "QuantizeKernel": 6,  # (f32, bf16, f16) x (spikes = 0, spikes > 0)
         "QuantizeRotatedKernel": 6,  # rotation (docs/format.md "Rotation"): f32, bf16, f16 x 2

@@ -15,6 +15,11 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommDequantizeCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommDequantizeSumCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommDequantizeSumQuantizeCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommDequantizeIntoCuda);
+// The floating-point formats (ffi/cuda/fp_handlers.cc).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommFpQuantizeCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommFpDequantizeCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommFpDequantizeSumCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommFpDequantizeSumQuantizeCuda);
 // The fused all-reduce epilogue (ffi/cuda/norm_handlers.cc, docs/fused_norm.md).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommAddRmsNormCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashcommAddRmsNormQuantizeCuda);

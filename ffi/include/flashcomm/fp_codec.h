@@ -95,9 +95,13 @@ FC_HD uint32_t e2m1_encode(float a) {
          uint32_t(a >= 1.75f) + uint32_t(a > 2.5f) + uint32_t(a >= 3.5f) + uint32_t(a > 5.0f);
 }
 
+// E2M1 code (0..15) -> f32: (1 + m/2) 2^(e-1) from the bits placed under an f32 exponent bias
+// of 126; for e = 0, m/2 = (1 + m/2) - 1 (exact).
 FC_HD float e2m1_decode(uint32_t c) {
-  const float mag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-  return (c & 8u) ? -mag[c & 7u] : mag[c & 7u];
+  const uint32_t mag = c & 7u;
+  const float v = (mag & 6u) != 0u ? bits_to_float((mag << 22) + (126u << 23))
+                                   : add_rn(bits_to_float((mag << 22) + (127u << 23)), -1.0f);
+  return (c & 8u) ? -v : v;
 }
 
 // A code with the sign bit of the quotient q above `magnitude_bits`.
