@@ -175,15 +175,25 @@ inline void fp_encode_group(const float* v, int64_t g, int32_t fmt, float amax, 
   }
   const uint32_t gbyte = nvfp4_group_byte(amax);
   scales[blocks] = uint8_t(gbyte);
-  const float gscale = e8m0_value(gbyte);
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint32_t code = nvfp4_block_code(max_abs(v + b * block, block), gbyte);
-    scales[b] = uint8_t(code);
-    const float s = mul_rn(e4m3_decode(code), gscale);
-    if (s > 0.0f) {
-      encode_run<false>(v + b * block, block, fp_inverse(s), b * block, rec);
-    } else {
-      std::memset(rec + b * block / 2, 0, size_t(block / 2));
+  const float gscale = e8m0_value(gbyte), down = e8m0_value(254u - gbyte);
+  // kLanes blocks at a time: their scale codes, scales and inverses lane-wise (fp_codec.h
+  // nvfp4_block_code, fp_block_scale and fp_inverse, the same operations).
+  for (int64_t b0 = 0; b0 < blocks; b0 += kLanes) {
+    const int64_t nb = blocks - b0 < kLanes ? blocks - b0 : kLanes;
+    float am[kLanes] = {};
+    for (int64_t j = 0; j < nb; ++j) am[j] = max_abs(v + (b0 + j) * block, block);
+    const ULanes code =
+        e4m3_encode_lanes(mul_rn(mul_rn(load_lanes(am), kInvE2m1Max), down));
+    const Lanes sc = mul_rn(e4m3_decode_lanes(code), gscale);
+    const Lanes inv = 1.0f / (sc > 0.0f ? sc : Lanes{} + 1.0f);
+    for (int64_t j = 0; j < nb; ++j) {
+      const int64_t b = b0 + j;
+      scales[b] = uint8_t(code[j]);
+      if (sc[j] > 0.0f) {
+        encode_run<false>(v + b * block, block, inv[j], b * block, rec);
+      } else {
+        std::memset(rec + b * block / 2, 0, size_t(block / 2));
+      }
     }
   }
 }
