@@ -14,7 +14,8 @@ from jax import lax
 
 from jax_flashcomm.codec import spec
 from jax_flashcomm.codec.reference import (
-    _bits_f32, _f32_bits, _le_bytes, bf16_bits_to_f32, bf16_round_up, from_le_bytes, pack,
+    _bits_f32, _f32_bits, _le_bytes, bf16_bits_to_f32, bf16_round_down, bf16_round_up,
+    from_le_bytes, pack,
     rotate, saturate, select_spikes, spike_value_bits, unpack, unrotate)
 
 _U32 = jnp.uint32
@@ -124,7 +125,8 @@ def encode_groups(v, fmt: str, finite):
     if fmt == "fp8":
         amax = jnp.max(jnp.abs(v), axis=-1)
         t = jnp.maximum(amax * INV_E4M3_MAX, FP8_MIN_SCALE)
-        s_bits = bf16_round_up(t)
+        lo = bf16_round_down(t)
+        s_bits = jnp.where(bf16_bits_to_f32(lo) * E4M3_MAX >= amax, lo, bf16_round_up(t))
         q = v * inverse(bf16_bits_to_f32(s_bits))[..., None]
         codes = _signed(e4m3_encode(jnp.abs(q)), q, 7)
         s_bits = jnp.where(finite, s_bits, _U32(spec.BF16_NAN_BITS))

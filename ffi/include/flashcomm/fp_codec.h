@@ -109,10 +109,14 @@ FC_HD uint32_t with_sign(uint32_t code, float q, int magnitude_bits) {
   return code | ((float_to_bits(q) >> 31) << magnitude_bits);
 }
 
-// fp8: the stored bf16 scale of a group of largest magnitude amax, rounded up.
+// fp8: the stored bf16 scale of a group of largest magnitude amax: the bf16 below
+// t = RN(amax * RN(1/448)) when it still maps amax within 448 (RN(s * 448) >= amax: t is often
+// a hair above a bf16 that is exactly amax / 448), else the bf16 above t.
 FC_HD uint16_t fp8_scale_bits(float amax) {
-  const float t = mul_rn(amax, kInvE4m3Max);
-  return bf16_round_up(t > kFp8MinScale ? t : kFp8MinScale);
+  float t = mul_rn(amax, kInvE4m3Max);
+  t = t > kFp8MinScale ? t : kFp8MinScale;
+  const uint16_t lo = bf16_round_down(t);
+  return mul_rn(bf16_to_float(lo), kE4m3Max) >= amax ? lo : bf16_round_up(t);
 }
 
 // mxfp4: a block's E8M0 byte from its largest magnitude (OCP MX: 2^(floor(log2 amax) - 2)).
