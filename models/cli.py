@@ -243,31 +243,63 @@ def tp_list(text: str) -> list[int]:
             from None
 
 
+def _phase(token: str, first: bool):
+    """One phase of a setting name: ``("int", B)`` for ``intB`` (or a bare ``B`` after the
+    slash), ``("format", F)`` for fp8 / mxfp4 / nvfp4; None otherwise."""
+    if token in ("fp8", "mxfp4", "nvfp4"):
+        return "format", token
+    digits = token[3:] if token.startswith("int") else ("" if first else token)
+    return ("int", int(digits)) if digits.isdigit() else None
+
+
 def parse_setting(name: str):
     """``(label, TPComm)`` of a setting name of ``models.compare``: ``exact``, ``overlap``,
     ``intB`` (flash, B bits both phases, every all-reduce quantized), ``intR/A`` (flash,
-    reduce-scatter R bits, all-gather A bits), ``overlap+intB``, or ``auto`` / ``autoB`` (the
-    automatic choice per call, within a budget of B bits, default 8)."""
+    reduce-scatter R bits, all-gather A bits), a floating-point format (``fp8``, ``mxfp4``,
+    ``nvfp4``) in place of either phase (``nvfp4``, ``nvfp4/fp8``, ``int4/fp8``),
+    ``overlap+`` any of those, or ``auto`` / ``autoB`` (the automatic choice per call, within
+    a budget of B bits, default 8)."""
     from jax_flashcomm import CommConfig
     from jax_flashcomm.nn import TPComm
 
-    kind, _, quant = name.partition("+")
     if name in ("exact", "overlap"):
         return name, TPComm(name)
     if name.startswith("auto") and (name == "auto" or name[4:].isdigit()):
         return name, TPComm("auto", bits=int(name[4:] or 8))
-    if kind == "overlap" and quant.startswith("int"):
-        kind, spec = "flash+overlap", quant[3:]
-    elif kind.startswith("int") and not quant:
-        kind, spec = "flash", kind[3:]
+    kind, plus, quant = name.partition("+")
+    if plus and kind == "overlap":
+        kind = "flash+overlap"
+    elif not plus:
+        kind, quant = "flash", name
     else:
-        spec = None
-    rs, _, ag = (spec or "").partition("/")
-    if spec is None or not rs.isdigit() or not (ag == "" or ag.isdigit()):
-        raise ValueError(f"unknown setting {name!r}: use exact, overlap, intB, intR/A, "
-                         f"overlap+intB, auto or autoB")
-    config = CommConfig(bits=int(rs), ag_bits=int(ag) if ag else None, min_bytes=0)
-    return name, TPComm(kind, config=config)
+        kind = None
+    first, slash, second = quant.partition("/")
+    rs = _phase(first, True)
+    ag = _phase(second, False) if slash else None
+    if kind is None or rs is None or (slash and ag is None):
+        raise ValueError(f"unknown setting {name!r}: use exact, overlap, intB, intR/A, fp8, "
+                         f"mxfp4, nvfp4 (either phase: nvfp4/fp8), overlap+<setting>, auto or "
+                         f"autoB")
+    fields = {"min_bytes": 0}
+    if rs[0] == "int":
+        fields["bits"] = rs[1]
+    else:
+        fields["format"] = rs[1]
+    if ag is not None and ag[0] == "int":
+        fields.update(ag_bits=ag[1], ag_format="int")
+    elif ag is not None:
+        fields["ag_format"] = ag[1]
+    return name, TPComm(kind, config=CommConfig(**fields))
+
+
+def format_setting(fmt: str | None, rs_format: str | None, ag_format: str | None) -> str | None:
+    """The ``models.compare`` setting name the ``--format`` / ``--rs-format`` / ``--ag-format``
+    flags describe (None when none is given): ``F`` or ``R/A``."""
+    if fmt is None and rs_format is None and ag_format is None:
+        return None
+    rs, ag = (("int8" if f == "int" else f) for f in (rs_format or fmt or "int",
+                                                      ag_format or fmt or "int"))
+    return rs if rs == ag else f"{rs}/{ag}"
 
 
 #: The errors a run meets in its inputs (CheckpointError, ChatTemplateError, a text too short,

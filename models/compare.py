@@ -142,7 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--tp", type=int, default=3)
     parser.add_argument("--devices", type=int, default=None)
-    parser.add_argument("--settings", default="exact,int8,int6,int4")
+    parser.add_argument("--settings", default="exact,int8,int6,int4",
+                        help="comma-separated settings: exact, overlap, intB, intR/A, fp8, "
+                             "mxfp4, nvfp4, either phase a format (nvfp4/fp8), overlap+<setting>, "
+                             "auto, autoB")
+    for flag in ("format", "rs_format", "ag_format"):
+        parser.add_argument("--" + flag.replace("_", "-"), dest=flag, default=None,
+                            choices=("int", "fp8", "mxfp4", "nvfp4"),
+                            help="add the setting of this (reduce-scatter / all-gather) group "
+                                 "format to --settings (int: 8 bits)")
     parser.add_argument("--text", default=None, help="text file for perplexity")
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--max-windows", type=int, default=6)
@@ -170,7 +178,11 @@ def _main(args) -> int:
 
     from models.weights import load_model
 
-    settings = [parse_setting(s.strip()) for s in args.settings.split(",")]
+    names = [s.strip() for s in args.settings.split(",")]
+    extra = cli.format_setting(args.format, args.rs_format, args.ag_format)
+    if extra is not None and extra not in names:
+        names.append(extra)
+    settings = [parse_setting(name) for name in names]
     text = None
     if args.text is not None:
         with open(args.text, encoding="utf-8") as f:
