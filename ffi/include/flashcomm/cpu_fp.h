@@ -23,30 +23,44 @@ FC_ALWAYS_INLINE Lanes abs_lanes(Lanes a) { return bits_lanes(lanes_bits(a) & 0x
 // 0 in even lanes, 4 in odd ones: the nibble of a code in its byte.
 constexpr ULanes kNibbleShift = (ULanes)((kLaneIndex & 1) * 4);
 
+// The low byte of every `step`-th lane of v (step 1 or 2), stored as kLanes / step bytes: one
+// byte shuffle of the register (a lane-by-lane conversion compiles to scalar extracts).
+typedef uint8_t LaneBytes __attribute__((vector_size(4 * kLanes)));
+template <int kStep>
+FC_ALWAYS_INLINE void store_low_bytes(ULanes v, uint8_t* out) {
+  LaneBytes index;
+  for (int j = 0; j < 4 * kLanes; ++j) index[j] = uint8_t((4 * kStep * j) & (4 * kLanes - 1));
+  const LaneBytes bytes = __builtin_shuffle((LaneBytes)v, index);
+  std::memcpy(out, &bytes, kLanes / kStep);
+}
+
 // kLanes E2M1 codes (0..15, one per lane) packed into kLanes / 2 bytes, the even lane's code in
 // the low nibble.
 FC_ALWAYS_INLINE void store_nibbles(ULanes c, uint8_t* out) {
   const ULanes shifted = c << kNibbleShift;
-  const ULanes pairs = shifted | __builtin_shuffle(shifted, (ULanes)(kLaneIndex ^ 1));
-  const ByteLanes bytes = __builtin_convertvector(
-      __builtin_shuffle(pairs, (ULanes)((kLaneIndex * 2) & (kLanes - 1))), ByteLanes);
-  std::memcpy(out, &bytes, kLanes / 2);
+  store_low_bytes<2>(shifted | __builtin_shuffle(shifted, (ULanes)(kLaneIndex ^ 1)), out);
+}
+
+// kLanes / kStep bytes widened to one per lane, byte j / kStep... in lane j (a byte shuffle
+// against zeros: a lane-by-lane conversion compiles to scalar inserts).
+template <int kStep>
+FC_ALWAYS_INLINE ULanes load_low_bytes(const uint8_t* in) {
+  LaneBytes bytes = {};
+  std::memcpy(&bytes, in, kLanes / kStep);
+  LaneBytes index;
+  for (int j = 0; j < 4 * kLanes; ++j) {
+    index[j] = uint8_t(j % 4 == 0 ? (j / 4) / kStep : 4 * kLanes);  // 4 * kLanes: a zero byte
+  }
+  return (ULanes)__builtin_shuffle(bytes, LaneBytes{}, index);
 }
 
 // kLanes E2M1 codes from kLanes / 2 bytes, as store_nibbles wrote them.
 FC_ALWAYS_INLINE ULanes load_nibbles(const uint8_t* in) {
-  ByteLanes bytes = {};
-  std::memcpy(&bytes, in, kLanes / 2);
-  const ULanes wide = __builtin_convertvector(bytes, ULanes);
-  return (__builtin_shuffle(wide, (ULanes)(kLaneIndex >> 1)) >> kNibbleShift) & 15u;
+  return (load_low_bytes<2>(in) >> kNibbleShift) & 15u;
 }
 
 // kLanes bytes as one code per lane.
-FC_ALWAYS_INLINE ULanes load_bytes(const uint8_t* in) {
-  ByteLanes bytes;
-  std::memcpy(&bytes, in, kLanes);
-  return __builtin_convertvector(bytes, ULanes);
-}
+FC_ALWAYS_INLINE ULanes load_bytes(const uint8_t* in) { return load_low_bytes<1>(in); }
 
 // fp_codec.h e4m3_encode, lane-wise.
 FC_ALWAYS_INLINE ULanes e4m3_encode_lanes(Lanes a) {
@@ -119,9 +133,7 @@ FC_ALWAYS_INLINE void encode_run(const float* v, int64_t n, float inv, int64_t f
     const Lanes q = mul_rn(x, inv);
     const ULanes sign = lanes_bits(q) >> 31;
     if constexpr (kFp8) {
-      const ByteLanes c = __builtin_convertvector(
-          e4m3_encode_lanes(abs_lanes(q)) | (sign << 7), ByteLanes);
-      std::memcpy(codes + first + i, &c, sizeof c);
+      store_low_bytes<1>(e4m3_encode_lanes(abs_lanes(q)) | (sign << 7), codes + first + i);
     } else {
       store_nibbles(e2m1_encode_lanes(abs_lanes(q)) | (sign << 3), codes + (first + i) / 2);
     }
