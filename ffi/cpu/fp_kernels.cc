@@ -12,6 +12,7 @@
 #include "flashcomm/cpu_ops.h"
 #include "flashcomm/cpu_parallel.h"
 #include "flashcomm/ffi_checks.h"
+#include "flashcomm/fp_checks.h"
 #include "flashcomm/fp_codec.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -21,47 +22,15 @@ namespace flashcomm {
 namespace cpu {
 namespace {
 
-ffi::Error Invalid(const char* op, const std::string& what) {
-  return ffi::Error::InvalidArgument(std::string(op) + ": " + what);
-}
-
-// format 1..3; group_size a multiple of 8 and of the format's block; rotation 0..2 (a power
-// of two group_size); spikes 0..16 below group_size.
-ffi::Error CheckFpAttrs(const char* op, int32_t format, int64_t group_size, int32_t rotation,
-                        int32_t spikes) {
-  if (format < kFormatFp8 || format > kFormatNvfp4) {
-    return Invalid(op, "format must be 1 (fp8), 2 (mxfp4) or 3 (nvfp4)");
-  }
-  if (ffi::Error e = CheckCodecAttrs(8, group_size, spikes); e.failure()) return e;
-  if (group_size % fp_block(format, group_size) != 0) {
-    return Invalid(op, "group_size must be a multiple of the format's block (32 for mxfp4, 16 "
-                       "for nvfp4)");
-  }
-  if (rotation < kRotationNone || rotation > kRotationSignedHadamard ||
-      (rotation != kRotationNone && (group_size & (group_size - 1)) != 0)) {
-    return Invalid(op, "rotation must be 0, 1 or 2 (a rotation needs a power-of-two group_size)");
-  }
-  return ffi::Error::Success();
-}
-
 // Records (..., N, groups, record bytes) as chunks for the sums.
 ffi::Error ViewChunks(const char* op, const ffi::Buffer<ffi::U8>& codes, int32_t format,
                       int64_t group_size, int32_t spikes, FpChunks* in) {
-  const auto dims = codes.dimensions();
-  if (dims.size() < 3) return Invalid(op, "codes must be (..., chunks, groups, record bytes)");
-  if (dims.back() != fp_record_bytes(format, group_size, spikes)) {
-    return Invalid(op, "codes' last axis must be the record of " +
-                           std::to_string(fp_record_bytes(format, group_size, spikes)) + " bytes");
+  FpChunkShape shape;
+  if (ffi::Error e = ViewFpChunks(op, codes, format, group_size, spikes, &shape); e.failure()) {
+    return e;
   }
-  in->codes = codes.typed_data();
-  in->chunks = dims[dims.size() - 3];
-  in->groups_per_chunk = dims[dims.size() - 2];
-  in->batch = 1;
-  for (size_t i = 0; i + 3 < dims.size(); ++i) in->batch *= dims[i];
-  in->group_size = group_size;
-  in->format = format;
-  in->spikes = spikes;
-  if (in->chunks < 1) return Invalid(op, "codes need at least one chunk");
+  *in = FpChunks{codes.typed_data(), shape.batch, shape.chunks, shape.groups_per_chunk,
+                 group_size, format, spikes};
   return ffi::Error::Success();
 }
 
@@ -73,12 +42,12 @@ ffi::Error FpQuantize(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U8>> record
     return e;
   }
   DType dtype;
-  if (!ToDType(x.element_type(), &dtype)) return Invalid(op, "x must be f32, bf16 or f16");
+  if (!ToDType(x.element_type(), &dtype)) return FpInvalid(op, "x must be f32, bf16 or f16");
   const int64_t n = int64_t(x.element_count());
-  if (n % group_size != 0) return Invalid(op, "x must be whole groups");
+  if (n % group_size != 0) return FpInvalid(op, "x must be whole groups");
   const int64_t n_groups = n / group_size, stride = fp_record_bytes(format, group_size, spikes);
   if (int64_t(records->element_count()) != n_groups * stride) {
-    return Invalid(op, "records must hold " + std::to_string(stride) + " bytes per group");
+    return FpInvalid(op, "records must hold " + std::to_string(stride) + " bytes per group");
   }
   const int64_t item = n_groups > 0 ? int64_t(x.size_bytes()) / n_groups : 1;
   const auto* xs = static_cast<const uint8_t*>(x.untyped_data());
@@ -97,15 +66,15 @@ ffi::Error FpDequantize(ffi::Buffer<ffi::U8> records, ffi::Result<ffi::AnyBuffer
     return e;
   }
   DType dtype;
-  if (!ToDType(y->element_type(), &dtype)) return Invalid(op, "y must be f32, bf16 or f16");
+  if (!ToDType(y->element_type(), &dtype)) return FpInvalid(op, "y must be f32, bf16 or f16");
   const int64_t stride = fp_record_bytes(format, group_size, spikes);
   const auto dims = records.dimensions();
   if (dims.size() == 0 || dims.back() != stride) {
-    return Invalid(op, "records' last axis must be " + std::to_string(stride) + " bytes");
+    return FpInvalid(op, "records' last axis must be " + std::to_string(stride) + " bytes");
   }
   const int64_t n_groups = int64_t(records.element_count()) / stride;
   if (int64_t(y->element_count()) != n_groups * group_size) {
-    return Invalid(op, "y must hold group_size values per record");
+    return FpInvalid(op, "y must hold group_size values per record");
   }
   const int64_t esize = y->element_count() > 0 ? int64_t(y->size_bytes() / y->element_count()) : 4;
   const int64_t item = group_size * esize;
@@ -129,9 +98,11 @@ ffi::Error FpDequantizeSum(ffi::Buffer<ffi::U8> records, ffi::Result<ffi::AnyBuf
     return e;
   }
   DType dtype;
-  if (!ToDType(y->element_type(), &dtype)) return Invalid(op, "y must be f32, bf16 or f16");
+  if (!ToDType(y->element_type(), &dtype)) return FpInvalid(op, "y must be f32, bf16 or f16");
   const int64_t n_out = in.batch * in.groups_per_chunk;
-  if (int64_t(y->element_count()) != n_out * group_size) return Invalid(op, "y has the wrong size");
+  if (int64_t(y->element_count()) != n_out * group_size) {
+    return FpInvalid(op, "y has the wrong size");
+  }
   const size_t failed = runner.ForRangesStatus(n_out, in.chunks * group_size * 4,
                                                [&](int64_t b, int64_t e) {
     return kernels().fp_dequantize_sum(dtype, in, rotation, y->untyped_data(), b, e);
@@ -155,7 +126,7 @@ ffi::Error FpDequantizeSumQuantize(ffi::Buffer<ffi::U8> records,
   const int64_t n_out = in.batch * in.groups_per_chunk;
   const int64_t stride = fp_record_bytes(out_format, group_size, out_spikes);
   if (int64_t(out->element_count()) != n_out * stride) {
-    return Invalid(op, "the output must hold " + std::to_string(stride) + " bytes per group");
+    return FpInvalid(op, "the output must hold " + std::to_string(stride) + " bytes per group");
   }
   const size_t failed = runner.ForRangesStatus(n_out, in.chunks * group_size * 4,
                                                [&](int64_t b, int64_t e) {

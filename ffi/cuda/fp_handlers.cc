@@ -10,6 +10,7 @@
 #include "flashcomm/codec.h"
 #include "flashcomm/cuda_kernels.h"
 #include "flashcomm/ffi_checks.h"
+#include "flashcomm/fp_checks.h"
 #include "flashcomm/fp_codec.h"
 #include "launch.h"
 #include "xla/ffi/api/ffi.h"
@@ -20,10 +21,6 @@ namespace flashcomm {
 namespace cuda {
 namespace {
 
-ffi::Error Invalid(const char* op, const std::string& what) {
-  return ffi::Error::InvalidArgument(std::string(op) + ": " + what);
-}
-
 ffi::Error Launched(const char* op, cudaError_t err) {
   if (err != cudaSuccess) {
     return ffi::Error::Internal(std::string(op) + ": CUDA kernel launch failed: " +
@@ -32,25 +29,10 @@ ffi::Error Launched(const char* op, cudaError_t err) {
   return ffi::Error::Success();
 }
 
-// As the CPU's CheckFpAttrs, and G <= kMaxRotatedGroup (the group lives in shared memory).
-ffi::Error CheckFpAttrs(const char* op, int32_t format, int64_t group_size, int32_t rotation,
-                        int32_t spikes) {
-  if (format < kFormatFp8 || format > kFormatNvfp4) {
-    return Invalid(op, "format must be 1 (fp8), 2 (mxfp4) or 3 (nvfp4)");
-  }
-  if (ffi::Error e = CheckCodecAttrs(8, group_size, spikes); e.failure()) return e;
-  if (group_size % fp_block(format, group_size) != 0) {
-    return Invalid(op, "group_size must be a multiple of the format's block (32 for mxfp4, 16 "
-                       "for nvfp4)");
-  }
-  if (group_size > kMaxRotatedGroup) {
-    return Invalid(op, "the floating-point formats need group_size <= 1024 on CUDA");
-  }
-  if (rotation < kRotationNone || rotation > kRotationSignedHadamard ||
-      (rotation != kRotationNone && (group_size & (group_size - 1)) != 0)) {
-    return Invalid(op, "rotation must be 0, 1 or 2 (a rotation needs a power-of-two group_size)");
-  }
-  return ffi::Error::Success();
+// The group lives in shared memory: G <= kMaxRotatedGroup (1024) on CUDA.
+ffi::Error CheckAttrs(const char* op, int32_t format, int64_t group_size, int32_t rotation,
+                      int32_t spikes) {
+  return CheckFpAttrs(op, format, group_size, rotation, spikes, kMaxRotatedGroup);
 }
 
 template <typename Launch>
@@ -59,26 +41,19 @@ ffi::Error ByDtype(ffi::DataType dtype, const char* op, Launch launch) {
     case ffi::F32: return Launched(op, launch(F32{}));
     case ffi::BF16: return Launched(op, launch(BF16{}));
     case ffi::F16: return Launched(op, launch(F16{}));
-    default: return Invalid(op, "the operand must be f32, bf16 or f16");
+    default: return FpInvalid(op, "the operand must be f32, bf16 or f16");
   }
 }
 
 ffi::Error ViewChunks(const char* op, const ffi::Buffer<ffi::U8>& records, int32_t format,
                       int64_t group_size, int32_t spikes, FpChunkArgs* in) {
-  const auto dims = records.dimensions();
-  if (dims.size() < 3) return Invalid(op, "records must be (..., chunks, groups, record bytes)");
-  if (dims.back() != fp_record_bytes(format, group_size, spikes)) {
-    return Invalid(op, "the records' last axis must be " +
-                           std::to_string(fp_record_bytes(format, group_size, spikes)) + " bytes");
+  FpChunkShape shape;
+  if (ffi::Error e = ViewFpChunks(op, records, format, group_size, spikes, &shape);
+      e.failure()) {
+    return e;
   }
-  in->chunks = dims[dims.size() - 3];
-  in->groups_per_chunk = dims[dims.size() - 2];
-  in->batch = 1;
-  for (size_t i = 0; i + 3 < dims.size(); ++i) in->batch *= dims[i];
-  in->group_size = group_size;
-  in->format = format;
-  in->spikes = spikes;
-  if (in->chunks < 1) return Invalid(op, "records need at least one chunk");
+  *in = FpChunkArgs{shape.batch, shape.chunks, shape.groups_per_chunk, group_size, format,
+                    spikes};
   return ffi::Error::Success();
 }
 
@@ -86,15 +61,15 @@ ffi::Error FpQuantize(cudaStream_t stream, ffi::AnyBuffer x,
                       ffi::Result<ffi::Buffer<ffi::U8>> records, int32_t format,
                       int64_t group_size, int32_t rotation, int32_t spikes) {
   const char* op = "flashcomm_fp_quantize";
-  if (ffi::Error e = CheckFpAttrs(op, format, group_size, rotation, spikes); e.failure()) {
+  if (ffi::Error e = CheckAttrs(op, format, group_size, rotation, spikes); e.failure()) {
     return e;
   }
   const int64_t n = int64_t(x.element_count());
-  if (n % group_size != 0) return Invalid(op, "x must be whole groups");
+  if (n % group_size != 0) return FpInvalid(op, "x must be whole groups");
   const int64_t n_groups = n / group_size;
   if (int64_t(records->element_count()) !=
       n_groups * fp_record_bytes(format, group_size, spikes)) {
-    return Invalid(op, "records must hold one record per group");
+    return FpInvalid(op, "records must hold one record per group");
   }
   return ByDtype(x.element_type(), op, [&](auto t) {
     return LaunchFpQuantize<decltype(t)>(stream, x.untyped_data(), n_groups, group_size, format,
@@ -106,17 +81,17 @@ ffi::Error FpDequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> records,
                         ffi::Result<ffi::AnyBuffer> y, int32_t format, int64_t group_size,
                         int32_t rotation, int32_t spikes) {
   const char* op = "flashcomm_fp_dequantize";
-  if (ffi::Error e = CheckFpAttrs(op, format, group_size, rotation, spikes); e.failure()) {
+  if (ffi::Error e = CheckAttrs(op, format, group_size, rotation, spikes); e.failure()) {
     return e;
   }
   const int64_t stride = fp_record_bytes(format, group_size, spikes);
   const auto dims = records.dimensions();
   if (dims.size() == 0 || dims.back() != stride) {
-    return Invalid(op, "the records' last axis must be " + std::to_string(stride) + " bytes");
+    return FpInvalid(op, "the records' last axis must be " + std::to_string(stride) + " bytes");
   }
   const int64_t n_groups = int64_t(records.element_count()) / stride;
   if (int64_t(y->element_count()) != n_groups * group_size) {
-    return Invalid(op, "y must hold group_size values per record");
+    return FpInvalid(op, "y must hold group_size values per record");
   }
   return ByDtype(y->element_type(), op, [&](auto t) {
     return LaunchFpDequantize<decltype(t)>(stream, records.typed_data(), n_groups, group_size,
@@ -128,7 +103,7 @@ ffi::Error FpDequantizeSum(cudaStream_t stream, ffi::Buffer<ffi::U8> records,
                            ffi::Result<ffi::AnyBuffer> y, int32_t format, int64_t group_size,
                            int32_t rotation, int32_t spikes) {
   const char* op = "flashcomm_fp_dequantize_sum";
-  if (ffi::Error e = CheckFpAttrs(op, format, group_size, rotation, spikes); e.failure()) {
+  if (ffi::Error e = CheckAttrs(op, format, group_size, rotation, spikes); e.failure()) {
     return e;
   }
   FpChunkArgs in;
@@ -136,7 +111,7 @@ ffi::Error FpDequantizeSum(cudaStream_t stream, ffi::Buffer<ffi::U8> records,
     return e;
   }
   if (int64_t(y->element_count()) != in.batch * in.groups_per_chunk * group_size) {
-    return Invalid(op, "y has the wrong size");
+    return FpInvalid(op, "y has the wrong size");
   }
   return ByDtype(y->element_type(), op, [&](auto t) {
     return LaunchFpDequantizeSum<decltype(t)>(stream, records.typed_data(), in, rotation,
@@ -149,8 +124,8 @@ ffi::Error FpDequantizeSumQuantize(cudaStream_t stream, ffi::Buffer<ffi::U8> rec
                                    int32_t out_format, int64_t group_size, int32_t spikes,
                                    int32_t out_spikes) {
   const char* op = "flashcomm_fp_dequantize_sum_quantize";
-  if (ffi::Error e = CheckFpAttrs(op, format, group_size, 0, spikes); e.failure()) return e;
-  if (ffi::Error e = CheckFpAttrs(op, out_format, group_size, 0, out_spikes); e.failure()) {
+  if (ffi::Error e = CheckAttrs(op, format, group_size, 0, spikes); e.failure()) return e;
+  if (ffi::Error e = CheckAttrs(op, out_format, group_size, 0, out_spikes); e.failure()) {
     return e;
   }
   FpChunkArgs in;
@@ -159,7 +134,7 @@ ffi::Error FpDequantizeSumQuantize(cudaStream_t stream, ffi::Buffer<ffi::U8> rec
   }
   if (int64_t(out->element_count()) !=
       in.batch * in.groups_per_chunk * fp_record_bytes(out_format, group_size, out_spikes)) {
-    return Invalid(op, "the output must hold one record per group");
+    return FpInvalid(op, "the output must hold one record per group");
   }
   return Launched(op, LaunchFpDequantizeSumQuantize(stream, records.typed_data(), in, out_format,
                                                     out_spikes, out->typed_data()));

@@ -27,7 +27,7 @@ import textwrap
 import jax
 import pytest
 
-from jax_flashcomm.codec import kernels
+from jax_flashcomm.codec import fp_kernels, kernels
 
 pytestmark = pytest.mark.gpu
 
@@ -35,7 +35,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 CUDA_DIR = ROOT / "ffi" / "cuda"
 
 #: Handlers that must be capturable: stream work only.
-CAPTURABLE = frozenset(kernels.TARGETS)
+CAPTURABLE = frozenset(kernels.TARGETS) | frozenset(fp_kernels.TARGETS)
 #: Handlers that must never be captured: host rendezvous, host reads of device values.
 HOST_SYNCHRONOUS = frozenset({
     "flashcomm_p2p_all_reduce", "flashcomm_p2p_reduce_scatter", "flashcomm_p2p_all_gather",
@@ -82,7 +82,8 @@ ALLOWED_CALLS = {"cudaGetLastError", "cudaGetErrorName", "cudaGetErrorString",
                  "cudaMemcpyAsync"}
 CAPTURABLE_SOURCES = ("codec_handlers.cc", "gather_handlers.cc", "launch.h",
                       "codec_quantize.cu", "codec_dequantize.cu", "codec_dequantize_sum.cu",
-                      "gather_kernels.cu", "codec_device.cuh", "codec_quantize.cuh")
+                      "gather_kernels.cu", "codec_device.cuh", "codec_quantize.cuh",
+                      "fp_handlers.cc", "fp_kernels.cu")
 
 
 def _code(path: pathlib.Path) -> str:
