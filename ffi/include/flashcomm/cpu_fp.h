@@ -41,26 +41,20 @@ FC_ALWAYS_INLINE void store_nibbles(ULanes c, uint8_t* out) {
   store_low_bytes<2>(shifted | __builtin_shuffle(shifted, (ULanes)(kLaneIndex ^ 1)), out);
 }
 
-// kLanes / kStep bytes widened to one per lane, byte j / kStep... in lane j (a byte shuffle
-// against zeros: a lane-by-lane conversion compiles to scalar inserts).
-template <int kStep>
-FC_ALWAYS_INLINE ULanes load_low_bytes(const uint8_t* in) {
-  LaneBytes bytes = {};
-  std::memcpy(&bytes, in, kLanes / kStep);
-  LaneBytes index;
-  for (int j = 0; j < 4 * kLanes; ++j) {
-    index[j] = uint8_t(j % 4 == 0 ? (j / 4) / kStep : 4 * kLanes);  // 4 * kLanes: a zero byte
-  }
-  return (ULanes)__builtin_shuffle(bytes, LaneBytes{}, index);
-}
-
 // kLanes E2M1 codes from kLanes / 2 bytes, as store_nibbles wrote them.
 FC_ALWAYS_INLINE ULanes load_nibbles(const uint8_t* in) {
-  return (load_low_bytes<2>(in) >> kNibbleShift) & 15u;
+  ByteLanes bytes = {};
+  std::memcpy(&bytes, in, kLanes / 2);
+  const ULanes wide = __builtin_convertvector(bytes, ULanes);
+  return (__builtin_shuffle(wide, (ULanes)(kLaneIndex >> 1)) >> kNibbleShift) & 15u;
 }
 
 // kLanes bytes as one code per lane.
-FC_ALWAYS_INLINE ULanes load_bytes(const uint8_t* in) { return load_low_bytes<1>(in); }
+FC_ALWAYS_INLINE ULanes load_bytes(const uint8_t* in) {
+  ByteLanes bytes;
+  std::memcpy(&bytes, in, kLanes);
+  return __builtin_convertvector(bytes, ULanes);
+}
 
 // fp_codec.h e4m3_encode, lane-wise.
 FC_ALWAYS_INLINE ULanes e4m3_encode_lanes(Lanes a) {
