@@ -68,13 +68,10 @@ ffi::Error FpDequantize(ffi::Buffer<ffi::U8> records, ffi::Result<ffi::AnyBuffer
   DType dtype;
   if (!ToDType(y->element_type(), &dtype)) return FpInvalid(op, "y must be f32, bf16 or f16");
   const int64_t stride = fp_record_bytes(format, group_size, spikes);
-  const auto dims = records.dimensions();
-  if (dims.size() == 0 || dims.back() != stride) {
-    return FpInvalid(op, "records' last axis must be " + std::to_string(stride) + " bytes");
-  }
-  const int64_t n_groups = int64_t(records.element_count()) / stride;
-  if (int64_t(y->element_count()) != n_groups * group_size) {
-    return FpInvalid(op, "y must hold group_size values per record");
+  int64_t n_groups = 0;
+  if (ffi::Error e = CheckFpDecode(op, records, *y, format, group_size, spikes, &n_groups);
+      e.failure()) {
+    return e;
   }
   const int64_t esize = y->element_count() > 0 ? int64_t(y->size_bytes() / y->element_count()) : 4;
   const int64_t item = group_size * esize;

@@ -84,14 +84,10 @@ ffi::Error FpDequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> records,
   if (ffi::Error e = CheckAttrs(op, format, group_size, rotation, spikes); e.failure()) {
     return e;
   }
-  const int64_t stride = fp_record_bytes(format, group_size, spikes);
-  const auto dims = records.dimensions();
-  if (dims.size() == 0 || dims.back() != stride) {
-    return FpInvalid(op, "the records' last axis must be " + std::to_string(stride) + " bytes");
-  }
-  const int64_t n_groups = int64_t(records.element_count()) / stride;
-  if (int64_t(y->element_count()) != n_groups * group_size) {
-    return FpInvalid(op, "y must hold group_size values per record");
+  int64_t n_groups = 0;
+  if (ffi::Error e = CheckFpDecode(op, records, *y, format, group_size, spikes, &n_groups);
+      e.failure()) {
+    return e;
   }
   return ByDtype(y->element_type(), op, [&](auto t) {
     return LaunchFpDequantize<decltype(t)>(stream, records.typed_data(), n_groups, group_size,

@@ -44,6 +44,23 @@ inline ffi::Error CheckFpAttrs(const char* op, int32_t format, int64_t group_siz
   return ffi::Error::Success();
 }
 
+// Records (..., record bytes) decoded into y (group_size values per record): the record
+// count in *n_groups.
+inline ffi::Error CheckFpDecode(const char* op, const ffi::Buffer<ffi::U8>& records,
+                                const ffi::AnyBuffer& y, int32_t format, int64_t group_size,
+                                int32_t spikes, int64_t* n_groups) {
+  const int64_t stride = fp_record_bytes(format, group_size, spikes);
+  const auto dims = records.dimensions();
+  if (dims.size() == 0 || dims.back() != stride) {
+    return FpInvalid(op, "the records' last axis must be " + std::to_string(stride) + " bytes");
+  }
+  *n_groups = int64_t(records.element_count()) / stride;
+  if (int64_t(y.element_count()) != *n_groups * group_size) {
+    return FpInvalid(op, "y must hold group_size values per record");
+  }
+  return ffi::Error::Success();
+}
+
 // The chunk layout of records (..., chunks, groups, record bytes).
 struct FpChunkShape {
   int64_t batch, chunks, groups_per_chunk;
