@@ -33,6 +33,11 @@ class ShmJob:
         env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")]
                                                            if p])
         env.pop("XLA_FLAGS", None)  # conftest's 8 devices must not leak into the workers
+        if platform == "gpu":
+            # XLA shares GPU autotuning between the processes of a job, keyed by the program:
+            # processes compiling different programs (the mismatch scenario) wait on each
+            # other in compilation forever (seen on an H200 with jax 0.11.2).
+            env["XLA_FLAGS"] = "--xla_gpu_shard_autotuning=false"
         self.deadline = time.monotonic() + hard_timeout
         self.logs = [Path(tmp) / f"p{i}.log" for i in range(nproc)]
         self.procs = []
