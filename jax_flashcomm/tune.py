@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 
+from jax_flashcomm._progress import progress
 from jax_flashcomm import tuning
 
 KIB, MIB = 1024, 1024 * 1024
@@ -37,25 +38,6 @@ OPS = (("psum", "float32"), ("psum", "bfloat16"), ("psum_scatter", "float32"),
 CALLS_PER_PROGRAM = 8
 #: The model check's bar (issue: within 25% of the measured table).
 TOLERANCE = 0.25
-
-
-def progress(done: int, total: int, start: float, out=sys.stderr, *, unit: str = "",
-             what: str = "") -> None:
-    """A one-line progress bar: ``done`` of ``total`` ``unit``, time since ``start``, the time
-    left at the rate so far, and what runs now (the model CLIs use it too).
-
-    Args:
-      done, total: steps done and in all; start: ``time.perf_counter()`` at the start.
-      out: the stream; unit: what a step is; what: the step running now.
-    """
-    width, elapsed = 30, time.perf_counter() - start
-    filled = width * done // max(total, 1)
-    eta = f", {elapsed / done * (total - done):.0f} s left" if 0 < done < total else ""
-    out.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
-              f"{' ' + unit if unit else ''}, {elapsed:.1f} s{eta}  {what[:48]:<48}")
-    if done == total:
-        out.write("\n")
-    out.flush()
 
 
 def _median_s(fn, x, reps: int, budget_s: float = 2.0) -> float:

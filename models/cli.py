@@ -75,6 +75,10 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fuse-norm", dest="fuse_norm", action="store_true",
                         help="fuse every all-reduce with the residual add and the next RMSNorm "
                              "(TPComm(fuse_norm=True), docs/fused_norm.md)")
+    parser.add_argument("--comm-policy", dest="comm_policy", default=None, metavar="FILE",
+                        help="a per-site jax_flashcomm.CommPolicy (JSON, as models.calibrate "
+                             "writes): each all-reduce gets its site's config; replaces --comm "
+                             "and the quantization flags (docs/calibration.md)")
 
 
 #: int (or float) options and the least value each takes; checked on any parser that has them.
@@ -83,7 +87,7 @@ AT_LEAST = {"tp": 1, "devices": 1, "max_new_tokens": 1, "window": 2, "max_window
 #: options that must be > 0
 POSITIVE = ("max_shard_mb", "top_p")
 #: options naming a file the run reads (must exist and be a regular file)
-INPUT_FILES = ("text", "prompts", "ref")
+INPUT_FILES = ("text", "prompts", "ref", "comm_policy")
 #: options naming a file the run writes (its folder must exist; it must not be a folder)
 OUTPUT_FILES = ("json", "out")
 #: options naming a checkpoint: a known name or an existing path
@@ -330,6 +334,18 @@ def _check_comm(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"unknown --comm {args.comm!r}: choose one of {', '.join(COMM_CHOICES)}")
     if args.tp < 1:
         parser.error(f"--tp must be >= 1, got {args.tp}")
+    if getattr(args, "comm_policy", None) is not None:
+        given = [flag for flag, v in (("--comm", None if args.comm == "exact" else args.comm),
+                                      ("--config", args.config),
+                                      *(("--" + n.replace("_", "-"), getattr(args, n))
+                                        for n in CONFIG_FLAGS)) if v is not None]
+        if given:
+            parser.error(f"--comm-policy gives every all-reduce its config: drop "
+                         f"{', '.join(given)}")
+        try:
+            load_policy(args.comm_policy)
+        except (ValueError, OSError) as e:
+            parser.error(f"--comm-policy: {e}")
     if args.devices is not None and args.devices < args.tp:
         parser.error(f"--devices {args.devices} is fewer than --tp {args.tp}")
     quant = (args.bits, args.rs_bits, args.ag_bits, args.format, args.rs_format, args.ag_format)
@@ -395,8 +411,17 @@ def comm_from_args(args):
                   **comm_options(args))
 
 
+def load_policy(path):
+    """The :class:`jax_flashcomm.CommPolicy` in the file ``path``."""
+    from jax_flashcomm.comm_policy import CommPolicy
+
+    return CommPolicy.load(path)
+
+
 def setup(args):
-    """``(engine, checkpoint)`` for the options: the devices, the mesh, the model."""
+    """``(model, checkpoint, mesh, comm)`` for the options: the devices, the mesh, the model
+    (with ``--comm-policy``, each all-reduce set to its site's config; ``comm`` is the
+    policy's default)."""
     set_devices(args.devices or args.tp)
     import jax
     import jax.numpy as jnp
@@ -410,12 +435,33 @@ def setup(args):
     mesh = jax.make_mesh((args.tp,), ("tp",), devices=jax.devices()[:args.tp])
     dtype = jnp.float32 if args.dtype == "float32" else jnp.bfloat16
     model, ckpt = load_model(args.model, tp=args.tp, mesh=mesh, comm=comm, dtype=dtype)
+    if getattr(args, "comm_policy", None) is not None:
+        from models.llama import policy_comms, set_comm
+
+        comm, overrides = policy_comms(load_policy(args.comm_policy), ckpt.config.n_layers,
+                                       fuse_norm=getattr(args, "fuse_norm", False))
+        set_comm(model, comm, overrides=overrides)
     return model, ckpt, mesh, comm
+
+
+def wire_vs_bf16(args, n_layers: int, comm) -> float:
+    """The mean wire bytes per element of the model's all-reduces over a bf16 ring's: the
+    policy's mean over its sites with ``--comm-policy``, else ``comm``'s."""
+    if getattr(args, "comm_policy", None) is not None:
+        from models.llama import site_names
+
+        return load_policy(args.comm_policy).mean_wire_vs_bf16(site_names(n_layers))
+    from models import traffic
+
+    return traffic.wire_vs_bf16(comm)
 
 
 def describe(args) -> str:
     """A one-line summary of the communication options."""
     fused = " fuse_norm" if getattr(args, "fuse_norm", False) else ""
+    if getattr(args, "comm_policy", None) is not None:
+        policy = load_policy(args.comm_policy)
+        return f"comm policy {args.comm_policy} ({len(policy.sites)} sites){fused}"
     if args.comm in ("exact", "overlap"):
         return args.comm + fused
     c = comm_from_args(args).config

@@ -87,11 +87,22 @@ def _run_setting(label, comm, model, ckpt, mesh, *, engine_args, windows, window
     from models.llama import set_comm
     from models.traffic import allreduce_bytes_per_token
 
+    from jax_flashcomm.comm_policy import CommPolicy
+
     tok = ckpt.tokenizer
-    set_comm(model, comm)
+    policy = comm if isinstance(comm, CommPolicy) else None
+    if policy is not None:
+        from models.llama import policy_comms, site_names
+
+        comm, overrides = policy_comms(policy, ckpt.config.n_layers)
+        set_comm(model, comm, overrides=overrides)
+    else:
+        set_comm(model, comm)
     engine = Engine(model, mesh, **engine_args)
-    row = {"setting": label, "comm": comm.kind}
-    if comm.quantized:
+    row = {"setting": label, "comm": "policy" if policy is not None else comm.kind}
+    if policy is not None:
+        row["wire_vs_bf16"] = policy.mean_wire_vs_bf16(site_names(ckpt.config.n_layers))
+    elif comm.quantized:
         row.update(rs_bits=comm.config.phase1_bits, ag_bits=comm.config.phase2_bits,
                    rs_spikes=comm.config.phase1_spikes,
                    ag_spikes=comm.config.phase2_spikes, group_size=comm.config.group_size)
@@ -113,8 +124,14 @@ def _run_setting(label, comm, model, ckpt, mesh, *, engine_args, windows, window
         row["ttft_s"] = timings["ttft"]
         row["tokens_per_s"] = len(timings["decode"]) / sum(timings["decode"])
         row["tokens_per_s_median"] = 1 / statistics.median(timings["decode"])
-    traffic = allreduce_bytes_per_token(ckpt.config, model.tp, comm)
-    row["allreduce_bytes_per_token"] = traffic["sent"]
+    if policy is None:
+        row["allreduce_bytes_per_token"] = allreduce_bytes_per_token(ckpt.config, model.tp,
+                                                                     comm)["sent"]
+    else:  # the sum over the sites, each at its own config
+        per_site = [allreduce_bytes_per_token(ckpt.config, model.tp, c)["sent"]
+                    / (2 * ckpt.config.n_layers) for c in
+                    (overrides.get(k, comm) for k in _site_keys(ckpt.config.n_layers))]
+        row["allreduce_bytes_per_token"] = sum(per_site)
     row["traces"] = {str(k): v for k, v in engine.traces.items()}
     return row
 
@@ -136,6 +153,12 @@ def table(rows, tp: int) -> str:
     return "\n".join(lines)
 
 
+def _site_keys(n_layers: int):
+    from models.llama import SITES
+
+    return [(layer, site) for layer in range(n_layers) for site in SITES]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m models.compare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -151,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
                             choices=("int", "fp8", "mxfp4", "nvfp4"),
                             help="add the setting of this (reduce-scatter / all-gather) group "
                                  "format to --settings (int: 8 bits)")
+    parser.add_argument("--comm-policy", dest="comm_policy", default=None, metavar="FILE",
+                        help="add the setting 'policy': a per-site jax_flashcomm.CommPolicy "
+                             "(JSON, as models.calibrate writes)")
     parser.add_argument("--text", default=None, help="text file for perplexity")
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--max-windows", type=int, default=6)
@@ -169,6 +195,11 @@ def main(argv=None) -> int:
                      "(greedy continuations)")
     if args.devices is not None and args.devices < args.tp:
         parser.error(f"--devices {args.devices} is fewer than --tp {args.tp}")
+    if args.comm_policy is not None:
+        try:
+            cli.load_policy(args.comm_policy)
+        except (ValueError, OSError) as e:
+            parser.error(f"--comm-policy: {e}")
     return cli.run_checked(parser, _main, args)
 
 
@@ -183,6 +214,8 @@ def _main(args) -> int:
     if extra is not None and extra not in names:
         names.append(extra)
     settings = [parse_setting(name) for name in names]
+    if args.comm_policy is not None:
+        settings.append(("policy", cli.load_policy(args.comm_policy)))
     text = None
     if args.text is not None:
         with open(args.text, encoding="utf-8") as f:

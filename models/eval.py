@@ -77,7 +77,6 @@ def run(args, log=sys.stderr) -> dict:
     model, ckpt, mesh, comm, windows = setup_windows(args)
     import numpy as np
 
-    from models import traffic
     from models.engine import Engine
 
     engine = Engine(model, mesh, cache_len=max(args.window, 64))
@@ -96,12 +95,13 @@ def run(args, log=sys.stderr) -> dict:
         "tokens": int(all_nll.size),
         "mean_nll": float(all_nll.mean()),
         "window_perplexity": [math.exp(float(w.mean())) for w in per_window],
-        "wire_vs_bf16": traffic.wire_vs_bf16(comm),
+        "wire_vs_bf16": cli.wire_vs_bf16(args, ckpt.config.n_layers, comm),
         "seconds": time.perf_counter() - start,
         "options": {k: getattr(args, k) for k in (
             "model", "tp", "comm", "bits", "rs_bits", "ag_bits", "format", "rs_format",
             "ag_format", "group_size", "spikes",
-            "rotation", "min_bytes", "dtype", "window", "max_windows", "text", "fuse_norm")},
+            "rotation", "min_bytes", "dtype", "window", "max_windows", "text", "fuse_norm",
+            "comm_policy")},
         "comm": cli.describe(args),
         "machine": platform.processor() or platform.machine(),
         "traces": {str(k): v for k, v in engine.traces.items()},

@@ -21,7 +21,8 @@ from jax_flashcomm import nn
 from jax_flashcomm.jax_compat import all_gather_invariant
 from models.config import LlamaConfig
 
-__all__ = ["Llama", "Block", "LlamaSharding", "set_comm", "SITES"]
+__all__ = ["Llama", "Block", "LlamaSharding", "set_comm", "SITES", "site_names",
+           "policy_comms"]
 
 # The two all-reduces of a block, by the sub-block that ends with them: the attention output
 # projection's and the MLP down projection's.
@@ -249,6 +250,46 @@ def _check_overrides(model, comm: nn.TPComm, overrides) -> tuple:
         if value != comm:
             pairs.append((key, value))
     return tuple(sorted(pairs, key=lambda p: (p[0][0], SITES.index(p[0][1]))))
+
+
+def site_names(n_layers: int) -> list[str]:
+    """The names of a Llama's all-reduces in a :class:`jax_flashcomm.CommPolicy`:
+    ``"<layer>.<site>"`` (``"0.attn"``, ``"0.mlp"``, ``"1.attn"``, ...), in execution order."""
+    return [f"{layer}.{site}" for layer in range(n_layers) for site in SITES]
+
+
+def policy_comms(policy, n_layers: int, *, axis_name: str = "tp", fuse_norm: bool = False):
+    """``(comm, overrides)`` for :func:`set_comm` from a per-site
+    :class:`jax_flashcomm.CommPolicy`: ``comm`` is the policy's default (``"flash"`` with that
+    config, ``"exact"`` for ``None``); ``overrides`` gives each listed site its config.
+
+    Raises:
+      ValueError: a site name that is not one of :func:`site_names` (a policy for another
+        model).
+    """
+    from jax_flashcomm.comm_policy import CommPolicy
+
+    if not isinstance(policy, CommPolicy):
+        raise TypeError(f"policy_comms: expected a jax_flashcomm.CommPolicy, got "
+                        f"{type(policy).__name__}")
+
+    def comm_of(config):
+        if config is None or config.exact:
+            return nn.TPComm("exact", axis_name, fuse_norm=fuse_norm)
+        return nn.TPComm("auto" if config.auto else "flash", axis_name, config=config,
+                         fuse_norm=fuse_norm)
+
+    known = set(site_names(n_layers))
+    unknown = [name for name, _ in policy.sites if name not in known]
+    if unknown:
+        raise ValueError(f"the comm policy names sites this model does not have: "
+                         f"{unknown[:5]}{' ...' if len(unknown) > 5 else ''} (a {n_layers}-layer "
+                         f"Llama has 0.attn ... {n_layers - 1}.mlp)")
+    overrides = {}
+    for name, config in policy.sites:
+        layer, site = name.split(".")
+        overrides[(int(layer), site)] = comm_of(config)
+    return comm_of(policy.default), overrides
 
 
 def layer_segments(n_layers: int, overrides: tuple) -> list[tuple[int, int, tuple]]:

@@ -137,7 +137,10 @@ def _outcome(decisions, note: str | None) -> tuple[str, str, str]:
     collective."""
     decision = decisions[0] if decisions else None
     if decision is not None and decision.quantized:
-        bits = "/".join(f"int{b}" for b in (decision.rs_bits, decision.ag_bits) if b)
+        bits = "/".join(f"int{b}" if fmt == "int" else fmt
+                        for b, fmt in ((decision.rs_bits, decision.rs_format),
+                                       (decision.ag_bits, decision.ag_format))
+                        if b)
         action, detail, reason = "quantized", bits, decision.reason
     else:
         action, detail = "exact", "lax"
@@ -289,7 +292,7 @@ class Interpreter:
                 operand = jaxpr.eqns[j].invars[0]
             plan.operand[i] = operand
         if self.policy.fuse_matmul:
-            self._plan_fusions(jaxpr, plan, users, producer)
+            self._plan_fusions(jaxpr, plan, users, producer, ctx)
         if self.policy.fuse_norm:
             self._plan_norms(jaxpr, plan, users, producer)
         self._plan_islands(jaxpr, plan, users, producer, ctx)
@@ -317,14 +320,15 @@ class Interpreter:
             return self.policy.select(implied.op, implied.axes, implied.dtype, scope, frames)
 
         found = islands.plan_islands(jaxpr, users, producer, select, self.policy.fuse_matmul,
-                                     self.policy.comm_config, self.policy.fuse_norm)
+                                     lambda i: self._config(jaxpr.eqns[i], ctx),
+                                     self.policy.fuse_norm)
         plan.islands, plan.implied_kept = found.islands, found.kept
         plan.skip |= found.skip
 
-    def _plan_fusions(self, jaxpr, plan: _Plan, users, producer):
-        config = self.policy.comm_config
+    def _plan_fusions(self, jaxpr, plan: _Plan, users, producer, ctx: _Context):
         for i in sorted(plan.operand):
             eqn = jaxpr.eqns[i]
+            config = self._config(eqn, ctx)
             if eqn.primitive.name == "all_gather":
                 match, note = fusion.match_gather_dot(jaxpr, i, plan.operand[i], users)
             elif eqn.primitive.name == "reduce_scatter":
@@ -350,11 +354,17 @@ class Interpreter:
                 plan.fused[i] = match
             del plan.operand[i]
 
+    def _config(self, eqn, ctx: _Context):
+        """The CommConfig of one collective's call site (the policy's, per site)."""
+        _, frames = _call_site(eqn)
+        scope = "/".join(s for s in (ctx.scope, str(eqn.source_info.name_stack)) if s)
+        return self.policy.config_at(scope, frames)
+
     # --- replacements -----------------------------------------------------------------------
 
     def _replace(self, eqn, x, ctx: _Context, note: str | None):
         """The flashcomm collective in place of a lax one."""
-        config = self.policy.comm_config
+        config = self._config(eqn, ctx)
         axes, p = _axes_of(eqn), eqn.params
         with record() as decisions:
             if eqn.primitive.name in ("psum_invariant", "psum"):
@@ -376,7 +386,7 @@ class Interpreter:
         with record() as plans:
             out, residual = psum_add_rms_norm(read(x), read(match.residual), read(match.weight),
                                               axes, eps=match.eps,
-                                              config=self.policy.comm_config)
+                                              config=self._config(psum_eqn, ctx))
         for value, var in ((out, match.out), (residual, match.new_residual)):
             if not _same_type(core.typeof(value), var.aval):
                 raise RuntimeError(f"rewrite: psum_add_rms_norm at {_call_site(psum_eqn)[0]} "
@@ -392,7 +402,7 @@ class Interpreter:
         """A shard_map island in place of a collective implied by Explicit sharding."""
         implied = island.implied
         out, plans = islands.emit(island, jaxpr, [read(v) for v in island.inputs],
-                                  self.policy.comm_config)
+                                  self._config(jaxpr.eqns[island.report], ctx))
         self._check_type(jaxpr.eqns[island.at], out[0] if island.kind == "norm" else out, ctx)
         if island.kind == "norm":
             if not _same_type(core.typeof(out[1]), island.norm.new_residual.aval):
@@ -427,7 +437,7 @@ class Interpreter:
         collective = match.collective_eqn
         axes = _axes_of(collective)
         ring_axes = axes[0] if len(axes) == 1 else axes
-        config = self.policy.comm_config
+        config = self._config(collective, ctx)
         with record() as plans:
             if match.kind == "all_gather_matmul":
                 out = all_gather_matmul(x, w, ring_axes, axis=match.axis, config=config)

@@ -77,7 +77,7 @@ class IslandPlan:
     skip: set = dataclasses.field(default_factory=set)        # eqns evaluated by an island
 
 
-def plan_islands(jaxpr, users: dict, producer: dict, select, fuse: bool, config,
+def plan_islands(jaxpr, users: dict, producer: dict, select, fuse: bool, config_of,
                  fuse_norm: bool = False) -> IslandPlan:
     """The islands of one jaxpr.
 
@@ -89,8 +89,8 @@ def plan_islands(jaxpr, users: dict, producer: dict, select, fuse: bool, config,
         equation at ``index``.
       fuse: whether the policy fuses matmuls.
       fuse_norm: whether it fuses an all-reduce with the residual add and RMSNorm after it.
-      config: the policy's CommConfig (its size policy decides whether a reduce-scatter is
-        quantized, which is never fused).
+      config_of: ``config_of(index)``, the policy's CommConfig at the equation at ``index``
+        (its size policy decides whether a reduce-scatter is quantized, which is never fused).
 
     Returns:
       The :class:`IslandPlan`.
@@ -128,7 +128,7 @@ def plan_islands(jaxpr, users: dict, producer: dict, select, fuse: bool, config,
         plan.islands[i] = island
         plan.skip.update(island.eqns[:-1])
     if fuse:
-        _plan_fusions(jaxpr, plan, analyzed, users, producer, config)
+        _plan_fusions(jaxpr, plan, analyzed, users, producer, config_of)
     if fuse_norm:
         _plan_norms(jaxpr, plan, users, producer)
     return plan
@@ -160,7 +160,7 @@ def _plan_norms(jaxpr, plan: IslandPlan, users, producer):
         plan.skip.update({i, *match.eqns} - {match.last})
 
 
-def _plan_fusions(jaxpr, plan: IslandPlan, analyzed, users, producer, config):
+def _plan_fusions(jaxpr, plan: IslandPlan, analyzed, users, producer, config_of):
     for i, island in list(plan.islands.items()):
         implied = island.implied
         if island.kind != "collective" or len(implied.axes) != 1:
@@ -170,7 +170,7 @@ def _plan_fusions(jaxpr, plan: IslandPlan, analyzed, users, producer, config):
             fused, note = _gather_dot(jaxpr, i, implied, analyzed, users)
         elif implied.op == "psum_scatter":
             if quantizes("matmul_reduce_scatter", implied.nbytes, implied.axis_size,
-                         implied.dtype, config):
+                         implied.dtype, config_of(i)):
                 note = ("not fused: quantized psum_scatter after the dot (there is no quantized "
                         "reduce-scatter ring)")
                 fused = None

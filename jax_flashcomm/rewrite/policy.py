@@ -14,6 +14,7 @@ import dataclasses
 import numpy as np
 
 from jax_flashcomm.codec import spec
+from jax_flashcomm.comm_policy import CommPolicy
 from jax_flashcomm.config import CommConfig, config_from, takes_options
 
 __all__ = ["RewritePolicy", "REWRITABLE_OPS"]
@@ -75,6 +76,11 @@ class RewritePolicy:
         residual in one op (on the quantized path the all-gather's decode, the add and the norm
         are one kernel; on the exact path the same lax ops). The report says why a psum was
         not fused where it was not.
+      comm_policy: a per-site :class:`~jax_flashcomm.comm_policy.CommPolicy` (for example
+        from :func:`jax_flashcomm.calibrate.calibrate`): each selected collective gets the
+        config of the first of its sites that is a substring of the call's name stack or
+        frames, else its ``default``; a site whose config is ``None`` stays exact (not
+        rewritten). Excludes ``config``.
     """
 
     config: CommConfig | None = None
@@ -84,19 +90,28 @@ class RewritePolicy:
     skip_sites: tuple[str, ...] | None = None
     fuse_matmul: bool = False
     fuse_norm: bool = False
+    comm_policy: CommPolicy | None = None
 
     @takes_options
     def __init__(self, config: CommConfig | None = None, ops=None, axes=None, sites=None,
                  skip_sites=None, fuse_matmul: bool = False, fuse_norm: bool = False,
-                 **options):
+                 comm_policy: CommPolicy | None = None, **options):
         if config is not None and not isinstance(config, CommConfig):
             raise TypeError(f"RewritePolicy: config must be a jax_flashcomm.CommConfig or None, "
                             f"got {type(config).__name__}")
+        if comm_policy is not None:
+            if not isinstance(comm_policy, CommPolicy):
+                raise TypeError(f"RewritePolicy: comm_policy must be a "
+                                f"jax_flashcomm.comm_policy.CommPolicy or None, got "
+                                f"{type(comm_policy).__name__}")
+            if config is not None or options:
+                raise ValueError("RewritePolicy: comm_policy gives every site its config; "
+                                 "config= and option keywords cannot be given with it")
         if config is not None or options:
             config = config_from(config, options, "RewritePolicy")
         for name, value in (("config", config), ("ops", ops), ("axes", axes), ("sites", sites),
                             ("skip_sites", skip_sites), ("fuse_matmul", fuse_matmul),
-                            ("fuse_norm", fuse_norm)):
+                            ("fuse_norm", fuse_norm), ("comm_policy", comm_policy)):
             object.__setattr__(self, name, value)
         self._validate()
 
@@ -121,6 +136,13 @@ class RewritePolicy:
         """The config the rewritten collectives get (the defaults when ``config`` is None)."""
         return self.config if self.config is not None else CommConfig()
 
+    def config_at(self, scope: str, frames: tuple[str, ...]) -> CommConfig | None:
+        """The config of the collective at this call site (``comm_config`` without a
+        ``comm_policy``; with one, the policy's, ``None`` for a site it keeps exact)."""
+        if self.comm_policy is None:
+            return self.comm_config
+        return self.comm_policy.config_at((scope, *frames))
+
     def select(self, op: str, axes: tuple, dtype, scope: str, frames: tuple[str, ...],
                axis_index_groups=None) -> tuple[bool, str]:
         """Whether to rewrite one collective, and why (or why not)."""
@@ -137,18 +159,22 @@ class RewritePolicy:
             hit = next((s for s in self.skip_sites for p in places if s in p), None)
             if hit is not None:
                 return False, f"call site matches policy.skip_sites entry {hit!r}"
-        config = self.comm_config
+        config = self.config_at(scope, frames)
+        if config is None:
+            return False, "the comm policy keeps this site exact"
         if not config.exact and np.dtype(dtype) not in QUANTIZABLE_DTYPES:
             return False, f"dtype {np.dtype(dtype)} is not quantizable (f32, bf16, f16 only)"
         return True, "selected by the policy"
 
 
-def as_policy(policy: RewritePolicy | CommConfig | None) -> RewritePolicy:
+def as_policy(policy: RewritePolicy | CommConfig | CommPolicy | None) -> RewritePolicy:
     """``policy`` as a :class:`RewritePolicy`.
 
     Args:
       policy: a :class:`RewritePolicy` (returned as is), a
-        :class:`~jax_flashcomm.CommConfig` (the policy with that config) or None (defaults).
+        :class:`~jax_flashcomm.CommConfig` (the policy with that config), a
+        :class:`~jax_flashcomm.comm_policy.CommPolicy` (the policy with those per-site
+        configs) or None (defaults).
 
     Returns:
       The :class:`RewritePolicy`.
@@ -162,5 +188,7 @@ def as_policy(policy: RewritePolicy | CommConfig | None) -> RewritePolicy:
         return policy
     if isinstance(policy, CommConfig):
         return RewritePolicy(config=policy)
-    raise TypeError(f"rewrite: policy must be a RewritePolicy, a CommConfig or None, got "
-                    f"{type(policy).__name__}")
+    if isinstance(policy, CommPolicy):
+        return RewritePolicy(comm_policy=policy)
+    raise TypeError(f"rewrite: policy must be a RewritePolicy, a CommConfig, a CommPolicy or "
+                    f"None, got {type(policy).__name__}")
