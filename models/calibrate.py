@@ -32,7 +32,7 @@ import time
 from models import cli
 
 #: The default candidate settings (``models.compare`` setting names), cheapest first.
-CANDIDATES = "nvfp4,nvfp4/fp8,fp8"
+CANDIDATES = "nvfp4,nvfp4/fp8,int8"
 
 
 def build_parser() -> argparse.ArgumentParser:

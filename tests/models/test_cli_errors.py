@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from tests.support.tiny_llama import TINY
+from tests.support.devices import use_worker_xla_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,6 +66,8 @@ CLIS = {
                             "prompts-bad-json", "prompts-not-a-list"]),
     "demo": ([], ["tp0", "tp-heads", "model-missing", "settings", "max-new-tokens", "window"]),
     "check_tp": ([], ["tp0", "tp-heads", "model-missing", "json-no-folder", "json-is-dir"]),
+    "calibrate": (["--budget-ppl", "1", "--out", "{d}/p.json"],
+                  ["tp0", "model-missing", "text-missing", "window"]),
     "check_reference": (["--ref", "{d}/ref.npz"],
                         ["tp0", "tp-heads", "model-missing", "text-missing", "text-dir",
                          "json-no-folder", "json-is-dir"]),
@@ -88,6 +91,14 @@ EXTRA = [
     ("convert", "outdir-is-file", ["{d}/tiny", "{d}/afile"], "is not a folder"),
     ("convert", "max-shard-mb", ["{d}/tiny", "{d}/out", "--max-shard-mb", "0"],
      "--max-shard-mb must be > 0"),
+    ("calibrate", "budget", ["--budget-ppl", "-1", "--out", "{d}/p.json"],
+     "--budget-ppl must be >= 0"),
+    ("calibrate", "candidates", ["--budget-ppl", "1", "--out", "{d}/p.json", "--candidates",
+                                 "overlap"], "not a quantized all-reduce setting"),
+    ("eval", "comm-policy-missing", ["--text", "{d}/text.txt", "--comm-policy",
+                                     "{d}/missing.json"], "no such file"),
+    ("eval", "comm-policy-bad", ["--text", "{d}/text.txt", "--comm-policy", "{d}/bad.json"],
+     "--comm-policy: "),
     ("corpus", "out-no-folder", ["--out", "/nonexistent/x.txt"], "no such folder"),
     ("corpus", "out-is-dir", ["--out", "{d}/adir"], "is a folder"),
 ]
@@ -98,7 +109,7 @@ CASES = [(cli, case, [*base, *BAD[case][0]], BAD[case][1])
 
 def run_cli(cli: str, args, timeout: float = 120):
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    use_worker_xla_flags(env)  # the suite's compile level, not its device count
     return subprocess.run([sys.executable, "-m", f"models.{cli}", *args], cwd=ROOT, env=env,
                           text=True, capture_output=True, timeout=timeout)
 
@@ -150,7 +161,7 @@ def test_demo_without_benchmarks(files):
             "sys.argv = ['models.demo', '--model', sys.argv[1], '--tp', '1', '--settings', "
             "'exact']; runpy.run_module('models.demo', run_name='__main__')")
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    use_worker_xla_flags(env)  # the suite's compile level, not its device count
     r = subprocess.run([sys.executable, "-c", code, str(files / "tiny")], cwd=ROOT, env=env,
                        text=True, capture_output=True, timeout=120)
     assert "benchmarks" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]

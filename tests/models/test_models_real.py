@@ -17,13 +17,14 @@ from jax_flashcomm.nn import TPComm
 from models.engine import Engine
 from models.weights import load_model
 from tests.support.tiny_llama import TINY, DictCheckpoint, tiny_tensors
+from tests.support.devices import use_worker_xla_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*args, timeout=600):
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the CLIs set their own device count
+    use_worker_xla_flags(env)  # the suite's compile level, not its device count
     return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, text=True,
                           capture_output=True, timeout=timeout)
 

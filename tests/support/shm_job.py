@@ -9,6 +9,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests.support.devices import use_worker_xla_flags
 from tests.support.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,12 +33,14 @@ class ShmJob:
         env["FLASHCOMM_TEST_PLATFORM"] = platform
         env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")]
                                                            if p])
-        env.pop("XLA_FLAGS", None)  # conftest's 8 devices must not leak into the workers
+        use_worker_xla_flags(env)  # conftest's compile level, not its 8 devices
+        flags = env.get("XLA_FLAGS")
         if platform == "gpu":
             # XLA shares GPU autotuning between the processes of a job, keyed by the program:
             # processes compiling different programs (the mismatch scenario) wait on each
             # other in compilation forever (seen on an H200 with jax 0.11.2).
-            env["XLA_FLAGS"] = "--xla_gpu_shard_autotuning=false"
+            env["XLA_FLAGS"] = " ".join(
+                [*(flags.split() if flags else []), "--xla_gpu_shard_autotuning=false"])
         self.deadline = time.monotonic() + hard_timeout
         self.logs = [Path(tmp) / f"p{i}.log" for i in range(nproc)]
         self.procs = []

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from tests.support.ports import free_port
+from tests.support.devices import use_worker_xla_flags
 
 pytestmark = pytest.mark.slow  # several python processes over gloo
 
@@ -24,7 +25,7 @@ def test_two_processes_gloo_psum_parity():
     port = free_port()
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
-    env.pop("XLA_FLAGS", None)  # conftest's 8 devices must not leak into the workers
+    use_worker_xla_flags(env)  # the suite's compile level, not its device count
     with tempfile.TemporaryDirectory() as tmp:
         procs = [subprocess.Popen([sys.executable, str(WORKER), str(port), str(i), str(nproc)],
                                   cwd=tmp, env=env, stdout=subprocess.PIPE,
