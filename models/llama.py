@@ -273,12 +273,6 @@ def policy_comms(policy, n_layers: int, *, axis_name: str = "tp", fuse_norm: boo
         raise TypeError(f"policy_comms: expected a jax_flashcomm.CommPolicy, got "
                         f"{type(policy).__name__}")
 
-    def comm_of(config):
-        if config is None or config.exact:
-            return nn.TPComm("exact", axis_name, fuse_norm=fuse_norm)
-        return nn.TPComm("auto" if config.auto else "flash", axis_name, config=config,
-                         fuse_norm=fuse_norm)
-
     known = set(site_names(n_layers))
     unknown = [name for name, _ in policy.sites if name not in known]
     if unknown:
@@ -286,10 +280,11 @@ def policy_comms(policy, n_layers: int, *, axis_name: str = "tp", fuse_norm: boo
                          f"{unknown[:5]}{' ...' if len(unknown) > 5 else ''} (a {n_layers}-layer "
                          f"Llama has 0.attn ... {n_layers - 1}.mlp)")
     overrides = {}
-    for name, config in policy.sites:
+    for name, _ in policy.sites:
         layer, site = name.split(".")
-        overrides[(int(layer), site)] = comm_of(config)
-    return comm_of(policy.default), overrides
+        overrides[(int(layer), site)] = nn.TPComm.for_site(policy, name, axis_name,
+                                                           fuse_norm=fuse_norm)
+    return nn.TPComm.for_site(policy, None, axis_name, fuse_norm=fuse_norm), overrides
 
 
 def layer_segments(n_layers: int, overrides: tuple) -> list[tuple[int, int, tuple]]:

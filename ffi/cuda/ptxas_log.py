@@ -10,7 +10,8 @@ build's warning flags; tests/codec/test_cuda_build.py checks that output (docs/c
       under ROOT (from nvcc's depfile, -MF) and the output. The tests compare those hashes with
       the files they see, so a log older than the sources is never used.
   ptxas_log.py combine OUT LOGDIR SOURCE...
-      Concatenates the logs of SOURCE... into OUT (installed as jax_flashcomm/cuda_ptxas.log).
+      Concatenates the logs of SOURCE... into OUT (installed as jax_flashcomm/cuda_ptxas.log;
+      the handlers' host compiles, logged by the same launcher, as cuda_host_build.log).
       A missing log becomes a "# missing:" line, which makes the tests compile instead: a log
       never fails the build.
 """

@@ -36,6 +36,7 @@ import dataclasses
 
 from jax_flashcomm.allreduce import psum
 from jax_flashcomm.collective_matmul import all_gather_matmul, matmul_reduce_scatter
+from jax_flashcomm.comm_policy import CommPolicy
 from jax_flashcomm.config import COMM_KINDS, CommConfig, config_from, takes_options
 from jax_flashcomm.fused_norm import psum_add_rms_norm, rms_norm
 
@@ -90,6 +91,31 @@ class TPComm:
                             ("bidirectional", bool(bidirectional)),
                             ("fuse_norm", bool(fuse_norm))):
             object.__setattr__(self, name, value)
+
+    @classmethod
+    def for_site(cls, policy, site: str | None, axis_name: str = "tp", *, fuse_norm: bool = False,
+                 bidirectional: bool = False) -> TPComm:
+        """The strategy of one call site of a per-site policy.
+
+        Args:
+          policy: a :class:`~jax_flashcomm.comm_policy.CommPolicy` (for example from
+            :func:`jax_flashcomm.calibrate`).
+          site: the site's name in the policy (:meth:`CommPolicy.config_for`); ``None``: the
+            policy's ``default``.
+          axis_name, fuse_norm, bidirectional: as for the constructor.
+
+        Returns:
+          ``"exact"`` where the site's config is ``None`` or exact, ``"auto"`` where it chooses
+          per call (``min_bytes="auto"``), else ``"flash"`` with the site's config.
+        """
+        if not isinstance(policy, CommPolicy):
+            raise TypeError(f"TPComm.for_site: policy must be a jax_flashcomm.CommPolicy, got "
+                            f"{type(policy).__name__}")
+        config = policy.default if site is None else policy.config_for(site)
+        if config is None or config.exact:
+            return cls("exact", axis_name, bidirectional=bidirectional, fuse_norm=fuse_norm)
+        return cls("auto" if config.auto else "flash", axis_name, config=config,
+                   bidirectional=bidirectional, fuse_norm=fuse_norm)
 
     @property
     def quantized(self) -> bool:

@@ -130,3 +130,19 @@ def test_rewrite_gives_each_site_its_config():
     want = jax.jit(jax.shard_map(direct, **specs))(x)
     for u, v in zip(got, want):
         np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+def test_tpcomm_for_site():
+    from jax_flashcomm.nn import TPComm
+
+    auto8 = fc.CommConfig(bits=8)                       # min_bytes="auto": chosen per call
+    policy = CommPolicy(default=INT8, sites={"x": None, "y": FP8, "z": auto8})
+    assert TPComm.for_site(policy, "x") == TPComm("exact")
+    assert TPComm.for_site(policy, "y", "tp", fuse_norm=True) == TPComm(
+        "flash", config=FP8, fuse_norm=True)
+    assert TPComm.for_site(policy, "z").kind == "auto"
+    assert TPComm.for_site(policy, "unlisted") == TPComm("flash", config=INT8)
+    assert TPComm.for_site(policy, None) == TPComm("flash", config=INT8)
+    assert TPComm.for_site(CommPolicy(), None) == TPComm("exact")
+    with pytest.raises(TypeError, match="CommPolicy"):
+        TPComm.for_site({"x": None}, "x")
