@@ -63,7 +63,7 @@ inline ffi::Error CheckFpDecode(const char* op, const ffi::Buffer<ffi::U8>& reco
 
 // The chunk layout of records (..., chunks, groups, record bytes).
 struct FpChunkShape {
-  int64_t batch, chunks, groups_per_chunk;
+  int64_t batch = 0, chunks = 0, groups_per_chunk = 0;
 };
 
 inline ffi::Error ViewFpChunks(const char* op, const ffi::Buffer<ffi::U8>& records,
