@@ -93,8 +93,8 @@ def select(sensitivity: Sequence[Sequence[float]], wires: Sequence[float], targe
 
 def calibrate(evaluate: Evaluate, sites: Sequence[str], candidates: Sequence[CommConfig], *,
               budget: float, max_wire: float | None = None, rounds: int = 4,
-              verify: Evaluate | None = None, progress_out=sys.stderr,
-              info: dict | None = None) -> CommPolicy:
+              verify: Evaluate | None = None, sensitivity: Mapping | None = None,
+              progress_out=sys.stderr, info: dict | None = None) -> CommPolicy:
     """A per-site policy within ``budget`` at the fewest mean wire bytes.
 
     Args:
@@ -111,6 +111,9 @@ def calibrate(evaluate: Evaluate, sites: Sequence[str], candidates: Sequence[Com
       verify: the measure of a whole policy held to ``budget`` (default: ``evaluate``). A
         model's caller may rank sites by a smooth, additive estimate (a KL in perplexity
         percent) and hold the policy to the measured perplexity.
+      sensitivity: step 1's results from an earlier run (its ``info["sensitivity"]``: per
+        site, per candidate label): step 1 is skipped, and only whole policies are measured
+        (another budget or cap without measuring every site again).
       progress_out: the stream of the progress bar (``None``: quiet).
       info: more data for the policy's ``info`` (the model, the calibration text, ...).
 
@@ -144,19 +147,31 @@ def calibrate(evaluate: Evaluate, sites: Sequence[str], candidates: Sequence[Com
     if len(set(labels)) != len(labels):
         raise ValueError(f"calibrate: candidates repeat: {labels}")
 
-    total, done, start = len(sites) * len(candidates) + rounds, 0, time.perf_counter()
+    if sensitivity is not None:
+        missing = [(s, label) for s in sites for label in labels
+                   if label not in (sensitivity.get(s) or {})]
+        if missing:
+            raise ValueError(f"calibrate: the given sensitivity lacks {missing[:3]}"
+                             f"{' ...' if len(missing) > 3 else ''} (another model or other "
+                             f"candidates?)")
+    measure = sensitivity is None
+    total = (len(sites) * len(candidates) if measure else 0) + rounds
+    done, start = 0, time.perf_counter()
 
     def step(what: str):
         if progress_out is not None:
             progress(done, total, start, progress_out, unit="evaluations", what=what)
 
-    sensitivity = []
+    given, sensitivity = sensitivity, []
     for site in sites:
         row = []
         for c, label in zip(candidates, labels):
-            step(f"{site} {label}")
-            row.append(float(evaluate({site: c})))
-            done += 1
+            if measure:
+                step(f"{site} {label}")
+                row.append(float(evaluate({site: c})))
+                done += 1
+            else:
+                row.append(float(given[site][label]))
         sensitivity.append(row)
 
     def assignment_of(choice):
@@ -194,6 +209,7 @@ def calibrate(evaluate: Evaluate, sites: Sequence[str], candidates: Sequence[Com
     data = dict(info or {})
     data.update({
         "budget": budget, "max_wire": max_wire, "measured": best["measured"],
+        "sensitivity_reused": not measure,
         "predicted": best["predicted"], "mean_wire": best["mean_wire"], "met": bool(within),
         "candidates": {label: config_to_dict(c) for label, c in zip(labels, candidates)},
         "sensitivity": {s: dict(zip(labels, row)) for s, row in zip(sites, sensitivity)},

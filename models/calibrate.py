@@ -64,7 +64,34 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=4,
                         help="whole-policy measurements at most (default 4)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--sensitivity-from", dest="sensitivity_from", default=None,
+                        metavar="FILE",
+                        help="a policy file of an earlier run (same model, TP, candidates and "
+                             "calibration windows): reuse its per-site sensitivities, measure "
+                             "only whole policies (another budget or cap in minutes)")
     return parser
+
+
+def reused_sensitivity(args) -> dict | None:
+    """The per-site sensitivities of ``--sensitivity-from``, checked against the options."""
+    if args.sensitivity_from is None:
+        return None
+    from jax_flashcomm.comm_policy import config_to_dict
+
+    info = cli.load_policy(args.sensitivity_from).info
+    wanted = {"model": args.model, "tp": args.tp, "dtype": args.dtype, "window": args.window,
+              "calib_first": args.calib_first, "calib_windows": args.calib_windows}
+    differ = {k: (info.get(k), v) for k, v in wanted.items() if info.get(k) != v}
+    if args.text is not None and info.get("text") != args.text:
+        differ["text"] = (info.get("text"), args.text)
+    candidates = [config_to_dict(c) for c in candidate_configs(args.candidates)]
+    if list((info.get("candidates") or {}).values()) != candidates:
+        differ["candidates"] = (info.get("candidate_settings"), args.candidates)
+    if differ or "sensitivity" not in info:
+        why = "; ".join(f"{k}: {a!r} there, {b!r} here" for k, (a, b) in differ.items())
+        raise ValueError(f"--sensitivity-from {args.sensitivity_from}: measured under other "
+                         f"options ({why or 'no sensitivity recorded'})")
+    return info["sensitivity"]
 
 
 def candidate_configs(text: str):
@@ -95,6 +122,7 @@ def run(args, log=sys.stderr):
     from models.weights import load_model
 
     candidates = candidate_configs(args.candidates)
+    reused = reused_sensitivity(args)
     mesh = jax.make_mesh((args.tp,), ("tp",), devices=jax.devices()[:args.tp])
     dtype = jnp.float32 if args.dtype == "float32" else jnp.bfloat16
     model, ckpt = load_model(args.model, tp=args.tp, mesh=mesh, dtype=dtype)
@@ -138,7 +166,8 @@ def run(args, log=sys.stderr):
 
     policy = fc.calibrate(
         kl_percent, site_names(n_layers), candidates, budget=args.budget_ppl,
-        max_wire=args.max_wire, rounds=args.rounds, verify=ppl_percent, progress_out=log,
+        max_wire=args.max_wire, rounds=args.rounds, verify=ppl_percent, sensitivity=reused,
+        progress_out=log,
         info={"model": args.model, "tp": args.tp, "dtype": args.dtype, "text": text_name,
               "calib_first": args.calib_first, "calib_windows": args.calib_windows,
               "window": args.window, "exact_perplexity": math.exp(exact_nll),
@@ -186,7 +215,8 @@ def main(argv=None) -> int:
             parser.error(f"{flag} must be >= {least}, got {value}")
     try:
         candidate_configs(args.candidates)
-    except ValueError as e:
+        reused_sensitivity(args)
+    except (ValueError, OSError) as e:
         parser.error(str(e))
 
     def body():

@@ -110,3 +110,17 @@ def test_bad_arguments_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         fc.calibrate(additive(), args.pop("sites"), args.pop("candidates"), progress_out=None,
                      **args)
+
+
+def test_reused_sensitivities_measure_only_whole_policies():
+    first = fc.calibrate(additive(), list(SENS), CANDIDATES, budget=0.3, progress_out=None)
+    calls = []
+    again = fc.calibrate(additive(calls=calls), list(SENS), CANDIDATES, budget=1.0,
+                         sensitivity=first.info["sensitivity"], progress_out=None)
+    assert all(len(a) > 1 or len(SENS) == 1 for a in calls) and len(calls) == 1
+    assert again.info["sensitivity_reused"] and again.info["sensitivity"] == \
+        first.info["sensitivity"]
+    assert again.mean_wire_vs_bf16(SENS) == pytest.approx(brute_force(1.0)[0])
+    with pytest.raises(ValueError, match="lacks"):
+        fc.calibrate(additive(), list(SENS), [NV, FP8, fc.CommConfig(bits=6, min_bytes=0)],
+                     budget=1.0, sensitivity=first.info["sensitivity"], progress_out=None)

@@ -153,3 +153,13 @@ def test_calibrate_cli_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         calibrate.main(["--tp", "3", *argv])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_sensitivity_from_another_setup_is_refused(tmp_path, capsys):
+    other = fc.CommPolicy(info={"model": "smollm2", "tp": 9, "sensitivity": {}}).save(
+        tmp_path / "other.json")
+    with pytest.raises(SystemExit):
+        calibrate.main(["--tp", "3", "--budget-ppl", "1", "--out", str(tmp_path / "p.json"),
+                        "--sensitivity-from", str(other)])
+    err = capsys.readouterr().err
+    assert "measured under other options" in err and "tp: 9 there, 3 here" in err
