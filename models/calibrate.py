@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a policy file of an earlier run (same model, TP, candidates and "
                              "calibration windows): reuse its per-site sensitivities, measure "
                              "only whole policies (another budget or cap in minutes)")
+    parser.add_argument("--plot", default=None, metavar="PNG",
+                        help="also draw each site's sensitivity per candidate and the choice")
     return parser
 
 
@@ -200,6 +202,43 @@ def summary(policy) -> str:
             f"{info['predicted']:+.2f}%), {info['seconds']:.0f} s")
 
 
+def plot(policy, path) -> None:
+    """Each site's sensitivity per candidate (log scale) and the candidate the policy chose."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from jax_flashcomm.comm_policy import config_to_dict
+
+    info = policy.info
+    names = info["candidate_settings"]
+    labels = list(info["candidates"])
+    chosen_of = {repr(v): n for n, v in zip(names, info["candidates"].values())}
+    sites = [s for s, _ in policy.sites]
+    fig, ax = plt.subplots(figsize=(max(8, 0.22 * len(sites)), 4))
+    width = 0.8 / len(labels)
+    for k, (label, name) in enumerate(zip(labels, names)):
+        values = [max(info["sensitivity"][s][label], 1e-4) for s in sites]
+        ax.bar([i + (k - (len(labels) - 1) / 2) * width for i in range(len(sites))], values,
+               width, label=name)
+    for i, (_, config) in enumerate(policy.sites):
+        ax.annotate(chosen_of.get(repr(config_to_dict(config)), "exact"), (i, 1e-4),
+                    rotation=90, fontsize=6, ha="center", va="bottom", xytext=(0, 2),
+                    textcoords="offset points")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(sites)), sites, rotation=90, fontsize=6)
+    ax.set_ylabel("sensitivity: 100 (exp(KL) - 1), %")
+    met = "met" if info["met"] else "not met"
+    ax.set_title(f"{info.get('model')} TP={info.get('tp')}: one site alone per candidate; "
+                 f"chosen (bottom): mean wire {info['mean_wire']:.3f}x, calibration "
+                 f"{info['measured']:+.2f}% (budget {info['budget']}%, {met})", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -222,6 +261,8 @@ def main(argv=None) -> int:
     def body():
         policy = run(args)
         print(summary(policy))
+        if args.plot:
+            plot(policy, args.plot)
         print(f"wrote {args.out}")
         return 0
 
