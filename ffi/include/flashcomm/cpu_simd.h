@@ -85,6 +85,46 @@ FC_ALWAYS_INLINE bool any_lane(ILanes m) {
   return (m[0] | m[1]) != 0;
 }
 
+// kLanes bytes as one 32-bit lane each (zero-extended): one vpmovzxbd on AVX2 / AVX-512 (the
+// generic conversion compiles to scalar extracts and inserts).
+FC_ALWAYS_INLINE ULanes widen_u8(const uint8_t* p) {
+#if FLASHCOMM_LANES == 16 && defined(FC_X86) && defined(__AVX512F__)
+  return (ULanes)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif FLASHCOMM_LANES == 8 && defined(FC_X86) && defined(__AVX2__)
+  return (ULanes)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#elif FLASHCOMM_LANES == 4 && defined(FC_X86)
+  int32_t word;
+  std::memcpy(&word, p, 4);
+  const __m128i zero = _mm_setzero_si128();
+  return (ULanes)_mm_unpacklo_epi16(_mm_unpacklo_epi8(_mm_cvtsi32_si128(word), zero), zero);
+#else
+  ByteLanes b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, ULanes);
+#endif
+}
+
+// kLanes / 2 bytes zero-extended into the low half of the lanes (the others 0), loaded
+// straight into a register (a copy through a stack buffer stalls the wide load behind it).
+FC_ALWAYS_INLINE ULanes widen_u8_half(const uint8_t* p) {
+#if FLASHCOMM_LANES == 16 && defined(FC_X86) && defined(__AVX512F__)
+  return (ULanes)_mm512_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#elif FLASHCOMM_LANES == 8 && defined(FC_X86) && defined(__AVX2__)
+  int32_t word;
+  std::memcpy(&word, p, 4);
+  return (ULanes)_mm256_cvtepu8_epi32(_mm_cvtsi32_si128(word));
+#elif FLASHCOMM_LANES == 4 && defined(FC_X86)
+  uint16_t half;
+  std::memcpy(&half, p, 2);
+  const __m128i zero = _mm_setzero_si128();
+  return (ULanes)_mm_unpacklo_epi16(_mm_unpacklo_epi8(_mm_cvtsi32_si128(half), zero), zero);
+#else
+  ByteLanes b = {};
+  std::memcpy(&b, p, kLanes / 2);
+  return __builtin_convertvector(b, ULanes);
+#endif
+}
+
 // kLanes bytes (codes) as f32 lanes (exact).
 FC_ALWAYS_INLINE Lanes widen_bytes(const uint8_t* p) {
 #if FLASHCOMM_LANES == 16 && defined(FC_X86) && defined(__AVX512F__)
