@@ -127,27 +127,13 @@ FC_ALWAYS_INLINE ULanes widen_u8_half(const uint8_t* p) {
 
 // kLanes bytes (codes) as f32 lanes (exact).
 FC_ALWAYS_INLINE Lanes widen_bytes(const uint8_t* p) {
-#if FLASHCOMM_LANES == 16 && defined(FC_X86) && defined(__AVX512F__)
-  const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return (Lanes)_mm512_cvtepi32_ps(w);
-#elif FLASHCOMM_LANES == 8 && defined(FC_X86) && defined(__AVX2__)
-  const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  return (Lanes)_mm256_cvtepi32_ps(w);
-#elif FLASHCOMM_LANES == 4 && defined(FC_X86)
-  int32_t word;
-  std::memcpy(&word, p, 4);
-  const __m128i zero = _mm_setzero_si128();
-  const __m128i w = _mm_unpacklo_epi16(_mm_unpacklo_epi8(_mm_cvtsi32_si128(word), zero), zero);
-  return (Lanes)_mm_cvtepi32_ps(w);
-#elif FLASHCOMM_LANES == 4 && defined(FC_NEON)
+#if FLASHCOMM_LANES == 4 && defined(FC_NEON)
   uint32_t word;
   std::memcpy(&word, p, 4);
   const uint16x4_t h = vget_low_u16(vmovl_u8(vcreate_u8(word)));
   return (Lanes)vcvtq_f32_u32(vmovl_u16(h));
 #else
-  ByteLanes b;
-  std::memcpy(&b, p, sizeof b);
-  return __builtin_convertvector(b, Lanes);
+  return __builtin_convertvector((ILanes)widen_u8(p), Lanes);
 #endif
 }
 
