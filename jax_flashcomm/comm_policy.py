@@ -23,7 +23,8 @@ from pathlib import Path
 from jax_flashcomm.codec import spec
 from jax_flashcomm.config import CommConfig
 
-__all__ = ["CommPolicy", "wire_vs_bf16", "config_to_dict", "config_from_dict"]
+__all__ = ["CommPolicy", "wire_vs_bf16", "wire_per_element", "config_to_dict",
+           "config_from_dict"]
 
 #: The ``"kind"`` field of a policy file.
 FILE_KIND = "jax_flashcomm.CommPolicy"
@@ -45,11 +46,16 @@ def wire_vs_bf16(config: CommConfig | None) -> float:
     """
     if config is None or config.exact:
         return 1.0
-    per = (spec.format_wire_bytes_per_element(config.phase1_format, config.group_size,
-                                              config.phase1_bits, config.phase1_spikes)
-           + spec.format_wire_bytes_per_element(config.phase2_format, config.group_size,
-                                                config.phase2_bits, config.phase2_spikes))
-    return per / 2 / 2.0
+    return sum(wire_per_element(config)) / 2 / 2.0
+
+
+def wire_per_element(config: CommConfig) -> tuple[float, float]:
+    """Bytes per element of the two phases' payloads of a quantized ``config`` (codes, scales,
+    spikes; whole groups)."""
+    return (spec.format_wire_bytes_per_element(config.phase1_format, config.group_size,
+                                               config.phase1_bits, config.phase1_spikes),
+            spec.format_wire_bytes_per_element(config.phase2_format, config.group_size,
+                                               config.phase2_bits, config.phase2_spikes))
 
 
 def config_to_dict(config: CommConfig | None) -> dict | None:

@@ -184,16 +184,23 @@ def run(args, log=sys.stderr):
     return policy
 
 
+def chosen_settings(policy) -> list[str]:
+    """The candidate setting name (``--candidates``) each site of a calibrated policy got, in
+    site order; ``"exact"`` for a site kept exact."""
+    from jax_flashcomm.comm_policy import config_to_dict
+
+    info = policy.info
+    names = {repr(options): name for name, options in zip(info["candidate_settings"],
+                                                           info["candidates"].values())}
+    return [names.get(repr(config_to_dict(c)), "exact") for _, c in policy.sites]
+
+
 def summary(policy) -> str:
     """What the policy chose, in a few lines."""
     from collections import Counter
 
-    from jax_flashcomm.comm_policy import config_to_dict
-
     info = policy.info
-    labels = {repr(options): name for name, options in zip(info["candidate_settings"],
-                                                            info["candidates"].values())}
-    counts = Counter(labels.get(repr(config_to_dict(c)), "exact") for _, c in policy.sites)
+    counts = Counter(chosen_settings(policy))
     mix = ", ".join(f"{n} {name}" for name, n in counts.most_common())
     state = "within" if info["met"] else "NOT within"
     return (f"{len(policy.sites)} sites: {mix}; mean wire {info['mean_wire']:.3f}x of a bf16 "
@@ -209,12 +216,9 @@ def plot(policy, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from jax_flashcomm.comm_policy import config_to_dict
-
     info = policy.info
     names = info["candidate_settings"]
     labels = list(info["candidates"])
-    chosen_of = {repr(v): n for n, v in zip(names, info["candidates"].values())}
     sites = [s for s, _ in policy.sites]
     fig, ax = plt.subplots(figsize=(max(8, 0.22 * len(sites)), 4))
     width = 0.8 / len(labels)
@@ -222,8 +226,8 @@ def plot(policy, path) -> None:
         values = [max(info["sensitivity"][s][label], 1e-4) for s in sites]
         ax.bar([i + (k - (len(labels) - 1) / 2) * width for i in range(len(sites))], values,
                width, label=name)
-    for i, (_, config) in enumerate(policy.sites):
-        ax.annotate(chosen_of.get(repr(config_to_dict(config)), "exact"), (i, 1e-4),
+    for i, chosen in enumerate(chosen_settings(policy)):
+        ax.annotate(chosen, (i, 1e-4),
                     rotation=90, fontsize=6, ha="center", va="bottom", xytext=(0, 2),
                     textcoords="offset points")
     ax.set_yscale("log")

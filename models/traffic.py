@@ -11,26 +11,18 @@ counted.
 
 from __future__ import annotations
 
+from jax_flashcomm import comm_policy
 from jax_flashcomm.codec import spec
+from jax_flashcomm.comm_policy import wire_per_element
 from jax_flashcomm.planner import quantizes
 
 __all__ = ["allreduce_bytes_per_token", "wire_per_element", "wire_vs_bf16"]
 
 
-def wire_per_element(c) -> tuple[float, float]:
-    """Bytes per element of the two phases' payloads of a quantized config ``c``."""
-    return (spec.format_wire_bytes_per_element(c.phase1_format, c.group_size, c.phase1_bits,
-                                               c.phase1_spikes),
-            spec.format_wire_bytes_per_element(c.phase2_format, c.group_size, c.phase2_bits,
-                                               c.phase2_spikes))
-
-
 def wire_vs_bf16(comm) -> float:
     """A quantized all-reduce's wire bytes per element (the mean of its two phases) over a bf16
     ring's 2 bytes per element and phase; 1.0 for a strategy that does not quantize."""
-    if not comm.quantized:
-        return 1.0
-    return sum(wire_per_element(comm.config)) / 2 / 2.0
+    return comm_policy.wire_vs_bf16(comm.config if comm.quantized else None)
 
 
 def allreduce_bytes_per_token(cfg, tp: int, comm, *, batch: int = 1, itemsize: int = 4) -> dict:
