@@ -158,3 +158,32 @@ def test_fp8_exact_on_its_grid(backend):
     x = jnp.asarray(np.stack(rows))
     y = codec.dequantize(codec.quantize(x, format="fp8", backend=backend), backend=backend)
     assert np.array_equal(np.asarray(y), np.asarray(x))
+
+
+def _ties(grid):
+    """Each midpoint of a sorted grid of magnitudes, and the floats on either side of it."""
+    mid = ((grid[1:].astype(np.float64) + grid[:-1]) / 2).astype(np.float32)
+    return np.concatenate([mid, np.nextafter(mid, np.float32(0)), np.nextafter(mid, np.inf),
+                           grid])
+
+
+@needs_ffi
+@pytest.mark.parametrize("fmt", FP)
+def test_kernels_round_every_tie_like_the_twin(fmt):
+    """Blocks whose scale is 1 (each holds the format's largest value) carry every midpoint of
+    the element grid and its neighbours, with random signs: the vector encoders of every build
+    round them as the twin (random operands almost never land on a tie)."""
+    rng = np.random.default_rng(5)
+    top, block = {"fp8": (448.0, 128), "mxfp4": (6.0, 32), "nvfp4": (6.0, 16)}[fmt]
+    grid = (fp_reference.e4m3_table()[:0x7F] if fmt == "fp8"
+            else np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32))
+    values = _ties(np.sort(grid[grid <= top]))
+    per_row = 128 // block
+    rows = -(-values.size // ((block - 1) * per_row)) * per_row
+    values = np.resize(rng.permutation(values), (rows, block - 1))
+    x = np.concatenate([np.full((values.shape[0], 1), top, np.float32), values], axis=1)
+    x = (x * rng.choice([-1, 1], x.shape)).astype(np.float32).reshape(-1, 128)
+    run = lambda x, backend: codec.quantize(x, format=fmt, backend=backend).codes  # noqa: E731
+    got = every_isa(jax.jit(lambda x: run(x, "ffi")), jnp.asarray(x))
+    want = jax.jit(lambda x: run(x, "jnp"))(jnp.asarray(x))
+    assert np.array_equal(np.asarray(got), np.asarray(want))
