@@ -338,11 +338,22 @@ inline void fp_decode_group(const uint8_t* rec, int64_t g, int32_t fmt, int k,
     }
     for (; i < g; ++i) d[i] = mul_rn(t.e4m3[rec[i]], s);
   } else {
-    const int64_t block = fp_block(fmt, g);
-    for (int64_t b = 0; b < g / block; ++b) {
-      const float s = fp_block_scale(fmt, scales, g, b);
-      for (int64_t i = b * block; i < (b + 1) * block; i += kLanes) {
-        store_lanes(d + i, mul_rn(e2m1_decode_lanes(load_nibbles(rec + i / 2)), s));
+    // kLanes blocks' scales at a time, lane-wise (fp_block_scale's operations).
+    const int64_t block = fp_block(fmt, g), blocks = g / block;
+    const float gscale = fmt == kFormatNvfp4 ? e8m0_scale(scales[blocks]) : 0.0f;
+    for (int64_t b0 = 0; b0 < blocks; b0 += kLanes) {
+      const int64_t nb = blocks - b0 < kLanes ? blocks - b0 : kLanes;
+      uint8_t bytes[kLanes] = {};
+      std::memcpy(bytes, scales + b0, size_t(nb));
+      const ULanes code = load_bytes(bytes);
+      const Lanes sc = fmt == kFormatMxfp4
+          ? (code == kE8m0Nan ? bits_lanes(ULanes{} + 0x7FC00000u) : bits_lanes(code << 23))
+          : mul_rn(e4m3_decode_lanes(code), gscale);
+      for (int64_t j = 0; j < nb; ++j) {
+        const Lanes s = __builtin_shuffle(sc, ILanes{} + int32_t(j));
+        for (int64_t i = (b0 + j) * block; i < (b0 + j + 1) * block; i += kLanes) {
+          store_lanes(d + i, mul_rn(e2m1_decode_lanes(load_nibbles(rec + i / 2)), s));
+        }
       }
     }
   }
