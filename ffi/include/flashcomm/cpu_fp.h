@@ -67,12 +67,23 @@ FC_ALWAYS_INLINE ULanes e4m3_encode_lanes(Lanes a) {
   return a < 0.015625f ? sub : normal;
 }
 
-// fp_codec.h e2m1_encode, lane-wise (a true comparison is -1 in each lane). Measured faster
-// than rounding the bits as e4m3_encode_lanes does, on AVX2 and no slower on AVX-512.
+// fp_codec.h e2m1_encode, lane-wise. On AVX-512 a comparison lands in a mask register and costs
+// three operations to count, so the codes come from rounding the bits as e4m3_encode_lanes
+// does: below 1 the step 1/2 (2a rounded to an integer), above it one mantissa bit under an
+// exponent bias of 126, saturated at 6 (the same codes for every a >= 0: tests/codec, the
+// ties). Elsewhere the seven comparisons, each -1 where true.
 FC_ALWAYS_INLINE ULanes e2m1_encode_lanes(Lanes a) {
+#if FLASHCOMM_LANES == 16
+  a = a < kE2m1Max ? a : Lanes{} + kE2m1Max;
+  const ULanes sub = lanes_bits(add_rn(mul_rn(a, 2.0f), 8388608.0f)) - 0x4B000000u;
+  const ULanes u = lanes_bits(a);
+  const ULanes normal = ((u + 0x1FFFFFu + ((u >> 22) & 1u)) >> 22) - (126u << 1);
+  return a < 1.0f ? sub : normal;
+#else
   const ILanes k = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
                    (a >= 3.5f) + (a > 5.0f);
   return (ULanes)(-k);
+#endif
 }
 
 // Lane i: the larger of lanes 2i and 2i + 1 of the concatenation a ++ b.
@@ -110,10 +121,26 @@ FC_ALWAYS_INLINE ILanes largest_lanes(ILanes* m) {
   return m[0];
 }
 
-// The largest magnitudes (f32 bits) of nb <= kCount consecutive blocks of `block` values (a
-// multiple of kLanes), in lanes 0..nb-1.
+// The largest magnitudes (f32 bits) of kCount consecutive blocks of kBlock values (a multiple
+// of kLanes): every size known at compile time, so the vectors stay in registers.
+template <int kCount, int kBlock>
+FC_ALWAYS_INLINE ILanes block_maxima(const float* v) {
+  ILanes m[kCount];
+  for (int j = 0; j < kCount; ++j) {
+    m[j] = (ILanes)(lanes_bits(load_lanes(v + j * kBlock)) & 0x7FFFFFFFu);
+    for (int i = kLanes; i < kBlock; i += kLanes) {
+      const ILanes a = (ILanes)(lanes_bits(load_lanes(v + j * kBlock + i)) & 0x7FFFFFFFu);
+      m[j] = a > m[j] ? a : m[j];
+    }
+  }
+  return largest_lanes<kCount>(m);
+}
+
+// The same for nb <= kCount blocks of `block` values (16 or 32), in lanes 0..nb-1.
 template <int kCount>
 FC_ALWAYS_INLINE ILanes block_maxima(const float* v, int64_t block, int64_t nb) {
+  if (nb == kCount && block == 16) return block_maxima<kCount, 16>(v);
+  if (nb == kCount && block == 32) return block_maxima<kCount, 32>(v);
   ILanes m[kCount];
   for (int j = 0; j < kCount; ++j) {
     m[j] = ILanes{};
