@@ -1,9 +1,11 @@
 // A fingerprint of the CPU codec's output: one fixed, deterministic set of operands (every bit
-// width, f32/bf16/f16, group sizes 8..512, rotation 0/1/2, spikes 0/1/3, special values) through
-// quantize, dequantize and the two fused sums, hashed (FNV-1a 64) over every output byte. Printed
-// once per instruction-set build this CPU runs: "fingerprint <isa> <hash>". The codec is
-// bit-exact by design, so the hash must be the same on every build and every architecture;
+// width and floating-point format, f32/bf16/f16, group sizes 8..512, rotation 0/1/2, spikes
+// 0/1/3, special values) through quantize, dequantize and the two fused sums, hashed (FNV-1a
+// 64) over every output byte. Printed once per instruction-set build this CPU runs:
+// "fingerprint <isa> <hash>". The codec is bit-exact by design, so the hash must be the same on
+// every build and every architecture;
 // ffi/tests/run_aarch64.sh compares the x86-64 builds with the aarch64 ones (under qemu).
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -12,6 +14,7 @@
 
 #include "flashcomm/codec.h"
 #include "flashcomm/cpu_dispatch.h"
+#include "flashcomm/fp_codec.h"
 
 using flashcomm::PayloadView;
 using flashcomm::cpu::DType;
@@ -61,6 +64,44 @@ std::vector<uint8_t> AsDType(const std::vector<float>& v, DType dtype) {
   return out;
 }
 
+// The floating-point formats (fp_codec.h) through the same four passes: every format, group
+// sizes with a scalar tail (40, fp8 only) and several blocks, rotation where the size allows it,
+// spikes 0/1/3, each fused sum re-quantized in the next format. Buffers are sized exactly, so
+// that the sanitizer build catches a read or write past a record.
+void FpFingerprint(Fnv* fnv, uint32_t* seed) {
+  const auto& k = flashcomm::cpu::kernels();
+  for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
+    const size_t item = dtype == DType::kF32 ? 4 : 2;
+    for (int32_t format = 1; format <= 3; ++format) {
+      for (int64_t g : {16, 32, 40, 128, 512}) {
+        if (g % flashcomm::fp_block(format, g) != 0) continue;
+        for (int rotation : {0, 1, 2}) {
+          if (rotation != 0 && (g & (g - 1)) != 0) continue;
+          for (int spikes : {0, 1, 3}) {
+            const int64_t chunks = 3, groups = 5, n = chunks * groups * g, ng = n / g;
+            std::vector<float> v = Values(n, ++*seed);
+            if (spikes == 1) v[static_cast<size_t>(g + 3)] = INFINITY;  // poisons group 1 only
+            const std::vector<uint8_t> x = AsDType(v, dtype);
+            const int64_t rec = flashcomm::fp_record_bytes(format, g, spikes);
+            std::vector<uint8_t> records(static_cast<size_t>(ng * rec));
+            std::vector<uint8_t> y(static_cast<size_t>(n) * item);
+            std::vector<uint8_t> sum(static_cast<size_t>(groups * g) * item);
+            const int32_t out_format = format % 3 + 1;
+            std::vector<uint8_t> requantized(
+                static_cast<size_t>(groups * flashcomm::fp_record_bytes(out_format, g, spikes)));
+            k.fp_quantize(dtype, x.data(), ng, g, format, rotation, spikes, records.data());
+            k.fp_dequantize(dtype, records.data(), ng, g, format, rotation, spikes, y.data());
+            const flashcomm::cpu::FpChunks in{records.data(), 1, chunks, groups, g, format, spikes};
+            k.fp_dequantize_sum(dtype, in, rotation, sum.data(), 0, groups);
+            k.fp_dequantize_sum_quantize(in, out_format, spikes, requantized.data(), 0, groups);
+            for (const auto* v : {&records, &y, &sum, &requantized}) fnv->add(v->data(), v->size());
+          }
+        }
+      }
+    }
+  }
+}
+
 uint64_t Fingerprint() {
   const auto& k = flashcomm::cpu::kernels();
   Fnv fnv;
@@ -107,6 +148,7 @@ uint64_t Fingerprint() {
       }
     }
   }
+  FpFingerprint(&fnv, &seed);
   return fnv.h;
 }
 
