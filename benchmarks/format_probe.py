@@ -22,8 +22,11 @@ every channel of a call site's message by a static scale before quantizing and m
 sum by it after (linear, so exact without rounding; the smoothing of SmoothQuant applied to a
 collective): ``amax_c ** --alpha`` normalized to a geometric mean of 1, ``amax_c`` the
 channel's largest magnitude at that site over ``--calibration-windows`` windows that follow
-the scored ones. Wire bytes per value are each format's
-codes and scales as its spec stores them, averaged over the two phases, against a bf16 ring's
+the scored ones. Settings with ``+order`` permute each call site's channels by a static order
+from the same calibration (:func:`spreading_order`: the largest channels dealt to different
+groups, where a spike takes each; ``+order16``: to different NVFP4 blocks) and permute the
+sum back: zero wire bytes. Wire bytes per value are each format's codes and scales as its spec
+stores them, averaged over the two phases, against a bf16 ring's
 2.0. A simulation (numerics only, in ``jnp``): not the codec, nothing here runs a kernel.
 With ``--upgrade K [K ...]`` every setting is also scored with its ``K`` most sensitive call
 sites in ``fp8`` (the sites ranked by their KL when quantized alone, from
@@ -102,6 +105,9 @@ SETTINGS = {
     "mxfp4+smooth": ("mxfp4", "mxfp4"), "nvfp4+smooth": ("nvfp4", "nvfp4"),
     "nvfp4+h16+smooth": ("nvfp4+h16", "nvfp4+h16"),
     "nvfp4+smooth/fp8": ("nvfp4", "fp8"),
+    "nvfp4+order": ("nvfp4", "nvfp4"), "nvfp4+spike+order": ("nvfp4+spike", "nvfp4+spike"),
+    "nvfp4+spike+order/fp8": ("nvfp4+spike", "fp8"),
+    "nvfp4+order16": ("nvfp4", "nvfp4"), "nvfp4+spike+order16": ("nvfp4+spike", "nvfp4+spike"),
 }
 
 
@@ -178,21 +184,34 @@ def simulated_psum(x, axis_name: str, rs: Format, ag: Format):
     return fake_quantize(total, ag).astype(x.dtype)
 
 
-def simulated_comm(rs: Format, ag: Format, axis_name: str = "tp", channel_scale=None):
+def simulated_comm(rs: Format, ag: Format, axis_name: str = "tp", channel_scale=None,
+                   channel_order=None):
     """A ``TPComm("exact")`` whose all-reduces are :func:`simulated_psum`, of the message
-    divided by ``channel_scale`` (one per value of its last axis) and multiplied back after."""
+    divided by ``channel_scale`` (one per value of its last axis) and multiplied back after,
+    and with its last axis permuted by ``channel_order`` (position i takes channel
+    ``channel_order[i]``) and permuted back after."""
     import jax.numpy as jnp
+    import numpy as np
 
     from jax_flashcomm.nn import TPComm
 
     scale = None if channel_scale is None else jnp.asarray(channel_scale, jnp.float32)
+    order = None if channel_order is None else jnp.asarray(channel_order)
+    back = None if channel_order is None else jnp.asarray(np.argsort(channel_order))
 
     class SimulatedFormatComm(TPComm):
         def all_reduce(self, x):
-            if scale is None:
-                return simulated_psum(x, self.axis_name, rs, ag)
-            y = simulated_psum(x.astype(jnp.float32) / scale, self.axis_name, rs, ag)
-            return (y.astype(jnp.float32) * scale).astype(x.dtype)
+            v = x.astype(jnp.float32)
+            if scale is not None:
+                v = v / scale
+            if order is not None:
+                v = v[..., order]
+            y = simulated_psum(v, self.axis_name, rs, ag).astype(jnp.float32)
+            if back is not None:
+                y = y[..., back]
+            if scale is not None:
+                y = y * scale
+            return y.astype(x.dtype)
 
     return SimulatedFormatComm("exact", axis_name)
 
@@ -237,6 +256,26 @@ def smoothing_scales(amax, alpha: float):
     return (s / np.exp(np.mean(np.log(s)))).astype(np.float32)
 
 
+def spreading_order(amax, group: int = SPIKE_GROUP):
+    """A channel order (position i takes channel ``order[i]``) that deals the channels, largest
+    calibration magnitude first, to the ``group``-value units of a row in turn: the row's
+    ``C // group`` largest channels land in different units, a quarter unit from each unit's
+    start (so that they stay apart when a row starts half a group in), then the next ones beside
+    them; the channels past the last whole unit get the smallest. Units of a spike group
+    (``+order``): the largest channels travel as spikes instead of setting their blocks' scales;
+    units of an NVFP4 block (``+order16``): each block gets one of the largest."""
+    import numpy as np
+
+    a = np.asarray(amax, np.float64)
+    c = a.size
+    whole = c // group
+    slots = [j * group + (group // 4 + k) % group for k in range(group) for j in range(whole)]
+    slots += list(range(whole * group, c))
+    order = np.empty(c, np.int64)
+    order[np.asarray(slots)] = np.argsort(-a, kind="stable")
+    return order
+
+
 def run(args) -> dict:
     cli.set_devices(args.tp)
     import jax
@@ -263,13 +302,15 @@ def run(args) -> dict:
             "windows": len(windows), "calibration_windows": len(calibration),
             "alpha": args.alpha, "rows": [],
             "command": " ".join([".venv/bin/python -m benchmarks.format_probe", *sys.argv[1:]])}
-    scales = None
-    if any("+smooth" in n for n in names):
+    scales = orders = orders16 = None
+    if any("+smooth" in n or "+order" in n for n in names):
         if not calibration:
-            raise SystemExit("the +smooth settings need --calibration-windows >= 1 (the text "
-                             "has no window after the scored ones)")
+            raise SystemExit("the +smooth and +order settings need --calibration-windows >= 1 "
+                             "(the text has no window after the scored ones)")
         amax = channel_amax(model, mesh, calibration, ckpt.config.n_layers)
         scales = {key: smoothing_scales(a, args.alpha) for key, a in amax.items()}
+        orders = {key: spreading_order(a) for key, a in amax.items()}
+        orders16 = {key: spreading_order(a, 16) for key, a in amax.items()}
     set_comm(model, TPComm("exact"))
     exact = score_windows(model, mesh, windows)
     ppl0 = math.exp(float(exact["nll"].mean()))
@@ -291,10 +332,12 @@ def run(args) -> dict:
         progress(i, len(runs), start, unit="settings", what=label)
         rs, ag = (FORMATS[f] for f in SETTINGS[name])
         up = set(ranked[:k])
-        if "+smooth" in name or up:
+        if "+smooth" in name or "+order" in name or up:
             set_comm(model, TPComm("exact"), overrides={
                 key: (simulated_comm(upgrade, upgrade) if key in up else simulated_comm(
-                    rs, ag, channel_scale=scales[key] if "+smooth" in name else None))
+                    rs, ag, channel_scale=scales[key] if "+smooth" in name else None,
+                    channel_order=(orders16 if "+order16" in name else orders)[key]
+                    if "+order" in name else None))
                 for key in all_sites})
         else:
             set_comm(model, simulated_comm(rs, ag))

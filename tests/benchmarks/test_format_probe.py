@@ -122,3 +122,22 @@ def test_markdown_tables_live_between_their_markers(tmp_path):
     a = text.split("<!-- a: begin -->")[1].split("<!-- a: end -->")[0]
     b = text.split("<!-- b: begin -->")[1].split("<!-- b: end -->")[0]
     assert "16.000" in a and "15.000" in b
+
+
+def test_spreading_order_deals_the_largest_channels_to_different_units():
+    """A permutation; the row's C // unit largest channels sit in different units on rows that
+    start at a unit boundary and on rows that start half a group in; the smallest fill the
+    partial unit at the end."""
+    rng = np.random.default_rng(0)
+    amax = rng.random(576)
+    top = rng.choice(576, 4, replace=False)
+    amax[top] = 50 + np.arange(4)
+    for unit in (128, 16):
+        order = fp.spreading_order(amax, unit)
+        assert sorted(order) == list(range(576))
+        pos = np.argsort(order)  # where each channel went
+        k = 576 // unit
+        largest = np.argsort(-amax)[:k]
+        for shift in (0, 64):
+            assert len({(p + shift) // unit for p in pos[largest]}) == k
+        assert set(order[k * unit:]) == set(np.argsort(amax)[:576 - k * unit])
