@@ -77,8 +77,13 @@ FC_ALWAYS_INLINE int32_t reduce_imax(ILanes m) {
   return m[1] > m[0] ? m[1] : m[0];
 }
 
-// Whether any lane is non-zero.
+// Whether any lane is non-zero: one vptest on AVX2 and AVX-512, else a halving reduction.
 FC_ALWAYS_INLINE bool any_lane(ILanes m) {
+#if FLASHCOMM_LANES == 16 && defined(FC_X86) && defined(__AVX512F__)
+  return _mm512_test_epi32_mask((__m512i)m, (__m512i)m) != 0;
+#elif FLASHCOMM_LANES == 8 && defined(FC_X86) && defined(__AVX2__)
+  return !_mm256_testz_si256((__m256i)m, (__m256i)m);
+#endif
   if constexpr (kLanes >= 16) m |= permute_xor<8>(m);
   if constexpr (kLanes >= 8) m |= permute_xor<4>(m);
   m |= permute_xor<2>(m);
