@@ -302,15 +302,13 @@ def run(args) -> dict:
             "windows": len(windows), "calibration_windows": len(calibration),
             "alpha": args.alpha, "rows": [],
             "command": " ".join([".venv/bin/python -m benchmarks.format_probe", *sys.argv[1:]])}
-    scales = orders = orders16 = None
+    scales = amax = None
     if any("+smooth" in n or "+order" in n for n in names):
         if not calibration:
             raise SystemExit("the +smooth and +order settings need --calibration-windows >= 1 "
                              "(the text has no window after the scored ones)")
         amax = channel_amax(model, mesh, calibration, ckpt.config.n_layers)
         scales = {key: smoothing_scales(a, args.alpha) for key, a in amax.items()}
-        orders = {key: spreading_order(a) for key, a in amax.items()}
-        orders16 = {key: spreading_order(a, 16) for key, a in amax.items()}
     set_comm(model, TPComm("exact"))
     exact = score_windows(model, mesh, windows)
     ppl0 = math.exp(float(exact["nll"].mean()))
@@ -333,11 +331,11 @@ def run(args) -> dict:
         rs, ag = (FORMATS[f] for f in SETTINGS[name])
         up = set(ranked[:k])
         if "+smooth" in name or "+order" in name or up:
+            unit = 16 if "+order16" in name else SPIKE_GROUP
             set_comm(model, TPComm("exact"), overrides={
                 key: (simulated_comm(upgrade, upgrade) if key in up else simulated_comm(
                     rs, ag, channel_scale=scales[key] if "+smooth" in name else None,
-                    channel_order=(orders16 if "+order16" in name else orders)[key]
-                    if "+order" in name else None))
+                    channel_order=spreading_order(amax[key], unit) if "+order" in name else None))
                 for key in all_sites})
         else:
             set_comm(model, simulated_comm(rs, ag))

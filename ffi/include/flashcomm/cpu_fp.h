@@ -331,19 +331,7 @@ inline void fp_quantize_group(float* v, int64_t g, int32_t fmt, int k, int32_t* 
   }
   int32_t pos[kMaxSpikes];
   float kept[kMaxSpikes];
-  if (k == 1) {
-    // select_spikes with one spike: the first position whose key (the magnitude's bits) is
-    // the largest, which amax already holds.
-    const uint32_t best = float_to_bits(amax);
-    int64_t at = 0;
-    for (; at + kLanes <= g; at += kLanes) {
-      if (any_lane((ILanes)((lanes_bits(load_lanes(v + at)) & 0x7FFFFFFFu) == best))) break;
-    }
-    while ((float_to_bits(v[at]) & 0x7FFFFFFFu) != best) ++at;
-    pos[0] = int32_t(at);
-  } else {
-    select_spikes_lanes(v, g, k, keys, pos);
-  }
+  select_spikes_lanes(v, g, k, keys, pos);
   for (int j = 0; j < k; ++j) {
     kept[j] = v[pos[j]];
     v[pos[j]] = 0.0f;

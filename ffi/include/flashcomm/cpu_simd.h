@@ -83,11 +83,12 @@ FC_ALWAYS_INLINE bool any_lane(ILanes m) {
   return _mm512_test_epi32_mask((__m512i)m, (__m512i)m) != 0;
 #elif FLASHCOMM_LANES == 8 && defined(FC_X86) && defined(__AVX2__)
   return !_mm256_testz_si256((__m256i)m, (__m256i)m);
-#endif
+#else
   if constexpr (kLanes >= 16) m |= permute_xor<8>(m);
   if constexpr (kLanes >= 8) m |= permute_xor<4>(m);
   m |= permute_xor<2>(m);
   return (m[0] | m[1]) != 0;
+#endif
 }
 
 // kLanes bytes as one 32-bit lane each (zero-extended): one vpmovzxbd on AVX2 / AVX-512 (the

@@ -30,14 +30,43 @@ __attribute__((always_inline)) inline int32_t max_key(const int32_t* keys, int64
   return best;
 }
 
+// The key of each value of v (spike_key) as int32 lanes.
+__attribute__((always_inline)) inline ILanes key_lanes(const float* v) {
+  return (ILanes)(lanes_bits(load_lanes(v)) & 0x7FFFFFFFu);
+}
+
 // codec.h select_spikes, as its definition reads: k rounds of "the first position of the
 // largest key not yet taken". Each round is a vector max over the keys and a scan for its
 // first occurrence; a taken key becomes -1 (keys are non-negative as int32). keys: g scratch.
+// One spike (the 4-bit default) is one round on v itself: the keys are never stored.
 __attribute__((always_inline)) inline void select_spikes_lanes(const float* v, int64_t g, int k,
                                                                int32_t* keys, int32_t* pos) {
+  if (k == 1) {
+    int32_t best = -1;
+    int64_t i = 0;
+    if (g >= kLanes) {
+      ILanes m = key_lanes(v);
+      for (i = kLanes; i + kLanes <= g; i += kLanes) {
+        const ILanes a = key_lanes(v + i);
+        m = a > m ? a : m;
+      }
+      best = reduce_imax(m);
+    }
+    for (; i < g; ++i) {
+      const int32_t key = int32_t(spike_key(v[i]));
+      best = key > best ? key : best;
+    }
+    int64_t at = 0;
+    for (; at + kLanes <= g; at += kLanes) {
+      if (any_lane(key_lanes(v + at) == best)) break;
+    }
+    while (int32_t(spike_key(v[at])) != best) ++at;
+    pos[0] = int32_t(at);
+    return;
+  }
   int64_t i = 0;
   for (; i + kLanes <= g; i += kLanes) {
-    const ILanes key = (ILanes)(lanes_bits(load_lanes(v + i)) & 0x7FFFFFFFu);
+    const ILanes key = key_lanes(v + i);
     std::memcpy(keys + i, &key, sizeof key);
   }
   for (; i < g; ++i) keys[i] = int32_t(spike_key(v[i]));
