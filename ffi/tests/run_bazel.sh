@@ -25,8 +25,12 @@ if [[ "${BAZEL_KEEP_SERVER:-0}" != 1 ]]; then
   trap '"$bazel" shutdown >/dev/null 2>&1 || true' EXIT
 fi
 
-"$bazel" test "${flags[@]}" "$@" //:codec_cpu_test //:gather_cpu_test //:p2p_rendezvous_test //:shm_rendezvous_test \
-  //:cpu_parallel_test //:norm_cpu_test
+targets=(//:codec_cpu_test //:gather_cpu_test //:p2p_rendezvous_test //:shm_rendezvous_test
+  //:cpu_parallel_test //:norm_cpu_test)
+# Build first, then run the tests one at a time: the multi-process and timing checks of the
+# rendezvous tests never share the machine with a compile or with each other.
+"$bazel" build "${flags[@]}" "$@" "${targets[@]}"
+"$bazel" test "${flags[@]}" --local_test_jobs=1 "$@" "${targets[@]}"
 
 # Passed: print each test program's summary line ("N passed, M failed").
 for test in codec_cpu_test gather_cpu_test p2p_rendezvous_test shm_rendezvous_test cpu_parallel_test norm_cpu_test; do
