@@ -11,6 +11,12 @@ hand freed memory back to the kernel, so each call on a buffer of tens of MiB fa
 in again (16384 minor faults for 64 MiB: docs/allreduce.md measures the difference).
 :data:`MALLOC_KEEP`: one arena, no mmap'd blocks, never trim, grow the heap 256 MiB at a time:
 freed buffers are reused, as under an allocator that keeps memory (what a server would run).
+It also asks glibc (2.35 and later; older ones ignore it) to back the heap with transparent
+huge pages (``glibc.malloc.hugetlb=1``: ``madvise(MADV_HUGEPAGE)``), as numpy backs its own large
+arrays: the single-core memcpy every codec figure is a fraction of runs on huge pages, so the
+kernels' buffers do too. Without it, on the Intel Xeon VM of session 20 (THP in ``madvise``
+mode), the same build's fp8 quantize ran at 2.8-3.0 GB/s instead of 3.3-3.9 GB/s
+(``benchmarks.fp_codec``'s rates, two runs each, docs/fp_formats.md).
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from pathlib import Path
 __all__ = ["MALLOC_KEEP", "reexec_with", "median_seconds", "time_calls", "replace_block"]
 
 MALLOC_KEEP = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0",
-               "MALLOC_TRIM_THRESHOLD_": str(2**40), "MALLOC_TOP_PAD_": str(256 * 2**20)}
+               "MALLOC_TRIM_THRESHOLD_": str(2**40), "MALLOC_TOP_PAD_": str(256 * 2**20),
+               "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
 
 
 def reexec_with(env: dict) -> None:
