@@ -36,6 +36,9 @@ def test_mxfp4_keeps_grid_values_and_bounds_the_error():
     assert (np.abs(out / scale) <= 6).all()
 
 
+# XLA:CPU's older loop emitters (the suite's, tests/conftest.py) round f32 -> float4_e2m1fn
+# twice (3.4994 -> 4, not 3): the probe's E2M1 rounding holds on the default code only.
+@pytest.mark.default_xla_opt
 def test_nvfp4_block_scale_is_e4m3_under_the_message_scale():
     rng = np.random.default_rng(1)
     x = rng.standard_normal((128, 16)).astype(np.float32)

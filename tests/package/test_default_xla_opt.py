@@ -24,6 +24,7 @@ def _run_at_default_level(args):
     env = dict(os.environ, FLASHCOMM_TEST_XLA_OPT="default")
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
                                 if "optimization_level" not in f
+                                and "fusion_emitters" not in f
                                 and "device_count" not in f)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *args],
