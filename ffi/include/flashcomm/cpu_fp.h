@@ -156,21 +156,7 @@ FC_ALWAYS_INLINE ILanes block_maxima(const float* v, int64_t block, int64_t nb) 
 
 // Largest magnitude of n values (n a multiple of kLanes, or any n scalar), as f32 bits order.
 FC_ALWAYS_INLINE float max_abs(const float* v, int64_t n) {
-  int64_t i = 0;
-  int32_t best = 0;
-  if (n >= kLanes) {
-    ILanes m = (ILanes)(lanes_bits(load_lanes(v)) & 0x7FFFFFFFu);
-    for (i = kLanes; i + kLanes <= n; i += kLanes) {
-      const ILanes a = (ILanes)(lanes_bits(load_lanes(v + i)) & 0x7FFFFFFFu);
-      m = a > m ? a : m;
-    }
-    best = reduce_imax(m);
-  }
-  for (; i < n; ++i) {
-    const int32_t a = int32_t(float_to_bits(v[i]) & 0x7FFFFFFFu);
-    best = a > best ? a : best;
-  }
-  return bits_to_float(uint32_t(best));
+  return bits_to_float(uint32_t(max_key_of(v, n)));
 }
 
 // E4M3 codes (0..255, one per lane) -> f32, as e4m3_decode: the magnitude's bits placed under

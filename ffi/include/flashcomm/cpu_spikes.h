@@ -35,6 +35,26 @@ __attribute__((always_inline)) inline ILanes key_lanes(const float* v) {
   return (ILanes)(lanes_bits(load_lanes(v)) & 0x7FFFFFFFu);
 }
 
+// The largest key (spike_key: the magnitude's bits) of the g values of v, 0 for none; also the
+// group maximum of the FP formats (cpu_fp.h max_abs).
+__attribute__((always_inline)) inline int32_t max_key_of(const float* v, int64_t g) {
+  int64_t i = 0;
+  int32_t best = 0;
+  if (g >= kLanes) {
+    ILanes m = key_lanes(v);
+    for (i = kLanes; i + kLanes <= g; i += kLanes) {
+      const ILanes a = key_lanes(v + i);
+      m = a > m ? a : m;
+    }
+    best = reduce_imax(m);
+  }
+  for (; i < g; ++i) {
+    const int32_t key = int32_t(spike_key(v[i]));
+    best = key > best ? key : best;
+  }
+  return best;
+}
+
 // codec.h select_spikes, as its definition reads: k rounds of "the first position of the
 // largest key not yet taken". Each round is a vector max over the keys and a scan for its
 // first occurrence; a taken key becomes -1 (keys are non-negative as int32). keys: g scratch.
@@ -42,20 +62,7 @@ __attribute__((always_inline)) inline ILanes key_lanes(const float* v) {
 __attribute__((always_inline)) inline void select_spikes_lanes(const float* v, int64_t g, int k,
                                                                int32_t* keys, int32_t* pos) {
   if (k == 1) {
-    int32_t best = -1;
-    int64_t i = 0;
-    if (g >= kLanes) {
-      ILanes m = key_lanes(v);
-      for (i = kLanes; i + kLanes <= g; i += kLanes) {
-        const ILanes a = key_lanes(v + i);
-        m = a > m ? a : m;
-      }
-      best = reduce_imax(m);
-    }
-    for (; i < g; ++i) {
-      const int32_t key = int32_t(spike_key(v[i]));
-      best = key > best ? key : best;
-    }
+    const int32_t best = max_key_of(v, g);
     int64_t at = 0;
     for (; at + kLanes <= g; at += kLanes) {
       if (any_lane(key_lanes(v + at) == best)) break;
