@@ -57,16 +57,45 @@ FC_ALWAYS_INLINE ULanes load_nibbles(const uint8_t* in) {
 // kLanes bytes as one code per lane.
 FC_ALWAYS_INLINE ULanes load_bytes(const uint8_t* in) { return widen_u8(in); }
 
+// min(a, m) for a >= 0 or NaN: a < m ? a : m (x86's minps is exactly that; the vector
+// extension's ?: compiles to a compare and a blend).
+FC_ALWAYS_INLINE Lanes min_lanes(Lanes a, float m) {
+#if FLASHCOMM_LANES == 16 && defined(FC_X86) && defined(__AVX512F__)
+  // (the all-lanes mask form: _mm512_min_ps's undefined pass-through operand makes GCC 12 warn
+  // wherever the operands are constants)
+  return (Lanes)_mm512_maskz_min_ps(__mmask16(0xFFFF), (__m512)a, _mm512_set1_ps(m));
+#elif FLASHCOMM_LANES == 8 && defined(FC_X86) && defined(__AVX2__)
+  return (Lanes)_mm256_min_ps((__m256)a, _mm256_set1_ps(m));
+#else
+  return a < m ? a : Lanes{} + m;
+#endif
+}
+
+// below < small ? the integer nearest to small_scaled : normal, lane-wise. On x86 the
+// conversion instruction rounds in the current mode, as the add of 2^23 does elsewhere (codec.h
+// encode; small_scaled < 2^23), and AVX-512 merges it into `normal` under the compare's mask.
+FC_ALWAYS_INLINE ULanes round_where_below(Lanes below, float small, Lanes small_scaled,
+                                          ULanes normal) {
+#if FLASHCOMM_LANES == 16 && defined(FC_X86) && defined(__AVX512F__)
+  const __mmask16 k = _mm512_cmp_ps_mask((__m512)below, _mm512_set1_ps(small), _CMP_LT_OQ);
+  return (ULanes)_mm512_mask_cvtps_epi32((__m512i)normal, k, (__m512)small_scaled);
+#elif FLASHCOMM_LANES == 8 && defined(FC_X86) && defined(__AVX2__)
+  return below < small ? (ULanes)_mm256_cvtps_epi32((__m256)small_scaled) : normal;
+#else
+  return below < small ? lanes_bits(add_rn(small_scaled, 8388608.0f)) - 0x4B000000u : normal;
+#endif
+}
+
 // fp_codec.h e4m3_encode, lane-wise. Above 2^-6 the rounded bits' exponent and top three
-// mantissa bits, read as one field, are the code plus 120 << 3 (the exponent biases' difference).
+// mantissa bits, read as one field, are the code plus 120 << 3 (the exponent biases' difference);
+// below it the code is 512 a rounded to an integer.
 FC_ALWAYS_INLINE ULanes e4m3_encode_lanes(Lanes a) {
-  a = a < kE4m3Max ? a : Lanes{} + kE4m3Max;
-  const ULanes sub = lanes_bits(add_rn(mul_rn(a, 512.0f), 8388608.0f)) - 0x4B000000u;
+  a = min_lanes(a, kE4m3Max);
   // (the bias difference subtracted before the shift: one operation fewer; u >= 121 << 23 in
   // the lanes that keep it)
   const ULanes u = lanes_bits(a);
   const ULanes normal = (u + (0x7FFFFu - (960u << 20)) + ((u >> 20) & 1u)) >> 20;
-  return a < 0.015625f ? sub : normal;
+  return round_where_below(a, 0.015625f, mul_rn(a, 512.0f), normal);
 }
 
 // fp_codec.h e2m1_encode, lane-wise. On AVX-512 a comparison lands in a mask register and costs
@@ -76,11 +105,10 @@ FC_ALWAYS_INLINE ULanes e4m3_encode_lanes(Lanes a) {
 // ties). Elsewhere the seven comparisons, each -1 where true.
 FC_ALWAYS_INLINE ULanes e2m1_encode_lanes(Lanes a) {
 #if FLASHCOMM_LANES == 16
-  a = a < kE2m1Max ? a : Lanes{} + kE2m1Max;
-  const ULanes sub = lanes_bits(add_rn(mul_rn(a, 2.0f), 8388608.0f)) - 0x4B000000u;
+  a = min_lanes(a, kE2m1Max);
   const ULanes u = lanes_bits(a);
   const ULanes normal = (u + (0x1FFFFFu - (252u << 22)) + ((u >> 22) & 1u)) >> 22;
-  return a < 1.0f ? sub : normal;
+  return round_where_below(a, 1.0f, mul_rn(a, 2.0f), normal);
 #else
   const ILanes k = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
                    (a >= 3.5f) + (a > 5.0f);
@@ -193,6 +221,58 @@ FC_ALWAYS_INLINE Lanes e2m1_decode_lanes(ULanes c) {
 #endif
 }
 
+#if FLASHCOMM_LANES == 16 && defined(__AVX512BW__)
+typedef __m512i FcVecI;
+FC_ALWAYS_INLINE FcVecI fc_packus_epi32(FcVecI a, FcVecI b) { return _mm512_packus_epi32(a, b); }
+FC_ALWAYS_INLINE FcVecI fc_packus_epi16(FcVecI a, FcVecI b) { return _mm512_packus_epi16(a, b); }
+FC_ALWAYS_INLINE FcVecI fc_packs_epi32(FcVecI a, FcVecI b) { return _mm512_packs_epi32(a, b); }
+FC_ALWAYS_INLINE FcVecI fc_packs_epi16(FcVecI a, FcVecI b) { return _mm512_packs_epi16(a, b); }
+// a | (b & 0x80 in every byte)
+FC_ALWAYS_INLINE FcVecI fc_or_top_bit(FcVecI a, FcVecI b) {
+  return _mm512_ternarylogic_epi32(a, b, _mm512_set1_epi8(char(0x80)), 0xF8);
+}
+// a | (bit 7 of each byte of b, moved to bit 3)
+FC_ALWAYS_INLINE FcVecI fc_or_sign_nibble(FcVecI a, FcVecI b) {
+  return _mm512_ternarylogic_epi32(a, _mm512_srli_epi16(b, 4), _mm512_set1_epi8(8), 0xF8);
+}
+// The 4 x 4 pieces of 4 bytes from lane-major to vector-major order (what the packs of four
+// vectors leave: 128-bit lane k holds piece k of each vector in turn).
+FC_ALWAYS_INLINE FcVecI fc_permute_dwords(FcVecI a) {
+  return _mm512_permutexvar_epi32(
+      _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), a);
+}
+// 64 E2M1 codes (one per byte, in order) to 32 bytes of nibbles, the even code low.
+FC_ALWAYS_INLINE void fc_store_nibble_bytes(FcVecI codes, uint8_t* out) {
+  // 16-bit words lo | hi << 8 -> lo | hi << 4 (lo < 16), then the words' low bytes
+  const __m512i w = _mm512_and_si512(_mm512_or_si512(codes, _mm512_srli_epi16(codes, 4)),
+                                     _mm512_set1_epi16(0xFF));
+  const __m512i b = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7),
+                                             _mm512_packus_epi16(w, w));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_castsi512_si256(b));
+}
+#elif FLASHCOMM_LANES == 8 && defined(__AVX2__)
+typedef __m256i FcVecI;
+FC_ALWAYS_INLINE FcVecI fc_packus_epi32(FcVecI a, FcVecI b) { return _mm256_packus_epi32(a, b); }
+FC_ALWAYS_INLINE FcVecI fc_packus_epi16(FcVecI a, FcVecI b) { return _mm256_packus_epi16(a, b); }
+FC_ALWAYS_INLINE FcVecI fc_packs_epi32(FcVecI a, FcVecI b) { return _mm256_packs_epi32(a, b); }
+FC_ALWAYS_INLINE FcVecI fc_packs_epi16(FcVecI a, FcVecI b) { return _mm256_packs_epi16(a, b); }
+FC_ALWAYS_INLINE FcVecI fc_or_top_bit(FcVecI a, FcVecI b) {
+  return _mm256_or_si256(a, _mm256_and_si256(b, _mm256_set1_epi8(char(0x80))));
+}
+FC_ALWAYS_INLINE FcVecI fc_or_sign_nibble(FcVecI a, FcVecI b) {
+  return _mm256_or_si256(a, _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi8(8)));
+}
+FC_ALWAYS_INLINE FcVecI fc_permute_dwords(FcVecI a) {
+  return _mm256_permutevar8x32_epi32(a, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+FC_ALWAYS_INLINE void fc_store_nibble_bytes(FcVecI codes, uint8_t* out) {
+  const __m256i w = _mm256_and_si256(_mm256_or_si256(codes, _mm256_srli_epi16(codes, 4)),
+                                     _mm256_set1_epi16(0xFF));
+  const __m256i b = _mm256_permute4x64_epi64(_mm256_packus_epi16(w, w), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(b));
+}
+#endif
+
 // Element codes of n values RN(v * inv) (inv, in every lane: fp_inverse of the block scale, or
 // mxfp4's exact power of two), E4M3 bytes (fp8) or E2M1 nibbles from element `first` on (n and
 // first even).
@@ -200,21 +280,38 @@ template <bool kFp8>
 FC_ALWAYS_INLINE void encode_run(const float* v, int64_t n, Lanes inv, int64_t first,
                                  uint8_t* codes) {
   int64_t i = 0;
-#if FLASHCOMM_LANES == 8 && defined(FC_X86) && defined(__AVX2__)
+#if (FLASHCOMM_LANES == 8 && defined(__AVX2__)) || (FLASHCOMM_LANES == 16 && defined(__AVX512BW__))
   if constexpr (kFp8) {
-    // Four vectors of codes (each lane <= 0xFF) to 32 bytes with two packs and one lane
-    // permutation, instead of a shuffle, a permutation and an OR per 8 codes.
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    // Four vectors at a time: the magnitudes' codes (<= 0x7E) packed to bytes with unsigned
+    // saturation, the values themselves with signed saturation (which keeps each sign, -0.0's
+    // too, in the byte's top bit), then one OR of that bit and one permutation of the 32-bit
+    // pieces the in-lane packs interleaved: instead of a shift, an OR and a narrowing per vector.
     for (; i + 4 * kLanes <= n; i += 4 * kLanes) {
-      __m256i c[4];
+      FcVecI c[4], q[4];
       for (int j = 0; j < 4; ++j) {
-        const Lanes q = mul_rn(load_lanes(v + i + j * kLanes), inv);
-        c[j] = (__m256i)(e4m3_encode_lanes(abs_lanes(q)) | ((lanes_bits(q) >> 24) & 0x80u));
+        const Lanes x = mul_rn(load_lanes(v + i + j * kLanes), inv);
+        q[j] = (FcVecI)x;
+        c[j] = (FcVecI)e4m3_encode_lanes(abs_lanes(x));
       }
-      const __m256i bytes = _mm256_permutevar8x32_epi32(
-          _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3])),
-          order);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + first + i), bytes);
+      const FcVecI mag = fc_packus_epi16(fc_packus_epi32(c[0], c[1]), fc_packus_epi32(c[2], c[3]));
+      const FcVecI sign = fc_packs_epi16(fc_packs_epi32(q[0], q[1]), fc_packs_epi32(q[2], q[3]));
+      const FcVecI bytes = fc_permute_dwords(fc_or_top_bit(mag, sign));
+      std::memcpy(codes + first + i, &bytes, sizeof(bytes));
+    }
+  } else {
+    // The same for E2M1: the sign's byte bit 7 shifted to bit 3 (a 16-bit shift by 4 moves
+    // each byte's bit 7 there), then two codes to a byte.
+    for (; i + 4 * kLanes <= n; i += 4 * kLanes) {
+      FcVecI c[4], q[4];
+      for (int j = 0; j < 4; ++j) {
+        const Lanes x = mul_rn(load_lanes(v + i + j * kLanes), inv);
+        q[j] = (FcVecI)x;
+        c[j] = (FcVecI)e2m1_encode_lanes(abs_lanes(x));
+      }
+      const FcVecI mag = fc_packus_epi16(fc_packus_epi32(c[0], c[1]), fc_packus_epi32(c[2], c[3]));
+      const FcVecI sign = fc_packs_epi16(fc_packs_epi32(q[0], q[1]), fc_packs_epi32(q[2], q[3]));
+      fc_store_nibble_bytes(fc_permute_dwords(fc_or_sign_nibble(mag, sign)),
+                            codes + (first + i) / 2);
     }
   }
 #endif
@@ -299,8 +396,13 @@ inline void fp_encode_group(const float* v, int64_t g, int32_t fmt, float amax, 
     for (int j = 0; j < nb; ++j) {
       const int64_t b = b0 + j;
       if (nonzero[j]) {
-        encode_run<false>(v + b * block, block, __builtin_shuffle(inv, ILanes{} + j), b * block,
-                          rec);
+        // the two block sizes as constants, so each inlined loop is laid out for its size
+        const Lanes inv_b = __builtin_shuffle(inv, ILanes{} + j);
+        if (block == 16) {
+          encode_run<false>(v + b * block, 16, inv_b, b * block, rec);
+        } else {
+          encode_run<false>(v + b * block, 32, inv_b, b * block, rec);
+        }
       } else {
         std::memset(rec + b * block / 2, 0, size_t(block / 2));
       }
