@@ -3,7 +3,8 @@
 //     bash benchmarks/fp_loop.sh
 //
 // Compiled once per instruction set (fp_loop.sh: the flags of CMakeLists.txt's ISA builds), it
-// runs the loop of ffi/cpu/isa_kernels.cc FpQuantizeOp (load_group, then fp_quantize_group) over
+// runs the loop of ffi/cpu/isa_kernels.cc FpQuantizeOp (load_group, then fp_quantize_group, or
+// fp8_quantize_groups on kLanes groups at a time for fp8) over
 // a bf16 operand of G = 128 groups, one thread, and prints for each format ns per group and
 // GB/s of the operand beside single-core memcpy of the same bytes:
 //   - "L2": a 1 MiB operand, so the time is the arithmetic's;
@@ -62,19 +63,27 @@ Result Run(int32_t format, int64_t mib, bool huge) {
     std::memcpy(&bits, &f, 4);
     x[i] = uint16_t(bits >> 16);
   }
-  auto* buf = static_cast<float*>(std::aligned_alloc(64, g * sizeof(float)));
+  auto* buf = static_cast<float*>(std::aligned_alloc(64, kLanes * g * sizeof(float)));
   auto* keys = static_cast<int32_t*>(std::aligned_alloc(64, g * sizeof(int32_t)));
   const int reps = mib < 4 ? 400 : 20;
   double best = 1e30, best_copy = 1e30;
   volatile float sink = 0;
   for (int r = 0; r < reps; ++r) {
     const double t0 = Now();
-    for (int64_t k = 0; k < groups; ++k) {
-      load_group<BF16>(x + k * g, g, buf);
-      if constexpr (kMode == 0) {
-        fp_quantize_group(buf, g, format, 0, keys, records + k * stride);
-      } else {
-        sink = sink + max_abs(buf, g);
+    if (kMode == 0 && format == kFormatFp8 && g % kLanes == 0 && g <= kFp8BatchMaxGroup) {
+      for (int64_t k0 = 0; k0 < groups; k0 += kLanes) {  // FpQuantizeOp's fp8 batches
+        const int64_t count = groups - k0 < kLanes ? groups - k0 : kLanes;
+        for (int64_t j = 0; j < count; ++j) load_group<BF16>(x + (k0 + j) * g, g, buf + j * g);
+        fp8_quantize_groups(buf, count, g, records + k0 * stride, stride);
+      }
+    } else {
+      for (int64_t k = 0; k < groups; ++k) {
+        load_group<BF16>(x + k * g, g, buf);
+        if constexpr (kMode == 0) {
+          fp_quantize_group(buf, g, format, 0, keys, records + k * stride);
+        } else {
+          sink = sink + max_abs(buf, g);
+        }
       }
     }
     const double t = Now() - t0;

@@ -394,6 +394,18 @@ struct FpQuantizeOp {
     Scratch<int32_t> keys(spikes > 0 ? g : 0);
     if (const size_t failed = FailedBytes(masks.masks, buf, keys)) return failed;
     const int64_t stride = fp_record_bytes(format, g, spikes);
+    if (format == kFormatFp8 && spikes == 0 && g % kLanes == 0 && g <= kFp8BatchMaxGroup) {
+      Scratch<float> batch(kLanes * g);
+      if (batch.failed()) return batch.bytes;
+      for (int64_t k0 = 0; k0 < n_groups; k0 += kLanes) {
+        const int64_t count = n_groups - k0 < kLanes ? n_groups - k0 : kLanes;
+        for (int64_t j = 0; j < count; ++j) {
+          LoadRotated<T>(xs + (k0 + j) * g, g, rotation, masks, batch.data + j * g);
+        }
+        fp8_quantize_groups(batch.data, count, g, records + k0 * stride, stride);
+      }
+      return 0;
+    }
     for (int64_t k = 0; k < n_groups; ++k) {
       LoadRotated<T>(xs + k * g, g, rotation, masks, buf.data);
       fp_quantize_group(buf.data, g, format, spikes, keys.data, records + k * stride);

@@ -71,6 +71,16 @@ FC_ALWAYS_INLINE Lanes min_lanes(Lanes a, float m) {
 #endif
 }
 
+// min(|a|, m) (m > 0; a not NaN). AVX-512 DQ: one vrangeps (the smaller magnitude, sign
+// cleared) in place of an AND and a minps.
+FC_ALWAYS_INLINE Lanes abs_min_lanes(Lanes a, float m) {
+#if FLASHCOMM_LANES == 16 && defined(FC_X86) && defined(__AVX512DQ__)
+  return (Lanes)_mm512_maskz_range_ps(__mmask16(0xFFFF), (__m512)a, _mm512_set1_ps(m), 0x0A);
+#else
+  return min_lanes(abs_lanes(a), m);
+#endif
+}
+
 // below < small ? the integer nearest to small_scaled : normal, lane-wise. On x86 the
 // conversion instruction rounds in the current mode, as the add of 2^23 does elsewhere (codec.h
 // encode; small_scaled < 2^23), and AVX-512 merges it into `normal` under the compare's mask.
@@ -89,13 +99,16 @@ FC_ALWAYS_INLINE ULanes round_where_below(Lanes below, float small, Lanes small_
 // fp_codec.h e4m3_encode, lane-wise. Above 2^-6 the rounded bits' exponent and top three
 // mantissa bits, read as one field, are the code plus 120 << 3 (the exponent biases' difference);
 // below it the code is 512 a rounded to an integer.
-FC_ALWAYS_INLINE ULanes e4m3_encode_lanes(Lanes a) {
-  a = min_lanes(a, kE4m3Max);
+// e4m3_encode_clamped takes a in [0, 448] (abs_min_lanes clamps it); e4m3_encode_lanes any a >= 0.
+FC_ALWAYS_INLINE ULanes e4m3_encode_clamped(Lanes a) {
   // (the bias difference subtracted before the shift: one operation fewer; u >= 121 << 23 in
   // the lanes that keep it)
   const ULanes u = lanes_bits(a);
   const ULanes normal = (u + (0x7FFFFu - (960u << 20)) + ((u >> 20) & 1u)) >> 20;
   return round_where_below(a, 0.015625f, mul_rn(a, 512.0f), normal);
+}
+FC_ALWAYS_INLINE ULanes e4m3_encode_lanes(Lanes a) {
+  return e4m3_encode_clamped(min_lanes(a, kE4m3Max));
 }
 
 // fp_codec.h e2m1_encode, lane-wise. On AVX-512 a comparison lands in a mask register and costs
@@ -103,9 +116,10 @@ FC_ALWAYS_INLINE ULanes e4m3_encode_lanes(Lanes a) {
 // does: below 1 the step 1/2 (2a rounded to an integer), above it one mantissa bit under an
 // exponent bias of 126, saturated at 6 (the same codes for every a >= 0: tests/codec, the
 // ties). Elsewhere the seven comparisons, each -1 where true.
-FC_ALWAYS_INLINE ULanes e2m1_encode_lanes(Lanes a) {
+// e2m1_encode_clamped takes a in [0, 6] (the comparisons: any a >= 0); e2m1_magnitude(q) is
+// |q| in that range.
+FC_ALWAYS_INLINE ULanes e2m1_encode_clamped(Lanes a) {
 #if FLASHCOMM_LANES == 16
-  a = min_lanes(a, kE2m1Max);
   const ULanes u = lanes_bits(a);
   const ULanes normal = (u + (0x1FFFFFu - (252u << 22)) + ((u >> 22) & 1u)) >> 22;
   return round_where_below(a, 1.0f, mul_rn(a, 2.0f), normal);
@@ -113,6 +127,20 @@ FC_ALWAYS_INLINE ULanes e2m1_encode_lanes(Lanes a) {
   const ILanes k = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
                    (a >= 3.5f) + (a > 5.0f);
   return (ULanes)(-k);
+#endif
+}
+FC_ALWAYS_INLINE ULanes e2m1_encode_lanes(Lanes a) {
+#if FLASHCOMM_LANES == 16
+  return e2m1_encode_clamped(min_lanes(a, kE2m1Max));
+#else
+  return e2m1_encode_clamped(a);
+#endif
+}
+FC_ALWAYS_INLINE Lanes e2m1_magnitude(Lanes q) {
+#if FLASHCOMM_LANES == 16
+  return abs_min_lanes(q, kE2m1Max);
+#else
+  return abs_lanes(q);
 #endif
 }
 
@@ -291,7 +319,7 @@ FC_ALWAYS_INLINE void encode_run(const float* v, int64_t n, Lanes inv, int64_t f
       for (int j = 0; j < 4; ++j) {
         const Lanes x = mul_rn(load_lanes(v + i + j * kLanes), inv);
         q[j] = (FcVecI)x;
-        c[j] = (FcVecI)e4m3_encode_lanes(abs_lanes(x));
+        c[j] = (FcVecI)e4m3_encode_clamped(abs_min_lanes(x, kE4m3Max));
       }
       const FcVecI mag = fc_packus_epi16(fc_packus_epi32(c[0], c[1]), fc_packus_epi32(c[2], c[3]));
       const FcVecI sign = fc_packs_epi16(fc_packs_epi32(q[0], q[1]), fc_packs_epi32(q[2], q[3]));
@@ -306,7 +334,7 @@ FC_ALWAYS_INLINE void encode_run(const float* v, int64_t n, Lanes inv, int64_t f
       for (int j = 0; j < 4; ++j) {
         const Lanes x = mul_rn(load_lanes(v + i + j * kLanes), inv);
         q[j] = (FcVecI)x;
-        c[j] = (FcVecI)e2m1_encode_lanes(abs_lanes(x));
+        c[j] = (FcVecI)e2m1_encode_clamped(e2m1_magnitude(x));
       }
       const FcVecI mag = fc_packus_epi16(fc_packus_epi32(c[0], c[1]), fc_packus_epi32(c[2], c[3]));
       const FcVecI sign = fc_packs_epi16(fc_packs_epi32(q[0], q[1]), fc_packs_epi32(q[2], q[3]));
@@ -320,10 +348,11 @@ FC_ALWAYS_INLINE void encode_run(const float* v, int64_t n, Lanes inv, int64_t f
     const Lanes q = mul_rn(x, inv);
     // the sign bit moved to the code's top bit with one shift and one AND
     if constexpr (kFp8) {
-      narrow_bytes(e4m3_encode_lanes(abs_lanes(q)) | ((lanes_bits(q) >> 24) & 0x80u),
-                   codes + first + i);
+      narrow_bytes(
+          e4m3_encode_clamped(abs_min_lanes(q, kE4m3Max)) | ((lanes_bits(q) >> 24) & 0x80u),
+          codes + first + i);
     } else {
-      store_nibbles(e2m1_encode_lanes(abs_lanes(q)) | ((lanes_bits(q) >> 28) & 8u),
+      store_nibbles(e2m1_encode_clamped(e2m1_magnitude(q)) | ((lanes_bits(q) >> 28) & 8u),
                     codes + (first + i) / 2);
     }
   }
@@ -407,6 +436,35 @@ inline void fp_encode_group(const float* v, int64_t g, int32_t fmt, float amax, 
         std::memset(rec + b * block / 2, 0, size_t(block / 2));
       }
     }
+  }
+}
+
+// fp8 without spikes, kLanes groups at a time: up to kLanes f32 groups of g values (g a
+// multiple of kLanes), one after another in v, into their records. The groups' maxima come from
+// one transposing reduction and their scales and inverses lane-wise (fp8_scale_bits and
+// fp_inverse's operations, one division for every group), instead of a horizontal reduction and
+// a scalar chain per group. The same bytes as fp_quantize_group on each group.
+constexpr int64_t kFp8BatchMaxGroup = 512;  // a batch's f32 values stay in L1 / L2
+inline void fp8_quantize_groups(const float* v, int64_t count, int64_t g, uint8_t* records,
+                                int64_t stride) {
+  const ILanes am = block_maxima<kLanes>(v, g, count);
+  const Lanes amax = bits_lanes((ULanes)am);
+  Lanes t = mul_rn(amax, kInvE4m3Max);
+  t = t > kFp8MinScale ? t : Lanes{} + kFp8MinScale;
+  // bf16_round_down / bf16_round_up of t > 0: the truncation, or one ulp more when bits are lost
+  const ULanes ut = lanes_bits(t), lo = ut & 0xFFFF0000u;
+  const ILanes up = (mul_rn(bits_lanes(lo), kE4m3Max) < amax) & ((ut & 0xFFFFu) != 0u);
+  const ULanes s = lo + ((ULanes)up & 0x10000u);
+  const Lanes inv = 1.0f / bits_lanes(s);
+  for (int64_t j = 0; j < count; ++j) {
+    uint8_t* rec = records + j * stride;
+    if (uint32_t(am[j]) >= 0x7F800000u) {  // an Inf or a NaN
+      fp_encode_group(v + j * g, g, kFormatFp8, bits_to_float(uint32_t(am[j])), false, rec);
+      continue;
+    }
+    rec[g] = uint8_t((s[j] >> 16) & 0xFF);
+    rec[g + 1] = uint8_t(s[j] >> 24);
+    encode_run<true>(v + j * g, g, __builtin_shuffle(inv, ILanes{} + int32_t(j)), 0, rec);
   }
 }
 
