@@ -531,25 +531,38 @@ FC_ALWAYS_INLINE bool fp8_half_decode16(const uint8_t* c, float s256, Lanes* lo,
   return true;
 }
 
-#if FLASHCOMM_LANES == 16
-// An fp8 record without spikes (g a multiple of 16) decoded and stored as T, saturated as
-// store_group does, without the f32 buffer. False (y partly written) where a step needs the
-// lane decode: the caller then decodes the group the general way. AVX-512 only: with AVX2's 16
-// registers the fused loop measured 0.91-0.99x the buffered one (bf16, G = 128).
+// An fp8 record without spikes (g a multiple of 16) decoded and stored as bf16 or f32 in one
+// pass, without the f32 buffer, where its scale s has 2^-117 <= |s| <= 2^119 (every scale the
+// encoder writes): then every value is 0 or normal, finite and within bf16's range, so the
+// saturation and the NaN case of store_group change nothing and are left out. False (y partly
+// written) for other scales and output types, or where a step holds a NaN code: the caller then
+// decodes the group the general way.
 template <typename T>
 FC_ALWAYS_INLINE bool fp8_decode_store(const uint8_t* rec, int64_t g, typename T::Storage* y) {
-  const float s = bf16_to_float(uint16_t(rec[g] | (rec[g + 1] << 8)));
-  if (!fp8_half_decodable(s)) return false;
-  const float s256 = mul_rn(s, 256.0f);
-  Lanes lo, hi;
-  for (int64_t i = 0; i < g; i += 16) {
-    if (!fp8_half_decode16(rec + i, s256, &lo, &hi)) return false;
-    store_lanes_t<T>(saturate(lo, T::kMax), y + i);
+  constexpr bool kBf16 = std::is_same_v<T, BF16>;
+  if constexpr (!kBf16 && !std::is_same_v<T, F32>) {
+    return false;
+  } else {
+    const float s = bf16_to_float(uint16_t(rec[g] | (rec[g + 1] << 8)));
+    const float sa = bits_to_float(float_to_bits(s) & 0x7FFFFFFFu);
+    if (!(sa >= 0x1p-117f && sa <= 0x1p119f)) return false;
+    const float s256 = mul_rn(s, 256.0f);
+    Lanes v[2];
+    for (int64_t i = 0; i < g; i += 16) {
+      if (!fp8_half_decode16(rec + i, s256, &v[0], &v[1])) return false;
+      for (int j = 0; j < 16 / kLanes; ++j) {
+        if constexpr (kBf16) {  // bf16_bits_lanes of a finite value
+          const ULanes u = lanes_bits(v[j]);
+          narrow_halves((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, y + i + j * kLanes);
+        } else {
+          store_lanes(y + i + j * kLanes, v[j]);
+        }
+      }
+    }
+    return true;
   }
-  return true;
 }
 #define FC_FP8_DECODE_STORE 1
-#endif
 #endif
 
 // One record to f32 values (element times its block scale), spikes put back.
