@@ -73,8 +73,11 @@ Result Run(int32_t format, int64_t mib, bool huge) {
     if (kMode == 0 && format == kFormatFp8 && g % kLanes == 0 && g <= kFp8BatchMaxGroup) {
       for (int64_t k0 = 0; k0 < groups; k0 += kLanes) {  // FpQuantizeOp's fp8 batches
         const int64_t count = groups - k0 < kLanes ? groups - k0 : kLanes;
-        for (int64_t j = 0; j < count; ++j) load_group<BF16>(x + (k0 + j) * g, g, buf + j * g);
-        fp8_quantize_groups(buf, count, g, records + k0 * stride, stride);
+        ILanes m[kLanes];
+        for (int64_t j = 0; j < kLanes; ++j) {
+          m[j] = j < count ? load_group_max<BF16>(x + (k0 + j) * g, g, buf + j * g) : ILanes{};
+        }
+        fp8_encode_groups(buf, count, g, largest_lanes<kLanes>(m), records + k0 * stride, stride);
       }
     } else {
       for (int64_t k = 0; k < groups; ++k) {

@@ -445,9 +445,10 @@ inline void fp_encode_group(const float* v, int64_t g, int32_t fmt, float amax, 
 // fp_inverse's operations, one division for every group), instead of a horizontal reduction and
 // a scalar chain per group. The same bytes as fp_quantize_group on each group.
 constexpr int64_t kFp8BatchMaxGroup = 512;  // a batch's f32 values stay in L1 / L2
-inline void fp8_quantize_groups(const float* v, int64_t count, int64_t g, uint8_t* records,
-                                int64_t stride) {
-  const ILanes am = block_maxima<kLanes>(v, g, count);
+// am: lane j the largest magnitude's bits of group j (block_maxima, or load_group_max's
+// vectors through largest_lanes).
+inline void fp8_encode_groups(const float* v, int64_t count, int64_t g, ILanes am,
+                              uint8_t* records, int64_t stride) {
   const Lanes amax = bits_lanes((ULanes)am);
   Lanes t = mul_rn(amax, kInvE4m3Max);
   t = t > kFp8MinScale ? t : Lanes{} + kFp8MinScale;
@@ -466,6 +467,25 @@ inline void fp8_quantize_groups(const float* v, int64_t count, int64_t g, uint8_
     rec[g + 1] = uint8_t(s[j] >> 24);
     encode_run<true>(v + j * g, g, __builtin_shuffle(inv, ILanes{} + int32_t(j)), 0, rec);
   }
+}
+
+inline void fp8_quantize_groups(const float* v, int64_t count, int64_t g, uint8_t* records,
+                                int64_t stride) {
+  fp8_encode_groups(v, count, g, block_maxima<kLanes>(v, g, count), records, stride);
+}
+
+// load_group (g a multiple of kLanes) that also returns the lane-wise largest magnitude's bits
+// of the group: one pass over the values instead of two.
+template <typename T>
+FC_ALWAYS_INLINE ILanes load_group_max(const typename T::Storage* x, int64_t g, float* v) {
+  ILanes m = ILanes{};
+  for (int64_t i = 0; i < g; i += kLanes) {
+    const Lanes a = load_lanes_t<T>(x + i);
+    std::memcpy(v + i, &a, sizeof a);
+    const ILanes k = (ILanes)(lanes_bits(a) & 0x7FFFFFFFu);
+    m = k > m ? k : m;
+  }
+  return m;
 }
 
 // One f32 group v (overwritten: spikes zeroed) with k spikes into its whole record.
