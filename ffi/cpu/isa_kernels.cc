@@ -439,14 +439,17 @@ struct FpDequantizeOp {
     if (const size_t failed = FailedBytes(masks.masks, buf)) return failed;
     const FpTables tables;
     const int64_t stride = fp_record_bytes(format, g, spikes);
+    // bf16 / f32 in one pass where the records allow it (fp8_decode_store, fp4_decode_store)
+    const bool plain = spikes == 0 && rotation == kRotationNone;
 #if defined(FC_FP8_DECODE_STORE)
-    const bool direct = format == kFormatFp8 && spikes == 0 && rotation == kRotationNone &&
-                        g % 16 == 0;
+    const bool direct8 = plain && format == kFormatFp8 && g % 16 == 0;
 #endif
+    const bool direct4 = plain && format != kFormatFp8;
     for (int64_t k = 0; k < n_groups; ++k) {
 #if defined(FC_FP8_DECODE_STORE)
-      if (direct && fp8_decode_store<T>(records + k * stride, g, ys + k * g)) continue;
+      if (direct8 && fp8_decode_store<T>(records + k * stride, g, ys + k * g)) continue;
 #endif
+      if (direct4 && fp4_decode_store<T>(records + k * stride, g, format, ys + k * g)) continue;
       fp_decode_group(records + k * stride, g, format, spikes, tables, buf.data);
       if (rotation != kRotationNone) unrotate_group(buf.data, g, masks.get());
       store_group<T>(buf.data, g, /*saturating=*/true, ys + k * g);

@@ -522,6 +522,42 @@ struct FpTables {
   float e2m1[16];
 };
 
+// kLanes values that are not NaN and within T's finite range stored as T (bf16 or f32): what
+// store_group does with them, its saturation and NaN case left out.
+template <typename T>
+FC_ALWAYS_INLINE void store_plain(Lanes v, typename T::Storage* y) {
+  if constexpr (std::is_same_v<T, BF16>) {  // bf16_bits_lanes of a value that is not NaN
+    const ULanes u = lanes_bits(v);
+    narrow_halves((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, y);
+  } else {
+    store_lanes(y, v);
+  }
+}
+
+// A four-bit record (mxfp4 or nvfp4, no spikes) decoded and stored as bf16 or f32 in one pass
+// where every block scale s has |s| * 6 within T's finite range (so no value saturates or is
+// NaN); false otherwise (y partly written: the caller decodes the group the general way).
+template <typename T>
+FC_ALWAYS_INLINE bool fp4_decode_store(const uint8_t* rec, int64_t g, int32_t fmt,
+                                       typename T::Storage* y) {
+  if constexpr (!std::is_same_v<T, BF16> && !std::is_same_v<T, F32>) {
+    return false;
+  } else {
+    const uint8_t* scales = rec + fp_code_bytes(fmt, g);
+    const int64_t block = fp_block(fmt, g);
+    for (int64_t b = 0; b < g / block; ++b) {
+      const float sc = fp_block_scale(fmt, scales, g, b);
+      if (!(mul_rn(bits_to_float(float_to_bits(sc) & 0x7FFFFFFFu), 6.0f) <= T::kMax)) {
+        return false;
+      }
+      for (int64_t i = b * block; i < (b + 1) * block; i += kLanes) {
+        store_plain<T>(mul_rn(e2m1_decode_lanes(load_nibbles(rec + i / 2)), sc), y + i);
+      }
+    }
+    return true;
+  }
+}
+
 #if defined(FC_X86) && defined(__F16C__) && (FLASHCOMM_LANES == 8 || FLASHCOMM_LANES == 16)
 // E4M3 bits are those of an IEEE half 2^-8 times the value, subnormals included: 16 codes at a
 // time placed in half-precision words and widened by the conversion instruction, the 2^8 folded
@@ -570,14 +606,7 @@ FC_ALWAYS_INLINE bool fp8_decode_store(const uint8_t* rec, int64_t g, typename T
     Lanes v[2];
     for (int64_t i = 0; i < g; i += 16) {
       if (!fp8_half_decode16(rec + i, s256, &v[0], &v[1])) return false;
-      for (int j = 0; j < 16 / kLanes; ++j) {
-        if constexpr (kBf16) {  // bf16_bits_lanes of a finite value
-          const ULanes u = lanes_bits(v[j]);
-          narrow_halves((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, y + i + j * kLanes);
-        } else {
-          store_lanes(y + i + j * kLanes, v[j]);
-        }
-      }
+      for (int j = 0; j < 16 / kLanes; ++j) store_plain<T>(v[j], y + i + j * kLanes);
     }
     return true;
   }
