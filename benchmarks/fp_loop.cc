@@ -4,7 +4,7 @@
 //
 // Compiled once per instruction set (fp_loop.sh: the flags of CMakeLists.txt's ISA builds), it
 // runs the loop of ffi/cpu/isa_kernels.cc FpQuantizeOp (load_group, then fp_quantize_group, or
-// fp8_quantize_groups on kLanes groups at a time for fp8) over
+// fp8_quantize_batch on kLanes groups at a time for fp8) over
 // a bf16 operand of G = 128 groups, one thread, and prints for each format ns per group and
 // GB/s of the operand beside single-core memcpy of the same bytes:
 //   - "L2": a 1 MiB operand, so the time is the arithmetic's;
@@ -73,11 +73,7 @@ Result Run(int32_t format, int64_t mib, bool huge) {
     if (kMode == 0 && format == kFormatFp8 && g % kLanes == 0 && g <= kFp8BatchMaxGroup) {
       for (int64_t k0 = 0; k0 < groups; k0 += kLanes) {  // FpQuantizeOp's fp8 batches
         const int64_t count = groups - k0 < kLanes ? groups - k0 : kLanes;
-        ILanes m[kLanes];
-        for (int64_t j = 0; j < kLanes; ++j) {
-          m[j] = j < count ? load_group_max<BF16>(x + (k0 + j) * g, g, buf + j * g) : ILanes{};
-        }
-        fp8_encode_groups(buf, count, g, largest_lanes<kLanes>(m), records + k0 * stride, stride);
+        fp8_quantize_batch<BF16>(x + k0 * g, count, g, buf, records + k0 * stride, stride);
       }
     } else {
       for (int64_t k = 0; k < groups; ++k) {

@@ -400,13 +400,7 @@ struct FpQuantizeOp {
       for (int64_t k0 = 0; k0 < n_groups; k0 += kLanes) {
         const int64_t count = n_groups - k0 < kLanes ? n_groups - k0 : kLanes;
         if (rotation == kRotationNone) {  // widening and maxima in one pass
-          ILanes m[kLanes];
-          for (int64_t j = 0; j < kLanes; ++j) {
-            m[j] = j < count ? load_group_max<T>(xs + (k0 + j) * g, g, batch.data + j * g)
-                             : ILanes{};
-          }
-          fp8_encode_groups(batch.data, count, g, largest_lanes<kLanes>(m),
-                            records + k0 * stride, stride);
+          fp8_quantize_batch<T>(xs + k0 * g, count, g, batch.data, records + k0 * stride, stride);
           continue;
         }
         for (int64_t j = 0; j < count; ++j) {

@@ -154,6 +154,20 @@ inline void fp_encode_group(const float* v, int64_t g, int32_t fmt, float amax, 
   }
 }
 
+// load_group (g a multiple of kLanes) that also returns the lane-wise largest magnitude's bits
+// of the group: one pass over the values instead of two.
+template <typename T>
+FC_ALWAYS_INLINE ILanes load_group_max(const typename T::Storage* x, int64_t g, float* v) {
+  ILanes m = ILanes{};
+  for (int64_t i = 0; i < g; i += kLanes) {
+    const Lanes a = load_lanes_t<T>(x + i);
+    std::memcpy(v + i, &a, sizeof a);
+    const ILanes k = (ILanes)(lanes_bits(a) & 0x7FFFFFFFu);
+    m = k > m ? k : m;
+  }
+  return m;
+}
+
 // fp8 without spikes, kLanes groups at a time: up to kLanes f32 groups of g values (g a
 // multiple of kLanes), one after another in v, into their records. The groups' maxima come from
 // one transposing reduction and their scales and inverses lane-wise (fp8_scale_bits and
@@ -189,19 +203,18 @@ inline void fp8_quantize_groups(const float* v, int64_t count, int64_t g, uint8_
   fp8_encode_groups(v, count, g, block_maxima<kLanes>(v, g, count), records, stride);
 }
 
-// load_group (g a multiple of kLanes) that also returns the lane-wise largest magnitude's bits
-// of the group: one pass over the values instead of two.
+// count <= kLanes groups of T (no rotation) widened into batch (kLanes * g floats) with their
+// maxima in the same pass, then fp8_encode_groups: FpQuantizeOp's fp8 loop (and fp_loop's).
 template <typename T>
-FC_ALWAYS_INLINE ILanes load_group_max(const typename T::Storage* x, int64_t g, float* v) {
-  ILanes m = ILanes{};
-  for (int64_t i = 0; i < g; i += kLanes) {
-    const Lanes a = load_lanes_t<T>(x + i);
-    std::memcpy(v + i, &a, sizeof a);
-    const ILanes k = (ILanes)(lanes_bits(a) & 0x7FFFFFFFu);
-    m = k > m ? k : m;
+FC_ALWAYS_INLINE void fp8_quantize_batch(const typename T::Storage* x, int64_t count, int64_t g,
+                                         float* batch, uint8_t* records, int64_t stride) {
+  ILanes m[kLanes];
+  for (int64_t j = 0; j < kLanes; ++j) {
+    m[j] = j < count ? load_group_max<T>(x + j * g, g, batch + j * g) : ILanes{};
   }
-  return m;
+  fp8_encode_groups(batch, count, g, largest_lanes<kLanes>(m), records, stride);
 }
+
 
 // One f32 group v (overwritten: spikes zeroed) with k spikes into its whole record.
 // keys: g int32 of scratch (k > 0).

@@ -90,11 +90,11 @@ FC_ALWAYS_INLINE bool fp8_half_decode16(const uint8_t* c, float s256, Lanes* lo,
 }
 
 // An fp8 record without spikes (g a multiple of 16) decoded and stored as bf16 or f32 in one
-// pass, without the f32 buffer, where its scale s has 2^-117 <= |s| <= 2^119 (every scale the
-// encoder writes): then every value is 0 or normal, finite and within bf16's range, so the
-// saturation and the NaN case of store_group change nothing and are left out. False (y partly
-// written) for other scales and output types, or where a step holds a NaN code: the caller then
-// decodes the group the general way.
+// pass, without the f32 buffer, where its scale s is not NaN and passes fp8_half_decodable
+// (|s| <= 2^119: every scale the encoder writes): then |value| <= 448 * 2^119 < bf16's largest
+// finite, so the saturation and the NaN case of store_group change nothing and are left out.
+// False (y partly written) for other scales and output types, or where a step holds a NaN
+// code: the caller then decodes the group the general way.
 template <typename T>
 FC_ALWAYS_INLINE bool fp8_decode_store(const uint8_t* rec, int64_t g, typename T::Storage* y) {
   constexpr bool kBf16 = std::is_same_v<T, BF16>;
@@ -102,8 +102,7 @@ FC_ALWAYS_INLINE bool fp8_decode_store(const uint8_t* rec, int64_t g, typename T
     return false;
   } else {
     const float s = bf16_to_float(uint16_t(rec[g] | (rec[g + 1] << 8)));
-    const float sa = bits_to_float(float_to_bits(s) & 0x7FFFFFFFu);
-    if (!(sa >= 0x1p-117f && sa <= 0x1p119f)) return false;
+    if (s != s || !fp8_half_decodable(s)) return false;
     const float s256 = mul_rn(s, 256.0f);
     Lanes v[2];
     for (int64_t i = 0; i < g; i += 16) {
