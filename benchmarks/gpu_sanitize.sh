@@ -16,7 +16,9 @@
 # Environment: PYTHON (as gpu_check.sh), CUDA_ARCHS (default 90), SANITIZE_TOOLS (default
 # "memcheck racecheck synccheck"), SANITIZE_TIMEOUT (seconds per tool, default 240; a list
 # gives each tool its own, in order),
-# SANITIZE_PARTS (the driver's parts; default "codec fp norm gather"),
+# SANITIZE_PARTS (the driver's parts; default "codec fp norm gather"), SANITIZE_TARGETS
+# (--target-processes; default application-only: with "all" the sanitizer itself crashed
+# with SIGSEGV on an H200, see docs/cuda.md),
 # SANITIZE_LOG (a folder for each tool's full log; default a temporary one), SANITIZE_XLA_FLAGS
 # (added to XLA_FLAGS; default: no command buffers, no autotuning), SANITIZE_FILTER=0 (every
 # kernel instrumented, XLA's too).
@@ -71,7 +73,7 @@ for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
   i=$((i + 1))
   say "$tool (at most $limit s): ${parts[*]}"
   t0=$(date +%s)
-  timeout "$limit" "$sanitizer" --tool "$tool" --target-processes all \
+  timeout "$limit" "$sanitizer" --tool "$tool" --target-processes "${SANITIZE_TARGETS:-application-only}" \
     "${filter[@]}" --error-exitcode 86 --print-limit 50 \
     "$PY" -X faulthandler -m tests.gpu.sanitize_driver "${parts[@]}" >"$logs/$tool.log" 2>&1
   rc=$?
@@ -79,7 +81,7 @@ for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
      grep -qiE "unrecognized|invalid (value|option)|usage:" "$logs/$tool.log"; then
     echo "(the sanitizer refused ${filter[*]}: again with every kernel checked)"
     filter=()
-    timeout "$limit" "$sanitizer" --tool "$tool" --target-processes all --error-exitcode 86 \
+    timeout "$limit" "$sanitizer" --tool "$tool" --target-processes "${SANITIZE_TARGETS:-application-only}" --error-exitcode 86 \
       --print-limit 50 "$PY" -X faulthandler -m tests.gpu.sanitize_driver "${parts[@]}" \
       >"$logs/$tool.log" 2>&1
     rc=$?
