@@ -32,7 +32,7 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
-from tests.support.meshes import make_mesh  # noqa: E402
+from tests.support.meshes import AXIS_TYPES, make_mesh  # noqa: E402
 
 # ci: 30 examples per property to fit the CI budget of docs/build.md; "thorough" for
 # the long runs of docs/reliability.md.
@@ -40,12 +40,6 @@ settings.register_profile("ci", max_examples=30, deadline=None, derandomize=True
 settings.register_profile("dev", max_examples=25, deadline=None)
 settings.register_profile("thorough", max_examples=500, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
-
-AXIS_TYPES = {
-    "explicit": jax.sharding.AxisType.Explicit,
-    "auto": jax.sharding.AxisType.Auto,
-}
-
 
 @pytest.fixture(params=sorted(AXIS_TYPES))
 def axis_type(request):

@@ -12,6 +12,7 @@ import pytest
 
 from jax_flashcomm import codec
 from jax_flashcomm.codec import norm
+from tests.support.pairwise import all_pairs
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 WEIGHTS = (jnp.float32, jnp.bfloat16)
@@ -50,10 +51,15 @@ def _run(p, r, w, backend, **kw):
     return _jitted(backend, **kw)(p, r, w)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("wdtype", WEIGHTS, ids=lambda d: "w_" + jnp.dtype(d).name)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[0])) + f"-b{c[1]}"
-                         f"-g{c[2]}-r{c[3]}-k{c[4]}")
+# Every case with every operand dtype and weight dtype, and each dtype with each weight dtype
+# (all pairs).
+NORM_ROWS = all_pairs(CASES, WEIGHTS, DTYPES)
+
+
+@pytest.mark.parametrize(
+    "case,wdtype,dtype", NORM_ROWS,
+    ids=["x".join(map(str, c[0])) + f"-b{c[1]}-g{c[2]}-r{c[3]}-k{c[4]}-w_{jnp.dtype(w).name}-"
+         f"{jnp.dtype(d).name}" for c, w, d in NORM_ROWS])
 def test_fused_norm_bit_identical(dtype, wdtype, case):
     shape, bits, g, rot, k = case
     x, r, w = _operands(shape, dtype, wdtype, sum(shape))

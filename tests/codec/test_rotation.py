@@ -21,6 +21,7 @@ from jax_flashcomm.codec import kernels, reference
 from jax_flashcomm import CommConfig
 
 from tests.support.codec_data import bit_view as _bits, every_isa, jit_quantize as _quant
+from tests.support.pairwise import all_pairs
 
 pytestmark = pytest.mark.slow  # the exhaustive rotation parity matrix
 
@@ -40,10 +41,13 @@ def _data(rng, shape, kind="outliers"):
 
 
 
+# Each rotation with each group size and dtype, each group size with each dtype (all pairs).
+QD_ROWS = all_pairs([1, 2], [8, 32, 128, 2048], [jnp.float32, jnp.bfloat16, jnp.float16])
+
+
 @needs_ffi
-@pytest.mark.parametrize("rotation", [1, 2])
-@pytest.mark.parametrize("group_size", [8, 32, 128, 2048])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("rotation,group_size,dtype", QD_ROWS,
+                         ids=[f"{jnp.dtype(d).name}-{g}-{r}" for r, g, d in QD_ROWS])
 def test_parity_quantize_dequantize(rotation, group_size, dtype):
     rng = np.random.default_rng(group_size + rotation)
     x = jnp.asarray(_data(rng, (3, 2 * group_size + 5)), dtype)  # padding exercised
@@ -171,9 +175,13 @@ def _bound_program(backend, rotation):
     return jax.jit(program)
 
 
-@pytest.mark.parametrize("backend", ["jnp", pytest.param("ffi", marks=needs_ffi)])
-@pytest.mark.parametrize("rotation", [1, 2])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+BOUND_ROWS = all_pairs(["jnp", "ffi"], [1, 2], [jnp.float32, jnp.bfloat16, jnp.float16])
+
+
+@pytest.mark.parametrize(
+    "backend,rotation,dtype",
+    [pytest.param(b, r, d, marks=[needs_ffi] if b == "ffi" else []) for b, r, d in BOUND_ROWS],
+    ids=[f"{jnp.dtype(d).name}-{r}-{b}" for b, r, d in BOUND_ROWS])
 def test_error_bound_rotated_and_mapped_back(backend, rotation, dtype):
     rng = np.random.default_rng(3)
     xs = []

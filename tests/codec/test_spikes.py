@@ -21,6 +21,8 @@ from jax_flashcomm import CommConfig
 from tests.support.codec_data import bit_view as _bits, every_isa, jit_quantize as _quant
 
 from tests.support import collective_oracles as oracles
+from tests.support.meshes import AXIS_TYPES
+from tests.support.pairwise import all_pairs
 
 pytestmark = pytest.mark.slow  # the exhaustive spike parity matrix
 
@@ -80,11 +82,14 @@ def _parity_program(rotation, group_size, dtype):
     return jax.jit(program)
 
 
+# the smallest group, the default, and one past 256 (two-byte spike positions), each with each
+# dtype and rotation (all pairs)
+PARITY_CASES = all_pairs([0, 2], [8, 128, 512], [jnp.float32, jnp.bfloat16, jnp.float16])
+
+
 @needs_ffi
-@pytest.mark.parametrize("rotation", [0, 2])
-# the smallest group, the default, and one past 256 (two-byte spike positions)
-@pytest.mark.parametrize("group_size", [8, 128, 512])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("rotation,group_size,dtype", PARITY_CASES,
+                         ids=[f"{jnp.dtype(d).name}-{g}-{r}" for r, g, d in PARITY_CASES])
 def test_parity_twin_and_kernels(rotation, group_size, dtype):
     rng = np.random.default_rng(group_size + rotation)
     x = _groups(rng, group_size, np.dtype(dtype))
@@ -297,9 +302,14 @@ def _outliers(n_ranks, local, seed, dtype=np.float32):
     return x.astype(dtype)
 
 
-@pytest.mark.parametrize("mesh_shape,names,axes", [((4,), ("i",), ("i",)),
-                                                    ((2, 4), ("a", "b"), ("a", "b"))])
-@pytest.mark.parametrize("spikes,rotation", [(1, 0), (4, 0), (2, 2)])
+BOUND_CASES = all_pairs([((4,), ("i",), ("i",)), ((2, 4), ("a", "b"), ("a", "b"))],
+                        [(1, 0), (4, 0), (2, 2)], sorted(AXIS_TYPES))
+
+
+@pytest.mark.parametrize(
+    "mesh_shape,names,axes,spikes,rotation,axis_type",
+    [(*m, *sr, AXIS_TYPES[t]) for m, sr, t in BOUND_CASES],
+    ids=[f"{t}-{len(m[0])}d-k{sr[0]}-r{sr[1]}" for m, sr, t in BOUND_CASES])
 def test_collectives_within_bounds(mesh_factory, mesh_shape, names, axes, spikes, rotation):
     mesh = mesh_factory(mesh_shape, names)
     n_ranks = math.prod(mesh_shape)

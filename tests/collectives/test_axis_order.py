@@ -1,5 +1,6 @@
-"""Every collective and ring op of the library over every ordering of every subset of the axes
-of a 2x4 and a 2x2x2 mesh, against the lax composition it replaces (issue: the ring matmuls
+"""The collectives and ring ops of the library over orderings of subsets of the axes of a 2x4
+and a 2x2x2 mesh (the quantized collectives over all 19, the ring ops over 12 that stand for
+them, RING_CASES), against the lax composition each replaces (issue: the ring matmuls
 numbered ranks in mesh order, lax in the order of the axis tuple, and gave wrong values).
 
 Ring ops (exact): values and gradients, unidirectional and bidirectional, within the f32 bound
@@ -23,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_flashcomm as fc
 from tests.support.collective_oracles import all_gather_check, psum_check, psum_scatter_check
+from tests.support.meshes import AXIS_TYPES
 from jax_flashcomm import codec
 from jax_flashcomm import tp_attention
 
@@ -35,6 +37,18 @@ CASES = [(m, axes) for m, (_, names) in MESHES.items()
          for subset in itertools.combinations(names, k)
          for axes in itertools.permutations(subset)]
 K, COLS, ROWS = 16, 8, 4   # contraction, columns, local rows (even: bidirectional halves)
+# The ring ops' rows: every axis tuple of the 2x4 mesh; of the 2x2x2 mesh (its three axes alike
+# in size), one single axis, an adjacent pair and a non-adjacent one in both orders, and the
+# triples in mesh order, reversed, rotated and with a swap; alternately Explicit and Auto, and
+# the reversed tuples (the orders lax numbers differently from the mesh) on both.
+RING_CASES = [("2x4", ("a",)), ("2x4", ("b",)), ("2x4", ("a", "b")), ("2x4", ("b", "a")),
+              ("2x2x2", ("b",)), ("2x2x2", ("a", "c")), ("2x2x2", ("c", "a")),
+              ("2x2x2", ("b", "c")), ("2x2x2", ("a", "b", "c")), ("2x2x2", ("c", "b", "a")),
+              ("2x2x2", ("b", "c", "a")), ("2x2x2", ("a", "c", "b"))]
+assert all(case in CASES for case in RING_CASES)
+RING_ROWS = ([(m, a, ("explicit", "auto")[i % 2]) for i, (m, a) in enumerate(RING_CASES)]
+             + [("2x4", ("b", "a"), "explicit"), ("2x2x2", ("c", "b", "a"), "explicit"),
+                ("2x2x2", ("c", "a"), "auto")])
 
 
 def _mesh(name, axis_type):
@@ -91,7 +105,9 @@ def _ring_program(mesh, axes):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 5, out_specs=spec))
 
 
-@pytest.mark.parametrize("mesh_name,axes", CASES, ids=[f"{m}-{''.join(a)}" for m, a in CASES])
+@pytest.mark.parametrize("mesh_name,axes,axis_type",
+                         [(m, a, AXIS_TYPES[t]) for m, a, t in RING_ROWS],
+                         ids=[f"{t}-{m}-{''.join(a)}" for m, a, t in RING_ROWS])
 def test_ring_ops_follow_lax_rank_order(mesh_name, axes, axis_type):
     mesh = _mesh(mesh_name, axis_type)
     nd = int(np.prod(mesh.devices.shape))
@@ -187,11 +203,11 @@ def _exact_attention(mesh_name, axes, variants):
 
 
 # Tuples of two or more axes (a single axis has one order: tests/collectives/test_attention_block.py runs
-# the block over one axis of 1-D and 2-D meshes). The ring ops above run all 19 tuples; the
-# block, built from them, runs both orders of the 2-D mesh, a reversed non-adjacent and an
-# adjacent pair of the 3-D mesh, and its triples in mesh order, reversed and rotated.
-TUPLE_CASES = [("2x4", ("a", "b")), ("2x4", ("b", "a")), ("2x2x2", ("c", "a")),
-               ("2x2x2", ("b", "c")), ("2x2x2", ("a", "b", "c")), ("2x2x2", ("c", "b", "a")),
+# the block over one axis of 1-D and 2-D meshes). The ring ops above run the orders; the block,
+# built from them, runs the reversed order of the 2-D mesh, a reversed non-adjacent pair of the
+# 3-D mesh, and its triples reversed and rotated (orders where a rank numbering that differs
+# from lax's scrambles the sequence).
+TUPLE_CASES = [("2x4", ("b", "a")), ("2x2x2", ("c", "a")), ("2x2x2", ("c", "b", "a")),
                ("2x2x2", ("b", "c", "a"))]
 assert all(case in CASES for case in TUPLE_CASES)
 

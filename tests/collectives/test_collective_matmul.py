@@ -25,6 +25,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_flashcomm import all_gather_matmul, matmul_reduce_scatter
+from tests.support.meshes import AXIS_TYPES
+from tests.support.pairwise import all_pairs
 
 U32 = float(jnp.finfo(jnp.float32).eps) / 2
 
@@ -112,10 +114,17 @@ def _check_parity(mesh, mesh_cfg, op, dtype, bidirectional, m=4):
             f"{name}: |ring - ref| = {err[worst]} > bound {tol[worst]} at {worst}")
 
 
-@pytest.mark.parametrize("bidirectional", [False, True], ids=["uni", "bidi"])
-@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("mesh_id", sorted(MESHES))
-@pytest.mark.parametrize("op", ["ag", "rs"])
+# Both ops on every mesh, each (op, mesh) with each dtype, direction and axis type (all pairs).
+PARITY_ROWS = [(op, mesh_id, d, b, t) for (op, mesh_id), d, b, t in all_pairs(
+    [(op, m) for op in ("ag", "rs") for m in sorted(MESHES)], ("f32", "bf16"), ("uni", "bidi"),
+    sorted(AXIS_TYPES))]
+
+
+@pytest.mark.parametrize(
+    "op,mesh_id,dtype,bidirectional,axis_type",
+    [(op, m, {"f32": np.float32, "bf16": jnp.bfloat16}[d], b == "bidi", AXIS_TYPES[t])
+     for op, m, d, b, t in PARITY_ROWS],
+    ids=["-".join(r) for r in PARITY_ROWS])
 def test_parity_with_unfused_reference(mesh_factory, op, mesh_id, dtype, bidirectional):
     """Values and both gradients equal the unfused pair up to reassociation (module docstring)."""
     cfg = MESHES[mesh_id]
@@ -123,9 +132,12 @@ def test_parity_with_unfused_reference(mesh_factory, op, mesh_id, dtype, bidirec
     _check_parity(mesh, cfg, op, dtype, bidirectional)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 5])
+ODD_ROWS = all_pairs(["ag", "rs"], [1, 3, 5], sorted(AXIS_TYPES))
+
+
+@pytest.mark.parametrize("op,rows,axis_type", [(o, r, AXIS_TYPES[t]) for o, r, t in ODD_ROWS],
+                         ids=[f"{t}-{o}-{r}" for o, r, t in ODD_ROWS])
 @pytest.mark.parametrize("mesh_id", ["2d-2x4-ring-b"])
-@pytest.mark.parametrize("op", ["ag", "rs"])
 def test_bidirectional_odd_local_rows(mesh_factory, op, mesh_id, rows):
     """An odd local chunk is split unevenly (the backward half a row longer; one row goes one
     way), with the unidirectional ring's parity, values and gradients."""
@@ -222,9 +234,13 @@ def test_axis_name_type_error(mesh4):
 # ---------------------------------------------------------------------------------------------
 
 
+ONE_Q_ROWS = all_pairs([2, 4, 8], ["uni", "bidi"], sorted(AXIS_TYPES))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("bidirectional", [False, True], ids=["uni", "bidi"])
-@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("n,bidirectional,axis_type",
+                         [(n, b == "bidi", AXIS_TYPES[t]) for n, b, t in ONE_Q_ROWS],
+                         ids=[f"{t}-{n}-{b}" for n, b, t in ONE_Q_ROWS])
 def test_quantized_is_one_quantization(mesh_factory, n, bidirectional):
     """bits=4: the value (and dw) equal gathering dequantize(quantize(chunk)) up to f32
     reassociation (bound of the module docstring), dx passes straight through (= the exact dx),
@@ -234,7 +250,10 @@ def test_quantized_is_one_quantization(mesh_factory, n, bidirectional):
     _check_quantized(mesh_factory((n,), ("i",)), n, bidirectional, rows=4)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 5])
+@pytest.mark.parametrize("rows,axis_type", [(1, AXIS_TYPES["explicit"]),
+                                            (3, AXIS_TYPES["auto"]),
+                                            (5, AXIS_TYPES["explicit"])],
+                         ids=["explicit-1", "auto-3", "explicit-5"])
 def test_quantized_bidirectional_odd_rows(mesh_factory, rows):
     """The same with an odd local chunk, split unevenly between the two directions."""
     _check_quantized(mesh_factory((4,), ("i",)), 4, True, rows=rows)

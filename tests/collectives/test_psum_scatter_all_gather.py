@@ -17,6 +17,7 @@ from jax_flashcomm import CommConfig, allreduce, codec, planner, transport
 from jax_flashcomm import scatter_gather as sg
 
 from tests.support.meshes import make_mesh
+from tests.support.pairwise import all_pairs
 
 EPS32 = float(np.finfo(np.float32).eps)
 CASES = [((4,), ("i",), ("i",)), ((2, 4), ("a", "b"), ("b",)),
@@ -184,13 +185,17 @@ RING_CASES = [((2,), ("i",), ("i",)), ((8,), ("i",), ("i",)), ((2, 4), ("a", "b"
               ((2, 4), ("a", "b"), ("b", "a"))]
 
 
+RING_IDS = dict(zip(RING_CASES, ["2", "8", "2x4-b", "2x4-a", "2x4-ab", "2x4-ba"]))
+# Every mesh with every codec configuration, each with each dtype (all pairs).
+RING_ROWS = all_pairs(RING_CASES, [(0, 0, "ffi"), (2, 2, "ffi"), (0, 1, "jnp")],
+                      [jnp.float32, jnp.bfloat16, jnp.float16])
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
-                         ids=["f32", "bf16", "f16"])
-@pytest.mark.parametrize("rotation,spikes,backend", [(0, 0, "ffi"), (2, 2, "ffi"),
-                                                     (0, 1, "jnp")])
-@pytest.mark.parametrize("mesh_shape,names,axes", RING_CASES,
-                         ids=["2", "8", "2x4-b", "2x4-a", "2x4-ab", "2x4-ba"])
+@pytest.mark.parametrize(
+    "mesh_shape,names,axes,rotation,spikes,backend,dtype",
+    [(*m, *c, d) for m, c, d in RING_ROWS],
+    ids=[f"{RING_IDS[m]}-r{c[0]}k{c[1]}{c[2]}-{jnp.dtype(d).name}" for m, c, d in RING_ROWS])
 def test_ring_all_gather_equals_one_shot(mesh_shape, names, axes, rotation, spikes, backend,
                                          dtype):
     """The ring all-gather (N-1 ppermutes, each payload decoded into its slot) gives the bits of

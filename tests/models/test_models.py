@@ -12,6 +12,8 @@ from jax_flashcomm.nn import TPComm
 from models.engine import Engine, Sampling, sample
 from models.weights import load_model
 from tests.support.tiny_llama import TINY, DictCheckpoint
+from tests.support.meshes import AXIS_TYPES
+from tests.support.pairwise import all_pairs
 
 TOKENS = np.random.RandomState(1).randint(0, TINY.vocab_size, size=(2, 16)).astype(np.int32)
 
@@ -33,9 +35,13 @@ def reference():
     return f32, f64
 
 
+# Each TP with each kind and axis type, each kind with each axis type (all pairs).
+TP_ROWS = all_pairs([2, 4, 8], ["exact", "overlap"], sorted(AXIS_TYPES))
+
+
 @pytest.mark.default_xla_opt  # the TP=1 run's error is the yardstick: measured on default code
-@pytest.mark.parametrize("tp", [2, 4, 8])
-@pytest.mark.parametrize("kind", ["exact", "overlap"])
+@pytest.mark.parametrize("tp,kind,axis_type", [(n, k, AXIS_TYPES[t]) for n, k, t in TP_ROWS],
+                         ids=[f"{t}-{k}-{n}" for n, k, t in TP_ROWS])
 def test_tp_logits_equal_tp1_within_f32_rounding(reference, tp, kind, axis_type):
     """An exact TP=N run is another f32 evaluation of the same function (sums reassociated
     across ranks): it must be as close to the f64 logits as the TP=1 f32 run is (tolerance:

@@ -20,6 +20,8 @@ from jax_flashcomm import codec
 from jax_flashcomm import CommConfig
 
 from tests.support import collective_oracles as oracles
+from tests.support.meshes import AXIS_TYPES
+from tests.support.pairwise import all_pairs
 
 pytestmark = pytest.mark.slow  # the reliability matrices
 
@@ -387,9 +389,14 @@ def _check_poison(y, true, bound, bad):
     assert np.all(err <= bound[~bad]), float(np.max(err - bound[~bad]))
 
 
-@pytest.mark.parametrize("backend", ["auto", "jnp"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
-                         ids=["f32", "bf16", "f16"])
+# Each backend with each dtype, each on one axis type, both axis types for each (all pairs).
+DTYPE_IDS = {jnp.float32: "f32", jnp.bfloat16: "bf16", jnp.float16: "f16"}
+BACKEND_ROWS = all_pairs(["auto", "jnp"], list(DTYPE_IDS), sorted(AXIS_TYPES))
+
+
+@pytest.mark.parametrize("backend,dtype,axis_type",
+                         [(b, d, AXIS_TYPES[t]) for b, d, t in BACKEND_ROWS],
+                         ids=[f"{t}-{DTYPE_IDS[d]}-{b}" for b, d, t in BACKEND_ROWS])
 def test_non_finite_poison_exactly_their_groups(mesh_factory, backend, dtype):
     """psum: the wire format's groups are runs of G elements of the flattened, zero-padded
     operand (docs/format.md); phase 1 marks a group holding NaN/Inf on any rank, its f32 sum is
@@ -450,9 +457,12 @@ def test_non_finite_quantized_all_gather_matmul(mesh_factory):
 
 # --- magnitudes near the dtype's limit -------------------------------------------------------------
 
-@pytest.mark.parametrize("backend", ["auto", "jnp"])
-@pytest.mark.parametrize("dtype,top", [(jnp.float32, 3e38), (jnp.bfloat16, 3e38),
-                                       (jnp.float16, 6e4)], ids=["f32", "bf16", "f16"])
+TOP = {jnp.float32: 3e38, jnp.bfloat16: 3e38, jnp.float16: 6e4}
+
+
+@pytest.mark.parametrize("backend,dtype,top,axis_type",
+                         [(b, d, TOP[d], AXIS_TYPES[t]) for b, d, t in BACKEND_ROWS],
+                         ids=[f"{t}-{DTYPE_IDS[d]}-{b}" for b, d, t in BACKEND_ROWS])
 def test_near_dtype_limit(mesh_factory, dtype, top, backend):
     """Values up to 3e38 (f32, bf16) or 6e4 (f16) whose partial sums in rank order stay finite
     (rank 1 nearly cancels rank 0, rank 3 rank 2): scales, bounds and results finite, every

@@ -2,6 +2,13 @@
 
 import jax
 
+# The two axis types every mesh-using test runs on (the ``axis_type`` fixture's params; a test
+# that selects its rows with tests/support/pairwise.py parametrizes ``axis_type`` itself).
+AXIS_TYPES = {
+    "auto": jax.sharding.AxisType.Auto,
+    "explicit": jax.sharding.AxisType.Explicit,
+}
+
 
 def make_mesh(shape, names, axis_type):
     """A mesh over the first prod(shape) CPU devices with one axis type for all axes."""
