@@ -79,6 +79,16 @@ __attribute__((always_inline)) inline void unpack_chunk(const uint8_t* in, int64
   }
 }
 
+// Codes i0 .. i0 + n - 1 of a group (i0 and n multiples of 8), one byte each: 8-bit codes are
+// read where they are, narrower ones unpacked into q.
+template <int BITS>
+FC_ALWAYS_INLINE const uint8_t* chunk_codes(const uint8_t* codes, int64_t i0, int64_t n,
+                                            uint8_t* q) {
+  if (BITS == 8) return codes + i0;
+  unpack_chunk<BITS>(codes + i0 / kBlock * BITS, n, q);
+  return q;
+}
+
 template <int BITS>
 __attribute__((always_inline)) inline void decode_unpacked(const uint8_t* codes, int64_t g, const GroupParams& p,
                             bool accumulate, float* out) {
@@ -106,12 +116,7 @@ __attribute__((always_inline)) inline void decode_unpacked(const uint8_t* codes,
       continue;
     }
 #endif
-    const uint8_t* qs = q;
-    if (BITS == 8) {
-      qs = codes + i0;  // 8-bit codes need no unpacking
-    } else {
-      unpack_chunk<BITS>(codes + i0 / kBlock * BITS, n, q);
-    }
+    const uint8_t* qs = chunk_codes<BITS>(codes, i0, n, q);
     float* o = out + i0;
     int64_t j = 0;
     if (direct) {
@@ -265,12 +270,7 @@ __attribute__((always_inline)) inline void dequantize_all(const uint8_t* codes,
         continue;
       }
 #endif
-      const uint8_t* qs = q;
-      if (BITS == 8) {
-        qs = in + i0;  // 8-bit codes need no unpacking
-      } else {
-        unpack_chunk<BITS>(in + i0 / kBlock * BITS, n, q);
-      }
+      const uint8_t* qs = chunk_codes<BITS>(in, i0, n, q);
       int64_t j = 0;
       if constexpr (std::is_same_v<T, BF16>) {  // codes and values two to a lane
         j = plain ? decode_bf16_pairs<true>(qs, n, p, out + i0)
