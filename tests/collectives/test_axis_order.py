@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 import jax_flashcomm as fc
 from tests.support.collective_oracles import all_gather_check, psum_check, psum_scatter_check
 from tests.support.meshes import AXIS_TYPES
+from tests.support.pairwise import full_grids
 from jax_flashcomm import codec
 from jax_flashcomm import tp_attention
 
@@ -49,6 +50,8 @@ assert all(case in CASES for case in RING_CASES)
 RING_ROWS = ([(m, a, ("explicit", "auto")[i % 2]) for i, (m, a) in enumerate(RING_CASES)]
              + [("2x4", ("b", "a"), "explicit"), ("2x2x2", ("c", "b", "a"), "explicit"),
                 ("2x2x2", ("c", "a"), "auto")])
+if full_grids():  # FLASHCOMM_TEST_FULL_GRIDS=1: all 19 tuples on both axis types
+    RING_ROWS = [(m, a, t) for m, a in CASES for t in sorted(AXIS_TYPES)]
 
 
 def _mesh(name, axis_type):

@@ -34,6 +34,13 @@ def test_always_keeps_its_rows():
     _covered(rows, axes)
 
 
+def test_full_grids_on_request(monkeypatch):
+    axes = ((2, 4, 8), (32, 128), ("f32", "bf16"))
+    assert len(all_pairs(*axes)) < 12
+    monkeypatch.setenv("FLASHCOMM_TEST_FULL_GRIDS", "1")
+    assert all_pairs(*axes) == list(itertools.product(*axes))
+
+
 def test_one_axis_is_an_error():
     with pytest.raises(ValueError, match="at least two axes"):
         all_pairs((1, 2, 3))
