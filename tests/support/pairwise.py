@@ -40,12 +40,11 @@ def all_pairs(*axes: Sequence, always: Callable[..., bool] | None = None) -> lis
     product = list(itertools.product(*axes))
     if full_grids():
         return product
+    pairs = {r: _pairs(r) for r in product}
     keep = {r for r in product if always is not None and always(*r)}
-    uncovered = set().union(*(_pairs(r) for r in product))
-    for r in keep:
-        uncovered -= _pairs(r)
+    uncovered = set().union(*pairs.values()).difference(*(pairs[r] for r in keep))
     while uncovered:
-        best = max(product, key=lambda r: len(_pairs(r) & uncovered))
+        best = max(product, key=lambda r: len(pairs[r] & uncovered))
         keep.add(best)
-        uncovered -= _pairs(best)
+        uncovered -= pairs[best]
     return [r for r in product if r in keep]
