@@ -3,8 +3,8 @@
 //     bash benchmarks/fp_loop.sh
 //
 // Compiled once per instruction set (fp_loop.sh: the flags of CMakeLists.txt's ISA builds), it
-// runs the loop of ffi/cpu/isa_kernels.cc FpQuantizeOp (load_group, then fp_quantize_group, or
-// fp8_quantize_batch on kLanes groups at a time for fp8) over
+// runs the loop of ffi/cpu/isa_kernels.cc FpQuantizeOp (fp8_quantize_batch on kLanes groups at a
+// time for fp8, fp4_quantize_batch on kLanes blocks at a time for the four-bit formats) over
 // a bf16 operand of G = 128 groups, one thread, and prints for each format ns per group and
 // GB/s of the operand beside single-core memcpy of the same bytes:
 //   - "L2": a 1 MiB operand, so the time is the arithmetic's;
@@ -75,6 +75,12 @@ Result Run(int32_t format, int64_t mib, bool huge) {
         const int64_t count = groups - k0 < kLanes ? groups - k0 : kLanes;
         fp8_quantize_batch<BF16>(x + k0 * g, count, g, buf, records + k0 * stride, stride);
       }
+    } else if (kMode == 0 && fp4_batch_takes(format, g)) {  // FpQuantizeOp's four-bit batches
+      const int64_t per = fp4_batch_groups(format, g);
+      for (int64_t k0 = 0; k0 < groups; k0 += per) {
+        const int64_t count = groups - k0 < per ? groups - k0 : per;
+        fp4_quantize_batch<BF16>(x + k0 * g, count, g, format, buf, records + k0 * stride, stride);
+      }
     } else {
       for (int64_t k = 0; k < groups; ++k) {
         load_group<BF16>(x + k * g, g, buf);
@@ -108,7 +114,7 @@ void Print(const char* what, const char* format, Result r) {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
   const struct {
     const char* name;
     int32_t format;
@@ -116,10 +122,14 @@ int main() {
                  {"mxfp4", kFormatMxfp4},
                  {"nvfp4", kFormatNvfp4}};
   for (const auto& f : formats) {
+    bool wanted = argc == 1;  // arguments: the formats to run (default: all)
+    for (int a = 1; a < argc; ++a) wanted = wanted || std::strcmp(argv[a], f.name) == 0;
+    if (!wanted) continue;
     Print("quantize, L2 (1 MiB)", f.name, Run<0>(f.format, 1, true));
     Print("quantize, memory, huge pages", f.name, Run<0>(f.format, 16, true));
     Print("quantize, memory, 4 KiB pages", f.name, Run<0>(f.format, 16, false));
   }
+  if (argc > 1) return 0;
   Print("widen+max, L2 (1 MiB)", "any", Run<1>(kFormatFp8, 1, true));
   return 0;
 }

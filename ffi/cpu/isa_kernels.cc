@@ -410,6 +410,24 @@ struct FpQuantizeOp {
       }
       return 0;
     }
+    if (spikes == 0 && fp4_batch_takes(format, g)) {  // kLanes four-bit blocks at a time
+      Scratch<float> batch(kLanes * fp_block(format, g));
+      if (batch.failed()) return batch.bytes;
+      const int64_t per = fp4_batch_groups(format, g);
+      for (int64_t k0 = 0; k0 < n_groups; k0 += per) {
+        const int64_t count = n_groups - k0 < per ? n_groups - k0 : per;
+        if (rotation == kRotationNone) {
+          fp4_quantize_batch<T>(xs + k0 * g, count, g, format, batch.data, records + k0 * stride,
+                                stride);
+          continue;
+        }
+        for (int64_t j = 0; j < count; ++j) {
+          LoadRotated<T>(xs + (k0 + j) * g, g, rotation, masks, batch.data + j * g);
+        }
+        fp4_quantize_groups(batch.data, count, g, format, records + k0 * stride, stride);
+      }
+      return 0;
+    }
     for (int64_t k = 0; k < n_groups; ++k) {
       LoadRotated<T>(xs + k * g, g, rotation, masks, buf.data);
       fp_quantize_group(buf.data, g, format, spikes, keys.data, records + k * stride);

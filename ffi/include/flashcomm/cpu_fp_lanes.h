@@ -119,7 +119,7 @@ FC_ALWAYS_INLINE ULanes e4m3_encode_lanes(Lanes a) {
 // e2m1_encode_clamped takes a in [0, 6] (the comparisons: any a >= 0); e2m1_magnitude(q) is
 // |q| in that range.
 FC_ALWAYS_INLINE ULanes e2m1_encode_clamped(Lanes a) {
-#if FLASHCOMM_LANES == 16
+#if FLASHCOMM_LANES >= 8
   const ULanes u = lanes_bits(a);
   const ULanes normal = (u + (0x1FFFFFu - (252u << 22)) + ((u >> 22) & 1u)) >> 22;
   return round_where_below(a, 1.0f, mul_rn(a, 2.0f), normal);
@@ -130,14 +130,14 @@ FC_ALWAYS_INLINE ULanes e2m1_encode_clamped(Lanes a) {
 #endif
 }
 FC_ALWAYS_INLINE ULanes e2m1_encode_lanes(Lanes a) {
-#if FLASHCOMM_LANES == 16
+#if FLASHCOMM_LANES >= 8
   return e2m1_encode_clamped(min_lanes(a, kE2m1Max));
 #else
   return e2m1_encode_clamped(a);
 #endif
 }
 FC_ALWAYS_INLINE Lanes e2m1_magnitude(Lanes q) {
-#if FLASHCOMM_LANES == 16
+#if FLASHCOMM_LANES >= 8
   return abs_min_lanes(q, kE2m1Max);
 #else
   return abs_lanes(q);
@@ -194,11 +194,18 @@ FC_ALWAYS_INLINE ILanes block_maxima(const float* v) {
   return largest_lanes<kCount>(m);
 }
 
-// The same for nb <= kCount blocks of `block` values (16 or 32), in lanes 0..nb-1.
+// The same for nb <= kCount blocks of `block` values, in lanes 0..nb-1 (the lanes from nb on
+// hold 0 or copies of the first nb). Blocks of 16 or 32 values, nb a power of two: the
+// compile-time loops above (a runtime count keeps the vectors in memory).
 template <int kCount>
 FC_ALWAYS_INLINE ILanes block_maxima(const float* v, int64_t block, int64_t nb) {
   if (nb == kCount && block == 16) return block_maxima<kCount, 16>(v);
   if (nb == kCount && block == 32) return block_maxima<kCount, 32>(v);
+  if constexpr (kCount > 1) {
+    if (nb == kCount / 2 && (block == 16 || block == 32)) {
+      return block_maxima<kCount / 2>(v, block, nb);
+    }
+  }
   ILanes m[kCount];
   for (int j = 0; j < kCount; ++j) {
     m[j] = ILanes{};

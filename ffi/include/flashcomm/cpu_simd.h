@@ -91,6 +91,20 @@ FC_ALWAYS_INLINE bool any_lane(ILanes m) {
 #endif
 }
 
+// Bit i set where lane i is negative (a comparison's -1): one vpmovd2m / vmovmskps on AVX-512 /
+// AVX2 (a lane-by-lane read goes through memory).
+FC_ALWAYS_INLINE uint32_t lane_bits(ILanes m) {
+#if FLASHCOMM_LANES == 16 && defined(FC_X86) && defined(__AVX512DQ__)
+  return uint32_t(_mm512_movepi32_mask((__m512i)m));
+#elif FLASHCOMM_LANES == 8 && defined(FC_X86) && defined(__AVX2__)
+  return uint32_t(_mm256_movemask_ps((__m256)m));
+#else
+  uint32_t bits = 0;
+  for (int i = 0; i < kLanes; ++i) bits |= uint32_t(m[i] < 0) << i;
+  return bits;
+#endif
+}
+
 // kLanes bytes as one 32-bit lane each (zero-extended): one vpmovzxbd on AVX2 / AVX-512 (the
 // generic conversion compiles to scalar extracts and inserts).
 FC_ALWAYS_INLINE ULanes widen_u8(const uint8_t* p) {
@@ -146,7 +160,10 @@ FC_ALWAYS_INLINE Lanes widen_bytes(const uint8_t* p) {
 // Store kLanes 32-bit lanes that are all below 256 as kLanes bytes.
 FC_ALWAYS_INLINE void narrow_bytes(ULanes u, uint8_t* p) {
 #if FLASHCOMM_LANES == 16 && defined(FC_X86) && defined(__AVX512F__)
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8((__m512i)u));
+  // (the all-lanes mask form: the plain intrinsic's undefined pass-through operand makes GCC 12
+  // warn where it is inlined into some callers)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm512_maskz_cvtepi32_epi8(__mmask16(0xFFFF), (__m512i)u));
 #elif FLASHCOMM_LANES == 8 && defined(FC_X86) && defined(__AVX2__)
   const __m256i v = (__m256i)u;
   const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
