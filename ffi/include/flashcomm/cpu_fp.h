@@ -12,6 +12,10 @@
 #include "flashcomm/cpu_fp_decode.h"
 #include "flashcomm/cpu_fp_lanes.h"
 
+// These headers quantize the four-bit formats kLanes blocks at a time (fp4_quantize_batch):
+// benchmarks/fp_ab.cc, which compiles older revisions too, looks for it.
+#define FLASHCOMM_FP4_BATCH 1
+
 namespace flashcomm {
 inline namespace FLASHCOMM_ISA {
 namespace cpu {
