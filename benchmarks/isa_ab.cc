@@ -9,7 +9,8 @@
 // two tables alternately, call by call, keeps the best time of each, and checks that the two
 // wrote the same bytes: the integer codec's quantize (8 and 4 bits, 4 bits with a spike),
 // dequantize, sum of 8 chunks and fused sum-requantize (8 bits); the floating-point formats'
-// quantize and dequantize (fp8, mxfp4, nvfp4) and fused sum-requantize (nvfp4).
+// quantize and dequantize (fp8, mxfp4, nvfp4), sum of 8 chunks and fused sum-requantize (mxfp4,
+// nvfp4).
 #include <sys/mman.h>
 
 #include <chrono>
@@ -133,9 +134,10 @@ int main() {
                    return k.dequantize_sum_quantize(payload8, 8, 0, o, scale, scale + out_groups,
                                                     0, out_groups);
                  }});
-  const char* fp_names[4][3] = {{}, {"quantize fp8", "dequantize fp8", ""},
-                                {"quantize mxfp4", "dequantize mxfp4", ""},
-                                {"quantize nvfp4", "dequantize nvfp4", "fused sum-quantize nvfp4"}};
+  const char* fp_names[4][4] = {
+      {}, {"quantize fp8", "dequantize fp8", "", ""},
+      {"quantize mxfp4", "dequantize mxfp4", "sum of 8 chunks mxfp4", "fused sum-quantize mxfp4"},
+      {"quantize nvfp4", "dequantize nvfp4", "sum of 8 chunks nvfp4", "fused sum-quantize nvfp4"}};
   for (int32_t f = 1; f <= 3; ++f) {
     const int64_t rec = flashcomm::fp_record_bytes(f, kGroup, 0);
     const uint8_t* records = fp_records[f];
@@ -145,9 +147,13 @@ int main() {
     ops.push_back({fp_names[f][1], size_t(kValues * 2), [=](const CodecKernels& k, uint8_t* o) {
                      return k.fp_dequantize(DType::kBF16, records, kGroups, kGroup, f, 0, 0, o);
                    }});
-    if (f == 3) {
+    if (f >= 2) {
       const flashcomm::cpu::FpChunks chunks{records, 1, kChunks, kGroups / kChunks, kGroup, f, 0};
-      ops.push_back({fp_names[f][2], size_t(out_groups * rec),
+      ops.push_back({fp_names[f][2], size_t(out_groups * kGroup * 2),
+                     [=](const CodecKernels& k, uint8_t* o) {
+                       return k.fp_dequantize_sum(DType::kBF16, chunks, 0, o, 0, out_groups);
+                     }});
+      ops.push_back({fp_names[f][3], size_t(out_groups * rec),
                      [=](const CodecKernels& k, uint8_t* o) {
                        return k.fp_dequantize_sum_quantize(chunks, f, 0, o, 0, out_groups);
                      }});

@@ -461,7 +461,10 @@ struct FpDequantizeOp {
 #if defined(FC_FP8_DECODE_STORE)
       if (direct8 && fp8_decode_store<T>(records + k * stride, g, ys + k * g)) continue;
 #endif
-      if (direct4 && fp4_decode_store<T>(records + k * stride, g, format, ys + k * g)) continue;
+      if (direct4 &&
+          fp4_decode_store<T>(records + k * stride, g, format, tables.e4m3, ys + k * g)) {
+        continue;
+      }
       fp_decode_group(records + k * stride, g, format, spikes, tables, buf.data);
       if (rotation != kRotationNone) unrotate_group(buf.data, g, masks.get());
       store_group<T>(buf.data, g, /*saturating=*/true, ys + k * g);

@@ -214,3 +214,31 @@ def test_four_bit_batches_bit_identical_to_the_twin(fmt, g):
             got = every_isa(jax.jit(lambda x: run(x, "ffi")), x)
             want = jax.jit(lambda x: run(x, "jnp"))(x)
             assert np.array_equal(np.asarray(got), np.asarray(want)), (groups, rotation)
+
+
+@needs_ffi
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_four_bit_decodes_of_arbitrary_records_match_the_twin(fmt):
+    """Records of random bytes (every scale byte: E8M0 NaN, E4M3 NaN codes, zero and huge
+    scales that saturate bf16) decode, sum and re-quantize as the twin does in every build; the
+    decoded values compared as floats (a NaN equals a NaN whatever its payload)."""
+    x = jnp.ones((16, 4 * 128), jnp.bfloat16)
+    p = codec.quantize(x, format=fmt, num_chunks=4)
+    codes = np.random.default_rng(7).integers(0, 256, p.codes.shape, np.uint8)
+    codes[..., 0, 64] = 0xFF if fmt == "mxfp4" else 0x7F  # a NaN block scale
+    codes[..., 1, 64] = 0xFE if fmt == "mxfp4" else 0x7E  # the largest: bf16 saturates
+    if fmt == "nvfp4":
+        codes[..., 2, 72] = 0xFF  # a NaN group scale
+    p = p.map_arrays(lambda a: jnp.asarray(codes) if a is not None and a.dtype == jnp.uint8
+                     else a)
+    c = p.split_groups(4)
+
+    def run(p, c, backend):
+        return (codec.dequantize(p, backend=backend), codec.dequantize_sum(c, backend=backend),
+                codec.dequantize_sum_quantize(c, backend=backend).codes)
+
+    got = every_isa(jax.jit(lambda p, c: run(p, c, "ffi")), p, c)
+    want = jax.jit(lambda p, c: run(p, c, "jnp"))(p, c)
+    for a, b in zip(got[:2], want[:2]):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert np.array_equal(np.asarray(got[2]), np.asarray(want[2]))

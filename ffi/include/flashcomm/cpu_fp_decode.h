@@ -39,16 +39,20 @@ FC_ALWAYS_INLINE void store_plain(Lanes v, typename T::Storage* y) {
 // A four-bit record (mxfp4 or nvfp4, no spikes) decoded and stored as bf16 or f32 in one pass
 // where every block scale s has |s| * 6 within T's finite range (so no value saturates or is
 // NaN); false otherwise (y partly written: the caller decodes the group the general way).
+// e4m3: FpTables' E4M3 table (an nvfp4 block scale is a lookup times the group scale, the
+// operations of fp_block_scale).
 template <typename T>
 FC_ALWAYS_INLINE bool fp4_decode_store(const uint8_t* rec, int64_t g, int32_t fmt,
-                                       typename T::Storage* y) {
+                                       const float* e4m3, typename T::Storage* y) {
   if constexpr (!std::is_same_v<T, BF16> && !std::is_same_v<T, F32>) {
     return false;
   } else {
     const uint8_t* scales = rec + fp_code_bytes(fmt, g);
-    const int64_t block = fp_block(fmt, g);
-    for (int64_t b = 0; b < g / block; ++b) {
-      const float sc = fp_block_scale(fmt, scales, g, b);
+    const int64_t block = fp_block(fmt, g), blocks = g / block;
+    const float gscale = fmt == kFormatNvfp4 ? e8m0_scale(scales[blocks]) : 0.0f;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float sc = fmt == kFormatNvfp4 ? mul_rn(e4m3[scales[b]], gscale)
+                                           : e8m0_scale(scales[b]);
       if (!(mul_rn(bits_to_float(float_to_bits(sc) & 0x7FFFFFFFu), 6.0f) <= T::kMax)) {
         return false;
       }
@@ -138,22 +142,14 @@ inline void fp_decode_group(const uint8_t* rec, int64_t g, int32_t fmt, int k,
     }
     for (; i < g; ++i) d[i] = mul_rn(t.e4m3[rec[i]], s);
   } else {
-    // kLanes blocks' scales at a time, lane-wise (fp_block_scale's operations).
+    // each block's scale from the tables (fp_block_scale's operations)
     const int64_t block = fp_block(fmt, g), blocks = g / block;
     const float gscale = fmt == kFormatNvfp4 ? e8m0_scale(scales[blocks]) : 0.0f;
-    for (int64_t b0 = 0; b0 < blocks; b0 += kLanes) {
-      const int64_t nb = blocks - b0 < kLanes ? blocks - b0 : kLanes;
-      uint8_t bytes[kLanes] = {};
-      std::memcpy(bytes, scales + b0, size_t(nb));
-      const ULanes code = load_bytes(bytes);
-      const Lanes sc = fmt == kFormatMxfp4
-          ? (code == kE8m0Nan ? bits_lanes(ULanes{} + 0x7FC00000u) : bits_lanes(code << 23))
-          : mul_rn(e4m3_decode_lanes(code), gscale);
-      for (int64_t j = 0; j < nb; ++j) {
-        const Lanes s = __builtin_shuffle(sc, ILanes{} + int32_t(j));
-        for (int64_t i = (b0 + j) * block; i < (b0 + j + 1) * block; i += kLanes) {
-          store_lanes(d + i, mul_rn(e2m1_decode_lanes(load_nibbles(rec + i / 2)), s));
-        }
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float s = fmt == kFormatNvfp4 ? mul_rn(t.e4m3[scales[b]], gscale)
+                                          : e8m0_scale(scales[b]);
+      for (int64_t i = b * block; i < (b + 1) * block; i += kLanes) {
+        store_lanes(d + i, mul_rn(e2m1_decode_lanes(load_nibbles(rec + i / 2)), s));
       }
     }
   }
