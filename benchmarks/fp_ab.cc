@@ -97,7 +97,7 @@ int main(int argc, char** argv) {
       }
       auto* before = static_cast<uint8_t*>(Buffer(size_t(out)));
       auto* after = static_cast<uint8_t*>(Buffer(size_t(out)));
-      auto* buf = static_cast<float*>(std::aligned_alloc(64, 16 * g * sizeof(float)));
+      auto* buf = static_cast<float*>(std::aligned_alloc(64, (16 * g + 4096) * sizeof(float)));
       auto* keys = static_cast<int32_t*>(std::aligned_alloc(64, g * sizeof(int32_t)));
       const int reps = mib == 1 ? 600 : 40;
       double best_before = 1e30, best_after = 1e30;

@@ -410,8 +410,8 @@ struct FpQuantizeOp {
       }
       return 0;
     }
-    if (spikes == 0 && fp4_batch_takes(format, g)) {  // kLanes four-bit blocks at a time
-      Scratch<float> batch(kLanes * fp_block(format, g));
+    if (spikes == 0 && fp4_batch_takes(format, g)) {  // four-bit blocks in batches
+      Scratch<float> batch(fp4_batch_floats(format, g));
       if (batch.failed()) return batch.bytes;
       const int64_t per = fp4_batch_groups(format, g);
       for (int64_t k0 = 0; k0 < n_groups; k0 += per) {

@@ -12,7 +12,7 @@
 #include "flashcomm/cpu_fp_decode.h"
 #include "flashcomm/cpu_fp_lanes.h"
 
-// These headers quantize the four-bit formats kLanes blocks at a time (fp4_quantize_batch):
+// These headers quantize the four-bit formats in batches of blocks (fp4_quantize_batch):
 // benchmarks/fp_ab.cc, which compiles older revisions too, looks for it.
 #define FLASHCOMM_FP4_BATCH 1
 
@@ -231,63 +231,84 @@ inline void fp4_quantize_small_group(const float* v, int64_t g, int32_t fmt, uin
   fp4_encode_blocks(v, g, fmt, 0, blocks, am, gbyte, rec);
 }
 
-// Four-bit groups without spikes, kLanes blocks at a time: kLanes / kPerGroup groups of
-// kPerGroup blocks of kBlock values, one after another in v (kLanes * kBlock floats; the lanes
-// of missing groups read whatever is there and are not stored). The blocks' maxima come from one
-// transposing reduction, each group's from kPerGroup lanes, and the scale codes and inverses of
-// every block of the batch lane-wise (fp_encode_group's operations): one division for all.
-// count: the groups present (at least 1). The same bytes as fp_quantize_group on each group.
+// The scales of kLanes four-bit blocks, lane-wise, from their largest magnitudes am (lanes of
+// kPerGroup blocks forming a group): fp_encode_group's operations.
+struct Fp4Scales {
+  ULanes code;   // the blocks' scale codes
+  Lanes inv;     // the inverses their elements are multiplied by
+  ILanes zero;   // -1 where an nvfp4 block's scale is 0 (its codes are written as 0)
+  ULanes gbyte;  // nvfp4: the group's E8M0 byte, in each of its lanes
+  ILanes gm;     // the group's largest magnitude, in each of its lanes
+};
+template <int kPerGroup>
+FC_ALWAYS_INLINE Fp4Scales fp4_scales(ILanes am, int32_t fmt) {
+  Fp4Scales r{ULanes{}, Lanes{}, ILanes{}, ULanes{}, am};
+  for (int s = 1; s < kPerGroup; s *= 2) {
+    const ILanes o = __builtin_shuffle(r.gm, kLaneIndex ^ s);
+    r.gm = o > r.gm ? o : r.gm;
+  }
+  if (fmt == kFormatMxfp4) {
+    const ILanes e = ((am >> 23) & 0xFF) - 2;
+    r.code = (ULanes)(e < kMxByteMin ? kMxByteMin : e > kMxByteMax ? kMxByteMax : e);
+    r.inv = bits_lanes((254u - r.code) << 23);
+  } else {
+    const ILanes e = ((r.gm >> 23) & 0xFF) - 10;
+    r.gbyte = (ULanes)(e < kNvByteMin ? kNvByteMin : e > kNvByteMax ? kNvByteMax : e);
+    r.code = e4m3_encode_lanes(
+        mul_rn(mul_rn(bits_lanes((ULanes)am), kInvE2m1Max), bits_lanes((254u - r.gbyte) << 23)));
+    const Lanes sc = mul_rn(e4m3_decode_lanes(r.code), bits_lanes(r.gbyte << 23));
+    r.zero = ~(sc > 0.0f);
+    r.inv = 1.0f / (sc > 0.0f ? sc : Lanes{} + 1.0f);
+  }
+  return r;
+}
+
+// Vectors of block scales per four-bit batch: two independent chains of scale arithmetic
+// (each a long dependent sequence) that the core can run side by side.
+constexpr int kFp4BatchVecs = 2;
+
+// Four-bit groups without spikes, kFp4BatchVecs * kLanes blocks at a time: the groups of
+// kPerGroup blocks of kBlock values, one after another in v (kFp4BatchVecs * kLanes * kBlock
+// floats; the values of missing groups are read and not stored). The blocks' maxima come from
+// transposing reductions, each group's from kPerGroup lanes, and the scale codes and inverses
+// of every block of the batch lane-wise (fp_encode_group's operations): one division per
+// kLanes blocks. count: the groups present (at least 1). The same bytes as fp_quantize_group
+// on each group.
 template <int kBlock, int kPerGroup>
 inline void fp4_encode_batch(const float* v, int32_t fmt, int64_t count, uint8_t* records,
                              int64_t stride) {
-  static_assert(kPerGroup <= kLanes && kLanes % kPerGroup == 0, "whole groups per batch");
-  constexpr int64_t g = kBlock * kPerGroup;
-  const ILanes am = block_maxima<kLanes, kBlock>(v);
-  ILanes gm = am;  // every lane: its group's largest magnitude
-  for (int s = 1; s < kPerGroup; s *= 2) {
-    const ILanes o = __builtin_shuffle(gm, kLaneIndex ^ s);
-    gm = o > gm ? o : gm;
+  static_assert(kPerGroup <= kLanes && kLanes % kPerGroup == 0, "whole groups per vector");
+  constexpr int64_t g = kBlock * kPerGroup, kPerVec = kLanes / kPerGroup;
+  Fp4Scales sc[kFp4BatchVecs];
+  uint8_t code_bytes[kFp4BatchVecs][kLanes];
+  uint32_t nonfinite[kFp4BatchVecs], zeros[kFp4BatchVecs];
+  for (int t = 0; t < kFp4BatchVecs; ++t) {
+    sc[t] = fp4_scales<kPerGroup>(block_maxima<kLanes, kBlock>(v + t * kLanes * kBlock), fmt);
+    narrow_bytes(sc[t].code, code_bytes[t]);
+    nonfinite[t] = lane_bits(sc[t].gm >= 0x7F800000);
+    zeros[t] = lane_bits(sc[t].zero);
   }
-  ULanes code;
-  Lanes inv;
-  ILanes zero = ILanes{};
-  ULanes gbyte = ULanes{};
-  if (fmt == kFormatMxfp4) {
-    const ILanes e = ((am >> 23) & 0xFF) - 2;
-    code = (ULanes)(e < kMxByteMin ? kMxByteMin : e > kMxByteMax ? kMxByteMax : e);
-    inv = bits_lanes((254u - code) << 23);
-  } else {
-    const ILanes e = ((gm >> 23) & 0xFF) - 10;
-    gbyte = (ULanes)(e < kNvByteMin ? kNvByteMin : e > kNvByteMax ? kNvByteMax : e);
-    code = e4m3_encode_lanes(
-        mul_rn(mul_rn(bits_lanes((ULanes)am), kInvE2m1Max), bits_lanes((254u - gbyte) << 23)));
-    const Lanes sc = mul_rn(e4m3_decode_lanes(code), bits_lanes(gbyte << 23));
-    zero = ~(sc > 0.0f);
-    inv = 1.0f / (sc > 0.0f ? sc : Lanes{} + 1.0f);
-  }
-  uint8_t code_bytes[kLanes];
-  narrow_bytes(code, code_bytes);
-  const uint32_t nonfinite = lane_bits(gm >= 0x7F800000), zeros = lane_bits(zero);
   constexpr uint32_t kGroupLanes = (1u << kPerGroup) - 1u;
   for (int64_t j = 0; j < count; ++j) {
     uint8_t* rec = records + j * stride;
-    const int32_t lane0 = int32_t(j * kPerGroup);
-    if ((nonfinite >> lane0) & 1u) {
+    const int64_t t = j / kPerVec;
+    const int32_t lane0 = int32_t(j % kPerVec * kPerGroup);
+    if ((nonfinite[t] >> lane0) & 1u) {
       fp_encode_nonfinite(g, fmt, rec);
       continue;
     }
-    std::memcpy(rec + g / 2, code_bytes + lane0, size_t(kPerGroup));
-    if (fmt == kFormatNvfp4) rec[g / 2 + kPerGroup] = uint8_t(gbyte[lane0]);
+    std::memcpy(rec + g / 2, code_bytes[t] + lane0, size_t(kPerGroup));
+    if (fmt == kFormatNvfp4) rec[g / 2 + kPerGroup] = uint8_t(sc[t].gbyte[lane0]);
     if constexpr (kLanes < 16) {
       // AVX2: this group's block inverses from lane 0 on (one permutation), then the loop
       // unrolled, each block's lane a constant: 0.83-0.94x the time of the rolled loop (on
       // AVX-512, 1.02-1.06x: rolled there)
-      const Lanes inv_g = __builtin_shuffle(inv, (kLaneIndex + lane0) & (kLanes - 1));
+      const Lanes inv_g = __builtin_shuffle(sc[t].inv, (kLaneIndex + lane0) & (kLanes - 1));
       encode_blocks<kBlock, true>(v + j * g, g, inv_g, 0, rec);
     } else {
-      encode_blocks<kBlock>(v + j * g, g, inv, 0, rec, lane0);
+      encode_blocks<kBlock>(v + j * g, g, sc[t].inv, 0, rec, lane0);
     }
-    if (const uint32_t z = (zeros >> lane0) & kGroupLanes) {
+    if (const uint32_t z = (zeros[t] >> lane0) & kGroupLanes) {
       for (int b = 0; b < kPerGroup; ++b) {
         if ((z >> b) & 1u) std::memset(rec + b * kBlock / 2, 0, size_t(kBlock / 2));
       }
@@ -303,14 +324,19 @@ FC_ALWAYS_INLINE bool fp4_batch_takes(int32_t fmt, int64_t g) {
   return false;
 }
 
+// The f32 values of a four-bit batch (the scratch fp4_quantize_batch needs).
+FC_ALWAYS_INLINE int64_t fp4_batch_floats(int32_t fmt, int64_t g) {
+  return kFp4BatchVecs * kLanes * fp_block(fmt, g);
+}
+
 // Groups of g values per fp4_quantize_batch call (fp4_batch_takes(fmt, g)).
 FC_ALWAYS_INLINE int64_t fp4_batch_groups(int32_t fmt, int64_t g) {
-  return kLanes * fp_block(fmt, g) / g;
+  return kFp4BatchVecs * kLanes * fp_block(fmt, g) / g;
 }
 
 // fp4_encode_batch on 1 <= count <= fp4_batch_groups(fmt, g) f32 groups of g values
-// (fp4_batch_takes(fmt, g)), one after another in batch (kLanes * fp_block(fmt, g) floats; the
-// rest zeroed here).
+// (fp4_batch_takes(fmt, g)), one after another in batch (fp4_batch_floats(fmt, g); the rest
+// zeroed here).
 inline void fp4_quantize_groups(float* batch, int64_t count, int64_t g, int32_t fmt,
                                 uint8_t* records, int64_t stride) {
   const int64_t full = fp4_batch_groups(fmt, g);
