@@ -50,34 +50,17 @@ extern "C" void FP_AB_NAME(const uint16_t* x, int64_t groups, int64_t g, int32_t
 }
 
 #else
-#include <sys/mman.h>
-
-#include <chrono>
 #include <initializer_list>
+
+#include "benchmarks/bench_memory.h"
 
 extern "C" void fp_ab_before(const uint16_t*, int64_t, int64_t, int32_t, float*, int32_t*,
                              uint8_t*);
 extern "C" void fp_ab_after(const uint16_t*, int64_t, int64_t, int32_t, float*, int32_t*,
                             uint8_t*);
 
-namespace {
-
-double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-// n bytes, 2 MiB aligned, on transparent huge pages, zeroed.
-void* Buffer(size_t n) {
-  const size_t align = size_t(2) << 20, size = (n + align - 1) / align * align;
-  void* p = std::aligned_alloc(align, size);
-  if (p == nullptr) std::abort();
-  madvise(p, size, MADV_HUGEPAGE);
-  std::memset(p, 0, size);
-  return p;
-}
-
-}  // namespace
+using bench::Buffer;
+using bench::Now;
 
 int main(int argc, char** argv) {
   const int64_t g = argc > 1 ? std::atoll(argv[1]) : 128;

@@ -12,10 +12,7 @@ trap 'rm -rf "$out"' EXIT
 git archive "$rev" ffi/include | tar -x -C "$out"
 echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //'), one thread;" \
   "before: $rev ($(git rev-parse --short "$rev")), after: the working tree; G = $group"
-flags=$(grep -m1 '^flags' /proc/cpuinfo)
-builds=("baseline 4 -march=x86-64")
-[[ $flags == *" avx2 "* && $flags == *" fma "* ]] && builds=("avx2 8 -march=x86-64-v3" "${builds[@]}")
-[[ $flags == *" avx512f "* && $flags == *" avx512bw "* ]] && builds=("avx512 16 -march=x86-64-v4 -Wno-maybe-uninitialized" "${builds[@]}")
+source benchmarks/cpu_builds.sh
 for build in "${builds[@]}"; do
   read -r name lanes march extra <<<"$build"
   common=(-O3 -ffp-contract=off -fno-fast-math -fno-trapping-math -std=c++17 -Wall -Wextra
@@ -26,7 +23,7 @@ for build in "${builds[@]}"; do
   "${CXX:-g++}" "${common[@]}" -DFP_AB_PART=2 -DFP_AB_NAME=fp_ab_after \
     -DFLASHCOMM_ISA="isa_${name}_after" -Iffi/include -c benchmarks/fp_ab.cc \
     -o "$out/after_$name.o" & pids+=($!)
-  "${CXX:-g++}" "${common[@]}" -DFP_AB_PART=0 -c benchmarks/fp_ab.cc -o "$out/main_$name.o" &
+  "${CXX:-g++}" "${common[@]}" -DFP_AB_PART=0 -I. -c benchmarks/fp_ab.cc -o "$out/main_$name.o" &
   pids+=($!)
   for pid in "${pids[@]}"; do wait "$pid"; done  # (a plain wait would hide a failed compile)
   "${CXX:-g++}" "$out/before_$name.o" "$out/after_$name.o" "$out/main_$name.o" \

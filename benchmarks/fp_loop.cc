@@ -11,14 +11,12 @@
 //   - "memory": 16 MiB, with the buffers on transparent huge pages and without them;
 //   - "widen+max": only the bf16 widening and the group maximum (the first two passes).
 // Best of the repetitions (the machine's noise only ever adds time).
-#include <sys/mman.h>
-
-#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
+#include "benchmarks/bench_memory.h"
 #include "flashcomm/cpu_fp.h"
 
 using namespace flashcomm;
@@ -26,20 +24,8 @@ using namespace flashcomm::cpu;
 
 namespace {
 
-double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-// n bytes, 2 MiB aligned, touched, with or without transparent huge pages.
-void* Buffer(size_t n, bool huge) {
-  const size_t align = size_t(2) << 20, size = (n + align - 1) / align * align;
-  void* p = std::aligned_alloc(align, size);
-  if (p == nullptr) std::abort();
-  madvise(p, size, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
-  std::memset(p, 0, size);
-  return p;
-}
+using bench::Buffer;
+using bench::Now;
 
 struct Result {
   double ns_per_group, gbps, memcpy_gbps;

@@ -6,13 +6,10 @@ cd "$(dirname "$0")/.."
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //'), one thread"
-flags=$(grep -m1 '^flags' /proc/cpuinfo)
-builds=("baseline 4 -march=x86-64")
-[[ $flags == *" avx2 "* && $flags == *" fma "* ]] && builds=("avx2 8 -march=x86-64-v3" "${builds[@]}")
-[[ $flags == *" avx512f "* && $flags == *" avx512bw "* ]] && builds=("avx512 16 -march=x86-64-v4 -Wno-maybe-uninitialized" "${builds[@]}")
+source benchmarks/cpu_builds.sh
 for build in "${builds[@]}"; do
   read -r name lanes march extra <<<"$build"
   "${CXX:-g++}" -O3 -ffp-contract=off -fno-fast-math -fno-trapping-math -std=c++17 -Wall -Wextra -Wno-psabi $march ${extra:-} -DFLASHCOMM_ISA="isa_$name" -DFLASHCOMM_LANES="$lanes" \
-    -DFC_ISA_NAME="\"$name\"" -Iffi/include benchmarks/fp_loop.cc -o "$out/fp_loop_$name"
+    -DFC_ISA_NAME="\"$name\"" -I. -Iffi/include benchmarks/fp_loop.cc -o "$out/fp_loop_$name"
   "$out/fp_loop_$name" "$@"
 done

@@ -11,9 +11,6 @@
 // dequantize, sum of 8 chunks and fused sum-requantize (8 bits); the floating-point formats'
 // quantize and dequantize (fp8, mxfp4, nvfp4), sum of 8 chunks and fused sum-requantize (mxfp4,
 // nvfp4).
-#include <sys/mman.h>
-
-#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -21,20 +18,13 @@
 #include <functional>
 #include <vector>
 
+#include "benchmarks/bench_memory.h"
 #include "flashcomm/codec.h"
 #include "flashcomm/cpu_dispatch.h"
 #include "flashcomm/fp_codec.h"
 
-#define ISA_AB_DECLARE(ns)                             \
-  namespace flashcomm {                                \
-  namespace ns {                                       \
-  namespace cpu {                                      \
-  const ::flashcomm::cpu::CodecKernels& isa_kernels(); \
-  }                                                    \
-  }                                                    \
-  }
-ISA_AB_DECLARE(ISA_AB_BEFORE)
-ISA_AB_DECLARE(ISA_AB_AFTER)
+FLASHCOMM_DECLARE_ISA_KERNELS(ISA_AB_BEFORE)
+FLASHCOMM_DECLARE_ISA_KERNELS(ISA_AB_AFTER)
 
 // The scratch allocator of cpu_alloc.h, as ffi/cpu/dispatch.cc defines it (malloc).
 extern "C" void* flashcomm_scratch_alloc(size_t bytes) { return std::malloc(bytes); }
@@ -44,20 +34,10 @@ namespace {
 using flashcomm::cpu::CodecKernels;
 using flashcomm::cpu::DType;
 
-double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
+using bench::Now;
 
-// n bytes, 2 MiB aligned, on transparent huge pages, zeroed (freed at exit).
-uint8_t* Buffer(size_t n) {
-  const size_t align = size_t(2) << 20, size = (n + align - 1) / align * align;
-  void* p = std::aligned_alloc(align, size);
-  if (p == nullptr) std::abort();
-  madvise(p, size, MADV_HUGEPAGE);
-  std::memset(p, 0, size);
-  return static_cast<uint8_t*>(p);
-}
+// n bytes on huge pages (bench::Buffer), as bytes.
+uint8_t* Buffer(size_t n) { return static_cast<uint8_t*>(bench::Buffer(n)); }
 
 constexpr int64_t kGroup = 128, kValues = int64_t(8) << 20, kGroups = kValues / kGroup;
 constexpr int64_t kChunks = 8;

@@ -18,10 +18,7 @@ if [[ -n "${BEFORE_REV:-}" ]]; then
 fi
 echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //');" \
   "before: ${opt_before[*]}${BEFORE_REV:+ at $BEFORE_REV}, after: ${opt_after[*]}"
-flags=$(grep -m1 '^flags' /proc/cpuinfo)
-builds=("baseline 4 -march=x86-64")
-[[ $flags == *" avx2 "* && $flags == *" fma "* ]] && builds=("avx2 8 -march=x86-64-v3" "${builds[@]}")
-[[ $flags == *" avx512f "* && $flags == *" avx512bw "* ]] && builds=("avx512 16 -march=x86-64-v4 -Wno-maybe-uninitialized" "${builds[@]}")
+source benchmarks/cpu_builds.sh
 common=(-ffp-contract=off -fno-fast-math -fno-trapping-math -std=c++17 -Wall -Wextra -Wno-psabi
         -DNDEBUG)
 inc_before=(-I"$src_before/ffi/include" -isystem "$src_before/third_party/xla_ffi/include")
@@ -37,7 +34,7 @@ for build in "${builds[@]}"; do
     -DFLASHCOMM_ISA="isa_${name}_after" -c ffi/cpu/isa_kernels.cc -o "$out/after_$name.o" &
   pids+=($!)
   for pid in "${pids[@]}"; do wait "$pid"; done  # (a plain wait would hide a failed compile)
-  "${CXX:-g++}" -O2 "${common[@]}" "${inc_after[@]}" -DFLASHCOMM_ISA=isa_ab_driver \
+  "${CXX:-g++}" -O2 "${common[@]}" "${inc_after[@]}" -I. -DFLASHCOMM_ISA=isa_ab_driver \
     -DISA_AB_BEFORE="isa_${name}_before" -DISA_AB_AFTER="isa_${name}_after" benchmarks/isa_ab.cc \
     "$out/before_$name.o" "$out/after_$name.o" -o "$out/isa_ab_$name"
   "$out/isa_ab_$name"

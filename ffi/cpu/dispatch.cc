@@ -15,25 +15,16 @@
 // FLASHCOMM_HAVE_ISA_* macros for the builds it compiles). The builds' namespaces are inline
 // namespaces of flashcomm there; declared here as plain ones (same symbols), so that
 // flashcomm::cpu stays unambiguous in this file.
-#define FC_DECLARE_ISA(ns)                                    \
-  namespace flashcomm {                                       \
-  namespace ns {                                              \
-  namespace cpu {                                             \
-  const ::flashcomm::cpu::CodecKernels& isa_kernels();        \
-  }                                                           \
-  }                                                           \
-  }
 #if defined(FLASHCOMM_HAVE_ISA_AVX512)
-FC_DECLARE_ISA(isa_avx512)
+FLASHCOMM_DECLARE_ISA_KERNELS(isa_avx512)
 #endif
 #if defined(FLASHCOMM_HAVE_ISA_AVX2)
-FC_DECLARE_ISA(isa_avx2)
+FLASHCOMM_DECLARE_ISA_KERNELS(isa_avx2)
 #endif
 #if defined(FLASHCOMM_HAVE_ISA_NEON)
-FC_DECLARE_ISA(isa_neon)
+FLASHCOMM_DECLARE_ISA_KERNELS(isa_neon)
 #endif
-FC_DECLARE_ISA(isa_baseline)
-#undef FC_DECLARE_ISA
+FLASHCOMM_DECLARE_ISA_KERNELS(isa_baseline)
 
 namespace flashcomm {
 namespace cpu {

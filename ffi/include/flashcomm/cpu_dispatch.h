@@ -117,4 +117,16 @@ std::string set_isa(const std::string& name);
 }  // namespace cpu
 }  // namespace flashcomm
 
+// The table of build `ns` (ffi/cpu/isa_kernels.cc compiled with FLASHCOMM_ISA=ns), declared in
+// a plain namespace (the same symbol as the build's inline one) where several builds meet:
+// ffi/cpu/dispatch.cc, benchmarks/isa_ab.cc.
+#define FLASHCOMM_DECLARE_ISA_KERNELS(ns)                \
+  namespace flashcomm {                                  \
+  namespace ns {                                         \
+  namespace cpu {                                        \
+  const ::flashcomm::cpu::CodecKernels& isa_kernels();   \
+  }                                                      \
+  }                                                      \
+  }
+
 #endif  // FLASHCOMM_CPU_DISPATCH_H_

@@ -1,8 +1,8 @@
-// The CPU loops of the floating-point group formats (fp_codec.h): quantize, from the lane-wise
-// pieces of cpu_fp_lanes.h, the tails scalar; the decode is in cpu_fp_decode.h (included here).
-// Compiled once per instruction set with the integer codec (ffi/cpu/isa_kernels.cc). Every
-// block (16 or 32 values) is a whole number of vectors; an fp8 group (G values) may end in a
-// scalar tail.
+// The CPU loops of the floating-point group formats (fp_codec.h): quantize, one group at a time
+// and in batches, from the element encoders of cpu_fp_encode.h; the decode is in
+// cpu_fp_decode.h (included here). Compiled once per instruction set with the integer codec
+// (ffi/cpu/isa_kernels.cc). Every block (16 or 32 values) is a whole number of vectors; an fp8
+// group (G values) may end in a scalar tail.
 #ifndef FLASHCOMM_CPU_FP_H_
 #define FLASHCOMM_CPU_FP_H_
 
@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "flashcomm/cpu_fp_decode.h"
+#include "flashcomm/cpu_fp_encode.h"
 #include "flashcomm/cpu_fp_lanes.h"
 
 // These headers quantize the four-bit formats in batches of blocks (fp4_quantize_batch):
@@ -19,115 +20,6 @@
 namespace flashcomm {
 inline namespace FLASHCOMM_ISA {
 namespace cpu {
-
-// Element codes of n values RN(v * inv) (inv, in every lane: fp_inverse of the block scale, or
-// mxfp4's exact power of two), E4M3 bytes (fp8) or E2M1 nibbles from element `first` on (n and
-// first even).
-template <bool kFp8>
-FC_ALWAYS_INLINE void encode_run(const float* v, int64_t n, Lanes inv, int64_t first,
-                                 uint8_t* codes) {
-  int64_t i = 0;
-#if (FLASHCOMM_LANES == 8 && defined(__AVX2__)) || (FLASHCOMM_LANES == 16 && defined(__AVX512BW__))
-  if constexpr (kFp8) {
-    // Four vectors at a time: the magnitudes' codes (<= 0x7E) packed to bytes with unsigned
-    // saturation, the values themselves with signed saturation (which keeps each sign, -0.0's
-    // too, in the byte's top bit), then one OR of that bit and one permutation of the 32-bit
-    // pieces the in-lane packs interleaved: instead of a shift, an OR and a narrowing per vector.
-    for (; i + 4 * kLanes <= n; i += 4 * kLanes) {
-      FcVecI c[4], q[4];
-      for (int j = 0; j < 4; ++j) {
-        const Lanes x = mul_rn(load_lanes(v + i + j * kLanes), inv);
-        q[j] = (FcVecI)x;
-        c[j] = (FcVecI)e4m3_encode_clamped(abs_min_lanes(x, kE4m3Max));
-      }
-      const FcVecI mag = fc_packus_epi16(fc_packus_epi32(c[0], c[1]), fc_packus_epi32(c[2], c[3]));
-      const FcVecI sign = fc_packs_epi16(fc_packs_epi32(q[0], q[1]), fc_packs_epi32(q[2], q[3]));
-      const FcVecI bytes = fc_permute_dwords(fc_or_top_bit(mag, sign));
-      std::memcpy(codes + first + i, &bytes, sizeof(bytes));
-    }
-  } else {
-    // The same for E2M1: the sign's byte bit 7 shifted to bit 3 (a 16-bit shift by 4 moves
-    // each byte's bit 7 there), then two codes to a byte.
-    for (; i + 4 * kLanes <= n; i += 4 * kLanes) {
-      FcVecI c[4], q[4];
-      for (int j = 0; j < 4; ++j) {
-        const Lanes x = mul_rn(load_lanes(v + i + j * kLanes), inv);
-        q[j] = (FcVecI)x;
-        c[j] = (FcVecI)e2m1_encode_clamped(e2m1_magnitude(x));
-      }
-      const FcVecI mag = fc_packus_epi16(fc_packus_epi32(c[0], c[1]), fc_packus_epi32(c[2], c[3]));
-      const FcVecI sign = fc_packs_epi16(fc_packs_epi32(q[0], q[1]), fc_packs_epi32(q[2], q[3]));
-      fc_store_nibble_bytes(fc_permute_dwords(fc_or_sign_nibble(mag, sign)),
-                            codes + (first + i) / 2);
-    }
-  }
-#endif
-  for (; i + kLanes <= n; i += kLanes) {
-    const Lanes x = load_lanes(v + i);
-    const Lanes q = mul_rn(x, inv);
-    // the sign bit moved to the code's top bit with one shift and one AND
-    if constexpr (kFp8) {
-      narrow_bytes(
-          e4m3_encode_clamped(abs_min_lanes(q, kE4m3Max)) | ((lanes_bits(q) >> 24) & 0x80u),
-          codes + first + i);
-    } else {
-      store_nibbles(e2m1_encode_clamped(e2m1_magnitude(q)) | ((lanes_bits(q) >> 28) & 8u),
-                    codes + (first + i) / 2);
-    }
-  }
-  for (; i < n; ++i) {
-    const float q = mul_rn(v[i], inv[0]);
-    const float a = bits_to_float(float_to_bits(q) & 0x7FFFFFFFu);
-    if constexpr (kFp8) {
-      codes[first + i] = uint8_t(with_sign(e4m3_encode(a), q, 7));
-    } else {
-      const uint32_t c = with_sign(e2m1_encode(a), q, 3);
-      uint8_t& b = codes[(first + i) / 2];
-      b = ((first + i) & 1) ? uint8_t((b & 0x0F) | (c << 4)) : uint8_t(c);
-    }
-  }
-}
-
-// E2M1 codes of n values (n a multiple of kLanes, blocks of kBlock values) from element `first`
-// on, block j's values multiplied by lane lane0 + j of inv: a whole group's blocks in one loop,
-// so the four-vector packing runs across block boundaries (a 16- or 32-value block is fewer than
-// four AVX-512 vectors).
-// kUnroll (n a compile-time constant): the loop unrolled, so every block's lane is a constant.
-template <int kBlock, bool kUnroll = false>
-FC_ALWAYS_INLINE void encode_blocks(const float* v, int64_t n, Lanes inv, int64_t first,
-                                    uint8_t* codes, int32_t lane0 = 0) {
-  static_assert(kBlock % kLanes == 0, "a block is a whole number of vectors");
-  int64_t i = 0;
-#if (FLASHCOMM_LANES == 8 && defined(__AVX2__)) || (FLASHCOMM_LANES == 16 && defined(__AVX512BW__))
-  // Four vectors at a time, packed as encode_run's E2M1 loop does.
-  const auto four = [&](int64_t at) __attribute__((always_inline)) {
-    FcVecI c[4], q[4];
-    for (int j = 0; j < 4; ++j) {
-      const Lanes inv_j =
-          __builtin_shuffle(inv, ILanes{} + (lane0 + int32_t((at + j * kLanes) / kBlock)));
-      const Lanes x = mul_rn(load_lanes(v + at + j * kLanes), inv_j);
-      q[j] = (FcVecI)x;
-      c[j] = (FcVecI)e2m1_encode_clamped(e2m1_magnitude(x));
-    }
-    const FcVecI mag = fc_packus_epi16(fc_packus_epi32(c[0], c[1]), fc_packus_epi32(c[2], c[3]));
-    const FcVecI sign = fc_packs_epi16(fc_packs_epi32(q[0], q[1]), fc_packs_epi32(q[2], q[3]));
-    fc_store_nibble_bytes(fc_permute_dwords(fc_or_sign_nibble(mag, sign)),
-                          codes + (first + at) / 2);
-  };
-  if constexpr (kUnroll) {
-#pragma GCC unroll 16
-    for (; i + 4 * kLanes <= n; i += 4 * kLanes) four(i);
-  } else {
-    for (; i + 4 * kLanes <= n; i += 4 * kLanes) four(i);
-  }
-#endif
-  for (; i < n; i += kLanes) {
-    const Lanes q =
-        mul_rn(load_lanes(v + i), __builtin_shuffle(inv, ILanes{} + (lane0 + int32_t(i / kBlock))));
-    store_nibbles(e2m1_encode_clamped(e2m1_magnitude(q)) | ((lanes_bits(q) >> 28) & 8u),
-                  codes + (first + i) / 2);
-  }
-}
 
 // At most this many four-bit blocks have their scales computed together (lane-wise).
 constexpr int kFp4Chunk = kLanes < 8 ? kLanes : 8;
@@ -175,21 +67,6 @@ inline void fp4_encode_blocks(const float* v, int64_t g, int32_t fmt, int64_t b0
   }
 }
 
-// A record of a group that holds an Inf or a NaN: zero codes, NaN scales.
-inline void fp_encode_nonfinite(int64_t g, int32_t fmt, uint8_t* rec) {
-  const int64_t nc = fp_code_bytes(fmt, g), ns = fp_scale_bytes(fmt, g);
-  uint8_t* scales = rec + nc;
-  std::memset(rec, 0, size_t(nc + ns));
-  if (fmt == kFormatFp8) {
-    scales[0] = uint8_t(kBf16NaN & 0xFF);
-    scales[1] = uint8_t(kBf16NaN >> 8);
-  } else if (fmt == kFormatMxfp4) {
-    std::memset(scales, int(kE8m0Nan), size_t(ns));
-  } else {
-    scales[ns - 1] = uint8_t(kE8m0Nan);
-  }
-}
-
 // One f32 group v (g values, spikes already zeroed, largest magnitude amax) into its record's
 // codes and scales. finite: every value of the group, spikes included, is finite.
 inline void fp_encode_group(const float* v, int64_t g, int32_t fmt, float amax, bool finite,
@@ -202,7 +79,7 @@ inline void fp_encode_group(const float* v, int64_t g, int32_t fmt, float amax, 
     const uint16_t s = fp8_scale_bits(amax);
     rec[g] = uint8_t(s & 0xFF);
     rec[g + 1] = uint8_t(s >> 8);
-    encode_run<true>(v, g, Lanes{} + fp_inverse(bf16_to_float(s)), 0, rec);
+    encode_e4m3_run(v, g, Lanes{} + fp_inverse(bf16_to_float(s)), rec);
     return;
   }
   const int64_t block = fp_block(fmt, g), blocks = g / block;
@@ -405,7 +282,7 @@ inline void fp8_encode_groups(const float* v, int64_t count, int64_t g, ILanes a
     }
     rec[g] = uint8_t((s[j] >> 16) & 0xFF);
     rec[g + 1] = uint8_t(s[j] >> 24);
-    encode_run<true>(v + j * g, g, __builtin_shuffle(inv, ILanes{} + int32_t(j)), 0, rec);
+    encode_e4m3_run(v + j * g, g, __builtin_shuffle(inv, ILanes{} + int32_t(j)), rec);
   }
 }
 
