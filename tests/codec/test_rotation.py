@@ -305,8 +305,8 @@ def test_psum_rotated_bound_and_identical(mesh_factory, rotation, mesh_shape, na
         xl = xl.reshape(local_shape)
         y = fc.psum(xl, axes if len(axes) > 1 else axes[0], config=config)
         y2, p1, p2 = allreduce.two_step(xl, axes, config)
-        b1, t1 = codec._group_bound(p1, f32)
-        b2, t2 = codec._group_bound(p2, f32)
+        b1, t1 = codec.bounds.group_bound(p1, f32)
+        b2, t2 = codec.bounds.group_bound(p2, f32)
         return tuple(v.reshape(-1)[None] for v in (y, y2, b1, t1, b2, t2))
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(names), out_specs=(P(names),) * 6))
