@@ -140,9 +140,11 @@ FC_ALWAYS_INLINE Fp4Scales fp4_scales(ILanes am, int32_t fmt) {
   return r;
 }
 
-// Vectors of block scales per four-bit batch: two independent chains of scale arithmetic
-// (each a long dependent sequence) that the core can run side by side.
-constexpr int kFp4BatchVecs = 2;
+// Vectors of block scales per four-bit batch: independent chains of scale arithmetic (each a
+// long dependent sequence) that the core can run side by side. Two against one: nvfp4 0.80-0.88x
+// the time; four against two: 0.94-0.97x on AVX2 (where an nvfp4 group of 128 fills a
+// vector), no gain on AVX-512 (benchmarks/fp_ab.sh).
+constexpr int kFp4BatchVecs = kLanes == 8 ? 4 : 2;
 
 // Four-bit groups without spikes, kFp4BatchVecs * kLanes blocks at a time: the groups of
 // kPerGroup blocks of kBlock values, one after another in v (kFp4BatchVecs * kLanes * kBlock
