@@ -394,39 +394,44 @@ struct FpQuantizeOp {
     Scratch<int32_t> keys(spikes > 0 ? g : 0);
     if (const size_t failed = FailedBytes(masks.masks, buf, keys)) return failed;
     const int64_t stride = fp_record_bytes(format, g, spikes);
-    if (format == kFormatFp8 && spikes == 0 && g % kLanes == 0 && g <= kFp8BatchMaxGroup) {
-      Scratch<float> batch(kLanes * g);
+    // Groups `per` at a time through `batch` (`floats` of scratch): `plain` reads them where
+    // they lie (no rotation), `loaded` takes them widened and rotated into the batch.
+    const auto in_batches = [&](int64_t floats, int64_t per, auto plain, auto loaded) -> size_t {
+      Scratch<float> batch(floats);
       if (batch.failed()) return batch.bytes;
-      for (int64_t k0 = 0; k0 < n_groups; k0 += kLanes) {
-        const int64_t count = n_groups - k0 < kLanes ? n_groups - k0 : kLanes;
-        if (rotation == kRotationNone) {  // widening and maxima in one pass
-          fp8_quantize_batch<T>(xs + k0 * g, count, g, batch.data, records + k0 * stride, stride);
-          continue;
-        }
-        for (int64_t j = 0; j < count; ++j) {
-          LoadRotated<T>(xs + (k0 + j) * g, g, rotation, masks, batch.data + j * g);
-        }
-        fp8_quantize_groups(batch.data, count, g, records + k0 * stride, stride);
-      }
-      return 0;
-    }
-    if (spikes == 0 && fp4_batch_takes(format, g)) {  // four-bit blocks in batches
-      Scratch<float> batch(fp4_batch_floats(format, g));
-      if (batch.failed()) return batch.bytes;
-      const int64_t per = fp4_batch_groups(format, g);
       for (int64_t k0 = 0; k0 < n_groups; k0 += per) {
         const int64_t count = n_groups - k0 < per ? n_groups - k0 : per;
+        uint8_t* out = records + k0 * stride;
         if (rotation == kRotationNone) {
-          fp4_quantize_batch<T>(xs + k0 * g, count, g, format, batch.data, records + k0 * stride,
-                                stride);
+          plain(xs + k0 * g, count, batch.data, out);
           continue;
         }
         for (int64_t j = 0; j < count; ++j) {
           LoadRotated<T>(xs + (k0 + j) * g, g, rotation, masks, batch.data + j * g);
         }
-        fp4_quantize_groups(batch.data, count, g, format, records + k0 * stride, stride);
+        loaded(batch.data, count, out);
       }
       return 0;
+    };
+    if (format == kFormatFp8 && spikes == 0 && g % kLanes == 0 && g <= kFp8BatchMaxGroup) {
+      return in_batches(  // kLanes groups; without rotation, widening and maxima in one pass
+          kLanes * g, kLanes,
+          [&](const auto* x, int64_t count, float* batch, uint8_t* out) {
+            fp8_quantize_batch<T>(x, count, g, batch, out, stride);
+          },
+          [&](float* batch, int64_t count, uint8_t* out) {
+            fp8_quantize_groups(batch, count, g, out, stride);
+          });
+    }
+    if (spikes == 0 && fp4_batch_takes(format, g)) {  // four-bit blocks in batches
+      return in_batches(
+          fp4_batch_floats(format, g), fp4_batch_groups(format, g),
+          [&](const auto* x, int64_t count, float* batch, uint8_t* out) {
+            fp4_quantize_batch<T>(x, count, g, format, batch, out, stride);
+          },
+          [&](float* batch, int64_t count, uint8_t* out) {
+            fp4_quantize_groups(batch, count, g, format, out, stride);
+          });
     }
     for (int64_t k = 0; k < n_groups; ++k) {
       LoadRotated<T>(xs + k * g, g, rotation, masks, buf.data);

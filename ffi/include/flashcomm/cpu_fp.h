@@ -24,41 +24,48 @@ namespace cpu {
 // At most this many four-bit blocks have their scales computed together (lane-wise).
 constexpr int kFp4Chunk = kLanes < 8 ? kLanes : 8;
 
+// The scale codes and inverses of kLanes four-bit blocks, lane-wise, from their largest
+// magnitudes am (f32 bits) and, for nvfp4, their groups' E8M0 bytes: fp_codec.h mxfp4_byte,
+// nvfp4_block_code, fp_block_scale and fp_inverse, the same operations.
+struct Fp4BlockScales {
+  ULanes code;  // the blocks' scale codes
+  Lanes inv;    // the inverses their elements are multiplied by
+  ILanes zero;  // -1 where an nvfp4 block's scale is 0 (its codes are written as 0)
+};
+FC_ALWAYS_INLINE Fp4BlockScales fp4_block_scales(ILanes am, int32_t fmt, ULanes gbyte) {
+  if (fmt == kFormatMxfp4) {
+    const ILanes e = ((am >> 23) & 0xFF) - 2;
+    const ULanes code = (ULanes)(e < kMxByteMin ? kMxByteMin : e > kMxByteMax ? kMxByteMax : e);
+    return {code, bits_lanes((254u - code) << 23), ILanes{}};
+  }
+  const ULanes code = e4m3_encode_lanes(
+      mul_rn(mul_rn(bits_lanes((ULanes)am), kInvE2m1Max), bits_lanes((254u - gbyte) << 23)));
+  const Lanes sc = mul_rn(e4m3_decode_lanes(code), bits_lanes(gbyte << 23));
+  // a zero scale's block is written as zeros (its inverse only has to be finite)
+  return {code, 1.0f / (sc > 0.0f ? sc : Lanes{} + 1.0f), ~(sc > 0.0f)};
+}
+
 // Blocks b0 .. b0 + nb - 1 (nb <= kFp4Chunk) of a finite four-bit group v (g values) into rec:
 // their scale codes and element codes. am: lane j the largest magnitude's bits of block b0 + j;
-// gbyte: nvfp4's group byte (0 for mxfp4). The codes, scales and inverses lane-wise
-// (fp_codec.h mxfp4_byte, nvfp4_block_code, fp_block_scale and fp_inverse: the same operations).
+// gbyte: nvfp4's group byte (0 for mxfp4). The scales lane-wise (fp4_block_scales).
 inline void fp4_encode_blocks(const float* v, int64_t g, int32_t fmt, int64_t b0, int64_t nb,
                               ILanes am, uint32_t gbyte, uint8_t* rec) {
   const int64_t block = fp_block(fmt, g);
-  ULanes code;
-  Lanes inv;
-  ILanes zero = ILanes{};  // -1 in the lanes of blocks whose scale is 0
-  if (fmt == kFormatMxfp4) {
-    const ILanes e = ((am >> 23) & 0xFF) - 2;
-    code = (ULanes)(e < kMxByteMin ? kMxByteMin : e > kMxByteMax ? kMxByteMax : e);
-    inv = bits_lanes((254u - code) << 23);
-  } else {
-    const float gscale = e8m0_value(gbyte), down = e8m0_value(254u - gbyte);
-    code = e4m3_encode_lanes(mul_rn(mul_rn(bits_lanes((ULanes)am), kInvE2m1Max), down));
-    const Lanes sc = mul_rn(e4m3_decode_lanes(code), gscale);
-    zero = ~(sc > 0.0f) & (kLaneIndex < int32_t(nb));
-    // a zero scale's block is written as zeros below (its inverse only has to be finite)
-    inv = 1.0f / (sc > 0.0f ? sc : Lanes{} + 1.0f);
-  }
+  const Fp4BlockScales bs = fp4_block_scales(am, fmt, ULanes{} + gbyte);
+  const ILanes zero = bs.zero & (kLaneIndex < int32_t(nb));
   uint8_t* scales = rec + fp_code_bytes(fmt, g) + b0;
   if (nb == kFp4Chunk) {  // a constant size: one store, not a call to memcpy
     uint8_t code_bytes[kLanes];
-    narrow_bytes(code, code_bytes);
+    narrow_bytes(bs.code, code_bytes);
     std::memcpy(scales, code_bytes, size_t(kFp4Chunk));
   } else {
-    for (int j = 0; j < nb; ++j) scales[j] = uint8_t(code[j]);
+    for (int j = 0; j < nb; ++j) scales[j] = uint8_t(bs.code[j]);
   }
   // the two block sizes as constants, so each inlined loop is laid out for its size
   if (block == 16) {
-    encode_blocks<16>(v + b0 * block, nb * block, inv, b0 * block, rec);
+    encode_blocks<16>(v + b0 * block, nb * block, bs.inv, b0 * block, rec);
   } else {
-    encode_blocks<32>(v + b0 * block, nb * block, inv, b0 * block, rec);
+    encode_blocks<32>(v + b0 * block, nb * block, bs.inv, b0 * block, rec);
   }
   if (any_lane(zero)) {
     for (int j = 0; j < nb; ++j) {
@@ -108,36 +115,24 @@ inline void fp4_quantize_small_group(const float* v, int64_t g, int32_t fmt, uin
   fp4_encode_blocks(v, g, fmt, 0, blocks, am, gbyte, rec);
 }
 
-// The scales of kLanes four-bit blocks, lane-wise, from their largest magnitudes am (lanes of
-// kPerGroup blocks forming a group): fp_encode_group's operations.
-struct Fp4Scales {
-  ULanes code;   // the blocks' scale codes
-  Lanes inv;     // the inverses their elements are multiplied by
-  ILanes zero;   // -1 where an nvfp4 block's scale is 0 (its codes are written as 0)
+// fp4_block_scales of kLanes blocks whose lanes form groups of kPerGroup blocks, with each
+// group's largest magnitude (and nvfp4 byte) from its lanes.
+struct Fp4Scales : Fp4BlockScales {
   ULanes gbyte;  // nvfp4: the group's E8M0 byte, in each of its lanes
   ILanes gm;     // the group's largest magnitude, in each of its lanes
 };
 template <int kPerGroup>
 FC_ALWAYS_INLINE Fp4Scales fp4_scales(ILanes am, int32_t fmt) {
-  Fp4Scales r{ULanes{}, Lanes{}, ILanes{}, ULanes{}, am};
+  ILanes gm = am;
   for (int s = 1; s < kPerGroup; s *= 2) {
-    const ILanes o = __builtin_shuffle(r.gm, kLaneIndex ^ s);
-    r.gm = o > r.gm ? o : r.gm;
+    const ILanes o = __builtin_shuffle(gm, kLaneIndex ^ s);
+    gm = o > gm ? o : gm;
   }
-  if (fmt == kFormatMxfp4) {
-    const ILanes e = ((am >> 23) & 0xFF) - 2;
-    r.code = (ULanes)(e < kMxByteMin ? kMxByteMin : e > kMxByteMax ? kMxByteMax : e);
-    r.inv = bits_lanes((254u - r.code) << 23);
-  } else {
-    const ILanes e = ((r.gm >> 23) & 0xFF) - 10;
-    r.gbyte = (ULanes)(e < kNvByteMin ? kNvByteMin : e > kNvByteMax ? kNvByteMax : e);
-    r.code = e4m3_encode_lanes(
-        mul_rn(mul_rn(bits_lanes((ULanes)am), kInvE2m1Max), bits_lanes((254u - r.gbyte) << 23)));
-    const Lanes sc = mul_rn(e4m3_decode_lanes(r.code), bits_lanes(r.gbyte << 23));
-    r.zero = ~(sc > 0.0f);
-    r.inv = 1.0f / (sc > 0.0f ? sc : Lanes{} + 1.0f);
-  }
-  return r;
+  const ILanes e = ((gm >> 23) & 0xFF) - 10;
+  const ULanes gbyte = fmt == kFormatNvfp4
+      ? (ULanes)(e < kNvByteMin ? kNvByteMin : e > kNvByteMax ? kNvByteMax : e)
+      : ULanes{};
+  return {fp4_block_scales(am, fmt, gbyte), gbyte, gm};
 }
 
 // Vectors of block scales per four-bit batch: independent chains of scale arithmetic (each a
@@ -310,11 +305,11 @@ FC_ALWAYS_INLINE void fp8_quantize_batch(const typename T::Storage* x, int64_t c
 // keys: g int32 of scratch (k > 0).
 inline void fp_quantize_group(float* v, int64_t g, int32_t fmt, int k, int32_t* keys,
                               uint8_t* rec) {
-  // The largest magnitude's bits are those of an Inf or a NaN exactly when one is there.
   if (k == 0 && fmt != kFormatFp8 && g / fp_block(fmt, g) <= kFp4Chunk) {
     fp4_quantize_small_group(v, g, fmt, rec);
     return;
   }
+  // The largest magnitude's bits are those of an Inf or a NaN exactly when one is there.
   const float amax = max_abs(v, g);
   const bool finite = float_to_bits(amax) < 0x7F800000u;
   if (k == 0) {

@@ -36,11 +36,18 @@ FC_ALWAYS_INLINE void store_plain(Lanes v, typename T::Storage* y) {
   }
 }
 
+// Block b's scale of a four-bit record (scales: its scale bytes; gscale: nvfp4's group scale,
+// e8m0_scale of its byte): fp_block_scale's operations, the E4M3 value from the decode table
+// (e4m3: FpTables' e4m3, the scalar e4m3_decode's values) instead of the branching decode.
+FC_ALWAYS_INLINE float fp4_block_scale(const uint8_t* scales, int32_t fmt, int64_t b,
+                                       float gscale, const float* e4m3) {
+  return fmt == kFormatNvfp4 ? mul_rn(e4m3[scales[b]], gscale) : e8m0_scale(scales[b]);
+}
+
 // A four-bit record (mxfp4 or nvfp4, no spikes) decoded and stored as bf16 or f32 in one pass
 // where every block scale s has |s| * 6 within T's finite range (so no value saturates or is
 // NaN); false otherwise (y partly written: the caller decodes the group the general way).
-// e4m3: FpTables' E4M3 table (an nvfp4 block scale is a lookup times the group scale, the
-// operations of fp_block_scale).
+// e4m3: FpTables' E4M3 table (fp4_block_scale).
 template <typename T>
 FC_ALWAYS_INLINE bool fp4_decode_store(const uint8_t* rec, int64_t g, int32_t fmt,
                                        const float* e4m3, typename T::Storage* y) {
@@ -51,8 +58,7 @@ FC_ALWAYS_INLINE bool fp4_decode_store(const uint8_t* rec, int64_t g, int32_t fm
     const int64_t block = fp_block(fmt, g), blocks = g / block;
     const float gscale = fmt == kFormatNvfp4 ? e8m0_scale(scales[blocks]) : 0.0f;
     for (int64_t b = 0; b < blocks; ++b) {
-      const float sc = fmt == kFormatNvfp4 ? mul_rn(e4m3[scales[b]], gscale)
-                                           : e8m0_scale(scales[b]);
+      const float sc = fp4_block_scale(scales, fmt, b, gscale, e4m3);
       if (!(mul_rn(bits_to_float(float_to_bits(sc) & 0x7FFFFFFFu), 6.0f) <= T::kMax)) {
         return false;
       }
@@ -142,12 +148,10 @@ inline void fp_decode_group(const uint8_t* rec, int64_t g, int32_t fmt, int k,
     }
     for (; i < g; ++i) d[i] = mul_rn(t.e4m3[rec[i]], s);
   } else {
-    // each block's scale from the tables (fp_block_scale's operations)
     const int64_t block = fp_block(fmt, g), blocks = g / block;
     const float gscale = fmt == kFormatNvfp4 ? e8m0_scale(scales[blocks]) : 0.0f;
     for (int64_t b = 0; b < blocks; ++b) {
-      const float s = fmt == kFormatNvfp4 ? mul_rn(t.e4m3[scales[b]], gscale)
-                                          : e8m0_scale(scales[b]);
+      const float s = fp4_block_scale(scales, fmt, b, gscale, t.e4m3);
       for (int64_t i = b * block; i < (b + 1) * block; i += kLanes) {
         store_lanes(d + i, mul_rn(e2m1_decode_lanes(load_nibbles(rec + i / 2)), s));
       }
