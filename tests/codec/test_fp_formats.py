@@ -169,10 +169,12 @@ def _ties(grid):
 
 @needs_ffi
 @pytest.mark.parametrize("fmt", FP)
-def test_kernels_round_every_tie_like_the_twin(fmt):
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernels_round_every_tie_like_the_twin(fmt, dtype):
     """Blocks whose scale is 1 (each holds the format's largest value) carry every midpoint of
     the element grid and its neighbours, with random signs: the vector encoders of every build
-    round them as the twin (random operands almost never land on a tie)."""
+    round them as the twin (random operands almost never land on a tie). In bf16 (read where
+    it lies on AVX2) the neighbours round to bf16's grid: the midpoints stay."""
     rng = np.random.default_rng(5)
     top, block = {"fp8": (448.0, 128), "mxfp4": (6.0, 32), "nvfp4": (6.0, 16)}[fmt]
     grid = (fp_reference.e4m3_table()[:0x7F] if fmt == "fp8"
@@ -183,20 +185,23 @@ def test_kernels_round_every_tie_like_the_twin(fmt):
     values = np.resize(rng.permutation(values), (rows, block - 1))
     x = np.concatenate([np.full((values.shape[0], 1), top, np.float32), values], axis=1)
     x = (x * rng.choice([-1, 1], x.shape)).astype(np.float32).reshape(-1, 128)
+    x = jnp.asarray(x, dtype)
     run = lambda x, backend: codec.quantize(x, format=fmt, backend=backend).codes  # noqa: E731
-    got = every_isa(jax.jit(lambda x: run(x, "ffi")), jnp.asarray(x))
-    want = jax.jit(lambda x: run(x, "jnp"))(jnp.asarray(x))
+    got = every_isa(jax.jit(lambda x: run(x, "ffi")), x)
+    want = jax.jit(lambda x: run(x, "jnp"))(x)
     assert np.array_equal(np.asarray(got), np.asarray(want))
 
 
 @needs_ffi
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("fmt", FP)
 @pytest.mark.parametrize("g", [64, 128, 256])
-def test_four_bit_batches_bit_identical_to_the_twin(fmt, g):
-    """The four-bit quantize encodes the groups of kLanes blocks together (their scales
-    lane-wise): group counts that leave a batch part-full, a non-finite group beside finite ones
-    in one batch, blocks whose nvfp4 scale rounds to 0 under a large group maximum, zero and
-    subnormal groups; with and without rotation, in every build."""
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_batches_bit_identical_to_the_twin(fmt, g, dtype):
+    """The quantize encodes groups in batches (the four-bit formats kLanes blocks at a time,
+    fp8 kLanes groups, their scales lane-wise; bf16 on AVX2 read where it lies, its maxima
+    from the bf16 bits): group counts that leave a batch part-full, a non-finite group beside
+    finite ones in one batch, blocks whose nvfp4 scale rounds to 0 under a large group maximum,
+    zero and subnormal groups; with and without rotation, in every build."""
     rng = np.random.default_rng(6)
     for groups in (1, 3, 5, 17):
         x = rng.standard_normal((groups, g)) * np.exp(rng.standard_normal((groups, 1)) * 3)
@@ -206,8 +211,11 @@ def test_four_bit_batches_bit_identical_to_the_twin(fmt, g):
             x[1] = 0.0
             x[-1, g // 2] = np.nan if groups % 2 else -np.inf
         if groups > 3:
-            x[2] *= 1e-42  # subnormal f32
-        x = jnp.asarray(x.astype(np.float32))
+            x[2] *= (1e-42 if dtype == jnp.float32 else 1e-39) / np.abs(x[2]).max()  # subnormal
+        # (numpy's conversion: XLA's flushes subnormals)
+        x = jnp.asarray(x.astype(np.float32).astype(np.dtype(dtype)))
+        if groups > 3:
+            assert 0 < np.abs(np.asarray(x[2], np.float32)).max() < np.finfo(np.float32).tiny
         for rotation in (0, 1):
             run = lambda x, backend: codec.quantize(  # noqa: E731
                 x, format=fmt, group_size=g, rotation=rotation, backend=backend).codes

@@ -8,7 +8,9 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
+#include "flashcomm/cpu_fp_bf16.h"
 #include "flashcomm/cpu_fp_decode.h"
 #include "flashcomm/cpu_fp_encode.h"
 #include "flashcomm/cpu_fp_lanes.h"
@@ -148,16 +150,17 @@ constexpr int kFp4BatchVecs = kLanes == 8 ? 4 : 2;
 // of every block of the batch lane-wise (fp_encode_group's operations): one division per
 // kLanes blocks. count: the groups present (at least 1). The same bytes as fp_quantize_group
 // on each group.
-template <int kBlock, int kPerGroup>
-inline void fp4_encode_batch(const float* v, int32_t fmt, int64_t count, uint8_t* records,
-                             int64_t stride) {
+// In: float, or bf16 bits (FLASHCOMM_FP_BF16_DIRECT; fp4_bf16_maxima's).
+template <int kBlock, int kPerGroup, typename In>
+inline void fp4_encode_batch(const In* v, const ILanes* am, int32_t fmt, int64_t count,
+                             uint8_t* records, int64_t stride) {
   static_assert(kPerGroup <= kLanes && kLanes % kPerGroup == 0, "whole groups per vector");
   constexpr int64_t g = kBlock * kPerGroup, kPerVec = kLanes / kPerGroup;
   Fp4Scales sc[kFp4BatchVecs];
   uint8_t code_bytes[kFp4BatchVecs][kLanes];
   uint32_t nonfinite[kFp4BatchVecs], zeros[kFp4BatchVecs];
   for (int t = 0; t < kFp4BatchVecs; ++t) {
-    sc[t] = fp4_scales<kPerGroup>(block_maxima<kLanes, kBlock>(v + t * kLanes * kBlock), fmt);
+    sc[t] = fp4_scales<kPerGroup>(am[t], fmt);
     narrow_bytes(sc[t].code, code_bytes[t]);
     nonfinite[t] = lane_bits(sc[t].gm >= 0x7F800000);
     zeros[t] = lane_bits(sc[t].zero);
@@ -208,6 +211,27 @@ FC_ALWAYS_INLINE int64_t fp4_batch_groups(int32_t fmt, int64_t g) {
   return kFp4BatchVecs * kLanes * fp_block(fmt, g) / g;
 }
 
+// f(block, per_group) with the batch layout of four-bit groups of g values in format fmt
+// (fp4_batch_takes(fmt, g)) as std::integral_constant: kBlock values per block, kPerGroup
+// blocks per group.
+template <typename F>
+FC_ALWAYS_INLINE void with_fp4_layout(int32_t fmt, int64_t g, F&& f) {
+  using I16 = std::integral_constant<int, 16>;
+  using I32 = std::integral_constant<int, 32>;
+  const int64_t blocks = g / fp_block(fmt, g);
+  if (fmt == kFormatMxfp4) {
+    if (blocks == 2) return f(I32{}, std::integral_constant<int, 2>{});
+    if (blocks == 4) return f(I32{}, std::integral_constant<int, 4>{});
+    if constexpr (kLanes >= 8) f(I32{}, std::integral_constant<int, 8>{});
+  } else {
+    if (blocks == 4) return f(I16{}, std::integral_constant<int, 4>{});
+    if constexpr (kLanes >= 8) {
+      if (blocks == 8) return f(I16{}, std::integral_constant<int, 8>{});
+    }
+    if constexpr (kLanes >= 16) f(I16{}, std::integral_constant<int, 16>{});
+  }
+}
+
 // fp4_encode_batch on 1 <= count <= fp4_batch_groups(fmt, g) f32 groups of g values
 // (fp4_batch_takes(fmt, g)), one after another in batch (fp4_batch_floats(fmt, g); the rest
 // zeroed here).
@@ -215,26 +239,39 @@ inline void fp4_quantize_groups(float* batch, int64_t count, int64_t g, int32_t 
                                 uint8_t* records, int64_t stride) {
   const int64_t full = fp4_batch_groups(fmt, g);
   if (count < full) std::memset(batch + count * g, 0, size_t((full - count) * g) * sizeof(float));
-  const int64_t blocks = g / fp_block(fmt, g);
-  if (fmt == kFormatMxfp4) {
-    if (blocks == 2) return fp4_encode_batch<32, 2>(batch, fmt, count, records, stride);
-    if (blocks == 4) return fp4_encode_batch<32, 4>(batch, fmt, count, records, stride);
-    if constexpr (kLanes >= 8) fp4_encode_batch<32, 8>(batch, fmt, count, records, stride);
-  } else {
-    if (blocks == 4) return fp4_encode_batch<16, 4>(batch, fmt, count, records, stride);
-    if constexpr (kLanes >= 8) {
-      if (blocks == 8) return fp4_encode_batch<16, 8>(batch, fmt, count, records, stride);
+  with_fp4_layout(fmt, g, [&](auto block, auto per_group) {
+    constexpr int kBlock = decltype(block)::value;
+    ILanes am[kFp4BatchVecs];
+    for (int t = 0; t < kFp4BatchVecs; ++t) {
+      am[t] = block_maxima<kLanes, kBlock>(batch + t * kLanes * kBlock);
     }
-    if constexpr (kLanes >= 16) fp4_encode_batch<16, 16>(batch, fmt, count, records, stride);
-  }
+    fp4_encode_batch<kBlock, decltype(per_group)::value>(batch, am, fmt, count, records, stride);
+  });
 }
 
-// count groups of T widened into batch, then fp4_quantize_groups: FpQuantizeOp's four-bit loop
-// without rotation (and fp_loop's).
+// count groups of T into their records (fp4_quantize_groups): FpQuantizeOp's four-bit loop
+// without rotation (and fp_loop's). A full batch of bf16 on AVX2 is read where it lies
+// (cpu_fp_bf16.h); otherwise the groups are widened into batch first.
 template <typename T>
 FC_ALWAYS_INLINE void fp4_quantize_batch(const typename T::Storage* x, int64_t count, int64_t g,
                                          int32_t fmt, float* batch, uint8_t* records,
                                          int64_t stride) {
+#ifdef FLASHCOMM_FP_BF16_DIRECT
+  if constexpr (std::is_same_v<T, BF16>) {
+    if (count == fp4_batch_groups(fmt, g)) {
+      with_fp4_layout(fmt, g, [&](auto block, auto per_group) {
+        constexpr int kBlock = decltype(block)::value;
+        static_assert(kFp4BatchVecs == 4, "32 blocks: two bf16_run_maxima");
+        ILanes am[4];
+        prefetch_bytes(x + 32 * kBlock, 64 * kBlock);
+        bf16_run_maxima<kBlock>(x, &am[0], &am[1]);
+        bf16_run_maxima<kBlock>(x + 16 * kBlock, &am[2], &am[3]);
+        fp4_encode_batch<kBlock, decltype(per_group)::value>(x, am, fmt, count, records, stride);
+      });
+      return;
+    }
+  }
+#endif
   for (int64_t j = 0; j < count; ++j) load_group<T>(x + j * g, g, batch + j * g);
   fp4_quantize_groups(batch, count, g, fmt, records, stride);
 }
@@ -261,7 +298,9 @@ FC_ALWAYS_INLINE ILanes load_group_max(const typename T::Storage* x, int64_t g, 
 constexpr int64_t kFp8BatchMaxGroup = 512;  // a batch's f32 values stay in L1 / L2
 // am: lane j the largest magnitude's bits of group j (block_maxima, or load_group_max's
 // vectors through largest_lanes).
-inline void fp8_encode_groups(const float* v, int64_t count, int64_t g, ILanes am,
+// In: float, or bf16 bits (FLASHCOMM_FP_BF16_DIRECT, g a multiple of 4 * kLanes).
+template <typename In>
+inline void fp8_encode_groups(const In* v, int64_t count, int64_t g, ILanes am,
                               uint8_t* records, int64_t stride) {
   const Lanes amax = bits_lanes((ULanes)am);
   Lanes t = mul_rn(amax, kInvE4m3Max);
@@ -274,7 +313,7 @@ inline void fp8_encode_groups(const float* v, int64_t count, int64_t g, ILanes a
   for (int64_t j = 0; j < count; ++j) {
     uint8_t* rec = records + j * stride;
     if (uint32_t(am[j]) >= 0x7F800000u) {  // an Inf or a NaN
-      fp_encode_group(v + j * g, g, kFormatFp8, bits_to_float(uint32_t(am[j])), false, rec);
+      fp_encode_nonfinite(g, kFormatFp8, rec);
       continue;
     }
     rec[g] = uint8_t((s[j] >> 16) & 0xFF);
@@ -293,6 +332,15 @@ inline void fp8_quantize_groups(const float* v, int64_t count, int64_t g, uint8_
 template <typename T>
 FC_ALWAYS_INLINE void fp8_quantize_batch(const typename T::Storage* x, int64_t count, int64_t g,
                                          float* batch, uint8_t* records, int64_t stride) {
+#ifdef FLASHCOMM_FP_BF16_DIRECT
+  if constexpr (std::is_same_v<T, BF16>) {  // bf16 read where it lies (cpu_fp_bf16.h)
+    if (count == kLanes && g % (4 * kLanes) == 0) {
+      prefetch_bytes(x + kLanes * g, kLanes * g * 2);
+      fp8_encode_groups(x, count, g, bf16_group_maxima(x, g), records, stride);
+      return;
+    }
+  }
+#endif
   ILanes m[kLanes];
   for (int64_t j = 0; j < kLanes; ++j) {
     m[j] = j < count ? load_group_max<T>(x + j * g, g, batch + j * g) : ILanes{};

@@ -7,35 +7,18 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
+#include "flashcomm/cpu_fp_bf16.h"
 #include "flashcomm/cpu_fp_lanes.h"
 
 namespace flashcomm {
 inline namespace FLASHCOMM_ISA {
 namespace cpu {
 
-// fp8: the E4M3 codes of n values RN(v * inv) (inv, in every lane: fp_inverse of the group
-// scale); the four-bit formats' codes are encode_blocks'.
-FC_ALWAYS_INLINE void encode_e4m3_run(const float* v, int64_t n, Lanes inv, uint8_t* codes) {
-  int64_t i = 0;
-#if (FLASHCOMM_LANES == 8 && defined(__AVX2__)) || (FLASHCOMM_LANES == 16 && defined(__AVX512BW__))
-  // Four vectors at a time: the magnitudes' codes (<= 0x7E) packed to bytes with unsigned
-  // saturation, the values themselves with signed saturation (which keeps each sign, -0.0's
-  // too, in the byte's top bit), then one OR of that bit and one permutation of the 32-bit
-  // pieces the in-lane packs interleaved: instead of a shift, an OR and a narrowing per vector.
-  for (; i + 4 * kLanes <= n; i += 4 * kLanes) {
-    FcVecI c[4], q[4];
-    for (int j = 0; j < 4; ++j) {
-      const Lanes x = mul_rn(load_lanes(v + i + j * kLanes), inv);
-      q[j] = (FcVecI)x;
-      c[j] = (FcVecI)e4m3_encode_clamped(abs_min_lanes(x, kE4m3Max));
-    }
-    const FcVecI mag = fc_packus_epi16(fc_packus_epi32(c[0], c[1]), fc_packus_epi32(c[2], c[3]));
-    const FcVecI sign = fc_packs_epi16(fc_packs_epi32(q[0], q[1]), fc_packs_epi32(q[2], q[3]));
-    const FcVecI bytes = fc_permute_dwords(fc_or_top_bit(mag, sign));
-    std::memcpy(codes + i, &bytes, sizeof(bytes));
-  }
-#endif
+// encode_e4m3_run's values from i on (f32), a vector, then one value, at a time.
+FC_ALWAYS_INLINE void encode_e4m3_tail(const float* v, int64_t i, int64_t n, Lanes inv,
+                                       uint8_t* codes) {
   for (; i + kLanes <= n; i += kLanes) {
     const Lanes q = mul_rn(load_lanes(v + i), inv);
     // the sign bit moved to the code's top bit with one shift and one AND
@@ -48,13 +31,43 @@ FC_ALWAYS_INLINE void encode_e4m3_run(const float* v, int64_t n, Lanes inv, uint
   }
 }
 
+// fp8: the E4M3 codes of n values RN(v * inv) (inv, in every lane: fp_inverse of the group
+// scale); the four-bit formats' codes are encode_blocks'. In: float, or bf16 bits
+// (FLASHCOMM_FP_BF16_DIRECT, n a multiple of 4 * kLanes).
+template <typename In>
+FC_ALWAYS_INLINE void encode_e4m3_run(const In* v, int64_t n, Lanes inv, uint8_t* codes) {
+  int64_t i = 0;
+#if (FLASHCOMM_LANES == 8 && defined(__AVX2__)) || (FLASHCOMM_LANES == 16 && defined(__AVX512BW__))
+  // Four vectors at a time: the magnitudes' codes (<= 0x7E) packed to bytes with unsigned
+  // saturation, the values themselves with signed saturation (which keeps each sign, -0.0's
+  // too, in the byte's top bit), then one OR of that bit and one permutation of the 32-bit
+  // pieces the in-lane packs interleaved: instead of a shift, an OR and a narrowing per vector.
+  for (; i + 4 * kLanes <= n; i += 4 * kLanes) {
+    FcVecI c[4], q[4];
+    Lanes in[4];
+    fc_load_four(v + i, in);
+    for (int j = 0; j < 4; ++j) {
+      const Lanes x = mul_rn(in[j], inv);
+      q[j] = (FcVecI)x;
+      c[j] = (FcVecI)e4m3_encode_clamped(abs_min_lanes(x, kE4m3Max));
+    }
+    const FcVecI mag = fc_packus_epi16(fc_packus_epi32(c[0], c[1]), fc_packus_epi32(c[2], c[3]));
+    const FcVecI sign = fc_packs_epi16(fc_packs_epi32(q[0], q[1]), fc_packs_epi32(q[2], q[3]));
+    const FcVecI bytes = fc_order_four(fc_or_top_bit(mag, sign), v);
+    std::memcpy(codes + i, &bytes, sizeof(bytes));
+  }
+#endif
+  if constexpr (std::is_same_v<In, float>) encode_e4m3_tail(v, i, n, inv, codes);
+}
+
 // E2M1 codes of n values (n a multiple of kLanes, blocks of kBlock values) from element `first`
 // on, block j's values multiplied by lane lane0 + j of inv: a whole group's blocks in one loop,
 // so the four-vector packing runs across block boundaries (a 16- or 32-value block is fewer than
 // four AVX-512 vectors).
 // kUnroll (n a compile-time constant): the loop unrolled, so every block's lane is a constant.
-template <int kBlock, bool kUnroll = false>
-FC_ALWAYS_INLINE void encode_blocks(const float* v, int64_t n, Lanes inv, int64_t first,
+// In: float, or bf16 bits (FLASHCOMM_FP_BF16_DIRECT, n a multiple of 4 * kLanes).
+template <int kBlock, bool kUnroll = false, typename In>
+FC_ALWAYS_INLINE void encode_blocks(const In* v, int64_t n, Lanes inv, int64_t first,
                                     uint8_t* codes, int32_t lane0 = 0) {
   static_assert(kBlock % kLanes == 0, "a block is a whole number of vectors");
   int64_t i = 0;
@@ -63,16 +76,18 @@ FC_ALWAYS_INLINE void encode_blocks(const float* v, int64_t n, Lanes inv, int64_
   // 16-bit shift by 4 moves each byte's bit 7 there), then two codes to a byte.
   const auto four = [&](int64_t at) __attribute__((always_inline)) {
     FcVecI c[4], q[4];
+    Lanes in[4];
+    fc_load_four(v + at, in);
     for (int j = 0; j < 4; ++j) {
       const Lanes inv_j =
           __builtin_shuffle(inv, ILanes{} + (lane0 + int32_t((at + j * kLanes) / kBlock)));
-      const Lanes x = mul_rn(load_lanes(v + at + j * kLanes), inv_j);
+      const Lanes x = mul_rn(in[j], inv_j);
       q[j] = (FcVecI)x;
       c[j] = (FcVecI)e2m1_encode_clamped(e2m1_magnitude(x));
     }
     const FcVecI mag = fc_packus_epi16(fc_packus_epi32(c[0], c[1]), fc_packus_epi32(c[2], c[3]));
     const FcVecI sign = fc_packs_epi16(fc_packs_epi32(q[0], q[1]), fc_packs_epi32(q[2], q[3]));
-    fc_store_nibble_bytes(fc_permute_dwords(fc_or_sign_nibble(mag, sign)),
+    fc_store_nibble_bytes(fc_order_four(fc_or_sign_nibble(mag, sign), v),
                           codes + (first + at) / 2);
   };
   if constexpr (kUnroll) {
@@ -82,11 +97,13 @@ FC_ALWAYS_INLINE void encode_blocks(const float* v, int64_t n, Lanes inv, int64_
     for (; i + 4 * kLanes <= n; i += 4 * kLanes) four(i);
   }
 #endif
-  for (; i < n; i += kLanes) {
-    const Lanes q =
-        mul_rn(load_lanes(v + i), __builtin_shuffle(inv, ILanes{} + (lane0 + int32_t(i / kBlock))));
-    store_nibbles(e2m1_encode_clamped(e2m1_magnitude(q)) | ((lanes_bits(q) >> 28) & 8u),
-                  codes + (first + i) / 2);
+  if constexpr (std::is_same_v<In, float>) {
+    for (; i < n; i += kLanes) {
+      const Lanes q = mul_rn(load_lanes(v + i),
+                             __builtin_shuffle(inv, ILanes{} + (lane0 + int32_t(i / kBlock))));
+      store_nibbles(e2m1_encode_clamped(e2m1_magnitude(q)) | ((lanes_bits(q) >> 28) & 8u),
+                    codes + (first + i) / 2);
+    }
   }
 }
 

@@ -81,69 +81,36 @@ FC_ALWAYS_INLINE Lanes abs_min_lanes(Lanes a, float m) {
 #endif
 }
 
-// below < small ? the integer nearest to small_scaled : normal, lane-wise. On x86 the
-// conversion instruction rounds in the current mode, as the add of 2^23 does elsewhere (codec.h
-// encode; small_scaled < 2^23), and AVX-512 merges it into `normal` under the compare's mask.
-FC_ALWAYS_INLINE ULanes round_where_below(Lanes below, float small, Lanes small_scaled,
-                                          ULanes normal) {
-#if FLASHCOMM_LANES == 16 && defined(FC_X86) && defined(__AVX512F__)
-  const __mmask16 k = _mm512_cmp_ps_mask((__m512)below, _mm512_set1_ps(small), _CMP_LT_OQ);
-  return (ULanes)_mm512_mask_cvtps_epi32((__m512i)normal, k, (__m512)small_scaled);
-#elif FLASHCOMM_LANES == 8 && defined(FC_X86) && defined(__AVX2__)
-  return below < small ? (ULanes)_mm256_cvtps_epi32((__m256)small_scaled) : normal;
-#else
-  return below < small ? lanes_bits(add_rn(small_scaled, 8388608.0f)) - 0x4B000000u : normal;
-#endif
+// The code of a >= 0 (finite, at most the format's largest value) in a float format of kMant
+// mantissa bits whose smallest normal binade is 2^kMinExp, rounded to nearest, ties to even:
+// fp_codec.h e4m3_encode (kMant 3, kMinExp -6) and e2m1_encode (1, 0), lane-wise. One add does
+// the rounding: c = 2^(e + 23 - kMant), e the binade of a (at least kMinExp), has an ulp of
+// 2^(e - kMant), the format's step in that binade (its subnormal step below 2^kMinExp), so the
+// bits of RN(c + a) exceed c's by m = a / step rounded; the code is then m plus the binade's
+// first code, read from c's exponent: (e - kMinExp) << kMant. Eight operations, no compare.
+template <int kMant, int kMinExp>
+FC_ALWAYS_INLINE ULanes fp_round_code(Lanes a) {
+  constexpr uint32_t kMinBinade = uint32_t(127 + kMinExp) << 23;
+  constexpr uint32_t kShift = 23 - kMant;
+  ULanes d = lanes_bits(a) & 0x7F800000u;
+  d = d > kMinBinade ? d : ULanes{} + kMinBinade;
+  const ULanes c = d + (kShift << 23);
+  const ULanes s = lanes_bits(add_rn(bits_lanes(c), a));
+  // c >> kShift is (e + 127 + kShift) << kMant
+  return s - c + (c >> kShift) - (uint32_t(127 + kShift + kMinExp) << kMant);
 }
 
-// fp_codec.h e4m3_encode, lane-wise. Above 2^-6 the rounded bits' exponent and top three
-// mantissa bits, read as one field, are the code plus 120 << 3 (the exponent biases' difference);
-// below it the code is 512 a rounded to an integer.
-// e4m3_encode_clamped takes a in [0, 448] (abs_min_lanes clamps it); e4m3_encode_lanes any a >= 0.
-FC_ALWAYS_INLINE ULanes e4m3_encode_clamped(Lanes a) {
-  // (the bias difference subtracted before the shift: one operation fewer; u >= 121 << 23 in
-  // the lanes that keep it)
-  const ULanes u = lanes_bits(a);
-  const ULanes normal = (u + (0x7FFFFu - (960u << 20)) + ((u >> 20) & 1u)) >> 20;
-  return round_where_below(a, 0.015625f, mul_rn(a, 512.0f), normal);
-}
+// fp_codec.h e4m3_encode, lane-wise: e4m3_encode_clamped takes a in [0, 448]
+// (abs_min_lanes clamps it), e4m3_encode_lanes any a >= 0.
+FC_ALWAYS_INLINE ULanes e4m3_encode_clamped(Lanes a) { return fp_round_code<3, -6>(a); }
 FC_ALWAYS_INLINE ULanes e4m3_encode_lanes(Lanes a) {
   return e4m3_encode_clamped(min_lanes(a, kE4m3Max));
 }
 
-// fp_codec.h e2m1_encode, lane-wise. With 8 or 16 lanes (AVX2, AVX-512) the codes come from
-// rounding the bits as e4m3_encode_lanes does: below 1 the step 1/2 (2a rounded to an integer),
-// above it one mantissa bit under an exponent bias of 126, saturated at 6 (the same codes for
-// every a >= 0: tests/codec, the ties); on AVX-512 a comparison lands in a mask register and
-// costs three operations to count, and on AVX2 the rounding took 0.82-0.93x the time of the
-// counting. With 4 lanes, the seven comparisons, each -1 where true.
-// e2m1_encode_clamped takes a in [0, 6] (the comparisons: any a >= 0); e2m1_magnitude(q) is
-// |q| in that range.
-FC_ALWAYS_INLINE ULanes e2m1_encode_clamped(Lanes a) {
-#if FLASHCOMM_LANES >= 8
-  const ULanes u = lanes_bits(a);
-  const ULanes normal = (u + (0x1FFFFFu - (252u << 22)) + ((u >> 22) & 1u)) >> 22;
-  return round_where_below(a, 1.0f, mul_rn(a, 2.0f), normal);
-#else
-  const ILanes k = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
-                   (a >= 3.5f) + (a > 5.0f);
-  return (ULanes)(-k);
-#endif
-}
-FC_ALWAYS_INLINE ULanes e2m1_encode_lanes(Lanes a) {
-#if FLASHCOMM_LANES >= 8
-  return e2m1_encode_clamped(min_lanes(a, kE2m1Max));
-#else
-  return e2m1_encode_clamped(a);
-#endif
-}
-FC_ALWAYS_INLINE Lanes e2m1_magnitude(Lanes q) {
-#if FLASHCOMM_LANES >= 8
-  return abs_min_lanes(q, kE2m1Max);
-#else
-  return abs_lanes(q);
-#endif
-}
+// fp_codec.h e2m1_encode, lane-wise, of a in [0, 6]; e2m1_magnitude(q) is |q| in that range.
+// (fp_round_code's add took 0.xx-0.xx the time of the bit rounding of session 23 on AVX2.)
+FC_ALWAYS_INLINE ULanes e2m1_encode_clamped(Lanes a) { return fp_round_code<1, 0>(a); }
+FC_ALWAYS_INLINE Lanes e2m1_magnitude(Lanes q) { return abs_min_lanes(q, kE2m1Max); }
 
 // Lane i: the larger of lanes 2i and 2i + 1 of the concatenation a ++ b.
 FC_ALWAYS_INLINE ILanes pair_max(ILanes a, ILanes b) {
@@ -306,6 +273,17 @@ FC_ALWAYS_INLINE void fc_store_nibble_bytes(FcVecI codes, uint8_t* out) {
                                      _mm256_set1_epi16(0xFF));
   const __m256i b = _mm256_permute4x64_epi64(_mm256_packus_epi16(w, w), 0x08);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(b));
+}
+#endif
+
+#if (FLASHCOMM_LANES == 8 && defined(__AVX2__)) || (FLASHCOMM_LANES == 16 && defined(__AVX512BW__))
+// The four-vector packing's inputs (4 * kLanes f32 from v, in order) and the permutation that
+// orders its packed bytes (cpu_fp_bf16.h: the same for bf16 read where it lies).
+FC_ALWAYS_INLINE void fc_load_four(const float* v, Lanes* x) {
+  for (int j = 0; j < 4; ++j) x[j] = load_lanes(v + j * kLanes);
+}
+FC_ALWAYS_INLINE FcVecI fc_order_four(FcVecI packed, const float*) {
+  return fc_permute_dwords(packed);
 }
 #endif
 
