@@ -260,12 +260,11 @@ FC_ALWAYS_INLINE void fp4_quantize_batch(const typename T::Storage* x, int64_t c
   if constexpr (std::is_same_v<T, BF16>) {
     if (count == fp4_batch_groups(fmt, g)) {
       with_fp4_layout(fmt, g, [&](auto block, auto per_group) {
-        constexpr int kBlock = decltype(block)::value;
-        static_assert(kFp4BatchVecs == 4, "32 blocks: two bf16_run_maxima");
-        ILanes am[4];
-        prefetch_bytes(x + 32 * kBlock, 64 * kBlock);
-        bf16_run_maxima<kBlock>(x, &am[0], &am[1]);
-        bf16_run_maxima<kBlock>(x + 16 * kBlock, &am[2], &am[3]);
+        constexpr int kBlock = decltype(block)::value, kValues = kFp4BatchVecs * kLanes * kBlock;
+        static_assert(kFp4BatchVecs * kLanes == 32, "bf16_block_maxima's 32 blocks");
+        ILanes am[kFp4BatchVecs];
+        prefetch_bytes(x + kValues, 2 * kValues);
+        bf16_block_maxima<kBlock>(x, am);
         fp4_encode_batch<kBlock, decltype(per_group)::value>(x, am, fmt, count, records, stride);
       });
       return;

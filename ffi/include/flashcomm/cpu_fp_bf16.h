@@ -1,9 +1,10 @@
-// bf16 operands of the floating-point formats read where they lie (AVX2): the quantize loops'
-// block and group maxima from the bf16 bits, 16 to a register, and the four-vector packing's
-// values widened on the way in, instead of a pass that widens the values into an f32 copy and
-// two more that read it back (cpu_fp.h: fp4_quantize_batch, fp8_quantize_batch). The same
-// bytes: a bf16 value's f32 bits are its bits shifted up 16, and the encoders see the same
-// f32 values. Compiled once per instruction set (ffi/cpu/isa_kernels.cc); elsewhere nothing.
+// bf16 operands of the floating-point formats read where they lie (AVX2, AVX-512): the quantize
+// loops' block and group maxima from the bf16 bits, a register of them at a time, and the
+// four-vector packing's values widened on the way in, instead of a pass that widens the values
+// into an f32 copy and two more that read it back (cpu_fp.h: fp4_quantize_batch,
+// fp8_quantize_batch). The same bytes: a bf16 value's f32 bits are its bits shifted up 16, and
+// the encoders see the same f32 values. Compiled once per instruction set
+// (ffi/cpu/isa_kernels.cc); elsewhere nothing.
 #ifndef FLASHCOMM_CPU_FP_BF16_H_
 #define FLASHCOMM_CPU_FP_BF16_H_
 
@@ -11,49 +12,16 @@
 
 #include "flashcomm/cpu_fp_lanes.h"
 
-#if FLASHCOMM_LANES == 8 && defined(FC_X86) && defined(__AVX2__)
+#if (FLASHCOMM_LANES == 8 && defined(FC_X86) && defined(__AVX2__)) || \
+    (FLASHCOMM_LANES == 16 && defined(FC_X86) && defined(__AVX512BW__))
 #define FLASHCOMM_FP_BF16_DIRECT 1
 
 namespace flashcomm {
 inline namespace FLASHCOMM_ISA {
 namespace cpu {
 
-// Values per register of bf16.
+// bf16 values per register.
 constexpr int64_t kBf16PerReg = 2 * kLanes;
-
-// The bf16 magnitudes (sign cleared) of 16 values at x.
-FC_ALWAYS_INLINE __m256i bf16_magnitudes(const uint16_t* x) {
-  return _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)),
-                          _mm256_set1_epi16(0x7FFF));
-}
-
-// Word j of the result: the largest of the 16 words of w[j] (bf16 magnitudes: ordered as
-// signed words). The 16 x 16 transpose of in-lane unpacks, a max at every level (45
-// operations), as largest_lanes<8> for 32-bit lanes.
-FC_ALWAYS_INLINE __m256i largest_words(const __m256i* w) {
-  __m256i p[8], q[4], r[2];
-  for (int i = 0; i < 8; ++i) {
-    p[i] = _mm256_max_epi16(_mm256_unpacklo_epi16(w[2 * i], w[2 * i + 1]),
-                            _mm256_unpackhi_epi16(w[2 * i], w[2 * i + 1]));
-  }
-  for (int i = 0; i < 4; ++i) {
-    q[i] = _mm256_max_epi16(_mm256_unpacklo_epi32(p[2 * i], p[2 * i + 1]),
-                            _mm256_unpackhi_epi32(p[2 * i], p[2 * i + 1]));
-  }
-  for (int i = 0; i < 2; ++i) {
-    r[i] = _mm256_max_epi16(_mm256_unpacklo_epi64(q[2 * i], q[2 * i + 1]),
-                            _mm256_unpackhi_epi64(q[2 * i], q[2 * i + 1]));
-  }
-  return _mm256_max_epi16(_mm256_permute2x128_si256(r[0], r[1], 0x20),
-                          _mm256_permute2x128_si256(r[0], r[1], 0x31));
-}
-
-// 16 words of bf16 bits as two vectors of f32 bits (words 0-7, then 8-15).
-FC_ALWAYS_INLINE void words_to_f32_bits(__m256i words, ILanes* lo, ILanes* hi) {
-  const __m256i t = _mm256_permute4x64_epi64(words, 0xD8);
-  *lo = (ILanes)_mm256_unpacklo_epi16(_mm256_setzero_si256(), t);
-  *hi = (ILanes)_mm256_unpackhi_epi16(_mm256_setzero_si256(), t);
-}
 
 // Asks for the n bytes from x into the cache (the next batch, while this one is encoded: its
 // first pass, the maxima, would otherwise wait on memory line by line).
@@ -61,34 +29,108 @@ FC_ALWAYS_INLINE void prefetch_bytes(const void* x, int64_t n) {
   for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(static_cast<const char*>(x) + i);
 }
 
-// The largest magnitudes (f32 bits) of 16 consecutive runs of kRun values (a multiple of 16)
-// from x: lane j of lo (hi) run j (8 + j).
-template <int64_t kRun>
-FC_ALWAYS_INLINE void bf16_run_maxima(const uint16_t* x, ILanes* lo, ILanes* hi) {
-  static_assert(kRun % kBf16PerReg == 0, "whole registers per run");
-  __m256i w[16];
-  for (int j = 0; j < 16; ++j) {
-    w[j] = bf16_magnitudes(x + j * kRun);
-    for (int64_t i = kBf16PerReg; i < kRun; i += kBf16PerReg) {
-      w[j] = _mm256_max_epi16(w[j], bf16_magnitudes(x + j * kRun + i));
-    }
+#if FLASHCOMM_LANES == 8
+typedef __m256i Bf16Reg;
+FC_ALWAYS_INLINE Bf16Reg load_words(const uint16_t* x) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+}
+FC_ALWAYS_INLINE Bf16Reg and_words(Bf16Reg a, int16_t m) {
+  return _mm256_and_si256(a, _mm256_set1_epi16(m));
+}
+FC_ALWAYS_INLINE Bf16Reg max_words(Bf16Reg a, Bf16Reg b) { return _mm256_max_epi16(a, b); }
+FC_ALWAYS_INLINE Bf16Reg unpacklo16(Bf16Reg a, Bf16Reg b) { return _mm256_unpacklo_epi16(a, b); }
+FC_ALWAYS_INLINE Bf16Reg unpackhi16(Bf16Reg a, Bf16Reg b) { return _mm256_unpackhi_epi16(a, b); }
+FC_ALWAYS_INLINE Bf16Reg unpacklo32(Bf16Reg a, Bf16Reg b) { return _mm256_unpacklo_epi32(a, b); }
+FC_ALWAYS_INLINE Bf16Reg unpackhi32(Bf16Reg a, Bf16Reg b) { return _mm256_unpackhi_epi32(a, b); }
+FC_ALWAYS_INLINE Bf16Reg unpacklo64(Bf16Reg a, Bf16Reg b) { return _mm256_unpacklo_epi64(a, b); }
+FC_ALWAYS_INLINE Bf16Reg unpackhi64(Bf16Reg a, Bf16Reg b) { return _mm256_unpackhi_epi64(a, b); }
+#else
+typedef __m512i Bf16Reg;
+FC_ALWAYS_INLINE Bf16Reg load_words(const uint16_t* x) { return _mm512_loadu_si512(x); }
+FC_ALWAYS_INLINE Bf16Reg and_words(Bf16Reg a, int16_t m) {
+  return _mm512_and_si512(a, _mm512_set1_epi16(m));
+}
+FC_ALWAYS_INLINE Bf16Reg max_words(Bf16Reg a, Bf16Reg b) { return _mm512_max_epi16(a, b); }
+FC_ALWAYS_INLINE Bf16Reg unpacklo16(Bf16Reg a, Bf16Reg b) { return _mm512_unpacklo_epi16(a, b); }
+FC_ALWAYS_INLINE Bf16Reg unpackhi16(Bf16Reg a, Bf16Reg b) { return _mm512_unpackhi_epi16(a, b); }
+// (the all-lanes mask forms of AVX-512F's: their undefined pass-through operand makes GCC 12 warn)
+FC_ALWAYS_INLINE Bf16Reg unpacklo32(Bf16Reg a, Bf16Reg b) {
+  return _mm512_maskz_unpacklo_epi32(0xFFFF, a, b);
+}
+FC_ALWAYS_INLINE Bf16Reg unpackhi32(Bf16Reg a, Bf16Reg b) {
+  return _mm512_maskz_unpackhi_epi32(0xFFFF, a, b);
+}
+FC_ALWAYS_INLINE Bf16Reg unpacklo64(Bf16Reg a, Bf16Reg b) {
+  return _mm512_maskz_unpacklo_epi64(0xFF, a, b);
+}
+FC_ALWAYS_INLINE Bf16Reg unpackhi64(Bf16Reg a, Bf16Reg b) {
+  return _mm512_maskz_unpackhi_epi64(0xFF, a, b);
+}
+#endif
+
+// The bf16 magnitudes (sign cleared: ordered as signed words) of a register of values at x,
+// the largest of the n registers' values word by word (n >= 1).
+FC_ALWAYS_INLINE Bf16Reg bf16_run_max(const uint16_t* x, int64_t n) {
+  Bf16Reg m = and_words(load_words(x), 0x7FFF);
+  for (int64_t i = 1; i < n; ++i) {
+    m = max_words(m, and_words(load_words(x + i * kBf16PerReg), 0x7FFF));
   }
-  words_to_f32_bits(largest_words(w), lo, hi);
+  return m;
 }
 
-// The largest magnitudes (f32 bits) of 8 groups of g values (a multiple of 16) from x, one
-// per lane.
+// The in-lane levels of a transposing reduction, as largest_lanes does for 32-bit lanes:
+// kCount registers of words (a multiple of 8) into kCount / 8, where word j of each 128-bit lane
+// of w[k] is the largest of that lane's words of input 8k + j (three levels of unpacks and
+// maxima).
+template <int kCount>
+FC_ALWAYS_INLINE void reduce_in_lanes(Bf16Reg* w) {
+  for (int i = 0; i < kCount / 2; ++i) {
+    w[i] = max_words(unpacklo16(w[2 * i], w[2 * i + 1]), unpackhi16(w[2 * i], w[2 * i + 1]));
+  }
+  for (int i = 0; i < kCount / 4; ++i) {
+    w[i] = max_words(unpacklo32(w[2 * i], w[2 * i + 1]), unpackhi32(w[2 * i], w[2 * i + 1]));
+  }
+  for (int i = 0; i < kCount / 8; ++i) {
+    w[i] = max_words(unpacklo64(w[2 * i], w[2 * i + 1]), unpackhi64(w[2 * i], w[2 * i + 1]));
+  }
+}
+
+#if FLASHCOMM_LANES == 8
+// Two in-lane results (8 inputs each) to one register: word j the largest of input j (j < 16).
+FC_ALWAYS_INLINE Bf16Reg across_lanes(Bf16Reg a, Bf16Reg b) {
+  return max_words(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// 16 words of bf16 bits as two vectors of f32 bits (words 0-7, then 8-15).
+FC_ALWAYS_INLINE void words_to_f32_bits(Bf16Reg words, ILanes* lo, ILanes* hi) {
+  const __m256i t = _mm256_permute4x64_epi64(words, 0xD8);
+  *lo = (ILanes)_mm256_unpacklo_epi16(_mm256_setzero_si256(), t);
+  *hi = (ILanes)_mm256_unpackhi_epi16(_mm256_setzero_si256(), t);
+}
+
+// The largest magnitudes (f32 bits) of 32 blocks of kBlock values from x: lane j of am[t]
+// block 8t + j.
+template <int64_t kBlock>
+FC_ALWAYS_INLINE void bf16_block_maxima(const uint16_t* x, ILanes* am) {
+  static_assert(kBlock % kBf16PerReg == 0, "whole registers per block");
+  for (int h = 0; h < 2; ++h) {
+    Bf16Reg w[16];
+    for (int j = 0; j < 16; ++j) w[j] = bf16_run_max(x + (16 * h + j) * kBlock, kBlock / 16);
+    reduce_in_lanes<16>(w);
+    words_to_f32_bits(across_lanes(w[0], w[1]), &am[2 * h], &am[2 * h + 1]);
+  }
+}
+
+// The largest magnitudes (f32 bits) of kLanes groups of g values (a multiple of 16) from x.
 FC_ALWAYS_INLINE ILanes bf16_group_maxima(const uint16_t* x, int64_t g) {
-  __m256i w[16];
+  Bf16Reg w[16];
   for (int j = 0; j < 8; ++j) {
-    w[j] = bf16_magnitudes(x + j * g);
-    for (int64_t i = kBf16PerReg; i < g; i += kBf16PerReg) {
-      w[j] = _mm256_max_epi16(w[j], bf16_magnitudes(x + j * g + i));
-    }
+    w[j] = bf16_run_max(x + j * g, g / kBf16PerReg);
     w[8 + j] = _mm256_setzero_si256();
   }
+  reduce_in_lanes<16>(w);
   ILanes lo, hi;
-  words_to_f32_bits(largest_words(w), &lo, &hi);
+  words_to_f32_bits(across_lanes(w[0], w[1]), &lo, &hi);
   return lo;
 }
 
@@ -98,7 +140,7 @@ FC_ALWAYS_INLINE ILanes bf16_group_maxima(const uint16_t* x, int64_t g) {
 // the 8-byte pieces in the order 0, 2, 1, 3 (fc_order_four puts them back).
 FC_ALWAYS_INLINE void fc_load_four(const uint16_t* v, Lanes* x) {
   for (int r = 0; r < 2; ++r) {
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + r * kBf16PerReg));
+    const __m256i a = load_words(v + r * kBf16PerReg);
     x[2 * r] = (Lanes)_mm256_unpacklo_epi16(_mm256_setzero_si256(), a);
     x[2 * r + 1] = (Lanes)_mm256_unpackhi_epi16(_mm256_setzero_si256(), a);
   }
@@ -106,6 +148,67 @@ FC_ALWAYS_INLINE void fc_load_four(const uint16_t* v, Lanes* x) {
 FC_ALWAYS_INLINE FcVecI fc_order_four(FcVecI packed, const uint16_t*) {
   return _mm256_permute4x64_epi64(packed, 0xD8);
 }
+#else
+// Each 128-bit lane k of the result: the larger of lanes 2k and 2k + 1 of a ++ b, word by word.
+FC_ALWAYS_INLINE Bf16Reg lane_pairs(Bf16Reg a, Bf16Reg b) {
+  return max_words(_mm512_maskz_shuffle_i64x2(0xFF, a, b, 0x88),
+                   _mm512_maskz_shuffle_i64x2(0xFF, a, b, 0xDD));
+}
+
+// 32 words of bf16 bits as two vectors of f32 bits (words 0-15, then 16-31).
+FC_ALWAYS_INLINE Lanes widen_bf16(__m256i a) {
+  return (Lanes)_mm512_maskz_slli_epi32(0xFFFF, _mm512_maskz_cvtepu16_epi32(0xFFFF, a), 16);
+}
+FC_ALWAYS_INLINE void words_to_f32_bits(Bf16Reg words, ILanes* lo, ILanes* hi) {
+  *lo = (ILanes)widen_bf16(_mm512_maskz_extracti64x4_epi64(0xF, words, 0));
+  *hi = (ILanes)widen_bf16(_mm512_maskz_extracti64x4_epi64(0xF, words, 1));
+}
+
+// The largest magnitudes (f32 bits) of 32 blocks of kBlock values from x: lane j of am[t]
+// block 16t + j. A block of 32 is a register; two blocks of 16 share
+// one (its 128-bit lanes 0-1 and 2-3), and their maxima leave the lane pairs interleaved.
+template <int64_t kBlock>
+FC_ALWAYS_INLINE void bf16_block_maxima(const uint16_t* x, ILanes* am) {
+  static_assert(kBlock == 16 || kBlock == 32, "blocks of 16 or 32");
+  if constexpr (kBlock == 32) {
+    Bf16Reg w[32];
+    for (int j = 0; j < 32; ++j) w[j] = bf16_run_max(x + j * kBlock, 1);
+    reduce_in_lanes<32>(w);
+    words_to_f32_bits(lane_pairs(lane_pairs(w[0], w[1]), lane_pairs(w[2], w[3])), &am[0], &am[1]);
+  } else {
+    Bf16Reg w[16];
+    for (int j = 0; j < 16; ++j) w[j] = bf16_run_max(x + j * kBf16PerReg, 1);
+    reduce_in_lanes<16>(w);
+    // word p: block p, from 128-bit lane 2 (p / 16) + p % 2, word (p % 16) / 2
+    const __m512i order = _mm512_set_epi16(
+        31, 23, 30, 22, 29, 21, 28, 20, 27, 19, 26, 18, 25, 17, 24, 16,
+        15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
+    words_to_f32_bits(_mm512_permutexvar_epi16(order, lane_pairs(w[0], w[1])), &am[0], &am[1]);
+  }
+}
+
+// The largest magnitudes (f32 bits) of kLanes groups of g values (a multiple of 32) from x.
+FC_ALWAYS_INLINE ILanes bf16_group_maxima(const uint16_t* x, int64_t g) {
+  Bf16Reg w[16];
+  for (int j = 0; j < 16; ++j) w[j] = bf16_run_max(x + j * g, g / kBf16PerReg);
+  reduce_in_lanes<16>(w);
+  const Bf16Reg pairs = lane_pairs(w[0], w[1]);
+  ILanes lo, hi;
+  words_to_f32_bits(lane_pairs(pairs, pairs), &lo, &hi);
+  return lo;
+}
+
+// fc_load_four for 64 bf16 values: 16 at a time widened in order (vpmovzxwd, a shift).
+FC_ALWAYS_INLINE void fc_load_four(const uint16_t* v, Lanes* x) {
+  for (int j = 0; j < 4; ++j) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + j * kLanes));
+    x[j] = widen_bf16(a);
+  }
+}
+FC_ALWAYS_INLINE FcVecI fc_order_four(FcVecI packed, const uint16_t*) {
+  return fc_permute_dwords(packed);
+}
+#endif
 
 }  // namespace cpu
 }  // inline namespace FLASHCOMM_ISA
