@@ -148,6 +148,45 @@ FC_ALWAYS_INLINE void fc_load_four(const uint16_t* v, Lanes* x) {
 FC_ALWAYS_INLINE FcVecI fc_order_four(FcVecI packed, const uint16_t*) {
   return _mm256_permute4x64_epi64(packed, 0xD8);
 }
+
+// Four-bit decode straight to bf16. Where a block scale s is 0, or at least 2^-120 with 6 s
+// within bf16's range, every value e2m1 * s is exact in f32 (at most 2 + 4 significant bits)
+// and so in bf16: store_plain's rounding keeps the product's top 16 bits. The 16 products of a
+// block then form a byte table per 128-bit lane (low bytes, high bytes) that one byte shuffle
+// each looks up for 16 codes, instead of widening, decoding and multiplying 8 lanes at a time.
+FC_ALWAYS_INLINE bool e2m1_bf16_exact(float s) {
+  return s == 0.0f || (s >= 0x1p-120f && mul_rn(s, 6.0f) <= BF16::kMax);
+}
+
+// 32 four-bit codes (16 bytes at codes, the even code low) of blocks with scales s0 (values
+// 0-15) and s1 (16-31), both e2m1_bf16_exact, decoded and stored as 32 bf16 at y. The tables,
+// both blocks at once (one per 128-bit lane): the 8 products of the E2M1 grid in f32, their
+// top halves packed to words, then the words' low bytes and high bytes packed to 16-byte tables
+// (the negative codes' entries: the positive ones with the sign bit).
+FC_ALWAYS_INLINE void e2m1_bf16_decode32(const uint8_t* codes, float s0, float s1, uint16_t* y) {
+  const __m256 s = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
+  const __m256 grid_lo = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 0.0f, 0.5f, 1.0f, 1.5f);
+  const __m256 grid_hi = _mm256_setr_ps(2.0f, 3.0f, 4.0f, 6.0f, 2.0f, 3.0f, 4.0f, 6.0f);
+  const __m256i words =  // lane L: the bf16 of codes 0-7 times sL
+      _mm256_packus_epi32(_mm256_srli_epi32(_mm256_castps_si256(_mm256_mul_ps(grid_lo, s)), 16),
+                          _mm256_srli_epi32(_mm256_castps_si256(_mm256_mul_ps(grid_hi, s)), 16));
+  const __m256i low = _mm256_and_si256(words, _mm256_set1_epi16(0xFF));
+  const __m256i high = _mm256_srli_epi16(words, 8);
+  const __m256i lo = _mm256_packus_epi16(low, low);
+  const __m256i hi = _mm256_packus_epi16(high, _mm256_or_si256(high, _mm256_set1_epi16(0x80)));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const __m128i even = _mm_and_si128(b, nibble), odd = _mm_and_si128(_mm_srli_epi16(b, 4), nibble);
+  const __m256i c = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi8(even, odd)),
+                                            _mm_unpackhi_epi8(even, odd), 1);
+  const __m256i vlo = _mm256_shuffle_epi8(lo, c), vhi = _mm256_shuffle_epi8(hi, c);
+  const __m256i w0 = _mm256_unpacklo_epi8(vlo, vhi);  // values 0-7 | 16-23
+  const __m256i w1 = _mm256_unpackhi_epi8(vlo, vhi);  // values 8-15 | 24-31
+  auto* out = reinterpret_cast<__m256i*>(y);
+  _mm256_storeu_si256(out, _mm256_permute2x128_si256(w0, w1, 0x20));
+  _mm256_storeu_si256(out + 1, _mm256_permute2x128_si256(w0, w1, 0x31));
+}
+#define FLASHCOMM_E2M1_BF16_TABLES 1
 #else
 // Each 128-bit lane k of the result: the larger of lanes 2k and 2k + 1 of a ++ b, word by word.
 FC_ALWAYS_INLINE Bf16Reg lane_pairs(Bf16Reg a, Bf16Reg b) {
