@@ -484,11 +484,16 @@ size_t FpDequantize(DType dtype, const uint8_t* records, int64_t n_groups, int64
 }
 
 // Output group o's f32 sum over the chunks, in chunk order, into acc (tmp: g of scratch).
+// Without spikes each chunk after the first is decoded into the sum in the same pass.
 void FpSumGroup(const FpChunks& in, int64_t o, const FpTables& t, float* tmp, float* acc) {
   const int64_t g = in.group_size, stride = fp_record_bytes(in.format, g, in.spikes);
   const int64_t batch = o / in.groups_per_chunk, k = o % in.groups_per_chunk;
   for (int64_t c = 0; c < in.chunks; ++c) {
     const uint8_t* rec = in.codes + ((batch * in.chunks + c) * in.groups_per_chunk + k) * stride;
+    if (c > 0 && in.spikes == 0) {
+      fp_decode_group</*kAdd=*/true>(rec, g, in.format, 0, t, acc);
+      continue;
+    }
     fp_decode_group(rec, g, in.format, in.spikes, t, c == 0 ? acc : tmp);
     if (c > 0) {
       int64_t i = 0;
@@ -523,16 +528,35 @@ size_t FpDequantizeSum(DType dtype, const FpChunks& in, int rotation, void* y, i
   return ByDType<FpDequantizeSumOp>(dtype, in, rotation, y, begin, end);
 }
 
+// The sums re-quantized; without spikes out, `per` sums at a time into a batch that the
+// quantize's batch loops encode together (the same bytes as one group at a time).
 size_t FpDequantizeSumQuantize(const FpChunks& in, int32_t out_format, int out_spikes,
                                uint8_t* records, int64_t begin, int64_t end) {
   const int64_t g = in.group_size, stride = fp_record_bytes(out_format, g, out_spikes);
-  Scratch<float> acc(g), tmp(g);
+  const bool fp8_batch = out_format == kFormatFp8 && g % kLanes == 0 && g <= kFp8BatchMaxGroup;
+  const bool fp4_batch = out_format != kFormatFp8 && fp4_batch_takes(out_format, g);
+  const int64_t per = out_spikes > 0 ? 1
+                      : fp8_batch   ? kLanes
+                      : fp4_batch   ? fp4_batch_groups(out_format, g)
+                                    : 1;
+  const int64_t floats = per == 1 ? g : fp8_batch ? kLanes * g : fp4_batch_floats(out_format, g);
+  Scratch<float> acc(floats), tmp(g);
   Scratch<int32_t> keys(out_spikes > 0 ? g : 0);
   if (const size_t failed = FailedBytes(acc, tmp, keys)) return failed;
   const FpTables tables;
-  for (int64_t o = begin; o < end; ++o) {
-    FpSumGroup(in, o, tables, tmp.data, acc.data);
-    fp_quantize_group(acc.data, g, out_format, out_spikes, keys.data, records + o * stride);
+  for (int64_t o0 = begin; o0 < end; o0 += per) {
+    const int64_t count = end - o0 < per ? end - o0 : per;
+    for (int64_t j = 0; j < count; ++j) {
+      FpSumGroup(in, o0 + j, tables, tmp.data, acc.data + j * g);
+    }
+    uint8_t* out = records + o0 * stride;
+    if (per == 1) {
+      fp_quantize_group(acc.data, g, out_format, out_spikes, keys.data, out);
+    } else if (fp8_batch) {
+      fp8_quantize_groups(acc.data, count, g, out, stride);
+    } else {
+      fp4_quantize_groups(acc.data, count, g, out_format, out, stride);
+    }
   }
   return 0;
 }

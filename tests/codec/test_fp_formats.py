@@ -58,13 +58,13 @@ def test_element_encoders_round_like_ml_dtypes():
 def test_kernels_bit_identical_to_the_twin(fmt, dtype):
     rng = np.random.default_rng(1)
     for g, spikes, rotation in [(32, 0, 0), (128, 1, 0), (128, 2, 2), (256, 0, 1)]:
-        x = _operand(rng, 6, 3 * g, dtype)
+        x = _operand(rng, 18, 3 * g, dtype)  # 18 sums per chunk: full and part-full batches
         def run(x, backend):
             p = codec.quantize(x, format=fmt, group_size=g, spikes=spikes, rotation=rotation,
                                num_chunks=3, backend=backend)
             c = p.split_groups(3)
-            sums = [codec.dequantize_sum_quantize(c, format=f, spikes=1, backend=backend).codes
-                    for f in FP]
+            sums = [codec.dequantize_sum_quantize(c, format=f, spikes=k, backend=backend).codes
+                    for f in FP for k in (0, 1)]
             return (p.codes, codec.dequantize(p, backend=backend),
                     codec.dequantize_sum(c, backend=backend), *sums)
         got = every_isa(jax.jit(lambda x: run(x, "ffi")), x)

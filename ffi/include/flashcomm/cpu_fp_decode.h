@@ -139,7 +139,15 @@ FC_ALWAYS_INLINE bool fp8_decode_store(const uint8_t* rec, int64_t g, typename T
 #define FC_FP8_DECODE_STORE 1
 #endif
 
-// One record to f32 values (element times its block scale), spikes put back.
+// v stored at d, or added to what d holds (kAdd).
+template <bool kAdd>
+FC_ALWAYS_INLINE void put_lanes(float* d, Lanes v) {
+  store_lanes(d, kAdd ? add_rn(load_lanes(d), v) : v);
+}
+
+// One record to f32 values (element times its block scale), spikes put back. kAdd (no spikes,
+// k == 0): the values added to d's, in one pass (the chunk sums' accumulation).
+template <bool kAdd = false>
 inline void fp_decode_group(const uint8_t* rec, int64_t g, int32_t fmt, int k,
                             const FpTables& t, float* d) {
   const int64_t nc = fp_code_bytes(fmt, g), ns = fp_scale_bytes(fmt, g);
@@ -152,26 +160,29 @@ inline void fp_decode_group(const uint8_t* rec, int64_t g, int32_t fmt, int k,
       const float s256 = mul_rn(s, 256.0f);
       Lanes lo, hi;
       for (; i + 16 <= g && fp8_half_decode16(rec + i, s256, &lo, &hi); i += 16) {
-        store_lanes(d + i, lo);
-        if constexpr (kLanes == 8) store_lanes(d + i + 8, hi);
+        put_lanes<kAdd>(d + i, lo);
+        if constexpr (kLanes == 8) put_lanes<kAdd>(d + i + 8, hi);
       }
     }
 #endif
     for (; i + kLanes <= g; i += kLanes) {
-      store_lanes(d + i, mul_rn(e4m3_decode_lanes(load_bytes(rec + i)), s));
+      put_lanes<kAdd>(d + i, mul_rn(e4m3_decode_lanes(load_bytes(rec + i)), s));
     }
-    for (; i < g; ++i) d[i] = mul_rn(t.e4m3[rec[i]], s);
+    for (; i < g; ++i) {
+      const float v = mul_rn(t.e4m3[rec[i]], s);
+      d[i] = kAdd ? add_rn(d[i], v) : v;
+    }
   } else {
     const int64_t block = fp_block(fmt, g), blocks = g / block;
     const float gscale = fmt == kFormatNvfp4 ? e8m0_scale(scales[blocks]) : 0.0f;
     for (int64_t b = 0; b < blocks; ++b) {
       const float s = fp4_block_scale(scales, fmt, b, gscale, t.e4m3);
       for (int64_t i = b * block; i < (b + 1) * block; i += kLanes) {
-        store_lanes(d + i, mul_rn(e2m1_decode_lanes(load_nibbles(rec + i / 2)), s));
+        put_lanes<kAdd>(d + i, mul_rn(e2m1_decode_lanes(load_nibbles(rec + i / 2)), s));
       }
     }
   }
-  if (k > 0) apply_spikes(rec + nc + ns, k, g, d);
+  if (!kAdd && k > 0) apply_spikes(rec + nc + ns, k, g, d);
 }
 
 }  // namespace cpu
