@@ -75,18 +75,18 @@ FC_ALWAYS_INLINE void encode_blocks(const In* v, int64_t n, Lanes inv, int64_t f
   // Four vectors at a time, as encode_e4m3_run: the sign's byte bit 7 shifted to bit 3 (a
   // 16-bit shift by 4 moves each byte's bit 7 there), then two codes to a byte.
   const auto four = [&](int64_t at) __attribute__((always_inline)) {
-    FcVecI c[4], q[4];
-    Lanes in[4];
-    fc_load_four(v + at, in);
+    Lanes x[4];
+    fc_load_four(v + at, x);
     for (int j = 0; j < 4; ++j) {
-      const Lanes inv_j =
-          __builtin_shuffle(inv, ILanes{} + (lane0 + int32_t((at + j * kLanes) / kBlock)));
-      const Lanes x = mul_rn(in[j], inv_j);
-      q[j] = (FcVecI)x;
-      c[j] = (FcVecI)e2m1_encode_clamped(e2m1_magnitude(x));
+      x[j] = mul_rn(x[j], __builtin_shuffle(
+                              inv, ILanes{} + (lane0 + int32_t((at + j * kLanes) / kBlock))));
     }
+    // the signs packed first: fewer vectors live at once (AVX2 has 16 registers)
+    const FcVecI sign = fc_packs_epi16(fc_packs_epi32((FcVecI)x[0], (FcVecI)x[1]),
+                                       fc_packs_epi32((FcVecI)x[2], (FcVecI)x[3]));
+    FcVecI c[4];
+    for (int j = 0; j < 4; ++j) c[j] = (FcVecI)e2m1_encode_clamped(e2m1_magnitude(x[j]));
     const FcVecI mag = fc_packus_epi16(fc_packus_epi32(c[0], c[1]), fc_packus_epi32(c[2], c[3]));
-    const FcVecI sign = fc_packs_epi16(fc_packs_epi32(q[0], q[1]), fc_packs_epi32(q[2], q[3]));
     fc_store_nibble_bytes(fc_order_four(fc_or_sign_nibble(mag, sign), v),
                           codes + (first + at) / 2);
   };
