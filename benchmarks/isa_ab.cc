@@ -127,6 +127,13 @@ int main() {
     ops.push_back({fp_names[f][1], size_t(kValues * 2), [=](const CodecKernels& k, uint8_t* o) {
                      return k.fp_dequantize(DType::kBF16, records, kGroups, kGroup, f, 0, 0, o);
                    }});
+    if (f == 3) {  // the four-bit formats' best setting (docs/fp_formats.md): a spike per group
+      const int64_t spiked = flashcomm::fp_record_bytes(f, kGroup, 1);
+      ops.push_back({"quantize nvfp4 +spike", size_t(kGroups * spiked),
+                     [=](const CodecKernels& k, uint8_t* o) {
+                       return k.fp_quantize(DType::kBF16, x, kGroups, kGroup, f, 0, 1, o);
+                     }});
+    }
     if (f >= 2) {
       const flashcomm::cpu::FpChunks chunks{records, 1, kChunks, kGroups / kChunks, kGroup, f, 0};
       ops.push_back({fp_names[f][2], size_t(out_groups * kGroup * 2),

@@ -201,7 +201,8 @@ def test_batches_bit_identical_to_the_twin(fmt, g, dtype):
     fp8 kLanes groups, their scales lane-wise; bf16 on AVX2 read where it lies, its maxima
     from the bf16 bits): group counts that leave a batch part-full, a non-finite group beside
     finite ones in one batch, blocks whose nvfp4 scale rounds to 0 under a large group maximum,
-    zero and subnormal groups; with and without rotation, in every build."""
+    zero and subnormal groups; with and without rotation and spikes (taken out of the batch
+    first; the non-finite group's spike among them), in every build."""
     rng = np.random.default_rng(6)
     for groups in (1, 3, 5, 17):
         x = rng.standard_normal((groups, g)) * np.exp(rng.standard_normal((groups, 1)) * 3)
@@ -216,12 +217,13 @@ def test_batches_bit_identical_to_the_twin(fmt, g, dtype):
         x = jnp.asarray(x.astype(np.float32).astype(np.dtype(dtype)))
         if groups > 3:
             assert 0 < np.abs(np.asarray(x[2], np.float32)).max() < np.finfo(np.float32).tiny
-        for rotation in (0, 1):
+        for rotation, spikes in ((0, 0), (1, 0), (0, 1), (1, 2)):
             run = lambda x, backend: codec.quantize(  # noqa: E731
-                x, format=fmt, group_size=g, rotation=rotation, backend=backend).codes
+                x, format=fmt, group_size=g, rotation=rotation, spikes=spikes,
+                backend=backend).codes
             got = every_isa(jax.jit(lambda x: run(x, "ffi")), x)
             want = jax.jit(lambda x: run(x, "jnp"))(x)
-            assert np.array_equal(np.asarray(got), np.asarray(want)), (groups, rotation)
+            assert np.array_equal(np.asarray(got), np.asarray(want)), (groups, rotation, spikes)
 
 
 @needs_ffi

@@ -348,6 +348,37 @@ FC_ALWAYS_INLINE void fp8_quantize_batch(const typename T::Storage* x, int64_t c
 }
 
 
+// fp_quantize_group with k > 0 spikes on 1 <= count <= 16 f32 groups of g values one after
+// another in batch (spikes zeroed there): each group's spikes selected and kept as
+// fp_quantize_group keeps them, the spike-free groups encoded together by
+// encode(batch, count, records, stride) (fp8_quantize_groups or fp4_quantize_groups: the
+// same bytes as fp_encode_group on each finite group), then the records of the groups that held
+// an Inf or a NaN rewritten as fp_encode_group writes them, and every record's spikes.
+template <typename Encode>
+inline void fp_quantize_spiked_groups(float* batch, int64_t count, int64_t g, int32_t fmt, int k,
+                                      int32_t* keys, uint8_t* records, int64_t stride,
+                                      Encode&& encode) {
+  constexpr int64_t kMaxBatch = 16;  // fp8: kLanes groups; four-bit: fp4_batch_groups
+  int32_t pos[kMaxBatch][kMaxSpikes];
+  float kept[kMaxBatch][kMaxSpikes];
+  bool finite[kMaxBatch];
+  for (int64_t j = 0; j < count; ++j) {
+    float* v = batch + j * g;
+    finite[j] = float_to_bits(max_abs(v, g)) < 0x7F800000u;
+    select_spikes_lanes(v, g, k, keys, pos[j]);
+    for (int s = 0; s < k; ++s) kept[j][s] = v[pos[j][s]];
+    for (int s = 0; s < k; ++s) v[pos[j][s]] = 0.0f;
+  }
+  encode(batch, count, records, stride);
+  for (int64_t j = 0; j < count; ++j) {
+    uint8_t* rec = records + j * stride;
+    if (!finite[j]) fp_encode_nonfinite(g, fmt, rec);
+    uint16_t values[kMaxSpikes];
+    for (int s = 0; s < k; ++s) values[s] = spike_bits(kept[j][s], finite[j]);
+    store_spikes(values, pos[j], k, g, rec + fp_code_bytes(fmt, g) + fp_scale_bytes(fmt, g));
+  }
+}
+
 // One f32 group v (overwritten: spikes zeroed) with k spikes into its whole record.
 // keys: g int32 of scratch (k > 0).
 inline void fp_quantize_group(float* v, int64_t g, int32_t fmt, int k, int32_t* keys,
