@@ -364,8 +364,9 @@ inline void fp_quantize_spiked_groups(float* batch, int64_t count, int64_t g, in
   bool finite[kMaxBatch];
   for (int64_t j = 0; j < count; ++j) {
     float* v = batch + j * g;
-    finite[j] = float_to_bits(max_abs(v, g)) < 0x7F800000u;
     select_spikes_lanes(v, g, k, keys, pos[j]);
+    // the first spike holds the largest magnitude (max_abs's)
+    finite[j] = spike_key(v[pos[j][0]]) < 0x7F800000u;
     for (int s = 0; s < k; ++s) kept[j][s] = v[pos[j][s]];
     for (int s = 0; s < k; ++s) v[pos[j][s]] = 0.0f;
   }

@@ -64,8 +64,11 @@ __attribute__((always_inline)) inline void select_spikes_lanes(const float* v, i
   if (k == 1) {
     const int32_t best = max_key_of(v, g);
     int64_t at = 0;
-    for (; at + kLanes <= g; at += kLanes) {
-      if (any_lane(key_lanes(v + at) == best)) break;
+    for (; at + kLanes <= g; at += kLanes) {  // the first matching lane from the lane mask
+      if (const uint32_t hit = lane_bits(key_lanes(v + at) == best)) {
+        pos[0] = int32_t(at + __builtin_ctz(hit));
+        return;
+      }
     }
     while (int32_t(spike_key(v[at])) != best) ++at;
     pos[0] = int32_t(at);
