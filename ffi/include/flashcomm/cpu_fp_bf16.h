@@ -237,15 +237,13 @@ FC_ALWAYS_INLINE ILanes bf16_group_maxima(const uint16_t* x, int64_t g) {
   return lo;
 }
 
-// fc_load_four for 64 bf16 values: 16 at a time widened in order (vpmovzxwd, a shift).
+// fc_load_four for 64 bf16 values: 16 at a time widened in order (vpmovzxwd, a shift), so
+// the packed bytes keep fc_order_four's f32 order.
 FC_ALWAYS_INLINE void fc_load_four(const uint16_t* v, Lanes* x) {
   for (int j = 0; j < 4; ++j) {
     const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + j * kLanes));
     x[j] = widen_bf16(a);
   }
-}
-FC_ALWAYS_INLINE FcVecI fc_order_four(FcVecI packed, const uint16_t*) {
-  return fc_permute_dwords(packed);
 }
 #endif
 

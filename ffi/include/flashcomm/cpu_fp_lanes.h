@@ -278,11 +278,13 @@ FC_ALWAYS_INLINE void fc_store_nibble_bytes(FcVecI codes, uint8_t* out) {
 
 #if (FLASHCOMM_LANES == 8 && defined(__AVX2__)) || (FLASHCOMM_LANES == 16 && defined(__AVX512BW__))
 // The four-vector packing's inputs (4 * kLanes f32 from v, in order) and the permutation that
-// orders its packed bytes (cpu_fp_bf16.h: the same for bf16 read where it lies).
+// orders its packed bytes, for values of type In (cpu_fp_bf16.h: bf16 read where it lies, and
+// AVX2's own order for it).
 FC_ALWAYS_INLINE void fc_load_four(const float* v, Lanes* x) {
   for (int j = 0; j < 4; ++j) x[j] = load_lanes(v + j * kLanes);
 }
-FC_ALWAYS_INLINE FcVecI fc_order_four(FcVecI packed, const float*) {
+template <typename In>
+FC_ALWAYS_INLINE FcVecI fc_order_four(FcVecI packed, const In*) {
   return fc_permute_dwords(packed);
 }
 #endif
