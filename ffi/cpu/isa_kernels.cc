@@ -413,47 +413,29 @@ struct FpQuantizeOp {
       }
       return 0;
     };
-    const bool fp8_batch = format == kFormatFp8 && g % kLanes == 0 && g <= kFp8BatchMaxGroup;
-    if (spikes == 0 && fp8_batch) {
-      return in_batches(  // kLanes groups; without rotation, widening and maxima in one pass
-          kLanes * g, kLanes,
-          [&](const auto* x, int64_t count, float* batch, uint8_t* out) {
-            fp8_quantize_batch<T>(x, count, g, batch, out, stride);
-          },
-          [&](float* batch, int64_t count, uint8_t* out) {
-            fp8_quantize_groups(batch, count, g, out, stride);
-          });
-    }
-    if (spikes > 0 && (fp8_batch || fp4_batch_takes(format, g))) {  // spikes out, then batches
-      const auto spiked = [&](float* batch, int64_t count, uint8_t* out) {
-        fp_quantize_spiked_groups(
-            batch, count, g, format, spikes, keys.data, out, stride,
-            [&](float* b, int64_t c, uint8_t* o, int64_t s) {
-              if (fp8_batch) {
-                fp8_quantize_groups(b, c, g, o, s);
-              } else {
-                fp4_quantize_groups(b, c, g, format, o, s);
-              }
-            });
+    // The batch loops where they take g (fp8: kLanes groups, widened with their maxima in one
+    // pass; the four-bit formats: kLanes blocks; spikes first taken out of the batch)
+    if (const int64_t batch_groups = fp_batch_groups(format, g); batch_groups > 0) {
+      const auto loaded = [&](float* batch, int64_t count, uint8_t* out) {
+        if (spikes > 0) {
+          fp_quantize_spiked_groups(batch, count, g, format, spikes, keys.data, out, stride);
+        } else {
+          fp_quantize_groups(batch, count, g, format, out, stride);
+        }
       };
       return in_batches(
-          fp8_batch ? kLanes * g : fp4_batch_floats(format, g),
-          fp8_batch ? kLanes : fp4_batch_groups(format, g),
+          fp_batch_floats(format, g), batch_groups,
           [&](const auto* x, int64_t count, float* batch, uint8_t* out) {
-            for (int64_t j = 0; j < count; ++j) load_group<T>(x + j * g, g, batch + j * g);
-            spiked(batch, count, out);
+            if (spikes > 0) {
+              for (int64_t j = 0; j < count; ++j) load_group<T>(x + j * g, g, batch + j * g);
+              loaded(batch, count, out);
+            } else if (format == kFormatFp8) {
+              fp8_quantize_batch<T>(x, count, g, batch, out, stride);
+            } else {
+              fp4_quantize_batch<T>(x, count, g, format, batch, out, stride);
+            }
           },
-          spiked);
-    }
-    if (spikes == 0 && fp4_batch_takes(format, g)) {  // four-bit blocks in batches
-      return in_batches(
-          fp4_batch_floats(format, g), fp4_batch_groups(format, g),
-          [&](const auto* x, int64_t count, float* batch, uint8_t* out) {
-            fp4_quantize_batch<T>(x, count, g, format, batch, out, stride);
-          },
-          [&](float* batch, int64_t count, uint8_t* out) {
-            fp4_quantize_groups(batch, count, g, format, out, stride);
-          });
+          loaded);
     }
     for (int64_t k = 0; k < n_groups; ++k) {
       LoadRotated<T>(xs + k * g, g, rotation, masks, buf.data);
@@ -555,11 +537,9 @@ size_t FpDequantizeSum(DType dtype, const FpChunks& in, int rotation, void* y, i
 size_t FpDequantizeSumQuantize(const FpChunks& in, int32_t out_format, int out_spikes,
                                uint8_t* records, int64_t begin, int64_t end) {
   const int64_t g = in.group_size, stride = fp_record_bytes(out_format, g, out_spikes);
-  const bool fp8_batch = out_format == kFormatFp8 && g % kLanes == 0 && g <= kFp8BatchMaxGroup;
-  const bool fp4_batch = out_format != kFormatFp8 && fp4_batch_takes(out_format, g);
-  const int64_t per = fp8_batch ? kLanes : fp4_batch ? fp4_batch_groups(out_format, g) : 1;
-  const int64_t floats = per == 1 ? g : fp8_batch ? kLanes * g : fp4_batch_floats(out_format, g);
-  Scratch<float> acc(floats), tmp(g);
+  const int64_t batch_groups = fp_batch_groups(out_format, g);  // 0: one group at a time
+  const int64_t per = batch_groups > 0 ? batch_groups : 1;
+  Scratch<float> acc(batch_groups > 0 ? fp_batch_floats(out_format, g) : g), tmp(g);
   Scratch<int32_t> keys(out_spikes > 0 ? g : 0);
   if (const size_t failed = FailedBytes(acc, tmp, keys)) return failed;
   const FpTables tables;
@@ -569,20 +549,12 @@ size_t FpDequantizeSumQuantize(const FpChunks& in, int32_t out_format, int out_s
       FpSumGroup(in, o0 + j, tables, tmp.data, acc.data + j * g);
     }
     uint8_t* out = records + o0 * stride;
-    const auto encode = [&](float* b, int64_t c, uint8_t* o, int64_t s) {
-      if (fp8_batch) {
-        fp8_quantize_groups(b, c, g, o, s);
-      } else {
-        fp4_quantize_groups(b, c, g, out_format, o, s);
-      }
-    };
-    if (per == 1) {
+    if (batch_groups == 0) {
       fp_quantize_group(acc.data, g, out_format, out_spikes, keys.data, out);
     } else if (out_spikes > 0) {
-      fp_quantize_spiked_groups(acc.data, count, g, out_format, out_spikes, keys.data, out, stride,
-                                encode);
+      fp_quantize_spiked_groups(acc.data, count, g, out_format, out_spikes, keys.data, out, stride);
     } else {
-      encode(acc.data, count, out, stride);
+      fp_quantize_groups(acc.data, count, g, out_format, out, stride);
     }
   }
   return 0;

@@ -1,6 +1,6 @@
-// The CPU loops of the floating-point group formats (fp_codec.h): quantize, one group at a time
-// and in batches, from the element encoders of cpu_fp_encode.h; the decode is in
-// cpu_fp_decode.h (included here). Compiled once per instruction set with the integer codec
+// The CPU loops of the floating-point group formats (fp_codec.h): quantize in batches (one group
+// at a time: cpu_fp_group.h), from the element encoders of cpu_fp_encode.h; the decode is in
+// cpu_fp_decode.h (both included here). Compiled once per instruction set with the integer codec
 // (ffi/cpu/isa_kernels.cc). Every block (16 or 32 values) is a whole number of vectors; an fp8
 // group (G values) may end in a scalar tail.
 #ifndef FLASHCOMM_CPU_FP_H_
@@ -13,6 +13,7 @@
 #include "flashcomm/cpu_fp_bf16.h"
 #include "flashcomm/cpu_fp_decode.h"
 #include "flashcomm/cpu_fp_encode.h"
+#include "flashcomm/cpu_fp_group.h"
 #include "flashcomm/cpu_fp_lanes.h"
 
 // These headers quantize the four-bit formats in batches of blocks (fp4_quantize_batch):
@@ -22,100 +23,6 @@
 namespace flashcomm {
 inline namespace FLASHCOMM_ISA {
 namespace cpu {
-
-// At most this many four-bit blocks have their scales computed together (lane-wise).
-constexpr int kFp4Chunk = kLanes < 8 ? kLanes : 8;
-
-// The scale codes and inverses of kLanes four-bit blocks, lane-wise, from their largest
-// magnitudes am (f32 bits) and, for nvfp4, their groups' E8M0 bytes: fp_codec.h mxfp4_byte,
-// nvfp4_block_code, fp_block_scale and fp_inverse, the same operations.
-struct Fp4BlockScales {
-  ULanes code;  // the blocks' scale codes
-  Lanes inv;    // the inverses their elements are multiplied by
-  ILanes zero;  // -1 where an nvfp4 block's scale is 0 (its codes are written as 0)
-};
-FC_ALWAYS_INLINE Fp4BlockScales fp4_block_scales(ILanes am, int32_t fmt, ULanes gbyte) {
-  if (fmt == kFormatMxfp4) {
-    const ILanes e = ((am >> 23) & 0xFF) - 2;
-    const ULanes code = (ULanes)(e < kMxByteMin ? kMxByteMin : e > kMxByteMax ? kMxByteMax : e);
-    return {code, bits_lanes((254u - code) << 23), ILanes{}};
-  }
-  const ULanes code = e4m3_encode_lanes(
-      mul_rn(mul_rn(bits_lanes((ULanes)am), kInvE2m1Max), bits_lanes((254u - gbyte) << 23)));
-  const Lanes sc = mul_rn(e4m3_decode_lanes(code), bits_lanes(gbyte << 23));
-  // a zero scale's block is written as zeros (its inverse only has to be finite)
-  return {code, 1.0f / (sc > 0.0f ? sc : Lanes{} + 1.0f), ~(sc > 0.0f)};
-}
-
-// Blocks b0 .. b0 + nb - 1 (nb <= kFp4Chunk) of a finite four-bit group v (g values) into rec:
-// their scale codes and element codes. am: lane j the largest magnitude's bits of block b0 + j;
-// gbyte: nvfp4's group byte (0 for mxfp4). The scales lane-wise (fp4_block_scales).
-inline void fp4_encode_blocks(const float* v, int64_t g, int32_t fmt, int64_t b0, int64_t nb,
-                              ILanes am, uint32_t gbyte, uint8_t* rec) {
-  const int64_t block = fp_block(fmt, g);
-  const Fp4BlockScales bs = fp4_block_scales(am, fmt, ULanes{} + gbyte);
-  const ILanes zero = bs.zero & (kLaneIndex < int32_t(nb));
-  uint8_t* scales = rec + fp_code_bytes(fmt, g) + b0;
-  if (nb == kFp4Chunk) {  // a constant size: one store, not a call to memcpy
-    uint8_t code_bytes[kLanes];
-    narrow_bytes(bs.code, code_bytes);
-    std::memcpy(scales, code_bytes, size_t(kFp4Chunk));
-  } else {
-    for (int j = 0; j < nb; ++j) scales[j] = uint8_t(bs.code[j]);
-  }
-  // the two block sizes as constants, so each inlined loop is laid out for its size
-  if (block == 16) {
-    encode_blocks<16>(v + b0 * block, nb * block, bs.inv, b0 * block, rec);
-  } else {
-    encode_blocks<32>(v + b0 * block, nb * block, bs.inv, b0 * block, rec);
-  }
-  if (any_lane(zero)) {
-    for (int j = 0; j < nb; ++j) {
-      if (zero[j]) std::memset(rec + (b0 + j) * block / 2, 0, size_t(block / 2));
-    }
-  }
-}
-
-// One f32 group v (g values, spikes already zeroed, largest magnitude amax) into its record's
-// codes and scales. finite: every value of the group, spikes included, is finite.
-inline void fp_encode_group(const float* v, int64_t g, int32_t fmt, float amax, bool finite,
-                            uint8_t* rec) {
-  if (!finite) {
-    fp_encode_nonfinite(g, fmt, rec);
-    return;
-  }
-  if (fmt == kFormatFp8) {
-    const uint16_t s = fp8_scale_bits(amax);
-    rec[g] = uint8_t(s & 0xFF);
-    rec[g + 1] = uint8_t(s >> 8);
-    encode_e4m3_run(v, g, Lanes{} + fp_inverse(bf16_to_float(s)), rec);
-    return;
-  }
-  const int64_t block = fp_block(fmt, g), blocks = g / block;
-  const uint32_t gbyte = fmt == kFormatNvfp4 ? nvfp4_group_byte(amax) : 0u;
-  if (fmt == kFormatNvfp4) rec[fp_code_bytes(fmt, g) + blocks] = uint8_t(gbyte);
-  for (int64_t b0 = 0; b0 < blocks; b0 += kFp4Chunk) {
-    const int64_t nb = blocks - b0 < kFp4Chunk ? blocks - b0 : kFp4Chunk;
-    fp4_encode_blocks(v, g, fmt, b0, nb, block_maxima<kFp4Chunk>(v + b0 * block, block, nb),
-                      gbyte, rec);
-  }
-}
-
-// A four-bit group of at most kFp4Chunk blocks without spikes: the group's largest magnitude
-// from its blocks' (one pass over the values fewer than max_abs, then fp_encode_group).
-inline void fp4_quantize_small_group(const float* v, int64_t g, int32_t fmt, uint8_t* rec) {
-  const int64_t block = fp_block(fmt, g), blocks = g / block;
-  const ILanes am = block_maxima<kFp4Chunk>(v, block, blocks);
-  ILanes m[1] = {am};  // lanes past the last block hold 0 or copies
-  const uint32_t amax_bits = uint32_t(largest_lanes<1>(m)[0]);
-  if (amax_bits >= 0x7F800000u) {  // an Inf or a NaN
-    fp_encode_nonfinite(g, fmt, rec);
-    return;
-  }
-  const uint32_t gbyte = fmt == kFormatNvfp4 ? nvfp4_group_byte(bits_to_float(amax_bits)) : 0u;
-  if (fmt == kFormatNvfp4) rec[fp_code_bytes(fmt, g) + blocks] = uint8_t(gbyte);
-  fp4_encode_blocks(v, g, fmt, 0, blocks, am, gbyte, rec);
-}
 
 // fp4_block_scales of kLanes blocks whose lanes form groups of kPerGroup blocks, with each
 // group's largest magnitude (and nvfp4 byte) from its lanes.
@@ -150,7 +57,8 @@ constexpr int kFp4BatchVecs = kLanes == 8 ? 4 : 2;
 // of every block of the batch lane-wise (fp_encode_group's operations): one division per
 // kLanes blocks. count: the groups present (at least 1). The same bytes as fp_quantize_group
 // on each group.
-// In: float, or bf16 bits (FLASHCOMM_FP_BF16_DIRECT; fp4_bf16_maxima's).
+// In: float, or bf16 bits (FLASHCOMM_FP_BF16_DIRECT). am: the blocks' largest magnitudes
+// (block_maxima's, or bf16_block_maxima's), lane j of am[t] block t * kLanes + j.
 template <int kBlock, int kPerGroup, typename In>
 inline void fp4_encode_batch(const In* v, const ILanes* am, int32_t fmt, int64_t count,
                              uint8_t* records, int64_t stride) {
@@ -250,8 +158,8 @@ inline void fp4_quantize_groups(float* batch, int64_t count, int64_t g, int32_t 
 }
 
 // count groups of T into their records (fp4_quantize_groups): FpQuantizeOp's four-bit loop
-// without rotation (and fp_loop's). A full batch of bf16 on AVX2 is read where it lies
-// (cpu_fp_bf16.h); otherwise the groups are widened into batch first.
+// without rotation (and fp_loop's). A full batch of bf16 on AVX2 or AVX-512 is read where it
+// lies (cpu_fp_bf16.h); otherwise the groups are widened into batch first.
 template <typename T>
 FC_ALWAYS_INLINE void fp4_quantize_batch(const typename T::Storage* x, int64_t count, int64_t g,
                                          int32_t fmt, float* batch, uint8_t* records,
@@ -347,18 +255,38 @@ FC_ALWAYS_INLINE void fp8_quantize_batch(const typename T::Storage* x, int64_t c
   fp8_encode_groups(batch, count, g, largest_lanes<kLanes>(m), records, stride);
 }
 
+// Groups of g values in format fmt that the batch loops (fp8_quantize_groups,
+// fp4_quantize_groups) encode together; 0 where they do not take such groups.
+FC_ALWAYS_INLINE int64_t fp_batch_groups(int32_t fmt, int64_t g) {
+  if (fmt == kFormatFp8) return g % kLanes == 0 && g <= kFp8BatchMaxGroup ? kLanes : 0;
+  return fp4_batch_takes(fmt, g) ? fp4_batch_groups(fmt, g) : 0;
+}
 
-// fp_quantize_group with k > 0 spikes on 1 <= count <= 16 f32 groups of g values one after
-// another in batch (spikes zeroed there): each group's spikes selected and kept as
-// fp_quantize_group keeps them, the spike-free groups encoded together by
-// encode(batch, count, records, stride) (fp8_quantize_groups or fp4_quantize_groups: the
-// same bytes as fp_encode_group on each finite group), then the records of the groups that held
-// an Inf or a NaN rewritten as fp_encode_group writes them, and every record's spikes.
-template <typename Encode>
+// The f32 scratch of such a batch.
+FC_ALWAYS_INLINE int64_t fp_batch_floats(int32_t fmt, int64_t g) {
+  return fmt == kFormatFp8 ? kLanes * g : fp4_batch_floats(fmt, g);
+}
+
+// The batch loop of fmt on 1 <= count <= fp_batch_groups(fmt, g) f32 groups in batch: the same
+// bytes as fp_quantize_group without spikes on each.
+inline void fp_quantize_groups(float* batch, int64_t count, int64_t g, int32_t fmt,
+                               uint8_t* records, int64_t stride) {
+  if (fmt == kFormatFp8) {
+    fp8_quantize_groups(batch, count, g, records, stride);
+  } else {
+    fp4_quantize_groups(batch, count, g, fmt, records, stride);
+  }
+}
+
+// fp_quantize_group with k > 0 spikes on 1 <= count <= fp_batch_groups(fmt, g) f32 groups of g
+// values one after another in batch (spikes zeroed there): each group's spikes selected and
+// kept as fp_quantize_group keeps them, the spike-free groups encoded together by
+// fp_quantize_groups (the same bytes as fp_encode_group on each finite group), then the
+// records of the groups that held an Inf or a NaN rewritten as fp_encode_group writes them,
+// and every record's spikes.
 inline void fp_quantize_spiked_groups(float* batch, int64_t count, int64_t g, int32_t fmt, int k,
-                                      int32_t* keys, uint8_t* records, int64_t stride,
-                                      Encode&& encode) {
-  constexpr int64_t kMaxBatch = 16;  // fp8: kLanes groups; four-bit: fp4_batch_groups
+                                      int32_t* keys, uint8_t* records, int64_t stride) {
+  constexpr int64_t kMaxBatch = 16;  // fp8: kLanes groups; four-bit: fp4_batch_groups <= 16
   int32_t pos[kMaxBatch][kMaxSpikes];
   float kept[kMaxBatch][kMaxSpikes];
   bool finite[kMaxBatch];
@@ -370,7 +298,7 @@ inline void fp_quantize_spiked_groups(float* batch, int64_t count, int64_t g, in
     for (int s = 0; s < k; ++s) kept[j][s] = v[pos[j][s]];
     for (int s = 0; s < k; ++s) v[pos[j][s]] = 0.0f;
   }
-  encode(batch, count, records, stride);
+  fp_quantize_groups(batch, count, g, fmt, records, stride);
   for (int64_t j = 0; j < count; ++j) {
     uint8_t* rec = records + j * stride;
     if (!finite[j]) fp_encode_nonfinite(g, fmt, rec);
@@ -378,34 +306,6 @@ inline void fp_quantize_spiked_groups(float* batch, int64_t count, int64_t g, in
     for (int s = 0; s < k; ++s) values[s] = spike_bits(kept[j][s], finite[j]);
     store_spikes(values, pos[j], k, g, rec + fp_code_bytes(fmt, g) + fp_scale_bytes(fmt, g));
   }
-}
-
-// One f32 group v (overwritten: spikes zeroed) with k spikes into its whole record.
-// keys: g int32 of scratch (k > 0).
-inline void fp_quantize_group(float* v, int64_t g, int32_t fmt, int k, int32_t* keys,
-                              uint8_t* rec) {
-  if (k == 0 && fmt != kFormatFp8 && g / fp_block(fmt, g) <= kFp4Chunk) {
-    fp4_quantize_small_group(v, g, fmt, rec);
-    return;
-  }
-  // The largest magnitude's bits are those of an Inf or a NaN exactly when one is there.
-  const float amax = max_abs(v, g);
-  const bool finite = float_to_bits(amax) < 0x7F800000u;
-  if (k == 0) {
-    fp_encode_group(v, g, fmt, amax, finite, rec);
-    return;
-  }
-  int32_t pos[kMaxSpikes];
-  float kept[kMaxSpikes];
-  select_spikes_lanes(v, g, k, keys, pos);
-  for (int j = 0; j < k; ++j) {
-    kept[j] = v[pos[j]];
-    v[pos[j]] = 0.0f;
-  }
-  fp_encode_group(v, g, fmt, max_abs(v, g), finite, rec);
-  uint16_t values[kMaxSpikes];
-  for (int j = 0; j < k; ++j) values[j] = spike_bits(kept[j], finite);
-  store_spikes(values, pos, k, g, rec + fp_code_bytes(fmt, g) + fp_scale_bytes(fmt, g));
 }
 
 }  // namespace cpu

@@ -115,7 +115,9 @@ FC_ALWAYS_INLINE void bf16_block_maxima(const uint16_t* x, ILanes* am) {
   static_assert(kBlock % kBf16PerReg == 0, "whole registers per block");
   for (int h = 0; h < 2; ++h) {
     Bf16Reg w[16];
-    for (int j = 0; j < 16; ++j) w[j] = bf16_run_max(x + (16 * h + j) * kBlock, kBlock / 16);
+    for (int j = 0; j < 16; ++j) {
+      w[j] = bf16_run_max(x + (16 * h + j) * kBlock, kBlock / kBf16PerReg);
+    }
     reduce_in_lanes<16>(w);
     words_to_f32_bits(across_lanes(w[0], w[1]), &am[2 * h], &am[2 * h + 1]);
   }
