@@ -53,7 +53,7 @@ def calls(x, fmt, spikes, backend):
 def run(mib: float, reps: int) -> dict:
     x = jax.random.normal(jax.random.key(0), (int(mib * 2**20) // 2,), jnp.bfloat16)
     copy = HugeCopy(x.nbytes)
-    copy_seconds, paired_seconds_, rows = [], [], []
+    copy_seconds, paired_copy_seconds, rows = [], [], []
     for fmt, spikes in SETTINGS:
         twin = {op: x.nbytes / median_seconds(fn, reps) / 1e9
                 for op, fn in zip(OPS, calls(x, fmt, spikes, "jnp"))}
@@ -66,7 +66,7 @@ def run(mib: float, reps: int) -> dict:
                     _, c_paired, vs_paired[op] = paired_seconds(fn, copy, reps)
                     ffi[op], vs_memcpy[op] = x.nbytes / t / 1e9, c / t
                     copy_seconds.append(c)
-                    paired_seconds_.append(c_paired)
+                    paired_copy_seconds.append(c_paired)
             rows.append({"format": fmt, "spikes": spikes, "isa": isa, "ffi_gbps": ffi,
                          "twin_gbps": twin, "vs_memcpy": vs_memcpy,
                          "vs_memcpy_paired": dict(vs_paired),
@@ -78,7 +78,7 @@ def run(mib: float, reps: int) -> dict:
                         "python": platform.python_version(), "jax": jax.__version__},
             "mib": mib, "reps": reps,
             "memcpy_gbps": x.nbytes / statistics.median(copy_seconds) / 1e9,
-            "memcpy_paired_gbps": x.nbytes / statistics.median(paired_seconds_) / 1e9,
+            "memcpy_paired_gbps": x.nbytes / statistics.median(paired_copy_seconds) / 1e9,
             "rows": rows}
 
 
