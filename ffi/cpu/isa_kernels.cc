@@ -427,8 +427,8 @@ struct FpQuantizeOp {
           fp_batch_floats(format, g), batch_groups,
           [&](const auto* x, int64_t count, float* batch, uint8_t* out) {
             if (spikes > 0) {
-              for (int64_t j = 0; j < count; ++j) load_group<T>(x + j * g, g, batch + j * g);
-              loaded(batch, count, out);
+              fp_quantize_spiked_batch<T>(x, count, g, format, spikes, batch, keys.data, out,
+                                          stride);
             } else if (format == kFormatFp8) {
               fp8_quantize_batch<T>(x, count, g, batch, out, stride);
             } else {

@@ -202,7 +202,8 @@ def test_batches_bit_identical_to_the_twin(fmt, g, dtype):
     from the bf16 bits): group counts that leave a batch part-full, a non-finite group beside
     finite ones in one batch, blocks whose nvfp4 scale rounds to 0 under a large group maximum,
     zero and subnormal groups; with and without rotation and spikes (taken out of the batch
-    first; the non-finite group's spike among them), in every build."""
+    first; the non-finite group's spike among them; the first of two equal magnitudes), in
+    every build."""
     rng = np.random.default_rng(6)
     for groups in (1, 3, 5, 17):
         x = rng.standard_normal((groups, g)) * np.exp(rng.standard_normal((groups, 1)) * 3)
@@ -211,6 +212,9 @@ def test_batches_bit_identical_to_the_twin(fmt, g, dtype):
         if groups > 1:
             x[1] = 0.0
             x[-1, g // 2] = np.nan if groups % 2 else -np.inf
+        if groups > 16:  # in a full batch: a non-finite group, a tie for the spike
+            x[9, 7] = -np.inf
+            x[10, [5, 9]] = np.array([-8.0, 8.0]) * np.abs(x[10]).max()
         if groups > 3:
             x[2] *= (1e-42 if dtype == jnp.float32 else 1e-39) / np.abs(x[2]).max()  # subnormal
         # (numpy's conversion: XLA's flushes subnormals)

@@ -157,6 +157,22 @@ inline void fp4_quantize_groups(float* batch, int64_t count, int64_t g, int32_t 
   });
 }
 
+#ifdef FLASHCOMM_FP_BF16_DIRECT
+// fp4_encode_batch on a full batch (fp4_batch_groups(fmt, g) groups) of bf16 at x, read where
+// it lies (cpu_fp_bf16.h).
+inline void fp4_encode_bf16_batch(const uint16_t* x, int64_t g, int32_t fmt, uint8_t* records,
+                                  int64_t stride) {
+  with_fp4_layout(fmt, g, [&](auto block, auto per_group) {
+    constexpr int kBlock = decltype(block)::value;
+    static_assert(kFp4BatchVecs * kLanes == 32, "bf16_block_maxima's 32 blocks");
+    ILanes am[kFp4BatchVecs];
+    bf16_block_maxima<kBlock>(x, am);
+    fp4_encode_batch<kBlock, decltype(per_group)::value>(x, am, fmt, fp4_batch_groups(fmt, g),
+                                                         records, stride);
+  });
+}
+#endif
+
 // count groups of T into their records (fp4_quantize_groups): FpQuantizeOp's four-bit loop
 // without rotation (and fp_loop's). A full batch of bf16 on AVX2 or AVX-512 is read where it
 // lies (cpu_fp_bf16.h); otherwise the groups are widened into batch first.
@@ -167,14 +183,8 @@ FC_ALWAYS_INLINE void fp4_quantize_batch(const typename T::Storage* x, int64_t c
 #ifdef FLASHCOMM_FP_BF16_DIRECT
   if constexpr (std::is_same_v<T, BF16>) {
     if (count == fp4_batch_groups(fmt, g)) {
-      with_fp4_layout(fmt, g, [&](auto block, auto per_group) {
-        constexpr int kBlock = decltype(block)::value, kValues = kFp4BatchVecs * kLanes * kBlock;
-        static_assert(kFp4BatchVecs * kLanes == 32, "bf16_block_maxima's 32 blocks");
-        ILanes am[kFp4BatchVecs];
-        prefetch_bytes(x + kValues, 2 * kValues);
-        bf16_block_maxima<kBlock>(x, am);
-        fp4_encode_batch<kBlock, decltype(per_group)::value>(x, am, fmt, count, records, stride);
-      });
+      prefetch_bytes(x + count * g, 2 * count * g);
+      fp4_encode_bf16_batch(x, g, fmt, records, stride);
       return;
     }
   }
@@ -234,6 +244,9 @@ inline void fp8_quantize_groups(const float* v, int64_t count, int64_t g, uint8_
   fp8_encode_groups(v, count, g, block_maxima<kLanes>(v, g, count), records, stride);
 }
 
+// Whether fp8_quantize_batch reads a full batch of bf16 groups of g values where they lie.
+FC_ALWAYS_INLINE bool fp8_bf16_direct_takes(int64_t g) { return g % (4 * kLanes) == 0; }
+
 // count <= kLanes groups of T (no rotation) widened into batch (kLanes * g floats) with their
 // maxima in the same pass, then fp8_encode_groups: FpQuantizeOp's fp8 loop (and fp_loop's).
 template <typename T>
@@ -241,7 +254,7 @@ FC_ALWAYS_INLINE void fp8_quantize_batch(const typename T::Storage* x, int64_t c
                                          float* batch, uint8_t* records, int64_t stride) {
 #ifdef FLASHCOMM_FP_BF16_DIRECT
   if constexpr (std::is_same_v<T, BF16>) {  // bf16 read where it lies (cpu_fp_bf16.h)
-    if (count == kLanes && g % (4 * kLanes) == 0) {
+    if (count == kLanes && fp8_bf16_direct_takes(g)) {
       prefetch_bytes(x + kLanes * g, kLanes * g * 2);
       fp8_encode_groups(x, count, g, bf16_group_maxima(x, g), records, stride);
       return;
@@ -306,6 +319,47 @@ inline void fp_quantize_spiked_groups(float* batch, int64_t count, int64_t g, in
     for (int s = 0; s < k; ++s) values[s] = spike_bits(kept[j][s], finite[j]);
     store_spikes(values, pos[j], k, g, rec + fp_code_bytes(fmt, g) + fp_scale_bytes(fmt, g));
   }
+}
+
+// fp_quantize_spiked_groups on 1 <= count <= fp_batch_groups(fmt, g) groups of T at x
+// (no rotation; batch: fp_batch_floats(fmt, g) of scratch): FpQuantizeOp's loop with spikes.
+// A full batch of bf16 with one spike per group (the four-bit default) is not widened: each
+// group's words are copied to the scratch with the spike taken out on the way
+// (take_bf16_spike), then encoded as bf16 (the same values, and so the same bytes).
+template <typename T>
+FC_ALWAYS_INLINE void fp_quantize_spiked_batch(const typename T::Storage* x, int64_t count,
+                                               int64_t g, int32_t fmt, int k, float* batch,
+                                               int32_t* keys, uint8_t* records, int64_t stride) {
+#ifdef FLASHCOMM_FP_BF16_DIRECT
+  if constexpr (std::is_same_v<T, BF16>) {
+    const bool fp8 = fmt == kFormatFp8;
+    if (k == 1 && count == fp_batch_groups(fmt, g) && (!fp8 || fp8_bf16_direct_takes(g))) {
+      constexpr int64_t kMaxBatch = 16;  // as fp_quantize_spiked_groups's
+      auto* words = reinterpret_cast<uint16_t*>(batch);  // count * g words: half the scratch
+      int32_t pos[kMaxBatch];
+      uint16_t kept[kMaxBatch];
+      prefetch_bytes(x + count * g, 2 * count * g);
+      for (int64_t j = 0; j < count; ++j) {
+        pos[j] = int32_t(take_bf16_spike(x + j * g, g, words + j * g, &kept[j]));
+      }
+      if (fp8) {
+        fp8_encode_groups(words, count, g, bf16_group_maxima(words, g), records, stride);
+      } else {
+        fp4_encode_bf16_batch(words, g, fmt, records, stride);
+      }
+      for (int64_t j = 0; j < count; ++j) {
+        uint8_t* rec = records + j * stride;
+        const bool finite = (kept[j] & 0x7FFFu) < 0x7F80u;  // the largest magnitude's
+        if (!finite) fp_encode_nonfinite(g, fmt, rec);
+        const uint16_t value = spike_bits(BF16::load(kept[j]), finite);
+        store_spikes(&value, &pos[j], 1, g, rec + fp_code_bytes(fmt, g) + fp_scale_bytes(fmt, g));
+      }
+      return;
+    }
+  }
+#endif
+  for (int64_t j = 0; j < count; ++j) load_group<T>(x + j * g, g, batch + j * g);
+  fp_quantize_spiked_groups(batch, count, g, fmt, k, keys, records, stride);
 }
 
 }  // namespace cpu

@@ -29,6 +29,14 @@ FC_ALWAYS_INLINE void prefetch_bytes(const void* x, int64_t n) {
   for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(static_cast<const char*>(x) + i);
 }
 
+// The largest of m's eight words (as signed words).
+FC_ALWAYS_INLINE int32_t largest_word_128(__m128i m) {
+  m = _mm_max_epi16(m, _mm_shuffle_epi32(m, 0x4E));
+  m = _mm_max_epi16(m, _mm_shuffle_epi32(m, 0xB1));
+  m = _mm_max_epi16(m, _mm_shufflelo_epi16(m, 0xB1));
+  return int16_t(_mm_cvtsi128_si32(m));
+}
+
 #if FLASHCOMM_LANES == 8
 typedef __m256i Bf16Reg;
 FC_ALWAYS_INLINE Bf16Reg load_words(const uint16_t* x) {
@@ -44,6 +52,19 @@ FC_ALWAYS_INLINE Bf16Reg unpacklo32(Bf16Reg a, Bf16Reg b) { return _mm256_unpack
 FC_ALWAYS_INLINE Bf16Reg unpackhi32(Bf16Reg a, Bf16Reg b) { return _mm256_unpackhi_epi32(a, b); }
 FC_ALWAYS_INLINE Bf16Reg unpacklo64(Bf16Reg a, Bf16Reg b) { return _mm256_unpacklo_epi64(a, b); }
 FC_ALWAYS_INLINE Bf16Reg unpackhi64(Bf16Reg a, Bf16Reg b) { return _mm256_unpackhi_epi64(a, b); }
+FC_ALWAYS_INLINE void store_words(uint16_t* y, Bf16Reg a) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), a);
+}
+// The largest of a's words (as signed words).
+FC_ALWAYS_INLINE int32_t largest_word(Bf16Reg a) {
+  return largest_word_128(
+      _mm_max_epi16(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1)));
+}
+// The index of the first of a's words equal to w, or -1.
+FC_ALWAYS_INLINE int32_t first_word_equal(Bf16Reg a, int16_t w) {
+  const uint32_t hit = uint32_t(_mm256_movemask_epi8(_mm256_cmpeq_epi16(a, _mm256_set1_epi16(w))));
+  return hit ? int32_t(__builtin_ctz(hit) / 2) : -1;  // (two mask bits per word)
+}
 #else
 typedef __m512i Bf16Reg;
 FC_ALWAYS_INLINE Bf16Reg load_words(const uint16_t* x) { return _mm512_loadu_si512(x); }
@@ -66,7 +87,45 @@ FC_ALWAYS_INLINE Bf16Reg unpacklo64(Bf16Reg a, Bf16Reg b) {
 FC_ALWAYS_INLINE Bf16Reg unpackhi64(Bf16Reg a, Bf16Reg b) {
   return _mm512_maskz_unpackhi_epi64(0xFF, a, b);
 }
+FC_ALWAYS_INLINE void store_words(uint16_t* y, Bf16Reg a) { _mm512_storeu_si512(y, a); }
+FC_ALWAYS_INLINE int32_t largest_word(Bf16Reg a) {
+  const __m256i h = _mm256_max_epi16(_mm512_castsi512_si256(a),
+                                     _mm512_maskz_extracti64x4_epi64(0xF, a, 1));
+  return largest_word_128(_mm_max_epi16(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+}
+FC_ALWAYS_INLINE int32_t first_word_equal(Bf16Reg a, int16_t w) {
+  const uint32_t hit = _mm512_cmpeq_epi16_mask(a, _mm512_set1_epi16(w));
+  return hit ? int32_t(__builtin_ctz(hit)) : -1;
+}
 #endif
+
+// One spike of a bf16 group of g values (a multiple of kBf16PerReg): select_spikes_lanes with
+// k = 1 on the widened values (the first position of the largest magnitude: a bf16 word's
+// magnitude bits order as its f32's), with the group's words copied to y on the way and the
+// spike's word there zeroed, as fp_quantize_spiked_groups zeroes it. Returns the position;
+// *spike: the spike's bits.
+FC_ALWAYS_INLINE int64_t take_bf16_spike(const uint16_t* x, int64_t g, uint16_t* y,
+                                         uint16_t* spike) {
+  Bf16Reg m = and_words(load_words(x), 0x7FFF);
+  store_words(y, load_words(x));
+  for (int64_t i = kBf16PerReg; i < g; i += kBf16PerReg) {
+    const Bf16Reg a = load_words(x + i);
+    store_words(y + i, a);
+    m = max_words(m, and_words(a, 0x7FFF));
+  }
+  const int16_t best = int16_t(largest_word(m));
+  int64_t at = 0;
+  for (;; at += kBf16PerReg) {
+    const int32_t lane = first_word_equal(and_words(load_words(y + at), 0x7FFF), best);
+    if (lane >= 0) {
+      at += lane;
+      break;
+    }
+  }
+  *spike = y[at];
+  y[at] = 0;
+  return at;
+}
 
 // The bf16 magnitudes (sign cleared: ordered as signed words) of a register of values at x,
 // the largest of the n registers' values word by word (n >= 1).
