@@ -10,7 +10,7 @@
 // wrote the same bytes: the integer codec's quantize (8 and 4 bits, 4 bits with a spike),
 // dequantize, sum of 8 chunks and fused sum-requantize (8 bits); the floating-point formats'
 // quantize and dequantize (fp8, mxfp4, nvfp4), sum of 8 chunks and fused sum-requantize (mxfp4,
-// nvfp4).
+// nvfp4), and nvfp4's four with a spike per group.
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -80,6 +80,9 @@ int main() {
     fp_records[f] = Buffer(size_t(kGroups * flashcomm::fp_record_bytes(f, kGroup, 0)));
     before.fp_quantize(DType::kBF16, x, kGroups, kGroup, f, 0, 0, fp_records[f]);
   }
+  // nvfp4 with a spike per group
+  uint8_t* spiked_records = Buffer(size_t(kGroups * flashcomm::fp_record_bytes(3, kGroup, 1)));
+  before.fp_quantize(DType::kBF16, x, kGroups, kGroup, 3, 0, 1, spiked_records);
   const flashcomm::PayloadView payload8{codes8, scale8, zero8, 1, kChunks, kGroups / kChunks,
                                         kGroup, rec8, 8, 0};
   const int64_t out_groups = kGroups / kChunks;
@@ -132,6 +135,21 @@ int main() {
       ops.push_back({"quantize nvfp4 +spike", size_t(kGroups * spiked),
                      [=](const CodecKernels& k, uint8_t* o) {
                        return k.fp_quantize(DType::kBF16, x, kGroups, kGroup, f, 0, 1, o);
+                     }});
+      ops.push_back({"dequantize nvfp4 +spike", size_t(kValues * 2),
+                     [=](const CodecKernels& k, uint8_t* o) {
+                       return k.fp_dequantize(DType::kBF16, spiked_records, kGroups, kGroup, f, 0,
+                                              1, o);
+                     }});
+      const flashcomm::cpu::FpChunks in{spiked_records, 1, kChunks, kGroups / kChunks, kGroup, f,
+                                        1};
+      ops.push_back({"sum of 8 nvfp4 +spike", size_t(out_groups * kGroup * 2),
+                     [=](const CodecKernels& k, uint8_t* o) {
+                       return k.fp_dequantize_sum(DType::kBF16, in, 0, o, 0, out_groups);
+                     }});
+      ops.push_back({"fused nvfp4 +spike", size_t(out_groups * spiked),
+                     [=](const CodecKernels& k, uint8_t* o) {
+                       return k.fp_dequantize_sum_quantize(in, f, 1, o, 0, out_groups);
                      }});
     }
     if (f >= 2) {

@@ -460,21 +460,30 @@ struct FpDequantizeOp {
     if (const size_t failed = FailedBytes(masks.masks, buf)) return failed;
     const FpTables tables;
     const int64_t stride = fp_record_bytes(format, g, spikes);
-    // bf16 / f32 in one pass where the records allow it (fp8_decode_store, fp4_decode_store)
-    const bool plain = spikes == 0 && rotation == kRotationNone;
+    // bf16 / f32 in one pass where the records allow it (fp8_decode_store, fp4_decode_store),
+    // then the spikes stored over their positions' values, as store_group stores them
+    const bool plain = rotation == kRotationNone;
 #if defined(FC_FP8_DECODE_STORE)
     const bool direct8 = plain && format == kFormatFp8 && g % 16 == 0;
 #endif
     const bool direct4 = plain && format != kFormatFp8;
+    const int64_t spikes_at = fp_code_bytes(format, g) + fp_scale_bytes(format, g);
     for (int64_t k = 0; k < n_groups; ++k) {
+      const uint8_t* rec = records + k * stride;
+      bool direct = false;
 #if defined(FC_FP8_DECODE_STORE)
-      if (direct8 && fp8_decode_store<T>(records + k * stride, g, ys + k * g)) continue;
+      direct = direct8 && fp8_decode_store<T>(rec, g, ys + k * g);
 #endif
-      if (direct4 &&
-          fp4_decode_store<T>(records + k * stride, g, format, tables.e4m3, ys + k * g)) {
+      direct = direct || (direct4 && fp4_decode_store<T>(rec, g, format, tables.e4m3, ys + k * g));
+      if (direct) {
+        for (int j = 0; j < spikes; ++j) {
+          const int64_t p = spike_position(rec + spikes_at, spikes, g, j);
+          const float v = flashcomm::saturate(spike_value(rec + spikes_at, j), T::kMax);
+          if (p < g) ys[k * g + p] = T::store(v);
+        }
         continue;
       }
-      fp_decode_group(records + k * stride, g, format, spikes, tables, buf.data);
+      fp_decode_group(rec, g, format, spikes, tables, buf.data);
       if (rotation != kRotationNone) unrotate_group(buf.data, g, masks.get());
       store_group<T>(buf.data, g, /*saturating=*/true, ys + k * g);
     }
@@ -487,24 +496,30 @@ size_t FpDequantize(DType dtype, const uint8_t* records, int64_t n_groups, int64
   return ByDType<FpDequantizeOp>(dtype, records, n_groups, g, format, rotation, spikes, y);
 }
 
-// Output group o's f32 sum over the chunks, in chunk order, into acc (tmp: g of scratch).
-// Without spikes each chunk after the first is decoded into the sum in the same pass.
-void FpSumGroup(const FpChunks& in, int64_t o, const FpTables& t, float* tmp, float* acc) {
+// Output group o's f32 sum over the chunks, in chunk order, into acc: each chunk after the
+// first decoded into the sum in the same pass.
+void FpSumGroup(const FpChunks& in, int64_t o, const FpTables& t, float* acc) {
   const int64_t g = in.group_size, stride = fp_record_bytes(in.format, g, in.spikes);
   const int64_t batch = o / in.groups_per_chunk, k = o % in.groups_per_chunk;
   for (int64_t c = 0; c < in.chunks; ++c) {
     const uint8_t* rec = in.codes + ((batch * in.chunks + c) * in.groups_per_chunk + k) * stride;
-    if (c > 0 && in.spikes == 0) {
-      fp_decode_group</*kAdd=*/true>(rec, g, in.format, 0, t, acc);
+    if (c == 0) {
+      fp_decode_group(rec, g, in.format, in.spikes, t, acc);
       continue;
     }
-    fp_decode_group(rec, g, in.format, in.spikes, t, c == 0 ? acc : tmp);
-    if (c > 0) {
-      int64_t i = 0;
-      for (; i + kLanes <= g; i += kLanes) {
-        store_lanes(acc + i, add_rn(load_lanes(acc + i), load_lanes(tmp + i)));
-      }
-      for (; i < g; ++i) acc[i] = add_rn(acc[i], tmp[i]);
+    // decoded into the sum in one pass; at the spikes' positions the sum before this chunk
+    // (kept aside) plus the spike instead: the same sums as adding the decoded group with its
+    // spikes put back (apply_spikes's order: a position given twice takes the later spike)
+    const uint8_t* spikes = rec + fp_code_bytes(in.format, g) + fp_scale_bytes(in.format, g);
+    int64_t at[kMaxSpikes];
+    float before[kMaxSpikes];
+    for (int j = 0; j < in.spikes; ++j) {
+      at[j] = spike_position(spikes, in.spikes, g, j);
+      before[j] = at[j] < g ? acc[at[j]] : 0.0f;
+    }
+    fp_decode_group</*kAdd=*/true>(rec, g, in.format, 0, t, acc);
+    for (int j = 0; j < in.spikes; ++j) {
+      if (at[j] < g) acc[at[j]] = add_rn(before[j], spike_value(spikes, j));
     }
   }
 }
@@ -515,11 +530,11 @@ struct FpDequantizeSumOp {
     auto* ys = static_cast<typename T::Storage*>(y);
     const int64_t g = in.group_size;
     const SignMasks masks(rotation, g);
-    Scratch<float> acc(g), tmp(g);
-    if (const size_t failed = FailedBytes(masks.masks, acc, tmp)) return failed;
+    Scratch<float> acc(g);
+    if (const size_t failed = FailedBytes(masks.masks, acc)) return failed;
     const FpTables tables;
     for (int64_t o = begin; o < end; ++o) {
-      FpSumGroup(in, o, tables, tmp.data, acc.data);
+      FpSumGroup(in, o, tables, acc.data);
       if (rotation != kRotationNone) unrotate_group(acc.data, g, masks.get());
       store_group<T>(acc.data, g, /*saturating=*/true, ys + o * g);
     }
@@ -539,14 +554,14 @@ size_t FpDequantizeSumQuantize(const FpChunks& in, int32_t out_format, int out_s
   const int64_t g = in.group_size, stride = fp_record_bytes(out_format, g, out_spikes);
   const int64_t batch_groups = fp_batch_groups(out_format, g);  // 0: one group at a time
   const int64_t per = batch_groups > 0 ? batch_groups : 1;
-  Scratch<float> acc(batch_groups > 0 ? fp_batch_floats(out_format, g) : g), tmp(g);
+  Scratch<float> acc(batch_groups > 0 ? fp_batch_floats(out_format, g) : g);
   Scratch<int32_t> keys(out_spikes > 0 ? g : 0);
-  if (const size_t failed = FailedBytes(acc, tmp, keys)) return failed;
+  if (const size_t failed = FailedBytes(acc, keys)) return failed;
   const FpTables tables;
   for (int64_t o0 = begin; o0 < end; o0 += per) {
     const int64_t count = end - o0 < per ? end - o0 : per;
     for (int64_t j = 0; j < count; ++j) {
-      FpSumGroup(in, o0 + j, tables, tmp.data, acc.data + j * g);
+      FpSumGroup(in, o0 + j, tables, acc.data + j * g);
     }
     uint8_t* out = records + o0 * stride;
     if (batch_groups == 0) {

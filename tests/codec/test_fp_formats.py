@@ -231,18 +231,27 @@ def test_batches_bit_identical_to_the_twin(fmt, g, dtype):
 
 
 @needs_ffi
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-def test_four_bit_decodes_of_arbitrary_records_match_the_twin(fmt):
+@pytest.mark.parametrize("fmt", FP)
+@pytest.mark.parametrize("spikes", [0, 2])
+def test_decodes_of_arbitrary_records_match_the_twin(fmt, spikes):
     """Records of random bytes (every scale byte: E8M0 NaN, E4M3 NaN codes, zero and huge
-    scales that saturate bf16) decode, sum and re-quantize as the twin does in every build; the
-    decoded values compared as floats (a NaN equals a NaN whatever its payload)."""
+    scales that saturate bf16; spikes of any bf16 value at any position, positions past the
+    group skipped, one position given twice) decode, sum and re-quantize as the twin does in
+    every build; the decoded values compared as floats (a NaN equals a NaN whatever its
+    payload)."""
     x = jnp.ones((16, 4 * 128), jnp.bfloat16)
-    p = codec.quantize(x, format=fmt, num_chunks=4)
+    p = codec.quantize(x, format=fmt, num_chunks=4, spikes=spikes)
     codes = np.random.default_rng(7).integers(0, 256, p.codes.shape, np.uint8)
-    codes[..., 0, 64] = 0xFF if fmt == "mxfp4" else 0x7F  # a NaN block scale
-    codes[..., 1, 64] = 0xFE if fmt == "mxfp4" else 0x7E  # the largest: bf16 saturates
+    if fmt != "fp8":
+        codes[..., 0, 64] = 0xFF if fmt == "mxfp4" else 0x7F  # a NaN block scale
+        codes[..., 1, 64] = 0xFE if fmt == "mxfp4" else 0x7E  # the largest: bf16 saturates
     if fmt == "nvfp4":
         codes[..., 2, 72] = 0xFF  # a NaN group scale
+    if spikes:  # both spikes at position 10, +inf then -inf (the later one is kept); groups
+        # of the first chunk and of the last (codes: 64 groups, 16 per chunk)
+        values = {"fp8": 130, "mxfp4": 68, "nvfp4": 73}[fmt]
+        codes[[3, 51], values:values + 4] = [0x80, 0x7F, 0x80, 0xFF]
+        codes[[3, 51], values + 4:values + 6] = 10
     p = p.map_arrays(lambda a: jnp.asarray(codes) if a is not None and a.dtype == jnp.uint8
                      else a)
     c = p.split_groups(4)

@@ -210,13 +210,14 @@ FC_ALWAYS_INLINE FcVecI fc_order_four(FcVecI packed, const uint16_t*) {
   return _mm256_permute4x64_epi64(packed, 0xD8);
 }
 
-// Four-bit decode straight to bf16. Where a block scale s is 0, or at least 2^-120 with 6 s
+// Four-bit decode straight to bf16. Where a block scale s is +0 (a -0 would flip the zeros'
+// signs against the tables' sign bit), or at least 2^-120 with 6 s
 // within bf16's range, every value e2m1 * s is exact in f32 (at most 2 + 4 significant bits)
 // and so in bf16: store_plain's rounding keeps the product's top 16 bits. The 16 products of a
 // block then form a byte table per 128-bit lane (low bytes, high bytes) that one byte shuffle
 // each looks up for 16 codes, instead of widening, decoding and multiplying 8 lanes at a time.
 FC_ALWAYS_INLINE bool e2m1_bf16_exact(float s) {
-  return s == 0.0f || (s >= 0x1p-120f && mul_rn(s, 6.0f) <= BF16::kMax);
+  return float_to_bits(s) == 0u || (s >= 0x1p-120f && mul_rn(s, 6.0f) <= BF16::kMax);
 }
 
 // 32 four-bit codes (16 bytes at codes, the even code low) of blocks with scales s0 (values
