@@ -60,10 +60,22 @@ FC_ALWAYS_INLINE int32_t largest_word(Bf16Reg a) {
   return largest_word_128(
       _mm_max_epi16(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1)));
 }
-// The index of the first of a's words equal to w, or -1.
-FC_ALWAYS_INLINE int32_t first_word_equal(Bf16Reg a, int16_t w) {
-  const uint32_t hit = uint32_t(_mm256_movemask_epi8(_mm256_cmpeq_epi16(a, _mm256_set1_epi16(w))));
-  return hit ? int32_t(__builtin_ctz(hit) / 2) : -1;  // (two mask bits per word)
+// Word-wise: a > b (signed) as a mask; b where mask m is set, a elsewhere; 0, 1, ...; w; a + b.
+FC_ALWAYS_INLINE Bf16Reg greater_words(Bf16Reg a, Bf16Reg b) { return _mm256_cmpgt_epi16(a, b); }
+FC_ALWAYS_INLINE Bf16Reg select_words(Bf16Reg m, Bf16Reg a, Bf16Reg b) {
+  return _mm256_blendv_epi8(a, b, m);
+}
+FC_ALWAYS_INLINE Bf16Reg word_iota() {
+  return _mm256_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+FC_ALWAYS_INLINE Bf16Reg set_words(int16_t w) { return _mm256_set1_epi16(w); }
+FC_ALWAYS_INLINE Bf16Reg add_words(Bf16Reg a, Bf16Reg b) { return _mm256_add_epi16(a, b); }
+// The smallest of at's words (unsigned) among those where m's equal w.
+FC_ALWAYS_INLINE int32_t least_word_where_equal(Bf16Reg m, int16_t w, Bf16Reg at) {
+  const __m256i c = _mm256_or_si256(at, _mm256_xor_si256(_mm256_cmpeq_epi16(m, set_words(w)),
+                                                         _mm256_set1_epi16(-1)));
+  const __m128i h = _mm_min_epu16(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+  return _mm_cvtsi128_si32(_mm_minpos_epu16(h)) & 0xFFFF;
 }
 #else
 typedef __m512i Bf16Reg;
@@ -93,38 +105,53 @@ FC_ALWAYS_INLINE int32_t largest_word(Bf16Reg a) {
                                      _mm512_maskz_extracti64x4_epi64(0xF, a, 1));
   return largest_word_128(_mm_max_epi16(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
 }
-FC_ALWAYS_INLINE int32_t first_word_equal(Bf16Reg a, int16_t w) {
-  const uint32_t hit = _mm512_cmpeq_epi16_mask(a, _mm512_set1_epi16(w));
-  return hit ? int32_t(__builtin_ctz(hit)) : -1;
+FC_ALWAYS_INLINE __mmask32 greater_words(Bf16Reg a, Bf16Reg b) {
+  return _mm512_cmpgt_epi16_mask(a, b);
+}
+FC_ALWAYS_INLINE Bf16Reg select_words(__mmask32 m, Bf16Reg a, Bf16Reg b) {
+  return _mm512_mask_blend_epi16(m, a, b);
+}
+FC_ALWAYS_INLINE Bf16Reg word_iota() {
+  return _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
+                          15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+}
+FC_ALWAYS_INLINE Bf16Reg set_words(int16_t w) { return _mm512_set1_epi16(w); }
+FC_ALWAYS_INLINE Bf16Reg add_words(Bf16Reg a, Bf16Reg b) { return _mm512_add_epi16(a, b); }
+FC_ALWAYS_INLINE int32_t least_word_where_equal(Bf16Reg m, int16_t w, Bf16Reg at) {
+  const __m512i c = _mm512_mask_blend_epi16(_mm512_cmpeq_epi16_mask(m, set_words(w)),
+                                            _mm512_set1_epi16(-1), at);
+  const __m256i q = _mm256_min_epu16(_mm512_castsi512_si256(c),
+                                     _mm512_maskz_extracti64x4_epi64(0xF, c, 1));
+  const __m128i h = _mm_min_epu16(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+  return _mm_cvtsi128_si32(_mm_minpos_epu16(h)) & 0xFFFF;
 }
 #endif
 
-// One spike of a bf16 group of g values (a multiple of kBf16PerReg): select_spikes_lanes with
-// k = 1 on the widened values (the first position of the largest magnitude: a bf16 word's
-// magnitude bits order as its f32's), with the group's words copied to y on the way and the
-// spike's word there zeroed, as fp_quantize_spiked_groups zeroes it. Returns the position;
-// *spike: the spike's bits.
+// One spike of a bf16 group of g values (a multiple of kBf16PerReg, below 2^16):
+// select_spikes_lanes with k = 1 on the widened values (the first position of the largest
+// magnitude: a bf16 word's magnitude bits order as its f32's), with the group's words copied to
+// y on the way and the spike's word there zeroed, as fp_quantize_spiked_groups zeroes it. One
+// pass, no branch on the data: each word lane keeps its largest magnitude and where it first
+// came, then the first position among the lanes that hold the group's largest. Returns the
+// position; *spike: the spike's bits.
 FC_ALWAYS_INLINE int64_t take_bf16_spike(const uint16_t* x, int64_t g, uint16_t* y,
                                          uint16_t* spike) {
-  Bf16Reg m = and_words(load_words(x), 0x7FFF);
-  store_words(y, load_words(x));
+  const Bf16Reg iota = word_iota();
+  Bf16Reg a = load_words(x);
+  store_words(y, a);
+  Bf16Reg m = and_words(a, 0x7FFF), at = iota;
   for (int64_t i = kBf16PerReg; i < g; i += kBf16PerReg) {
-    const Bf16Reg a = load_words(x + i);
+    a = load_words(x + i);
     store_words(y + i, a);
-    m = max_words(m, and_words(a, 0x7FFF));
+    const Bf16Reg key = and_words(a, 0x7FFF);
+    const auto larger = greater_words(key, m);
+    m = max_words(m, key);
+    at = select_words(larger, at, add_words(iota, set_words(int16_t(i))));
   }
-  const int16_t best = int16_t(largest_word(m));
-  int64_t at = 0;
-  for (;; at += kBf16PerReg) {
-    const int32_t lane = first_word_equal(and_words(load_words(y + at), 0x7FFF), best);
-    if (lane >= 0) {
-      at += lane;
-      break;
-    }
-  }
-  *spike = y[at];
-  y[at] = 0;
-  return at;
+  const int64_t pos = least_word_where_equal(m, int16_t(largest_word(m)), at);
+  *spike = x[pos];
+  y[pos] = 0;
+  return pos;
 }
 
 // The bf16 magnitudes (sign cleared: ordered as signed words) of a register of values at x,
