@@ -87,22 +87,27 @@ size_t QuantizeAs(const void* x, int64_t n_groups, int64_t g, int bits, int rota
     quantize_groups_rotated<T>(xs, n_groups, g, bits, masks.get(), buf.data, codes, scale, zero);
     return 0;
   }
-  // Spikes (any rotation): each group is widened (and rotated) into buf, then
-  // quantize_spiked_group writes its record.
+  // Spikes (any rotation): kQuantizeBatch groups at a time widened (and rotated) into batch,
+  // then quantize_spiked_groups writes their records.
   Scratch<int32_t> keys(g);
-  if (keys.failed()) return keys.bytes;
+  Scratch<float> batch(kQuantizeBatch * g);
+  if (const size_t failed = FailedBytes(keys, batch)) return failed;
   const int64_t stride = record_bytes(g, bits, spikes);
   const float c = rotation_scale(g);
-  for (int64_t k = 0; k < n_groups; ++k) {
-    const typename T::Storage* group = xs + k * g;
-    if (rotation != kRotationNone && g >= kLanes) {
-      rotate_group<T>(group, g, c, masks.get(), nullptr, buf.data);
-    } else {
-      load_group<T>(group, g, buf.data);
-      if (rotation != kRotationNone) rotate_small(buf.data, g, c, masks.get(), nullptr);
+  for (int64_t k0 = 0; k0 < n_groups; k0 += kQuantizeBatch) {
+    const int64_t count = n_groups - k0 < kQuantizeBatch ? n_groups - k0 : kQuantizeBatch;
+    for (int64_t j = 0; j < count; ++j) {
+      const typename T::Storage* group = xs + (k0 + j) * g;
+      float* v = batch.data + j * g;
+      if (rotation != kRotationNone && g >= kLanes) {
+        rotate_group<T>(group, g, c, masks.get(), nullptr, v);
+      } else {
+        load_group<T>(group, g, v);
+        if (rotation != kRotationNone) rotate_small(v, g, c, masks.get(), nullptr);
+      }
     }
-    quantize_spiked_group(buf.data, g, bits, spikes, codes + k * stride, scale + k, zero + k,
-                          keys.data);
+    quantize_spiked_groups(batch.data, count, g, bits, spikes, keys.data, codes + k0 * stride,
+                           stride, scale + k0, zero + k0);
   }
   return 0;
 }

@@ -125,6 +125,45 @@ inline void quantize_spiked_group(float* v, int64_t g, int bits, int k, uint8_t*
   store_spikes(values, pos, k, g, rec + group_bytes(g, bits));
 }
 
+// quantize_spiked_group on 1 <= count <= kQuantizeBatch f32 groups of g values one after
+// another in batch (overwritten), records `stride` bytes apart from rec: each group's spikes
+// selected and replaced by its stand-in as there, the groups quantized together by
+// quantize_groups (parameters lane-wise, instead of a scalar chain per group), then the groups
+// whose spikes held an Inf or a NaN rewritten as quantize_one writes a non-finite group (NaN
+// scale, zero 0, zero codes), and every spike record stored.
+inline void quantize_spiked_groups(float* batch, int64_t count, int64_t g, int bits, int k,
+                                   int32_t* keys, uint8_t* rec, int64_t stride, uint16_t* scale,
+                                   uint16_t* zero) {
+  int32_t pos[kQuantizeBatch][kMaxSpikes];
+  float kept[kQuantizeBatch][kMaxSpikes];
+  bool spikes_finite[kQuantizeBatch];
+  for (int64_t j = 0; j < count; ++j) {
+    float* v = batch + j * g;
+    select_spikes_lanes(v, g, k, keys, pos[j]);
+    spikes_finite[j] = true;
+    for (int s = 0; s < k; ++s) {
+      kept[j][s] = v[pos[j][s]];
+      spikes_finite[j] = spikes_finite[j] && is_finite(kept[j][s]);
+    }
+    const float stand_in = v[first_kept(pos[j], k)];
+    for (int s = 0; s < k; ++s) v[pos[j][s]] = stand_in;
+  }
+  quantize_groups<F32>(batch, count, g, bits, rec, scale, zero, stride);
+  const int64_t nbytes = group_bytes(g, bits);
+  for (int64_t j = 0; j < count; ++j) {
+    uint8_t* r = rec + j * stride;
+    if (!spikes_finite[j]) {
+      scale[j] = kBf16NaN;
+      zero[j] = 0;
+      std::memset(r, 0, size_t(nbytes));
+    }
+    const bool finite = scale[j] != kBf16NaN;  // (a finite group's scale is a finite bf16)
+    uint16_t values[kMaxSpikes];
+    for (int s = 0; s < k; ++s) values[s] = spike_bits(kept[j][s], finite);
+    store_spikes(values, pos[j], k, g, r + nbytes);
+  }
+}
+
 // Decode one group's record into f32 values, spikes put back; accumulate (out += decoded)
 // when `accumulate`, through tmp (g floats) so the sum adds the spiked values.
 inline void decode_spiked_group(const uint8_t* rec, uint16_t scale,
