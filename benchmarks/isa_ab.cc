@@ -8,9 +8,9 @@
 // driver runs each operation below on a bf16 operand of 16 MiB (G = 128, one thread) with the
 // two tables alternately, call by call, keeps the best time of each, and checks that the two
 // wrote the same bytes: the integer codec's quantize (8 and 4 bits, 4 bits with a spike),
-// dequantize, sum of 8 chunks and fused sum-requantize (8 bits); the floating-point formats'
-// quantize and dequantize (fp8, mxfp4, nvfp4), sum of 8 chunks and fused sum-requantize (mxfp4,
-// nvfp4), and nvfp4's four with a spike per group.
+// dequantize, sum of 8 chunks and fused sum-requantize (8 bits, and 4 bits with a spike); the
+// floating-point formats' quantize and dequantize (fp8, mxfp4, nvfp4), sum of 8 chunks and
+// fused sum-requantize (mxfp4, nvfp4), and nvfp4's four with a spike per group.
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -115,6 +115,13 @@ int main() {
                  [=](const CodecKernels& k, uint8_t* o) {
                    auto* scale = reinterpret_cast<uint16_t*>(o + out_groups * rec8);
                    return k.dequantize_sum_quantize(payload8, 8, 0, o, scale, scale + out_groups,
+                                                    0, out_groups);
+                 }});
+  const int64_t rec4s = flashcomm::record_bytes(kGroup, 4, 1);
+  ops.push_back({"fused int8 to int4 +spike", size_t(out_groups * (rec4s + 4)),
+                 [=](const CodecKernels& k, uint8_t* o) {
+                   auto* scale = reinterpret_cast<uint16_t*>(o + out_groups * rec4s);
+                   return k.dequantize_sum_quantize(payload8, 4, 1, o, scale, scale + out_groups,
                                                     0, out_groups);
                  }});
   const char* fp_names[4][4] = {

@@ -225,27 +225,22 @@ size_t DequantizeSumQuantize(const PayloadView& in, int out_bits, int out_spikes
                              int64_t end) {
   const int64_t out_nbytes = record_bytes(in.group_size, out_bits, out_spikes);
   const int64_t gpc = in.groups_per_chunk;
-  if (out_spikes == 0) {
-    constexpr int64_t kSumBatch = 16;
-    Scratch<float> sums(kSumBatch * in.group_size), tmp(in.group_size);
-    if (const size_t failed = FailedBytes(sums, tmp)) return failed;
-    for (int64_t o0 = begin; o0 < end; o0 += kSumBatch) {  // o = b * groups_per_chunk + k
-      const int64_t m = end - o0 < kSumBatch ? end - o0 : kSumBatch;
-      for (int64_t i = 0; i < m; ++i) {
-        SumGroup(in, (o0 + i) / gpc, (o0 + i) % gpc, tmp.data, sums.data + i * in.group_size);
-      }
+  // kQuantizeBatch sums at a time, quantized together (spikes first taken out)
+  Scratch<float> sums(kQuantizeBatch * in.group_size), tmp(in.group_size);
+  Scratch<int32_t> keys(out_spikes > 0 ? in.group_size : 0);
+  if (const size_t failed = FailedBytes(sums, tmp, keys)) return failed;
+  for (int64_t o0 = begin; o0 < end; o0 += kQuantizeBatch) {  // o = b * groups_per_chunk + k
+    const int64_t m = end - o0 < kQuantizeBatch ? end - o0 : kQuantizeBatch;
+    for (int64_t i = 0; i < m; ++i) {
+      SumGroup(in, (o0 + i) / gpc, (o0 + i) % gpc, tmp.data, sums.data + i * in.group_size);
+    }
+    if (out_spikes > 0) {
+      quantize_spiked_groups(sums.data, m, in.group_size, out_bits, out_spikes, keys.data,
+                             codes + o0 * out_nbytes, out_nbytes, scale + o0, zero + o0);
+    } else {
       quantize_groups<F32>(sums.data, m, in.group_size, out_bits, codes + o0 * out_nbytes,
                            scale + o0, zero + o0);
     }
-    return 0;
-  }
-  Scratch<float> buf(in.group_size), tmp(in.group_size);
-  Scratch<int32_t> keys(in.group_size);
-  if (const size_t failed = FailedBytes(buf, tmp, keys)) return failed;
-  for (int64_t o = begin; o < end; ++o) {
-    SumGroup(in, o / gpc, o % gpc, tmp.data, buf.data);
-    quantize_spiked_group(buf.data, in.group_size, out_bits, out_spikes, codes + o * out_nbytes,
-                          scale + o, zero + o, keys.data);
   }
   return 0;
 }

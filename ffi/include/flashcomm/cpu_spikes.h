@@ -104,33 +104,13 @@ __attribute__((always_inline)) inline void load_group(const typename T::Storage*
   for (; i < g; ++i) v[i] = T::load(x[i]);
 }
 
-// Quantize one f32 group v (g values; overwritten: the spikes are replaced by the first kept
-// value) with k spikes into its record rec (codes, then the spike record), scale and zero.
-// keys is scratch of g int32.
-inline void quantize_spiked_group(float* v, int64_t g, int bits, int k, uint8_t* rec,
-                                  uint16_t* scale, uint16_t* zero, int32_t* keys) {
-  int32_t pos[kMaxSpikes];
-  float kept[kMaxSpikes];
-  select_spikes_lanes(v, g, k, keys, pos);
-  bool spikes_finite = true;
-  for (int j = 0; j < k; ++j) {
-    kept[j] = v[pos[j]];
-    spikes_finite = spikes_finite && is_finite(kept[j]);
-  }
-  const float stand_in = v[first_kept(pos, k)];
-  for (int j = 0; j < k; ++j) v[pos[j]] = stand_in;
-  const bool finite = quantize_one<F32>(v, g, bits, rec, scale, zero, spikes_finite);
-  uint16_t values[kMaxSpikes];
-  for (int j = 0; j < k; ++j) values[j] = spike_bits(kept[j], finite);
-  store_spikes(values, pos, k, g, rec + group_bytes(g, bits));
-}
-
-// quantize_spiked_group on 1 <= count <= kQuantizeBatch f32 groups of g values one after
-// another in batch (overwritten), records `stride` bytes apart from rec: each group's spikes
-// selected and replaced by its stand-in as there, the groups quantized together by
+// Quantize 1 <= count <= kQuantizeBatch f32 groups of g values one after another in batch
+// (overwritten: each group's k spikes replaced by its first kept value, so they do not widen
+// its range) into their records, `stride` bytes apart from rec (codes, then the spike record),
+// scales and zeros: the spikes selected group by group, the groups quantized together by
 // quantize_groups (parameters lane-wise, instead of a scalar chain per group), then the groups
 // whose spikes held an Inf or a NaN rewritten as quantize_one writes a non-finite group (NaN
-// scale, zero 0, zero codes), and every spike record stored.
+// scale, zero 0, zero codes), and every spike record stored. keys: g int32 of scratch.
 inline void quantize_spiked_groups(float* batch, int64_t count, int64_t g, int bits, int k,
                                    int32_t* keys, uint8_t* rec, int64_t stride, uint16_t* scale,
                                    uint16_t* zero) {
