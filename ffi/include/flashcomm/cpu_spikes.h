@@ -61,15 +61,31 @@ __attribute__((always_inline)) inline int32_t max_key_of(const float* v, int64_t
 // One spike (the 4-bit default) is one round on v itself: the keys are never stored.
 __attribute__((always_inline)) inline void select_spikes_lanes(const float* v, int64_t g, int k,
                                                                int32_t* keys, int32_t* pos) {
+  if (k == 1 && g >= kLanes) {
+    // One pass with no branch on the data (a search loop's exit would mispredict): each lane
+    // keeps its largest key and where it first came, then the first position among the lanes
+    // that hold the largest; a scalar tail wins only with a larger key (it comes later).
+    ILanes m = key_lanes(v), at = kLaneIndex;
+    int64_t i = kLanes;
+    for (; i + kLanes <= g; i += kLanes) {
+      const ILanes key = key_lanes(v + i);
+      const ILanes larger = key > m;
+      m = larger ? key : m;
+      at = larger ? kLaneIndex + int32_t(i) : at;
+    }
+    int32_t best = reduce_imax(m);
+    int32_t p = -reduce_imax(-(m == best ? at : ILanes{} + INT32_MAX));
+    for (; i < g; ++i) {
+      const int32_t key = int32_t(spike_key(v[i]));
+      p = key > best ? int32_t(i) : p;
+      best = key > best ? key : best;
+    }
+    pos[0] = p;
+    return;
+  }
   if (k == 1) {
     const int32_t best = max_key_of(v, g);
     int64_t at = 0;
-    for (; at + kLanes <= g; at += kLanes) {  // the first matching lane from the lane mask
-      if (const uint32_t hit = lane_bits(key_lanes(v + at) == best)) {
-        pos[0] = int32_t(at + __builtin_ctz(hit));
-        return;
-      }
-    }
     while (int32_t(spike_key(v[at])) != best) ++at;
     pos[0] = int32_t(at);
     return;
