@@ -49,6 +49,24 @@ __attribute__((always_inline)) inline void load_bf16_pairs(const uint16_t* x, La
   *odd = bits_lanes(u & 0xFFFF0000u);
 }
 
+// The same for 2 * kLanes f32 values (two loads, one even / odd permutation each), and either
+// by the operand's type (BF16 or F32).
+__attribute__((always_inline)) inline void load_f32_pairs(const float* x, Lanes* even,
+                                                          Lanes* odd) {
+  const Lanes a = load_lanes(x), b = load_lanes(x + kLanes);
+  *even = __builtin_shuffle(a, b, 2 * kLaneIndex);
+  *odd = __builtin_shuffle(a, b, 2 * kLaneIndex + 1);
+}
+template <typename T>
+__attribute__((always_inline)) inline void load_pairs(const typename T::Storage* x, Lanes* even,
+                                                      Lanes* odd) {
+  if constexpr (std::is_same_v<T, F32>) {
+    load_f32_pairs(x, even, odd);
+  } else {
+    load_bf16_pairs(x, even, odd);
+  }
+}
+
 // bf16_from_float, lane-wise: the bf16 bits in the low half of each lane.
 __attribute__((always_inline)) inline ULanes bf16_bits_lanes(Lanes v) {
   const ULanes u = lanes_bits(v);
