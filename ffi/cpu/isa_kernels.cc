@@ -96,6 +96,16 @@ size_t QuantizeAs(const void* x, int64_t n_groups, int64_t g, int bits, int rota
   const float c = rotation_scale(g);
   for (int64_t k0 = 0; k0 < n_groups; k0 += kQuantizeBatch) {
     const int64_t count = n_groups - k0 < kQuantizeBatch ? n_groups - k0 : kQuantizeBatch;
+#ifdef FLASHCOMM_FP_BF16_DIRECT
+    if constexpr (std::is_same_v<T, BF16>) {  // one spike, no rotation: not widened
+      if (spikes == 1 && rotation == kRotationNone && g % kBf16PerReg == 0 && g < 65536) {
+        quantize_bf16_spiked_groups(xs + k0 * g, count, g, bits,
+                                    reinterpret_cast<uint16_t*>(batch.data), codes + k0 * stride,
+                                    stride, scale + k0, zero + k0);
+        continue;
+      }
+    }
+#endif
     for (int64_t j = 0; j < count; ++j) {
       const typename T::Storage* group = xs + (k0 + j) * g;
       float* v = batch.data + j * g;

@@ -258,6 +258,22 @@ def test_the_first_of_equal_magnitudes_is_the_spike(group_size):
 
 
 @needs_ffi
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_non_finite_spikes_in_a_batch_alike(dtype):
+    """An Inf and a NaN spike among finite groups (bf16 at G = 128 takes the path that does not
+    widen): in every build the records, scales and zeros of the twin."""
+    x = np.random.default_rng(11).standard_normal((40, 128)).astype(np.float32)
+    x[3, 5], x[21, 100] = np.inf, np.nan
+    x = jnp.asarray(x, dtype)
+    run = lambda x, backend: codec.quantize(  # noqa: E731
+        x, bits=4, spikes=1, backend=backend)
+    got = every_isa(jax.jit(lambda x: run(x, "ffi")), x)
+    want = jax.jit(lambda x: run(x, "jnp"))(x)
+    for a, b in ((got.codes, want.codes), (got.scale, want.scale), (got.zero, want.zero)):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+@needs_ffi
 def test_tampered_positions_are_skipped_alike():
     """A position >= G (only a tampered record has one) is not written, by either backend."""
     x = np.random.default_rng(0).standard_normal((2, 16)).astype(np.float32)

@@ -2,9 +2,10 @@
 // loops' block and group maxima from the bf16 bits, a register of them at a time, and the
 // four-vector packing's values widened on the way in, instead of a pass that widens the values
 // into an f32 copy and two more that read it back (cpu_fp.h: fp4_quantize_batch,
-// fp8_quantize_batch). The same bytes: a bf16 value's f32 bits are its bits shifted up 16, and
-// the encoders see the same f32 values. Compiled once per instruction set
-// (ffi/cpu/isa_kernels.cc); elsewhere nothing.
+// fp8_quantize_batch); and the spike of a group taken out as its words are copied
+// (take_bf16_spike: the FP formats' and the integer codec's one-spike quantize). The same
+// bytes: a bf16 value's f32 bits are its bits shifted up 16, and the encoders see the same f32
+// values. Compiled once per instruction set (ffi/cpu/isa_kernels.cc); elsewhere nothing.
 #ifndef FLASHCOMM_CPU_FP_BF16_H_
 #define FLASHCOMM_CPU_FP_BF16_H_
 
@@ -130,10 +131,12 @@ FC_ALWAYS_INLINE int32_t least_word_where_equal(Bf16Reg m, int16_t w, Bf16Reg at
 // One spike of a bf16 group of g values (a multiple of kBf16PerReg, below 2^16):
 // select_spikes_lanes with k = 1 on the widened values (the first position of the largest
 // magnitude: a bf16 word's magnitude bits order as its f32's), with the group's words copied to
-// y on the way and the spike's word there zeroed, as fp_quantize_spiked_groups zeroes it. One
+// y on the way and the spike's word there replaced: zeroed, as fp_quantize_spiked_groups zeroes
+// it, or (kStandIn) the first value that is not the spike, as quantize_spiked_groups does. One
 // pass, no branch on the data: each word lane keeps its largest magnitude and where it first
 // came, then the first position among the lanes that hold the group's largest. Returns the
 // position; *spike: the spike's bits.
+template <bool kStandIn = false>
 FC_ALWAYS_INLINE int64_t take_bf16_spike(const uint16_t* x, int64_t g, uint16_t* y,
                                          uint16_t* spike) {
   const Bf16Reg iota = word_iota();
@@ -150,8 +153,28 @@ FC_ALWAYS_INLINE int64_t take_bf16_spike(const uint16_t* x, int64_t g, uint16_t*
   }
   const int64_t pos = least_word_where_equal(m, int16_t(largest_word(m)), at);
   *spike = x[pos];
-  y[pos] = 0;
+  y[pos] = kStandIn ? x[pos == 0 ? 1 : 0] : 0;
   return pos;
+}
+
+// quantize_spiked_groups with k = 1 on count groups of bf16 at x, not widened: each group's
+// words copied to words (count * g of scratch) with the spike taken out on the way
+// (take_bf16_spike, its stand-in in place), then quantized as bf16 (the same values, and so
+// the same bytes). g: a multiple of kBf16PerReg, below 2^16.
+inline void quantize_bf16_spiked_groups(const uint16_t* x, int64_t count, int64_t g, int bits,
+                                        uint16_t* words, uint8_t* rec, int64_t stride,
+                                        uint16_t* scale, uint16_t* zero) {
+  int32_t pos[kQuantizeBatch][kMaxSpikes];
+  float kept[kQuantizeBatch][kMaxSpikes];
+  bool spikes_finite[kQuantizeBatch];
+  for (int64_t j = 0; j < count; ++j) {
+    uint16_t spike;
+    pos[j][0] = int32_t(take_bf16_spike</*kStandIn=*/true>(x + j * g, g, words + j * g, &spike));
+    kept[j][0] = BF16::load(spike);
+    spikes_finite[j] = (spike & 0x7FFFu) < 0x7F80u;
+  }
+  quantize_groups<BF16>(words, count, g, bits, rec, scale, zero, stride);
+  finish_spiked_records(count, g, bits, 1, pos, kept, spikes_finite, rec, stride, scale, zero);
 }
 
 // The bf16 magnitudes (sign cleared: ordered as signed words) of a register of values at x,

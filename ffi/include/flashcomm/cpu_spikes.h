@@ -120,13 +120,34 @@ __attribute__((always_inline)) inline void load_group(const typename T::Storage*
   for (; i < g; ++i) v[i] = T::load(x[i]);
 }
 
+// The end of a spiked batch (quantize_spiked_groups): the groups whose spikes held an Inf or a
+// NaN rewritten as quantize_one writes a non-finite group (NaN scale, zero 0, zero codes), and
+// every group's spike record stored after its codes.
+inline void finish_spiked_records(int64_t count, int64_t g, int bits, int k,
+                                  const int32_t (*pos)[kMaxSpikes],
+                                  const float (*kept)[kMaxSpikes], const bool* spikes_finite,
+                                  uint8_t* rec, int64_t stride, uint16_t* scale, uint16_t* zero) {
+  const int64_t nbytes = group_bytes(g, bits);
+  for (int64_t j = 0; j < count; ++j) {
+    uint8_t* r = rec + j * stride;
+    if (!spikes_finite[j]) {
+      scale[j] = kBf16NaN;
+      zero[j] = 0;
+      std::memset(r, 0, size_t(nbytes));
+    }
+    const bool finite = scale[j] != kBf16NaN;  // (a finite group's scale is a finite bf16)
+    uint16_t values[kMaxSpikes];
+    for (int s = 0; s < k; ++s) values[s] = spike_bits(kept[j][s], finite);
+    store_spikes(values, pos[j], k, g, r + nbytes);
+  }
+}
+
 // Quantize 1 <= count <= kQuantizeBatch f32 groups of g values one after another in batch
 // (overwritten: each group's k spikes replaced by its first kept value, so they do not widen
 // its range) into their records, `stride` bytes apart from rec (codes, then the spike record),
 // scales and zeros: the spikes selected group by group, the groups quantized together by
-// quantize_groups (parameters lane-wise, instead of a scalar chain per group), then the groups
-// whose spikes held an Inf or a NaN rewritten as quantize_one writes a non-finite group (NaN
-// scale, zero 0, zero codes), and every spike record stored. keys: g int32 of scratch.
+// quantize_groups (parameters lane-wise, instead of a scalar chain per group), then
+// finish_spiked_records. keys: g int32 of scratch.
 inline void quantize_spiked_groups(float* batch, int64_t count, int64_t g, int bits, int k,
                                    int32_t* keys, uint8_t* rec, int64_t stride, uint16_t* scale,
                                    uint16_t* zero) {
@@ -145,20 +166,9 @@ inline void quantize_spiked_groups(float* batch, int64_t count, int64_t g, int b
     for (int s = 0; s < k; ++s) v[pos[j][s]] = stand_in;
   }
   quantize_groups<F32>(batch, count, g, bits, rec, scale, zero, stride);
-  const int64_t nbytes = group_bytes(g, bits);
-  for (int64_t j = 0; j < count; ++j) {
-    uint8_t* r = rec + j * stride;
-    if (!spikes_finite[j]) {
-      scale[j] = kBf16NaN;
-      zero[j] = 0;
-      std::memset(r, 0, size_t(nbytes));
-    }
-    const bool finite = scale[j] != kBf16NaN;  // (a finite group's scale is a finite bf16)
-    uint16_t values[kMaxSpikes];
-    for (int s = 0; s < k; ++s) values[s] = spike_bits(kept[j][s], finite);
-    store_spikes(values, pos[j], k, g, r + nbytes);
-  }
+  finish_spiked_records(count, g, bits, k, pos, kept, spikes_finite, rec, stride, scale, zero);
 }
+
 
 // Decode one group's record into f32 values, spikes put back; accumulate (out += decoded)
 // when `accumulate`, through tmp (g floats) so the sum adds the spiked values.
