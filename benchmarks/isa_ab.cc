@@ -118,6 +118,21 @@ int main() {
                                                     0, out_groups);
                  }});
   const int64_t rec4s = flashcomm::record_bytes(kGroup, 4, 1);
+  uint8_t* codes4s = Buffer(size_t(kGroups * rec4s));
+  auto* scale4s = reinterpret_cast<uint16_t*>(Buffer(size_t(kGroups) * 2));
+  auto* zero4s = reinterpret_cast<uint16_t*>(Buffer(size_t(kGroups) * 2));
+  before.quantize(DType::kBF16, x, kGroups, kGroup, 4, 0, 1, codes4s, scale4s, zero4s);
+  ops.push_back({"dequantize int4 +spike", size_t(kValues * 2),
+                 [=](const CodecKernels& k, uint8_t* o) {
+                   return k.dequantize(DType::kBF16, codes4s, scale4s, zero4s, kGroups, kGroup, 4,
+                                       0, 1, o);
+                 }});
+  const flashcomm::PayloadView payload4s{codes4s, scale4s, zero4s, 1, kChunks, kGroups / kChunks,
+                                         kGroup, rec4s, 4, 1};
+  ops.push_back({"sum of 8 int4 +spike", size_t(out_groups * kGroup * 2),
+                 [=](const CodecKernels& k, uint8_t* o) {
+                   return k.dequantize_sum(DType::kBF16, payload4s, 0, o, 0, out_groups);
+                 }});
   ops.push_back({"fused int8 to int4 +spike", size_t(out_groups * (rec4s + 4)),
                  [=](const CodecKernels& k, uint8_t* o) {
                    auto* scale = reinterpret_cast<uint16_t*>(o + out_groups * rec4s);

@@ -142,6 +142,18 @@ size_t DequantizeAs(const uint8_t* codes, const uint16_t* scale, const uint16_t*
     return 0;
   }
   const int64_t stride = record_bytes(g, bits, spikes);
+  if (rotation == kRotationNone) {  // the plain loops, then the spikes stored over their values
+    dequantize_groups<T>(codes, scale, zero, n_groups, g, bits, nullptr, ys, stride);
+    const int64_t at = group_bytes(g, bits);
+    for (int64_t k = 0; k < n_groups; ++k) {
+      for (int j = 0; j < spikes; ++j) {
+        const int64_t p = spike_position(codes + k * stride + at, spikes, g, j);
+        const float v = flashcomm::saturate(spike_value(codes + k * stride + at, j), T::kMax);
+        if (p < g) ys[k * g + p] = T::store(v);
+      }
+    }
+    return 0;
+  }
   for (int64_t k = 0; k < n_groups; ++k) {
     decode_spiked_group(codes + k * stride, scale[k], zero[k], g, bits, spikes, false, nullptr,
                         buf.data);
@@ -157,9 +169,26 @@ void SumGroup(const PayloadView& in, int64_t batch, int64_t k, float* tmp, float
   bool chunks_finite = true;
   for (int64_t c = 0; c < in.chunks; ++c) {
     const int64_t group = (batch * in.chunks + c) * in.groups_per_chunk + k;
-    if (in.spikes > 0) {
+    if (in.spikes > 0 && c > 0) {
+      // decoded into the sum in one pass; at the spikes' positions the sum before this chunk
+      // (kept aside) plus the spike instead (apply_spikes's order: a position given twice
+      // takes the later spike)
+      const uint8_t* spikes = in.codes + group * in.group_bytes + group_bytes(in.group_size,
+                                                                              in.bits);
+      int64_t at[kMaxSpikes];
+      float before[kMaxSpikes];
+      for (int j = 0; j < in.spikes; ++j) {
+        at[j] = spike_position(spikes, in.spikes, in.group_size, j);
+        before[j] = at[j] < in.group_size ? buf[at[j]] : 0.0f;
+      }
+      decode_group(in.codes + group * in.group_bytes, in.scale[group], in.zero[group],
+                   in.group_size, in.bits, true, buf);
+      for (int j = 0; j < in.spikes; ++j) {
+        if (at[j] < in.group_size) buf[at[j]] = add_rn(before[j], spike_value(spikes, j));
+      }
+    } else if (in.spikes > 0) {
       decode_spiked_group(in.codes + group * in.group_bytes, in.scale[group], in.zero[group],
-                          in.group_size, in.bits, in.spikes, c > 0, tmp, buf);
+                          in.group_size, in.bits, in.spikes, false, tmp, buf);
     } else {
       decode_group(in.codes + group * in.group_bytes, in.scale[group], in.zero[group],
                    in.group_size, in.bits, c > 0, buf);

@@ -275,17 +275,24 @@ def test_non_finite_spikes_in_a_batch_alike(dtype):
 
 @needs_ffi
 def test_tampered_positions_are_skipped_alike():
-    """A position >= G (only a tampered record has one) is not written, by either backend."""
-    x = np.random.default_rng(0).standard_normal((2, 16)).astype(np.float32)
-    p = jax.jit(lambda v: codec.quantize(v, bits=4, group_size=16, spikes=2, backend="jnp"))(x)
+    """A position >= G (only a tampered record has one) is not written, and a position given
+    twice takes the later spike, by either backend, in the dequantize and in the chunk sums."""
+    x = np.random.default_rng(0).standard_normal((4, 16)).astype(np.float32)
+    p = jax.jit(lambda v: codec.quantize(v, bits=4, group_size=16, spikes=2, num_chunks=2,
+                                         backend="jnp"))(x)
     codes = np.asarray(p.codes).copy()
-    codes[:, spec.group_bytes(16, 4) + 4] = 200  # first position of each group
-    tampered = codec.Payload(jnp.asarray(codes), p.scale, p.zero, bits=4, group_size=16,
-                             shape=p.shape, dtype=p.dtype, spikes=2)
-    yj, yf = (np.asarray(v) for v in jax.jit(lambda p: [  # one compilation, not eager ops
-        codec.dequantize(p, backend=b) for b in ("jnp", "ffi")])(tampered))
+    at = spec.group_bytes(16, 4)
+    codes[..., at + 4] = 200  # first position of each group
+    codes[..., -1, at:at + 6] = [0x80, 0x3F, 0x00, 0x41, 3, 3]  # 1 then 8, both at 3
+    tampered = p.map_arrays(lambda a: jnp.asarray(codes) if a is not None and
+                            a.dtype == jnp.uint8 else a)
+    chunks = tampered.split_groups(2)
+    (yj, sj), (yf, sf) = (tuple(np.asarray(v) for v in out) for out in jax.jit(lambda p, c: [
+        (codec.dequantize(p, backend=b), codec.dequantize_sum(c, backend=b))
+        for b in ("jnp", "ffi")])(tampered, chunks))  # one compilation, not eager ops
     np.testing.assert_array_equal(yj, yf)
-    assert np.all(np.isfinite(yj))
+    np.testing.assert_array_equal(sj, sf)
+    assert np.all(np.isfinite(yj)) and yj.reshape(-1)[-16 + 3] == 8.0
 
 
 def test_validation():

@@ -248,12 +248,14 @@ __attribute__((always_inline)) inline void dequantize_all(const uint8_t* codes,
                                                           const uint16_t* scale,
                                                           const uint16_t* zero, int64_t n_groups,
                                                           int64_t group_size,
-                                                          typename T::Storage* y) {
+                                                          typename T::Storage* y,
+                                                          int64_t stride) {
   const int64_t g = G != 0 ? G : group_size;
+  const int64_t step = stride != 0 ? stride : group_bytes(g, BITS);
   uint8_t q[kChunk];
   for (int64_t k = 0; k < n_groups; ++k) {
     const GroupParams p = stored_params(scale[k], zero[k]);
-    const uint8_t* in = codes + k * group_bytes(g, BITS);
+    const uint8_t* in = codes + k * step;
     typename T::Storage* out = y + k * g;
     const bool plain = plain_group(p, BITS, T::kMax);
     for (int64_t i0 = 0; i0 < g; i0 += kChunk) {
@@ -286,28 +288,36 @@ __attribute__((always_inline)) inline void dequantize_all(const uint8_t* codes,
 }
 
 // Dequantize n_groups groups into T, saturated to T's finite range (the operand's values came
-// from T). buf is scratch of g floats.
+// from T). buf is scratch of g floats. stride: bytes from one group's codes to the next's (0:
+// the codes' own bytes, back to back).
 template <typename T>
 void dequantize_groups(const uint8_t* codes, const uint16_t* scale,
                                        const uint16_t* zero, int64_t n_groups, int64_t g,
-                                       int bits, float* buf, typename T::Storage* y) {
+                                       int bits, float* buf, typename T::Storage* y,
+                                       int64_t stride = 0) {
   (void)buf;
   if (g == kDefaultGroupSize) {  // the group size known at compile time: loops unrolled
     switch (bits) {
-      case 8: return dequantize_all<T, 8, kDefaultGroupSize>(codes, scale, zero, n_groups, g, y);
-      case 6: return dequantize_all<T, 6, kDefaultGroupSize>(codes, scale, zero, n_groups, g, y);
-      case 4: return dequantize_all<T, 4, kDefaultGroupSize>(codes, scale, zero, n_groups, g, y);
+      case 8:
+        return dequantize_all<T, 8, kDefaultGroupSize>(codes, scale, zero, n_groups, g, y,
+                                                          stride);
+      case 6:
+        return dequantize_all<T, 6, kDefaultGroupSize>(codes, scale, zero, n_groups, g, y,
+                                                          stride);
+      case 4:
+        return dequantize_all<T, 4, kDefaultGroupSize>(codes, scale, zero, n_groups, g, y,
+                                                          stride);
       default: break;
     }
   }
   switch (bits) {
-    case 2: return dequantize_all<T, 2>(codes, scale, zero, n_groups, g, y);
-    case 3: return dequantize_all<T, 3>(codes, scale, zero, n_groups, g, y);
-    case 4: return dequantize_all<T, 4>(codes, scale, zero, n_groups, g, y);
-    case 5: return dequantize_all<T, 5>(codes, scale, zero, n_groups, g, y);
-    case 6: return dequantize_all<T, 6>(codes, scale, zero, n_groups, g, y);
-    case 7: return dequantize_all<T, 7>(codes, scale, zero, n_groups, g, y);
-    default: return dequantize_all<T, 8>(codes, scale, zero, n_groups, g, y);
+    case 2: return dequantize_all<T, 2>(codes, scale, zero, n_groups, g, y, stride);
+    case 3: return dequantize_all<T, 3>(codes, scale, zero, n_groups, g, y, stride);
+    case 4: return dequantize_all<T, 4>(codes, scale, zero, n_groups, g, y, stride);
+    case 5: return dequantize_all<T, 5>(codes, scale, zero, n_groups, g, y, stride);
+    case 6: return dequantize_all<T, 6>(codes, scale, zero, n_groups, g, y, stride);
+    case 7: return dequantize_all<T, 7>(codes, scale, zero, n_groups, g, y, stride);
+    default: return dequantize_all<T, 8>(codes, scale, zero, n_groups, g, y, stride);
   }
 }
 
