@@ -303,14 +303,7 @@ inline void fp_quantize_spiked_groups(float* batch, int64_t count, int64_t g, in
   int32_t pos[kMaxBatch][kMaxSpikes];
   float kept[kMaxBatch][kMaxSpikes];
   bool finite[kMaxBatch];
-  for (int64_t j = 0; j < count; ++j) {
-    float* v = batch + j * g;
-    select_spikes_lanes(v, g, k, keys, pos[j]);
-    // the first spike holds the largest magnitude (max_abs's)
-    finite[j] = spike_key(v[pos[j][0]]) < 0x7F800000u;
-    for (int s = 0; s < k; ++s) kept[j][s] = v[pos[j][s]];
-    for (int s = 0; s < k; ++s) v[pos[j][s]] = 0.0f;
-  }
+  take_spikes</*kStandIn=*/false>(batch, count, g, k, keys, pos, kept, finite);
   fp_quantize_groups(batch, count, g, fmt, records, stride);
   for (int64_t j = 0; j < count; ++j) {
     uint8_t* rec = records + j * stride;

@@ -120,6 +120,23 @@ __attribute__((always_inline)) inline void load_group(const typename T::Storage*
   for (; i < g; ++i) v[i] = T::load(x[i]);
 }
 
+// The k spikes of each of count f32 groups of g values one after another in batch: selected
+// (select_spikes_lanes), kept, and replaced in the group by its first kept value (kStandIn:
+// the integer codec, so they do not widen its range) or by zero (the FP formats, whose scales
+// come from maxima). finite[j]: whether group j's spikes are finite (its largest magnitude).
+template <bool kStandIn>
+inline void take_spikes(float* batch, int64_t count, int64_t g, int k, int32_t* keys,
+                        int32_t (*pos)[kMaxSpikes], float (*kept)[kMaxSpikes], bool* finite) {
+  for (int64_t j = 0; j < count; ++j) {
+    float* v = batch + j * g;
+    select_spikes_lanes(v, g, k, keys, pos[j]);
+    finite[j] = is_finite(v[pos[j][0]]);  // the first spike holds the largest magnitude
+    for (int s = 0; s < k; ++s) kept[j][s] = v[pos[j][s]];
+    const float stand_in = kStandIn ? v[first_kept(pos[j], k)] : 0.0f;
+    for (int s = 0; s < k; ++s) v[pos[j][s]] = stand_in;
+  }
+}
+
 // The end of a spiked batch (quantize_spiked_groups): the groups whose spikes held an Inf or a
 // NaN rewritten as quantize_one writes a non-finite group (NaN scale, zero 0, zero codes), and
 // every group's spike record stored after its codes.
@@ -154,17 +171,7 @@ inline void quantize_spiked_groups(float* batch, int64_t count, int64_t g, int b
   int32_t pos[kQuantizeBatch][kMaxSpikes];
   float kept[kQuantizeBatch][kMaxSpikes];
   bool spikes_finite[kQuantizeBatch];
-  for (int64_t j = 0; j < count; ++j) {
-    float* v = batch + j * g;
-    select_spikes_lanes(v, g, k, keys, pos[j]);
-    spikes_finite[j] = true;
-    for (int s = 0; s < k; ++s) {
-      kept[j][s] = v[pos[j][s]];
-      spikes_finite[j] = spikes_finite[j] && is_finite(kept[j][s]);
-    }
-    const float stand_in = v[first_kept(pos[j], k)];
-    for (int s = 0; s < k; ++s) v[pos[j][s]] = stand_in;
-  }
+  take_spikes</*kStandIn=*/true>(batch, count, g, k, keys, pos, kept, spikes_finite);
   quantize_groups<F32>(batch, count, g, bits, rec, scale, zero, stride);
   finish_spiked_records(count, g, bits, k, pos, kept, spikes_finite, rec, stride, scale, zero);
 }
