@@ -144,19 +144,13 @@ size_t DequantizeAs(const uint8_t* codes, const uint16_t* scale, const uint16_t*
   const int64_t stride = record_bytes(g, bits, spikes);
   if (rotation == kRotationNone) {  // the plain loops, then the spikes stored over their values
     dequantize_groups<T>(codes, scale, zero, n_groups, g, bits, nullptr, ys, stride);
-    const int64_t at = group_bytes(g, bits);
     for (int64_t k = 0; k < n_groups; ++k) {
-      for (int j = 0; j < spikes; ++j) {
-        const int64_t p = spike_position(codes + k * stride + at, spikes, g, j);
-        const float v = flashcomm::saturate(spike_value(codes + k * stride + at, j), T::kMax);
-        if (p < g) ys[k * g + p] = T::store(v);
-      }
+      store_spikes_over<T>(codes + k * stride + group_bytes(g, bits), spikes, g, ys + k * g);
     }
     return 0;
   }
   for (int64_t k = 0; k < n_groups; ++k) {
-    decode_spiked_group(codes + k * stride, scale[k], zero[k], g, bits, spikes, false, nullptr,
-                        buf.data);
+    decode_spiked_group(codes + k * stride, scale[k], zero[k], g, bits, spikes, buf.data);
     if (rotation != kRotationNone) unrotate_group(buf.data, g, masks.get());
     store_group<T>(buf.data, g, /*saturating=*/true, ys + k * g);
   }
@@ -164,34 +158,23 @@ size_t DequantizeAs(const uint8_t* codes, const uint16_t* scale, const uint16_t*
 }
 
 // Sum over the chunk axis in order 0..n-1, in f32, of chunk c's group k, into buf.
-// With spikes, each chunk's decoded group (spikes put back) is added through tmp.
-void SumGroup(const PayloadView& in, int64_t batch, int64_t k, float* tmp, float* buf) {
+// Each chunk after the first is decoded into the sum in one pass (add_spiked with spikes).
+void SumGroup(const PayloadView& in, int64_t batch, int64_t k, float* buf) {
   bool chunks_finite = true;
   for (int64_t c = 0; c < in.chunks; ++c) {
     const int64_t group = (batch * in.chunks + c) * in.groups_per_chunk + k;
-    if (in.spikes > 0 && c > 0) {
-      // decoded into the sum in one pass; at the spikes' positions the sum before this chunk
-      // (kept aside) plus the spike instead (apply_spikes's order: a position given twice
-      // takes the later spike)
-      const uint8_t* spikes = in.codes + group * in.group_bytes + group_bytes(in.group_size,
-                                                                              in.bits);
-      int64_t at[kMaxSpikes];
-      float before[kMaxSpikes];
-      for (int j = 0; j < in.spikes; ++j) {
-        at[j] = spike_position(spikes, in.spikes, in.group_size, j);
-        before[j] = at[j] < in.group_size ? buf[at[j]] : 0.0f;
-      }
-      decode_group(in.codes + group * in.group_bytes, in.scale[group], in.zero[group],
-                   in.group_size, in.bits, true, buf);
-      for (int j = 0; j < in.spikes; ++j) {
-        if (at[j] < in.group_size) buf[at[j]] = add_rn(before[j], spike_value(spikes, j));
-      }
+    const uint8_t* rec = in.codes + group * in.group_bytes;
+    if (in.spikes > 0 && c > 0) {  // decoded into the sum in one pass
+      add_spiked(rec + group_bytes(in.group_size, in.bits), in.spikes, in.group_size, buf,
+                 [&](float* acc) {
+                   decode_group(rec, in.scale[group], in.zero[group], in.group_size, in.bits,
+                                true, acc);
+                 });
     } else if (in.spikes > 0) {
-      decode_spiked_group(in.codes + group * in.group_bytes, in.scale[group], in.zero[group],
-                          in.group_size, in.bits, in.spikes, false, tmp, buf);
+      decode_spiked_group(rec, in.scale[group], in.zero[group], in.group_size, in.bits,
+                          in.spikes, buf);
     } else {
-      decode_group(in.codes + group * in.group_bytes, in.scale[group], in.zero[group],
-                   in.group_size, in.bits, c > 0, buf);
+      decode_group(rec, in.scale[group], in.zero[group], in.group_size, in.bits, c > 0, buf);
     }
     chunks_finite = chunks_finite && is_finite(bf16_to_float(in.scale[group]));
   }
@@ -243,12 +226,12 @@ template <typename T>
 size_t DequantizeSumAs(const PayloadView& in, int rotation, void* y, int64_t begin,
                        int64_t end) {
   auto* ys = static_cast<typename T::Storage*>(y);
-  Scratch<float> buf(in.group_size), tmp(in.group_size);
-  if (const size_t failed = FailedBytes(buf, tmp)) return failed;
+  Scratch<float> buf(in.group_size);
+  if (const size_t failed = FailedBytes(buf)) return failed;
   const SignMasks masks(rotation, in.group_size);
   if (masks.failed()) return masks.bytes();
   for (int64_t o = begin; o < end; ++o) {  // o = b * groups_per_chunk + k
-    SumGroup(in, o / in.groups_per_chunk, o % in.groups_per_chunk, tmp.data, buf.data);
+    SumGroup(in, o / in.groups_per_chunk, o % in.groups_per_chunk, buf.data);
     typename T::Storage* out = ys + o * in.group_size;
     if (rotation != kRotationNone) {
       unrotate_store_group<T>(buf.data, in.group_size, masks.get(), out);  // the store fused in
@@ -265,13 +248,13 @@ size_t DequantizeSumQuantize(const PayloadView& in, int out_bits, int out_spikes
   const int64_t out_nbytes = record_bytes(in.group_size, out_bits, out_spikes);
   const int64_t gpc = in.groups_per_chunk;
   // kQuantizeBatch sums at a time, quantized together (spikes first taken out)
-  Scratch<float> sums(kQuantizeBatch * in.group_size), tmp(in.group_size);
+  Scratch<float> sums(kQuantizeBatch * in.group_size);
   Scratch<int32_t> keys(out_spikes > 0 ? in.group_size : 0);
-  if (const size_t failed = FailedBytes(sums, tmp, keys)) return failed;
+  if (const size_t failed = FailedBytes(sums, keys)) return failed;
   for (int64_t o0 = begin; o0 < end; o0 += kQuantizeBatch) {  // o = b * groups_per_chunk + k
     const int64_t m = end - o0 < kQuantizeBatch ? end - o0 : kQuantizeBatch;
     for (int64_t i = 0; i < m; ++i) {
-      SumGroup(in, (o0 + i) / gpc, (o0 + i) % gpc, tmp.data, sums.data + i * in.group_size);
+      SumGroup(in, (o0 + i) / gpc, (o0 + i) % gpc, sums.data + i * in.group_size);
     }
     if (out_spikes > 0) {
       quantize_spiked_groups(sums.data, m, in.group_size, out_bits, out_spikes, keys.data,
@@ -515,11 +498,7 @@ struct FpDequantizeOp {
 #endif
       direct = direct || (direct4 && fp4_decode_store<T>(rec, g, format, tables.e4m3, ys + k * g));
       if (direct) {
-        for (int j = 0; j < spikes; ++j) {
-          const int64_t p = spike_position(rec + spikes_at, spikes, g, j);
-          const float v = flashcomm::saturate(spike_value(rec + spikes_at, j), T::kMax);
-          if (p < g) ys[k * g + p] = T::store(v);
-        }
+        store_spikes_over<T>(rec + spikes_at, spikes, g, ys + k * g);
         continue;
       }
       fp_decode_group(rec, g, format, spikes, tables, buf.data);
@@ -546,20 +525,11 @@ void FpSumGroup(const FpChunks& in, int64_t o, const FpTables& t, float* acc) {
       fp_decode_group(rec, g, in.format, in.spikes, t, acc);
       continue;
     }
-    // decoded into the sum in one pass; at the spikes' positions the sum before this chunk
-    // (kept aside) plus the spike instead: the same sums as adding the decoded group with its
-    // spikes put back (apply_spikes's order: a position given twice takes the later spike)
-    const uint8_t* spikes = rec + fp_code_bytes(in.format, g) + fp_scale_bytes(in.format, g);
-    int64_t at[kMaxSpikes];
-    float before[kMaxSpikes];
-    for (int j = 0; j < in.spikes; ++j) {
-      at[j] = spike_position(spikes, in.spikes, g, j);
-      before[j] = at[j] < g ? acc[at[j]] : 0.0f;
-    }
-    fp_decode_group</*kAdd=*/true>(rec, g, in.format, 0, t, acc);
-    for (int j = 0; j < in.spikes; ++j) {
-      if (at[j] < g) acc[at[j]] = add_rn(before[j], spike_value(spikes, j));
-    }
+    // decoded into the sum in one pass
+    add_spiked(rec + fp_code_bytes(in.format, g) + fp_scale_bytes(in.format, g), in.spikes, g,
+               acc, [&](float* sum) {
+                 fp_decode_group</*kAdd=*/true>(rec, g, in.format, 0, t, sum);
+               });
   }
 }
 

@@ -177,17 +177,42 @@ inline void quantize_spiked_groups(float* batch, int64_t count, int64_t g, int b
 }
 
 
-// Decode one group's record into f32 values, spikes put back; accumulate (out += decoded)
-// when `accumulate`, through tmp (g floats) so the sum adds the spiked values.
-inline void decode_spiked_group(const uint8_t* rec, uint16_t scale,
-                                                uint16_t zero, int64_t g, int bits, int k,
-                                                bool accumulate, float* tmp, float* out) {
-  float* d = accumulate ? tmp : out;
-  decode_group(rec, scale, zero, g, bits, false, d);
-  apply_spikes(rec + group_bytes(g, bits), k, g, d);
-  if (accumulate) {
-    for (int64_t i = 0; i < g; ++i) out[i] = add_rn(out[i], d[i]);
+// A group's spikes (its spike record: k spikes) stored over its g decoded values at y as
+// store_group stores them (saturated to T's range); positions past the group skipped, a
+// position given twice taking the later spike (apply_spikes's order).
+template <typename T>
+FC_ALWAYS_INLINE void store_spikes_over(const uint8_t* spikes, int k, int64_t g,
+                                        typename T::Storage* y) {
+  for (int j = 0; j < k; ++j) {
+    const int64_t p = spike_position(spikes, k, g, j);
+    const float v = flashcomm::saturate(spike_value(spikes, j), T::kMax);
+    if (p < g) y[p] = T::store(v);
   }
+}
+
+// A chunk's group with spikes added to the f32 sum acc in one pass: decode_into(acc) adds the
+// decoded values (spikes not put back); at the spikes' positions the sum before (kept aside)
+// plus the spike instead. The same sums as adding the group with its spikes put back.
+template <typename Decode>
+FC_ALWAYS_INLINE void add_spiked(const uint8_t* spikes, int k, int64_t g, float* acc,
+                                 Decode&& decode_into) {
+  int64_t at[kMaxSpikes];
+  float before[kMaxSpikes];
+  for (int j = 0; j < k; ++j) {
+    at[j] = spike_position(spikes, k, g, j);
+    before[j] = at[j] < g ? acc[at[j]] : 0.0f;
+  }
+  decode_into(acc);
+  for (int j = 0; j < k; ++j) {
+    if (at[j] < g) acc[at[j]] = add_rn(before[j], spike_value(spikes, j));
+  }
+}
+
+// Decode one group's record into f32 values at out, spikes put back.
+inline void decode_spiked_group(const uint8_t* rec, uint16_t scale, uint16_t zero, int64_t g,
+                                int bits, int k, float* out) {
+  decode_group(rec, scale, zero, g, bits, false, out);
+  apply_spikes(rec + group_bytes(g, bits), k, g, out);
 }
 
 // Eight decoded values (block b of a group's record), spikes put back.
