@@ -81,9 +81,9 @@ size_t QuantizeAs(const void* x, int64_t n_groups, int64_t g, int bits, int rota
   }
   const SignMasks masks(rotation, g);
   if (masks.failed()) return masks.bytes();
-  Scratch<float> buf(g);
-  if (buf.failed()) return buf.bytes;
   if (spikes == 0) {
+    Scratch<float> buf(g);
+    if (buf.failed()) return buf.bytes;
     quantize_groups_rotated<T>(xs, n_groups, g, bits, masks.get(), buf.data, codes, scale, zero);
     return 0;
   }
