@@ -291,6 +291,22 @@ inline void fp_quantize_groups(float* batch, int64_t count, int64_t g, int32_t f
   }
 }
 
+// The end of a spiked FP batch: the records of the groups that held an Inf or a NaN (finite[j]
+// false: their largest magnitude) rewritten as fp_encode_group writes them, and every record's
+// k spikes stored.
+inline void fp_finish_spiked_records(int64_t count, int64_t g, int32_t fmt, int k,
+                                     const int32_t (*pos)[kMaxSpikes],
+                                     const float (*kept)[kMaxSpikes], const bool* finite,
+                                     uint8_t* records, int64_t stride) {
+  for (int64_t j = 0; j < count; ++j) {
+    uint8_t* rec = records + j * stride;
+    if (!finite[j]) fp_encode_nonfinite(g, fmt, rec);
+    uint16_t values[kMaxSpikes];
+    for (int s = 0; s < k; ++s) values[s] = spike_bits(kept[j][s], finite[j]);
+    store_spikes(values, pos[j], k, g, rec + fp_code_bytes(fmt, g) + fp_scale_bytes(fmt, g));
+  }
+}
+
 // fp_quantize_group with k > 0 spikes on 1 <= count <= fp_batch_groups(fmt, g) f32 groups of g
 // values one after another in batch (spikes zeroed there): each group's spikes selected and
 // kept as fp_quantize_group keeps them, the spike-free groups encoded together by
@@ -305,13 +321,7 @@ inline void fp_quantize_spiked_groups(float* batch, int64_t count, int64_t g, in
   bool finite[kMaxBatch];
   take_spikes</*kStandIn=*/false>(batch, count, g, k, keys, pos, kept, finite);
   fp_quantize_groups(batch, count, g, fmt, records, stride);
-  for (int64_t j = 0; j < count; ++j) {
-    uint8_t* rec = records + j * stride;
-    if (!finite[j]) fp_encode_nonfinite(g, fmt, rec);
-    uint16_t values[kMaxSpikes];
-    for (int s = 0; s < k; ++s) values[s] = spike_bits(kept[j][s], finite[j]);
-    store_spikes(values, pos[j], k, g, rec + fp_code_bytes(fmt, g) + fp_scale_bytes(fmt, g));
-  }
+  fp_finish_spiked_records(count, g, fmt, k, pos, kept, finite, records, stride);
 }
 
 // fp_quantize_spiked_groups on 1 <= count <= fp_batch_groups(fmt, g) groups of T at x
@@ -329,24 +339,22 @@ FC_ALWAYS_INLINE void fp_quantize_spiked_batch(const typename T::Storage* x, int
     if (k == 1 && count == fp_batch_groups(fmt, g) && (!fp8 || fp8_bf16_direct_takes(g))) {
       constexpr int64_t kMaxBatch = 16;  // as fp_quantize_spiked_groups's
       auto* words = reinterpret_cast<uint16_t*>(batch);  // count * g words: half the scratch
-      int32_t pos[kMaxBatch];
-      uint16_t kept[kMaxBatch];
+      int32_t pos[kMaxBatch][kMaxSpikes];
+      float kept[kMaxBatch][kMaxSpikes];
+      bool finite[kMaxBatch];
       prefetch_bytes(x + count * g, 2 * count * g);
       for (int64_t j = 0; j < count; ++j) {
-        pos[j] = int32_t(take_bf16_spike(x + j * g, g, words + j * g, &kept[j]));
+        uint16_t spike;
+        pos[j][0] = int32_t(take_bf16_spike(x + j * g, g, words + j * g, &spike));
+        kept[j][0] = BF16::load(spike);
+        finite[j] = (spike & 0x7FFFu) < 0x7F80u;  // the largest magnitude's
       }
       if (fp8) {
         fp8_encode_groups(words, count, g, bf16_group_maxima(words, g), records, stride);
       } else {
         fp4_encode_bf16_batch(words, g, fmt, records, stride);
       }
-      for (int64_t j = 0; j < count; ++j) {
-        uint8_t* rec = records + j * stride;
-        const bool finite = (kept[j] & 0x7FFFu) < 0x7F80u;  // the largest magnitude's
-        if (!finite) fp_encode_nonfinite(g, fmt, rec);
-        const uint16_t value = spike_bits(BF16::load(kept[j]), finite);
-        store_spikes(&value, &pos[j], 1, g, rec + fp_code_bytes(fmt, g) + fp_scale_bytes(fmt, g));
-      }
+      fp_finish_spiked_records(count, g, fmt, 1, pos, kept, finite, records, stride);
       return;
     }
   }
