@@ -36,7 +36,7 @@ using p2p::Move;
 using p2p::RingTable;
 using p2p::Timeline;
 
-std::string Prefix(const char* op) { return std::string(op) + ": "; }
+using p2p::Prefix;
 
 ffi::Error CheckRank(const char* op, int32_t rank, int64_t size, int64_t shift) {
   if (size < 1 || rank < 0 || rank >= size) {

@@ -35,7 +35,7 @@ namespace {
 using p2p::CopyEngine;
 using p2p::Move;
 
-std::string Prefix(const char* op) { return std::string(op) + ": "; }
+using p2p::Prefix;
 
 // One rank's ring step: started by start, finished by done.
 class Step : public std::enable_shared_from_this<Step> {

@@ -44,6 +44,9 @@ namespace p2p {
 
 using Clock = std::chrono::steady_clock;
 
+// "op: ", the start of a ring handler's error messages.
+inline std::string Prefix(const char* op) { return std::string(op) + ": "; }
+
 // What one rank publishes when it starts a step.
 struct Endpoint {
   const void* send = nullptr;  // the chunk it sends to rank + shift
