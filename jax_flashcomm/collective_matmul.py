@@ -185,9 +185,8 @@ def all_gather_matmul(x, w, axis_name, *, axis: int = 0, bidirectional: bool = F
     ``bits=None``) every chunk is quantized once, at ``ag_bits`` (default ``bits``), travels
     unchanged and is dequantized before its dot (the local one too): the result is
     ``all_gather(dequantize(quantize(x))) @ w``, one quantization whatever N is; gradients
-    pass straight through the quantizer. ``backend="auto"`` quantizes with the FFI kernels
-    where built and decodes with the jnp twin, whose elementwise dequantize XLA fuses into the
-    dot's input.
+    pass straight through the quantizer. ``backend="auto"`` quantizes and decodes with the FFI
+    kernels where built.
 
     Args:
       x: this rank's rows (``x.shape[axis]`` of them), the contraction dimension last.

@@ -97,14 +97,13 @@ def ag_ring(x: jax.Array, axis_name, axis: int, bidirectional: bool, product, pl
                                             payload)
             return wire.pack_tree(payload)
 
-        # "auto": quantize with the FFI kernels where built (the jnp twin's quantize costs
-        # several times more), decode with the twin, whose elementwise dequantize XLA fuses
-        # into the dot's input. Both give the same bits.
-        decode_backend = "jnp" if backend == "auto" else backend
+        # the decode too runs the codec's choice of backend (the FFI kernels where built):
+        # the twin's fused decode (with the 8-bit default's Hadamard rotation) cost more than
+        # the kernel's pass (docs/ttft_shm.md, 512-token prefill)
 
         def dec(buf, like):  # the payload knows its operand's shape
             return codec.dequantize(wire.unpack_tree(buf, layouts[like.shape]),
-                                    dtype=like.dtype, backend=decode_backend)
+                                    dtype=like.dtype, backend=backend)
 
     if not bidirectional or m < 2:  # a one-row chunk has no two halves: one direction
         payload = enc(x)
