@@ -310,12 +310,18 @@ class Engine {
   double LinkRate() const { return rate_.load(); }
 
   void Pace(int64_t bytes) {
+    if (const int64_t end = ReserveBus(bytes)) {
+      std::this_thread::sleep_until(Clock::time_point(std::chrono::nanoseconds(end)));
+    }
+  }
+
+  int64_t ReserveBus(int64_t bytes) {
     const double rate = rate_.load();
-    if (rate <= 0 || bytes <= 0) return;
+    if (rate <= 0 || bytes <= 0) return 0;
     Block* bus = nullptr;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (blocks_.empty()) return;
+      if (blocks_.empty()) return 0;
       bus = blocks_.begin()->second;
     }
     const int64_t duration = int64_t(double(bytes) * 1e9 / rate);
@@ -330,7 +336,7 @@ class Engine {
         break;
       }
     }
-    std::this_thread::sleep_until(Clock::time_point(std::chrono::nanoseconds(end)));
+    return end;
   }
 
   size_t Segments() {
@@ -711,6 +717,7 @@ void Arrive(const std::shared_ptr<Meeting>& m, int barrier, const Spans& mine, b
 void SetLinkRate(double bytes_per_s) { Engine::Global().SetLinkRate(bytes_per_s); }
 double LinkRate() { return Engine::Global().LinkRate(); }
 void Pace(int64_t bytes) { Engine::Global().Pace(bytes); }
+int64_t ReserveBus(int64_t bytes) { return Engine::Global().ReserveBus(bytes); }
 void Abort(const std::shared_ptr<Meeting>& m, const std::string& why) {
   Engine::Global().Abort(m, why);
 }

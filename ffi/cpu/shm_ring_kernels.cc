@@ -3,13 +3,17 @@
 //
 // start: copies this rank's send chunk into its shared segment and arrives at the step's first
 // barrier; when every rank has, the copy engine of p2p_ring.h copies the chunk of rank - shift
-// out of that rank's segment into `recv` (paced at the step's link rate, if any; or holding the
-// emulated bus, shm::Pace), while XLA runs the step's dot.
+// out of that rank's segment into `recv` (paced at the step's link rate, if any), while XLA runs
+// the step's dot. On the emulated bus (shm::SetLinkRate) a chunk holds the bus from its sender's
+// start, as the all-reduces' publications do from their arrival: the sender reserves it
+// (shm::ReserveBus) and publishes when the reservation ends, and the receiver's move completes
+// no earlier.
 // done: completes once the chunk has arrived and every rank has read what it needed (the
 // step's second barrier), so the sender's segment may be reused.
 #include "flashcomm/cpu_shm.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <deque>
@@ -81,6 +85,12 @@ class Step : public std::enable_shared_from_this<Step> {
                 });
   }
 
+ public:
+  // On the emulated bus: when this rank's chunk will have crossed it (steady-clock ns), read
+  // by the receiver out of this rank's segment.
+  int64_t bus_end = 0;
+
+ private:
   std::shared_ptr<shm::Meeting> meeting_;
   std::mutex mu_;
   bool moved_ = false;
@@ -160,7 +170,10 @@ ffi::Error ShmRingStart(ffi::AnyBuffer send, ffi::Buffer<ffi::S32> rank_buf,
   void* to = recv->untyped_data();
   const size_t bytes = send.size_bytes();
   const double rate = double(link_bytes_per_s);
-  shm::Arrive(meeting, 0, Spans{Span{send_out->untyped_data(), bytes}, Span{}, Span{}, Span{}},
+  const bool bus = rate <= 0 && shm::LinkRate() > 0;
+  if (bus) step->bus_end = shm::ReserveBus(int64_t(bytes));
+  const Span bus_end = bus ? Span{&step->bus_end, sizeof(step->bus_end)} : Span{};
+  shm::Arrive(meeting, 0, Spans{Span{send_out->untyped_data(), bytes}, bus_end, Span{}, Span{}},
               false, [step, sender, rank, to, bytes, rate, site](
                          const std::vector<Published>& peers, const std::string& error) {
                 if (!error.empty()) return step->Moved(Prefix(kOp) + error);
@@ -169,10 +182,19 @@ ffi::Error ShmRingStart(ffi::AnyBuffer send, ffi::Buffer<ffi::S32> rank_buf,
                 }
                 const void* from = peers[sender][0];
                 if (rate <= 0 && shm::LinkRate() > 0) {
-                  // The emulated bus is shared: hold it (a sleep) on a thread of its own.
-                  std::thread([step, to, from, bytes] {
+                  // The emulated bus: the chunk has crossed it when the sender's reservation
+                  // ends (a sleep, on a thread of its own; a sender that reserved nothing, its
+                  // bus set later than this rank's: the bus held from now).
+                  int64_t end = 0;
+                  if (peers[sender][1] != nullptr) std::memcpy(&end, peers[sender][1], sizeof(end));
+                  std::thread([step, to, from, bytes, end] {
                     std::memcpy(to, from, bytes);
-                    shm::Pace(int64_t(bytes));
+                    if (end > 0) {
+                      std::this_thread::sleep_until(
+                          p2p::Clock::time_point(std::chrono::nanoseconds(end)));
+                    } else {
+                      shm::Pace(int64_t(bytes));
+                    }
                     step->Moved("");
                   }).detach();
                   return;

@@ -104,6 +104,10 @@ double LinkRate();
 // Holds the emulated bus for `bytes` (returns when they would have crossed it); at once when no
 // link is emulated.
 void Pace(int64_t bytes);
+// Reserves the emulated bus for `bytes` from now (after the reservations before it) without
+// waiting: the steady-clock time, in ns since its epoch, at which they will have crossed it (0
+// when no link is emulated). Pace is ReserveBus, then a sleep until that time.
+int64_t ReserveBus(int64_t bytes);
 // Calls joined and not left (0 between collectives).
 size_t InProgress();
 // Shared segments this process owns or maps (blocks excluded): for tests.
