@@ -158,7 +158,8 @@ def set_link_rate(bytes_per_s: float) -> None:
 
     Every shared-memory publication, and every ring step's copy without a rate of its own,
     then holds one bus for the bytes its peers read, in turn with the other processes (a
-    reservation in the lowest process's block): a PCIe host bridge, or the tc-limited loopback
+    reservation in the lowest process's block), from the moment the sender has them (a ring
+    chunk: its sender's start): a PCIe host bridge, or the tc-limited loopback
     gloo crosses in the same benchmark. Takes effect at once, for compiled programs too; every
     process of the job should set the same rate.
 

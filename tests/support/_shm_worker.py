@@ -400,6 +400,14 @@ def killed(after_first: bool):
 
 if scenario == "parity":
     parity()
+elif scenario == "ring_paced":
+    # the emulated bus: each ring chunk holds it from its sender's start (the reservation's
+    # end published beside the chunk, the receiver's move completing no earlier)
+    from jax_flashcomm.transport import shm as shm_transport
+
+    shm_transport.set_link_rate(20e6)
+    ring_parity()
+    shm_transport.set_link_rate(0.0)
 elif scenario == "soak":
     soak()
 elif scenario == "mismatch":

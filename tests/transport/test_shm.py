@@ -54,6 +54,13 @@ def test_parity_with_xla_transport_and_exact_sum(nproc):
             assert out.count("lax.psum equal: True") == 4, out[-3000:]
 
 
+def test_ring_parity_on_the_emulated_bus():
+    """Ring steps on the emulated bus (each chunk's reservation taken at its sender's start and
+    read by its receiver) give the xla transport's bits and leave no step behind."""
+    for out in run_scenario("ring_paced", 3):
+        assert "ring checked" in out and "PASS" in out, out[-3000:]
+
+
 def test_soak_1000_calls_without_reading():
     for out in run_scenario("soak", 2):
         (line,) = lines(out, "SOAK")
