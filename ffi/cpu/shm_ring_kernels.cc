@@ -6,8 +6,8 @@
 // out of that rank's segment into `recv` (paced at the step's link rate, if any), while XLA runs
 // the step's dot. On the emulated bus (shm::SetLinkRate) a chunk holds the bus from its sender's
 // start, as the all-reduces' publications do from their arrival: the sender reserves it
-// (shm::ReserveBus) and publishes when the reservation ends, and the receiver's move completes
-// no earlier.
+// (shm::ReserveBus) and publishes the reservation's end beside the chunk, and the receiver's
+// move completes no earlier (nor later than the step's timeout from now).
 // done: completes once the chunk has arrived and every rank has read what it needed (the
 // step's second barrier), so the sender's segment may be reused.
 #include "flashcomm/cpu_shm.h"
@@ -174,7 +174,7 @@ ffi::Error ShmRingStart(ffi::AnyBuffer send, ffi::Buffer<ffi::S32> rank_buf,
   if (bus) step->bus_end = shm::ReserveBus(int64_t(bytes));
   const Span bus_end = bus ? Span{&step->bus_end, sizeof(step->bus_end)} : Span{};
   shm::Arrive(meeting, 0, Spans{Span{send_out->untyped_data(), bytes}, bus_end, Span{}, Span{}},
-              false, [step, sender, rank, to, bytes, rate, site](
+              false, [step, sender, rank, to, bytes, rate, site, timeout_ms](
                          const std::vector<Published>& peers, const std::string& error) {
                 if (!error.empty()) return step->Moved(Prefix(kOp) + error);
                 if (peers[sender][3] == &p2p::kRankFailed || (bytes && !peers[sender][0])) {
@@ -187,11 +187,12 @@ ffi::Error ShmRingStart(ffi::AnyBuffer send, ffi::Buffer<ffi::S32> rank_buf,
                   // bus set later than this rank's: the bus held from now).
                   int64_t end = 0;
                   if (peers[sender][1] != nullptr) std::memcpy(&end, peers[sender][1], sizeof(end));
-                  std::thread([step, to, from, bytes, end] {
+                  std::thread([step, to, from, bytes, end, timeout_ms] {
                     std::memcpy(to, from, bytes);
-                    if (end > 0) {
-                      std::this_thread::sleep_until(
-                          p2p::Clock::time_point(std::chrono::nanoseconds(end)));
+                    if (end > 0) {  // a peer's word: the wait is bounded by the step's timeout
+                      std::this_thread::sleep_until(std::min(
+                          p2p::Clock::time_point(std::chrono::nanoseconds(end)),
+                          p2p::Clock::now() + std::chrono::milliseconds(timeout_ms)));
                     } else {
                       shm::Pace(int64_t(bytes));
                     }
