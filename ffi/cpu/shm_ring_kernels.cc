@@ -174,14 +174,14 @@ ffi::Error ShmRingStart(ffi::AnyBuffer send, ffi::Buffer<ffi::S32> rank_buf,
   if (bus) step->bus_end = shm::ReserveBus(int64_t(bytes));
   const Span bus_end = bus ? Span{&step->bus_end, sizeof(step->bus_end)} : Span{};
   shm::Arrive(meeting, 0, Spans{Span{send_out->untyped_data(), bytes}, bus_end, Span{}, Span{}},
-              false, [step, sender, rank, to, bytes, rate, site, timeout_ms](
+              false, [step, sender, rank, to, bytes, rate, site, timeout_ms, bus](
                          const std::vector<Published>& peers, const std::string& error) {
                 if (!error.empty()) return step->Moved(Prefix(kOp) + error);
                 if (peers[sender][3] == &p2p::kRankFailed || (bytes && !peers[sender][0])) {
                   return step->Moved(Prefix(kOp) + "rank " + std::to_string(sender) + " failed");
                 }
                 const void* from = peers[sender][0];
-                if (rate <= 0 && shm::LinkRate() > 0) {
+                if (bus) {
                   // The emulated bus: the chunk has crossed it when the sender's reservation
                   // ends (a sleep, on a thread of its own; a sender that reserved nothing, its
                   // bus set later than this rank's: the bus held from now).
