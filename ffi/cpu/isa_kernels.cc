@@ -130,8 +130,12 @@ size_t DequantizeAs(const uint8_t* codes, const uint16_t* scale, const uint16_t*
   auto* ys = static_cast<typename T::Storage*>(y);
   const SignMasks masks(rotation, g);
   if (masks.failed()) return masks.bytes();
-  if (spikes == 0 && rotation == kRotationNone) {
-    dequantize_groups<T>(codes, scale, zero, n_groups, g, bits, nullptr, ys);
+  const int64_t stride = record_bytes(g, bits, spikes);
+  if (rotation == kRotationNone) {  // the plain loops (then any spikes stored over their values)
+    dequantize_groups<T>(codes, scale, zero, n_groups, g, bits, nullptr, ys, stride);
+    for (int64_t k = 0; spikes > 0 && k < n_groups; ++k) {
+      store_spikes_over<T>(codes + k * stride + group_bytes(g, bits), spikes, g, ys + k * g);
+    }
     return 0;
   }
   Scratch<float> buf(g);
@@ -141,17 +145,9 @@ size_t DequantizeAs(const uint8_t* codes, const uint16_t* scale, const uint16_t*
                                  ys);
     return 0;
   }
-  const int64_t stride = record_bytes(g, bits, spikes);
-  if (rotation == kRotationNone) {  // the plain loops, then the spikes stored over their values
-    dequantize_groups<T>(codes, scale, zero, n_groups, g, bits, nullptr, ys, stride);
-    for (int64_t k = 0; k < n_groups; ++k) {
-      store_spikes_over<T>(codes + k * stride + group_bytes(g, bits), spikes, g, ys + k * g);
-    }
-    return 0;
-  }
   for (int64_t k = 0; k < n_groups; ++k) {
     decode_spiked_group(codes + k * stride, scale[k], zero[k], g, bits, spikes, buf.data);
-    if (rotation != kRotationNone) unrotate_group(buf.data, g, masks.get());
+    unrotate_group(buf.data, g, masks.get());
     store_group<T>(buf.data, g, /*saturating=*/true, ys + k * g);
   }
   return 0;

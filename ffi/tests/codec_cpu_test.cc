@@ -999,7 +999,8 @@ void TestAllocFailure() {
                          (rotation != 0) + (k > 0 ? 2 : 1), quantize);
       CHECK(quantize().success(), "quantize again, allocator restored");
       Array<float> y({groups, g}, XLA_FFI_DataType_F32);
-      CheckAllocFailures("dequantize " + tag, "flashcomm_dequantize", 1 + (rotation != 0), [&] {
+      // (rotated: the sign masks and a group; unrotated: none)
+      CheckAllocFailures("dequantize " + tag, "flashcomm_dequantize", 2 * (rotation != 0), [&] {
         return cpu::Dequantize(ffi::Buffer<ffi::U8>(codes.view()),
                                ffi::Buffer<ffi::BF16>(scale.view()),
                                ffi::Buffer<ffi::BF16>(zero.view()), ffi::AnyBuffer(y.view()), 8,
@@ -1009,7 +1010,7 @@ void TestAllocFailure() {
       Array<float> out({groups * g}, XLA_FFI_DataType_F32);
       Array<int32_t> offset({}, XLA_FFI_DataType_S32, 0);
       CheckAllocFailures("dequantize_into " + tag, "flashcomm_dequantize_into",
-                         2 + (rotation != 0), [&] {
+                         1 + 2 * (rotation != 0), [&] {
         return cpu::DequantizeInto(ffi::AnyBuffer(out.view()),
                                    ffi::Buffer<ffi::U8>(codes.view()),
                                    ffi::Buffer<ffi::BF16>(scale.view()),
