@@ -63,8 +63,7 @@ if TYPE_CHECKING:
     import jax
 
 __all__ = ["Plan", "Decision", "plan", "quantized_plan", "as_plan", "record", "size_policy",
-           "quantizes",
-           "OPS", "PATHS"]
+           "quantizes", "OPS", "PATHS", "WEIGHED"]
 
 logger = logging.getLogger("jax_flashcomm")
 
@@ -207,7 +206,7 @@ def _ring_transport(config: CommConfig, axes: tuple, where: str) -> str:
 
 
 #: The collective whose time decides an op's path under the automatic choice.
-_WEIGHED = {"all_gather_matmul": "all_gather", "matmul_reduce_scatter": "psum_scatter",
+WEIGHED = {"all_gather_matmul": "all_gather", "matmul_reduce_scatter": "psum_scatter",
             "psum_add_rms_norm": "psum"}
 
 
@@ -240,7 +239,7 @@ def _choose(op, nbytes, axis_size, dtype, config, p2p_reason):
         candidates = tuple(c for c in candidates if c.name != "quantized/xla")
     dtype = np.dtype(dtype)
     call = selection.Call(
-        op=_WEIGHED.get(op, op), nbytes=int(nbytes), itemsize=dtype.itemsize, dtype=dtype.name,
+        op=WEIGHED.get(op, op), nbytes=int(nbytes), itemsize=dtype.itemsize, dtype=dtype.name,
         n=int(axis_size), platform=jax.default_backend(),
         layout="in-process" if jax.process_count() == 1 else "processes",
         p2p_reason=p2p_reason, bits=bits, group_size=config.group_size,

@@ -3,7 +3,8 @@
 Each candidate is a class that says whether it can take a call and what the call would cost
 (vLLM's device communicators have this shape); :func:`choose` asks them in order and keeps the
 fastest (the first on a tie), a quantized one only when it is predicted at least 25% faster
-than exact ``lax`` (:data:`EXACT_PREFERENCE`):
+than the exact ones (:data:`EXACT_PREFERENCE`; 3% where the table timed the model's own steps,
+:data:`STEP_EXACT_PREFERENCE`):
 
 =====================  ========================================================================
 candidate              can take the call when
@@ -16,7 +17,8 @@ candidate              can take the call when
 ``quantized/xla``      always: the codec around XLA's collectives, at the config's bits
 =====================  ========================================================================
 
-A candidate's time is the measured table's (:mod:`jax_flashcomm.tuning`, interpolated over
+A candidate's time is the table's step rows where it has them for exactly this call (then
+only the candidates measured in the step are weighed), else the measured table's (:mod:`jax_flashcomm.tuning`, interpolated over
 sizes) where it covers the call, else the cost model's (:mod:`jax_flashcomm.costmodel`) with the
 profile of the platform and layout: the table's measured codec speed and in-process link, or the
 defaults below (measured on an AMD EPYC Zen 4 by ``python -m jax_flashcomm.tune``, docs/autotune.md);
@@ -37,7 +39,7 @@ from jax_flashcomm.costmodel import CpuCodec, Link
 from jax_flashcomm.transport import shm
 
 __all__ = ["Call", "Choice", "Candidate", "Lax", "ExactP2p", "Quantized", "CANDIDATES", "choose",
-           "profile", "Profile"]
+           "profile", "Profile", "EXACT_PREFERENCE", "STEP_EXACT_PREFERENCE"]
 
 # Defaults where no table exists: `python -m jax_flashcomm.tune --quick` on an AMD EPYC Zen 4
 # (2 cores, AVX2 build; docs/autotune.md, "Defaults"): the codec's passes with 3 ranks running
@@ -57,6 +59,11 @@ P2P_LATENCY_S = 174e-6
 #: loaded machine; and an isolated timing undercounts the quantized path's CPU work (its codec
 #: passes) where a model's ranks already keep the cores busy (docs/autotune.md, "The margin").
 EXACT_PREFERENCE = 0.75
+#: The same preference where the table times whole model steps (``scope="step"`` rows,
+#: :func:`jax_flashcomm.tune.measure_in_step`): the model's own step leaves none of an isolated
+#: timing's biases, so exact is kept unless quantizing makes the step at least 3% faster;
+#: keeping exact costs at most that (docs/autotune.md, "Decode: measured in the step").
+STEP_EXACT_PREFERENCE = 0.97
 #: The exact all-reduce over shared memory between processes (benchmarks/shm_allreduce.py on an
 #: AMD EPYC Zen 4, 2 processes on 2 cores, fitted to its 2 KiB, 16 and 64 MiB rows;
 #: docs/transport.md, "Across processes").
@@ -242,6 +249,12 @@ class Choice:
                 + (f"; {alts}" if alts else ""))
 
 
+def _bits(cand: Candidate, call: Call) -> tuple | None:
+    """The bits ``cand`` runs ``call`` at: the config's for the quantized ones, else None."""
+    quantized = cand.name.startswith("quantized") and call.bits is not None
+    return tuple(call.bits) if quantized else None
+
+
 def choose(call: Call, table: tuning.Table | None = None, *,
            candidates=CANDIDATES) -> Choice:
     """The fastest candidate that can take ``call``.
@@ -255,22 +268,33 @@ def choose(call: Call, table: tuning.Table | None = None, *,
       The :class:`Choice`.
     """
     table = tuning.active() if table is None else table
+    step = {} if table is None else table.step_seconds(call.op, call.layout, call.n,
+                                                        call.dtype, call.nbytes)
+    able = [(cand, cand.unavailable(call)) for cand in candidates]
+    if not any(reason is None and (cand.name, _bits(cand, call)) in step
+               for cand, reason in able):
+        step = {}  # the step rows cover none of the candidates that can take the call
     prof, considered, best = None, [], None
-    for cand in candidates:
-        reason = cand.unavailable(call)
+    for cand, reason in able:
+        if reason is None and step and (cand.name, _bits(cand, call)) not in step:
+            reason = "not measured in the step (the step rows rank only each other)"
         if reason is not None:
             considered.append((cand.name, None, reason))
             continue
         exact = not cand.name.startswith("quantized")
-        bits = None if exact else tuple(call.bits)
-        seconds = None if table is None else table.seconds(
-            call.op, call.layout, call.n, call.dtype, cand.name, bits, call.nbytes)
-        source = "table"
-        if seconds is None:
-            prof = prof or profile(call, table)
-            seconds, source = cand.model_s(call, prof), prof.name
+        if step:
+            seconds, source = step[cand.name, _bits(cand, call)], "table, in the step"
+            preference = STEP_EXACT_PREFERENCE
+        else:
+            seconds = None if table is None else table.seconds(
+                call.op, call.layout, call.n, call.dtype, cand.name, _bits(cand, call),
+                call.nbytes)
+            source, preference = "table", EXACT_PREFERENCE
+            if seconds is None:
+                prof = prof or profile(call, table)
+                seconds, source = cand.model_s(call, prof), prof.name
         considered.append((cand.name, seconds, source))
-        rank = seconds * (EXACT_PREFERENCE if exact else 1.0)
+        rank = seconds * (preference if exact else 1.0)
         if best is None or rank < best[0]:
             best = (rank, cand.name, seconds, source)
     return Choice(best[1], best[2], best[3], tuple(considered))

@@ -322,7 +322,7 @@ def model_check(table: tuning.Table, min_bytes: int = 0) -> dict:
     out = []
     cands = {c.name: c for c in selection.CANDIDATES}
     for r in table.rows:
-        if r.nbytes < min_bytes:
+        if r.nbytes < min_bytes or r.scope != "call":  # step rows hold a step's compute too
             continue
         # the rows were measured in the default formats: spikes where a phase has <= 6 bits
         spikes = max((auto_spikes(b) for b in (r.bits or ()) if b), default=0)

@@ -54,8 +54,14 @@ LAYOUTS = ("in-process", "processes")
 @dataclasses.dataclass(frozen=True)
 class Measurement:
     """One measured time: ``op`` over ``n`` ranks of a ``dtype`` operand of ``nbytes`` per rank,
-    by ``candidate`` (``"lax"``, ``"quantized/xla"``, ``"quantized/p2p"``) at ``bits``
-    (``(rs_bits, ag_bits)`` of the quantized candidates, ``None`` for ``lax``)."""
+    by ``candidate`` (``"lax"``, ``"exact/p2p"``, ``"quantized/xla"``, ``"quantized/p2p"``) at
+    ``bits`` (``(rs_bits, ag_bits)`` of the quantized candidates, ``None`` for the exact ones).
+
+    ``scope``: ``"call"``, the collective timed in a chain of its own calls; ``"step"``, a
+    model step's time divided by its calls of this kind, the step run with ``candidate`` at every
+    one of them (:func:`jax_flashcomm.tune.measure_in_step`): compute and the other calls are
+    in it, so step rows rank candidates only against each other, at their exact size.
+    """
     op: str
     layout: str
     n: int
@@ -64,6 +70,7 @@ class Measurement:
     candidate: str
     bits: tuple | None
     seconds: float
+    scope: str = "call"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +103,8 @@ class Table:
         """
         bits = None if bits is None else tuple(bits)
         pts = sorted((r.nbytes, r.seconds) for r in self.rows
-                     if (r.op, r.layout, r.n, r.dtype, r.candidate, r.bits)
-                     == (op, layout, n, dtype, candidate, bits))
+                     if (r.op, r.layout, r.n, r.dtype, r.candidate, r.bits, r.scope)
+                     == (op, layout, n, dtype, candidate, bits, "call"))
         if not pts:
             return None
         if nbytes <= pts[0][0]:
@@ -109,6 +116,17 @@ class Table:
                 f = math.log(nbytes / s0) / math.log(s1 / s0)
                 return math.exp(math.log(t0) + f * math.log(t1 / t0))
         return None  # unreachable: the sizes bracket nbytes
+
+    def step_seconds(self, op: str, layout: str, n: int, dtype: str, nbytes: int) -> dict:
+        """The step-scoped rows (``scope="step"``) of calls exactly like this one:
+        ``{(candidate, bits): seconds}`` (empty when none was measured).
+
+        Args:
+          op, layout, n, dtype, nbytes: as :class:`Measurement`.
+        """
+        return {(r.candidate, r.bits): r.seconds for r in self.rows
+                if r.scope == "step" and (r.op, r.layout, r.n, r.dtype, r.nbytes)
+                == (op, layout, n, dtype, nbytes)}
 
     def to_json(self) -> dict:
         return {"version": TABLE_VERSION, "key": self.key, "created": self.created,

@@ -1,0 +1,125 @@
+"""Measure the automatic choice's candidates inside a model's own step.
+
+The tuning table (:mod:`jax_flashcomm.tune`) times each collective in a chain of its own calls.
+For small calls that timing can rank the candidates wrongly: across processes on an oversubscribed
+host, or on a rate-limited link whose budget refills during the compute between a decode step's
+calls, a 2 KB all-reduce that is 45% faster quantized on its own made the decode step 12% slower
+(docs/autotune.md, "Decode: measured in the step"). :func:`measure_in_step` runs the step itself
+with each candidate at every call of one kind and records the step times as ``scope="step"``
+rows; :func:`jax_flashcomm.selection.choose` ranks those candidates by them for calls of exactly
+that kind::
+
+    rows = tune_step.measure_in_step(make_step, "psum", config, nbytes=1 * 576 * 4, n=3,
+                                     dtype="float32")
+    table = dataclasses.replace(table, rows=table.rows + tuple(rows))
+
+``make_step(config)`` builds the step with every collective under ``config`` (compiling it) and
+returns a function that runs it and returns the seconds of the steps it ran.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable, Sequence
+
+from jax_flashcomm import tuning
+from jax_flashcomm.config import CommConfig
+
+__all__ = ["measure_in_step", "candidate_config", "STEP_OPS"]
+
+#: The collectives a step can be measured for.
+STEP_OPS = ("psum", "psum_scatter", "all_gather")
+_PHASES = {"psum": ("rs", "ag"), "psum_scatter": ("rs",), "all_gather": ("ag",)}
+
+
+def candidate_config(candidate: str, config: CommConfig) -> CommConfig:
+    """The config that runs every call by ``candidate`` (pinned: no choice left to make).
+
+    Args:
+      candidate: ``"lax"``, ``"exact/p2p"``, ``"quantized/xla"`` or ``"quantized/p2p"``.
+      config: the automatic config whose accuracy budget (bits, format, rotation, spikes) the
+        quantized candidates keep.
+
+    Returns:
+      A :class:`~jax_flashcomm.CommConfig`.
+    """
+    if candidate in ("lax", "exact/p2p"):
+        return CommConfig(bits=None, min_bytes=0, transport="xla" if candidate == "lax" else "p2p",
+                          p2p_timeout_ms=config.p2p_timeout_ms)
+    if candidate in ("quantized/xla", "quantized/p2p"):
+        if config.exact:
+            raise ValueError(f"candidate_config: {candidate} needs a quantized config "
+                             f"(bits=None given)")
+        return dataclasses.replace(config, min_bytes=0, transport=candidate.split("/")[1])
+    raise ValueError(f"candidate_config: unknown candidate {candidate!r}; expected lax, "
+                     f"exact/p2p, quantized/xla or quantized/p2p")
+
+
+def measure_in_step(make_step: Callable[[CommConfig], Callable[[], Sequence[float]]],
+                    op: str, config: CommConfig, *, nbytes: int, n: int, dtype: str,
+                    candidates: Sequence[str] = ("lax", "quantized/xla"), rounds: int = 3,
+                    layout: str | None = None) -> list:
+    """Time a model step with each candidate at every ``op`` call of ``nbytes`` per rank.
+
+    Every process must call it alike (across processes the step's collectives need all of
+    them); process 0's times become every process's, so that all make the same choice.
+
+    Args:
+      make_step: ``make_step(config)`` builds the step under ``config`` (compiled and run once,
+        so that the calls are traced) and returns a function running it that returns the
+        seconds of each step it ran (a decode loop: one per token).
+      op: the collective (:data:`STEP_OPS`); ``config``: the automatic config (its bits are the
+        quantized candidates').
+      nbytes, n, dtype: the calls measured: bytes per rank, ranks, the operand's dtype (a step
+        must make at least one such call; other calls follow the same config).
+      candidates: the candidates, in the order of each round (rotated round by round).
+      rounds: each candidate's step runs this many times, interleaved.
+      layout: the rows' layout (default: ``"processes"`` with several JAX processes, else
+        ``"in-process"``).
+
+    Returns:
+      ``scope="step"`` :class:`~jax_flashcomm.tuning.Measurement` rows, one per candidate: the
+      median step's seconds divided by the step's calls of this kind.
+
+    Raises:
+      ValueError: an unknown op or candidate, ``rounds < 1``, or a step with no such call.
+    """
+    import jax
+    import numpy as np
+
+    from jax_flashcomm import planner
+
+    if op not in STEP_OPS:
+        raise ValueError(f"measure_in_step: op must be one of {STEP_OPS}, got {op!r}")
+    if rounds < 1 or not candidates:
+        raise ValueError("measure_in_step: needs rounds >= 1 and at least one candidate")
+    dtype = np.dtype(dtype).name
+    layout = layout or ("processes" if jax.process_count() > 1 else "in-process")
+    runs, calls = {}, {}
+    for cand in candidates:
+        cfg = candidate_config(cand, config)
+        with planner.record() as plans:
+            runs[cand] = make_step(cfg)
+        calls[cand] = sum(planner.WEIGHED.get(p.op, p.op) == op and p.nbytes == nbytes and p.axis_size == n
+                          and p.dtype == dtype for p in plans)
+        if not calls[cand]:
+            raise ValueError(f"measure_in_step: the step built under {cand} makes no {op} of "
+                             f"{nbytes} B per rank over {n} ranks ({dtype}): nothing to measure")
+    samples = {cand: [] for cand in candidates}
+    for r in range(rounds):
+        order = list(candidates[r % len(candidates):]) + list(candidates[:r % len(candidates)])
+        for cand in order:
+            samples[cand].extend(float(s) for s in runs[cand]())
+    seconds = np.array([statistics.median(samples[c]) / calls[c] for c in candidates])
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        seconds = multihost_utils.broadcast_one_to_all(seconds)
+    bits = {"psum": (config.phase1_bits, config.phase2_bits),
+            "psum_scatter": (config.phase1_bits, None),
+            "all_gather": (None, config.phase2_bits)}[op]
+    return [tuning.Measurement(op, layout, n, dtype, nbytes, cand,
+                               bits if cand.startswith("quantized") else None, float(s),
+                               scope="step")
+            for cand, s in zip(candidates, seconds)]
