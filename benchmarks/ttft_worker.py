@@ -20,6 +20,9 @@ from benchmarks.netns import worker_init, write_result
 #: host's pause between calls (a decode step's collectives have compute between them: on the
 #: tc-limited loopback the token bucket refills there), the fastest of 3 rounds.
 TUNE_SIZES = (2048, 32768, 524288)
+#: Decode steps per timed run of each candidate's decode step (jax_flashcomm.tune_step: a
+#: decode step's all-reduces ranked inside the step; 3 interleaved rounds).
+STEP_TOKENS = 8
 
 
 def _namespace() -> str:
@@ -63,7 +66,9 @@ def main() -> None:
     from jax.sharding import PartitionSpec as P
 
     from jax_flashcomm.costmodel import Link
+    from jax_flashcomm.nn import TPComm
     from jax_flashcomm.planner import quantizes
+    from jax_flashcomm.tune_step import measure_in_step
     from jax_flashcomm.tune import measure_mesh
     from jax_flashcomm.tuning import Table, machine_key, use_table
     from jax_flashcomm.tuning import active as tuning_active
@@ -179,6 +184,33 @@ def main() -> None:
         f"{compute['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s; rates " + ", ".join(
             f"{ln} {rates[ln] / 1e6:.2f} MB/s" for ln in links))
 
+    decode_bytes = cfg.d_model * 4  # one position's block all-reduce, f32
+    step_engines = {}
+
+    def make_decode_step(config):
+        """The decode step with every all-reduce under ``config`` (auto's candidates, pinned):
+        its engine built once, under no limit; the runner times STEP_TOKENS decode steps from a
+        fresh cache (a decode step's time does not depend on the cache's values)."""
+        comm = TPComm("exact" if config.exact else "flash", "tp", config=config)
+        if config not in step_engines:
+            link = current[0]
+            use_link("unlimited")
+            set_comm(model, comm)
+            step_engines[config] = compiled()
+            use_link(link)
+        engine = step_engines[config]
+
+        def run():
+            set_comm(model, comm)
+            cache, token, times = engine.new_cache(1), np.array([ids[-1]], np.int32), []
+            for i in range(STEP_TOKENS):
+                t = time.perf_counter()
+                token, _, cache = engine.decode(token, len(ids) + i, cache, jax.random.key(i))
+                int(token[0])
+                times.append(time.perf_counter() - t)
+            return times
+        return run
+
     # 2. every engine compiled (warm); auto's once per link, under the table measured on it
     tables, contexts = {}, {}
     for name, comm in strategies:
@@ -198,6 +230,16 @@ def main() -> None:
                 # emulated link (the cost model underprices the exact sum on a paced bus)
                 transports=("p2p", "xla") if args.transport == "shm" else ("xla",),
                 exact_p2p=args.transport == "shm", calls=1, rounds=3)))
+            # a decode step's all-reduces ranked inside the decode step: isolated 2 KB calls
+            # rank them wrongly here (docs/autotune.md, "Decode: measured in the step")
+            steps = measure_in_step(
+                make_decode_step, "psum", comm.config, nbytes=decode_bytes, n=nproc,
+                dtype="float32", layout="processes", rounds=3,
+                candidates=(("lax", "exact/p2p", "quantized/p2p") if args.transport == "shm"
+                            else ("lax", "quantized/xla")))
+            table = dataclasses.replace(table, rows=table.rows + tuple(steps))
+            log(f"{name} on {link}: decode step " + ", ".join(
+                f"{r.candidate} {r.seconds * 1e3:.2f} ms" for r in steps))
             tables[link] = [dataclasses.asdict(r) for r in table.rows]
             contexts[name, link] = (link_profile(link), table)
             with use_tuning_link(contexts[name, link][0]), use_table(table):

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from jax_flashcomm import tuning
 from jax_flashcomm.config import CommConfig
 
-__all__ = ["measure_in_step", "candidate_config", "STEP_OPS"]
+__all__ = ["measure_in_step", "candidate_config", "count_calls", "STEP_OPS"]
 
 #: The collectives a step can be measured for.
 STEP_OPS = ("psum", "psum_scatter", "all_gather")
@@ -56,6 +56,19 @@ def candidate_config(candidate: str, config: CommConfig) -> CommConfig:
                      f"exact/p2p, quantized/xla or quantized/p2p")
 
 
+def count_calls(plans, op: str, nbytes: int, n: int, dtype: str) -> int:
+    """How many of ``plans`` (:func:`jax_flashcomm.record`'s) are calls of ``op`` (or of an op
+    weighed as ``op``: a fused all-reduce and norm is a ``psum``) of ``nbytes`` per rank over
+    ``n`` ranks of a ``dtype`` operand."""
+    import numpy as np
+
+    from jax_flashcomm import planner
+
+    dtype = np.dtype(dtype).name
+    return sum(planner.WEIGHED.get(p.op, p.op) == op and p.nbytes == nbytes and p.axis_size == n
+               and p.dtype == dtype for p in plans)
+
+
 def measure_in_step(make_step: Callable[[CommConfig], Callable[[], Sequence[float]]],
                     op: str, config: CommConfig, *, nbytes: int, n: int, dtype: str,
                     candidates: Sequence[str] = ("lax", "quantized/xla"), rounds: int = 3,
@@ -66,24 +79,25 @@ def measure_in_step(make_step: Callable[[CommConfig], Callable[[], Sequence[floa
     them); process 0's times become every process's, so that all make the same choice.
 
     Args:
-      make_step: ``make_step(config)`` builds the step under ``config`` (compiled and run once,
-        so that the calls are traced) and returns a function running it that returns the
-        seconds of each step it ran (a decode loop: one per token).
+      make_step: ``make_step(config)`` builds the step under ``config`` and returns a function
+        running it that returns the seconds of each step it ran (a decode loop: one per
+        token). Where it traces the step (a first build), the step must make such a call.
       op: the collective (:data:`STEP_OPS`); ``config``: the automatic config (its bits are the
         quantized candidates').
-      nbytes, n, dtype: the calls measured: bytes per rank, ranks, the operand's dtype (a step
-        must make at least one such call; other calls follow the same config).
+      nbytes, n, dtype: the calls measured: bytes per rank, ranks, the operand's dtype (the
+        step's other calls follow the same pinned config).
       candidates: the candidates, in the order of each round (rotated round by round).
       rounds: each candidate's step runs this many times, interleaved.
       layout: the rows' layout (default: ``"processes"`` with several JAX processes, else
         ``"in-process"``).
 
     Returns:
-      ``scope="step"`` :class:`~jax_flashcomm.tuning.Measurement` rows, one per candidate: the
-      median step's seconds divided by the step's calls of this kind.
+      ``scope="step"`` :class:`~jax_flashcomm.tuning.Measurement` rows, one per candidate:
+      the median step's seconds (the whole step's: it ranks the candidates, it is not a
+      call's time).
 
     Raises:
-      ValueError: an unknown op or candidate, ``rounds < 1``, or a step with no such call.
+      ValueError: an unknown op or candidate, ``rounds < 1``, or a traced step without the call.
     """
     import jax
     import numpy as np
@@ -96,14 +110,12 @@ def measure_in_step(make_step: Callable[[CommConfig], Callable[[], Sequence[floa
         raise ValueError("measure_in_step: needs rounds >= 1 and at least one candidate")
     dtype = np.dtype(dtype).name
     layout = layout or ("processes" if jax.process_count() > 1 else "in-process")
-    runs, calls = {}, {}
+    runs = {}
     for cand in candidates:
         cfg = candidate_config(cand, config)
         with planner.record() as plans:
             runs[cand] = make_step(cfg)
-        calls[cand] = sum(planner.WEIGHED.get(p.op, p.op) == op and p.nbytes == nbytes and p.axis_size == n
-                          and p.dtype == dtype for p in plans)
-        if not calls[cand]:
+        if plans and not count_calls(plans, op, nbytes, n, dtype):
             raise ValueError(f"measure_in_step: the step built under {cand} makes no {op} of "
                              f"{nbytes} B per rank over {n} ranks ({dtype}): nothing to measure")
     samples = {cand: [] for cand in candidates}
@@ -111,7 +123,7 @@ def measure_in_step(make_step: Callable[[CommConfig], Callable[[], Sequence[floa
         order = list(candidates[r % len(candidates):]) + list(candidates[:r % len(candidates)])
         for cand in order:
             samples[cand].extend(float(s) for s in runs[cand]())
-    seconds = np.array([statistics.median(samples[c]) / calls[c] for c in candidates])
+    seconds = np.array([statistics.median(samples[c]) for c in candidates])
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 

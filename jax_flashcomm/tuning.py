@@ -39,7 +39,7 @@ from jax_flashcomm.costmodel import Link
 
 __all__ = ["Table", "Measurement", "machine_key", "cpu_name", "key_digest", "cache_dir", "table_path",
            "save", "load", "active", "clear", "use_table", "link_profile", "use_link",
-           "parse_link", "TABLE_VERSION", "LAYOUTS"]
+           "parse_link", "TABLE_VERSION", "LAYOUTS", "SCOPES"]
 
 logger = logging.getLogger("jax_flashcomm")
 
@@ -49,6 +49,8 @@ CACHE_ENV = "FLASHCOMM_CACHE_DIR"
 LINK_ENV = "FLASHCOMM_LINK"
 #: Where a call's peers are: devices of this process, or other processes.
 LAYOUTS = ("in-process", "processes")
+#: What a measured time covers: one call, or a model step (:class:`Measurement`).
+SCOPES = ("call", "step")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +60,7 @@ class Measurement:
     ``bits`` (``(rs_bits, ag_bits)`` of the quantized candidates, ``None`` for the exact ones).
 
     ``scope``: ``"call"``, the collective timed in a chain of its own calls; ``"step"``, a
-    model step's time divided by its calls of this kind, the step run with ``candidate`` at every
-    one of them (:func:`jax_flashcomm.tune.measure_in_step`): compute and the other calls are
+    model step's time, the step run with ``candidate`` at every call of this kind (:func:`jax_flashcomm.tune.measure_in_step`): compute and the other calls are
     in it, so step rows rank candidates only against each other, at their exact size.
     """
     op: str
@@ -71,6 +72,10 @@ class Measurement:
     bits: tuple | None
     seconds: float
     scope: str = "call"
+
+    def __post_init__(self):
+        if self.scope not in SCOPES:
+            raise ValueError(f"Measurement: scope must be one of {SCOPES}, got {self.scope!r}")
 
 
 @dataclasses.dataclass(frozen=True)
