@@ -67,7 +67,7 @@ def main() -> None:
 
     from jax_flashcomm.costmodel import Link
     from jax_flashcomm.nn import TPComm
-    from jax_flashcomm.planner import quantizes
+    from jax_flashcomm.planner import record
     from jax_flashcomm.tune_step import measure_in_step
     from jax_flashcomm.tune import measure_mesh
     from jax_flashcomm.tuning import Table, machine_key, use_table
@@ -160,10 +160,19 @@ def main() -> None:
         list(engine.generate(ids, 2))                       # compile prefill + decode
         return engine
 
-    def auto_quantizes(comm, seq: int, decode: bool) -> bool:
-        """Whether the automatic choice quantized this step's block all-reduces."""
-        nbytes = (1 if decode else seq) * cfg.d_model * 4
-        return quantizes("psum", nbytes, nproc, "float32", comm.config)
+    def block_paths(plans, seq: int) -> dict:
+        """Whether the traced ``plans`` quantized the prefill's and the decode step's block
+        all-reduces (what the engine runs, not a prediction): ``{"prefill": bool, ...}``,
+        refusing a trace where a step's block all-reduces took different paths."""
+        out = {}
+        for step, positions in (("prefill", seq), ("decode", 1)):
+            paths = {p.path != "lax" and not p.path.startswith("exact") for p in plans
+                     if p.op in ("psum", "psum_add_rms_norm")
+                     and p.nbytes == positions * cfg.d_model * 4}
+            if len(paths) != 1:
+                raise RuntimeError(f"auto's {step} block all-reduces: paths {paths}")
+            out[step] = paths.pop()
+        return out
 
     # 1. calibration: the exact prefill's FLOP/s with no limit sets the emulated links' rates
     exact = dict(strategies)["exact"]
@@ -205,14 +214,15 @@ def main() -> None:
             cache, token, times = engine.new_cache(1), np.array([ids[-1]], np.int32), []
             for i in range(STEP_TOKENS):
                 t = time.perf_counter()
-                token, _, cache = engine.decode(token, len(ids) + i, cache, jax.random.key(i))
+                pos = min(len(ids) + i, engine.cache_len - 1)  # short --decode-tokens
+                token, _, cache = engine.decode(token, pos, cache, jax.random.key(i))
                 int(token[0])
                 times.append(time.perf_counter() - t)
             return times
         return run
 
     # 2. every engine compiled (warm); auto's once per link, under the table measured on it
-    tables, contexts = {}, {}
+    tables, contexts, auto_paths = {}, {}, {}
     for name, comm in strategies:
         set_comm(model, comm)
         t = time.perf_counter()
@@ -242,8 +252,10 @@ def main() -> None:
                 f"{r.candidate} {r.seconds * 1e3:.2f} ms" for r in steps))
             tables[link] = [dataclasses.asdict(r) for r in table.rows]
             contexts[name, link] = (link_profile(link), table)
-            with use_tuning_link(contexts[name, link][0]), use_table(table):
+            set_comm(model, comm)  # the step measurement left its last candidate's comm
+            with use_tuning_link(contexts[name, link][0]), use_table(table), record() as plans:
                 engines[name, link] = compiled()
+            auto_paths[link] = block_paths(plans, seq)
         log(f"{name}: compiled and warmed up in {time.perf_counter() - t:.1f} s")
 
     def run_once(name, comm, link, decode_tokens):
@@ -254,8 +266,8 @@ def main() -> None:
         with use_tuning_link(profile), use_table(table if table is not None else
                                                  tuning_active()):
             out = list(engines[key].generate(ids, decode_tokens + 1))
-            auto = {step: comm.kind == "auto" and auto_quantizes(comm, seq, step == "decode")
-                    for step in ("prefill", "decode")}
+        auto = auto_paths.get(link) if comm.kind == "auto" else {"prefill": False,
+                                                                  "decode": False}
         timings = engines[key].last_timings
         return timings["ttft"], timings["decode"], out, auto
 

@@ -83,7 +83,7 @@ def add_common(parser: argparse.ArgumentParser) -> None:
 
 #: int (or float) options and the least value each takes; checked on any parser that has them.
 AT_LEAST = {"tp": 1, "devices": 1, "max_new_tokens": 1, "window": 2, "max_windows": 1,
-            "cache_len": 1, "tokens": 2, "top_k": 0, "temperature": 0.0}
+            "cache_len": 1, "tokens": 2, "top_k": 0, "temperature": 0.0, "rounds": 1}
 #: options that must be > 0
 POSITIVE = ("max_shard_mb", "top_p")
 #: options naming a file the run reads (must exist and be a regular file)

@@ -10,8 +10,9 @@ A setting is ``exact``, ``overlap``, ``intB`` (flash, B bits both phases), ``int
 The weights are loaded once; each setting gets its own compiled engine. For each setting:
 perplexity over the text windows, greedy continuations of the prompts, stopped at EOS (and how
 many of their tokens match the first setting's before the first difference, the table's
-"greedy match", and position by position), TTFT and decode tokens/s of the first prompt, and
-the bytes each rank sends in one decode step's all-reduces.
+"greedy match", and position by position), TTFT and decode tokens/s of the first prompt (with
+``--rounds R``: its generation timed R times per setting, the settings in turn), and the bytes
+each rank sends in one decode step's all-reduces.
 """
 
 from __future__ import annotations
@@ -50,7 +51,11 @@ def matching(a, b) -> tuple[int, int]:
 
 
 def run(model, ckpt, mesh, settings, *, text=None, window=512, max_windows=6, prompts=(),
-        max_new_tokens=32, log=sys.stderr) -> list[dict]:
+        max_new_tokens=32, rounds: int = 1, log=sys.stderr) -> list[dict]:
+    """One row per setting (module docstring); with ``rounds > 1`` the first prompt's
+    generation runs ``rounds`` times per setting, the settings in turn (the order rotated each
+    round) so that the machine's slow spells hit them alike: TTFT is the median of the rounds,
+    tokens/s of all their decode steps."""
     from jax_flashcomm import record
     from models.eval import nll_fn, window_tokens
 
@@ -58,16 +63,31 @@ def run(model, ckpt, mesh, settings, *, text=None, window=512, max_windows=6, pr
     stop = tuple(set(ckpt.config.eos_token_ids) | set(tok.eos_ids))
     windows = window_tokens(tok.encode(text), window, max_windows) if text is not None else []
     nll = nll_fn()
-    rows = []
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    rows, retimes = [], []
     for label, comm in settings:
         with record() as plans:
-            rows.append(_run_setting(label, comm, model, ckpt, mesh, engine_args=dict(
+            row, retime = _run_setting(label, comm, model, ckpt, mesh, engine_args=dict(
                 cache_len=max(window, 512)), windows=windows, window=window, nll=nll,
-                prompts=prompts, max_new_tokens=max_new_tokens, stop=stop, log=log))
+                prompts=prompts, max_new_tokens=max_new_tokens, stop=stop, log=log)
+        rows.append(row)
+        retimes.append(retime)
         rows[-1]["plans"] = dict(collections.Counter(
             f"{p.op}: {p.path}" + (f" over {p.transport}" if p.transport else "")
             for p in plans))
     if prompts:
+        for r in range(1, rounds):
+            print(f"timing round {r + 1}/{rounds}", file=log)
+            for i in [(j + r) % len(rows) for j in range(len(rows))]:
+                timings = retimes[i]()
+                rows[i]["ttft_samples_s"].append(timings["ttft"])
+                rows[i]["decode_samples_s"].extend(timings["decode"])
+        for row in rows:
+            dec = row["decode_samples_s"]
+            row["ttft_s"] = statistics.median(row["ttft_samples_s"])
+            row["tokens_per_s"] = len(dec) / sum(dec)
+            row["tokens_per_s_median"] = 1 / statistics.median(dec)
         base = rows[0]["continuations"]
         for row in rows:
             pairs = [matching(a, b) for a, b in zip(row["continuations"], base)]
@@ -78,8 +98,10 @@ def run(model, ckpt, mesh, settings, *, text=None, window=512, max_windows=6, pr
 
 
 def _run_setting(label, comm, model, ckpt, mesh, *, engine_args, windows, window, nll, prompts,
-                 max_new_tokens, stop, log) -> dict:
-    """One setting's row of :func:`run`."""
+                 max_new_tokens, stop, log) -> tuple[dict, object]:
+    """One setting's row of :func:`run`, and a function that times the first prompt's
+    generation again (the setting's communication set on the model again: one model, every
+    setting's engine)."""
     import numpy as np
 
     from models.engine import Engine
@@ -91,13 +113,12 @@ def _run_setting(label, comm, model, ckpt, mesh, *, engine_args, windows, window
 
     tok = ckpt.tokenizer
     policy = comm if isinstance(comm, CommPolicy) else None
+    overrides = None
     if policy is not None:
         from models.llama import policy_comms, site_names
 
         comm, overrides = policy_comms(policy, ckpt.config.n_layers)
-        set_comm(model, comm, overrides=overrides)
-    else:
-        set_comm(model, comm)
+    set_comm(model, comm, overrides=overrides)
     engine = Engine(model, mesh, **engine_args)
     row = {"setting": label, "comm": "policy" if policy is not None else comm.kind}
     if policy is not None:
@@ -121,9 +142,8 @@ def _run_setting(label, comm, model, ckpt, mesh, *, engine_args, windows, window
         outs, timings = greedy(engine, tok, prompts, max_new_tokens, stop)
         row["continuations"] = outs
         row["texts"] = [tok.decode(o, skip_special_tokens=True) for o in outs]
-        row["ttft_s"] = timings["ttft"]
-        row["tokens_per_s"] = len(timings["decode"]) / sum(timings["decode"])
-        row["tokens_per_s_median"] = 1 / statistics.median(timings["decode"])
+        row["ttft_samples_s"] = [timings["ttft"]]
+        row["decode_samples_s"] = list(timings["decode"])
     if policy is None:
         row["allreduce_bytes_per_token"] = allreduce_bytes_per_token(ckpt.config, model.tp,
                                                                      comm)["sent"]
@@ -133,7 +153,11 @@ def _run_setting(label, comm, model, ckpt, mesh, *, engine_args, windows, window
                     (overrides.get(k, comm) for k in _site_keys(ckpt.config.n_layers))]
         row["allreduce_bytes_per_token"] = sum(per_site)
     row["traces"] = {str(k): v for k, v in engine.traces.items()}
-    return row
+
+    def retime():
+        set_comm(model, comm, overrides=overrides)
+        return greedy(engine, tok, prompts[:1], max_new_tokens, stop)[1]
+    return row, retime
 
 
 def table(rows, tp: int) -> str:
@@ -182,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-windows", type=int, default=6)
     parser.add_argument("--prompts", default=None, help="JSON list of prompts")
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time the first prompt's generation this many times per setting, "
+                             "the settings in turn (medians over the rounds)")
     parser.add_argument("--json", default=None)
     return parser
 
@@ -230,7 +257,7 @@ def _main(args) -> int:
         raise ValueError(f"{args.model}: the checkpoint has no tokenizer")
     rows = run(model, ckpt, mesh, settings, text=text, window=args.window,
                max_windows=args.max_windows, prompts=prompts,
-               max_new_tokens=args.max_new_tokens)
+               max_new_tokens=args.max_new_tokens, rounds=args.rounds)
     from models.machine import first_line
 
     machine = first_line()

@@ -3,12 +3,14 @@ exact, int8 and int4 all-reduces and the automatic choice (``auto``: per call, e
 whichever the tuning table or the cost model predicts faster), side by side.
 
     .venv/bin/python -m models.demo [--tp 3] [--settings exact,int8,int4,auto] [--max-new-tokens 24]
+        [--rounds 3]
 
 Fetches the model on first use (``models/fetch.py``), loads its weights once, and for each
-setting prints the TTFT and decode tokens/s (of the median step) of one greedy generation, the
+setting prints the TTFT and decode tokens/s (the median of ``--rounds`` greedy generations,
+the settings in turn with the order rotated each round; tokens/s of the median step), the
 perplexity on a short passage (the first window of ``models/corpus.py``'s text), the bytes each
-rank sends in one decode step's all-reduces, and the first words the model answers. One run per
-setting: ``benchmarks/decode.py`` interleaves repeated runs to rank them within a few percent.
+rank sends in one decode step's all-reduces, and the first words the model answers.
+``benchmarks/decode.py`` runs more rounds to rank the settings within a few percent.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt", default=PROMPT)
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--window", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="timed generations per setting, the settings in turn")
     return parser
 
 
@@ -57,9 +61,11 @@ def _main(args) -> int:
     if ckpt.tokenizer is None:
         raise ValueError(f"{args.model}: the checkpoint has no tokenizer")
     rows = run(model, ckpt, mesh, settings, text=load_text(), window=args.window,
-               max_windows=1, prompts=[args.prompt], max_new_tokens=args.max_new_tokens)
+               max_windows=1, prompts=[args.prompt], max_new_tokens=args.max_new_tokens,
+               rounds=args.rounds)
     print(f"\nSmolLM2-135M-Instruct, TP={args.tp} on {args.tp} CPU devices; perplexity on "
-          f"{rows[0]['tokens'] + 1} tokens of text; prompt: {args.prompt!r}")
+          f"{rows[0]['tokens'] + 1} tokens of text; prompt: {args.prompt!r}; TTFT and tok/s: "
+          f"medians of {args.rounds} generation{'s' if args.rounds > 1 else ''} per setting")
     print(f"{'setting':<8}{'TTFT ms':>9}{'tok/s':>7}{'ppl':>9}{'AR bytes/tok':>13}  answer")
     for r in rows:
         words = " ".join(r["texts"][0].split()[:10])

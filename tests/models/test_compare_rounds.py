@@ -1,0 +1,67 @@
+"""``models.compare.run``'s timing rounds (``--rounds``, models.demo's default 3): every setting
+timed once per round, the settings in turn, its TTFT the median of the rounds and its tokens/s
+those of all their decode steps; the greedy answers are the first round's."""
+
+import dataclasses
+import statistics
+
+import jax
+import pytest
+
+from jax_flashcomm.nn import TPComm
+from models import demo
+from models.compare import run
+from models.weights import load_model
+from tests.support.tiny_llama import TINY, DictCheckpoint
+
+TP = 2
+
+
+class ChatTokenizer:
+    """Each UTF-8 byte a token id below TINY's vocabulary; a chat template that is the text."""
+
+    eos_ids = ()
+
+    def encode(self, text):
+        return [3 + b % (TINY.vocab_size - 3) for b in text.encode()]
+
+    def apply_chat_template(self, messages):
+        return " ".join(m["content"] for m in messages)
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def _rows(rounds, settings):
+    mesh = jax.make_mesh((TP,), ("tp",), devices=jax.devices()[:TP])
+    # no EOS (no early stop); a context for compare's 512-position cache
+    ckpt = DictCheckpoint(dataclasses.replace(TINY, eos_token_ids=(), max_seq_len=512))
+    ckpt.tokenizer = ChatTokenizer()
+    model, ckpt = load_model(None, tp=TP, mesh=mesh, ckpt=ckpt)
+    return run(model, ckpt, mesh, settings, prompts=["hello there"], max_new_tokens=5,
+               rounds=rounds, log=open("/dev/null", "w"))
+
+
+def test_rounds_time_every_setting_and_take_medians():
+    settings = [("exact", TPComm("exact")), ("int8", TPComm("flash", bits=8, min_bytes=0))]
+    rows = _rows(3, settings)
+    for row in rows:
+        assert len(row["ttft_samples_s"]) == 3
+        assert len(row["decode_samples_s"]) == 3 * 4      # 5 tokens: the first is the TTFT
+        assert row["ttft_s"] == statistics.median(row["ttft_samples_s"])
+        assert row["tokens_per_s_median"] == 1 / statistics.median(row["decode_samples_s"])
+        assert row["tokens_per_s"] == pytest.approx(12 / sum(row["decode_samples_s"]))
+    assert rows[0]["match_prefix"] == [5]                  # exact against itself
+
+
+def test_one_round_is_one_generation_and_rounds_must_be_positive():
+    rows = _rows(1, [("exact", TPComm("exact"))])
+    assert len(rows[0]["ttft_samples_s"]) == 1 and len(rows[0]["decode_samples_s"]) == 4
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        _rows(0, [("exact", TPComm("exact"))])
+
+
+def test_demo_rejects_zero_rounds(capsys):
+    with pytest.raises(SystemExit) as e:
+        demo.main(["--rounds", "0"])
+    assert e.value.code == 2 and "--rounds must be >= 1" in capsys.readouterr().err
