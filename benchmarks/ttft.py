@@ -10,8 +10,12 @@ qdisc between measurements: none ("unlimited"), then a ``tc tbf`` rate per link.
 link is calibrated in the same run: the achieved FLOP/s of the exact prefill with no limit,
 times the bytes-per-FLOP of a GPU system (``SYSTEMS``). Each strategy (``models.compare``'s
 names: exact, overlap, intB, intR/A, overlap+intB) is compiled once and timed on every link:
-``--reps`` prefills of the same prompt (a fixed slice of the ``models.corpus`` text), the last
-one followed by a greedy decode of ``--decode-tokens`` tokens. Writes ``OUT.json``, ``OUT.png``
+``--reps`` generations of the same prompt (a fixed slice of the ``models.corpus`` text): its
+prefill (TTFT) and a greedy decode of ``--decode-tokens`` tokens, the strategies in turn. The
+decode figure is then measured side by side: ``reps x decode-tokens`` decode steps of every
+strategy, one step of each in turn, each from a cache of its own (identical programs timed in
+generations of their own differ by up to 8%; the generations' decode medians are kept as
+``decode_in_generation_s_per_token``). Writes ``OUT.json``, ``OUT.png``
 and the tables into ``OUT.md`` (between its markers, the rest of the page kept; docs/ttft.md
 explains them). Needs root, iproute2 and the SmolLM2 GGUF (fetched on first use).
 
@@ -283,7 +287,8 @@ def markdown(data) -> str:
     bf16 = speedups(data["rows"], BF16_BASELINE)
     head = ["link", "strategy", "TTFT ms (median)", "TTFT vs exact", "TTFT vs exact-bf16",
             "unlimited + bytes/rate ms",
-            "decode ms/token", "decode vs exact", "prefill MB/rank", "decode KB/rank",
+            "decode ms/token (side by side)", "decode vs exact", "prefill MB/rank",
+            "decode KB/rank",
             "collectives/prefill"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in data["rows"]:

@@ -20,9 +20,9 @@ from benchmarks.netns import worker_init, write_result
 #: host's pause between calls (a decode step's collectives have compute between them: on the
 #: tc-limited loopback the token bucket refills there), the fastest of 3 rounds.
 TUNE_SIZES = (2048, 32768, 524288)
-#: Decode steps per timed run of each candidate's decode step (jax_flashcomm.tune_step: a
-#: decode step's all-reduces ranked inside the step; 3 interleaved rounds).
-STEP_TOKENS = 8
+#: Rounds of auto's step measurement (jax_flashcomm.tune_step: a decode step's all-reduces
+#: ranked inside the step): one decode step of each candidate per round, in turn.
+STEP_ROUNDS = 24
 
 
 def _namespace() -> str:
@@ -196,10 +196,26 @@ def main() -> None:
     decode_bytes = cfg.d_model * 4  # one position's block all-reduce, f32
     step_engines = {}
 
+    def decode_stepper(engine, comm):
+        """A function timing one decode step of ``engine`` per call (its cache kept between
+        calls; a step's time does not depend on the cache's values), ``comm`` set first."""
+        state = {"cache": engine.new_cache(1), "token": np.array([ids[-1]], np.int32),
+                 "pos": len(ids)}
+
+        def step():
+            set_comm(model, comm)
+            t = time.perf_counter()
+            token, _, state["cache"] = engine.decode(state["token"], state["pos"],
+                                                     state["cache"], jax.random.key(0))
+            state["token"] = np.asarray(token)
+            dt = time.perf_counter() - t
+            state["pos"] = min(state["pos"] + 1, engine.cache_len - 1)  # short caches
+            return [dt]
+        return step
+
     def make_decode_step(config):
         """The decode step with every all-reduce under ``config`` (auto's candidates, pinned):
-        its engine built once, under no limit; the runner times STEP_TOKENS decode steps from a
-        fresh cache (a decode step's time does not depend on the cache's values)."""
+        its engine built once, under no limit; one decode step per call."""
         comm = TPComm("exact" if config.exact else "flash", "tp", config=config)
         if config not in step_engines:
             link = current[0]
@@ -207,19 +223,7 @@ def main() -> None:
             set_comm(model, comm)
             step_engines[config] = compiled()
             use_link(link)
-        engine = step_engines[config]
-
-        def run():
-            set_comm(model, comm)
-            cache, token, times = engine.new_cache(1), np.array([ids[-1]], np.int32), []
-            for i in range(STEP_TOKENS):
-                t = time.perf_counter()
-                pos = min(len(ids) + i, engine.cache_len - 1)  # short --decode-tokens
-                token, _, cache = engine.decode(token, pos, cache, jax.random.key(i))
-                int(token[0])
-                times.append(time.perf_counter() - t)
-            return times
-        return run
+        return decode_stepper(step_engines[config], comm)
 
     # 2. every engine compiled (warm); auto's once per link, under the table measured on it
     tables, contexts, auto_paths = {}, {}, {}
@@ -244,7 +248,7 @@ def main() -> None:
             # rank them wrongly here (docs/autotune.md, "Decode: measured in the step")
             steps = measure_in_step(
                 make_decode_step, "psum", comm.config, nbytes=decode_bytes, n=nproc,
-                dtype="float32", layout="processes", rounds=3,
+                dtype="float32", layout="processes", rounds=STEP_ROUNDS,
                 candidates=(("lax", "exact/p2p", "quantized/p2p") if args.transport == "shm"
                             else ("lax", "quantized/xla")))
             table = dataclasses.replace(table, rows=table.rows + tuple(steps))
@@ -273,7 +277,7 @@ def main() -> None:
 
     # 3. rounds: every link, every strategy (the order rotated each round), so the machine's
     # slow spells hit every setting alike; every generation gives a TTFT and decode steps
-    samples = {(n, ln): {"ttft": [], "decode": []} for n, _ in strategies
+    samples = {(n, ln): {"ttft": [], "decode": [], "side_by_side": []} for n, _ in strategies
                for ln in ["unlimited"] + links}
     last = {}
     for r in range(args.reps):
@@ -286,6 +290,19 @@ def main() -> None:
                 samples[name, link]["decode"].extend(dec)
                 last[name, link] = (out, auto)
         log(f"round {r + 1}/{args.reps} done")
+    # 4. decode side by side: one step of every strategy in turn (the order rotated), from a
+    # cache of its own; identical programs timed in generations of their own differ by up to
+    # 8% (the machine drifts between generations), step by step they share its state
+    steppers = {}
+    for link in ["unlimited"] + links:
+        use_link(link)
+        for name, comm in strategies:
+            key = (name, link) if comm.kind == "auto" else (name, None)
+            steppers[name, link] = decode_stepper(engines[key], comm)
+        for k in range(args.reps * args.decode_tokens):
+            for name, _ in strategies[k % len(strategies):] + strategies[:k % len(strategies)]:
+                samples[name, link]["side_by_side"].extend(steppers[name, link]())
+        log(f"decode side by side on {link} done")
     rows = []
     for name, comm in strategies:
         for link in ["unlimited"] + links:
@@ -297,8 +314,10 @@ def main() -> None:
             row = {"link": link, **ttft.strategy_fields(name, comm),
                    "auto_quantizes": auto if comm.kind == "auto" else None,
                    "ttft_s": statistics.median(smp["ttft"]), "ttft_samples_s": smp["ttft"],
-                   "decode_s_per_token": statistics.median(smp["decode"]),
-                   "decode_samples_s": smp["decode"],
+                   "decode_s_per_token": statistics.median(smp["side_by_side"]),
+                   "decode_samples_s": smp["side_by_side"],
+                   "decode_in_generation_s_per_token": statistics.median(smp["decode"]),
+                   "decode_in_generation_samples_s": smp["decode"],
                    "prefill_bytes_per_rank": pre["bytes"], "decode_bytes_per_rank": dec["bytes"],
                    "prefill_block_bytes_per_rank": pre["blocks"],
                    "decode_block_bytes_per_rank": dec["blocks"],
@@ -307,8 +326,9 @@ def main() -> None:
                    "tokens": [int(x) for x in tokens]}
             rows.append(row)
             log(f"{name} on {link}: TTFT {row['ttft_s'] * 1e3:.0f} ms, decode "
-                f"{row['decode_s_per_token'] * 1e3:.1f} ms/token (median of "
-                f"{len(smp['decode'])})")
+                f"{row['decode_s_per_token'] * 1e3:.1f} ms/token side by side (median of "
+                f"{len(smp['side_by_side'])}), {row['decode_in_generation_s_per_token'] * 1e3:.1f}"
+                f" in generations")
     use_link("unlimited")
     for name, info in link_info.items():
         info["calibration"] = _calibration(name, compute)
