@@ -18,8 +18,8 @@ candidate              can take the call when
 =====================  ========================================================================
 
 A candidate's time is the table's step rows where it has them for exactly this call (then
-only the candidates measured in the step are weighed), else the measured table's (:mod:`jax_flashcomm.tuning`, interpolated over
-sizes) where it covers the call, else the cost model's (:mod:`jax_flashcomm.costmodel`) with the
+only the candidates measured in the step are weighed), else the measured table's
+(:mod:`jax_flashcomm.tuning`, interpolated over sizes) where it covers the call, else the cost model's (:mod:`jax_flashcomm.costmodel`) with the
 profile of the platform and layout: the table's measured codec speed and in-process link, or the
 defaults below (measured on an AMD EPYC Zen 4 by ``python -m jax_flashcomm.tune``, docs/autotune.md);
 for peers in other processes the link profile (:func:`jax_flashcomm.tuning.link_profile`), else
@@ -60,7 +60,7 @@ P2P_LATENCY_S = 174e-6
 #: passes) where a model's ranks already keep the cores busy (docs/autotune.md, "The margin").
 EXACT_PREFERENCE = 0.75
 #: The same preference where the table times whole model steps (``scope="step"`` rows,
-#: :func:`jax_flashcomm.tune.measure_in_step`): the model's own step leaves none of an isolated
+#: :func:`jax_flashcomm.tune_step.measure_in_step`): the model's own step leaves none of an isolated
 #: timing's biases, so exact is kept unless quantizing makes the step at least 3% faster;
 #: keeping exact costs at most that (docs/autotune.md, "Decode: measured in the step").
 STEP_EXACT_PREFERENCE = 0.97

@@ -60,8 +60,9 @@ class Measurement:
     ``bits`` (``(rs_bits, ag_bits)`` of the quantized candidates, ``None`` for the exact ones).
 
     ``scope``: ``"call"``, the collective timed in a chain of its own calls; ``"step"``, a
-    model step's time, the step run with ``candidate`` at every call of this kind (:func:`jax_flashcomm.tune.measure_in_step`): compute and the other calls are
-    in it, so step rows rank candidates only against each other, at their exact size.
+    model step's time, the step run with ``candidate`` at every call of this kind
+    (:func:`jax_flashcomm.tune_step.measure_in_step`): compute and the other calls are in it,
+    so step rows rank candidates only against each other, at their exact size.
     """
     op: str
     layout: str
