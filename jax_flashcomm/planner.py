@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     import jax
 
 __all__ = ["Plan", "Decision", "plan", "quantized_plan", "as_plan", "record", "size_policy",
-           "quantizes", "OPS", "PATHS", "WEIGHED"]
+           "quantizes", "choice_bits", "OPS", "PATHS", "WEIGHED"]
 
 logger = logging.getLogger("jax_flashcomm")
 
@@ -228,12 +228,18 @@ def _auto_choice(op: str, axes: tuple, fields: dict, config: CommConfig, where: 
                    p2p_reason)
 
 
+def choice_bits(op: str, config: CommConfig) -> tuple:
+    """``(rs_bits, ag_bits)`` the automatic choice weighs ``op``'s quantized candidates at (a
+    phase ``op`` does not have: None)."""
+    phases = _PHASES[op]
+    return (config.phase1_bits if "rs" in phases else None,
+            config.phase2_bits if "ag" in phases else None)
+
+
 def _choose(op, nbytes, axis_size, dtype, config, p2p_reason):
     import jax
 
-    phases = _PHASES[op]
-    bits = (config.phase1_bits if "rs" in phases else None,
-            config.phase2_bits if "ag" in phases else None)
+    bits = choice_bits(op, config)
     candidates = selection.CANDIDATES
     if config.transport == "p2p" and op not in _RINGS:
         candidates = tuple(c for c in candidates if c.name != "quantized/xla")

@@ -270,25 +270,23 @@ def choose(call: Call, table: tuning.Table | None = None, *,
     table = tuning.active() if table is None else table
     step = {} if table is None else table.step_seconds(call.op, call.layout, call.n,
                                                         call.dtype, call.nbytes)
-    able = [(cand, cand.unavailable(call)) for cand in candidates]
-    if not any(reason is None and (cand.name, _bits(cand, call)) in step
-               for cand, reason in able):
+    able = [(cand, cand.unavailable(call), _bits(cand, call)) for cand in candidates]
+    if not any(reason is None and (cand.name, bits) in step for cand, reason, bits in able):
         step = {}  # the step rows cover none of the candidates that can take the call
     prof, considered, best = None, [], None
-    for cand, reason in able:
-        if reason is None and step and (cand.name, _bits(cand, call)) not in step:
+    for cand, reason, bits in able:
+        if reason is None and step and (cand.name, bits) not in step:
             reason = "not measured in the step (the step rows rank only each other)"
         if reason is not None:
             considered.append((cand.name, None, reason))
             continue
         exact = not cand.name.startswith("quantized")
         if step:
-            seconds, source = step[cand.name, _bits(cand, call)], "table, in the step"
+            seconds, source = step[cand.name, bits], "table, in the step"
             preference = STEP_EXACT_PREFERENCE
         else:
             seconds = None if table is None else table.seconds(
-                call.op, call.layout, call.n, call.dtype, cand.name, _bits(cand, call),
-                call.nbytes)
+                call.op, call.layout, call.n, call.dtype, cand.name, bits, call.nbytes)
             source, preference = "table", EXACT_PREFERENCE
             if seconds is None:
                 prof = prof or profile(call, table)

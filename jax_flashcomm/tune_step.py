@@ -30,7 +30,6 @@ __all__ = ["measure_in_step", "candidate_config", "count_calls", "STEP_OPS"]
 
 #: The collectives a step can be measured for.
 STEP_OPS = ("psum", "psum_scatter", "all_gather")
-_PHASES = {"psum": ("rs", "ag"), "psum_scatter": ("rs",), "all_gather": ("ag",)}
 
 
 def candidate_config(candidate: str, config: CommConfig) -> CommConfig:
@@ -128,9 +127,7 @@ def measure_in_step(make_step: Callable[[CommConfig], Callable[[], Sequence[floa
         from jax.experimental import multihost_utils
 
         seconds = multihost_utils.broadcast_one_to_all(seconds)
-    bits = {"psum": (config.phase1_bits, config.phase2_bits),
-            "psum_scatter": (config.phase1_bits, None),
-            "all_gather": (None, config.phase2_bits)}[op]
+    bits = planner.choice_bits(op, config)
     return [tuning.Measurement(op, layout, n, dtype, nbytes, cand,
                                bits if cand.startswith("quantized") else None, float(s),
                                scope="step")
