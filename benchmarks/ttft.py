@@ -155,7 +155,7 @@ def _payload(elems: int, bits: int, group: int, spikes: int, multiple: int = 1) 
 
 
 def step_traffic(cfg, tp: int, comm, seq: int, *, decode: bool, batch: int = 1,
-                 itemsize: int = 4, auto_quantizes: bool = False) -> dict:
+                 itemsize: int = 4, auto_quantizes=False) -> dict:
     """Bytes each rank sends, and collectives it joins, in one prefill of ``seq`` (padded)
     positions or one decode step, as the model is written (docs/ttft.md "Bytes"):
 
@@ -170,6 +170,8 @@ def step_traffic(cfg, tp: int, comm, seq: int, *, decode: bool, batch: int = 1,
       ``psum_scatter``: (N-1)/N of the rs payload) after the row matmul.
     A decode step has S = 1 and all-reduces (the overlap kinds too). ``auto`` counts as flash
     where ``auto_quantizes`` (the choice it made for this step's all-reduces), else as exact;
+    ``auto+overlap``'s sequence-parallel prefill takes ``{"ag": bool, "rs": bool}`` (whether
+    its all-gather rings and its reduce-scatters quantized; a bool: both alike);
     a comm with ``wire_itemsize`` (the bf16 baseline) moves its all-reduces in that many bytes.
     ``{"bytes": total, "blocks": the 2L per-layer collectives' bytes, "collectives": count}``.
     """
@@ -191,20 +193,24 @@ def step_traffic(cfg, tp: int, comm, seq: int, *, decode: bool, batch: int = 1,
     fixed += (n - 1) * batch * vocab_padded // n * 4                # logits all_gather (f32)
     count += 1
     c = comm.config
-    kind = ("flash" if auto_quantizes else "exact") if comm.kind == "auto" else comm.kind
-    if kind == "exact" or (kind == "overlap" and not sp):
-        wire = getattr(comm, "wire_itemsize", None)           # bf16 baseline: two collectives
-        block, per = (ring, 1) if wire is None else (ring * wire / itemsize, 2)
-    elif kind == "flash" or (kind == "flash+overlap" and not sp):
+    if comm.kind.startswith("auto"):
+        q = auto_quantizes if isinstance(auto_quantizes, dict) else {"ag": bool(auto_quantizes),
+                                                                      "rs": bool(auto_quantizes)}
+    else:
+        q = {"ag": comm.quantized, "rs": comm.quantized}
+    if sp:  # an all-gather ring before the column matmul, a reduce-scatter after the row one
+        ag = (n - 1) * (_payload(elems // n, c.phase2_bits, c.group_size, c.phase2_spikes)
+                        if q["ag"] else act / n)
+        rs = ((n - 1) / n * _payload(elems, c.phase1_bits, c.group_size, c.phase1_spikes, n)
+              if q["rs"] else (n - 1) * act / n)   # the quantized psum_scatter, or a ring
+        block, per = ag + rs, (n - 1) + (1 if q["rs"] else n - 1)
+    elif q["rs"]:  # the two-step quantized all-reduce
         block = (n - 1) / n * (_payload(elems, c.phase1_bits, c.group_size, c.phase1_spikes, n)
                                + _payload(elems, c.phase2_bits, c.group_size, c.phase2_spikes, n))
         per = 2
-    elif kind == "overlap":
-        block, per = 2 * (n - 1) * act / n, 2 * (n - 1)
-    else:  # flash+overlap, prefill
-        block = ((n - 1) * _payload(elems // n, c.phase2_bits, c.group_size, c.phase2_spikes)
-                 + (n - 1) / n * _payload(elems, c.phase1_bits, c.group_size, c.phase1_spikes, n))
-        per = n
+    else:
+        wire = getattr(comm, "wire_itemsize", None)           # bf16 baseline: two collectives
+        block, per = (ring, 1) if wire is None else (ring * wire / itemsize, 2)
     blocks = 2 * L * block
     return {"bytes": fixed + blocks, "blocks": blocks, "collectives": count + 2 * L * per}
 
@@ -301,6 +307,25 @@ def markdown(data) -> str:
             f"{r['prefill_bytes_per_rank'] / 1e6:.2f}", f"{r['decode_bytes_per_rank'] / 1e3:.1f}",
             str(r["collectives_prefill"])]) + " |")
     return "\n".join(lines)
+
+
+def auto_markdown(data) -> str:
+    """What ``auto`` ran on each link: its layout (the faster of the all-reduce and the
+    sequence-parallel prefill, timed side by side) and where its collectives quantized."""
+    def said(q):
+        if isinstance(q, dict):
+            return ", ".join(f"{k} {'quantized' if v else 'exact'}" for k, v in q.items())
+        return "quantized" if q else "exact"
+
+    head = ["link", "auto's prefill layouts, timed side by side (ms, median)", "auto ran",
+            "its prefill", "its decode step"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for link, lay in data.get("auto_layouts", {}).items():
+        q = lay["quantizes"][lay["chosen"]]
+        lines.append("| " + " | ".join([
+            link, ", ".join(f"{k} {v * 1e3:.0f}" for k, v in lay["prefill_s"].items()),
+            lay["chosen"], said(q["prefill"]), said(q["decode"])]) + " |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def links_markdown(data) -> str:
@@ -421,6 +446,8 @@ def main(argv=None) -> int:
     Path(out + ".json").write_text(json.dumps(data, indent=1))
     table = markdown(data)
     links = links_markdown(data)
+    auto = auto_markdown(data)
+    table += f"\n\n{auto}" if auto else ""
     write_tables(Path(out + ".md"), f"Machine: `{machine}`\n\n{links}\n\n{table}\n")
     plot(data, out + ".png")
     print(links)

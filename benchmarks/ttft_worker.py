@@ -23,6 +23,9 @@ TUNE_SIZES = (2048, 32768, 524288)
 #: Rounds of auto's step measurement (jax_flashcomm.tune_step: a decode step's all-reduces
 #: ranked inside the step): one decode step of each candidate per round, in turn.
 STEP_ROUNDS = 24
+#: Rounds of auto's layout measurement: one prefill of each layout per round, in turn (the
+#: all-reduce layout, ``TPComm("auto")``, against the sequence-parallel one, ``"auto+overlap"``).
+LAYOUT_ROUNDS = 5
 
 
 def _namespace() -> str:
@@ -68,7 +71,7 @@ def main() -> None:
     from jax_flashcomm.costmodel import Link
     from jax_flashcomm.nn import TPComm
     from jax_flashcomm.planner import record
-    from jax_flashcomm.tune_step import measure_in_step
+    from jax_flashcomm.tune_step import measure_in_step, measure_steps
     from jax_flashcomm.tune import measure_mesh
     from jax_flashcomm.tuning import Table, machine_key, use_table
     from jax_flashcomm.tuning import active as tuning_active
@@ -160,18 +163,27 @@ def main() -> None:
         list(engine.generate(ids, 2))                       # compile prefill + decode
         return engine
 
-    def block_paths(plans, seq: int) -> dict:
+    def block_paths(plans, seq: int, overlap: bool) -> dict:
         """Whether the traced ``plans`` quantized the prefill's and the decode step's block
-        all-reduces (what the engine runs, not a prediction): ``{"prefill": bool, ...}``,
-        refusing a trace where a step's block all-reduces took different paths."""
+        collectives (what the engine runs, not a prediction): ``{"prefill": bool, ...}``; a
+        sequence-parallel prefill (``overlap``) ``{"ag": bool, "rs": bool}`` for its all-gather
+        rings and reduce-scatters. Refuses a trace where calls of one kind took different
+        paths."""
+        kinds = {"prefill": {"ag": ("all_gather_matmul",), "rs": ("matmul_reduce_scatter",)}
+                 if overlap else {"": ("psum", "psum_add_rms_norm")},
+                 "decode": {"": ("psum", "psum_add_rms_norm")}}
         out = {}
         for step, positions in (("prefill", seq), ("decode", 1)):
-            paths = {p.path != "lax" and not p.path.startswith("exact") for p in plans
-                     if p.op in ("psum", "psum_add_rms_norm")
-                     and p.nbytes == positions * cfg.d_model * 4}
-            if len(paths) != 1:
-                raise RuntimeError(f"auto's {step} block all-reduces: paths {paths}")
-            out[step] = paths.pop()
+            got = {}
+            for part, ops in kinds[step].items():
+                paths = {p.quantized for p in plans if p.op in ops and (
+                    p.op not in ("psum", "psum_add_rms_norm")
+                    or p.nbytes == positions * cfg.d_model * 4)}
+                if len(paths) != 1:
+                    raise RuntimeError(f"auto's {step} {part or 'block'} collectives: "
+                                       f"quantized {paths}")
+                got[part] = paths.pop()
+            out[step] = got.get("", got)
         return out
 
     # 1. calibration: the exact prefill's FLOP/s with no limit sets the emulated links' rates
@@ -225,8 +237,19 @@ def main() -> None:
             use_link(link)
         return decode_stepper(step_engines[config], comm)
 
-    # 2. every engine compiled (warm); auto's once per link, under the table measured on it
-    tables, contexts, auto_paths = {}, {}, {}
+    def prefill_runner(engine, comm, context):
+        """A function timing one prefill of ``engine`` per call under ``comm`` and the
+        (link profile, table) ``context``."""
+        def run():
+            set_comm(model, comm)
+            with use_tuning_link(context[0]), use_table(context[1]):
+                list(engine.generate(ids, 1))
+            return [engine.last_timings["ttft"]]
+        return run
+
+    # 2. every engine compiled (warm); auto's once per link, under the table measured on it, in
+    # both layouts; the faster prefill decides which layout auto runs on that link
+    tables, contexts, auto_paths, auto_comms, auto_layouts = {}, {}, {}, {}, {}
     for name, comm in strategies:
         set_comm(model, comm)
         t = time.perf_counter()
@@ -256,22 +279,35 @@ def main() -> None:
                 f"{r.candidate} {r.seconds * 1e3:.2f} ms" for r in steps))
             tables[link] = [dataclasses.asdict(r) for r in table.rows]
             contexts[name, link] = (link_profile(link), table)
-            set_comm(model, comm)  # the step measurement left its last candidate's comm
-            with use_tuning_link(contexts[name, link][0]), use_table(table), record() as plans:
-                engines[name, link] = compiled()
-            auto_paths[link] = block_paths(plans, seq)
+            layouts = {}
+            for lay in (comm, TPComm("auto+overlap", comm.axis_name, config=comm.config,
+                                     bidirectional=comm.bidirectional,
+                                     fuse_norm=comm.fuse_norm)):
+                set_comm(model, lay)  # the step measurement left its last candidate's comm
+                with use_tuning_link(contexts[name, link][0]), use_table(table), \
+                        record() as plans:
+                    layouts[lay.kind] = (lay, compiled(), block_paths(plans, seq, lay.overlap))
+            prefill = measure_steps({k: prefill_runner(e, c, contexts[name, link])
+                                     for k, (c, e, _) in layouts.items()}, rounds=LAYOUT_ROUNDS)
+            chosen = min(prefill, key=prefill.get)
+            auto_comms[link], engines[name, link], auto_paths[link] = layouts[chosen]
+            auto_layouts[link] = {"chosen": chosen, "prefill_s": prefill,
+                                  "quantizes": {k: v[2] for k, v in layouts.items()},
+                                  "rounds": LAYOUT_ROUNDS}
+            log(f"{name} on {link}: prefill " + ", ".join(
+                f"{k} {v * 1e3:.0f} ms" for k, v in prefill.items()) + f"; runs {chosen}")
         log(f"{name}: compiled and warmed up in {time.perf_counter() - t:.1f} s")
 
     def run_once(name, comm, link, decode_tokens):
         """One generation of ``name`` on ``link`` (the link already set)."""
         key = (name, link) if comm.kind == "auto" else (name, None)
         profile, table = contexts.get(key, (None, None))
-        set_comm(model, comm)
+        auto = auto_paths.get(link) if comm.kind == "auto" else {"prefill": False,
+                                                                  "decode": False}
+        set_comm(model, auto_comms[link] if comm.kind == "auto" else comm)
         with use_tuning_link(profile), use_table(table if table is not None else
                                                  tuning_active()):
             out = list(engines[key].generate(ids, decode_tokens + 1))
-        auto = auto_paths.get(link) if comm.kind == "auto" else {"prefill": False,
-                                                                  "decode": False}
         timings = engines[key].last_timings
         return timings["ttft"], timings["decode"], out, auto
 
@@ -298,7 +334,8 @@ def main() -> None:
         use_link(link)
         for name, comm in strategies:
             key = (name, link) if comm.kind == "auto" else (name, None)
-            steppers[name, link] = decode_stepper(engines[key], comm)
+            steppers[name, link] = decode_stepper(
+                engines[key], auto_comms[link] if comm.kind == "auto" else comm)
         for k in range(args.reps * args.decode_tokens):
             for name, _ in strategies[k % len(strategies):] + strategies[:k % len(strategies)]:
                 samples[name, link]["side_by_side"].extend(steppers[name, link]())
@@ -307,12 +344,14 @@ def main() -> None:
     for name, comm in strategies:
         for link in ["unlimited"] + links:
             smp, (tokens, auto) = samples[name, link], last[name, link]
-            pre = ttft.step_traffic(cfg, nproc, comm, seq, decode=False,
+            ran = auto_comms[link] if comm.kind == "auto" else comm
+            pre = ttft.step_traffic(cfg, nproc, ran, seq, decode=False,
                                     auto_quantizes=auto["prefill"])
-            dec = ttft.step_traffic(cfg, nproc, comm, seq, decode=True,
+            dec = ttft.step_traffic(cfg, nproc, ran, seq, decode=True,
                                     auto_quantizes=auto["decode"])
             row = {"link": link, **ttft.strategy_fields(name, comm),
                    "auto_quantizes": auto if comm.kind == "auto" else None,
+                   "auto_layout": ran.kind if comm.kind == "auto" else None,
                    "ttft_s": statistics.median(smp["ttft"]), "ttft_samples_s": smp["ttft"],
                    "decode_s_per_token": statistics.median(smp["side_by_side"]),
                    "decode_samples_s": smp["side_by_side"],
@@ -338,6 +377,7 @@ def main() -> None:
                   "reps": args.reps, "model": "SmolLM2-135M-Instruct (GGUF Q4_1, run in f32)",
                   "links": {k: link_info[k] for k in ["unlimited"] + links},
                   "compute": compute, "rows": rows, "auto_tables": tables,
+                  "auto_layouts": auto_layouts,
                   "tbf": {"burst": ttft.BURST,
                                                             "latency": ttft.TBF_LATENCY}})
 

@@ -35,7 +35,7 @@ DEFAULT_MIN_BYTES = 1 << 20
 #: ``"exact"``: cotangent collectives are the lax ones; ``"quantized"``: they use the config.
 GRAD_MODES = ("exact", "quantized")
 #: The communication kinds of :class:`jax_flashcomm.nn.TPComm` (and the model CLIs' --comm).
-COMM_KINDS = ("exact", "flash", "overlap", "flash+overlap", "auto")
+COMM_KINDS = ("exact", "flash", "overlap", "flash+overlap", "auto", "auto+overlap")
 #: How a call's bytes move between ranks (:mod:`jax_flashcomm.transport`).
 TRANSPORTS = ("auto", "xla", "p2p")
 #: The codec implementation: its FFI kernels, its pure-jnp twin, or the plan's choice.

@@ -15,18 +15,22 @@ that kind::
 
 ``make_step(config)`` builds the step with every collective under ``config`` (compiling it) and
 returns a function that runs it and returns the seconds of the steps it ran.
+
+:func:`measure_steps` times whole variants of a step side by side: what decides a choice made for
+the whole model rather than per call, such as the sequence-parallel layout (``TPComm("auto")``
+against ``TPComm("auto+overlap")``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from jax_flashcomm import tuning
 from jax_flashcomm.config import CommConfig
 
-__all__ = ["measure_in_step", "candidate_config", "count_calls", "STEP_OPS"]
+__all__ = ["measure_in_step", "measure_steps", "candidate_config", "count_calls", "STEP_OPS"]
 
 #: The collectives a step can be measured for.
 STEP_OPS = ("psum", "psum_scatter", "all_gather")
@@ -66,6 +70,46 @@ def count_calls(plans, op: str, nbytes: int, n: int, dtype: str) -> int:
     dtype = np.dtype(dtype).name
     return sum(planner.WEIGHED.get(p.op, p.op) == op and p.nbytes == nbytes and p.axis_size == n
                and p.dtype == dtype for p in plans)
+
+
+def measure_steps(steps: Mapping[str, Callable[[], Sequence[float]]], *,
+                  rounds: int = 3) -> dict[str, float]:
+    """The median step time of each variant of a step, the variants run in turn.
+
+    Every process must call it alike; process 0's medians become every process's (so that all
+    make the same choice from them).
+
+    Args:
+      steps: ``{name: run}``; ``run()`` runs the variant's step (compiled beforehand) and
+        returns the seconds of each step it ran.
+      rounds: each variant runs this many times, interleaved (the order rotated round by
+        round, so that the machine's slow spells hit every variant alike).
+
+    Returns:
+      ``{name: median seconds}``.
+
+    Raises:
+      ValueError: no variant, ``rounds < 1``, or a run that returned no time.
+    """
+    import jax
+    import numpy as np
+
+    names = list(steps)
+    if rounds < 1 or not names:
+        raise ValueError("measure_steps: needs rounds >= 1 and at least one step")
+    samples = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            samples[name].extend(float(s) for s in steps[name]())
+    empty = [name for name in names if not samples[name]]
+    if empty:
+        raise ValueError(f"measure_steps: {', '.join(empty)} returned no step time")
+    seconds = np.array([statistics.median(samples[name]) for name in names])
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        seconds = multihost_utils.broadcast_one_to_all(seconds)
+    return {name: float(s) for name, s in zip(names, seconds)}
 
 
 def measure_in_step(make_step: Callable[[CommConfig], Callable[[], Sequence[float]]],
@@ -117,18 +161,9 @@ def measure_in_step(make_step: Callable[[CommConfig], Callable[[], Sequence[floa
         if plans and not count_calls(plans, op, nbytes, n, dtype):
             raise ValueError(f"measure_in_step: the step built under {cand} makes no {op} of "
                              f"{nbytes} B per rank over {n} ranks ({dtype}): nothing to measure")
-    samples = {cand: [] for cand in candidates}
-    for r in range(rounds):
-        order = list(candidates[r % len(candidates):]) + list(candidates[:r % len(candidates)])
-        for cand in order:
-            samples[cand].extend(float(s) for s in runs[cand]())
-    seconds = np.array([statistics.median(samples[c]) for c in candidates])
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        seconds = multihost_utils.broadcast_one_to_all(seconds)
+    seconds = measure_steps(runs, rounds=rounds)
     bits = planner.choice_bits(op, config)
     return [tuning.Measurement(op, layout, n, dtype, nbytes, cand,
-                               bits if cand.startswith("quantized") else None, float(s),
+                               bits if cand.startswith("quantized") else None, seconds[cand],
                                scope="step")
-            for cand, s in zip(candidates, seconds)]
+            for cand in candidates]

@@ -262,14 +262,17 @@ def parse_setting(name: str):
     reduce-scatter R bits, all-gather A bits), a floating-point format (``fp8``, ``mxfp4``,
     ``nvfp4``) in place of either phase (``nvfp4``, ``nvfp4/fp8``, ``int4/fp8``),
     ``overlap+`` any of those, or ``auto`` / ``autoB`` (the automatic choice per call, within
-    a budget of B bits, default 8)."""
+    a budget of B bits, default 8; ``overlap+auto``, ``overlap+autoB``: in the
+    sequence-parallel layout)."""
     from jax_flashcomm import CommConfig
     from jax_flashcomm.nn import TPComm
 
     if name in ("exact", "overlap"):
         return name, TPComm(name)
-    if name.startswith("auto") and (name == "auto" or name[4:].isdigit()):
-        return name, TPComm("auto", bits=int(name[4:] or 8))
+    before, sequence_parallel, rest = name.rpartition("overlap+")
+    if not before and rest.startswith("auto") and (rest == "auto" or rest[4:].isdigit()):
+        return name, TPComm("auto+overlap" if sequence_parallel else "auto",
+                            bits=int(rest[4:] or 8))
     kind, plus, quant = name.partition("+")
     if plus and kind == "overlap":
         kind = "flash+overlap"
@@ -282,8 +285,8 @@ def parse_setting(name: str):
     ag = _phase(second, False) if slash else None
     if kind is None or rs is None or (slash and ag is None):
         raise ValueError(f"unknown setting {name!r}: use exact, overlap, intB, intR/A, fp8, "
-                         f"mxfp4, nvfp4 (either phase: nvfp4/fp8), overlap+<setting>, auto or "
-                         f"autoB")
+                         f"mxfp4, nvfp4 (either phase: nvfp4/fp8), overlap+<setting>, auto, "
+                         f"autoB or overlap+auto[B]")
     fields = {"min_bytes": 0}
     if rs[0] == "int":
         fields["bits"] = rs[1]
@@ -351,10 +354,12 @@ def _check_comm(parser: argparse.ArgumentParser, args) -> None:
     quant = (args.bits, args.rs_bits, args.ag_bits, args.format, args.rs_format, args.ag_format)
     if args.comm in ("exact", "overlap") and any(b is not None for b in quant):
         parser.error(f"--comm {args.comm} does not quantize: --bits/--rs-bits/--ag-bits and "
-                     f"--format/--rs-format/--ag-format need --comm flash, flash+overlap or auto")
-    if args.comm == "auto" and args.min_bytes not in (None, "auto"):
-        parser.error(f"--comm auto chooses the path of every call; --min-bytes "
-                     f"{args.min_bytes} pins the size policy (use --comm flash)")
+                     f"--format/--rs-format/--ag-format need --comm flash, flash+overlap, auto "
+                     f"or auto+overlap")
+    if args.comm.startswith("auto") and args.min_bytes not in (None, "auto"):
+        parser.error(f"--comm {args.comm} chooses the path of every call; --min-bytes "
+                     f"{args.min_bytes} pins the size policy (use --comm "
+                     f"{args.comm.replace('auto', 'flash')})")
     try:
         comm_options(args)
     except (TypeError, ValueError, OSError) as e:
@@ -388,7 +393,7 @@ def comm_options(args) -> dict:
     for name in ("rotation", "spikes", "min_bytes"):
         if name in options:
             options[name] = _number_or_name(options[name])
-    if args.comm in ("flash", "flash+overlap", "auto"):
+    if args.comm in ("flash", "flash+overlap", "auto", "auto+overlap"):
         CommConfig(**{**({} if config is None else dataclasses.asdict(config)), **options})
     return {"config": config, **options}
 
@@ -467,7 +472,7 @@ def describe(args) -> str:
     c = comm_from_args(args).config
     phases = "/".join(f"int{b}" if f == "int" else f for f, b in (
         (c.phase1_format, c.phase1_bits), (c.phase2_format, c.phase2_bits)))
-    if args.comm == "auto":
-        return f"auto (per call: exact or {phases} G={c.group_size}){fused}"
+    if args.comm.startswith("auto"):
+        return f"{args.comm} (per call: exact or {phases} G={c.group_size}){fused}"
     return (f"{args.comm} {phases} G={c.group_size} "
             f"spikes={c.spikes} rotation={c.rotation} min_bytes={c.min_bytes}{fused}")

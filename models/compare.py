@@ -6,7 +6,8 @@
 
 A setting is ``exact``, ``overlap``, ``intB`` (flash, B bits both phases), ``intR/A``
 (flash, reduce-scatter R bits, all-gather A bits), ``overlap+intB``, or ``auto`` / ``autoB``
-(per call, exact or B-bit quantized, whichever is predicted faster; docs/autotune.md).
+(per call, exact or B-bit quantized, whichever is predicted faster; docs/autotune.md; in the
+sequence-parallel layout: ``overlap+auto``).
 The weights are loaded once; each setting gets its own compiled engine. For each setting:
 perplexity over the text windows, greedy continuations of the prompts, stopped at EOS (and how
 many of their tokens match the first setting's before the first difference, the table's
@@ -192,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--settings", default="exact,int8,int6,int4",
                         help="comma-separated settings: exact, overlap, intB, intR/A, fp8, "
                              "mxfp4, nvfp4, either phase a format (nvfp4/fp8), overlap+<setting>, "
-                             "auto, autoB")
+                             "auto, autoB, overlap+auto")
     for flag in ("format", "rs_format", "ag_format"):
         parser.add_argument("--" + flag.replace("_", "-"), dest=flag, default=None,
                             choices=("int", "fp8", "mxfp4", "nvfp4"),

@@ -72,7 +72,7 @@ def _main(args) -> int:
         print(f"{r['setting']:<8}{r['ttft_s'] * 1e3:>9.1f}{r['tokens_per_s_median']:>7.1f}"
               f"{r['perplexity']:>9.3f}{r['allreduce_bytes_per_token']:>13.0f}  {words}")
     for r in rows:
-        if r["comm"] == "auto":
+        if r["comm"].startswith("auto"):
             print(f"{r['setting']} chose, per traced call site: " + "; ".join(
                 f"{k} x{v}" for k, v in sorted(r["plans"].items())))
     return 0

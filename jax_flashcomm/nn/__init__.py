@@ -1,6 +1,7 @@
 """Flax NNX tensor-parallel layers that communicate through jax_flashcomm.
 
-Every layer takes a :class:`TPComm` (``exact``, ``flash``, ``overlap`` or ``flash+overlap``),
+Every layer takes a :class:`TPComm` (:data:`COMM_KINDS`: ``exact``, ``flash``, ``overlap``,
+``flash+overlap``, ``auto`` or ``auto+overlap``),
 keeps its parameters at global shape with sharding metadata, and runs on local shards inside a
 ``jax.shard_map`` (a model step's, or :func:`shard_call`'s for a layer on its own).
 """

@@ -2,7 +2,7 @@
 
 :class:`TPComm` holds a mesh axis, a :class:`~jax_flashcomm.CommConfig` and whether the
 sequence-parallel ring matmuls are used; the path of every call is
-:func:`jax_flashcomm.planner.plan`'s. The four kinds (``TPComm.kind``) name the combinations:
+:func:`jax_flashcomm.planner.plan`'s. The kinds (``TPComm.kind``) name the combinations:
 
 * ``"exact"``: ``bits=None``, all-reduce after each row-parallel matmul (Megatron-style TP).
 * ``"flash"``: the quantized all-reduce (Flash Communication) under the size policy.
@@ -15,6 +15,10 @@ sequence-parallel ring matmuls are used; the path of every call is
   transport that runs here, chosen from the tuning table or the cost model; docs/autotune.md).
   The config's bits are the accuracy budget (default 8). Sequence parallelism is a choice of
   layout for the whole model, not of one call: ``auto`` keeps the all-reduce layout.
+* ``"auto+overlap"``: the sequence-parallel layout of ``overlap``, each ring matmul taking the
+  fastest path its config allows (the exact ring or, within the budget, the quantized one).
+  Which layout is faster is a property of the whole step: measure it
+  (:func:`jax_flashcomm.tune_step.measure_steps`; benchmarks/ttft.py times both per link).
 * ``"flash+overlap"``: the same ring matmuls with a quantized config: the all-gather ring
   carries chunks quantized once (``ag_bits``), the reduce-scatter is the local matmul then the
   quantized ``psum_scatter`` (``rs_bits``; a quantized reduce-scatter ring would add N-1
@@ -73,13 +77,14 @@ class TPComm:
         if not isinstance(axis_name, str):
             raise TypeError(f"TPComm: axis_name must be a mesh axis name (str), got "
                             f"{axis_name!r}")
-        quantized = kind.startswith("flash") or kind == "auto"
+        quantized = kind.startswith(("flash", "auto"))
         if config is None and not quantized:
             config = CommConfig(bits=None)
         config = config_from(config, options, "TPComm")
-        if kind == "auto" and not config.auto:
-            raise ValueError(f"TPComm: kind='auto' chooses per call; min_bytes="
-                             f"{config.min_bytes} pins the size policy (use kind='flash')")
+        if kind.startswith("auto") and not config.auto:
+            raise ValueError(f"TPComm: kind={kind!r} chooses per call; min_bytes="
+                             f"{config.min_bytes} pins the size policy (use kind="
+                             f"{kind.replace('auto', 'flash')!r})")
         if quantized and config.exact:
             raise ValueError(f"TPComm: kind={kind!r} quantizes; its config has bits=None (use "
                              f"kind='exact' or 'overlap')")
@@ -125,7 +130,7 @@ class TPComm:
     @property
     def overlap(self) -> bool:
         """Whether the sequence-parallel ring matmuls are used (where the caller allows)."""
-        return self.kind in ("overlap", "flash+overlap")
+        return self.kind.endswith("overlap")
 
     def all_reduce(self, x):
         """Sum of the ranks' partial results, replicated (after a row-parallel matmul)."""

@@ -209,3 +209,35 @@ def test_quick_run_end_to_end(tmp_path):
     assert rows["nvlink", "int4"]["ttft_s"] < rows["nvlink", "exact"]["ttft_s"]
     assert out.with_suffix(".png").stat().st_size > 0
     assert shutil.which("ip")
+
+
+@pytest.mark.parametrize("quantized", [{"ag": True, "rs": False}, {"ag": False, "rs": True}])
+def test_auto_overlap_prefill_bytes_match_compiled_hlo(quantized):
+    """auto+overlap's prefill with its ring matmuls' collectives chosen apart (a synthetic
+    table: the quantized candidate 10x faster for one, 10x slower for the other)."""
+    import jax_flashcomm as fc
+    from jax_flashcomm import planner, tuning
+
+    rows = []
+    for op, part in (("all_gather", "ag"), ("psum_scatter", "rs")):
+        for size in (1024, 1 << 20):
+            rows += [tuning.Measurement(op, "in-process", 3, "float32", size, "lax", None, 1e-3),
+                     tuning.Measurement(op, "in-process", 3, "float32", size, "quantized/xla",
+                                        planner.choice_bits(op, fc.CommConfig()),
+                                        1e-4 if quantized[part] else 1e-2)]
+    mesh = jax.make_mesh((3,), ("tp",), devices=jax.devices()[:3])
+    comm = TPComm("auto+overlap", transport="xla")
+    with tuning.use_table(tuning.Table(key={"synthetic": True}, rows=tuple(rows))), \
+            fc.record() as plans:
+        model, _ = load_model(None, tp=3, mesh=mesh, comm=comm,
+                              ckpt=DictCheckpoint(TINY3, tiny_tensors(TINY3)))
+        eng = Engine(model, mesh, cache_len=64)
+        seq = eng.bucket(30)
+        hlo = eng._prefill.lower(eng.state, eng._put(np.zeros((1, seq), np.int32)),
+                                 eng._put(np.int32(30)), eng.new_cache(1)).compile().as_text()
+    ran = {part: {p.quantized for p in plans if p.op == op}
+           for part, op in (("ag", "all_gather_matmul"), ("rs", "matmul_reduce_scatter"))}
+    assert ran == {part: {q} for part, q in quantized.items()}
+    got = ttft.step_traffic(TINY3, 3, comm, seq, decode=False, auto_quantizes=quantized)
+    assert got["bytes"] == pytest.approx(sum(wire_bytes(hlo, 3).values()), rel=1e-12)
+    assert got["collectives"] == _collectives(hlo)
