@@ -2,7 +2,8 @@
 
     .venv/bin/python -m benchmarks.ttft [--links pcie,nvlink] \\
         [--strategies exact,int8,int4,int4/8,overlap,overlap+int8] [--prompt-tokens 128] \\
-        [--decode-tokens 16] [--reps 3] [--out docs/ttft] [--quick] [--transport xla|shm]
+        [--decode-tokens 16] [--reps 3] [--decode-steps N] [--out docs/ttft] [--quick] \\
+        [--transport xla|shm]
 
 Three worker processes (one CPU device each, ``jax.distributed`` over gloo) run in a private
 network namespace (``benchmarks/netns.py``, root). Process 0 sets the namespace's loopback
@@ -12,7 +13,8 @@ times the bytes-per-FLOP of a GPU system (``SYSTEMS``). Each strategy (``models.
 names: exact, overlap, intB, intR/A, overlap+intB) is compiled once and timed on every link:
 ``--reps`` generations of the same prompt (a fixed slice of the ``models.corpus`` text): its
 prefill (TTFT) and a greedy decode of ``--decode-tokens`` tokens, the strategies in turn. The
-decode figure is then measured side by side: ``reps x decode-tokens`` decode steps of every
+decode figure is then measured side by side: ``--decode-steps`` (default ``reps x
+decode-tokens``) decode steps of every
 strategy, one step of each in turn, each from a cache of its own (identical programs timed in
 generations of their own differ by up to 8%; the generations' decode medians are kept as
 ``decode_in_generation_s_per_token``). Writes ``OUT.json``, ``OUT.png``
@@ -254,7 +256,8 @@ def run(args) -> dict:
     tail.start()
     wargs = ["--links", ",".join(args.links), "--strategies", ",".join(args.names),
              "--prompt-tokens", args.prompt_tokens, "--decode-tokens", args.decode_tokens,
-             "--reps", args.reps, "--transport", args.transport]
+             "--reps", args.reps, "--transport", args.transport,
+             "--decode-steps", args.decode_steps or args.reps * args.decode_tokens]
     try:
         results = run_workers("benchmarks.ttft_worker", TP, args=wargs,
                               rate="10gbit", burst=BURST, latency=TBF_LATENCY, mtu=LO_MTU,
@@ -397,6 +400,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--decode-steps", type=int, default=None,
+                    help="decode steps of every strategy timed side by side on each link "
+                         "(default: reps x decode-tokens)")
     ap.add_argument("--out", default=str(REPO / "docs" / "ttft"),
                     help="output prefix (.json, .png, .md are added)")
     ap.add_argument("--timeout", type=float, default=2400.0, help="seconds for the workers")
@@ -415,8 +421,10 @@ def main(argv=None) -> int:
             args.strategies = "exact,int4"
         elif args.strategies == SHM_STRATEGIES:
             args.strategies = "exact,exact-shm,overlap"
-    for name, lo in (("--prompt-tokens", 1), ("--decode-tokens", 1), ("--reps", 1)):
-        if getattr(args, name[2:].replace("-", "_")) < lo:
+    for name, lo in (("--prompt-tokens", 1), ("--decode-tokens", 1), ("--reps", 1),
+                     ("--decode-steps", 1)):
+        value = getattr(args, name[2:].replace("-", "_"))
+        if value is not None and value < lo:
             ap.error(f"{name} must be >= {lo}")
     try:
         args.links = parse_links(args.links)

@@ -58,6 +58,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, required=True)
     ap.add_argument("--decode-tokens", type=int, required=True)
     ap.add_argument("--reps", type=int, required=True)
+    ap.add_argument("--decode-steps", type=int, required=True)
     ap.add_argument("--transport", choices=ttft.TRANSPORTS, default="xla")
     args = ap.parse_args()
     pid, nproc = worker_init(1)
@@ -336,7 +337,7 @@ def main() -> None:
             key = (name, link) if comm.kind == "auto" else (name, None)
             steppers[name, link] = decode_stepper(
                 engines[key], auto_comms[link] if comm.kind == "auto" else comm)
-        for k in range(args.reps * args.decode_tokens):
+        for k in range(args.decode_steps):
             for name, _ in strategies[k % len(strategies):] + strategies[:k % len(strategies)]:
                 samples[name, link]["side_by_side"].extend(steppers[name, link]())
         log(f"decode side by side on {link} done")
@@ -374,7 +375,8 @@ def main() -> None:
         if name in ttft.SYSTEMS:
             info.update({"gpu_" + k: v for k, v in ttft.SYSTEMS[name].items()})
     write_result({"tp": nproc, "prompt_tokens": len(ids), "decode_tokens": args.decode_tokens,
-                  "reps": args.reps, "model": "SmolLM2-135M-Instruct (GGUF Q4_1, run in f32)",
+                  "reps": args.reps, "decode_steps": args.decode_steps,
+                  "model": "SmolLM2-135M-Instruct (GGUF Q4_1, run in f32)",
                   "links": {k: link_info[k] for k in ["unlimited"] + links},
                   "compute": compute, "rows": rows, "auto_tables": tables,
                   "auto_layouts": auto_layouts,

@@ -155,7 +155,7 @@ def test_strategy_and_link_parsing():
 
 @pytest.mark.parametrize("argv", [["--links", "ib"], ["--strategies", "int4,bogus"],
                                   ["--reps", "0"], ["--prompt-tokens", "0"],
-                                  ["--decode-tokens", "-1"]])
+                                  ["--decode-steps", "0"], ["--decode-tokens", "-1"]])
 def test_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
         ttft.main(argv)
