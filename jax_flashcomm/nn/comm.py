@@ -124,7 +124,8 @@ class TPComm:
 
     @property
     def quantized(self) -> bool:
-        """Whether the config quantizes (the ``flash`` kinds)."""
+        """Whether the config may quantize (the ``flash`` kinds; the ``auto`` kinds where a
+        call is predicted faster quantized)."""
         return not self.config.exact
 
     @property
