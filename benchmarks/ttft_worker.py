@@ -281,9 +281,7 @@ def main() -> None:
             tables[link] = [dataclasses.asdict(r) for r in table.rows]
             contexts[name, link] = (link_profile(link), table)
             layouts = {}
-            for lay in (comm, TPComm("auto+overlap", comm.axis_name, config=comm.config,
-                                     bidirectional=comm.bidirectional,
-                                     fuse_norm=comm.fuse_norm)):
+            for lay in (comm, dataclasses.replace(comm, kind="auto+overlap")):
                 set_comm(model, lay)  # the step measurement left its last candidate's comm
                 with use_tuning_link(contexts[name, link][0]), use_table(table), \
                         record() as plans:
