@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_flashcomm import _axes, transport
+from jax_flashcomm import _axes, jax_compat, transport
 from jax_flashcomm.config import CommConfig, config_from, takes_options
 from jax_flashcomm.planner import Plan, as_plan, plan
 
@@ -111,7 +111,7 @@ def _psum_leaf(x, axes, config: CommConfig, name: str = "x"):
     if p.path == "exact":
         return _epsum(vary(x, axes, config), axes, p)
     if not p.quantized:
-        return lax.psum(x, axes)
+        return jax_compat.psum(x, axes)
     return _qpsum(vary(x, axes, config), axes, p)
 
 
@@ -129,7 +129,7 @@ def _vary_fwd(x, axes, config):
 def _vary_bwd(axes, config, _, ct):
     if config.grad == "quantized":
         return (psum(ct, axes, config=config),)
-    return (lax.psum(ct, axes),)
+    return (jax_compat.psum(ct, axes),)
 
 
 _vary.defvjp(_vary_fwd, _vary_bwd)

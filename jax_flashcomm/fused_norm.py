@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_flashcomm import _axes, codec
+from jax_flashcomm import _axes, codec, jax_compat
 from jax_flashcomm.allreduce import two_step, vary
 from jax_flashcomm.codec import norm as codec_norm
 from jax_flashcomm.config import CommConfig, config_from, takes_options
@@ -120,7 +120,7 @@ def psum_add_rms_norm(x, residual, weight, axis_name, *, eps: float = 1e-5,
     p = plan("psum_add_rms_norm", axes, np.shape(x), jnp.result_type(x),
              _axes.axis_size(axes), config)
     if not p.quantized:
-        h = residual + lax.psum(x, axes)
+        h = residual + jax_compat.psum(x, axes)
         out = rms_norm(h, weight, float(eps))
         if out_bits is None:
             return out, h

@@ -6,6 +6,10 @@ release that moves one of them needs an edit in this file alone.
 
 * :func:`all_gather_invariant`: an all-gather whose result is invariant (replicated) over the
   gathered axes, the type ``lax.psum`` gives its result; ``jax.lax`` does not export it.
+* :func:`psum`: ``lax.psum`` that XLA:CPU compiles in every dtype inside a partly manual
+  ``shard_map`` (a 16-bit float psum there aborts XLA's all-reduce promotion).
+* :func:`jit_arguments`: the arguments of the ``jax.jit`` call that is tracing a function
+  now, which carry the Auto-axis shardings that its tracers' types leave out.
 * ``ad_util``, ``core``, ``source_info_util``, ``linear_util``, ``partial_eval``,
   ``FlatTree`` / :func:`flat_tree_flatten`: the jaxpr machinery :mod:`jax_flashcomm.rewrite`
   walks and retraces.
@@ -34,7 +38,7 @@ try:  # Varying -> Invariant all-gather (what psum's result type needs); not re-
 except ImportError:  # pragma: no cover - a JAX without it
     _all_gather_invariant = None
 
-__all__ = ["CHECKED_JAX_VERSIONS", "all_gather_invariant", "ad_util", "core",
+__all__ = ["CHECKED_JAX_VERSIONS", "all_gather_invariant", "psum", "jit_arguments", "ad_util", "core",
            "source_info_util", "linear_util", "partial_eval", "FlatTree", "flat_tree_flatten",
            "jax_version", "distributed_client"]
 
@@ -60,6 +64,76 @@ def all_gather_invariant(x, axes, *, axis: int = 0, tiled: bool = False):
         raise RuntimeError(f"jax {jax.__version__} has no all_gather_invariant; jax_flashcomm "
                            f"was checked against {CHECKED_JAX_VERSIONS}")
     return _all_gather_invariant(x, axes, axis=axis, tiled=tiled)
+
+
+def psum(x, axes):
+    """``lax.psum(x, axes)``, summed in f32 for a 16-bit float ``x`` inside a shard_map that is
+    manual over some of the mesh's axes only.
+
+    There, jax 0.10 lowers the all-reduce's reduction with a ``Sharding`` custom call, and XLA's
+    all-reduce promotion (bf16 / f16 to f32) aborts the process cloning it ("Invalid binary
+    instruction opcode copy"). Summing in f32 and rounding once is what that promotion computes
+    on CPU, so the bits are XLA's; elsewhere it is ``lax.psum`` as it is.
+
+    Args:
+      x: this rank's operand.
+      axes: a mesh axis name or a tuple of them.
+
+    Returns:
+      ``lax.psum``'s result.
+    """
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import AxisType
+
+    dtype = jnp.result_type(x)
+    mesh = jax.sharding.get_abstract_mesh()
+    partly_manual = (AxisType.Manual in mesh.axis_types
+                     and any(t != AxisType.Manual for t in mesh.axis_types))
+    if partly_manual and dtype in (jnp.bfloat16, jnp.float16):
+        return lax.psum(x.astype(jnp.float32), axes).astype(dtype)
+    return lax.psum(x, axes)
+
+
+def jit_arguments(fn):
+    """The array leaves of the ``jax.jit`` call tracing ``fn`` itself right now, or None.
+
+    A value sharded over Auto mesh axes has no spec in its type, so under ``jax.jit`` a
+    function sees only its arguments' shapes; the jit call's own arguments (arrays, or
+    ``jax.ShapeDtypeStruct``s with shardings for ``.lower``) still carry them, in the frame of
+    the JAX function that traces the jitted function. None when ``fn`` is not the jitted
+    function itself (called inside a larger traced function, say), when the jit has static
+    arguments, or when that frame is not found (another JAX version).
+
+    Args:
+      fn: the function being traced.
+
+    Returns:
+      ``(leaves, in_shardings)``: the flat arguments (positional, then keyword) and the jit's
+      flat ``in_shardings`` leaves (None when it has none), or None.
+    """
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_trace_for_jit" and code.co_filename.endswith(
+                ("jax/_src/pjit.py", "jax\\_src\\pjit.py")):
+            break
+        frame = frame.f_back
+    if frame is None:
+        return None
+    local = frame.f_locals
+    fun, info = local.get("fun"), local.get("ji")
+    if fun is not fn and getattr(fun, "__wrapped__", None) is not fn:
+        return None
+    if info is None or info.static_argnums or info.static_argnames:
+        return None
+    leaves = jax.tree.leaves((tuple(local.get("args", ())), dict(local.get("kwargs", {}))))
+    shardings = None
+    if getattr(info, "user_specified_in_shardings", False):
+        shardings = tuple(info.in_shardings_leaves)
+    return leaves, shardings
 
 
 def distributed_client():

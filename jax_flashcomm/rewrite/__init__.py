@@ -17,11 +17,13 @@ replaced and ``docs/rewrite.md`` for the limits.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import numpy as np
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
 
+from jax_flashcomm import jax_compat
 from jax_flashcomm.rewrite.gspmd import Unsupported, auto_axes_of, in_specs, retype
 from jax_flashcomm.rewrite.interpreter import Interpreter
 from jax_flashcomm.rewrite.partitioner import inserted_collectives, partitioner_mesh, \
@@ -29,7 +31,8 @@ from jax_flashcomm.rewrite.partitioner import inserted_collectives, partitioner_
 from jax_flashcomm.rewrite.policy import REWRITABLE_OPS, RewritePolicy, as_policy
 from jax_flashcomm.rewrite.report import Report, ReportRow
 
-__all__ = ["rewrite", "Rewritten", "RewritePolicy", "Report", "ReportRow", "REWRITABLE_OPS"]
+__all__ = ["rewrite", "Rewritten", "RewritePolicy", "RewriteWarning", "Report", "ReportRow",
+           "REWRITABLE_OPS"]
 
 
 class Rewritten:
@@ -41,19 +44,22 @@ class Rewritten:
     abstractly and returns the :class:`Report`.
     """
 
-    def __init__(self, fn, policy: RewritePolicy, with_report: bool):
+    def __init__(self, fn, policy: RewritePolicy, with_report: bool, in_shardings=None):
         if not callable(fn):
             raise TypeError(f"rewrite: fn must be callable, got {type(fn).__name__}")
         self.fn, self.policy, self.with_report = fn, policy, with_report
+        self.in_shardings = in_shardings
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
-        rows = [] if self.with_report else None
+        rows: list = []
         gspmd = self._gspmd(args, kwargs)
-        if gspmd is not None and rows is None:
+        self._unsupported = None
+        if gspmd is not None and not self.with_report and not _traced((args, kwargs)):
             out = self._compiled(args, kwargs, gspmd)
         else:
             out = self._run(args, kwargs, rows, gspmd)
+            self._warn_if_unchanged(rows, gspmd, (args, kwargs))
         return (out, Report(rows)) if self.with_report else out
 
     def report(self, *args, **kwargs) -> Report:
@@ -78,24 +84,58 @@ class Rewritten:
 
     def _gspmd(self, args, kwargs):
         """``(mesh, argument specs)`` of a call whose arguments are sharded over a mesh of Auto
-        axes only (GSPMD; a mesh with Explicit axes too is typed already).
+        axes only (GSPMD; a mesh with Explicit axes too is typed already), else None.
 
         Under a trace (``jax.jit``, ``jax.grad``) Auto shardings are not in the arguments'
-        types: the specs are those of the last call outside a trace (or :meth:`report`) with
-        the same shapes and dtypes, else None (the program is left to XLA's partitioner).
+        types: they come from the ``jax.jit`` call that traces this function directly (its
+        arguments, or its ``in_shardings``), else from the last call with the same shapes and
+        dtypes, else from the ``in_shardings`` given to :func:`rewrite`; with none of these
+        the program is left to XLA's partitioner, with a warning.
         """
         flat, tree = jax.tree.flatten((args, kwargs))
         key = (tree, tuple((tuple(np.shape(x)), str(jax.typeof(x).dtype)) for x in flat))
         seen = self.__dict__.setdefault("_gspmd_seen", {})
-        if any(isinstance(leaf, jax.core.Tracer) for leaf in flat):
-            return seen.get(key)
-        mesh = partitioner_mesh(flat)
-        if mesh is not None and AxisType.Explicit in mesh.axis_types:
-            mesh = None    # Explicit axes too: those are typed already; Auto ones stay with XLA
-        found = None if mesh is None else (mesh, in_specs(flat, mesh))
+        if _traced(flat):
+            found = self._gspmd_of(_jit_leaves(self, flat)) or seen.get(key)
+            if found is None and self.in_shardings is not None:
+                found = self._gspmd_of(_placed(flat, self.in_shardings))
+            if found is not None:
+                seen[key] = found
+            return found
+        found = self._gspmd_of(flat)
         if found is not None:
             seen[key] = found
         return found
+
+    @staticmethod
+    def _gspmd_of(leaves):
+        if leaves is None:
+            return None
+        mesh = partitioner_mesh(leaves)
+        if mesh is None or AxisType.Explicit in mesh.axis_types:
+            return None    # Explicit axes too: those are typed already; Auto ones stay with XLA
+        return mesh, in_specs(leaves, mesh)
+
+    def _warn_if_unchanged(self, rows, gspmd, arguments):
+        """A warning naming the program and why, when the rewrite replaced nothing."""
+        if any(r.action != "kept" for r in rows):
+            return
+        name = getattr(self.fn, "__qualname__", None) or repr(self.fn)
+        auto_mesh = _auto_mesh_of(jax.tree.leaves(arguments))
+        if gspmd is None and auto_mesh is not None:
+            why = ("its arguments are sharded over Auto mesh axes (GSPMD), whose shardings are "
+                   "not in their types under this trace; call it with jax.jit(rewritten) "
+                   "directly, or once outside any trace, or pass in_shardings= to rewrite")
+        elif getattr(self, "_unsupported", None):
+            why = f"the GSPMD program could not be typed with Explicit axes ({self._unsupported})"
+        elif rows:
+            kept = "; ".join(sorted({f"{r.op} at {r.site}: {r.reason}" for r in rows})[:3])
+            why = f"every collective found was kept ({kept})"
+        else:
+            why = ("it has no lax collective inside a shard_map, no collective implied by "
+                   "Explicit sharding and no argument sharded over Auto mesh axes")
+        warnings.warn(f"rewrite({name}): the program is unchanged: {why}", RewriteWarning,
+                      stacklevel=3)
 
     def _compiled(self, args, kwargs, gspmd):
         """A GSPMD call outside any trace: jitted once per argument signature."""
@@ -103,7 +143,12 @@ class Rewritten:
         key = (tree, tuple((leaf.shape, str(leaf.dtype)) for leaf in flat), gspmd[1])
         cache = self.__dict__.setdefault("_gspmd_cache", {})
         if key not in cache:
-            cache[key] = jax.jit(lambda a, k: self._run(a, k, None, gspmd))
+            def run(a, k):
+                rows: list = []
+                out = self._run(a, k, rows, gspmd)
+                self._warn_if_unchanged(rows, gspmd, (a, k))
+                return out
+            cache[key] = jax.jit(run)
         return cache[key](args, kwargs)
 
     def _run(self, args, kwargs, rows, gspmd=None):
@@ -124,7 +169,7 @@ class Rewritten:
         # An eager call evaluates the rewritten program the way jax.jit(fn) would (eager
         # shard_map binds reject what traced ones accept, e.g. a nested shard_map over an
         # Explicit mesh); under a trace it is evaluated in the caller's.
-        traced = any(isinstance(leaf, jax.core.Tracer) for leaf in flat)
+        traced = _traced(flat)
         outs = run(*flat) if traced else jax.jit(run)(*flat)
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
@@ -142,7 +187,62 @@ class Rewritten:
         return f"rewrite({getattr(self.fn, '__name__', self.fn)!r}, {self.policy})"
 
 
-def rewrite(fn, policy: RewritePolicy | None = None, *, report: bool = False) -> Rewritten:
+class RewriteWarning(UserWarning):
+    """A rewrite that leaves its program unchanged, and why."""
+
+
+def _traced(tree) -> bool:
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(tree))
+
+
+def _jit_leaves(fn, flat):
+    """The leaves of the ``jax.jit`` call tracing ``fn``, matched one to one with ``flat``."""
+    found = jax_compat.jit_arguments(fn)
+    if found is None:
+        return None
+    leaves, shardings = found
+    if len(leaves) != len(flat) or any(tuple(np.shape(a)) != tuple(np.shape(b))
+                                       for a, b in zip(leaves, flat)):
+        return None
+    if shardings is not None and len(shardings) == len(leaves):
+        leaves = [jax.ShapeDtypeStruct(np.shape(a), jax.typeof(b).dtype, sharding=s)
+                  if isinstance(s, NamedSharding) else a
+                  for a, b, s in zip(leaves, flat, shardings)]
+    return leaves
+
+
+def _placed(flat, in_shardings):
+    """``flat``'s shapes with the shardings of ``rewrite(..., in_shardings=)`` (one per leaf,
+    or one for all)."""
+    shardings = jax.tree.leaves(in_shardings, is_leaf=lambda s: isinstance(s, NamedSharding))
+    if len(shardings) == 1:
+        shardings = shardings * len(flat)
+    if len(shardings) != len(flat) or not all(isinstance(s, NamedSharding) for s in shardings):
+        raise ValueError(f"rewrite: in_shardings must give one NamedSharding per array leaf of "
+                         f"the arguments ({len(flat)}), or one for all; got {in_shardings!r}")
+    return [jax.ShapeDtypeStruct(np.shape(x), jax.typeof(x).dtype, sharding=s)
+            for x, s in zip(flat, shardings)]
+
+
+def _auto_mesh_of(leaves):
+    """The (abstract) mesh of the first leaf typed on a mesh with an Auto axis of size > 1."""
+    for leaf in leaves:
+        sharding = getattr(leaf, "sharding", None) if not isinstance(leaf, jax.core.Tracer) \
+            else None
+        if not isinstance(sharding, NamedSharding):
+            try:
+                sharding = jax.typeof(leaf).sharding
+            except TypeError:
+                continue
+        mesh = getattr(sharding, "mesh", None)
+        if mesh is not None and any(t == AxisType.Auto and mesh.shape[n] > 1
+                                    for n, t in zip(mesh.axis_names, mesh.axis_types)):
+            return mesh
+    return None
+
+
+def rewrite(fn, policy: RewritePolicy | None = None, *, report: bool = False,
+            in_shardings=None) -> Rewritten:
     """``fn`` with its lax collectives replaced by the flashcomm ones the policy picks.
 
     Args:
@@ -156,11 +256,15 @@ def rewrite(fn, policy: RewritePolicy | None = None, *, report: bool = False) ->
       report: when True, each call returns ``(outputs, Report)`` (outside ``jax.jit`` only:
         a report is not an array). ``rewrite(fn, policy).report(*args)`` gives the report
         without running anything.
+      in_shardings: for a GSPMD program (arguments sharded over Auto mesh axes) traced inside
+        a larger traced function, where its arguments' shardings are not in their types: a
+        ``NamedSharding`` per array leaf of the arguments, or one for all. Not needed for
+        ``jax.jit(rewritten)``, ``.lower`` and eager calls, which see the arguments.
 
     Returns:
       A :class:`Rewritten` callable with ``fn``'s signature.
     """
-    return Rewritten(fn, as_policy(policy), bool(report))
+    return Rewritten(fn, as_policy(policy), bool(report), in_shardings)
 
 
 def _report(fn, policy: RewritePolicy | None = None):
@@ -169,3 +273,4 @@ def _report(fn, policy: RewritePolicy | None = None):
 
 
 rewrite.report = _report
+rewrite.RewriteWarning = RewriteWarning

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_flashcomm.jax_compat import core
 
-__all__ = ["Implied", "Kept", "Region", "entries", "analyze_dot", "analyze_reshard",
+__all__ = ["Implied", "Kept", "Region", "entry", "entries", "analyze_dot", "analyze_reshard",
            "unreduced_region", "LINEAR_PRIMITIVES"]
 
 #: Primitives an unreduced value may pass through between its dots and its reduction point
@@ -102,23 +102,27 @@ class Region:
         return tuple(sorted((*self.sources, *self.inner)))
 
 
-def _entry(value) -> tuple:
+def entry(value) -> tuple:
+    """A spec entry as a tuple of axis names."""
     if value is None:
         return ()
     return tuple(value) if isinstance(value, (tuple, list)) else (value,)
 
 
 def entries(aval) -> tuple[tuple, frozenset, object] | None:
-    """``(per-dimension axis tuples, unreduced axes, mesh)`` of a sharded aval, or None when it
-    carries no mesh axes (no mesh, or only Auto / Manual ones)."""
+    """``(per-dimension axis tuples, unreduced axes, mesh)`` of a sharded aval (axes of size 1
+    left out), or None when it carries no mesh axes (no mesh, or only Auto / Manual ones)."""
     sharding = getattr(aval, "sharding", None)
     mesh = getattr(sharding, "mesh", None)
     if mesh is None or not getattr(mesh, "axis_names", ()):
         return None
     spec = sharding.spec
     parts = tuple(spec.partitions) if hasattr(spec, "partitions") else tuple(spec)
-    per_dim = tuple(_entry(parts[d]) if d < len(parts) else () for d in range(aval.ndim))
-    unreduced = frozenset(getattr(spec, "unreduced", ()) or ())
+    sizes = dict(mesh.shape)
+    real = lambda axes: tuple(a for a in axes if sizes.get(a, 2) != 1)  # noqa: E731
+    # an axis of size 1 shards nothing: a dimension over it alone is replicated
+    per_dim = tuple(real(entry(parts[d])) if d < len(parts) else () for d in range(aval.ndim))
+    unreduced = frozenset(real(getattr(spec, "unreduced", ()) or ()))
     return per_dim, unreduced, mesh
 
 
@@ -223,7 +227,9 @@ def analyze_reshard(eqn) -> Implied | Kept | None:
     got_in, got_out = entries(in_aval), entries(out_aval)
     if got_in is None or got_out is None:
         return None
-    (src, src_u, mesh), (dst, dst_u, _) = got_in, got_out
+    (src, src_u, mesh), (dst, dst_u, dst_mesh) = got_in, got_out
+    if tuple(dst_mesh.axis_types) != tuple(mesh.axis_types):
+        return None        # into or out of an auto_axes / explicit_axes region: no data moves
     used = {a for e in (*src, *dst) for a in e} | set(src_u) | set(dst_u)
     if not used or not _all_explicit(mesh, used):
         return None

@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_flashcomm.jax_compat import core, source_info_util
 
-__all__ = ["retype", "in_specs", "auto_axes_of", "Unsupported"]
+__all__ = ["retype", "in_specs", "auto_axes_of", "lookup", "Unsupported"]
 
 
 class Unsupported(Exception):
@@ -43,9 +44,8 @@ class Unsupported(Exception):
 
 
 def auto_axes_of(mesh) -> tuple:
-    """The Auto axes of ``mesh`` of size > 1."""
-    return tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types)
-                 if t == AxisType.Auto and mesh.shape[n] > 1)
+    """The Auto axes of ``mesh``, size 1 included (argument specs and constraints name them)."""
+    return tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Auto)
 
 
 def in_specs(leaves, mesh) -> tuple:
@@ -114,8 +114,11 @@ class _Retyper:
             invals = [read(v) for v in eqn.invars]
             name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
             # the equation's context holds the (empty) mesh of its Auto trace: ours goes inside
-            with (source_info_util.user_context(eqn.source_info.traceback,
-                                                name_stack=name_stack), eqn.ctx.manager,
+            # an equation of a library's jit body (jnp.take's) keeps its caller's source line
+            tb = eqn.source_info.traceback
+            if tb is None or source_info_util.user_frame(tb) is None:
+                tb = source_info_util.current().traceback
+            with (source_info_util.user_context(tb, name_stack=name_stack), eqn.ctx.manager,
                   jax.sharding.use_abstract_mesh(mesh)):
                 outs = self.eqn(jaxpr, eqn, invals, users)
             if not eqn.primitive.multiple_results:
@@ -143,6 +146,10 @@ class _Retyper:
             return self.while_loop(params, invals)
         if name == "cond":
             return self.cond(params, invals)
+        if name == "gather":
+            found = lookup(eqn, invals)
+            if found is not None:
+                return found
         if any(core.jaxprs_in_params(params)):
             raise Unsupported(f"{name} (a primitive with a body other than jit, scan, while, "
                               f"cond, checkpoint or a custom derivative)")
@@ -224,6 +231,65 @@ class _Retyper:
             return fn
 
         return lax.switch(index, [branch(b) for b in branches], *operands)
+
+
+def lookup(eqn, invals):
+    """A row lookup into a table sharded along its rows (``take``, ``.at[].get``, embedding
+    tables split over the vocabulary) as XLA partitions it: each rank gathers the rows it holds
+    (zeros elsewhere) and the looked-up rows are summed, a ``psum`` inside a ``shard_map`` that
+    the rewrite then replaces like any other. None when the gather is not such a lookup.
+
+    Replicating the table instead (what typing the gather with Explicit axes gives) would move
+    the whole table: vocab x hidden per step instead of the rows looked up.
+    """
+    table, indices = invals
+    dn, params = eqn.params["dimension_numbers"], eqn.params
+    if (dn.collapsed_slice_dims != (0,) or dn.start_index_map != (0,) or dn.operand_batching_dims
+            or indices.shape[-1:] != (1,) or not jnp.issubdtype(table.dtype, jnp.inexact)
+            or tuple(params["slice_sizes"]) != (1, *table.shape[1:])):
+        return None
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = dict(mesh.shape)
+    spec = lambda x: tuple(core.typeof(x).sharding.spec) + (None,) * x.ndim  # noqa: E731
+    rows, rest = spec(table)[0], spec(table)[1:table.ndim]
+    rows = tuple(a for a in ((rows,) if isinstance(rows, str) else rows or ()) if sizes[a] > 1)
+    index_axes = {a for e in spec(indices)[:indices.ndim] if e
+                  for a in ((e,) if isinstance(e, str) else e)}
+    if not rows or any(rest) or index_axes & set(rows) or spec(indices)[indices.ndim - 1]:
+        return None
+    n = int(np.prod([sizes[a] for a in rows]))
+    vocab = table.shape[0]
+    if vocab % n or tuple(dn.offset_dims) != tuple(range(indices.ndim - 1, indices.ndim
+                                                          + table.ndim - 2)):
+        return None
+    per_rank, mode = vocab // n, params["mode"]
+    clip = mode != lax.GatherScatterMode.FILL_OR_DROP
+    fill = params.get("fill_value")
+    index_spec = P(*spec(indices)[:indices.ndim])
+    out_spec = P(*spec(indices)[:indices.ndim - 1], *(None,) * (table.ndim - 1))
+
+    def local(table, idx):
+        idx = idx[..., 0]
+        idx = jnp.clip(idx, 0, vocab - 1) if clip else idx
+        here = idx - lax.axis_index(rows) * per_rank
+        mine = ((here >= 0) & (here < per_rank)).reshape(*idx.shape, *(1,) * (table.ndim - 1))
+        got = jnp.take(table, jnp.clip(here, 0, per_rank - 1), axis=0)
+        total = lax.psum(jnp.where(mine, got, jnp.zeros((), table.dtype)), rows)
+        if clip:
+            return total
+        valid = ((idx >= 0) & (idx < vocab)).reshape(mine.shape)
+        return jnp.where(valid, total, jnp.asarray(jnp.nan if fill is None else fill,
+                                                   table.dtype))
+
+    where = source_info_util.current().traceback
+
+    def body(table, idx):        # traced anew: its equations keep the gather's source line
+        with source_info_util.user_context(where):
+            return local(table, idx)
+
+    manual = set(rows) | index_axes
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(rows), index_spec), out_specs=out_spec,
+                         axis_names=manual)(table, indices)
 
 
 def _keep_types(outs, like):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from jax_flashcomm import _axes
 from jax_flashcomm.allreduce import psum as flash_psum
@@ -270,18 +271,53 @@ def emit(island: Island, jaxpr, invals, config) -> tuple[jax.Array, list]:
                            else env[last.outvars[0]])
                 out = _collective(implied, partial, config)
         plans.extend(seen)
-        return out
+        if island.kind == "norm":
+            return tuple(_unvaried(o, s) for o, s in zip(out, out_spec))
+        return _unvaried(out, out_spec)
+
+    outs = ((island.norm.out, island.norm.new_residual) if island.kind == "norm"
+            else (jaxpr.eqns[island.at].outvars[0],))
+    in_specs = tuple(_with_unit_axes(s, core.typeof(v)) for s, v in zip(implied.in_specs, invals))
+    out_spec = tuple(_with_unit_axes(s, v.aval) for s, v in zip(
+        implied.out_spec if island.kind == "norm" else (implied.out_spec,), outs))
+    out_spec = out_spec if island.kind == "norm" else out_spec[0]
 
     def run(*vals, check_vma=True):
-        return jax.shard_map(body, mesh=implied.mesh, in_specs=implied.in_specs,
-                             out_specs=implied.out_spec, axis_names=set(implied.manual),
-                             check_vma=check_vma)(*vals)
+        return jax.shard_map(body, mesh=implied.mesh, in_specs=in_specs, out_specs=out_spec,
+                             axis_names=set(implied.manual), check_vma=check_vma)(*vals)
 
     if island.kind == "collective" and implied.op == "all_gather":
         out = _replicated_gather(run, jaxpr.eqns[island.at])(*invals)
     else:
         out = run(*invals)
     return out, plans
+
+
+def _unvaried(x, spec):
+    """``x`` made invariant over the axes of size 1 it varies over but ``spec`` leaves out (a
+    sum of one value: an input sharded over such an axis makes everything after it vary)."""
+    named = {a for e in spec for a in explicit.entry(e)}
+    sizes = dict(jax.sharding.get_abstract_mesh().shape)
+    unit = tuple(a for a in sorted(_axes.varying_axes(x))
+                 if sizes.get(a) == 1 and a not in named)
+    return jax.lax.psum(x, unit) if unit else x
+
+
+def _with_unit_axes(spec, aval):
+    """``spec``, or ``aval``'s own spec where the two differ only in axes of size 1 (the
+    analysis leaves those out, as they shard nothing; shard_map matches specs by name)."""
+    sharding = getattr(aval, "sharding", None)
+    own = getattr(sharding, "spec", None)
+    if own is None or getattr(own, "unreduced", None):
+        return spec
+    sizes = dict(sharding.mesh.shape)
+
+    def real(s):
+        return [tuple(a for a in explicit.entry(e) if sizes.get(a, 2) != 1) for e in s]
+
+    ndim = max(len(own), len(spec))
+    pad = lambda s: list(s) + [None] * (ndim - len(s))  # noqa: E731
+    return P(*own) if real(pad(own)) == real(pad(spec)) else spec
 
 
 def _replicated_gather(run, reshard):
