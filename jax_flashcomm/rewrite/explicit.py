@@ -173,9 +173,13 @@ def analyze_dot(dot) -> Implied | Kept | None:
     reduced: list = []
     for i, j in zip(lc, rc):
         if lhs[i] != rhs[j]:
-            return Kept("psum", tuple(dict.fromkeys(lhs[i] + rhs[j])),
-                        f"contracting dimensions sharded differently in the operands "
-                        f"({spec_of((lhs[i],))} and {spec_of((rhs[j],))})")
+            axes = tuple(dict.fromkeys(lhs[i] + rhs[j]))
+            return Kept("psum", axes,
+                        f"the contracted dimension is sharded over {list(axes)} differently in "
+                        f"the two operands ({spec_of((lhs[i],))} and {spec_of((rhs[j],))}): "
+                        f"XLA gathers an operand or sums partial products here, as it finds "
+                        f"cheaper; the rewrite takes a dot whose operands are sharded alike "
+                        f"along it")
         reduced += [a for a in lhs[i] if a not in reduced]
     natural = _natural_output(dot, lhs, rhs)
     used = {a for e in (*lhs, *rhs, *out) for a in e} | set(out_u) | set(reduced)
@@ -213,8 +217,10 @@ def analyze_dot(dot) -> Implied | Kept | None:
             return Kept("psum_scatter", suffix, f"dimension {d} ({shape[d]} per rank) does not "
                         f"divide over {suffix}", shape, out_aval.dtype)
     return Kept("psum", tuple(reduced),
-                f"the output sharding {spec_of(out)} is not the operands' {spec_of(natural)} "
-                f"reduced or reduce-scattered over {reduced}", shape, out_aval.dtype)
+                f"XLA sums the partial products over {reduced} and moves the sum to "
+                f"{spec_of(out)}, a layout the operands do not give ({spec_of(natural)}); the "
+                f"rewrite takes a sum to the operands' layout or a reduce-scatter of it",
+                shape, out_aval.dtype)
 
 
 def analyze_reshard(eqn) -> Implied | Kept | None:

@@ -215,38 +215,68 @@ def partitioner_mesh(leaves):
 
 def partitioner_rows(inserted, rows, unsupported: str | None = None) -> list[ReportRow]:
     """The report rows of the collectives the partitioner inserted, each with what the rewrite
-    did: the island at the same equation (an all-reduce XLA slices afterwards is the
-    reduce-scatter the island runs), else the first unmatched island of
-    the same op, axes and per-rank bytes (XLA often moves a gather or a reduction to a
-    neighbouring equation), else kept."""
+    did there.
+
+    Collectives and islands are matched in program order (the module's order is the jaxpr's:
+    the layers of a scan or a repeated block share their source lines and ``op_name``, so a
+    match by name alone would pair a gather with a reduction). A collective takes the first
+    unmatched island of the same reduction kind (an all-reduce XLA slices afterwards is the
+    reduce-scatter the island runs) over the same axes: of its source line and per-rank bytes,
+    else of its source line, else of its bytes (XLA often moves a gather or a reduction to a
+    neighbouring equation). None matched: kept, with the reason of a kept row at its line.
+    """
     islands = [r for r in rows if r.path != "partitioner" and r.action != "kept"]
+    kept = [r for r in rows if r.path != "partitioner" and r.action == "kept"]
     used: set = set()
 
-    def pick(test):
+    def pick(c, test):
         for k, r in enumerate(islands):
-            if k not in used and test(r):
+            if k not in used and _same_kind(c, r) and test(r):
                 used.add(k)
                 return r
         return None
 
     out = []
     for c in inserted:
-        same = pick(lambda r: r.site == c.site) or pick(
-            lambda r: (r.op, r.axes, r.bytes_per_rank) == (c.op, c.axes, c.bytes_per_rank))
-        out.append(_row(c, same, unsupported))
+        same = (pick(c, lambda r: r.site == c.site and r.bytes_per_rank == c.bytes_per_rank)
+                or pick(c, lambda r: r.site == c.site)
+                or pick(c, lambda r: r.bytes_per_rank == c.bytes_per_rank))
+        why = next((r.reason for r in kept if r.site == c.site), None)
+        out.append(_row(c, same, unsupported, why))
     return out
 
 
-def _row(c: Inserted, same, unsupported) -> ReportRow:
-    what = f"inserted by XLA's SPMD partitioner ({c.kind} for {c.primitive})"
+def _same_kind(c: Inserted, r: ReportRow) -> bool:
+    reductions = {"psum", "psum_scatter"}
+    ops_match = c.op == r.op or (c.op in reductions and r.op in reductions)
+    return ops_match and (not c.axes or tuple(c.axes) == tuple(r.axes))
+
+
+#: What each collective does to the data, in the report's words.
+_DOES = {"all-reduce": "sums the partial results of every rank",
+         "reduce-scatter": "sums the partial results and scatters the sum",
+         "all-gather": "gathers an operand every rank holds a slice of",
+         "all-to-all": "moves an operand to another sharding (all-to-all)",
+         "collective-permute": "sends an operand to a neighbour (collective-permute)"}
+
+
+def _row(c: Inserted, same, unsupported, kept_reason=None) -> ReportRow:
+    what = (f"inserted by XLA's SPMD partitioner: its {c.kind} for {c.primitive} "
+            f"{_DOES.get(c.kind, '')} ({c.dtype}{list(c.shape)} per rank)")
     if same is not None:
         action, detail = same.action, same.detail
         where = "at the same equation" if same.site == c.site else f"at {same.site}"
         reason = f"{what}; replaced by the rewrite's {same.op} {where} ({same.reason})"
     else:
         action, detail = "kept", "xla"
-        reason = (f"{what}; the program could not be typed with Explicit axes ({unsupported})"
-                  if unsupported else f"{what}; no island of this op and size")
+        if unsupported:
+            why = f"the program could not be typed with Explicit axes ({unsupported})"
+        elif kept_reason:
+            why = f"the rewrite left this equation to XLA: {kept_reason}"
+        else:
+            why = ("no collective of the typed program matches it (XLA's own choice of where to "
+                   "communicate)")
+        reason = f"{what}; {why}"
     return ReportRow(
         primitive=c.primitive, op=c.op, axes=c.axes, shape=c.shape, dtype=c.dtype,
         bytes_per_rank=c.bytes_per_rank, axis_size=c.group_size, site=c.site,

@@ -231,3 +231,35 @@ def test_a_rewrite_that_changes_something_does_not_warn():
         warnings.simplefilter("error", RewriteWarning)
         rewrite(fn, INT8)(*args)
         jax.jit(rewrite(fn, INT8))(*args)
+
+
+def test_report_attributes_the_partitioner_collectives_of_a_scanned_stack():
+    """Every dot of a scanned stack goes through one helper (one source line, one op_name, as
+    MaxText's dense layers do): each collective XLA inserted is matched to the island of its
+    kind in program order, so the rows marked kept are exactly the collectives still in the
+    rewritten program."""
+    mesh = jax.make_mesh((1, 4), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2,
+                         devices=jax.devices()[:4])
+    rng = np.random.RandomState(3)
+    pin = lambda v, *s: lax.with_sharding_constraint(v, NamedSharding(mesh, P(*s)))  # noqa
+
+    def dense(x, w):
+        return jnp.einsum("...d,df->...f", x, w)
+
+    def fn(x, w):
+        def layer(x, w):
+            h = pin(jax.nn.silu(dense(x, w["up"])), None, None, "tensor")
+            return x + pin(dense(h, w["down"]), None, None, "tensor"), None
+        return lax.scan(layer, x, w)[0]
+
+    x = _put(mesh, rng.randn(2, 8, 64), P(None, None, "tensor"))
+    w = {"up": _put(mesh, rng.randn(3, 64, 256) / 8, P(None, None, "tensor")),
+         "down": _put(mesh, rng.randn(3, 256, 64) / 16, P(None, "tensor", None))}
+    rewritten = rewrite(fn, INT8)
+    rows = rewritten.report(x, w).where(path="partitioner")
+    assert sorted((r.op, r.action) for r in rows) == [("all_gather", "kept"),
+                                                      ("psum", "quantized")]
+    left = [c.kind for c in _collectives(rewritten, x, w) if c.dtype == "float32"]
+    assert left == ["all-gather"]
+    gather = next(r for r in rows if r.op == "all_gather")
+    assert "sharded over ['tensor'] differently in the two operands" in gather.reason
