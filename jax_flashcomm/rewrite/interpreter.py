@@ -30,7 +30,7 @@ import os
 
 import numpy as np
 from jax import lax
-from jax_flashcomm import _axes
+from jax_flashcomm import _axes, codec
 from jax_flashcomm.allreduce import psum as flash_psum
 from jax_flashcomm.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from jax_flashcomm.jax_compat import ad_util, core, flat_tree_flatten, source_info_util
@@ -41,7 +41,7 @@ from jax_flashcomm.fused_norm import psum_add_rms_norm
 from jax_flashcomm.rewrite import explicit, fusion, islands, norm_fusion
 from jax_flashcomm.rewrite.higher_order import HANDLERS, bind
 from jax_flashcomm.rewrite.policy import RewritePolicy
-from jax_flashcomm.rewrite.report import ReportRow, short_path
+from jax_flashcomm.rewrite.report import ReportRow, sent_bytes, short_path
 from jax_flashcomm.scatter_gather import all_gather as flash_all_gather
 from jax_flashcomm.scatter_gather import psum_scatter as flash_psum_scatter
 
@@ -148,6 +148,17 @@ def _outcome(decisions, note: str | None) -> tuple[str, str, str]:
     if note:
         reason = f"{reason}; {note}"
     return action, detail, reason
+
+
+def _per_byte(plan, itemsize: int) -> tuple[float, float]:
+    """Payload bytes per operand byte of a plan's reduce-scatter and all-gather phases."""
+    def phase(bits, fmt, spikes):
+        if not bits:
+            return 1.0
+        return codec.spec.format_wire_bytes_per_element(fmt, plan.group_size, bits,
+                                                        spikes) / itemsize
+    return (phase(plan.rs_bits, plan.rs_format, plan.rs_spikes),
+            phase(plan.ag_bits, plan.ag_format, plan.ag_spikes))
 
 
 def _same_type(a, b) -> bool:
@@ -376,7 +387,7 @@ class Interpreter:
                 out = flash_all_gather(x, axes, axis=p["all_gather_dimension"],
                                        tiled=p["tiled"], config=config)
         self._check_type(eqn, out, ctx)
-        self._row(eqn, ctx, *_outcome(decisions, note))
+        self._row(eqn, ctx, *_outcome(decisions, note), plans=decisions)
         return out
 
     def _norm(self, planned, read, ctx: _Context):
@@ -395,7 +406,8 @@ class Interpreter:
         action, detail, reason = _outcome(plans, None)
         detail = f"psum_add_rms_norm {detail}".strip()
         self._row(psum_eqn, ctx, "fused", detail,
-                  f"fused with the residual add and the RMSNorm ({action}); {reason}")
+                  f"fused with the residual add and the RMSNorm ({action}); {reason}",
+                  plans=plans)
         return out, residual
 
     def _island(self, island: islands.Island, jaxpr, read, ctx: _Context):
@@ -414,7 +426,8 @@ class Interpreter:
                       f"psum_add_rms_norm {detail}".strip(),
                       f"implied by the sharding; fused with the residual add and the RMSNorm "
                       f"({action}); {reason}", op=implied.op, axes=implied.axes,
-                      shape=implied.shape, dtype=implied.dtype, axis_size=implied.axis_size)
+                      shape=implied.shape, dtype=implied.dtype, axis_size=implied.axis_size,
+                      plans=plans)
             return out
         if island.kind in ("all_gather_matmul", "matmul_reduce_scatter"):
             ring = plans[0]
@@ -428,7 +441,7 @@ class Interpreter:
             f"before it)")}.get(island.kind, "implied by the sharding")
         self._row(jaxpr.eqns[island.report], ctx, action, detail, f"{where}; {reason}",
                   op=implied.op, axes=implied.axes, shape=implied.shape, dtype=implied.dtype,
-                  axis_size=implied.axis_size)
+                  axis_size=implied.axis_size, plans=plans)
         return out
 
     def _fused(self, match: fusion.MatmulFusion, eqn, read, ctx: _Context):
@@ -447,15 +460,16 @@ class Interpreter:
         detail = match.kind + (f" int{ring.ag_bits}" if ring.quantized else "")
         reason = f"fused with the dot; {ring.path} over {ring.transport} ({ring.reason})"
         self._check_type(eqn, out, ctx)
-        self._row(collective, ctx, "fused", detail, reason)
+        self._row(collective, ctx, "fused", detail, reason, plans=plans)
         return out
 
     # --- report -----------------------------------------------------------------------------
 
     def _row(self, eqn, ctx: _Context, action: str, detail: str, reason: str, *, op=None,
-             axes=None, shape=None, dtype=None, axis_size=None):
+             axes=None, shape=None, dtype=None, axis_size=None, plans=()):
         """One report row; ``op`` ... ``axis_size`` default to the equation's own (a lax
-        collective's), and are given for the collectives implied by sharding."""
+        collective's), and are given for the collectives implied by sharding; ``plans``, the
+        flashcomm calls made for it, give the bytes it sends."""
         if self.rows is None:
             return
         aval = eqn.invars[0].aval
@@ -468,11 +482,15 @@ class Interpreter:
                          else _implied_axis_size(aval, axes))
         site, _ = _call_site(eqn)
         scope = "/".join(s for s in (ctx.scope, str(eqn.source_info.name_stack)) if s)
+        op = op or REWRITABLE.get(name, name)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        sent = None
+        if plans and plans[0].quantized:
+            sent = sent_bytes(op, nbytes, axis_size, _per_byte(plans[0], dtype.itemsize))
         self.rows.append(ReportRow(
-            primitive=name, op=op or REWRITABLE.get(name, name), axes=axes, shape=shape,
-            dtype=str(dtype), bytes_per_rank=int(np.prod(shape, dtype=np.int64)) * dtype.itemsize,
-            axis_size=axis_size, site=site, scope=scope, path=ctx.path or "-",
-            action=action, detail=detail, reason=reason))
+            primitive=name, op=op, axes=axes, shape=shape, dtype=str(dtype),
+            bytes_per_rank=nbytes, axis_size=axis_size, site=site, scope=scope,
+            path=ctx.path or "-", action=action, detail=detail, reason=reason, sent=sent))
 
     def _report_unentered(self, jaxpr: core.Jaxpr, ctx: _Context, primitive: str):
         for eqn in jaxpr.eqns:

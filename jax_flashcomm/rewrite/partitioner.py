@@ -277,7 +277,10 @@ def _row(c: Inserted, same, unsupported, kept_reason=None) -> ReportRow:
             why = ("no collective of the typed program matches it (XLA's own choice of where to "
                    "communicate)")
         reason = f"{what}; {why}"
-    return ReportRow(
+    row = ReportRow(
         primitive=c.primitive, op=c.op, axes=c.axes, shape=c.shape, dtype=c.dtype,
         bytes_per_rank=c.bytes_per_rank, axis_size=c.group_size, site=c.site,
         scope=c.op_name, path="partitioner", action=action, detail=detail, reason=reason)
+    if same is None or same.sent is None or not same.xla_sent:
+        return row
+    return dataclasses.replace(row, sent=round(row.xla_sent * same.sent / same.xla_sent))
