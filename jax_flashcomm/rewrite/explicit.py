@@ -161,6 +161,21 @@ def _natural_output(dot, lhs, rhs) -> tuple | str:
         rhs[d] for d in free_r)
 
 
+def _sliced_contraction(lhs, rhs, lc, rc):
+    """The operands' layouts with a contracted dimension that one operand has replicated and
+    the other sharded over axes ``R`` taken as sharded over ``R`` in both: the replicated one
+    is sliced locally (no communication; a one-hot lookup into a vocab-sharded table, say),
+    and the dot sums partial products over ``R``, as XLA partitions it. Unchanged where the
+    replicated operand already uses ``R`` in another dimension."""
+    lhs, rhs = list(lhs), list(rhs)
+    for i, j in zip(lc, rc):
+        for mine, other, k, m in ((lhs, rhs, i, j), (rhs, lhs, j, i)):
+            used = {a for d, e in enumerate(mine) if d != k for a in e}
+            if not mine[k] and other[m] and not used & set(other[m]):
+                mine[k] = other[m]
+    return tuple(lhs), tuple(rhs)
+
+
 def analyze_dot(dot) -> Implied | Kept | None:
     """The collective a ``dot_general`` equation implies, None if it implies none."""
     lhs_aval, rhs_aval = (v.aval for v in dot.invars)
@@ -171,6 +186,7 @@ def analyze_dot(dot) -> Implied | Kept | None:
     (lhs, lhs_u, mesh), (rhs, rhs_u, _), (out, out_u, _) = got
     (lc, rc), _ = dot.params["dimension_numbers"]
     reduced: list = []
+    lhs, rhs = _sliced_contraction(lhs, rhs, lc, rc)
     for i, j in zip(lc, rc):
         if lhs[i] != rhs[j]:
             axes = tuple(dict.fromkeys(lhs[i] + rhs[j]))

@@ -34,6 +34,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_flashcomm import _axes
 from jax_flashcomm.jax_compat import core, source_info_util
 
 __all__ = ["retype", "in_specs", "auto_axes_of", "lookup", "Unsupported"]
@@ -234,62 +235,91 @@ class _Retyper:
 
 
 def lookup(eqn, invals):
-    """A row lookup into a table sharded along its rows (``take``, ``.at[].get``, embedding
-    tables split over the vocabulary) as XLA partitions it: each rank gathers the rows it holds
-    (zeros elsewhere) and the looked-up rows are summed, a ``psum`` inside a ``shard_map`` that
-    the rewrite then replaces like any other. None when the gather is not such a lookup.
+    """A lookup into a table sharded along the dimension it indexes (``take``, ``.at[].get``,
+    ``take_along_axis``; embedding tables split over the vocabulary) as XLA partitions it:
+    each rank gathers the entries it holds (zeros elsewhere) and the looked-up entries are
+    summed, a ``psum`` inside a ``shard_map`` that the rewrite then replaces like any other.
+    None when the gather is not such a lookup.
 
     Replicating the table instead (what typing the gather with Explicit axes gives) would move
     the whole table: vocab x hidden per step instead of the rows looked up.
     """
     table, indices = invals
     dn, params = eqn.params["dimension_numbers"], eqn.params
-    if (dn.collapsed_slice_dims != (0,) or dn.start_index_map != (0,) or dn.operand_batching_dims
-            or indices.shape[-1:] != (1,) or not jnp.issubdtype(table.dtype, jnp.inexact)
-            or tuple(params["slice_sizes"]) != (1, *table.shape[1:])):
+    if not jnp.issubdtype(table.dtype, jnp.inexact) or indices.ndim == 0:
         return None
-    mesh = jax.sharding.get_abstract_mesh()
-    sizes = dict(mesh.shape)
-    spec = lambda x: tuple(core.typeof(x).sharding.spec) + (None,) * x.ndim  # noqa: E731
-    rows, rest = spec(table)[0], spec(table)[1:table.ndim]
-    rows = tuple(a for a in ((rows,) if isinstance(rows, str) else rows or ()) if sizes[a] > 1)
-    index_axes = {a for e in spec(indices)[:indices.ndim] if e
-                  for a in ((e,) if isinstance(e, str) else e)}
-    if not rows or any(rest) or index_axes & set(rows) or spec(indices)[indices.ndim - 1]:
+    sizes = dict(jax.sharding.get_abstract_mesh().shape)
+    table_spec, index_spec = _specs(table), _specs(indices)
+    real = lambda e: tuple(a for a in e if sizes[a] > 1)  # noqa: E731
+    sharded = [d for d in range(table.ndim) if real(table_spec[d])
+               and d not in dn.operand_batching_dims]
+    if len(sharded) != 1 or sharded[0] not in dn.collapsed_slice_dims:
+        return None
+    k = sharded[0]
+    rows = real(table_spec[k])
+    index_axes = {a for e in index_spec for a in real(e)}
+    batch_ok = all(real(table_spec[d]) == real(index_spec[b]) for d, b in zip(
+        dn.operand_batching_dims, dn.start_indices_batching_dims))
+    if (k not in dn.start_index_map or index_axes & set(rows) or real(index_spec[-1])
+            or not batch_ok):
         return None
     n = int(np.prod([sizes[a] for a in rows]))
-    vocab = table.shape[0]
-    if vocab % n or tuple(dn.offset_dims) != tuple(range(indices.ndim - 1, indices.ndim
-                                                          + table.ndim - 2)):
+    if table.shape[k] % n:
         return None
-    per_rank, mode = vocab // n, params["mode"]
-    clip = mode != lax.GatherScatterMode.FILL_OR_DROP
+    per_rank, size, component = table.shape[k] // n, table.shape[k], dn.start_index_map.index(k)
+    clip = params["mode"] != lax.GatherScatterMode.FILL_OR_DROP
     fill = params.get("fill_value")
-    index_spec = P(*spec(indices)[:indices.ndim])
-    out_spec = P(*spec(indices)[:indices.ndim - 1], *(None,) * (table.ndim - 1))
+    out_ndim = indices.ndim - 1 + len(dn.offset_dims)
+    batch = iter(index_spec[:-1])
+    out_spec = P(*(None if d in dn.offset_dims else _one(next(batch)) for d in range(out_ndim)))
+    expand = tuple(dn.offset_dims)
 
     def local(table, idx):
-        idx = idx[..., 0]
-        idx = jnp.clip(idx, 0, vocab - 1) if clip else idx
-        here = idx - lax.axis_index(rows) * per_rank
-        mine = ((here >= 0) & (here < per_rank)).reshape(*idx.shape, *(1,) * (table.ndim - 1))
-        got = jnp.take(table, jnp.clip(here, 0, per_rank - 1), axis=0)
+        at = idx[..., component]
+        at = jnp.clip(at, 0, size - 1) if clip else at
+        here = at - lax.axis_index(rows) * per_rank
+        mine = jnp.expand_dims((here >= 0) & (here < per_rank), expand)
+        idx = idx.at[..., component].set(jnp.clip(here, 0, per_rank - 1).astype(idx.dtype))
+        table, idx = _axes.match_varying([table, idx], ())
+        got = eqn.primitive.bind(table, idx, **eqn.primitive.get_bind_params(
+            {**params, "slice_sizes": tuple(params["slice_sizes"])}))
         total = lax.psum(jnp.where(mine, got, jnp.zeros((), table.dtype)), rows)
         if clip:
             return total
-        valid = ((idx >= 0) & (idx < vocab)).reshape(mine.shape)
+        valid = jnp.expand_dims((at >= 0) & (at < size), expand)
         return jnp.where(valid, total, jnp.asarray(jnp.nan if fill is None else fill,
                                                    table.dtype))
 
     where = source_info_util.current().traceback
 
+    named = {a for e in (*table_spec, *index_spec) for a in e}
+    unit = tuple(sorted(a for a in named if sizes[a] == 1
+                        and a not in {b for e in out_spec for b in _axes_tuple(e)}))
+
     def body(table, idx):        # traced anew: its equations keep the gather's source line
         with source_info_util.user_context(where):
-            return local(table, idx)
+            out = local(table, idx)
+        over = tuple(a for a in unit if a in _axes.varying_axes(out))
+        return lax.psum(out, over) if over else out      # a sum of one value over each
 
-    manual = set(rows) | index_axes
-    return jax.shard_map(body, mesh=mesh, in_specs=(P(rows), index_spec), out_specs=out_spec,
-                         axis_names=manual)(table, indices)
+    return jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(),
+                         in_specs=(P(*map(_one, table_spec)), P(*map(_one, index_spec))),
+                         out_specs=out_spec, axis_names=named | set(rows))(table, indices)
+
+
+def _axes_tuple(entry) -> tuple:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _specs(x) -> list[tuple]:
+    """Per dimension of ``x``, the axes of its (Explicit) type's spec."""
+    spec = tuple(core.typeof(x).sharding.spec)
+    spec = spec + (None,) * (x.ndim - len(spec))
+    return [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
+
+
+def _one(axes: tuple):
+    return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 def _keep_types(outs, like):

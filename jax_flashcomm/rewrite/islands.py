@@ -283,6 +283,9 @@ def emit(island: Island, jaxpr, invals, config) -> tuple[jax.Array, list]:
     out_spec = out_spec if island.kind == "norm" else out_spec[0]
 
     def run(*vals, check_vma=True):
+        # an operand replicated along a dimension the island takes sharded: a local slice
+        vals = [v if P(*core.typeof(v).sharding.spec) == s else jax.sharding.reshard(v, s)
+                for v, s in zip(vals, in_specs)]
         return jax.shard_map(body, mesh=implied.mesh, in_specs=in_specs, out_specs=out_spec,
                              axis_names=set(implied.manual), check_vma=check_vma)(*vals)
 
