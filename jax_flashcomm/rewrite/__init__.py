@@ -30,6 +30,7 @@ from jax_flashcomm.rewrite.partitioner import inserted_collectives, partitioner_
     partitioner_rows
 from jax_flashcomm.rewrite.policy import REWRITABLE_OPS, RewritePolicy, as_policy
 from jax_flashcomm.rewrite.report import Report, ReportRow
+from jax_flashcomm.rewrite.untype import untype
 
 __all__ = ["rewrite", "Rewritten", "RewritePolicy", "RewriteWarning", "Report", "ReportRow",
            "REWRITABLE_OPS"]
@@ -174,14 +175,16 @@ class Rewritten:
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
     def _run_gspmd(self, closed, leaves, rows, mesh, specs):
-        """The GSPMD program typed with Explicit axes (:mod:`.gspmd`), then rewritten."""
+        """The GSPMD program typed with Explicit axes (:mod:`.gspmd`), rewritten, and evaluated
+        back in its Auto form (:mod:`.untype`)."""
         def explicit(*values):
             typed = jax.make_jaxpr(retype(closed))(*values)
             return Interpreter(self.policy, rows).run(typed, list(values))
 
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            return jax.sharding.explicit_axes(explicit, axes=auto_axes_of(mesh),
-                                              in_sharding=tuple(specs))(*leaves)
+            rewritten = jax.make_jaxpr(jax.sharding.explicit_axes(
+                explicit, axes=auto_axes_of(mesh), in_sharding=tuple(specs)))(*leaves)
+        return untype(rewritten, mesh)(*leaves)
 
     def __repr__(self):
         return f"rewrite({getattr(self.fn, '__name__', self.fn)!r}, {self.policy})"

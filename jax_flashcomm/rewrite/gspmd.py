@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_flashcomm import _axes
 from jax_flashcomm.jax_compat import core, source_info_util
+from jax_flashcomm.rewrite.untype import CONSTRAINT_SCOPE
 
 __all__ = ["retype", "in_specs", "auto_axes_of", "lookup", "Unsupported"]
 
@@ -64,7 +65,8 @@ def in_specs(leaves, mesh) -> tuple:
 def _unmeshed(value):
     """A constant of the Auto trace (typed on its mesh when traced under ``jax.set_mesh``) as
     a host value, which the Explicit trace takes as replicated."""
-    if isinstance(value, (jax.Array, np.ndarray)) and not isinstance(value, core.Tracer):
+    if (isinstance(value, (jax.Array, np.ndarray)) and not isinstance(value, core.Tracer)
+            and not jnp.issubdtype(value.dtype, jax.dtypes.extended)):   # a PRNG key stays
         mesh = getattr(getattr(core.typeof(value), "sharding", None), "mesh", None)
         if mesh is not None and getattr(mesh, "axis_names", ()):
             return np.asarray(value)          # literals too (an ndarray that carries a type)
@@ -132,7 +134,8 @@ class _Retyper:
         if name == "sharding_constraint":
             if params.get("unconstrained_dims"):
                 return invals[0]
-            return jax.sharding.reshard(invals[0], _spec(params["sharding"]))
+            with jax.named_scope(CONSTRAINT_SCOPE):       # a constraint again once untyped
+                return jax.sharding.reshard(invals[0], _spec(params["sharding"]))
         if name in ("jit", "pjit"):
             closed = params["jaxpr"]
             return self.eval(closed.jaxpr, closed.consts, invals)
@@ -304,7 +307,7 @@ def lookup(eqn, invals):
 
     return jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(),
                          in_specs=(P(*map(_one, table_spec)), P(*map(_one, index_spec))),
-                         out_specs=out_spec, axis_names=named | set(rows))(table, indices)
+                         out_specs=out_spec)(table, indices)    # manual over every axis
 
 
 def _axes_tuple(entry) -> tuple:

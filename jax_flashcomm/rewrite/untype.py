@@ -1,0 +1,201 @@
+"""A rewritten GSPMD program back in the Auto form it was written in.
+
+The rewrite reads a GSPMD program typed with Explicit axes (:mod:`.gspmd`), but emitting it in
+that form would change more than its collectives: under Explicit axes JAX pins every value's
+sharding with a constraint, XLA keeps the reshards the typing needed (a scan carry brought back
+to its initial layout, an operand sliced or gathered to type an equation), and the constraints
+change what XLA fuses, so that its excess-precision rewrites (a bf16 residual stream kept in
+f32 between two ops) differ: the exact policy would no longer give the unmodified program's
+bits. :func:`untype` evaluates the rewritten, typed jaxpr again on the Auto mesh:
+
+* a ``reshard`` made from one of the program's own ``with_sharding_constraint`` equations is
+  that constraint again; every other ``reshard`` (the typing's own, and the entry into and exit
+  from ``explicit_axes``) is dropped: a reshard never changes a value;
+* the sharding parameters of the other equations (``out_sharding``, ``sharding``) are dropped,
+  so XLA's partitioner chooses their layouts as it did;
+* an island (``shard_map``) is bound again on the Auto mesh with its specs: its operands and
+  results keep the layouts the rewrite chose for it;
+* ``jit`` and ``checkpoint`` bodies are evaluated in place, ``scan`` / ``while`` / ``cond``
+  bodies through ``lax.scan`` / ``lax.while_loop`` / ``lax.switch``, custom derivatives bound
+  again with their primal and forward (or JVP) bodies untyped.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_flashcomm.jax_compat import ad_util, core, source_info_util
+from jax_flashcomm.jax_compat import linear_util as lu
+
+__all__ = ["untype", "CONSTRAINT_SCOPE"]
+
+#: The name scope the typing gives the ``reshard`` of a ``with_sharding_constraint``.
+CONSTRAINT_SCOPE = "flashcomm_constraint"
+
+_SHARDING_PARAMS = ("out_sharding", "sharding")
+
+
+def _is_constraint(eqn) -> bool:
+    return CONSTRAINT_SCOPE in str(eqn.source_info.name_stack)
+
+
+class _Untyper:
+    def __init__(self, mesh):
+        self.mesh = mesh                  # the concrete Auto mesh of the arguments
+
+    def eval(self, jaxpr, consts, args):
+        env = {}
+
+        def read(v):
+            return v.val if isinstance(v, core.Literal) else env[v]
+
+        env.update(zip(jaxpr.constvars, consts))
+        env.update(zip(jaxpr.invars, args))
+        for eqn in jaxpr.eqns:
+            invals = [read(v) for v in eqn.invars]
+            name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+            with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
+                outs = self.eqn(eqn, invals)
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+            env.update(zip(eqn.outvars, outs))
+        return [read(v) for v in jaxpr.outvars]
+
+    def eqn(self, eqn, invals):
+        name, params = eqn.primitive.name, eqn.params
+        if name == "reshard":
+            if _is_constraint(eqn):
+                return lax.with_sharding_constraint(
+                    invals[0], NamedSharding(self.mesh, params["dst_sharding"].spec))
+            return invals[0]
+        if name == "shard_map":
+            return self.island(params, invals)
+        if name in ("jit", "pjit"):
+            closed = params["jaxpr"]
+            return self.eval(closed.jaxpr, closed.consts, invals)
+        if name in ("remat2", "checkpoint"):
+            return self.eval(params["jaxpr"], (), invals)
+        if name == "custom_jvp_call":
+            return self.custom_jvp(eqn, invals)
+        if name == "custom_vjp_call":
+            return self.custom_vjp(eqn, invals)
+        if name == "scan":
+            return self.scan(params, invals)
+        if name == "while":
+            return self.while_loop(params, invals)
+        if name == "cond":
+            return self.cond(params, invals)
+        if any(core.jaxprs_in_params(params)):
+            raise NotImplementedError(f"untype: {name}")   # the typing refused these already
+        bound = {k: (None if k in _SHARDING_PARAMS else v) for k, v in params.items()}
+        return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(bound))
+
+    def closed(self, closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
+        """``closed`` traced again untyped."""
+        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+        return jax.make_jaxpr(lambda *a: self.eval(closed.jaxpr, closed.consts, list(a)))(*avals)
+
+    def custom_jvp(self, eqn, invals):
+        """The primal and the JVP rule untyped; the rule is the program's own."""
+        params = dict(eqn.params)
+        params["call_jaxpr"] = self.closed(params["call_jaxpr"])
+        jvp = params["jvp_jaxpr_fun"]
+
+        def untyped_jvp(*zeros):
+            jaxpr, consts, out_zeros = jvp.call_wrapped(*zeros)
+            new = self.closed(core.ClosedJaxpr(jaxpr, consts))
+            return new.jaxpr, new.consts, out_zeros
+
+        params["jvp_jaxpr_fun"] = lu.wrap_init(untyped_jvp, debug_info=jvp.debug_info)
+        return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
+
+    def custom_vjp(self, eqn, invals):
+        """The primal and the forward rule untyped; the backward rule, written for the typed
+        values, runs inside ``explicit_axes`` with the types the forward rule gave its
+        residuals and outputs."""
+        params = dict(eqn.params)
+        n_out = len(params["call_jaxpr"].jaxpr.outvars)
+        params["call_jaxpr"] = self.closed(params["call_jaxpr"])
+        fwd, bwd = params["fwd_jaxpr_thunk"], params["bwd"]
+        typed: list = []
+
+        def untyped_fwd(*nonzeros):
+            jaxpr, consts = fwd.call_wrapped(*nonzeros)
+            specs = [_spec_of(v.aval) for v in jaxpr.outvars]
+            typed[:] = specs[n_out:] + specs[:n_out]         # bwd takes residuals, then cts
+            new = self.closed(core.ClosedJaxpr(jaxpr, consts))
+            return new.jaxpr, new.consts
+
+        def typed_bwd(*args):
+            if len(typed) != len(args) or any(
+                    isinstance(a, (ad_util.Zero, ad_util.SymbolicZero)) for a in args):
+                return bwd.call_wrapped(*args)
+            axes = tuple(self.mesh.axis_names)
+            with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+                return jax.sharding.explicit_axes(lambda *a: tuple(bwd.call_wrapped(*a)),
+                                                  axes=axes, in_sharding=tuple(typed))(*args)
+
+        params["fwd_jaxpr_thunk"] = lu.wrap_init(untyped_fwd, debug_info=fwd.debug_info)
+        params["bwd"] = lu.wrap_init(typed_bwd, debug_info=bwd.debug_info)
+        return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
+
+    def island(self, params, invals):
+        body = params["jaxpr"]
+        closed = body if isinstance(body, core.ClosedJaxpr) else core.ClosedJaxpr(body, ())
+        manual = set(params.get("newly_manual_axes") or params["mesh"].axis_names)
+
+        def run(*args):
+            return tuple(core.eval_jaxpr(closed.jaxpr, closed.consts, *args))
+
+        outs = jax.shard_map(run, mesh=self.mesh, in_specs=tuple(params["in_specs"]),
+                             out_specs=tuple(params["out_specs"]),
+                             axis_names=manual,
+                             check_vma=params["check_vma"])(*invals)
+        return list(outs)
+
+    def scan(self, params, invals):
+        nc, nk = params["num_consts"], params["num_carry"]
+        consts, init, xs = invals[:nc], invals[nc:nc + nk], invals[nc + nk:]
+        body = params["jaxpr"]
+
+        def step(carry, x):
+            outs = self.eval(body.jaxpr, body.consts, [*consts, *carry, *x])
+            return outs[:nk], outs[nk:]
+
+        carry, ys = lax.scan(step, list(init), list(xs), length=params["length"],
+                             reverse=params["reverse"], unroll=params["unroll"])
+        return [*carry, *ys]
+
+    def while_loop(self, params, invals):
+        nc, nb = params["cond_nconsts"], params["body_nconsts"]
+        cond_consts, body_consts, init = invals[:nc], invals[nc:nc + nb], invals[nc + nb:]
+        cond, body = params["cond_jaxpr"], params["body_jaxpr"]
+        return lax.while_loop(
+            lambda c: self.eval(cond.jaxpr, cond.consts, [*cond_consts, *c])[0],
+            lambda c: self.eval(body.jaxpr, body.consts, [*body_consts, *c]), list(init))
+
+    def cond(self, params, invals):
+        index, operands = invals[0], invals[1:]
+
+        def branch(closed):
+            return lambda *ops: self.eval(closed.jaxpr, closed.consts, list(ops))
+
+        return lax.switch(index, [branch(b) for b in params["branches"]], *operands)
+
+
+def _spec_of(aval):
+    sharding = getattr(aval, "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    return P() if spec is None else P(*spec)
+
+
+def untype(closed: core.ClosedJaxpr, mesh):
+    """``closed`` (a rewritten program typed with Explicit axes) as a function evaluated on
+    the Auto mesh ``mesh``, with the layouts left to XLA's partitioner but for the program's
+    own constraints and the islands'."""
+    def fn(*args):
+        return _Untyper(mesh).eval(closed.jaxpr, closed.consts, list(args))
+    return fn
