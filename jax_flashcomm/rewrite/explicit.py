@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_flashcomm.jax_compat import core
 
-__all__ = ["Implied", "Kept", "Region", "entry", "entries", "analyze_dot", "analyze_reshard",
+__all__ = ["Implied", "Kept", "Region", "entry", "entries", "analyze_dot", "analyze_reduce", "analyze_reshard",
            "unreduced_region", "LINEAR_PRIMITIVES"]
 
 #: Primitives an unreduced value may pass through between its dots and its reduction point
@@ -237,6 +237,28 @@ def analyze_dot(dot) -> Implied | Kept | None:
                 f"{spec_of(out)}, a layout the operands do not give ({spec_of(natural)}); the "
                 f"rewrite takes a sum to the operands' layout or a reduce-scatter of it",
                 shape, out_aval.dtype)
+
+
+def analyze_reduce(eqn) -> Implied | Kept | None:
+    """The all-reduce a ``reduce_sum`` over sharded dimensions implies (an RMSNorm's mean of
+    squares over a hidden dimension split over ``R``), None if it implies none."""
+    got_in, got_out = entries(eqn.invars[0].aval), entries(eqn.outvars[0].aval)
+    if got_in is None or got_out is None:
+        return None
+    (src, src_u, mesh), (dst, dst_u, _) = got_in, got_out
+    axes = tuple(eqn.params["axes"])
+    reduced = tuple(dict.fromkeys(a for d in axes for a in src[d]))
+    if not reduced or not _all_explicit(mesh, reduced):
+        return None
+    kept_dims = tuple(src[d] for d in range(len(src)) if d not in axes)
+    dtype = eqn.outvars[0].aval.dtype
+    shape = local_shape(eqn.outvars[0].aval.shape, kept_dims, mesh)
+    if src_u or dst_u or dst != kept_dims or not np.issubdtype(dtype, np.floating):
+        return Kept("psum", reduced, f"XLA sums the partial sums of reduce_sum over "
+                    f"{list(reduced)}; the rewrite takes a float sum whose result keeps the "
+                    f"operand's other dimensions' layout", shape, dtype)
+    return Implied("psum", reduced, None, mesh=mesh, manual=explicit_axes(mesh),
+                   in_specs=(spec_of(src),), out_spec=spec_of(dst), shape=shape, dtype=dtype)
 
 
 def analyze_reshard(eqn) -> Implied | Kept | None:

@@ -103,6 +103,8 @@ def plan_islands(jaxpr, users: dict, producer: dict, select, fuse: bool, config_
             found = explicit.analyze_dot(eqn)
         elif eqn.primitive.name == "reshard":
             found = explicit.analyze_reshard(eqn)
+        elif eqn.primitive.name == "reduce_sum":
+            found = explicit.analyze_reduce(eqn)
         else:
             continue
         if found is not None:

@@ -282,3 +282,27 @@ def test_report_attributes_the_partitioner_collectives_of_a_scanned_stack():
     assert left == ["all-gather"]
     gather = next(r for r in rows if r.op == "all_gather")
     assert "sharded over ['tensor'] differently in the two operands" in gather.reason
+
+
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit])
+def test_rms_norm_over_a_sharded_hidden_dimension(kind):
+    """An RMSNorm whose hidden dimension is split over tensor (MaxText's base rules shard the
+    activations' embed dimension): its reduce_sum is an all-reduce, replaced like a dot's."""
+    mesh = jax.make_mesh((1, 4), ("fsdp", "tensor"), axis_types=(kind,) * 2,
+                         devices=jax.devices()[:4])
+    rng = np.random.RandomState(5)
+    x = _put(mesh, rng.randn(4, 32, 256), P(None, None, "tensor"))
+    g = _put(mesh, 1 + rng.randn(256) / 8, P("tensor"))
+
+    def fn(x, g):
+        y = x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * g
+        if kind == AxisType.Auto:
+            y = lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, None, "tensor")))
+        return y
+
+    with jax.set_mesh(mesh):
+        rows = [r for r in rewrite(fn, INT8).report(x, g) if r.path != "partitioner"]
+        assert [(r.op, r.shape, r.action) for r in rows] == [("psum", (4, 32), "quantized")]
+        ref = np.asarray(jax.jit(fn)(x, g))
+        np.testing.assert_array_equal(np.asarray(rewrite(fn, EXACT)(x, g)), ref)
+        assert 0 < np.abs(np.asarray(rewrite(fn, INT8)(x, g)) - ref).max() < 0.1
