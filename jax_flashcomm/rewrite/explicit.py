@@ -53,6 +53,8 @@ class Implied:
       out_spec: the PartitionSpec of its output.
       shape: the collective's operand, per rank.
       dtype: its dtype.
+      operand: for an all-gather of a dot's operand (the contracted dimension sharded in it
+        alone), which operand (0 or 1); None otherwise.
     """
 
     op: str
@@ -64,6 +66,7 @@ class Implied:
     out_spec: object
     shape: tuple
     dtype: object
+    operand: int | None = None     # an all-gather of this dot operand before the dot
 
     @property
     def axis_size(self) -> int:
@@ -176,6 +179,44 @@ def _sliced_contraction(lhs, rhs, lc, rc):
     return tuple(lhs), tuple(rhs)
 
 
+def _gathered_output(out, natural, out_u):
+    """``(d, axes)`` when ``out`` is the dot's natural layout with trailing ``axes`` of one
+    dimension ``d`` gathered (XLA computes the dot sharded, then all-gathers it), else None."""
+    diff = [d for d in range(len(out)) if out[d] != natural[d]]
+    if out_u or len(diff) != 1:
+        return None
+    d = diff[0]
+    if natural[d][:len(out[d])] != out[d] or len(natural[d]) == len(out[d]):
+        return None
+    return d, natural[d][len(out[d]):]
+
+
+def _gathered_operand(dot, lhs, rhs, out, out_u, mesh):
+    """An all-gather of one operand along its contracted dimension, where the other operand
+    has that dimension replicated and cannot take the first one's axes there (they shard
+    another of its dimensions): XLA gathers the operand and the dot is local. None otherwise
+    (or when the dot would not then give ``out``)."""
+    (lc, rc), _ = dot.params["dimension_numbers"]
+    pairs = [(i, j) for i, j in zip(lc, rc) if lhs[i] != rhs[j]]
+    if len(pairs) != 1 or out_u:
+        return None
+    i, j = pairs[0]
+    for k, (mine, other, d) in enumerate(((lhs, rhs, i), (rhs, lhs, j))):
+        peer = j if k == 0 else i
+        if mine[d] and not other[peer] and _all_explicit(mesh, mine[d]):
+            local = list(mine)
+            local[d] = ()
+            new_lhs, new_rhs = (tuple(local), rhs) if k == 0 else (lhs, tuple(local))
+            if _natural_output(dot, new_lhs, new_rhs) != out:
+                return None
+            aval = dot.invars[k].aval
+            return Implied("all_gather", tuple(mine[d]), d, mesh=mesh,
+                           manual=explicit_axes(mesh), in_specs=(spec_of(lhs), spec_of(rhs)),
+                           out_spec=spec_of(out), shape=local_shape(aval.shape, mine, mesh),
+                           dtype=aval.dtype, operand=k)
+    return None
+
+
 def analyze_dot(dot) -> Implied | Kept | None:
     """The collective a ``dot_general`` equation implies, None if it implies none."""
     lhs_aval, rhs_aval = (v.aval for v in dot.invars)
@@ -187,6 +228,9 @@ def analyze_dot(dot) -> Implied | Kept | None:
     (lc, rc), _ = dot.params["dimension_numbers"]
     reduced: list = []
     lhs, rhs = _sliced_contraction(lhs, rhs, lc, rc)
+    gathered = _gathered_operand(dot, lhs, rhs, out, out_u, mesh)
+    if gathered is not None:
+        return gathered
     for i, j in zip(lc, rc):
         if lhs[i] != rhs[j]:
             axes = tuple(dict.fromkeys(lhs[i] + rhs[j]))
@@ -208,6 +252,13 @@ def analyze_dot(dot) -> Implied | Kept | None:
     if not reduced:
         if out == natural and not out_u:
             return None
+        gather = _gathered_output(out, natural, out_u)
+        if gather is not None and _all_explicit(mesh, gather[1]):
+            d, axes = gather
+            return Implied("all_gather", axes, d, mesh=mesh, manual=explicit_axes(mesh),
+                           in_specs=(spec_of(lhs), spec_of(rhs)), out_spec=spec_of(out),
+                           shape=local_shape(out_aval.shape, natural, mesh),
+                           dtype=out_aval.dtype)
         return Kept("reshard", tuple(sorted(used)),
                     f"the output sharding {spec_of(out)} differs from the operands' "
                     f"{spec_of(natural)} (an implied reshard after the dot)")

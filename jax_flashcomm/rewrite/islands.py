@@ -169,6 +169,8 @@ def _plan_fusions(jaxpr, plan: IslandPlan, analyzed, users, producer, config_of)
         if island.kind != "collective" or len(implied.axes) != 1:
             continue
         eqn = jaxpr.eqns[i]
+        if implied.op == "all_gather" and eqn.primitive.name != "reshard":
+            continue                  # a dot's own gather: not a gather feeding a dot
         if implied.op == "all_gather":
             fused, note = _gather_dot(jaxpr, i, implied, analyzed, users)
         elif implied.op == "psum_scatter":
@@ -226,6 +228,17 @@ def _local(eqn, invals):
     return out if eqn.primitive.multiple_results else [out]
 
 
+def _gather(implied: Implied, eqn, vals, config):
+    """A reshard's all-gather; a dot's operand gathered, then the local dot; or the local
+    dot, then its result gathered."""
+    if eqn.primitive.name == "reshard":
+        return _collective(implied, vals[0], config)
+    if implied.operand is not None:
+        vals[implied.operand] = _collective(implied, vals[implied.operand], config)
+        return _local(eqn, vals)[0]
+    return _collective(implied, _local(eqn, vals)[0], config)
+
+
 def _collective(implied: Implied, x, config):
     if implied.op == "psum":
         return flash_psum(x, implied.axes, config=config)
@@ -256,7 +269,7 @@ def emit(island: Island, jaxpr, invals, config) -> tuple[jax.Array, list]:
                 out = matmul_reduce_scatter(vals[0], vals[1], implied.axes[0], axis=implied.dim,
                                             config=config)
             elif island.kind == "collective" and implied.op == "all_gather":
-                out = _collective(implied, vals[0], config)
+                out = _gather(implied, jaxpr.eqns[island.at], list(vals), config)
             elif island.kind == "norm":
                 dot = jaxpr.eqns[island.report]
                 partial = _local(dot, list(vals[:2]))[0]
@@ -325,19 +338,22 @@ def _with_unit_axes(spec, aval):
     return P(*own) if real(pad(own)) == real(pad(spec)) else spec
 
 
-def _replicated_gather(run, reshard):
-    """The all-gather island with a replicated result (see the module docstring)."""
-    source = reshard.invars[0].aval.sharding
+def _replicated_gather(run, eqn):
+    """The all-gather island with a replicated result (see the module docstring); its
+    backward rule is the original equation's (a reshard's: a local slice; a dot's: its
+    transpose)."""
+    def original(*args):
+        return eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(dict(eqn.params)))
 
     @jax.custom_vjp
-    def gather(x):
-        return run(x, check_vma=False)
+    def gather(*x):
+        return run(*x, check_vma=False)
 
-    def fwd(x):
-        return gather(x), None
+    def fwd(*x):
+        return gather(*x), x
 
-    def bwd(_, ct):
-        return (jax.sharding.reshard(ct, source),)
+    def bwd(x, ct):
+        return tuple(jax.vjp(original, *x)[1](ct))
 
     gather.defvjp(fwd, bwd)
     return gather

@@ -16,8 +16,9 @@ bits. :func:`untype` evaluates the rewritten, typed jaxpr again on the Auto mesh
 * an island (``shard_map``) is bound again on the Auto mesh with its specs: its operands and
   results keep the layouts the rewrite chose for it;
 * ``jit`` and ``checkpoint`` bodies are evaluated in place, ``scan`` / ``while`` / ``cond``
-  bodies through ``lax.scan`` / ``lax.while_loop`` / ``lax.switch``, custom derivatives bound
-  again with their primal and forward (or JVP) bodies untyped.
+  bodies through ``lax.scan`` / ``lax.while_loop`` / ``lax.switch``; a ``custom_jvp`` is bound
+  again with its bodies untyped, a ``custom_vjp`` made anew with its primal untyped and the
+  typed program's derivative.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_flashcomm.jax_compat import ad_util, core, source_info_util
+from jax_flashcomm.jax_compat import core, source_info_util
 from jax_flashcomm.jax_compat import linear_util as lu
 
 __all__ = ["untype", "CONSTRAINT_SCOPE"]
@@ -113,34 +114,35 @@ class _Untyper:
         return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
 
     def custom_vjp(self, eqn, invals):
-        """The primal and the forward rule untyped; the backward rule, written for the typed
-        values, runs inside ``explicit_axes`` with the types the forward rule gave its
-        residuals and outputs."""
-        params = dict(eqn.params)
-        n_out = len(params["call_jaxpr"].jaxpr.outvars)
-        params["call_jaxpr"] = self.closed(params["call_jaxpr"])
-        fwd, bwd = params["fwd_jaxpr_thunk"], params["bwd"]
-        typed: list = []
+        """A custom_vjp again, its primal untyped; its backward rule is the typed program's
+        (the original rules, differentiated inside ``explicit_axes`` with the equation's types:
+        they were traced for typed values)."""
+        primal = self.closed(eqn.params["call_jaxpr"])
+        in_specs = tuple(_spec_of(v.aval) for v in eqn.invars)
+        out_specs = tuple(_spec_of(v.aval) for v in eqn.outvars)
+        mesh = self.mesh
 
-        def untyped_fwd(*nonzeros):
-            jaxpr, consts = fwd.call_wrapped(*nonzeros)
-            specs = [_spec_of(v.aval) for v in jaxpr.outvars]
-            typed[:] = specs[n_out:] + specs[:n_out]         # bwd takes residuals, then cts
-            new = self.closed(core.ClosedJaxpr(jaxpr, consts))
-            return new.jaxpr, new.consts
+        def original(*args):
+            return tuple(eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(
+                dict(eqn.params))))
 
-        def typed_bwd(*args):
-            if len(typed) != len(args) or any(
-                    isinstance(a, (ad_util.Zero, ad_util.SymbolicZero)) for a in args):
-                return bwd.call_wrapped(*args)
-            axes = tuple(self.mesh.axis_names)
-            with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
-                return jax.sharding.explicit_axes(lambda *a: tuple(bwd.call_wrapped(*a)),
-                                                  axes=axes, in_sharding=tuple(typed))(*args)
+        @jax.custom_vjp
+        def call(*args):
+            return tuple(core.eval_jaxpr(primal.jaxpr, primal.consts, *args))
 
-        params["fwd_jaxpr_thunk"] = lu.wrap_init(untyped_fwd, debug_info=fwd.debug_info)
-        params["bwd"] = lu.wrap_init(typed_bwd, debug_info=bwd.debug_info)
-        return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
+        def fwd(*args):
+            return call(*args), args
+
+        def bwd(args, cts):
+            def typed(args, cts):
+                return jax.vjp(original, *args)[1](tuple(cts))
+
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                return jax.sharding.explicit_axes(typed, axes=tuple(mesh.axis_names),
+                                                  in_sharding=(in_specs, out_specs))(args, cts)
+
+        call.defvjp(fwd, bwd)
+        return list(call(*invals))
 
     def island(self, params, invals):
         body = params["jaxpr"]

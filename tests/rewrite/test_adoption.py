@@ -274,14 +274,24 @@ def test_report_attributes_the_partitioner_collectives_of_a_scanned_stack():
     x = _put(mesh, rng.randn(2, 8, 64), P(None, None, "tensor"))
     w = {"up": _put(mesh, rng.randn(3, 64, 256) / 8, P(None, None, "tensor")),
          "down": _put(mesh, rng.randn(3, 256, 64) / 16, P(None, "tensor", None))}
-    rewritten = rewrite(fn, INT8)
+    # the activation's all-gather for the first dot left to XLA, the second dot's all-reduce
+    # (a reduce-scatter in the typed program) replaced: one line, one op_name for both
+    rewritten = rewrite(fn, fc.RewritePolicy(config=INT8, ops=("psum", "psum_scatter")))
     rows = rewritten.report(x, w).where(path="partitioner")
     assert sorted((r.op, r.action) for r in rows) == [("all_gather", "kept"),
                                                       ("psum", "quantized")]
     left = [c.kind for c in _collectives(rewritten, x, w) if c.dtype == "float32"]
     assert left == ["all-gather"]
     gather = next(r for r in rows if r.op == "all_gather")
-    assert "sharded over ['tensor'] differently in the two operands" in gather.reason
+    assert "the rewrite left this equation to XLA" in gather.reason
+    # with every op: the gather is an island too, and no float collective is left
+    everything = rewrite(fn, INT8)
+    rows = everything.report(x, w).where(path="partitioner")
+    assert sorted((r.op, r.action) for r in rows) == [("all_gather", "quantized"),
+                                                      ("psum", "quantized")]
+    assert not [c for c in _collectives(everything, x, w) if c.dtype == "float32"]
+    np.testing.assert_array_equal(np.asarray(rewrite(fn, EXACT)(x, w)),
+                                  np.asarray(jax.jit(fn)(x, w)))
 
 
 @pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit])
