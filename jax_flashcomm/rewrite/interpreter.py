@@ -91,6 +91,7 @@ class _Plan:
     tangent: set = dataclasses.field(default_factory=set)     # eqns on a JVP rule's tangents
     islands: dict = dataclasses.field(default_factory=dict)   # eqn -> islands.Island
     implied_kept: dict = dataclasses.field(default_factory=dict)  # eqn -> explicit.Kept
+    exact_islands: dict = dataclasses.field(default_factory=dict)  # eqn -> islands.Island
     norm: dict = dataclasses.field(default_factory=dict)      # last norm eqn -> NormFusion
     jaxpr: object = None
 
@@ -241,6 +242,8 @@ class Interpreter:
         if i in plan.islands:
             return self._island(plan.islands[i], plan.jaxpr, read, ctx)
         invals = [read(v) for v in eqn.invars]
+        if i in plan.exact_islands:
+            self._exact_row(plan.exact_islands[i], plan.jaxpr, ctx)
         if i in plan.implied_kept:
             kept = plan.implied_kept[i]
             self._row(eqn, ctx, "kept", "lax", kept.reason, op=kept.op, axes=kept.axes,
@@ -334,6 +337,7 @@ class Interpreter:
                                      lambda i: self._config(jaxpr.eqns[i], ctx),
                                      self.policy.fuse_norm)
         plan.islands, plan.implied_kept = found.islands, found.kept
+        plan.exact_islands = found.exact
         plan.skip |= found.skip
 
     def _plan_fusions(self, jaxpr, plan: _Plan, users, producer, ctx: _Context):
@@ -443,6 +447,17 @@ class Interpreter:
                   op=implied.op, axes=implied.axes, shape=implied.shape, dtype=implied.dtype,
                   axis_size=implied.axis_size, plans=plans)
         return out
+
+    def _exact_row(self, island: islands.Island, jaxpr, ctx: _Context):
+        """The row of a collective implied by sharding whose config takes the exact path:
+        left to XLA, the program's own collective."""
+        implied, eqn = island.implied, jaxpr.eqns[island.report]
+        config = self._config(eqn, ctx)
+        why = ("bits=None (exact setting)" if config.exact else
+               f"{implied.nbytes} B below the size policy (min_bytes={config.min_bytes!r})")
+        self._row(eqn, ctx, "exact", "xla", f"implied by the sharding; {why}: XLA's own "
+                  f"collective, left as it is", op=implied.op, axes=implied.axes,
+                  shape=implied.shape, dtype=implied.dtype, axis_size=implied.axis_size)
 
     def _fused(self, match: fusion.MatmulFusion, eqn, read, ctx: _Context):
         """A ring collective matmul in place of a collective and its dot."""

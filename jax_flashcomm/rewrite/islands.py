@@ -76,6 +76,7 @@ class IslandPlan:
     islands: dict = dataclasses.field(default_factory=dict)   # at -> Island
     kept: dict = dataclasses.field(default_factory=dict)      # eqn -> Kept
     skip: set = dataclasses.field(default_factory=set)        # eqns evaluated by an island
+    exact: dict = dataclasses.field(default_factory=dict)     # eqn -> Island left as it was
 
 
 def plan_islands(jaxpr, users: dict, producer: dict, select, fuse: bool, config_of,
@@ -94,7 +95,9 @@ def plan_islands(jaxpr, users: dict, producer: dict, select, fuse: bool, config_
         (its size policy decides whether a reduce-scatter is quantized, which is never fused).
 
     Returns:
-      The :class:`IslandPlan`.
+      The :class:`IslandPlan`. A collective the config would not quantize (the exact setting,
+      or below the size policy) is left to XLA, its own program and bits (``exact``), unless
+      the policy fuses matmuls or norms (whose exact paths are flashcomm's rings and norm).
     """
     plan = IslandPlan()
     analyzed = {}
@@ -127,6 +130,10 @@ def plan_islands(jaxpr, users: dict, producer: dict, select, fuse: bool, config_
         selected, why = select(i, island.implied)
         if not selected:
             plan.kept[i] = Kept(found.op, found.axes, why, found.shape, found.dtype)
+            continue
+        if not (fuse or fuse_norm) and not quantizes(
+                found.op, found.nbytes, found.axis_size, found.dtype, config_of(i)):
+            plan.exact[i] = island      # the exact path is XLA's own collective: keep its bits
             continue
         plan.islands[i] = island
         plan.skip.update(island.eqns[:-1])
