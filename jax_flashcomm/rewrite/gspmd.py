@@ -36,9 +36,14 @@ from jax.sharding import PartitionSpec as P
 
 from jax_flashcomm import _axes
 from jax_flashcomm.jax_compat import core, source_info_util
-from jax_flashcomm.rewrite.untype import CONSTRAINT_SCOPE
 
-__all__ = ["retype", "in_specs", "auto_axes_of", "lookup", "Unsupported"]
+__all__ = ["retype", "in_specs", "auto_axes_of", "lookup", "Retyper", "Unsupported",
+           "CONSTRAINT_SCOPE"]
+
+
+#: The name scope the typing gives the ``reshard`` of a ``with_sharding_constraint``
+#: (:mod:`.untype` makes it a constraint again).
+CONSTRAINT_SCOPE = "flashcomm_constraint"
 
 
 class Unsupported(Exception):
@@ -95,7 +100,9 @@ def _replicated(x):
     return jax.sharding.reshard(x, P())
 
 
-class _Retyper:
+class Retyper:
+    """Evaluates a jaxpr equation by equation under Explicit axes (see the module docstring)."""
+
     def eval(self, jaxpr, consts, args):
         env = {}
 
@@ -377,5 +384,5 @@ def retype(closed: core.ClosedJaxpr):
       Unsupported: (when called) a primitive it cannot type.
     """
     def fn(*args):
-        return _Retyper().eval(closed.jaxpr, closed.consts, list(args))
+        return Retyper().eval(closed.jaxpr, closed.consts, list(args))
     return fn

@@ -30,11 +30,9 @@ from jax.sharding import PartitionSpec as P
 
 from jax_flashcomm.jax_compat import core, source_info_util
 from jax_flashcomm.jax_compat import linear_util as lu
+from jax_flashcomm.rewrite.gspmd import CONSTRAINT_SCOPE, Retyper
 
-__all__ = ["untype", "CONSTRAINT_SCOPE"]
-
-#: The name scope the typing gives the ``reshard`` of a ``with_sharding_constraint``.
-CONSTRAINT_SCOPE = "flashcomm_constraint"
+__all__ = ["untype"]
 
 _SHARDING_PARAMS = ("out_sharding", "sharding")
 
@@ -43,29 +41,13 @@ def _is_constraint(eqn) -> bool:
     return CONSTRAINT_SCOPE in str(eqn.source_info.name_stack)
 
 
-class _Untyper:
+class _Untyper(Retyper):
+    """The typing's evaluator (its loops and bodies), with the equations bound untyped."""
+
     def __init__(self, mesh):
         self.mesh = mesh                  # the concrete Auto mesh of the arguments
 
-    def eval(self, jaxpr, consts, args):
-        env = {}
-
-        def read(v):
-            return v.val if isinstance(v, core.Literal) else env[v]
-
-        env.update(zip(jaxpr.constvars, consts))
-        env.update(zip(jaxpr.invars, args))
-        for eqn in jaxpr.eqns:
-            invals = [read(v) for v in eqn.invars]
-            name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-            with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
-                outs = self.eqn(eqn, invals)
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
-            env.update(zip(eqn.outvars, outs))
-        return [read(v) for v in jaxpr.outvars]
-
-    def eqn(self, eqn, invals):
+    def eqn(self, jaxpr, eqn, invals, users):
         name, params = eqn.primitive.name, eqn.params
         if name == "reshard":
             if _is_constraint(eqn):
@@ -74,25 +56,19 @@ class _Untyper:
             return invals[0]
         if name == "shard_map":
             return self.island(params, invals)
-        if name in ("jit", "pjit"):
-            closed = params["jaxpr"]
-            return self.eval(closed.jaxpr, closed.consts, invals)
-        if name in ("remat2", "checkpoint"):
-            return self.eval(params["jaxpr"], (), invals)
         if name == "custom_jvp_call":
             return self.custom_jvp(eqn, invals)
         if name == "custom_vjp_call":
             return self.custom_vjp(eqn, invals)
-        if name == "scan":
-            return self.scan(params, invals)
-        if name == "while":
-            return self.while_loop(params, invals)
-        if name == "cond":
-            return self.cond(params, invals)
+        if name in ("jit", "pjit", "remat2", "checkpoint", "scan", "while", "cond"):
+            return super().eqn(jaxpr, eqn, invals, users)
         if any(core.jaxprs_in_params(params)):
             raise NotImplementedError(f"untype: {name}")   # the typing refused these already
-        bound = {k: (None if k in _SHARDING_PARAMS else v) for k, v in params.items()}
-        return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(bound))
+        return self.bind(jaxpr, eqn, invals, users)
+
+    def bind(self, jaxpr, eqn, invals, users):
+        params = {k: (None if k in _SHARDING_PARAMS else v) for k, v in eqn.params.items()}
+        return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
 
     def closed(self, closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
         """``closed`` traced again untyped."""
@@ -157,35 +133,6 @@ class _Untyper:
                              axis_names=manual,
                              check_vma=params["check_vma"])(*invals)
         return list(outs)
-
-    def scan(self, params, invals):
-        nc, nk = params["num_consts"], params["num_carry"]
-        consts, init, xs = invals[:nc], invals[nc:nc + nk], invals[nc + nk:]
-        body = params["jaxpr"]
-
-        def step(carry, x):
-            outs = self.eval(body.jaxpr, body.consts, [*consts, *carry, *x])
-            return outs[:nk], outs[nk:]
-
-        carry, ys = lax.scan(step, list(init), list(xs), length=params["length"],
-                             reverse=params["reverse"], unroll=params["unroll"])
-        return [*carry, *ys]
-
-    def while_loop(self, params, invals):
-        nc, nb = params["cond_nconsts"], params["body_nconsts"]
-        cond_consts, body_consts, init = invals[:nc], invals[nc:nc + nb], invals[nc + nb:]
-        cond, body = params["cond_jaxpr"], params["body_jaxpr"]
-        return lax.while_loop(
-            lambda c: self.eval(cond.jaxpr, cond.consts, [*cond_consts, *c])[0],
-            lambda c: self.eval(body.jaxpr, body.consts, [*body_consts, *c]), list(init))
-
-    def cond(self, params, invals):
-        index, operands = invals[0], invals[1:]
-
-        def branch(closed):
-            return lambda *ops: self.eval(closed.jaxpr, closed.consts, list(ops))
-
-        return lax.switch(index, [branch(b) for b in params["branches"]], *operands)
 
 
 def _spec_of(aval):
