@@ -302,6 +302,8 @@ def main(argv=None):
     p.add_argument("--only", help="comma-separated configuration names (see --list)")
     p.add_argument("--list", action="store_true", help="print the configuration names")
     p.add_argument("--json", help="write every measurement here")
+    p.add_argument("--json-items", action="store_true",
+                   help="with --json: also each collective instruction of each compiled HLO")
     p.add_argument("--timeout", type=float, default=300, help="seconds per subprocess")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -315,7 +317,9 @@ def main(argv=None):
     if [n for n in names if n not in ALL]:
         p.error(f"unknown configurations {[n for n in names if n not in ALL]}; see --list")
     import importlib.metadata as md
-    meta = dict(command=" ".join([sys.executable] + sys.argv), git=_git(),
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
+                if ln.startswith("model name")), "?") if os.path.exists("/proc/cpuinfo") else "?"
+    meta = dict(command=" ".join([sys.executable] + sys.argv), git=_git(), cpu=cpu,
                 versions={k: md.version(k) for k in ("jax", "jaxlib", "flax", "maxtext")},
                 pythonpath=os.environ.get("PYTHONPATH", ""), cpus=os.cpu_count(),
                 xla_flags=os.environ["XLA_FLAGS"])
@@ -334,6 +338,10 @@ def main(argv=None):
     summarize(results)
     print(f"\nwall time {meta['wall_s']} s for {len(names)} configurations")
     if a.json:
+        if not a.json_items:          # the per-instruction lists: in the log's HLO, not here
+            for r in results:
+                for stage in r["stages"].values():
+                    (stage.get("hlo") or {}).pop("items", None)
         with open(a.json, "w") as f:
             json.dump(dict(meta=meta, results=results), f, indent=1, default=str)
         print(f"wrote {a.json}")

@@ -31,14 +31,17 @@ def summarize(results):
     def ok(r, key):
         return "ok" if st(r, key).get("ok") else "FAIL" if key in r["stages"] else "-"
     print("\n== status (a failed variant lists its failed stages: J jit-first, R report, "
-          "C compile, E eager; closure: as written, then the report)")
+          "C compile, E eager, A accuracy; closure: the report with the RNG state closed over, run "
+          "where the closed-over function runs as written)")
     rows = [("config", "build", "as written", *VARIANTS, "closure")]
     for r in results:
-        bad = ["".join(k[0].upper() for k in ("jit_first", "report", "compile", "eager")
+        bad = ["".join(k[0].upper() for k in ("jit_first", "report", "compile", "eager",
+                                              "accuracy")
                        if not st(r, f"{v}.{k}").get("ok")) for v in VARIANTS]
         rows.append((r["config"], ok(r, "build"), ok(r, "as_written"),
                      *(f"FAIL {c}" if c else "ok" for c in bad),
-                     f"{ok(r, 'closure.as_written')}, {ok(r, 'closure.report')}"))
+                     f"{ok(r, 'closure.report')}" if st(r, "closure.as_written").get("ok")
+                     else "as written: FAIL" if "closure.as_written" in r["stages"] else "-"))
     _table(rows)
     print("\n== collectives of each compiled HLO: instructions in the decoder+outside it "
           "[executions per step]")

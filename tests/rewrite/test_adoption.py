@@ -316,3 +316,41 @@ def test_rms_norm_over_a_sharded_hidden_dimension(kind):
         ref = np.asarray(jax.jit(fn)(x, g))
         np.testing.assert_array_equal(np.asarray(rewrite(fn, EXACT)(x, g)), ref)
         assert 0 < np.abs(np.asarray(rewrite(fn, INT8)(x, g)) - ref).max() < 0.1
+
+
+def test_eformer_style_size_one_axes_rewrite_and_report():
+    """eformer / EasyDeL's form: a (dp=1, fsdp=1, sp=1, tp=4) Auto mesh, arguments and the
+    model's own constraints naming the size-1 axes (P(('fsdp', 'sp'), 'tp'))."""
+    mesh = jax.make_mesh((1, 1, 1, 4), ("dp", "fsdp", "sp", "tp"),
+                         axis_types=(AxisType.Auto,) * 4, devices=jax.devices()[:4])
+    rng = np.random.RandomState(6)
+    x = _put(mesh, rng.randn(8, 64), P(("fsdp", "sp"), None))
+    w1 = _put(mesh, rng.randn(64, 256) / 8, P(("fsdp", "sp"), "tp"))
+    w2 = _put(mesh, rng.randn(256, 64) / 16, P("tp", ("fsdp", "sp")))
+
+    def fn(x, w1, w2):
+        h = lax.with_sharding_constraint(jax.nn.gelu(x @ w1),
+                                         NamedSharding(mesh, P(("fsdp", "sp"), "tp")))
+        return lax.with_sharding_constraint(h @ w2, NamedSharding(mesh, P(("fsdp", "sp"))))
+
+    report = rewrite(fn, INT8).report(x, w1, w2)
+    assert [(r.op, r.axes, r.action) for r in report if r.path != "partitioner"] == [
+        ("psum", ("tp",), "quantized")]
+    assert [r.action for r in report.where(path="partitioner")] == ["quantized"]
+    np.testing.assert_array_equal(np.asarray(rewrite(fn, EXACT)(x, w1, w2)),
+                                  np.asarray(jax.jit(fn)(x, w1, w2)))
+
+
+def test_a_program_the_typing_cannot_handle_warns():
+    """A primitive with a body the typing does not enter (custom_linear_solve): the program
+    runs as written, and the warning names the primitive."""
+    mesh = _mesh()
+    fn0, args = _mlp(mesh), _mlp_args(mesh)
+
+    def fn(x, w1, w2):
+        y = fn0(x, w1, w2)
+        return lax.custom_linear_solve(lambda v: 2.0 * v, y, lambda mv, b: b / 2.0)
+
+    with pytest.warns(RewriteWarning, match="could not be typed.*custom_linear_solve"):
+        got = rewrite(fn, INT8)(*args)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(fn)(*args)))
