@@ -51,7 +51,7 @@ if os.path.isdir(SITE) and SITE not in os.environ.get("PYTHONPATH", ""):
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), SITE]))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hlo_collectives import hlo_collectives  # noqa: E402  (examples/hlo_collectives.py)
-from maxtext_summary import BATCHES, VARIANTS, summarize  # noqa: E402
+from maxtext_summary import BATCHES, VARIANTS, markdown, summarize  # noqa: E402
 DIMS = dict(base_num_decoder_layers=2, base_emb_dim=256, base_mlp_dim=512, vocab_size=1024,
             max_target_length=32, per_device_batch_size=1, ici_tensor_parallelism=4,
             ici_fsdp_parallelism=1, attention="dot_product")
@@ -296,6 +296,12 @@ def run_config(name, timeout, tmp):
         skip.append(variant)
 
 
+def portable(text: str) -> str:
+    """``text`` with this checkout's and the home folder's paths written relative."""
+    return text.replace(ROOT + os.sep, "").replace(ROOT, ".").replace(
+        os.path.expanduser("~"), "~")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
@@ -305,12 +311,17 @@ def main(argv=None):
     p.add_argument("--json-items", action="store_true",
                    help="with --json: also each collective instruction of each compiled HLO")
     p.add_argument("--timeout", type=float, default=300, help="seconds per subprocess")
+    p.add_argument("--markdown", metavar="JSON",
+                   help="print the docs' table from a --json file of an earlier run, and stop")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--skip", default="", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.one:
         return run_one(a.one, a.out, set(filter(None, a.skip.split(",")))) or 0
+    if a.markdown:
+        with open(a.markdown) as f:
+            return print(markdown(json.load(f))) or 0
     if a.list:
         return print("\n".join(ALL)) or 0
     names = a.only.split(",") if a.only else QUICK if a.quick else ALL
@@ -343,7 +354,8 @@ def main(argv=None):
                 for stage in r["stages"].values():
                     (stage.get("hlo") or {}).pop("items", None)
         with open(a.json, "w") as f:
-            json.dump(dict(meta=meta, results=results), f, indent=1, default=str)
+            f.write(portable(json.dumps(dict(meta=meta, results=results), indent=1,
+                                        default=str)))
         print(f"wrote {a.json}")
     return 0
 

@@ -92,3 +92,31 @@ def _table(rows):
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+
+
+def markdown(data) -> str:
+    """The docs' table (docs/rewrite.md) from the JSON ``--json`` writes."""
+    def st(r, key):
+        return r["stages"].get(key, {})
+
+    out = ["| configuration | XLA's collectives in the decoder (per step) | int8: XLA all-reduce "
+           "/ reduce-scatter left in the decoder | KiB per rank per step: as written, int8 "
+           "(ratio) | exact bit-equal | int8 rel. L2 | int8 top-1 strict / tie-aware | "
+           "`jax.jit(rewrite(f))` first = eager (exact, int8) | seconds: as written, "
+           "rewritten int8 |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in data["results"]:
+        a, i8 = st(r, "as_written")["hlo"], st(r, "int8.compile")["hlo"]
+        kinds = ", ".join(f"{v['decoder']} {k}" for k, v in a["per_step"].items() if v["decoder"])
+        left = sum(i8["per_step"].get(k, {}).get("decoder", 0)
+                   for k in ("all-reduce", "reduce-scatter"))
+        ka, ki = a["bytes_total"] / 1024, i8["bytes_total"] / 1024
+        exact, acc = st(r, "exact.eager")["vs_as_written"], st(r, "int8.accuracy")
+        first = ["yes" if st(r, f"{v}.eager")["jit_first_vs_eager"]["bit_equal"] else "no"
+                 for v in ("exact", "int8")]
+        seconds = st(r, "int8.compile")["trace_compile_s"] + st(r, "int8.report")["report_s"]
+        out.append(f"| {r['config']} | {kinds} | {left} | {ka:.0f}, {ki:.0f} ({ki / ka:.2f}x) | "
+                   f"{'yes' if exact['bit_equal'] else 'no'} | {acc['rel_l2'] * 100:.2f}% | "
+                   f"{acc['top1'] * 100:.1f}% / {acc['top1_ties'] * 100:.1f}% | "
+                   f"{', '.join(first)} | {st(r, 'as_written')['trace_compile_s']:.1f}, "
+                   f"{seconds:.1f} |")
+    return "\n".join(out)
