@@ -96,15 +96,24 @@ class _Plan:
     jaxpr: object = None
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _is_op_code(path: str) -> bool:
+    """Whether ``path`` is in jax_flashcomm but not in its nn layers."""
+    return path.startswith(_PACKAGE) and not path.startswith(os.path.join(_PACKAGE, "nn"))
+
+
 def _call_site(eqn) -> tuple[str, tuple[str, ...]]:
     """``("file:line (function)"`` of the innermost user frame, every user frame as
     ``"/abs/file:line (function)")`` of an equation."""
     tb = eqn.source_info.traceback
     if tb is None:
         return "?", ()
-    frames = tuple(f"{f.file_name}:{f.start_line} ({f.function_name})"
-                   for f in source_info_util.user_frames(tb))
-    first = source_info_util.user_frame(tb)
+    user = list(source_info_util.user_frames(tb))
+    frames = tuple(f"{f.file_name}:{f.start_line} ({f.function_name})" for f in user)
+    # the innermost frame outside jax_flashcomm's op code (its nn layers are a model's own)
+    first = next((f for f in user if not _is_op_code(f.file_name)), user[0] if user else None)
     site = (f"{short_path(first.file_name)}:{first.start_line} ({first.function_name})"
             if first is not None else "?")
     return site, frames
