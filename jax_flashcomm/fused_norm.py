@@ -56,6 +56,23 @@ def rms_norm(h: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (normed * weight.astype(jnp.float32)).astype(h.dtype)
 
 
+def _check_eps(eps) -> float:
+    """``eps`` as a Python float: a real number (not a bool, a string or a traced value),
+    finite and >= 0."""
+    if isinstance(eps, jax.core.Tracer):
+        raise TypeError("psum_add_rms_norm: eps must be a Python or NumPy number known at trace "
+                        "time, got a traced value (pass it as a static value)")
+    if isinstance(eps, (jax.Array, np.ndarray)) and np.ndim(eps) == 0 and np.issubdtype(
+            np.asarray(eps).dtype, np.floating):
+        eps = float(eps)                 # a concrete 0-d float array
+    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (int, float, np.integer,
+                                                                   np.floating)):
+        raise TypeError(f"psum_add_rms_norm: eps must be a real number, got {eps!r}")
+    if not np.isfinite(eps) or eps < 0:
+        raise ValueError(f"psum_add_rms_norm: eps must be finite and >= 0, got {eps}")
+    return float(eps)
+
+
 def _check(x, residual, weight, eps, out_bits, out_group_size):
     for name, a in (("x", x), ("residual", residual), ("weight", weight)):
         if not hasattr(a, "shape") or not hasattr(a, "dtype"):
@@ -69,8 +86,6 @@ def _check(x, residual, weight, eps, out_bits, out_group_size):
     if np.dtype(jnp.result_type(weight)) not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16)):
         raise TypeError(f"psum_add_rms_norm: weight must be f32 or bf16, got "
                         f"{jnp.result_type(weight)}")
-    if not np.isfinite(eps) or eps < 0:
-        raise ValueError(f"psum_add_rms_norm: eps must be finite and >= 0, got {eps}")
     if out_bits is not None and np.shape(x)[-1] % out_group_size:
         raise ValueError(f"psum_add_rms_norm: out_bits needs hidden ({np.shape(x)[-1]}) to be a "
                          f"multiple of out_group_size ({out_group_size})")
@@ -110,18 +125,23 @@ def psum_add_rms_norm(x, residual, weight, axis_name, *, eps: float = 1e-5,
     """
     config = config_from(config, options, "psum_add_rms_norm")
     axes = _axes.normalize_axes(axis_name, "psum_add_rms_norm")
-    og = config.group_size if out_group_size is None else int(out_group_size)
-    _check(x, residual, weight, float(eps), out_bits, og)
+    eps = _check_eps(eps)
+    og = config.group_size if out_group_size is None else codec.spec.check_group_size(
+        out_group_size, "out_group_size")
     if out_bits is not None:
         codec.spec.check_bits(out_bits, "out_bits")
-        codec.spec.check_group_size(og, "out_group_size")
+    _check(x, residual, weight, eps, out_bits, og)
+    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+        raise TypeError(f"psum_add_rms_norm: x must be a float array (an RMS norm of "
+                        f"{jnp.result_type(x)} values would be truncated), got "
+                        f"{jax.typeof(x).str_short()}")
     if not config.exact:
         _axes.check_float(x, "x")
     p = plan("psum_add_rms_norm", axes, np.shape(x), jnp.result_type(x),
              _axes.axis_size(axes), config)
     if not p.quantized:
         h = residual + jax_compat.psum(x, axes)
-        out = rms_norm(h, weight, float(eps))
+        out = rms_norm(h, weight, eps)
         if out_bits is None:
             return out, h
         return codec.quantize(out, bits=out_bits, group_size=og, backend=p.backend), h
