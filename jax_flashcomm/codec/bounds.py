@@ -58,7 +58,9 @@ def _fp_bound(p: Payload, dtype) -> jax.Array:
         return jnp.broadcast_to(bound[..., None], (*bound.shape, p.group_size))
     if np.dtype(dtype) != np.float32:
         info = jnp.finfo(dtype)
-        elem = (elem + float(info.eps) * (top[..., None] + elem)
+        # eps * top + eps * elem, not eps * (top + elem): near the dtype's maximum the sum
+        # overflows f32 while every term is finite
+        elem = (elem + float(info.eps) * top[..., None] + float(info.eps) * elem
                 + 0.5 * float(info.smallest_subnormal))
     return elem
 

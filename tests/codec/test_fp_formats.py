@@ -88,6 +88,17 @@ def test_error_within_the_bound_of_the_stored_scales(fmt, spikes, rotation):
 
 
 @pytest.mark.parametrize("fmt", FP)
+def test_bound_is_finite_near_the_dtype_maximum(fmt):
+    """Finite bf16 values up to 3.3e38 (bf16's maximum is 3.39e38): a finite bound that holds
+    (the decode rounding's terms are summed apart: their sum in one product overflowed f32)."""
+    x = jnp.asarray(np.linspace(-3.3e38, 3.3e38, 256), jnp.bfloat16)
+    p = codec.quantize(x, format=fmt, rotation=0)
+    bound = np.asarray(codec.error_bound(p))
+    err = np.abs(np.asarray(codec.dequantize(p), np.float32) - np.asarray(x, np.float32))
+    assert np.all(np.isfinite(bound)) and np.all(err <= bound)
+
+
+@pytest.mark.parametrize("fmt", FP)
 @pytest.mark.parametrize("backend", ["jnp", pytest.param("ffi", marks=needs_ffi)])
 def test_a_non_finite_value_poisons_only_its_group(fmt, backend):
     x = np.random.default_rng(3).standard_normal((4, 256)).astype(np.float32)
