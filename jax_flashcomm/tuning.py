@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import math
+import numbers
 import os
 import pathlib
 import platform
@@ -77,6 +78,25 @@ class Measurement:
     def __post_init__(self):
         if self.scope not in SCOPES:
             raise ValueError(f"Measurement: scope must be one of {SCOPES}, got {self.scope!r}")
+        for name in ("op", "layout", "dtype", "candidate"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"Measurement: {name} must be a string, got "
+                                 f"{getattr(self, name)!r}")
+        for name in ("n", "nbytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+                raise ValueError(f"Measurement: {name} must be a positive int, got {value!r}")
+        seconds = self.seconds
+        if (isinstance(seconds, bool) or not isinstance(seconds, numbers.Real)
+                or not math.isfinite(seconds) or seconds <= 0):
+            raise ValueError(f"Measurement: seconds must be a finite positive number, got "
+                             f"{seconds!r}")
+        if self.bits is not None and not (
+                isinstance(self.bits, tuple) and len(self.bits) == 2 and all(
+                    b is None or (isinstance(b, numbers.Integral) and not isinstance(b, bool))
+                    for b in self.bits)):
+            raise ValueError(f"Measurement: bits must be None or (rs_bits, ag_bits), got "
+                             f"{self.bits!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,12 +168,22 @@ class Table:
         """
         if not isinstance(data, dict) or data.get("version") != TABLE_VERSION:
             raise ValueError(f"not a version-{TABLE_VERSION} tuning table")
+        rows = data.get("rows")
+        if not isinstance(rows, list):
+            raise ValueError("malformed tuning table (rows must be a list)")
+        parsed = []
+        for i, r in enumerate(rows):
+            try:
+                bits = r["bits"]
+                parsed.append(Measurement(**{**r, "bits": None if bits is None
+                                             else tuple(bits)}))
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"malformed tuning table (row {i}: {e})") from None
         try:
-            rows = tuple(Measurement(**{**r, "bits": None if r["bits"] is None
-                                        else tuple(r["bits"])}) for r in data["rows"])
-            return cls(key=dict(data["key"]), rows=rows, codec=dict(data.get("codec", {})),
-                       link=dict(data.get("link", {})), created=str(data.get("created", "")))
-        except (KeyError, TypeError) as e:
+            return cls(key=dict(data["key"]), rows=tuple(parsed),
+                       codec=dict(data.get("codec", {})), link=dict(data.get("link", {})),
+                       created=str(data.get("created", "")))
+        except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed tuning table ({e})") from None
 
 
@@ -249,6 +279,8 @@ def load(path: pathlib.Path | str | None = None, *, key: dict | None = None) -> 
         table = Table.from_json(json.loads(path.read_text()))
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not JSON ({e})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: not a tuning table (nested too deep)") from None
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
     want = key or machine_key()
