@@ -21,6 +21,9 @@ a :class:`Kept` with its reason. The shapes are per rank: every Explicit axis is
 ``shard_map`` island that replaces the pattern (:mod:`jax_flashcomm.rewrite.islands`).
 """
 
+# Over 400 lines: one analysis per sharded equation kind (dot, reduce_sum, reshard, unreduced
+# chain), which share the spec helpers above them.
+
 from __future__ import annotations
 
 import dataclasses

@@ -22,6 +22,9 @@ Other primitives with bodies (``pmap``, ``custom_transpose``, ...) are bound unc
 collectives inside them are reported as kept.
 """
 
+# Over 400 lines: the one evaluator of every rewrite path (shard_map collectives, fusions,
+# islands) and their report rows, which share its planning state.
+
 from __future__ import annotations
 
 import collections
