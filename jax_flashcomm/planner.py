@@ -51,6 +51,7 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
+import jax.numpy as jnp
 import numpy as np
 
 from jax_flashcomm import _axes, selection
@@ -72,6 +73,8 @@ OPS = ("psum", "psum_scatter", "all_gather", "all_gather_matmul", "matmul_reduce
        "psum_add_rms_norm")
 #: The paths a call can take (see the module docstring).
 PATHS = ("lax", "quantized", "exact", "ring", "quantized ring", "matmul, quantized")
+#: The dtypes the exact all-reduce over shared memory sums (others take lax.psum).
+_SHM_EXACT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
 _PHASES = {"psum": ("rs", "ag"), "psum_scatter": ("rs",), "all_gather": ("ag",),
            "all_gather_matmul": ("ag",), "matmul_reduce_scatter": ("rs",),
            "psum_add_rms_norm": ("rs", "ag")}
@@ -316,6 +319,12 @@ def plan(op: str, axes: tuple, shape, dtype, axis_size: int, config: CommConfig,
                   backend=config.backend, config=config)
     chosen = None
     if (config.exact and config.transport == "p2p" and op == "psum" and axis_size > 1
+            and nbytes > 0 and np.dtype(dtype) not in _SHM_EXACT_DTYPES
+            and p2p_transport.across_processes()):
+        fields["reason"] = (f"bits=None over transport='p2p' between processes, a "
+                            f"{np.dtype(dtype)} operand: the exact sum over shared memory takes "
+                            f"f32, bf16 and f16; lax.psum")
+    elif (config.exact and config.transport == "p2p" and op == "psum" and axis_size > 1
             and nbytes > 0 and p2p_transport.across_processes()):
         reason = p2p_transport.unsupported_reason(axes)
         if reason is not None:

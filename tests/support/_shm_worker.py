@@ -236,6 +236,15 @@ def parity():
             assert_bits_equal(one, ref_lax, what + " vs lax.psum")
         log(what, "one == two == numpy; lax.psum equal:", lax_equal)
         checked += 3
+    # bits=None over p2p with operands the shared-memory sum does not take: lax.psum's answer
+    ints = [full["a"].astype(dt) * 7 for dt in (np.int32, np.int8, np.uint8, np.int16)]
+    ints.append(full["a"] > 0)
+    g = smap(lambda *vs: tuple(fc.psum(v, "x", bits=None, transport="p2p") for v in vs)
+             + tuple(lax.psum(v, "x") for v in vs), len(ints), 2 * len(ints))
+    outs = [local(o) for o in g(*(global_of(v[pid]) for v in ints))]
+    for v, got, want in zip(ints, outs[:len(ints)], outs[len(ints):]):
+        assert_bits_equal(got, want, f"{v.dtype} bits=None p2p vs lax.psum")
+    log("non-float bits=None over p2p == lax.psum:", len(ints), "dtypes")
     assert shm.meetings_in_progress() == 0, shm.meetings_in_progress()
     log("checked", checked, "segments", shm.segments())
     ring_parity()

@@ -50,6 +50,7 @@ def test_parity_with_xla_transport_and_exact_sum(nproc):
     for out in outs:
         # 4 (dtype, bits) combos x 11 results (ops and gradients) + 4 exact operands x 3 checks
         assert "] checked 56 segments " in out, out[-3000:]
+        assert "non-float bits=None over p2p == lax.psum: 5 dtypes" in out, out[-3000:]
         if nproc == 2:
             assert out.count("lax.psum equal: True") == 4, out[-3000:]
 
