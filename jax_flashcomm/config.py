@@ -40,6 +40,8 @@ COMM_KINDS = ("exact", "flash", "overlap", "flash+overlap", "auto", "auto+overla
 TRANSPORTS = ("auto", "xla", "p2p")
 #: The codec implementation: its FFI kernels, its pure-jnp twin, or the plan's choice.
 BACKENDS = spec.BACKENDS
+#: ``bits``' default: what a config that names only a floating-point format carries.
+DEFAULT_BITS = 8
 #: The largest wait on a peer (about 24 days, in ms): larger values would overflow deadlines.
 MAX_TIMEOUT_MS = 2**31 - 1
 
@@ -131,12 +133,13 @@ class CommConfig:
       p2p_timeout_ms: the p2p transport's limit on every wait for a peer.
       format: the group format of both quantized phases: ``"int"`` (``bits`` per value, a
         bf16 scale and zero per group), ``"fp8"``, ``"mxfp4"`` or ``"nvfp4"`` (docs/format.md,
-        "Floating-point formats"; ``bits`` is then the format's). Floating-point phases move
+        "Floating-point formats"; ``bits`` is then the format's, and other ``bits`` /
+        ``rs_bits`` / ``ag_bits`` for such a phase are a ValueError). Floating-point phases move
         over the ``xla`` transport; the ring matmuls stay exact under them.
       rs_format, ag_format: per-phase overrides (e.g. ``rs_format="nvfp4", ag_format="fp8"``).
     """
 
-    bits: int | None = 8
+    bits: int | None = DEFAULT_BITS
     rs_bits: int | None = None
     ag_bits: int | None = None
     group_size: int = spec.DEFAULT_GROUP_SIZE
@@ -191,6 +194,25 @@ class CommConfig:
         for name in ("rs_format", "ag_format"):
             if getattr(self, name) is not None:
                 spec.check_format(getattr(self, name), self.group_size, name)
+        self._check_fp_bits()
+
+    def _check_fp_bits(self):
+        """Bits that a floating-point phase would ignore are an error, not ignored: a phase's
+        ``rs_bits`` / ``ag_bits``, or ``bits`` when every phase is floating-point (``bits``
+        left at its default 8, or equal to the format's own, is no conflict)."""
+        if self.bits is None:
+            return
+        formats = (self.phase1_format, self.phase2_format)
+        for phase, fmt, given in (("rs", formats[0], self.rs_bits),
+                                  ("ag", formats[1], self.ag_bits)):
+            if fmt != "int" and given is not None and given != spec.FP_BITS[fmt]:
+                raise ValueError(f"{phase}_bits={given} with the {fmt!r} format in that phase: a "
+                                 f"floating-point format has its own bits "
+                                 f"({spec.FP_BITS[fmt]}); drop {phase}_bits")
+        if "int" not in formats and self.bits not in (
+                DEFAULT_BITS, *(spec.FP_BITS[f] for f in formats)):
+            raise ValueError(f"bits={self.bits} with floating-point formats {formats}: they "
+                             f"have their own bits; drop bits (or use format='int')")
 
     @property
     def auto(self) -> bool:
