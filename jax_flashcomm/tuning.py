@@ -359,22 +359,30 @@ def parse_link(text: str) -> Link:
     Raises:
       ValueError: a malformed profile.
     """
-    fields = dict(part.split("=", 1) for part in str(text).split(",") if "=" in part)
+    expected = f"{LINK_ENV}: expected rate=...[,latency=...][,topology=...], got {text!r}"
+    fields: dict = {}
+    for part in (p for p in str(text).split(",") if p.strip()):
+        if "=" not in part:
+            raise ValueError(f"{expected} ({part!r} has no '=')")
+        name, value = (s.strip() for s in part.split("=", 1))
+        if name in fields:
+            raise ValueError(f"{expected} ({name!r} given twice)")
+        fields[name] = value
     bad = set(fields) - {"rate", "latency", "topology"}
     if bad or "rate" not in fields:
-        raise ValueError(f"{LINK_ENV}: expected rate=...[,latency=...][,topology=...], got "
-                         f"{text!r}")
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmg]?)(bit|bps)\s*", fields["rate"].lower())
-    if not m:
-        raise ValueError(f"{LINK_ENV}: not a rate: {fields['rate']!r} (e.g. 400mbit)")
+        raise ValueError(expected)
+    number = r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*"
+    m = re.fullmatch(number + r"([kmg]?)(bit|bps)\s*", fields["rate"].lower())
+    if not m or float(m[1]) <= 0:
+        raise ValueError(f"{LINK_ENV}: not a positive rate: {fields['rate']!r} (e.g. 400mbit)")
     rate = float(m[1]) * _UNITS[m[2]] / (8 if m[3] == "bit" else 1)
     lat = 0.0
     if "latency" in fields:
-        t = re.fullmatch(r"\s*([0-9.]+)\s*(s|ms|us)\s*", fields["latency"].lower())
+        t = re.fullmatch(number + r"(s|ms|us)\s*", fields["latency"].lower())
         if not t:
             raise ValueError(f"{LINK_ENV}: not a latency: {fields['latency']!r} (e.g. 0.2ms)")
         lat = float(t[1]) * _TIME[t[2]]
-    return Link(rate, fields.get("topology", "shared").strip(), lat, 0.0)
+    return Link(rate, fields.get("topology", "shared"), lat, 0.0)
 
 
 _link: contextvars.ContextVar = contextvars.ContextVar("jax_flashcomm_link", default=None)

@@ -52,3 +52,21 @@ def test_the_active_table_ignores_a_bad_file_with_a_warning(tmp_path, monkeypatc
         assert "row 0" in caplog.text and "table.json" in caplog.text
     finally:
         tuning._cached_active.cache_clear()
+
+
+@pytest.mark.parametrize("text, match", [
+    ("rate=1.2.3mbit", "FLASHCOMM_LINK: not a positive rate: '1.2.3mbit'"),
+    ("rate=400mbit,rate=1gbit", "'rate' given twice"),
+    ("rate=0mbit", "not a positive rate"),
+    ("rate", "'rate' has no '='"),
+    ("rate=400mbit,latency=1.2.3ms", "FLASHCOMM_LINK: not a latency"),
+    ("speed=400mbit", "expected rate="),
+])
+def test_a_bad_link_profile_names_the_variable_and_the_part(text, match):
+    with pytest.raises(ValueError, match=match):
+        tuning.parse_link(text)
+
+
+def test_a_link_profile_parses():
+    link = tuning.parse_link(" rate = 400mbit , latency=0.2ms,topology=switched")
+    assert (link.bytes_per_s, link.base_latency_s, link.topology) == (5e7, 2e-4, "switched")
