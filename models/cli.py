@@ -83,7 +83,12 @@ def add_common(parser: argparse.ArgumentParser) -> None:
 
 #: int (or float) options and the least value each takes; checked on any parser that has them.
 AT_LEAST = {"tp": 1, "devices": 1, "max_new_tokens": 1, "window": 2, "max_windows": 1,
-            "cache_len": 1, "tokens": 2, "top_k": 0, "temperature": 0.0, "rounds": 1}
+            "cache_len": 1, "tokens": 2, "top_k": 0, "temperature": 0.0, "rounds": 1,
+            "seed": -2**63}
+#: options that must be at most a bound (a PRNG seed is a 64-bit int)
+AT_MOST = {"top_p": 1.0, "seed": 2**63 - 1}
+#: float options that must be finite (NaN passes every comparison above)
+FINITE = ("temperature", "top_p", "max_shard_mb")
 #: options that must be > 0
 POSITIVE = ("max_shard_mb", "top_p")
 #: options naming a file the run reads (must exist and be a regular file)
@@ -114,6 +119,14 @@ def check(parser: argparse.ArgumentParser, args) -> None:
         for v in values if isinstance(values, list) else [values]:
             if v is not None and v < least:
                 parser.error(f"{flag(dest)} must be >= {least}, got {v}")
+    for dest in FINITE:
+        v = getattr(args, dest, None)
+        if v is not None and not math.isfinite(v):
+            parser.error(f"{flag(dest)} must be a finite number, got {v}")
+    for dest, most in AT_MOST.items():
+        v = getattr(args, dest, None)
+        if v is not None and v > most:
+            parser.error(f"{flag(dest)} must be <= {most}, got {v}")
     for dest in POSITIVE:
         v = getattr(args, dest, None)
         if v is not None and not v > 0:
