@@ -367,6 +367,12 @@ def main(argv=None) -> int:
         ap.error("--bits: each must be in 2..8")
     if args.reps < 1:
         ap.error("--reps must be >= 1")
+    try:      # before minutes of measuring: where the table goes
+        tuning.check_destination(args.out if args.out is not None
+                                 else tuning.cache_dir() / "tune.json")  # the cache's folder
+    except ValueError as e:
+        ap.error(f"--out {e}" if args.out is not None else
+                 f"the cache ({tuning.CACHE_ENV} or ~/.cache): {e}")
 
     import jax
 

@@ -38,9 +38,9 @@ import time
 
 from jax_flashcomm.costmodel import Link
 
-__all__ = ["Table", "Measurement", "machine_key", "cpu_name", "key_digest", "cache_dir", "table_path",
-           "save", "load", "active", "clear", "use_table", "link_profile", "use_link",
-           "parse_link", "TABLE_VERSION", "LAYOUTS", "SCOPES"]
+__all__ = ["check_destination", "Table", "Measurement", "machine_key", "cpu_name", "key_digest",
+           "cache_dir", "table_path", "save", "load", "active", "clear", "use_table",
+           "link_profile", "use_link", "parse_link", "TABLE_VERSION", "LAYOUTS", "SCOPES"]
 
 logger = logging.getLogger("jax_flashcomm")
 
@@ -257,11 +257,37 @@ def save(table: Table, path: pathlib.Path | str | None = None) -> pathlib.Path:
       The path written.
     """
     path = pathlib.Path(path) if path is not None else table_path(table.key)
+    check_destination(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(table.to_json(), indent=1) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(table.to_json(), indent=1) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     clear()
+    return path
+
+
+def check_destination(path: pathlib.Path | str) -> pathlib.Path:
+    """``path`` as a place a table can be written: not a folder, not a special file, in a
+    folder that exists or can be made (no regular file on the way) and is writable.
+
+    Raises:
+      ValueError: naming the path and what is wrong with it.
+    """
+    path = pathlib.Path(path).expanduser()
+    if path.is_dir():
+        raise ValueError(f"{path}: is a folder (name a file, e.g. {path / 'table.json'})")
+    if path.exists() and not path.is_file():
+        raise ValueError(f"{path}: not a regular file")
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{path}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{path}: the folder {parent} is not writable")
     return path
 
 
