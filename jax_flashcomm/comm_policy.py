@@ -174,10 +174,20 @@ class CommPolicy:
         sites = data.get("sites", {})
         if not isinstance(sites, dict):
             raise ValueError(f"{where}: \"sites\" must map site names to configs")
-        return cls(default=config_from_dict(data.get("default"), f"{where}: default"),
-                   sites=tuple((str(n), config_from_dict(c, f"{where}: site {n!r}"))
-                               for n, c in sites.items()),
-                   info=dict(data.get("info") or {}))
+        if any(not name for name in sites):
+            raise ValueError(f"{where}: \"sites\": a site name must be a non-empty string "
+                             f"(an empty one would match every call)")
+        info = data.get("info") or {}
+        if not isinstance(info, dict):
+            raise ValueError(f"{where}: \"info\" must be a JSON object, got "
+                             f"{type(info).__name__} {info!r:.80}")
+        try:
+            return cls(default=config_from_dict(data.get("default"), f"{where}: default"),
+                       sites=tuple((str(n), config_from_dict(c, f"{where}: site {n!r}"))
+                                   for n, c in sites.items()),
+                       info=dict(info))
+        except TypeError as e:
+            raise ValueError(f"{where}: {e}") from None
 
     def save(self, path) -> Path:
         """Writes the policy to ``path`` as JSON; returns the path."""
@@ -194,4 +204,8 @@ class CommPolicy:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}: not JSON ({err})") from None
+        except RecursionError:
+            raise ValueError(f"{path}: not a jax_flashcomm policy (nested too deep)") from None
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{path}: not a UTF-8 text file ({err.reason})") from None
         return cls.from_json(data, where=str(path))
