@@ -29,6 +29,8 @@ __all__ = ["CommPolicy", "wire_vs_bf16", "wire_per_element", "config_to_dict",
 #: The ``"kind"`` field of a policy file.
 FILE_KIND = "jax_flashcomm.CommPolicy"
 FILE_VERSION = 1
+#: The largest policy file read (one config per site: a few KiB for a real model).
+MAX_FILE_BYTES = 16 << 20
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(CommConfig)}
 
@@ -200,8 +202,14 @@ class CommPolicy:
         """Reads a policy file written by :meth:`save` (``ValueError`` naming the file if it is
         not one)."""
         path = Path(path)
+        if not path.is_file():      # a FIFO or a device would block or read forever
+            what = "not a regular file" if path.exists() else "no such file"
+            raise ValueError(f"{path}: {what}")
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise ValueError(f"{path}: {path.stat().st_size} bytes, more than a policy's "
+                             f"{MAX_FILE_BYTES}")
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}: not JSON ({err})") from None
         except RecursionError:

@@ -193,6 +193,9 @@ def _check_output(parser, flag: str, path: pathlib.Path) -> None:
     folder = path.parent if str(path.parent) else pathlib.Path(".")
     if path.is_dir():
         parser.error(f"{flag} {path}: is a folder, not a file")
+    if path.exists() and not path.is_file() and str(path) != os.devnull:
+        parser.error(f"{flag} {path}: not a regular file (a FIFO or a device would block or "
+                     f"fill up after the whole run)")
     if not folder.is_dir():
         parser.error(f"{flag} {path}: no such folder {str(folder)!r}")
     if not os.access(folder, os.W_OK):
@@ -235,9 +238,12 @@ def _gguf_heads(path: pathlib.Path) -> tuple[int, int] | None:
 def _check_model(parser, model: str, tp) -> None:
     from models.fetch import REGISTRY
 
-    if model not in REGISTRY and not pathlib.Path(model).expanduser().exists():
+    path = pathlib.Path(model).expanduser()
+    if model not in REGISTRY and not path.exists():
         parser.error(f"no such model file or directory: {model!r} (known model names: "
                      f"{', '.join(sorted(REGISTRY))})")
+    if model not in REGISTRY and not (path.is_file() or path.is_dir()):
+        parser.error(f"{model}: not a regular file or a checkpoint directory")
     sizes = [s for s in (tp if isinstance(tp, list) else [tp]) if isinstance(s, int) and s > 1]
     heads = model_heads(model) if sizes else None
     if heads is None:
@@ -383,6 +389,30 @@ def _number_or_name(value: str):
     return int(value) if value.lstrip("-").isdigit() else value
 
 
+#: The largest JSON config or policy a CLI reads (a CommConfig is a few hundred bytes).
+MAX_JSON_BYTES = 1 << 20
+
+
+def read_regular(path, what: str, limit: int = MAX_JSON_BYTES) -> str:
+    """The UTF-8 text of a regular file of at most ``limit`` bytes (never a FIFO, a device or
+    a folder, which would block or read forever).
+
+    Raises:
+      ValueError: naming ``what`` and the path.
+    """
+    p = pathlib.Path(path).expanduser()
+    if not p.exists():
+        raise ValueError(f"{what} {path}: no such file")
+    if not p.is_file():
+        raise ValueError(f"{what} {path}: not a regular file")
+    if p.stat().st_size > limit:
+        raise ValueError(f"{what} {path}: {p.stat().st_size} bytes, more than {limit}")
+    try:
+        return p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{what} {path}: cannot read it as UTF-8 text ({e})") from None
+
+
 def comm_options(args) -> dict:
     """``{"config": CommConfig | None, option: value}``: the --config and the option flags
     given (the others are left to the config's defaults)."""
@@ -391,13 +421,14 @@ def comm_options(args) -> dict:
     config = None
     if args.config is not None:
         text = args.config
-        if not text.lstrip().startswith("{"):
-            with open(text, encoding="utf-8") as f:
-                text = f.read()
+        if not text.lstrip().startswith(("{", "[")):
+            text = read_regular(text, "--config")
         try:
             fields = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"--config: not JSON ({e})") from None
+        except RecursionError:
+            raise ValueError("--config: not a CommConfig (nested too deep)") from None
         if not isinstance(fields, dict):
             raise ValueError("--config: expected a JSON object of CommConfig fields")
         config = CommConfig(**fields)

@@ -224,3 +224,33 @@ def test_tp2_on_smollm2_reads_only_the_header(files, cli, args):
     r = run_cli(cli, [a.format(d=files) for a in args])
     assert_one_error(r, cli, "TP size 2 does not divide the 9 query heads")
     assert r.stdout == ""
+
+
+@pytest.mark.parametrize("make, args, message", [
+    ("fifo", ["--model", "{p}"], "not a regular file or a checkpoint directory"),
+    ("fifo", ["--model", "{d}/tiny", "--comm", "flash", "--config", "{p}"],
+     "--config {p}: not a regular file"),
+    ("dir", ["--model", "{d}/tiny", "--comm", "flash", "--config", "{d}"],
+     "--config {d}: not a regular file"),
+    ("none", ["--model", "{d}/tiny", "--comm", "flash", "--config", "[1]"],
+     "expected a JSON object"),
+    ("none", ["--model", "{d}/tiny", "--comm", "flash", "--config", "/dev/zero"],
+     "--config /dev/zero: not a regular file"),
+    ("fifo", ["--model", "{d}/tiny", "--text", "{d}/text.txt", "--json", "{p}"],
+     "--json {p}: not a regular file"),
+    ("fifo", ["--model", "{d}/tiny", "--text", "{d}/text.txt", "--comm-policy", "{p}"],
+     "--comm-policy {p}: not a file"),
+])
+def test_non_regular_paths_are_refused_at_parse_time(files, tmp_path, make, args, message):
+    """A FIFO, a device or a folder as a path option: exit 2 with one argparse line, before
+    anything is loaded (a FIFO used to hang the run, or block it after the whole job)."""
+    pipe = tmp_path / "pipe"
+    if make == "fifo":
+        os.mkfifo(pipe)
+    args = args if "--text" in args else ["--text", "{d}/text.txt", *args]
+    argv = [a.format(d=files, p=pipe) for a in args]
+    got = subprocess.run([sys.executable, "-m", "models.eval", *argv], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert got.returncode == 2, got.stderr[-2000:]
+    last = got.stderr.strip().splitlines()[-1]
+    assert message.format(d=files, p=pipe) in last and "Traceback" not in got.stderr
