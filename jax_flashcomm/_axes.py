@@ -151,3 +151,22 @@ def match_varying(arrays, axes: tuple[str, ...]) -> list[jax.Array]:
     """
     want = frozenset(axes).union(*(varying_axes(a) for a in arrays))
     return [to_varying(a, tuple(sorted(want))) for a in arrays]
+
+
+def invariant_over_unit_axes(x: jax.Array, spec) -> jax.Array:
+    """``x`` made invariant over the mesh axes of size 1 it varies over but ``spec`` does not
+    name (a psum of one value, no data moved): an operand sharded over such an axis makes
+    everything computed from it vary over it, which an ``out_specs`` without it refuses.
+
+    Args:
+      x: a value inside ``shard_map``.
+      spec: the PartitionSpec (or tuple of entries) of its result.
+
+    Returns:
+      ``x``, invariant over those axes.
+    """
+    named = {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
+    sizes = dict(jax.sharding.get_abstract_mesh().shape)
+    unit = tuple(a for a in sorted(varying_axes(x)) if sizes.get(a) == 1 and a not in named)
+    return jax.lax.psum(x, unit) if unit else x
+

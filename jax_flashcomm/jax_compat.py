@@ -18,6 +18,9 @@ release that moves one of them needs an edit in this file alone.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import AxisType
 
 #: The JAX versions this module was run against (0.11.0: its names read from the 0.11.0 source,
 #: not run: the package index here serves up to 0.10.2).
@@ -82,10 +85,6 @@ def psum(x, axes):
     Returns:
       ``lax.psum``'s result.
     """
-    import jax.numpy as jnp
-    from jax import lax
-    from jax.sharding import AxisType
-
     dtype = jnp.result_type(x)
     mesh = jax.sharding.get_abstract_mesh()
     partly_manual = (AxisType.Manual in mesh.axis_types

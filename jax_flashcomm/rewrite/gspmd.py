@@ -302,23 +302,14 @@ def lookup(eqn, invals):
 
     where = source_info_util.current().traceback
 
-    named = {a for e in (*table_spec, *index_spec) for a in e}
-    unit = tuple(sorted(a for a in named if sizes[a] == 1
-                        and a not in {b for e in out_spec for b in _axes_tuple(e)}))
-
     def body(table, idx):        # traced anew: its equations keep the gather's source line
         with source_info_util.user_context(where):
-            out = local(table, idx)
-        over = tuple(a for a in unit if a in _axes.varying_axes(out))
-        return lax.psum(out, over) if over else out      # a sum of one value over each
+            return _axes.invariant_over_unit_axes(local(table, idx), out_spec)
 
     return jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(),
                          in_specs=(P(*map(_one, table_spec)), P(*map(_one, index_spec))),
                          out_specs=out_spec)(table, indices)    # manual over every axis
 
-
-def _axes_tuple(entry) -> tuple:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _specs(x) -> list[tuple]:

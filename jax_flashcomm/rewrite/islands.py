@@ -294,8 +294,8 @@ def emit(island: Island, jaxpr, invals, config) -> tuple[jax.Array, list]:
                 out = _collective(implied, partial, config)
         plans.extend(seen)
         if island.kind == "norm":
-            return tuple(_unvaried(o, s) for o, s in zip(out, out_spec))
-        return _unvaried(out, out_spec)
+            return tuple(_axes.invariant_over_unit_axes(o, s) for o, s in zip(out, out_spec))
+        return _axes.invariant_over_unit_axes(out, out_spec)
 
     outs = ((island.norm.out, island.norm.new_residual) if island.kind == "norm"
             else (jaxpr.eqns[island.at].outvars[0],))
@@ -316,16 +316,6 @@ def emit(island: Island, jaxpr, invals, config) -> tuple[jax.Array, list]:
     else:
         out = run(*invals)
     return out, plans
-
-
-def _unvaried(x, spec):
-    """``x`` made invariant over the axes of size 1 it varies over but ``spec`` leaves out (a
-    sum of one value: an input sharded over such an axis makes everything after it vary)."""
-    named = {a for e in spec for a in explicit.entry(e)}
-    sizes = dict(jax.sharding.get_abstract_mesh().shape)
-    unit = tuple(a for a in sorted(_axes.varying_axes(x))
-                 if sizes.get(a) == 1 and a not in named)
-    return jax.lax.psum(x, unit) if unit else x
 
 
 def _with_unit_axes(spec, aval):
