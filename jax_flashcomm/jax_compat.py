@@ -10,12 +10,18 @@ release that moves one of them needs an edit in this file alone.
   ``shard_map`` (a 16-bit float psum there aborts XLA's all-reduce promotion).
 * :func:`jit_arguments`: the arguments of the ``jax.jit`` call that is tracing a function
   now, which carry the Auto-axis shardings that its tracers' types leave out.
+* :func:`current_trace`, :func:`is_trace_entry`, :func:`is_jit_entry`,
+  :func:`trace_started_in`, :func:`is_jax_frame`: the trace a primitive goes to now, and the
+  Python frames where JAX starts tracing a function (call-site identities
+  of the p2p transport, :mod:`jax_flashcomm.transport.identity`).
 * ``ad_util``, ``core``, ``source_info_util``, ``linear_util``, ``partial_eval``,
   ``FlatTree`` / :func:`flat_tree_flatten`: the jaxpr machinery :mod:`jax_flashcomm.rewrite`
   walks and retraces.
 """
 
 from __future__ import annotations
+
+import os
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +49,39 @@ except ImportError:  # pragma: no cover - a JAX without it
 
 __all__ = ["CHECKED_JAX_VERSIONS", "all_gather_invariant", "psum", "jit_arguments", "ad_util", "core",
            "source_info_util", "linear_util", "partial_eval", "FlatTree", "flat_tree_flatten",
-           "jax_version", "distributed_client"]
+           "jax_version", "distributed_client", "current_trace", "is_trace_entry",
+           "is_jit_entry", "trace_started_in", "is_jax_frame"]
+
+_JAX_DIR = os.path.dirname(jax.__file__) + os.sep
+_TRACE_ENTRY_FILE = partial_eval.__file__
+
+
+def current_trace():
+    """The trace that primitives bound now go to (a jaxpr trace, a vmap trace, eager)."""
+    return core.trace_ctx.trace
+
+
+def is_trace_entry(code) -> bool:
+    """Whether ``code`` is where JAX starts tracing a function into a jaxpr (jit, shard_map,
+    scan / cond / while bodies, custom VJPs): the frames it calls are that function's."""
+    return code.co_filename == _TRACE_ENTRY_FILE and code.co_name.startswith("trace_to_")
+
+
+def is_jit_entry(code) -> bool:
+    """Whether ``code`` is where ``jax.jit`` traces the function it wraps (pjit's
+    ``_trace_for_jit``: a jit's jaxpr is cached and reused by every program that calls it)."""
+    return code.co_name == "_trace_for_jit" and code.co_filename.endswith(
+        ("jax/_src/pjit.py", "jax\\_src\\pjit.py"))
+
+
+def trace_started_in(frame):
+    """The trace a :func:`is_trace_entry` frame made (its local ``trace``), or None."""
+    return frame.f_locals.get("trace")
+
+
+def is_jax_frame(code) -> bool:
+    """Whether ``code`` is JAX's own (its tracing plumbing), not the program's."""
+    return code.co_filename.startswith(_JAX_DIR)
 
 
 def jax_version() -> str:
@@ -114,11 +152,7 @@ def jit_arguments(fn):
     import sys
 
     frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "_trace_for_jit" and code.co_filename.endswith(
-                ("jax/_src/pjit.py", "jax\\_src\\pjit.py")):
-            break
+    while frame is not None and not is_jit_entry(frame.f_code):
         frame = frame.f_back
     if frame is None:
         return None

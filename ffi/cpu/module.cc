@@ -78,6 +78,8 @@ NB_MODULE(_flashcomm_cpu, m) {
       },
       "Emulate a bus of this many bytes/s shared by the host's ranks (0: none; benchmarks).");
   m.def("shm_link_rate", &flashcomm::shm::LinkRate, "The emulated bus's bytes/s (0: none).");
+  m.def("shm_name_site", &flashcomm::shm::NameSite, nanobind::arg("site"), nanobind::arg("text"),
+        "Publishes a call site's description for the errors of peers (after shm_create_block).");
   m.def("shm_segments", &flashcomm::shm::SegmentsMapped,
         "Shared segments this process owns or maps (blocks excluded).");
   flashcomm::AddP2pRingInspection(

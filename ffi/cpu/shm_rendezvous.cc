@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <atomic>
 #include <chrono>
 #include <climits>
@@ -28,8 +29,11 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr uint64_t kMagic = 0x316d63687361666cULL;  // "lfashcm1"
+constexpr uint64_t kMagic = 0x326d63687361666cULL;  // "lfashcm2"
 constexpr int kChannels = 1024;
+constexpr int kActive = 64;   // calls of a process named in its block at once (errors only)
+constexpr int kNames = 1024;  // call sites whose description a process publishes
+constexpr int kNameProbe = 16;
 constexpr int kBarriers = 4;
 constexpr int kRegions = 4;
 constexpr int kMembers = 256;
@@ -55,6 +59,15 @@ struct alignas(64) ChannelRec {
 struct Member {
   int64_t axes_key, group, rank, size;
 };
+// A call this process has joined and not left (site 0: a free slot), for peers' errors.
+struct Active {
+  int64_t site, group, seq;
+};
+// What a call site is, as Python described it at trace time (SiteName: site 0 is free).
+struct SiteName {
+  int64_t site;
+  char text[120];
+};
 struct Block {
   uint64_t magic;
   int64_t pid;
@@ -64,6 +77,8 @@ struct Block {
   alignas(64) int64_t members;
   Member member[kMembers];
   ChannelRec channels[kChannels];
+  Active active[kActive];
+  SiteName names[kNames];
 };
 
 int64_t LoadAcquire(const int64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
@@ -151,6 +166,7 @@ struct Meeting {
   int64_t deferred_wire = 0;
   bool failed = false;
   std::string failure;
+  int active_slot = -1;  // its entry in this process's Block::active
 };
 
 namespace {
@@ -231,7 +247,16 @@ class Engine {
     auto m = std::make_shared<Meeting>();
     m->args = args;
     m->seq = seqs_[{args.site, args.group}]++;
-    m->channel = int(uint64_t(args.site * 1000003 + args.group) % kChannels);
+    m->channel = int((uint64_t(args.site) * 1000003u + uint64_t(args.group)) % kChannels);
+    for (int i = 0; i < kActive; ++i) {
+      Active& slot = mine_->active[i];
+      if (LoadAcquire(&slot.site) != 0) continue;
+      slot.group = args.group;
+      slot.seq = m->seq;
+      StoreRelease(&slot.site, args.site);
+      m->active_slot = i;
+      break;
+    }
     in_progress_.push_back(m);
     auto& queue = queues_[m->channel];
     queue.push_back(m);
@@ -269,6 +294,7 @@ class Engine {
       std::lock_guard<std::mutex> lock(mu_);
       if (m->left) return;
       m->left = true;
+      if (m->active_slot >= 0) StoreRelease(&mine_->active[m->active_slot].site, 0);
       for (auto it = in_progress_.begin(); it != in_progress_.end(); ++it) {
         if (*it == m) {
           in_progress_.erase(it);
@@ -299,6 +325,23 @@ class Engine {
       }
     }
     ScheduleDeferred(runnable);
+  }
+
+  // Publishes what `site` is (its description at trace time) for the errors of peers.
+  void NameSite(int64_t site, const std::string& text) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (mine_ == nullptr || site == 0) return;
+    for (int i = 0; i < kNameProbe; ++i) {
+      SiteName& e = mine_->names[(uint64_t(site) + uint64_t(i)) % kNames];
+      const int64_t at = LoadAcquire(&e.site);
+      if (at == site) return;
+      if (at != 0) continue;
+      const size_t n = std::min(text.size(), sizeof(e.text) - 1);
+      std::memcpy(e.text, text.data(), n);
+      e.text[n] = '\0';
+      StoreRelease(&e.site, site);
+      return;
+    }
   }
 
   size_t InProgress() {
@@ -557,8 +600,15 @@ class Engine {
         }
       }
       if (now >= m->deadline) {
-        return FailLocked(m, "shared-memory collective: timed out at barrier 0: not every "
-                             "rank of the group has joined (missing ranks never called it)");
+        std::string others;
+        for (auto& kv : blocks_) {
+          if (kv.first == process_index_) continue;
+          others += "; process " + std::to_string(kv.first) + " is in " + ActivityLocked(kv.first);
+        }
+        return FailLocked(m, "shared-memory collective: timed out at barrier 0 of " +
+                                 DescribeLocked(process_index_, a.site) + " call " +
+                                 std::to_string(m->seq) + " (rank " + std::to_string(a.rank) +
+                                 "): not every rank of the group has joined it" + others);
       }
       return;
     }
@@ -580,15 +630,27 @@ class Engine {
     }
     if (arrived < a.size) {
       if (now >= m->deadline) {
+        std::string where;
+        for (int r = 0; r < a.size; ++r) {
+          const int proc = m->procs[r];
+          if (proc == process_index_ ||
+              LoadAcquire(&blocks_.at(proc)->channels[m->channel].ticket) >= target) {
+            continue;
+          }
+          where += "; rank " + std::to_string(r) + " (process " + std::to_string(proc) +
+                   ") is in " + ActivityLocked(proc);
+        }
         FailLocked(m, "shared-memory collective: timed out at barrier " + std::to_string(b) +
-                          ": " + std::to_string(arrived) + " of " + std::to_string(a.size) +
-                          " ranks arrived (missing: rank " + missing + ")");
+                          " of " + DescribeLocked(process_index_, a.site) + " call " +
+                          std::to_string(m->seq) + ": " + std::to_string(arrived) + " of " +
+                          std::to_string(a.size) + " ranks arrived (missing: rank " + missing +
+                          ")" + where);
       }
       return;
     }
     std::vector<p2p::Published> peers(a.size);
     const bool last = b + 1 == a.barriers;
-    std::string differ;
+    std::string differ, theirs;
     for (int r = 0; r < a.size; ++r) {
       const int proc = m->procs[r];
       const Record& rec = blocks_.at(proc)->channels[m->channel].records[b];
@@ -600,13 +662,17 @@ class Engine {
       }
       if (rec.site != a.site || rec.group != a.group || rec.seq != m->seq) {
         return FailLocked(m, "shared-memory collective: rank " + std::to_string(r) +
-                                 " is at another call on this channel (site " +
-                                 std::to_string(rec.site) + " call " + std::to_string(rec.seq) +
-                                 ", this rank: site " + std::to_string(a.site) + " call " +
-                                 std::to_string(m->seq) + "): the processes traced or ran "
-                                 "their programs in different orders");
+                                 " is at another call on this channel (" +
+                                 DescribeLocked(proc, rec.site) + " call " +
+                                 std::to_string(rec.seq) + "; rank " + std::to_string(a.rank) +
+                                 ": " + DescribeLocked(process_index_, a.site) + " call " +
+                                 std::to_string(m->seq) + "): the processes ran different "
+                                 "programs, or the same ones in different orders");
       }
-      if (rec.descriptor != a.descriptor) differ += (differ.empty() ? "" : ", ") + std::to_string(r);
+      if (rec.descriptor != a.descriptor) {
+        if (differ.empty()) theirs = "; rank " + std::to_string(r) + ": " + DescribeLocked(proc, a.site);
+        differ += (differ.empty() ? "" : ", ") + std::to_string(r);
+      }
       if (rec.failed) {
         peers[r][3] = &p2p::kRankFailed;
         continue;
@@ -623,12 +689,46 @@ class Engine {
     }
     if (!differ.empty() && b == 0) {
       return FailLocked(m, "shared-memory collective: ranks passed different shapes or options "
-                           "(ranks " + differ + " differ from rank " + std::to_string(a.rank) +
-                           ")");
+                           "at " + DescribeLocked(process_index_, a.site) + " (ranks " + differ +
+                           " differ from rank " + std::to_string(a.rank) + theirs + ")");
     }
     m->waiting = -1;
     auto then = std::move(m->then);
     p2p::ThreadPool::Workers().Schedule([then, peers] { then(peers, std::string()); });
+  }
+
+  // "<description> [site 0x...]" from process `proc`'s names ("site 0x..." when unnamed).
+  std::string DescribeLocked(int64_t proc, int64_t site) {
+    char hex[24];
+    std::snprintf(hex, sizeof(hex), "%llx", static_cast<unsigned long long>(site));
+    const std::string id = std::string("site 0x") + hex;
+    auto it = blocks_.find(proc);
+    if (it == blocks_.end()) return id;
+    const Block* b = it->second;
+    for (int i = 0; i < kNameProbe; ++i) {
+      const SiteName& e = b->names[(uint64_t(site) + uint64_t(i)) % kNames];
+      const int64_t at = LoadAcquire(&e.site);
+      if (at == 0) break;
+      if (at != site) continue;
+      char text[sizeof(e.text)];
+      std::memcpy(text, e.text, sizeof(text));
+      text[sizeof(text) - 1] = '\0';
+      return std::string(text) + " [" + id + "]";
+    }
+    return id;
+  }
+
+  // The calls process `proc` has joined and not left, described.
+  std::string ActivityLocked(int64_t proc) {
+    const Block* b = blocks_.at(proc);
+    std::string out;
+    for (int i = 0; i < kActive; ++i) {
+      const int64_t site = LoadAcquire(&b->active[i].site);
+      if (site == 0) continue;
+      out += (out.empty() ? "" : ", ") + DescribeLocked(proc, site) + " call " +
+             std::to_string(b->active[i].seq);
+    }
+    return out.empty() ? std::string("no call (it may have given this one up already)") : out;
   }
 
   bool MapLocked(int proc, int channel, int barrier, const Record& rec, uint8_t** base,
@@ -723,6 +823,7 @@ void Abort(const std::shared_ptr<Meeting>& m, const std::string& why) {
 }
 void Leave(const std::shared_ptr<Meeting>& m) { Engine::Global().Leave(m); }
 size_t InProgress() { return Engine::Global().InProgress(); }
+void NameSite(int64_t site, const std::string& text) { Engine::Global().NameSite(site, text); }
 size_t SegmentsMapped() { return Engine::Global().Segments(); }
 
 const Api* GetApi() {

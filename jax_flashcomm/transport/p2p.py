@@ -6,7 +6,7 @@ The ranks are the devices of one process, or processes on one host with one devi
 the same protocols run over shared memory (:mod:`jax_flashcomm.transport.shm`, FFI targets
 ``flashcomm_shm_*``), and :func:`exact_all_reduce` sums exactly over it too. In one process, every call of a collective meets its peers through
 an in-process rendezvous keyed by the XLA execution (its run id), the call site (an id given
-here at trace time), the replica group (the index over the mesh axes not reduced) and how many
+here at trace time, :mod:`jax_flashcomm.transport.identity`), the replica group (the index over the mesh axes not reduced) and how many
 times this rank has called the site in this run (loops). Inside, the call runs the `xla`
 transport's steps with the same codec kernels on the same bytes in the same order, so the
 results are bit-identical to it (tests/transport/test_transport.py): quantize into its own result
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -30,10 +29,8 @@ from jax import lax
 from jax_flashcomm import _axes
 from jax_flashcomm.codec import Payload, kernels, spec
 from jax_flashcomm.codec import as_groups, restore_shape
-from jax_flashcomm.transport import shm
+from jax_flashcomm.transport import identity, shm
 from jax_flashcomm.transport.xla import arrange_gathered
-
-_sites = itertools.count(1)
 
 
 def result_aval(x: jax.Array, shape: tuple[int, ...], dtype, vma) -> jax.core.ShapedArray:
@@ -152,8 +149,23 @@ def axes_key(axes) -> int:
     return int.from_bytes(digest[:7], "little")
 
 
-def _attrs(axes, timeout_ms):
-    attrs = dict(size=np.int64(_axes.axis_size(axes)), site=np.int64(next(_sites)),
+def operand_text(x) -> str:
+    """``x``'s type as a call's description shows it (``f32[8,256]``)."""
+    return f"{np.dtype(x.dtype).name}[{','.join(str(d) for d in x.shape)}]"
+
+
+def call_site(kind: str, axes, x) -> int:
+    """The site id of a p2p call of ``kind`` over ``axes`` on operand ``x``, traced now
+    (:func:`jax_flashcomm.transport.identity.site`); between processes its description is
+    published for the peers' errors."""
+    ident = identity.site(kind, tuple(axes), operand_text(x))
+    if across_processes():
+        shm.name_site(ident, identity.describe(ident) or "")
+    return ident
+
+
+def _attrs(kind, axes, x, timeout_ms):
+    attrs = dict(size=np.int64(_axes.axis_size(axes)), site=np.int64(call_site(kind, axes, x)),
                  timeout_ms=np.int64(timeout_ms))
     if across_processes():
         attrs["axes_key"] = np.int64(axes_key(axes))
@@ -196,7 +208,7 @@ def all_reduce(x: jax.Array, axes: tuple[str, ...], plan,
     y, c1, s1, z1, c2, s2, z2 = call(
         groups, rank, group, bits=np.int32(b1), out_bits=np.int32(b2), group_size=np.int64(g),
         rotation=np.int32(rot), spikes=np.int32(k1), out_spikes=np.int32(k2),
-        **_attrs(axes, plan.timeout_ms))
+        **_attrs("all_reduce", axes, x, plan.timeout_ms))
     meta = dict(group_size=g, shape=tuple(x.shape), dtype=np.dtype(x.dtype), rotation=rot)
     p1 = Payload(c1, s1, z1, bits=b1, spikes=k1, **meta).merge_groups()
     p2 = Payload(c2, s2, z2, bits=b2, spikes=k2, **meta)
@@ -231,7 +243,7 @@ def reduce_scatter(rows: jax.Array, axes: tuple[str, ...],
     rank, group = rank_and_group(axes)
     y, c1, s1, z1 = call(groups, rank, group, bits=np.int32(bits), group_size=np.int64(g),
                          rotation=np.int32(rot), spikes=np.int32(k1),
-                         **_attrs(axes, plan.timeout_ms))
+                         **_attrs("reduce_scatter", axes, rows, plan.timeout_ms))
     p1 = Payload(c1, s1, z1, bits=bits, group_size=g, shape=(mp,), dtype=np.dtype(rows.dtype),
                  rotation=rot, spikes=k1)
     return y.reshape(mp), p1
@@ -266,7 +278,7 @@ def all_gather(x: jax.Array, axes: tuple[str, ...], axis: int, tiled: bool,
     rank, group = rank_and_group(axes)
     y, c, s, z = call(groups, rank, group, bits=np.int32(bits), group_size=np.int64(g),
                       rotation=np.int32(rot), spikes=np.int32(k2),
-                      **_attrs(axes, plan.timeout_ms))
+                      **_attrs("all_gather", axes, x, plan.timeout_ms))
     p = Payload(c, s, z, bits=bits, group_size=g, shape=tuple(x.shape), dtype=np.dtype(x.dtype),
                 rotation=rot, spikes=k2)
     stacked = restore_shape(y, tuple(x.shape))  # (N, count, g) -> (N, *x.shape)
@@ -323,4 +335,4 @@ def exact_all_reduce(x: jax.Array, axes: tuple[str, ...], timeout_ms: int,
     rank, group = rank_and_group(axes)
     mode = 2 if two_shot is None else int(bool(two_shot))
     return call(x, rank, group, two_shot=np.int32(mode),
-                two_shot_bytes=np.int64(TWO_SHOT_BYTES), **_attrs(axes, timeout_ms))
+                two_shot_bytes=np.int64(TWO_SHOT_BYTES), **_attrs("psum", axes, x, timeout_ms))

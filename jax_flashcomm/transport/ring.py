@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import itertools
 from functools import partial
 
 import jax
@@ -38,9 +37,6 @@ __all__ = ["XlaLink", "P2pLink", "spec", "make_link", "link_emulation",
 #: The FFI targets of the ring steps (registered by the CPU module, and the CUDA one if built).
 TARGETS = ("flashcomm_p2p_ring_start", "flashcomm_p2p_ring_done")
 
-#: Call-site ids key the rendezvous of a step's ranks: unique in the process, so one counter
-#: for every thread (itertools.count's next() is atomic under the GIL).
-_sites = itertools.count(1)
 #: The emulated link rate of p2p ring steps traced in this context (0: unpaced).
 _link_bytes_per_s: contextvars.ContextVar[int] = contextvars.ContextVar(
     "jax_flashcomm_link_bytes_per_s", default=0)
@@ -86,11 +82,12 @@ class P2pLink:
     def __init__(self, axes: tuple, timeout_ms: int, link_bytes_per_s: int):
         self.axes, self.timeout_ms, self.rate = axes, int(timeout_ms), int(link_bytes_per_s)
 
-    def _static(self, shift: int) -> tuple:
-        return (self.axes, self.timeout_ms, self.rate, shift, next(_sites))
+    def _static(self, shift: int, payload) -> tuple:
+        site = p2p.call_site(f"ring_step{shift:+d}", self.axes, payload)
+        return (self.axes, self.timeout_ms, self.rate, shift, site)
 
     def begin(self, payload, shift: int):
-        static = self._static(shift)
+        static = self._static(shift, payload)
         sent, recv, order = _begin(payload, static)
         return sent, (recv, sent, static, order)
 

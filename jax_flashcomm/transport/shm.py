@@ -29,7 +29,7 @@ from jax_flashcomm import jax_compat
 from jax_flashcomm.codec import kernels
 
 __all__ = ["TARGETS", "setup", "unsupported_reason", "meetings_in_progress", "segments",
-           "set_link_rate", "link_rate"]
+           "set_link_rate", "link_rate", "name_site"]
 
 #: The FFI targets of the transport between processes (the CPU module registers them, and the
 #: CUDA module its CUDA IPC version: ffi/cuda/shm_handlers.cc).
@@ -40,6 +40,7 @@ _KEY = "jax_flashcomm/shm/v1/process/{}"
 _SETUP_TIMEOUT_MS = 120_000
 _lock = threading.Lock()
 _decided: dict[str, str | None] = {}
+_named: dict[int, str] = {}  # site -> description, published in this process's block
 
 
 def _boot_id() -> str:
@@ -96,6 +97,9 @@ def _exchange() -> str | None:
             entry["pid"], entry["fd"] = kernels.cpu_module().shm_create_block(me)
         except RuntimeError as e:
             entry["reason"] = reason = str(e)
+        else:
+            for site, text in list(_named.items()):  # sites traced before the setup
+                kernels.cpu_module().shm_name_site(site, text)
     client.key_value_set(_KEY.format(me), json.dumps(entry))
     if reason is not None:  # the others read it and decide alike; no need to wait for them
         return f"process {me}: {reason}"
@@ -141,6 +145,17 @@ def _get(client, key: str) -> str | None:
 def unsupported_reason() -> str | None:
     """Why the transport between processes cannot run here, or None when it can."""
     return setup()
+
+
+def name_site(site: int, text: str) -> None:
+    """Publishes what call site ``site`` is (its description) in this process's block, so that
+    a peer's error names the call this process is at (sites traced before :func:`setup` are
+    published by it)."""
+    if site in _named:
+        return
+    _named[site] = text
+    if _decided.get("answer", "no block") is None:
+        kernels.cpu_module().shm_name_site(int(site), text)
 
 
 def meetings_in_progress() -> int:

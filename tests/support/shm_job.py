@@ -27,13 +27,15 @@ class ShmJob:
     deadline, and :meth:`close` kills what is still running."""
 
     def __init__(self, scenario: str, nproc: int, tmp: str, platform: str = "cpu",
-                 hard_timeout: float = HARD_TIMEOUT):
+                 hard_timeout: float = HARD_TIMEOUT, worker: Path = WORKER,
+                 extra_env: dict | None = None):
         port = free_port()
         env = dict(os.environ)
         env["FLASHCOMM_TEST_PLATFORM"] = platform
         env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")]
                                                            if p])
         use_worker_xla_flags(env)  # conftest's compile level, not its 8 devices
+        env.update(extra_env or {})
         flags = env.get("XLA_FLAGS")
         if platform == "gpu":
             # XLA shares GPU autotuning between the processes of a job, keyed by the program:
@@ -47,7 +49,7 @@ class ShmJob:
         for i in range(nproc):
             with open(self.logs[i], "w") as out:
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-u", str(WORKER), str(port), str(i), str(nproc), scenario],
+                    [sys.executable, "-u", str(worker), str(port), str(i), str(nproc), scenario],
                     cwd=tmp, env=env, stdout=out, stderr=subprocess.STDOUT))
 
     def text(self, i: int) -> str:
@@ -85,12 +87,13 @@ def lines(out: str, token: str) -> list[str]:
 
 
 def run_scenario(scenario: str, nproc: int, platform: str = "cpu",
-                 hard_timeout: float = HARD_TIMEOUT) -> list[str]:
+                 hard_timeout: float = HARD_TIMEOUT, worker: Path = WORKER,
+                 extra_env: dict | None = None) -> list[str]:
     """Runs the scenario to its end; asserts every process exited 0 with PASS and that
     /dev/shm has no new entry; returns the outputs."""
     before = dev_shm()
     with tempfile.TemporaryDirectory() as tmp:
-        job = ShmJob(scenario, nproc, tmp, platform, hard_timeout)
+        job = ShmJob(scenario, nproc, tmp, platform, hard_timeout, worker, extra_env)
         try:
             codes = [job.wait(i) for i in range(nproc)]
             outs = [job.text(i) for i in range(nproc)]

@@ -110,6 +110,10 @@ void Pace(int64_t bytes);
 int64_t ReserveBus(int64_t bytes);
 // Calls joined and not left (0 between collectives).
 size_t InProgress();
+// Publishes a description of call site `site` (Python's, at trace time) in this process's
+// block: peers' errors name the call this process is at by it. Up to 1024 sites; later ones
+// stay unnamed (errors give their id).
+void NameSite(int64_t site, const std::string& text);
 // Shared segments this process owns or maps (blocks excluded): for tests.
 size_t SegmentsMapped();
 
