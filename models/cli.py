@@ -94,7 +94,7 @@ POSITIVE = ("max_shard_mb", "top_p")
 #: options naming a file the run reads (must exist and be a regular file)
 INPUT_FILES = ("text", "prompts", "ref", "comm_policy")
 #: options naming a file the run writes (its folder must exist; it must not be a folder)
-OUTPUT_FILES = ("json", "out")
+OUTPUT_FILES = ("json", "out", "plot")
 #: options naming a checkpoint: a known name or an existing path
 MODEL_OPTIONS = ("model", "src")
 
@@ -191,6 +191,8 @@ def _check_input(parser, flag: str, dest: str, path: str) -> None:
 
 def _check_output(parser, flag: str, path: pathlib.Path) -> None:
     folder = path.parent if str(path.parent) else pathlib.Path(".")
+    if path.is_symlink() and not path.exists():
+        parser.error(f"{flag} {path}: a symlink that leads nowhere (dangling, or a loop)")
     if path.is_dir():
         parser.error(f"{flag} {path}: is a folder, not a file")
     if path.exists() and not path.is_file() and str(path) != os.devnull:
@@ -491,6 +493,72 @@ def setup(args):
                                        fuse_norm=getattr(args, "fuse_norm", False))
         set_comm(model, comm, overrides=overrides)
     return model, ckpt, mesh, comm
+
+
+def quantize_every_call(args, log=None) -> None:
+    """For the accuracy tools: a quantized ``--comm`` (flash, flash+overlap) with no
+    ``--min-bytes`` and no ``min_bytes`` in ``--config`` quantizes every all-reduce
+    (``--min-bytes 0``), so that the setting evaluated is the setting named; the library's
+    ``"auto"`` would keep exact ``lax`` wherever it predicts that faster."""
+    if (getattr(args, "comm", None) not in ("flash", "flash+overlap")
+            or getattr(args, "min_bytes", "unset") is not None):
+        return
+    if getattr(args, "comm_policy", None) is not None:
+        return
+    if args.config is not None and "min_bytes" in _config_fields(args):
+        return
+    args.min_bytes = "0"
+    if log is not None:
+        print("quantizing every all-reduce (--min-bytes 0; --min-bytes auto lets the size "
+              "policy keep some exact)", file=log)
+
+
+def _config_fields(args) -> set:
+    text = args.config
+    if not text.lstrip().startswith(("{", "[")):
+        text = read_regular(text, "--config")
+    try:
+        fields = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return set()
+    return set(fields) if isinstance(fields, dict) else set()
+
+
+def plans_wire_vs_bf16(plans) -> tuple[float, dict]:
+    """Wire bytes of the all-reduces that ran over a bf16 ring's (2 bytes per element and
+    phase), from their traced plans, and how many took each path.
+
+    Args:
+      plans: :class:`jax_flashcomm.planner.Plan` objects (``jax_flashcomm.record()``).
+
+    Returns:
+      ``(ratio, {path: count})`` over the psum plans (1.0 and {} when there are none).
+    """
+    from jax_flashcomm.codec import spec
+
+    wire = bf16 = 0.0
+    paths: dict[str, int] = {}
+    for p in plans:
+        if p.op != "psum":
+            continue
+        paths[p.path] = paths.get(p.path, 0) + 1
+        elements = p.nbytes / max(1, spec_dtype_bytes(p.dtype))
+        bf16 += 2.0 * elements
+        if p.quantized:
+            w1 = spec.format_wire_bytes_per_element(p.rs_format, p.group_size, p.rs_bits,
+                                                    p.rs_spikes)
+            w2 = spec.format_wire_bytes_per_element(p.ag_format, p.group_size, p.ag_bits,
+                                                    p.ag_spikes)
+            wire += elements * (w1 + w2) / 2
+        else:
+            wire += 2.0 * elements
+    return (wire / bf16 if bf16 else 1.0), paths
+
+
+def spec_dtype_bytes(dtype) -> int:
+    import numpy as np
+
+    return int(np.dtype(dtype).itemsize)
 
 
 def wire_vs_bf16(args, n_layers: int, comm) -> float:

@@ -79,23 +79,29 @@ def run(args, log=sys.stderr) -> dict:
 
     from models.engine import Engine
 
+    import jax_flashcomm as fc
+
     engine = Engine(model, mesh, cache_len=max(args.window, 64))
     nll = nll_fn()
     per_window, start = [], time.perf_counter()
     print(f"{cli.describe(args)}, TP={args.tp}: {len(windows)} windows of {args.window} tokens",
           file=log)
     progress(0, len(windows), start, log)
-    for i, w in enumerate(windows):
-        tokens = np.asarray([w], np.int32)
-        per_window.append(np.asarray(nll(engine.score(tokens), tokens))[0].astype(np.float64))
-        progress(i + 1, len(windows), start, log)
+    with fc.record() as plans:  # the plans of the calls that ran (traced in the first window)
+        for i, w in enumerate(windows):
+            tokens = np.asarray([w], np.int32)
+            per_window.append(np.asarray(nll(engine.score(tokens), tokens))[0]
+                              .astype(np.float64))
+            progress(i + 1, len(windows), start, log)
     all_nll = np.concatenate(per_window)
+    wire, paths = cli.plans_wire_vs_bf16(plans)
     return {
         "perplexity": math.exp(float(all_nll.mean())),
         "tokens": int(all_nll.size),
         "mean_nll": float(all_nll.mean()),
         "window_perplexity": [math.exp(float(w.mean())) for w in per_window],
-        "wire_vs_bf16": cli.wire_vs_bf16(args, ckpt.config.n_layers, comm),
+        "wire_vs_bf16": wire,
+        "all_reduce_paths": paths,
         "seconds": time.perf_counter() - start,
         "options": {k: getattr(args, k) for k in (
             "model", "tp", "comm", "bits", "rs_bits", "ag_bits", "format", "rs_format",
@@ -112,6 +118,7 @@ def run_windows_cli(parser, args, run_fn) -> dict | None:
     """The common part of the perplexity CLIs: checks the options, runs ``run_fn(args)`` and
     adds the machine it ran on; ``None`` (the error printed) when the checkpoint or text fails."""
     cli.check(parser, args)
+    cli.quantize_every_call(args, sys.stderr)
     try:
         result = run_fn(args)
     except cli.RUN_ERRORS as e:
