@@ -415,25 +415,35 @@ def read_regular(path, what: str, limit: int = MAX_JSON_BYTES) -> str:
         raise ValueError(f"{what} {path}: cannot read it as UTF-8 text ({e})") from None
 
 
+def config_fields(args) -> dict | None:
+    """The JSON object of ``--config`` (inline, or a file's), None without the flag.
+
+    Raises:
+      ValueError: not a regular file, not JSON, nested too deep, or not an object.
+    """
+    if getattr(args, "config", None) is None:
+        return None
+    text = args.config
+    if not text.lstrip().startswith(("{", "[")):
+        text = read_regular(text, "--config")
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--config: not JSON ({e})") from None
+    except RecursionError:
+        raise ValueError("--config: not a CommConfig (nested too deep)") from None
+    if not isinstance(fields, dict):
+        raise ValueError("--config: expected a JSON object of CommConfig fields")
+    return fields
+
+
 def comm_options(args) -> dict:
     """``{"config": CommConfig | None, option: value}``: the --config and the option flags
     given (the others are left to the config's defaults)."""
     from jax_flashcomm.config import CommConfig
 
-    config = None
-    if args.config is not None:
-        text = args.config
-        if not text.lstrip().startswith(("{", "[")):
-            text = read_regular(text, "--config")
-        try:
-            fields = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--config: not JSON ({e})") from None
-        except RecursionError:
-            raise ValueError("--config: not a CommConfig (nested too deep)") from None
-        if not isinstance(fields, dict):
-            raise ValueError("--config: expected a JSON object of CommConfig fields")
-        config = CommConfig(**fields)
+    fields = config_fields(args)
+    config = None if fields is None else CommConfig(**fields)
     options = {name: getattr(args, name) for name in CONFIG_FLAGS
                if getattr(args, name) is not None}
     for name in ("rotation", "spikes", "min_bytes"):
@@ -501,76 +511,14 @@ def quantize_every_call(args, log=None) -> None:
     (``--min-bytes 0``), so that the setting evaluated is the setting named; the library's
     ``"auto"`` would keep exact ``lax`` wherever it predicts that faster."""
     if (getattr(args, "comm", None) not in ("flash", "flash+overlap")
-            or getattr(args, "min_bytes", "unset") is not None):
-        return
-    if getattr(args, "comm_policy", None) is not None:
-        return
-    if args.config is not None and "min_bytes" in _config_fields(args):
+            or getattr(args, "min_bytes", "unset") is not None
+            or getattr(args, "comm_policy", None) is not None
+            or "min_bytes" in (config_fields(args) or {})):
         return
     args.min_bytes = "0"
     if log is not None:
         print("quantizing every all-reduce (--min-bytes 0; --min-bytes auto lets the size "
               "policy keep some exact)", file=log)
-
-
-def _config_fields(args) -> set:
-    text = args.config
-    if not text.lstrip().startswith(("{", "[")):
-        text = read_regular(text, "--config")
-    try:
-        fields = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
-        return set()
-    return set(fields) if isinstance(fields, dict) else set()
-
-
-def plans_wire_vs_bf16(plans) -> tuple[float, dict]:
-    """Wire bytes of the all-reduces that ran over a bf16 ring's (2 bytes per element and
-    phase), from their traced plans, and how many took each path.
-
-    Args:
-      plans: :class:`jax_flashcomm.planner.Plan` objects (``jax_flashcomm.record()``).
-
-    Returns:
-      ``(ratio, {path: count})`` over the psum plans (1.0 and {} when there are none).
-    """
-    from jax_flashcomm.codec import spec
-
-    wire = bf16 = 0.0
-    paths: dict[str, int] = {}
-    for p in plans:
-        if p.op != "psum":
-            continue
-        paths[p.path] = paths.get(p.path, 0) + 1
-        elements = p.nbytes / max(1, spec_dtype_bytes(p.dtype))
-        bf16 += 2.0 * elements
-        if p.quantized:
-            w1 = spec.format_wire_bytes_per_element(p.rs_format, p.group_size, p.rs_bits,
-                                                    p.rs_spikes)
-            w2 = spec.format_wire_bytes_per_element(p.ag_format, p.group_size, p.ag_bits,
-                                                    p.ag_spikes)
-            wire += elements * (w1 + w2) / 2
-        else:
-            wire += 2.0 * elements
-    return (wire / bf16 if bf16 else 1.0), paths
-
-
-def spec_dtype_bytes(dtype) -> int:
-    import numpy as np
-
-    return int(np.dtype(dtype).itemsize)
-
-
-def wire_vs_bf16(args, n_layers: int, comm) -> float:
-    """The mean wire bytes per element of the model's all-reduces over a bf16 ring's: the
-    policy's mean over its sites with ``--comm-policy``, else ``comm``'s."""
-    if getattr(args, "comm_policy", None) is not None:
-        from models.llama import site_names
-
-        return load_policy(args.comm_policy).mean_wire_vs_bf16(site_names(n_layers))
-    from models import traffic
-
-    return traffic.wire_vs_bf16(comm)
 
 
 def describe(args) -> str:

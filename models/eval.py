@@ -74,12 +74,12 @@ def setup_windows(args):
 
 
 def run(args, log=sys.stderr) -> dict:
-    model, ckpt, mesh, comm, windows = setup_windows(args)
+    model, ckpt, mesh, _, windows = setup_windows(args)
     import numpy as np
 
-    from models.engine import Engine
-
     import jax_flashcomm as fc
+    from models import traffic
+    from models.engine import Engine
 
     engine = Engine(model, mesh, cache_len=max(args.window, 64))
     nll = nll_fn()
@@ -94,7 +94,7 @@ def run(args, log=sys.stderr) -> dict:
                               .astype(np.float64))
             progress(i + 1, len(windows), start, log)
     all_nll = np.concatenate(per_window)
-    wire, paths = cli.plans_wire_vs_bf16(plans)
+    wire, paths = traffic.plans_wire_vs_bf16(plans)
     return {
         "perplexity": math.exp(float(all_nll.mean())),
         "tokens": int(all_nll.size),

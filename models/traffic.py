@@ -16,13 +16,44 @@ from jax_flashcomm.codec import spec
 from jax_flashcomm.comm_policy import wire_per_element
 from jax_flashcomm.planner import quantizes
 
-__all__ = ["allreduce_bytes_per_token", "wire_per_element", "wire_vs_bf16"]
+__all__ = ["allreduce_bytes_per_token", "wire_per_element", "wire_vs_bf16", "plans_wire_vs_bf16"]
 
 
 def wire_vs_bf16(comm) -> float:
     """A quantized all-reduce's wire bytes per element (the mean of its two phases) over a bf16
     ring's 2 bytes per element and phase; 1.0 for a strategy that does not quantize."""
     return comm_policy.wire_vs_bf16(comm.config if comm.quantized else None)
+
+
+def plans_wire_vs_bf16(plans) -> tuple[float, dict]:
+    """Wire bytes of the all-reduces that ran over a bf16 ring's (2 bytes per element and
+    phase), from their traced plans, and how many took each path.
+
+    Args:
+      plans: :class:`jax_flashcomm.planner.Plan` objects (``jax_flashcomm.record()``).
+
+    Returns:
+      ``(ratio, {path: count})`` over the psum plans (1.0 and {} when there are none).
+    """
+    import numpy as np
+
+    wire = bf16 = 0.0
+    paths: dict[str, int] = {}
+    for p in plans:
+        if p.op != "psum":
+            continue
+        paths[p.path] = paths.get(p.path, 0) + 1
+        elements = p.nbytes / np.dtype(p.dtype).itemsize
+        bf16 += 2.0 * elements
+        if p.quantized:
+            wire += elements * (
+                spec.format_wire_bytes_per_element(p.rs_format, p.group_size, p.rs_bits,
+                                                   p.rs_spikes)
+                + spec.format_wire_bytes_per_element(p.ag_format, p.group_size, p.ag_bits,
+                                                     p.ag_spikes)) / 2
+        else:
+            wire += 2.0 * elements
+    return (wire / bf16 if bf16 else 1.0), paths
 
 
 def allreduce_bytes_per_token(cfg, tp: int, comm, *, batch: int = 1, itemsize: int = 4) -> dict:

@@ -61,7 +61,7 @@ struct Member {
 };
 // A call this process has joined and not left (site 0: a free slot), for peers' errors.
 struct Active {
-  int64_t site, group, seq;
+  int64_t site, seq;
 };
 // What a call site is, as Python described it at trace time (SiteName: site 0 is free).
 struct SiteName {
@@ -251,7 +251,6 @@ class Engine {
     for (int i = 0; i < kActive; ++i) {
       Active& slot = mine_->active[i];
       if (LoadAcquire(&slot.site) != 0) continue;
-      slot.group = args.group;
       slot.seq = m->seq;
       StoreRelease(&slot.site, args.site);
       m->active_slot = i;

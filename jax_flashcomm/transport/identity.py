@@ -77,10 +77,7 @@ def site(kind: str, axes: tuple[str, ...], what: str = "") -> int:
     frames, trace, user = _path()
     key = hashlib.sha1(repr((kind, tuple(axes), frames)).encode()).digest()
     with _lock:
-        try:
-            counts = _counts.setdefault(trace, Counter())
-        except TypeError:  # a trace that takes no weak reference: count in none
-            counts = Counter()
+        counts = _counts.setdefault(trace, Counter())  # every jax Trace takes weak references
         occurrence = counts[key]
         counts[key] += 1
     digest = hashlib.sha1(key + occurrence.to_bytes(8, "little")).digest()
@@ -98,8 +95,3 @@ def describe(ident: int) -> str | None:
     """What site ``ident`` is (as traced in this process), or None when it traced no such site."""
     return _names.get(int(ident))
 
-
-def names() -> dict[int, str]:
-    """Every site this process has traced, with its description."""
-    with _lock:
-        return dict(_names)

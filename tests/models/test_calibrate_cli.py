@@ -127,8 +127,6 @@ def test_comm_policy_flag_errors(tmp_path, capsys):
     parser, args = _common("--comm-policy", str(good))
     cli.check(parser, args)
     assert "comm policy" in cli.describe(args)
-    assert cli.wire_vs_bf16(args, 2, None) == pytest.approx(
-        (3 + fc.comm_policy.wire_vs_bf16(FP8)) / 4)
     for argv, message in ((("--comm", "flash"), "drop --comm"), (("--bits", "4"), "drop --bits"),
                           ((), "not a jax_flashcomm policy")):
         path = good

@@ -8,20 +8,11 @@ import io
 
 import pytest
 
+import jax_flashcomm as fc
 from models import cli
 from models import eval as eval_cli
-from tests.models.test_calibrate_cli import _tiny
-
-
-@pytest.fixture
-def patched_loader(monkeypatch):
-    monkeypatch.setattr(cli, "set_devices", lambda n: None)
-
-    def fake_load(name, *, tp, mesh, comm=None, dtype=None, ckpt=None):
-        model, ckpt, _ = _tiny(comm)
-        return model, ckpt
-
-    monkeypatch.setattr("models.weights.load_model", fake_load)
+from tests.models.test_calibrate_cli import FP8
+from tests.models.test_calibrate_cli import patched_loader  # noqa: F401  (the fixture)
 
 
 def _eval(tmp_path, *extra):
@@ -35,7 +26,7 @@ def _eval(tmp_path, *extra):
     return eval_cli.run(args, log=log), log.getvalue()
 
 
-def test_a_quantized_setting_quantizes_every_all_reduce(tmp_path, patched_loader):
+def test_a_quantized_setting_quantizes_every_all_reduce(tmp_path, patched_loader):  # noqa: F811
     exact, _ = _eval(tmp_path, "--comm", "exact")
     int4, note = _eval(tmp_path, "--comm", "flash", "--bits", "4")
     assert "quantizing every all-reduce" in note
@@ -46,10 +37,17 @@ def test_a_quantized_setting_quantizes_every_all_reduce(tmp_path, patched_loader
     assert exact["wire_vs_bf16"] == 1.0 and set(exact["all_reduce_paths"]) == {"lax"}
 
 
-def test_min_bytes_auto_is_kept_and_reported_from_the_plans(tmp_path, patched_loader):
+def test_min_bytes_auto_is_kept_and_reported_from_the_plans(tmp_path, patched_loader):  # noqa: F811, E501
     auto, note = _eval(tmp_path, "--comm", "flash", "--bits", "4", "--min-bytes", "auto")
     assert "quantizing every" not in note
     paths = auto["all_reduce_paths"]
     quantized = paths.get("quantized", 0) / sum(paths.values())
     # the reported wire ratio follows the calls that ran: 1.0 where all stayed exact
     assert (auto["wire_vs_bf16"] == 1.0) == (quantized == 0), auto
+
+
+def test_a_policy_reports_the_wire_of_its_sites(tmp_path, patched_loader):  # noqa: F811
+    policy = fc.CommPolicy(sites={"0.mlp": FP8}).save(tmp_path / "policy.json")
+    result, _ = _eval(tmp_path, "--comm-policy", str(policy))
+    assert result["all_reduce_paths"] == {"lax": 3, "quantized": 1}
+    assert result["wire_vs_bf16"] == pytest.approx((3 + fc.comm_policy.wire_vs_bf16(FP8)) / 4)

@@ -18,6 +18,21 @@ HARD_TIMEOUT = 240  # seconds: no worker outlives this
 KILL_BOUND = 15.0  # seconds: survivors of a killed peer raise within this (the worker's BOUND_S)
 
 
+def require_shm() -> None:
+    """Skip the calling test module where the shared-memory transport cannot run (not Linux,
+    or a CPU module built without it)."""
+    import pytest
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the shared-memory transport maps memfds through /proc (Linux)",
+                    allow_module_level=True)
+    from jax_flashcomm.codec import kernels
+
+    if "flashcomm_shm_psum" not in kernels.registered("cpu"):
+        pytest.skip("the CPU kernel module lacks the shared-memory handlers",
+                    allow_module_level=True)
+
+
 def dev_shm() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 

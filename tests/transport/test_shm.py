@@ -19,20 +19,12 @@ after its processes are gone.
 """
 
 import os
-import sys
 
 import pytest
 
-if not sys.platform.startswith("linux"):
-    pytest.skip("the shared-memory transport maps memfds through /proc (Linux)",
-                allow_module_level=True)
+from tests.support.shm_job import check_mismatch, lines, require_shm, run_killed, run_scenario
 
-from jax_flashcomm.codec import kernels  # noqa: E402
-from tests.support.shm_job import check_mismatch, lines, run_killed, run_scenario  # noqa: E402
-
-if "flashcomm_shm_psum" not in kernels.registered("cpu"):
-    pytest.skip("the CPU kernel module lacks the shared-memory handlers",
-                allow_module_level=True)
+require_shm()
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]  # several python processes
 

@@ -9,21 +9,13 @@ process count; the long run is FLASHCOMM_FUZZ_CASES_PER_JOB=2:2000,3:1800,4:1200
 """
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-if not sys.platform.startswith("linux"):
-    pytest.skip("the shared-memory transport maps memfds through /proc (Linux)",
-                allow_module_level=True)
+from tests.support.shm_job import require_shm, run_scenario
 
-from jax_flashcomm.codec import kernels  # noqa: E402
-from tests.support.shm_job import run_scenario  # noqa: E402
-
-if "flashcomm_shm_psum" not in kernels.registered("cpu"):
-    pytest.skip("the CPU kernel module lacks the shared-memory handlers",
-                allow_module_level=True)
+require_shm()
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
