@@ -59,6 +59,7 @@ def run(model, ckpt, mesh, settings, *, text=None, window=512, max_windows=6, pr
     tokens/s of all their decode steps."""
     from jax_flashcomm import record
     from models.eval import nll_fn, window_tokens
+    from models.traffic import plans_wire_vs_bf16
 
     tok = ckpt.tokenizer
     stop = tuple(set(ckpt.config.eos_token_ids) | set(tok.eos_ids))
@@ -77,6 +78,7 @@ def run(model, ckpt, mesh, settings, *, text=None, window=512, max_windows=6, pr
         rows[-1]["plans"] = dict(collections.Counter(
             f"{p.op}: {p.path}" + (f" over {p.transport}" if p.transport else "")
             for p in plans))
+        rows[-1]["wire_vs_bf16"], _ = plans_wire_vs_bf16(plans)  # of the calls that ran
     if prompts:
         for r in range(1, rounds):
             print(f"timing round {r + 1}/{rounds}", file=log)
@@ -87,8 +89,9 @@ def run(model, ckpt, mesh, settings, *, text=None, window=512, max_windows=6, pr
         for row in rows:
             dec = row["decode_samples_s"]
             row["ttft_s"] = statistics.median(row["ttft_samples_s"])
-            row["tokens_per_s"] = len(dec) / sum(dec)
-            row["tokens_per_s_median"] = 1 / statistics.median(dec)
+            if dec:  # --max-new-tokens 1: the first token only, no decode step timed
+                row["tokens_per_s"] = len(dec) / sum(dec)
+                row["tokens_per_s_median"] = 1 / statistics.median(dec)
         base = rows[0]["continuations"]
         for row in rows:
             pairs = [matching(a, b) for a, b in zip(row["continuations"], base)]
@@ -116,15 +119,13 @@ def _run_setting(label, comm, model, ckpt, mesh, *, engine_args, windows, window
     policy = comm if isinstance(comm, CommPolicy) else None
     overrides = None
     if policy is not None:
-        from models.llama import policy_comms, site_names
+        from models.llama import policy_comms
 
         comm, overrides = policy_comms(policy, ckpt.config.n_layers)
     set_comm(model, comm, overrides=overrides)
     engine = Engine(model, mesh, **engine_args)
     row = {"setting": label, "comm": "policy" if policy is not None else comm.kind}
-    if policy is not None:
-        row["wire_vs_bf16"] = policy.mean_wire_vs_bf16(site_names(ckpt.config.n_layers))
-    elif comm.quantized:
+    if policy is None and comm.quantized:
         row.update(rs_bits=comm.config.phase1_bits, ag_bits=comm.config.phase2_bits,
                    rs_spikes=comm.config.phase1_spikes,
                    ag_spikes=comm.config.phase2_spikes, group_size=comm.config.group_size)
@@ -171,9 +172,10 @@ def table(rows, tp: int) -> str:
         rel = f"{(ppl / exact_ppl - 1) * 100:+.2f}%" if ppl and exact_ppl else "-"
         match = (f"{sum(r['match_prefix'])}/{sum(len(c) for c in rows[0]['continuations'])}"
                  if "match_positions" in r else "-")
-        lines.append(f"{r['setting']:<12}{ppl if ppl else float('nan'):>12.4f}{rel:>10}"
-                     f"{r.get('ttft_s', float('nan')) * 1e3:>10.1f}"
-                     f"{r.get('tokens_per_s', float('nan')):>8.1f}"
+        ttft, tps = r.get("ttft_s"), r.get("tokens_per_s")
+        lines.append(f"{r['setting']:<12}{f'{ppl:.4f}' if ppl else '-':>12}{rel:>10}"
+                     f"{f'{ttft * 1e3:.1f}' if ttft is not None else '-':>10}"
+                     f"{f'{tps:.1f}' if tps is not None else '-':>8}"
                      f"{r['allreduce_bytes_per_token']:>12.0f}{match:>14}")
     return "\n".join(lines)
 

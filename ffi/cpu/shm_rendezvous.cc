@@ -607,7 +607,8 @@ class Engine {
         return FailLocked(m, "shared-memory collective: timed out at barrier 0 of " +
                                  DescribeLocked(process_index_, a.site) + " call " +
                                  std::to_string(m->seq) + " (rank " + std::to_string(a.rank) +
-                                 "): not every rank of the group has joined it" + others);
+                                 "): rank " + UnjoinedLocked(a) +
+                                 " of the group never joined this group's calls" + others);
       }
       return;
     }
@@ -680,6 +681,11 @@ class Engine {
       if (proc == process_index_) {
         base = own_[{m->channel, b}].base;
       } else if (!MapLocked(proc, m->channel, b, rec, &base, &error)) {
+        if (Exited(pids_.at(proc))) {  // its fds went with it
+          return FailLocked(m, "shared-memory collective: rank " + std::to_string(r) +
+                                   " (process " + std::to_string(proc) + ", pid " +
+                                   std::to_string(pids_.at(proc)) + ") exited");
+        }
         return FailLocked(m, "shared-memory collective: rank " + std::to_string(r) + ": " + error);
       }
       for (int i = 0; i < kRegions; ++i) {
@@ -715,6 +721,27 @@ class Engine {
       return std::string(text) + " [" + id + "]";
     }
     return id;
+  }
+
+  // The ranks of `a`'s group that no process has claimed yet ("1, 3").
+  std::string UnjoinedLocked(const JoinArgs& a) {
+    std::vector<bool> claimed(a.size, false);
+    for (auto& kv : blocks_) {
+      const Block* b = kv.second;
+      const int64_t n = std::min<int64_t>(LoadAcquire(&b->members), kMembers);
+      for (int64_t i = 0; i < n; ++i) {
+        const Member& mem = b->member[i];
+        if (mem.axes_key == a.axes_key && mem.group == a.group && mem.size == a.size &&
+            mem.rank >= 0 && mem.rank < a.size) {
+          claimed[mem.rank] = true;
+        }
+      }
+    }
+    std::string out;
+    for (int r = 0; r < a.size; ++r) {
+      if (!claimed[r]) out += (out.empty() ? "" : ", ") + std::to_string(r);
+    }
+    return out;
   }
 
   // The calls process `proc` has joined and not left, described.

@@ -10,7 +10,7 @@ import pytest
 
 from jax_flashcomm.nn import TPComm
 from models import demo
-from models.compare import run
+from models.compare import run, table
 from models.weights import load_model
 from tests.support.tiny_llama import TINY, DictCheckpoint
 
@@ -32,13 +32,13 @@ class ChatTokenizer:
         return " ".join(map(str, ids))
 
 
-def _rows(rounds, settings):
+def _rows(rounds, settings, max_new_tokens=5):
     mesh = jax.make_mesh((TP,), ("tp",), devices=jax.devices()[:TP])
     # no EOS (no early stop); a context for compare's 512-position cache
     ckpt = DictCheckpoint(dataclasses.replace(TINY, eos_token_ids=(), max_seq_len=512))
     ckpt.tokenizer = ChatTokenizer()
     model, ckpt = load_model(None, tp=TP, mesh=mesh, ckpt=ckpt)
-    return run(model, ckpt, mesh, settings, prompts=["hello there"], max_new_tokens=5,
+    return run(model, ckpt, mesh, settings, prompts=["hello there"], max_new_tokens=max_new_tokens,
                rounds=rounds, log=open("/dev/null", "w"))
 
 
@@ -65,3 +65,16 @@ def test_demo_rejects_zero_rounds(capsys):
     with pytest.raises(SystemExit) as e:
         demo.main(["--rounds", "0"])
     assert e.value.code == 2 and "--rounds must be >= 1" in capsys.readouterr().err
+
+
+def test_the_table_shows_no_nan_and_wire_comes_from_the_plans():
+    """Without --text there is no perplexity and with --max-new-tokens 1 no decode step: the
+    table says "-" rather than "nan"; each row's wire ratio is that of the calls that ran."""
+    settings = [("exact", TPComm("exact")), ("int8", TPComm("flash", bits=8, min_bytes=0))]
+    rows = _rows(1, settings, max_new_tokens=1)
+    assert "tokens_per_s" not in rows[0]
+    text = table(rows, TP)
+    assert "nan" not in text.lower(), text
+    assert [line.split()[1] for line in text.splitlines()[1:]] == ["-", "-"]  # perplexity
+    assert rows[0]["wire_vs_bf16"] == 1.0
+    assert 0.5 < rows[1]["wire_vs_bf16"] < 0.6  # int8 codes + bf16 scale and zero per group

@@ -6,7 +6,9 @@ scenario below). Environment: FLASHCOMM_FUZZ_CASES (cases, default 50).
 
 ``orders``: programs F and G (an int8 psum and an exact all-reduce each, the same shapes) traced
 F, G on even processes and G, F on odd ones, process 0 first tracing a program whose second
-call raises; then every process runs F, G, F: each result is checked as below.
+call raises; then every process runs F, G, F: each result is checked as below. Last, every
+process but the last calls an exact all-reduce that the last never calls: their errors must
+name its rank.
 
 Every case builds random programs from one random description that every process draws alike
 (1-3 collectives each: the exact all-reduce, and int8 psum / psum_scatter / all_gather over
@@ -233,6 +235,20 @@ def orders():
         check(programs[k], fn(x), references(programs[k], xs), f"program {'FG'[k]} run {run}")
     log(f"ORDERS traced {'then '.join('FG'[k] + ' ' for k in order)}and ran F, G, F: "
         "every result right")
+    # the last process never calls this one: the others' error names its rank
+    if pid != nproc - 1:
+        prog = {"k": 0, "ops": ["exact"], "shape": (nproc, 128)}
+        f, rows = make(prog, "never", 500)
+        x = jax.make_array_from_process_local_data(rows, operands(prog, 0, 0)[pid][None])
+        try:
+            np.asarray(f(x)[0].addressable_shards[0].data)
+        except Exception as err:  # noqa: BLE001 - the runtime's error type
+            text = " ".join(str(err).split())
+            want = f"rank {nproc - 1} of the group never joined"
+            assert want in text, text[:1500]
+            log(f"NEVER_JOINED {text[text.find('timed out'):][:300]}")
+        else:
+            raise AssertionError("a call whose peer never came returned")
 
 
 assert shm.setup() is None, shm.setup()

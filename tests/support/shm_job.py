@@ -159,6 +159,7 @@ def run_killed(scenario: str, platform: str = "cpu", hard_timeout: float = HARD_
         seconds = float(raised[0].split()[1])
         assert seconds <= KILL_BOUND, raised[0]
         assert "exited" in raised[0] or "timed out" in raised[0], raised[0]
+        assert "/proc/" not in raised[0], raised[0]  # the exit named, not its vanished fds
         assert codes[i] == 0 and "PASS" in out.splitlines(), out[-3000:]
         print(f"{scenario}: process {i} {raised[0][:200]}")
     left = dev_shm() - before

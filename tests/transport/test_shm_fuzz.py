@@ -26,9 +26,12 @@ JOBS = dict(tuple(int(v) for v in item.split(":")) for item in
 
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_trace_orders_and_a_failed_trace_pair_the_right_calls(nproc):
-    for out in run_scenario("-1", nproc, worker=WORKER):
+    outs = run_scenario("-1", nproc, worker=WORKER)
+    for out in outs:
         (line,) = [ln for ln in out.splitlines() if "] ORDERS " in ln]
         assert "every result right" in line, out[-3000:]
+    for out in outs[:-1]:
+        assert "] NEVER_JOINED " in out, out[-3000:]
 
 
 @pytest.mark.parametrize("nproc", sorted(JOBS))
