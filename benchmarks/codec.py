@@ -10,7 +10,7 @@ the figure the "at least as fast as the twin" target compares):
 * ``quantize`` and ``dequantize`` with the FFI kernels (``backend="ffi"``), and with the
   pure-jnp twin for reference, at 8, 6, 4 bits, G = 128;
 * the fused ``dequantize_sum_quantize`` of 8 chunks (the middle of the two-step all-reduce);
-* the rotation section (issue 6): quantize and dequantize with rotation 0 (plain), 1
+* the rotation section: quantize and dequantize with rotation 0 (plain), 1
   (Hadamard) and 2 (signed Hadamard) for f32/bf16/f16 operands, bits 8, 6, 4 and G = 32, 128,
   512, on an operand of ``--rotation-mib`` MiB of bf16 (the same element count for every
   dtype). The three rotations' calls alternate, round after round, and each ratio is the
@@ -23,10 +23,10 @@ once with glibc's mmap threshold raised, so that XLA's per-call output buffers a
 instead of being mapped and page-faulted afresh on every call (that cost is the allocator's,
 not the kernel's; the first lines of the output say which mode ran).
 
-Target (issue 2): quantize of bf16 input at >= 25% of memcpy bandwidth at int8 and int4. Both
-ratios are printed: against main-memory memcpy (the target) and against memcpy of the same
-size (a stricter figure when the operand fits in the last-level cache). Target (issue 6): with
-rotation, at most 2x the plain codec's time.
+Target: quantize of bf16 input at >= 25% of memcpy bandwidth at int8 and int4. Both ratios
+are printed: against main-memory memcpy (the target) and against memcpy of the same size (a
+stricter figure when the operand fits in the last-level cache). Target of the rotation
+section: with rotation, at most 2x the plain codec's time.
 
 Re-run::
 
@@ -146,7 +146,7 @@ def measure_rotation(n, dtype, bits, group_size, reps):
 
 def rotation_section(mib, reps):
     n = int(mib * MIB) // 2  # elements of a bf16 operand of `mib` MiB; the same n for every dtype
-    print(f"\nrotation (issue 6): {n} elements ({mib:g} MiB of bf16), median of {reps} rounds "
+    print(f"\nrotation: {n} elements ({mib:g} MiB of bf16), median of {reps} rounds "
           f"of alternating calls; x plain = median over the rounds of the time / the plain "
           f"(rotation 0) time of the same round; target <= 2")
     print(f"{'dtype':>8} {'bits':>4} {'G':>4} {'rot':>3} {'quant ms':>9} {'x plain':>7} "
@@ -178,7 +178,7 @@ def rotation_section(mib, reps):
     return dict(meta=meta, rows=rows)
 
 
-# Targets (issue 19), bf16 at 8, 6 and 4 bits, fractions of one-core main-memory memcpy (the
+# Targets, bf16 at 8, 6 and 4 bits, fractions of one-core main-memory memcpy (the
 # one-thread rows): quantize and dequantize >= 0.5 on AVX-512 and >= 0.4 on AVX2; the fused op
 # >= 0.4 on both; every FFI kernel at least as fast as the jnp twin on every build (the pool
 # rows: the twin runs on XLA's pool too). The baseline and NEON builds have the twin target only.

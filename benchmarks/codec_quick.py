@@ -5,9 +5,9 @@ bf16, 8 MiB, G = 128: quantize, dequantize and the fused dequantize-sum-quantize
 kernels and the jnp twin, at 8, 6 and 4 bits; median of 7 calls. With the kernel builds named on
 the command line (``avx2 baseline``; versions with ``codec.cpu_isas()``), one block per build.
 
-Compare the build of another commit with this one (docs/benchmarks.md did this for 10c8723)::
+Compare the build of another commit (``OLD_COMMIT``) with this one::
 
-    git worktree add /tmp/old 10c8723 && pip wheel --no-deps -w /tmp/oldwheel /tmp/old
+    git worktree add /tmp/old OLD_COMMIT && pip wheel --no-deps -w /tmp/oldwheel /tmp/old
     mkdir /tmp/oldpkg && cp -r /tmp/old/jax_flashcomm /tmp/oldpkg/ \\
       && unzip -o /tmp/oldwheel/*.whl 'jax_flashcomm/*.so' -d /tmp/oldpkg
     PYTHONPATH=/tmp/oldpkg:. .venv/bin/python -P -m benchmarks.codec_quick

@@ -14,8 +14,8 @@ freed buffers are reused, as under an allocator that keeps memory (what a server
 It also asks glibc (2.35 and later; older ones ignore it) to back the heap with transparent
 huge pages (``glibc.malloc.hugetlb=1``: ``madvise(MADV_HUGEPAGE)``), as numpy backs its own large
 arrays: the single-core memcpy every codec figure is a fraction of runs on huge pages, so the
-kernels' buffers do too. Without it, on the Intel Xeon VM of session 20 (THP in ``madvise``
-mode), the same build's fp8 quantize ran at 2.8-3.0 GB/s instead of 3.3-3.9 GB/s
+kernels' buffers do too. Without it, on an Intel Xeon VM (THP in ``madvise`` mode), the
+same build's fp8 quantize ran at 2.8-3.0 GB/s instead of 3.3-3.9 GB/s
 (``benchmarks.fp_codec``'s rates, two runs each, docs/fp_formats.md).
 """
 

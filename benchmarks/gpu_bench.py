@@ -281,7 +281,7 @@ def markdown(report: dict) -> str:
         "<!-- written by benchmarks/gpu_bench.py (bash benchmarks/gpu_check.sh); a rerun "
         "replaces everything between the markers -->",
         "",
-        f"Last run: {m['date']}, GPU: {gpu}; Python {m['python']}, jax {m['jax']}, "
+        f"GPU: {gpu}; Python {m['python']}, jax {m['jax']}, "
         f"jaxlib {m['jaxlib']}, {', '.join(m['cuda_plugins']) or 'no CUDA plugin'}; "
         f"XLA FFI API {m['ffi_api_vendored']} (vendored headers) / {m['ffi_api_jaxlib']} "
         f"(jaxlib's). Full data: `docs/cuda_check.json`.",

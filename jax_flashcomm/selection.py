@@ -42,7 +42,7 @@ __all__ = ["Call", "Choice", "Candidate", "Lax", "ExactP2p", "Quantized", "CANDI
            "profile", "Profile", "EXACT_PREFERENCE", "STEP_EXACT_PREFERENCE"]
 
 # Defaults where no table exists: `python -m jax_flashcomm.tune --quick` on an AMD EPYC Zen 4
-# (2 cores, AVX2 build; docs/autotune.md, "Defaults"): the codec's passes with 3 ranks running
+# (2 cores, AVX2 build; docs/autotune.md, "The cost model"): the codec's passes with 3 ranks running
 # them at once (values/s per rank) and the in-process link of a 3-device ppermute.
 CPU_CODEC_VALUES_PER_S = {"quantize": 6.8e8, "dequantize_sum_quantize": 5.8e9,
                           "dequantize": 3.8e8}

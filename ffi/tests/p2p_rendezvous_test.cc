@@ -260,8 +260,8 @@ static void TestStagedRingStep() {
   CHECK(bad->Start(1, e1, run).find("disagree on the chunk size") != std::string::npos);
 }
 
-// Huge timeouts (issue 38): INT64_MAX, 2**62 and 9e15 ms used to overflow now + timeout into a
-// deadline in the past, so a healthy collective "timed out" at once. Deadlines saturate at
+// Huge timeouts: INT64_MAX, 2**62 and 9e15 ms must not overflow now + timeout into a
+// deadline in the past (a healthy collective would "time out" at once). Deadlines saturate at
 // kMaxTimeoutMs: a two-thread rendezvous completes normally, and the watchdog's check does not
 // expire it. A timeout <= 0 is an error.
 static void TestHugeTimeouts() {

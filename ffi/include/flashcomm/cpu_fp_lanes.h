@@ -108,8 +108,8 @@ FC_ALWAYS_INLINE ULanes e4m3_encode_lanes(Lanes a) {
 }
 
 // fp_codec.h e2m1_encode, lane-wise, of a in [0, 6]; e2m1_magnitude(q) is |q| in that range.
-// (On AVX2 the quantize took 0.87-0.89x the time with fp_round_code than with the bit
-// rounding and compare of session 23: benchmarks/fp_ab.sh, Intel Xeon.)
+// (On AVX2 the quantize took 0.87-0.89x the time with fp_round_code than with a rounding of
+// the bits and a compare: benchmarks/fp_ab.sh, Intel Xeon.)
 FC_ALWAYS_INLINE ULanes e2m1_encode_clamped(Lanes a) { return fp_round_code<1, 0>(a); }
 FC_ALWAYS_INLINE Lanes e2m1_magnitude(Lanes q) { return abs_min_lanes(q, kE2m1Max); }
 
