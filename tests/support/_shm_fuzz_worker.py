@@ -25,7 +25,10 @@ Exact results must equal the f32 rank-order sum bit for bit; int8 results must l
 of the largest |reference| (they stay under 1%; a sum with another draw in it is off by the
 order of the values). In about
 one case in five the processes disagree: one process runs a program whose collectives differ
-(another collective, or another shape) with a 600 ms timeout; then every process must raise.
+(another collective, or another shape) with a 600 ms timeout; then some process must raise,
+and a process whose every call met a peer's call of the same site and shapes (the changed
+program shares some calls, and XLA ran them while its extra call waited) must have the right
+numbers.
 Those cases run after the others, over 64 mesh axis names of their own: a call that one
 process made and another never will leaves its site and its channel misaligned between them,
 and later calls there fail (an error, not a wrong number) until the job restarts.
@@ -199,7 +202,12 @@ def run_case(case: int, counts: dict):
             log(f"CASE {case} disagreement raised in {time.monotonic() - t0:.2f} s: "
                 f"{text[text.find('shared-memory'):][:400]}")
             return
-        raise AssertionError(f"case {case}: the disagreeing programs returned")
+        # Every call of this process met a peer's call of the same site and shapes (the
+        # changed program shares those, and XLA ran them while the extra call waited): its
+        # numbers must be right; the test checks that some other process raised.
+        check(programs[0], ys, references(programs[0], xs), f"case {case} (disagreeing)")
+        counts["disagreements returned right"] += 1
+        log(f"CASE {case} disagreement returned right in {time.monotonic() - t0:.2f} s")
     schedule = [(int(k), e) for k in range(len(programs))
                 for e in range(int(shared.integers(1, 4)))]
     for i in shared.permutation(len(schedule)):
@@ -258,8 +266,8 @@ if seed < 0:
     orders()
     print("PASS", flush=True)
     sys.exit(0)
-counts = {"agreeing cases": 0, "disagreements raised": 0, "failed traces": 0,
-          "calls checked": 0}
+counts = {"agreeing cases": 0, "disagreements raised": 0, "disagreements returned right": 0,
+          "failed traces": 0, "calls checked": 0}
 # The disagreeing cases run last: a call that one process made and another never will leaves
 # its channel's tickets misaligned between them (docs/transport.md), so later calls on that
 # channel fail (an error, never a wrong number) until the job restarts.
