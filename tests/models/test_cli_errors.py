@@ -92,6 +92,8 @@ EXTRA = [
      "--seed must be <="),
     ("generate", "cache-len", ["--prompt", "hi", "--cache-len", "0"], "--cache-len must be"),
     ("eval", "comm", ["--text", "{d}/text.txt", "--comm", "fast"], "unknown --comm 'fast'"),
+    ("eval", "config-nested", ["--text", "{d}/text.txt", "--comm", "flash", "--config",
+                               "[" * 20_000 + "]" * 20_000], "nested too deep"),
     ("convert", "src-missing", ["{d}/missing.gguf", "{d}/out"], "no such model file"),
     ("convert", "outdir-is-file", ["{d}/tiny", "{d}/afile"], "is not a folder"),
     ("convert", "max-shard-mb", ["{d}/tiny", "{d}/out", "--max-shard-mb", "0"],
