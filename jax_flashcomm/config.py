@@ -28,7 +28,7 @@ __all__ = ["CommConfig", "OPTION_NAMES", "COMM_KINDS", "TRANSPORTS", "GRAD_MODES
            "is_default", "takes_options"]
 
 #: ``min_bytes="auto"`` (the default): per call, the fastest path the config allows, from the
-#: measured tuning table or the cost model (:mod:`jax_flashcomm.selection`, docs/autotune.md).
+#: measured tuning table or the cost model (:mod:`jax_flashcomm.planner`, docs/autotune.md).
 AUTO = "auto"
 #: The fixed size policy docs/allreduce.md measured its crossover for (``min_bytes=1 << 20``).
 DEFAULT_MIN_BYTES = 1 << 20

@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 
 from jax_flashcomm.codec import spec
-from jax_flashcomm.comm_policy import CommPolicy
+from jax_flashcomm.policy import CommPolicy
 from jax_flashcomm.config import CommConfig, config_from, takes_options
 
 __all__ = ["RewritePolicy", "REWRITABLE_OPS"]
@@ -76,8 +76,8 @@ class RewritePolicy:
         residual in one op (on the quantized path the all-gather's decode, the add and the norm
         are one kernel; on the exact path the same lax ops). The report says why a psum was
         not fused where it was not.
-      comm_policy: a per-site :class:`~jax_flashcomm.comm_policy.CommPolicy` (for example
-        from :func:`jax_flashcomm.calibrate.calibrate`): each selected collective gets the
+      comm_policy: a per-site :class:`~jax_flashcomm.policy.CommPolicy` (for example
+        from :func:`jax_flashcomm.policy.calibrate`): each selected collective gets the
         config of the first of its sites that is a substring of the call's name stack or
         frames, else its ``default``; a site whose config is ``None`` stays exact (not
         rewritten). Excludes ``config``.
@@ -102,7 +102,7 @@ class RewritePolicy:
         if comm_policy is not None:
             if not isinstance(comm_policy, CommPolicy):
                 raise TypeError(f"RewritePolicy: comm_policy must be a "
-                                f"jax_flashcomm.comm_policy.CommPolicy or None, got "
+                                f"jax_flashcomm.policy.CommPolicy or None, got "
                                 f"{type(comm_policy).__name__}")
             if config is not None or options:
                 raise ValueError("RewritePolicy: comm_policy gives every site its config; "
@@ -173,7 +173,7 @@ def as_policy(policy: RewritePolicy | CommConfig | CommPolicy | None) -> Rewrite
     Args:
       policy: a :class:`RewritePolicy` (returned as is), a
         :class:`~jax_flashcomm.CommConfig` (the policy with that config), a
-        :class:`~jax_flashcomm.comm_policy.CommPolicy` (the policy with those per-site
+        :class:`~jax_flashcomm.policy.CommPolicy` (the policy with those per-site
         configs) or None (defaults).
 
     Returns:

@@ -1,6 +1,6 @@
-"""The sequence-parallel layout under the automatic choice: ``TPComm("auto+overlap")`` (its
-options and errors, the ``overlap+auto`` setting and ``--comm auto+overlap``), its ring matmuls
-choosing per call from a synthetic table, and ``tune_step.measure_steps``, which times a
+"""The sequence-parallel layout under the automatic choice:
+``TPComm("auto", layout="sequence_parallel")`` (its options and errors, the ``overlap+auto``
+setting and ``--comm auto+overlap``), its ring matmuls choosing per call from a synthetic table, and ``tune_step.measure_steps``, which times a
 step's variants side by side (benchmarks/ttft.py picks auto's layout per link with it)."""
 
 import argparse
@@ -8,7 +8,9 @@ import argparse
 import pytest
 
 import jax_flashcomm as fc
-from jax_flashcomm import planner, tune_step, tuning
+from jax_flashcomm.planner import _plan as planner
+from jax_flashcomm.tune import _steps as tune_step
+from jax_flashcomm.costs import _table as tuning
 from jax_flashcomm.config import COMM_KINDS
 from jax_flashcomm.nn import TPComm
 from models import cli
@@ -18,15 +20,15 @@ N = 3
 
 def test_auto_overlap_is_a_kind_that_quantizes_in_the_sequence_parallel_layout():
     assert "auto+overlap" in COMM_KINDS
-    comm = TPComm("auto+overlap", bits=4)
+    comm = TPComm("auto", layout="sequence_parallel", bits=4)
     assert comm.quantized and comm.overlap and comm.config.auto
     assert comm.config.phase1_bits == 4
     assert not TPComm("auto").overlap
-    with pytest.raises(ValueError, match="kind='auto\\+overlap' chooses per call.*"
-                                         "'flash\\+overlap'"):
-        TPComm("auto+overlap", min_bytes=0)
+    with pytest.raises(ValueError, match="quantization='auto' chooses per call.*"
+                                         "quantization='quantized'"):
+        TPComm("auto", layout="sequence_parallel", min_bytes=0)
     with pytest.raises(ValueError, match="quantizes; its config has bits=None"):
-        TPComm("auto+overlap", config=fc.CommConfig(bits=None))
+        TPComm("auto", layout="sequence_parallel", config=fc.CommConfig(bits=None))
 
 
 @pytest.mark.parametrize("name,kind,bits", [("auto", "auto", 8), ("auto4", "auto", 4),

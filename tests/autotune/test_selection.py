@@ -11,8 +11,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_flashcomm as fc
-from jax_flashcomm import selection, tuning
-from jax_flashcomm.costmodel import Link
+from jax_flashcomm.planner import _choose as selection
+from jax_flashcomm.costs import _table as tuning
+from jax_flashcomm.costs._model import Link
 from jax_flashcomm.transport import shm as shm_transport
 
 KIB, MIB = 1024, 1024 * 1024

@@ -1,4 +1,4 @@
-"""Step-scoped tuning rows (jax_flashcomm.tune_step): the choice ranks the candidates measured
+"""Step-scoped tuning rows (jax_flashcomm.tune): the choice ranks the candidates measured
 inside a model's step by those times, for calls of exactly that kind, with a 3% preference for
 exact; measure_in_step counts the step's calls, interleaves the candidates and pins each one."""
 
@@ -11,7 +11,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_flashcomm as fc
-from jax_flashcomm import selection, tune_step, tuning
+from jax_flashcomm.planner import _choose as selection
+from jax_flashcomm.tune import _steps as tune_step
+from jax_flashcomm.costs import _table as tuning
 from jax_flashcomm.codec import kernels
 
 N, NBYTES = 3, 2304  # a decode step's block all-reduce of SmolLM2 at TP=3 (576 f32 values)

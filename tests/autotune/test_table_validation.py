@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from jax_flashcomm import tuning
+from jax_flashcomm.costs import _table as tuning
 
 ROW = dict(op="psum", layout="tp", n=4, dtype="float32", nbytes=4096, candidate="lax",
            bits=None, seconds=1e-5)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from jax_flashcomm import tuning
+from jax_flashcomm.costs import _table as tuning
 from jax_flashcomm.codec import kernels
 
 pytestmark = pytest.mark.skipif(not kernels.available("cpu"), reason="CPU kernels not built")

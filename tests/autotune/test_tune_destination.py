@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from jax_flashcomm import tuning
+from jax_flashcomm.costs import _table as tuning
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -7,10 +7,11 @@ import logging
 
 import pytest
 
-from jax_flashcomm import selection, tuning
+from jax_flashcomm.planner import _choose as selection
+from jax_flashcomm.costs import _table as tuning
 from jax_flashcomm.codec import kernels
-from jax_flashcomm.costmodel import Link
-from jax_flashcomm.tune import model_check
+from jax_flashcomm.costs._model import Link
+from jax_flashcomm.tune._measure import model_check
 
 
 def _table(key=None, **kw):

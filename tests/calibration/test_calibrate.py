@@ -8,8 +8,8 @@ import math
 import pytest
 
 import jax_flashcomm as fc
-from jax_flashcomm.calibrate import select
-from jax_flashcomm.comm_policy import CommPolicy, wire_vs_bf16
+from jax_flashcomm.policy._calibrate import select
+from jax_flashcomm.policy._comm_policy import CommPolicy, wire_vs_bf16
 
 NV = fc.CommConfig(format="nvfp4", min_bytes=0)                        # 0.297x
 NV_FP8 = fc.CommConfig(bits=4, rs_format="nvfp4", ag_format="fp8", min_bytes=0)  # 0.402x

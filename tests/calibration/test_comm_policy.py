@@ -1,4 +1,4 @@
-"""jax_flashcomm.comm_policy: per-site configs, their JSON file, their wire bytes, and the
+"""jax_flashcomm.policy: per-site configs, their JSON file, their wire bytes, and the
 rewrite's use of them."""
 
 import json
@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_flashcomm as fc
 from jax_flashcomm.codec import spec
-from jax_flashcomm.comm_policy import CommPolicy, config_from_dict, config_to_dict, wire_vs_bf16
+from jax_flashcomm.policy._comm_policy import CommPolicy, config_from_dict, config_to_dict, wire_vs_bf16
 from jax_flashcomm.rewrite import RewritePolicy, rewrite
 
 INT8 = fc.CommConfig(bits=8, min_bytes=0)
@@ -139,10 +139,10 @@ def test_tpcomm_for_site():
     policy = CommPolicy(default=INT8, sites={"x": None, "y": FP8, "z": auto8})
     assert TPComm.for_site(policy, "x") == TPComm("exact")
     assert TPComm.for_site(policy, "y", "tp", fuse_norm=True) == TPComm(
-        "flash", config=FP8, fuse_norm=True)
+        "quantized", config=FP8, fuse_norm=True)
     assert TPComm.for_site(policy, "z").kind == "auto"
-    assert TPComm.for_site(policy, "unlisted") == TPComm("flash", config=INT8)
-    assert TPComm.for_site(policy, None) == TPComm("flash", config=INT8)
+    assert TPComm.for_site(policy, "unlisted") == TPComm("quantized", config=INT8)
+    assert TPComm.for_site(policy, None) == TPComm("quantized", config=INT8)
     assert TPComm.for_site(CommPolicy(), None) == TPComm("exact")
     with pytest.raises(TypeError, match="CommPolicy"):
         TPComm.for_site({"x": None}, "x")

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from jax_flashcomm.comm_policy import FILE_KIND, FILE_VERSION, CommPolicy
+from jax_flashcomm.policy._comm_policy import FILE_KIND, FILE_VERSION, CommPolicy
 
 HEAD = {"kind": FILE_KIND, "version": FILE_VERSION, "default": None}
 

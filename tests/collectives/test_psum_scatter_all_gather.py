@@ -13,7 +13,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_flashcomm as fc
-from jax_flashcomm import CommConfig, allreduce, codec, planner, transport
+from jax_flashcomm import CommConfig, allreduce, codec, transport
+from jax_flashcomm.planner import _plan as planner
 from jax_flashcomm import scatter_gather as sg
 
 from tests.support.meshes import make_mesh

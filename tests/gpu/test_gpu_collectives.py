@@ -26,7 +26,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_flashcomm as fc
-from jax_flashcomm import allreduce, codec, planner, scatter_gather
+from jax_flashcomm import allreduce, codec, scatter_gather
+from jax_flashcomm.planner import _plan as planner
 
 from tests.gpu.gpu_support import assert_same_bits, gpu_devices, host
 

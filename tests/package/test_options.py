@@ -118,7 +118,7 @@ def test_psum_scatter_and_all_gather_take_their_phase_bits():
 
 
 def test_plan_paths():
-    """Every path of the plan table (jax_flashcomm/planner.py), from one function."""
+    """Every path of the plan table (jax_flashcomm/planner/_plan.py), from one function."""
     x = jnp.ones((64, 32), jnp.float32)
     w = jnp.ones((32, 32), jnp.float32)
     paths = {}
@@ -153,15 +153,15 @@ def test_plan_paths():
 
 def test_tpcomm_kinds_follow_the_config():
     assert nn.TPComm("exact").config == CommConfig(bits=None)
-    assert nn.TPComm("flash").config == CommConfig()
-    assert nn.TPComm("flash", bits=4, min_bytes=0).config == CommConfig(bits=4, min_bytes=0)
-    assert nn.TPComm("overlap", transport="p2p").config == CommConfig(bits=None,
-                                                                      transport="p2p")
+    assert nn.TPComm("quantized").config == CommConfig()
+    assert nn.TPComm("quantized", bits=4, min_bytes=0).config == CommConfig(bits=4, min_bytes=0)
+    assert nn.TPComm(layout="sequence_parallel", transport="p2p").config == CommConfig(
+        bits=None, transport="p2p")
     with pytest.raises(ValueError, match="does not quantize"):
         nn.TPComm("exact", bits=8)
     with pytest.raises(ValueError, match="quantizes"):
-        nn.TPComm("flash", bits=None)
-    assert hash(nn.TPComm("flash")) == hash(nn.TPComm("flash", config=CommConfig()))
+        nn.TPComm("quantized", bits=None)
+    assert hash(nn.TPComm("quantized")) == hash(nn.TPComm("quantized", config=CommConfig()))
 
 
 def test_rewrite_policy_takes_the_options():
@@ -216,4 +216,4 @@ def test_an_unknown_option_is_a_type_error():
     with pytest.raises(TypeError, match="psum: unknown options \\['bitz'\\]"):
         fc.psum(jnp.ones(4), "i", bitz=4)
     with pytest.raises(TypeError, match="TPComm: unknown options"):
-        nn.TPComm("flash", ring_transport="p2p")
+        nn.TPComm("quantized", ring_transport="p2p")

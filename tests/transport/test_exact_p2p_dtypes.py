@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jax_flashcomm as fc
-from jax_flashcomm import planner
+from jax_flashcomm.planner import _plan as planner
 
 
 @pytest.mark.parametrize("dtype", [jnp.int32, jnp.int8, jnp.uint8, jnp.int16, jnp.bool_])

@@ -36,11 +36,12 @@ import platform
 import re
 import time
 
-from jax_flashcomm.costmodel import Link
+from jax_flashcomm.costs._model import Link
 
-__all__ = ["check_destination", "Table", "Measurement", "machine_key", "cpu_name", "key_digest",
-           "cache_dir", "table_path", "save", "load", "active", "clear", "use_table",
-           "link_profile", "use_link", "parse_link", "TABLE_VERSION", "LAYOUTS", "SCOPES"]
+__all__ = ["TABLE_VERSION", "TABLE_ENV", "CACHE_ENV", "LINK_ENV", "LAYOUTS", "SCOPES",
+           "Measurement", "Table", "cpu_name", "machine_key", "key_digest", "cache_dir",
+           "table_path", "save", "check_destination", "load", "apply_isa", "active", "clear",
+           "use_table", "parse_link", "link_profile", "use_link", "now"]
 
 logger = logging.getLogger("jax_flashcomm")
 
@@ -62,7 +63,7 @@ class Measurement:
 
     ``scope``: ``"call"``, the collective timed in a chain of its own calls; ``"step"``, a
     model step's time, the step run with ``candidate`` at every call of this kind
-    (:func:`jax_flashcomm.tune_step.measure_in_step`): compute and the other calls are in it,
+    (:func:`jax_flashcomm.tune.measure_in_step`): compute and the other calls are in it,
     so step rows rank candidates only against each other, at their exact size.
     """
     op: str
@@ -378,7 +379,7 @@ _TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
 
 
 def parse_link(text: str) -> Link:
-    """A :class:`~jax_flashcomm.costmodel.Link` from ``"rate=400mbit,latency=0.2ms,
+    """A :class:`~jax_flashcomm.tune.Link` from ``"rate=400mbit,latency=0.2ms,
     topology=shared"`` (rate in tc units: ``bit`` or ``bps`` = bytes/s, k/m/g = 10^3/6/9;
     latency per collective in s, ms or us; topology shared or switched, default shared).
 

@@ -26,7 +26,7 @@ path                          when
                               reduce-scatter ring would add N-1 quantization errors)
 ============================  ==============================================================
 
-``min_bytes="auto"`` (the default) asks :func:`jax_flashcomm.selection.choose` for the fastest of
+``min_bytes="auto"`` (the default) asks :func:`jax_flashcomm.planner.choose` for the fastest of
 exact ``lax`` and the quantized candidates (per transport) the config and the process allow, from
 the tuning table or the cost model; the plan's ``reason`` names the choice, ``predicted_s`` its
 predicted time. A ring matmul weighs its collective (``all_gather`` of ``x``, ``psum_scatter`` of
@@ -54,7 +54,8 @@ from typing import TYPE_CHECKING
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flashcomm import _axes, selection
+from jax_flashcomm import _axes
+from jax_flashcomm.planner import _choose as auto_choice
 from jax_flashcomm.config import CommConfig, auto_spikes
 from jax_flashcomm.transport import p2p as p2p_transport
 from jax_flashcomm.transport import ring as ring_transport
@@ -63,7 +64,7 @@ from jax_flashcomm.transport import shm as shm_transport
 if TYPE_CHECKING:
     import jax
 
-__all__ = ["Plan", "Decision", "plan", "quantized_plan", "as_plan", "record", "size_policy",
+__all__ = ["Plan", "plan", "quantized_plan", "as_plan", "record", "size_policy",
            "quantizes", "choice_bits", "OPS", "PATHS", "WEIGHED"]
 
 logger = logging.getLogger("jax_flashcomm")
@@ -149,9 +150,6 @@ class Plan:
         return (f"jax_flashcomm.{self.op}{self.axes} {self.dtype}{list(self.shape)} "
                 f"({self.nbytes} B/rank, N={self.axis_size}): {how} ({self.reason})")
 
-
-#: The name plans had before there was a plan object (``record()`` yields Plans).
-Decision = Plan
 
 
 def size_policy(config: CommConfig, nbytes: int, axis_size: int) -> tuple[bool, str]:
@@ -243,17 +241,17 @@ def _choose(op, nbytes, axis_size, dtype, config, p2p_reason):
     import jax
 
     bits = choice_bits(op, config)
-    candidates = selection.CANDIDATES
+    candidates = auto_choice.CANDIDATES
     if config.transport == "p2p" and op not in _RINGS:
         candidates = tuple(c for c in candidates if c.name != "quantized/xla")
     dtype = np.dtype(dtype)
-    call = selection.Call(
+    call = auto_choice.Call(
         op=WEIGHED.get(op, op), nbytes=int(nbytes), itemsize=dtype.itemsize, dtype=dtype.name,
         n=int(axis_size), platform=jax.default_backend(),
         layout="in-process" if jax.process_count() == 1 else "processes",
         p2p_reason=p2p_reason, bits=bits, group_size=config.group_size,
         spikes=max(config.phase1_spikes, config.phase2_spikes))
-    return selection.choose(call, candidates=candidates)
+    return auto_choice.choose(call, candidates=candidates)
 
 
 def quantizes(op: str, nbytes: int, axis_size: int, dtype, config: CommConfig) -> bool:

@@ -19,10 +19,10 @@ candidate              can take the call when
 
 A candidate's time is the table's step rows where it has them for exactly this call (then
 only the candidates measured in the step are weighed), else the measured table's
-(:mod:`jax_flashcomm.tuning`, interpolated over sizes) where it covers the call, else the cost model's (:mod:`jax_flashcomm.costmodel`) with the
+(:mod:`jax_flashcomm.tune`, interpolated over sizes) where it covers the call, else the cost model's (:mod:`jax_flashcomm.tune`) with the
 profile of the platform and layout: the table's measured codec speed and in-process link, or the
 defaults below (measured on an AMD EPYC Zen 4 by ``python -m jax_flashcomm.tune``, docs/autotune.md);
-for peers in other processes the link profile (:func:`jax_flashcomm.tuning.link_profile`), else
+for peers in other processes the link profile (:func:`jax_flashcomm.tune.link_profile`), else
 gloo over a loopback; on GPUs the cost model's GPU (H100 when the device kind is not known).
 The accuracy budget is the config's: the quantized candidates run at its bits, rotation and
 spikes; ``bits=None`` leaves only ``lax``.
@@ -34,8 +34,8 @@ import abc
 import dataclasses
 import os
 
-from jax_flashcomm import costmodel, tuning
-from jax_flashcomm.costmodel import CpuCodec, Link
+from jax_flashcomm import costs
+from jax_flashcomm.costs import CpuCodec, Link
 from jax_flashcomm.transport import shm
 
 __all__ = ["Call", "Choice", "Candidate", "Lax", "ExactP2p", "Quantized", "CANDIDATES", "choose",
@@ -60,7 +60,7 @@ P2P_LATENCY_S = 174e-6
 #: passes) where a model's ranks already keep the cores busy (docs/autotune.md, "The margin").
 EXACT_PREFERENCE = 0.75
 #: The same preference where the table times whole model steps (``scope="step"`` rows,
-#: :func:`jax_flashcomm.tune_step.measure_in_step`): the model's own step leaves none of an isolated
+#: :func:`jax_flashcomm.tune.measure_in_step`): the model's own step leaves none of an isolated
 #: timing's biases, so exact is kept unless quantizing makes the step at least 3% faster;
 #: keeping exact costs at most that (docs/autotune.md, "Decode: measured in the step").
 STEP_EXACT_PREFERENCE = 0.97
@@ -77,7 +77,7 @@ GLOO_LOOPBACK_LINK = Link(309e6, "shared", 150e-6, 0.0)
 class Call:
     """What the choice weighs: ``op`` of an operand of ``nbytes`` per rank (``itemsize``-byte
     values of ``dtype``) over ``n`` ranks, on ``platform`` with the peers ``layout``
-    (:data:`jax_flashcomm.tuning.LAYOUTS`); ``p2p_reason``: why the p2p transport cannot run
+    (:data:`jax_flashcomm.tune.LAYOUTS`); ``p2p_reason``: why the p2p transport cannot run
     (None: it can); ``bits``: the quantized candidates' ``(rs_bits, ag_bits)`` (None: exact);
     ``group_size`` and ``spikes`` of their format."""
     op: str
@@ -112,12 +112,12 @@ class Profile:
         return self.spiked_codec if spikes and self.spiked_codec is not None else self.codec
 
 
-def profile(call: Call, table: tuning.Table | None) -> Profile:
+def profile(call: Call, table: costs.Table | None) -> Profile:
     """The :class:`Profile` of ``call``'s platform and layout (module docstring)."""
     if call.platform != "cpu":
-        gpu = costmodel.GPUS[_gpu_name()]
+        gpu = costs.GPUS[_gpu_name()]
         return Profile(f"cost model {gpu.name}", gpu.link, gpu.link, gpu, False,
-                       costmodel.nccl_ll_link(gpu.link))
+                       costs.nccl_ll_link(gpu.link))
     link, p2p, source = IN_PROCESS_LINK, P2P_LATENCY_S, "defaults"
     # the defaults were measured with 3 ranks on 2 cores: scale to n ranks on this machine's
     share = max(1.0, call.n / (os.cpu_count() or 1)) / 1.5
@@ -133,7 +133,7 @@ def profile(call: Call, table: tuning.Table | None) -> Profile:
         link = Link(float(table.link["bytes_per_s"]), "shared", float(table.link["latency_s"]))
         p2p = float(table.link.get("p2p_latency_s", p2p))
     if call.layout == "processes":
-        ext = tuning.link_profile()
+        ext = costs.link_profile()
         return Profile(f"cost model, {'given link' if ext else 'gloo loopback'}, codec {source}",
                        ext or GLOO_LOOPBACK_LINK, _shm_link(), codec, True, spiked_codec=spiked)
     return Profile(f"cost model, in-process, {source}", link,
@@ -159,7 +159,7 @@ def _gpu_name() -> str:
     import jax
 
     kind = str(getattr(jax.devices()[0], "device_kind", ""))
-    return next((g for g in costmodel.GPUS if g in kind), "H100")
+    return next((g for g in costs.GPUS if g in kind), "H100")
 
 
 class Candidate(abc.ABC):
@@ -182,7 +182,7 @@ class Lax(Candidate):
     def model_s(self, call, prof):
         wide = 2 if prof.widens_bf16 and call.dtype == "bfloat16" else 1
         links = [prof.link] + ([prof.small_link] if prof.small_link else [])
-        return min(costmodel.exact_collective(call.op, call.nbytes * wide, call.n, link)
+        return min(costs.exact_collective(call.op, call.nbytes * wide, call.n, link)
                    for link in links)
 
 
@@ -198,7 +198,7 @@ class ExactP2p(Candidate):
         return call.p2p_reason
 
     def model_s(self, call, prof):
-        return costmodel.exact_collective(call.op, call.nbytes, call.n, prof.p2p_link or SHM_LINK)
+        return costs.exact_collective(call.op, call.nbytes, call.n, prof.p2p_link or SHM_LINK)
 
 
 class Quantized(Candidate):
@@ -218,7 +218,7 @@ class Quantized(Candidate):
     def model_s(self, call, prof):
         link = prof.p2p_link if self.transport == "p2p" else prof.link
         rs, ag = call.bits
-        return costmodel.flash_collective(call.op, call.nbytes, call.n, link,
+        return costs.flash_collective(call.op, call.nbytes, call.n, link,
                                           prof.codec_for(call.spikes).codec_pass_s,
                                           rs or ag, ag or rs,
                                           call.group_size, call.spikes, call.itemsize)
@@ -255,19 +255,19 @@ def _bits(cand: Candidate, call: Call) -> tuple | None:
     return tuple(call.bits) if quantized else None
 
 
-def choose(call: Call, table: tuning.Table | None = None, *,
+def choose(call: Call, table: costs.Table | None = None, *,
            candidates=CANDIDATES) -> Choice:
     """The fastest candidate that can take ``call``.
 
     Args:
       call: the :class:`Call`.
-      table: the measured table (default: :func:`jax_flashcomm.tuning.active`).
+      table: the measured table (default: :func:`jax_flashcomm.tune.active`).
       candidates: the candidates to consider, in tie-break order.
 
     Returns:
       The :class:`Choice`.
     """
-    table = tuning.active() if table is None else table
+    table = costs.active() if table is None else table
     step = {} if table is None else table.step_seconds(call.op, call.layout, call.n,
                                                         call.dtype, call.nbytes)
     able = [(cand, cand.unavailable(call), _bits(cand, call)) for cand in candidates]

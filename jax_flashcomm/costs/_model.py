@@ -1,7 +1,7 @@
 """A cost model of the collectives: time from bytes moved, link bandwidth and latency, and codec
 passes at a measured (or assumed) throughput.
 
-Two users: :mod:`jax_flashcomm.selection` prices a call's candidate paths with it where no
+Two users: :mod:`jax_flashcomm.planner` prices a call's candidate paths with it where no
 measured table covers the call, and ``benchmarks/gpu_model.py`` predicts GPU all-reduce and TTFT
 speedups with the same equations (every GPU constant's source is in docs/gpu_model.md).
 
@@ -25,8 +25,13 @@ import dataclasses
 
 from jax_flashcomm.codec import spec
 
-__all__ = ["Link", "Gpu", "GPUS", "CpuCodec", "MIB", "BF16", "PASSES", "wire_bytes_per_element",
-           "exact_allreduce", "flash_allreduce", "exact_collective", "flash_collective", "nccl_ll_link",
+__all__ = ["MIB", "BF16", "PASSES", "PCIE4_X16_BYTES_PER_S", "NVLINK3_BYTES_PER_S",
+           "NVLINK4_BYTES_PER_S", "LINK_EFFICIENCY", "NCCL_BASE_LATENCY_S",
+           "NCCL_STEP_LATENCY_S", "NCCL_LL_BASE_LATENCY_S", "NCCL_LL_STEP_LATENCY_S",
+           "NCCL_LL_BANDWIDTH_SHARE", "KERNEL_LAUNCH_S", "CODEC_EFFICIENCY", "PREFILL_MFU",
+           "L40_HBM", "L40_FLOPS", "A100_HBM", "A100_FLOPS", "H100_HBM", "H100_FLOPS", "Link",
+           "Gpu", "CpuCodec", "nccl_ll_link", "GPUS", "wire_bytes_per_element",
+           "exact_allreduce", "flash_allreduce", "exact_collective", "flash_collective",
            "gpu_allreduce_speedup"]
 
 MIB = 2**20

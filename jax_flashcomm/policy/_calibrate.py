@@ -1,4 +1,4 @@
-"""Choosing a per-site :class:`~jax_flashcomm.comm_policy.CommPolicy` from measurements.
+"""Choosing a per-site :class:`~jax_flashcomm.policy.CommPolicy` from measurements.
 
 :func:`calibrate` knows nothing of models: it calls ``evaluate(assignment)``, which runs the
 caller's model on calibration data with the given sites quantized (every other site exact)
@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from jax_flashcomm._progress import progress
-from jax_flashcomm.comm_policy import CommPolicy, config_to_dict, wire_vs_bf16
+from jax_flashcomm.policy._comm_policy import CommPolicy, config_to_dict, wire_vs_bf16
 from jax_flashcomm.config import CommConfig
 
 __all__ = ["calibrate", "select"]
@@ -118,7 +118,7 @@ def calibrate(evaluate: Evaluate, sites: Sequence[str], candidates: Sequence[Com
       info: more data for the policy's ``info`` (the model, the calibration text, ...).
 
     Returns:
-      A :class:`~jax_flashcomm.comm_policy.CommPolicy` naming every site (``None`` for exact),
+      A :class:`~jax_flashcomm.policy.CommPolicy` naming every site (``None`` for exact),
       with ``info``: ``budget``, ``max_wire``, ``measured``, ``predicted``, ``mean_wire``,
       ``met``, ``sensitivity`` (per site, per candidate label) and ``rounds``.
 

@@ -2,7 +2,7 @@
 all-reduce of a model gets, saved as JSON.
 
 A :class:`CommPolicy` maps call-site names to configs (``None``: that site stays exact) and
-gives every other site its ``default``. :func:`jax_flashcomm.calibrate.calibrate` chooses one
+gives every other site its ``default``. :func:`jax_flashcomm.policy.calibrate` chooses one
 from measurements; the model command lines take it as ``--comm-policy FILE``
 (docs/calibration.md). Two ways to name a site:
 

@@ -5,7 +5,7 @@ of ``psum`` (f32 and bf16), ``psum_scatter`` and ``all_gather`` (f32) per size o
 (bytes per rank), by each candidate of the automatic choice (``lax``, ``quantized/p2p``,
 ``quantized/xla``) at each ``--bits``, per call of 8 chained in one program (as a model's are); the codec's three passes with every CPU build (the
 fastest is recorded and used from then on); and the in-process link (a ``ppermute`` at two
-sizes). The table goes to the user's cache (:func:`jax_flashcomm.tuning.table_path`) unless
+sizes). The table goes to the user's cache (:func:`jax_flashcomm.tune.table_path`) unless
 ``--out`` names a file, and the cost model's predictions are printed beside the measurements
 (:func:`model_check`). A few minutes on 2 cores; ``--quick``: one axis size, four sizes.
 
@@ -22,7 +22,7 @@ import sys
 import time
 
 from jax_flashcomm._progress import progress
-from jax_flashcomm import tuning
+from jax_flashcomm import costs
 
 KIB, MIB = 1024, 1024 * 1024
 SIZES = (4 * KIB, 32 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB)
@@ -124,7 +124,7 @@ def measure_mesh(mesh, axis: str, sizes, bits, reps: int, *, ops=OPS, layout: st
         between processes whose shared-memory transport is set up).
 
     Returns:
-      The :class:`~jax_flashcomm.tuning.Measurement` rows.
+      The :class:`~jax_flashcomm.tune.Measurement` rows.
     """
     import jax
     import numpy as np
@@ -151,7 +151,7 @@ def measure_mesh(mesh, axis: str, sizes, bits, reps: int, *, ops=OPS, layout: st
                 for i, fn in enumerate(fns):
                     best[i] = min(best[i], _median_s(fn, x, reps) / k)
             for (cand, b), seconds in zip(cands, best):
-                rows.append(tuning.Measurement(op, layout, n, dtype,
+                rows.append(costs.Measurement(op, layout, n, dtype,
                                                m * np.dtype(dtype).itemsize, cand, b, seconds))
                 if on_step is not None:
                     on_step(f"N={n} {op} {dtype} {size} B {cand}")
@@ -163,7 +163,7 @@ def measure_mesh(mesh, axis: str, sizes, bits, reps: int, *, ops=OPS, layout: st
 
 
 def measure_collectives(devices, sizes, bits, reps, start, step, total, p2p: bool):
-    """The in-process :class:`~jax_flashcomm.tuning.Measurement` rows of every axis size."""
+    """The in-process :class:`~jax_flashcomm.tune.Measurement` rows of every axis size."""
     import jax
 
     def on_step(label):
@@ -307,7 +307,7 @@ def measure_link(n: int, reps: int, p2p: bool) -> dict:
     return out
 
 
-def model_check(table: tuning.Table, min_bytes: int = 0) -> dict:
+def model_check(table: costs.Table, min_bytes: int = 0) -> dict:
     """The cost model's prediction of every row of ``table`` at or above ``min_bytes``
     (its inputs: the table's codec and link entries, not its rows) and the largest error.
 
@@ -316,20 +316,20 @@ def model_check(table: tuning.Table, min_bytes: int = 0) -> dict:
     """
     import numpy as np
 
-    from jax_flashcomm import selection
+    from jax_flashcomm import planner
     from jax_flashcomm.config import auto_spikes
 
     out = []
-    cands = {c.name: c for c in selection.CANDIDATES}
+    cands = {c.name: c for c in planner.CANDIDATES}
     for r in table.rows:
         if r.nbytes < min_bytes or r.scope != "call":  # step rows hold a step's compute too
             continue
         # the rows were measured in the default formats: spikes where a phase has <= 6 bits
         spikes = max((auto_spikes(b) for b in (r.bits or ()) if b), default=0)
-        call = selection.Call(op=r.op, nbytes=r.nbytes, itemsize=np.dtype(r.dtype).itemsize,
+        call = planner.Call(op=r.op, nbytes=r.nbytes, itemsize=np.dtype(r.dtype).itemsize,
                               dtype=r.dtype, n=r.n, platform="cpu", layout=r.layout,
                               p2p_reason=None, bits=r.bits, spikes=spikes)
-        pred = cands[r.candidate].model_s(call, selection.profile(call, table))
+        pred = cands[r.candidate].model_s(call, planner.profile(call, table))
         out.append({**dataclasses.asdict(r), "predicted_s": pred, "err": pred / r.seconds - 1})
     worst = max((abs(r["err"]) for r in out), default=math.nan)
     return {"rows": out, "max_abs_err": worst, "within_tolerance": worst <= TOLERANCE,
@@ -368,11 +368,11 @@ def main(argv=None) -> int:
     if args.reps < 1:
         ap.error("--reps must be >= 1")
     try:      # before minutes of measuring: where the table goes
-        tuning.check_destination(args.out if args.out is not None
-                                 else tuning.cache_dir() / "tune.json")  # the cache's folder
+        costs.check_destination(args.out if args.out is not None
+                                 else costs.cache_dir() / "tune.json")  # the cache's folder
     except ValueError as e:
         ap.error(f"--out {e}" if args.out is not None else
-                 f"the cache ({tuning.CACHE_ENV} or ~/.cache): {e}")
+                 f"the cache ({costs.CACHE_ENV} or ~/.cache): {e}")
 
     import jax
 
@@ -387,7 +387,7 @@ def main(argv=None) -> int:
               "automatic choice uses the cost model)", file=sys.stderr)
         return 2
     p2p = jax.process_count() == 1
-    key = tuning.machine_key()
+    key = costs.machine_key()
     print(f"tuning on {key['cpu']} ({key['cores']} cores), jax {key['jax']}, axis sizes "
           f"{list(devices)}, sizes {list(sizes)} B, bits {list(bits)}", flush=True)
     start = time.perf_counter()
@@ -403,9 +403,9 @@ def main(argv=None) -> int:
         step = [0]
         rows = measure_collectives(devices, sizes, bits, args.reps, start, step,
                                    per * len(devices), p2p)
-    table = tuning.Table(key=key, rows=tuple(rows), codec=codec_info, link=link,
-                         created=tuning.now())
-    path = tuning.save(table, args.out)
+    table = costs.Table(key=key, rows=tuple(rows), codec=codec_info, link=link,
+                         created=costs.now())
+    path = costs.save(table, args.out)
     check = model_check(table, args.check_min_bytes)
     print(f"\n{'N':>2} {'op':<13}{'dtype':<9}{'bytes':>9}  {'candidate':<14}{'bits':<9}"
           f"{'measured':>10}{'model':>10}{'error':>8}")
@@ -418,6 +418,3 @@ def main(argv=None) -> int:
     print(f"wrote {path} ({time.perf_counter() - start:.0f} s)")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,7 +6,7 @@ host, or on a rate-limited link whose budget refills during the compute between 
 calls, a 2 KB all-reduce that is 45% faster quantized on its own made the decode step 12% slower
 (docs/autotune.md, "Decode: measured in the step"). :func:`measure_in_step` runs the step itself
 with each candidate at every call of one kind and records the step times as ``scope="step"``
-rows; :func:`jax_flashcomm.selection.choose` ranks those candidates by them for calls of exactly
+rows; :func:`jax_flashcomm.planner.choose` ranks those candidates by them for calls of exactly
 that kind::
 
     rows = tune_step.measure_in_step(make_step, "psum", config, nbytes=1 * 576 * 4, n=3,
@@ -18,7 +18,7 @@ returns a function that runs it and returns the seconds of the steps it ran.
 
 :func:`measure_steps` times whole variants of a step side by side: what decides a choice made for
 the whole model rather than per call, such as the sequence-parallel layout (``TPComm("auto")``
-against ``TPComm("auto+overlap")``).
+against ``TPComm("auto", layout="sequence_parallel")``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import dataclasses
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 
-from jax_flashcomm import tuning
+from jax_flashcomm import costs
 from jax_flashcomm.config import CommConfig
 
 __all__ = ["measure_in_step", "measure_steps", "candidate_config", "count_calls", "STEP_OPS"]
@@ -135,7 +135,7 @@ def measure_in_step(make_step: Callable[[CommConfig], Callable[[], Sequence[floa
         ``"in-process"``).
 
     Returns:
-      ``scope="step"`` :class:`~jax_flashcomm.tuning.Measurement` rows, one per candidate:
+      ``scope="step"`` :class:`~jax_flashcomm.tune.Measurement` rows, one per candidate:
       the median step's seconds (the whole step's: it ranks the candidates, it is not a
       call's time).
 
@@ -163,7 +163,7 @@ def measure_in_step(make_step: Callable[[CommConfig], Callable[[], Sequence[floa
                              f"{nbytes} B per rank over {n} ranks ({dtype}): nothing to measure")
     seconds = measure_steps(runs, rounds=rounds)
     bits = planner.choice_bits(op, config)
-    return [tuning.Measurement(op, layout, n, dtype, nbytes, cand,
+    return [costs.Measurement(op, layout, n, dtype, nbytes, cand,
                                bits if cand.startswith("quantized") else None, seconds[cand],
                                scope="step")
             for cand in candidates]
