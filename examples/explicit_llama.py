@@ -9,7 +9,7 @@ implied by the types, and ``jax_flashcomm.rewrite`` finds it (``examples/rewrite
 
 The math is :mod:`models.llama`'s (RMSNorm in f32, rotate-half RoPE with f32 angles, GQA with
 f32 scores, SwiGLU, tied or untied embeddings). Weights come from the project's checkpoint
-readers (:func:`models.checkpoint.open_checkpoint`), in Hugging Face layout, rearranged so that
+readers (:func:`models.checkpoints.open_checkpoint`), in Hugging Face layout, rearranged so that
 each TP rank's heads (q, k, v side by side) and MLP units are one contiguous block.
 """
 
@@ -63,7 +63,7 @@ def _rank_blocks(parts_per_rank: list[list[np.ndarray]]) -> np.ndarray:
 
 
 def load(ckpt, mesh, sharding: Sharding = Sharding()) -> tuple[Dims, dict]:
-    """The weights of a checkpoint (:class:`models.checkpoint.Checkpoint`) on ``mesh``.
+    """The weights of a checkpoint (:class:`models.checkpoints.Checkpoint`) on ``mesh``.
 
     Args:
       ckpt: an open checkpoint (Hugging Face names and (out, in) layout).

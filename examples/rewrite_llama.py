@@ -78,7 +78,7 @@ def run(args, log=sys.stderr) -> dict:
     from jax.sharding import AxisType
 
     from examples import explicit_llama
-    from models.checkpoint import open_checkpoint
+    from models.checkpoints import open_checkpoint
     from models.eval import window_tokens
 
     ckpt = open_checkpoint(args.model)

@@ -78,7 +78,7 @@ def reused_sensitivity(args) -> dict | None:
     """The per-site sensitivities of ``--sensitivity-from``, checked against the options."""
     if args.sensitivity_from is None:
         return None
-    from jax_flashcomm.comm_policy import config_to_dict
+    from jax_flashcomm.policy import config_to_dict
 
     info = cli.load_policy(args.sensitivity_from).info
     wanted = {"model": args.model, "tp": args.tp, "dtype": args.dtype, "window": args.window,
@@ -120,8 +120,8 @@ def run(args, log=sys.stderr):
     from models.eval import window_tokens
     from models.llama import policy_comms, set_comm, site_names
     from models.machine import first_line
-    from models.scoring import score_windows
-    from models.weights import load_model
+    from models.window_scores import score_windows
+    from models.llama.params import load_model
 
     candidates = candidate_configs(args.candidates)
     reused = reused_sensitivity(args)
@@ -187,7 +187,7 @@ def run(args, log=sys.stderr):
 def chosen_settings(policy) -> list[str]:
     """The candidate setting name (``--candidates``) each site of a calibrated policy got, in
     site order; ``"exact"`` for a site kept exact."""
-    from jax_flashcomm.comm_policy import config_to_dict
+    from jax_flashcomm.policy import config_to_dict
 
     info = policy.info
     names = {repr(options): name for name, options in zip(info["candidate_settings"],

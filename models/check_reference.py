@@ -47,7 +47,7 @@ def _main(args) -> int:
     from models.engine import Engine, Sampling
     from models.eval import nll_fn
     from models.machine import first_line
-    from models.weights import load_model
+    from models.llama.params import load_model
 
     ref = np.load(args.ref)
     missing = [k for k in ("token_ids", "perplexity", "nll") if k not in ref.files]

@@ -42,11 +42,11 @@ def _main(args) -> int:
     import numpy as np
 
     from jax_flashcomm.nn import TPComm
-    from models.checkpoint import open_checkpoint
+    from models.checkpoints import open_checkpoint
     from models.corpus import load_text
     from models.engine import Engine
     from models.machine import first_line
-    from models.weights import load_model
+    from models.llama.params import load_model
 
     ckpt = open_checkpoint(args.model)
     if ckpt.tokenizer is None:
@@ -55,8 +55,8 @@ def _main(args) -> int:
 
     def logits(tp, kind="exact", dtype=jnp.float32):
         mesh = jax.make_mesh((tp,), ("tp",), devices=jax.devices()[:tp])
-        model, _ = load_model(args.model, tp=tp, mesh=mesh, comm=TPComm(kind), dtype=dtype,
-                              ckpt=ckpt)
+        model, _ = load_model(args.model, tp=tp, mesh=mesh, comm=TPComm.from_kind(kind),
+                              dtype=dtype, ckpt=ckpt)
         return np.asarray(Engine(model, mesh, cache_len=max(512, args.tokens)).score(tokens),
                           np.float64)
 

@@ -208,7 +208,7 @@ def model_heads(model: str) -> tuple[int, int] | None:
     """``(query heads, KV heads)`` of a checkpoint, read from its config alone (a GGUF file's
     metadata header, a Hugging Face ``config.json``); ``None`` when they cannot be read that
     way (a known model not fetched yet, an unreadable file: the load reports those)."""
-    from models.fetch import REGISTRY, cache_dir
+    from models.checkpoints.fetch import REGISTRY, cache_dir
 
     path = (cache_dir() / REGISTRY[model].filename if model in REGISTRY
             else pathlib.Path(model).expanduser())
@@ -227,7 +227,7 @@ def model_heads(model: str) -> tuple[int, int] | None:
 def _gguf_heads(path: pathlib.Path) -> tuple[int, int] | None:
     """The ``*.attention.head_count`` / ``head_count_kv`` of a GGUF's metadata, read by the
     checkpoint reader's own header scan (no tensor is read)."""
-    from models.gguf_checkpoint import scan_gguf
+    from models.checkpoints.gguf import scan_gguf
 
     fields = scan_gguf(path).fields
     heads = next((v for k, (_, v) in fields.items() if k.endswith(".attention.head_count")),
@@ -238,7 +238,7 @@ def _gguf_heads(path: pathlib.Path) -> tuple[int, int] | None:
 
 
 def _check_model(parser, model: str, tp) -> None:
-    from models.fetch import REGISTRY
+    from models.checkpoints.fetch import REGISTRY
 
     path = pathlib.Path(model).expanduser()
     if model not in REGISTRY and not path.exists():
@@ -289,11 +289,11 @@ def parse_setting(name: str):
     from jax_flashcomm.nn import TPComm
 
     if name in ("exact", "overlap"):
-        return name, TPComm(name)
+        return name, TPComm.from_kind(name)
     before, sequence_parallel, rest = name.rpartition("overlap+")
     if not before and rest.startswith("auto") and (rest == "auto" or rest[4:].isdigit()):
-        return name, TPComm("auto+overlap" if sequence_parallel else "auto",
-                            bits=int(rest[4:] or 8))
+        return name, TPComm.from_kind("auto+overlap" if sequence_parallel else "auto",
+                                      bits=int(rest[4:] or 8))
     kind, plus, quant = name.partition("+")
     if plus and kind == "overlap":
         kind = "flash+overlap"
@@ -317,7 +317,7 @@ def parse_setting(name: str):
         fields.update(ag_bits=ag[1], ag_format="int")
     elif ag is not None:
         fields["ag_format"] = ag[1]
-    return name, TPComm(kind, config=CommConfig(**fields))
+    return name, TPComm.from_kind(kind, config=CommConfig(**fields))
 
 
 def format_setting(fmt: str | None, rs_format: str | None, ag_format: str | None) -> str | None:
@@ -468,13 +468,13 @@ def comm_from_args(args):
     """The :class:`jax_flashcomm.nn.TPComm` the options describe."""
     from jax_flashcomm.nn import TPComm
 
-    return TPComm(args.comm, "tp", fuse_norm=getattr(args, "fuse_norm", False),
+    return TPComm.from_kind(args.comm, "tp", fuse_norm=getattr(args, "fuse_norm", False),
                   **comm_options(args))
 
 
 def load_policy(path):
     """The :class:`jax_flashcomm.CommPolicy` in the file ``path``."""
-    from jax_flashcomm.comm_policy import CommPolicy
+    from jax_flashcomm.policy import CommPolicy
 
     return CommPolicy.load(path)
 
@@ -488,7 +488,7 @@ def setup(args):
     import jax.numpy as jnp
 
     from models.engine import Engine
-    from models.weights import load_model
+    from models.llama.params import load_model
 
     comm = comm_from_args(args)
     if len(jax.devices()) < args.tp:

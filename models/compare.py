@@ -113,7 +113,7 @@ def _run_setting(label, comm, model, ckpt, mesh, *, engine_args, windows, window
     from models.llama import set_comm
     from models.traffic import allreduce_bytes_per_token
 
-    from jax_flashcomm.comm_policy import CommPolicy
+    from jax_flashcomm.policy import CommPolicy
 
     tok = ckpt.tokenizer
     policy = comm if isinstance(comm, CommPolicy) else None
@@ -237,7 +237,7 @@ def _main(args) -> int:
     cli.set_devices(args.devices or args.tp)
     import jax
 
-    from models.weights import load_model
+    from models.llama.params import load_model
 
     names = [s.strip() for s in args.settings.split(",")]
     extra = cli.format_setting(args.format, args.rs_format, args.ag_format)

@@ -5,8 +5,8 @@ whichever the tuning table or the cost model predicts faster), side by side.
     .venv/bin/python -m models.demo [--tp 3] [--settings exact,int8,int4,auto] [--max-new-tokens 24]
         [--rounds 3]
 
-Fetches the model on first use (``models/fetch.py``), loads its weights once, and for each
-setting prints the TTFT and decode tokens/s (the median of ``--rounds`` greedy generations,
+Fetches the model on first use (``models/checkpoints/fetch.py``), loads its weights once, and for
+each setting prints the TTFT and decode tokens/s (the median of ``--rounds`` greedy generations,
 the settings in turn with the order rotated each round; tokens/s of the median step), the
 perplexity on a short passage (the first window of ``models/corpus.py``'s text), the bytes each
 rank sends in one decode step's all-reduces, and the first words the model answers.
@@ -51,7 +51,7 @@ def _main(args) -> int:
     from models.compare import parse_setting, run
     from models.corpus import load_text
     from models.machine import first_line
-    from models.weights import load_model
+    from models.llama.params import load_model
 
     settings = [parse_setting(s.strip()) for s in args.settings.split(",")]
     print(first_line())

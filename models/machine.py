@@ -12,8 +12,8 @@ import platform
 
 
 def cpu_model() -> str:
-    """The CPU's model name (:func:`jax_flashcomm.tuning.cpu_name`)."""
-    from jax_flashcomm.tuning import cpu_name
+    """The CPU's model name (:func:`jax_flashcomm.tune.cpu_name`)."""
+    from jax_flashcomm.costs import cpu_name
 
     return cpu_name()
 

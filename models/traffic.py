@@ -11,9 +11,9 @@ counted.
 
 from __future__ import annotations
 
-from jax_flashcomm import comm_policy
+from jax_flashcomm import policy as comm_policy
 from jax_flashcomm.codec import spec
-from jax_flashcomm.comm_policy import wire_per_element
+from jax_flashcomm.policy import wire_per_element
 from jax_flashcomm.planner import quantizes
 
 __all__ = ["allreduce_bytes_per_token", "wire_per_element", "wire_vs_bf16", "plans_wire_vs_bf16"]

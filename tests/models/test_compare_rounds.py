@@ -11,7 +11,7 @@ import pytest
 from jax_flashcomm.nn import TPComm
 from models import demo
 from models.compare import run, table
-from models.weights import load_model
+from models.llama.params import load_model
 from tests.support.tiny_llama import TINY, DictCheckpoint
 
 TP = 2
@@ -43,7 +43,7 @@ def _rows(rounds, settings, max_new_tokens=5):
 
 
 def test_rounds_time_every_setting_and_take_medians():
-    settings = [("exact", TPComm("exact")), ("int8", TPComm("flash", bits=8, min_bytes=0))]
+    settings = [("exact", TPComm("exact")), ("int8", TPComm("quantized", bits=8, min_bytes=0))]
     rows = _rows(3, settings)
     for row in rows:
         assert len(row["ttft_samples_s"]) == 3
@@ -70,7 +70,7 @@ def test_demo_rejects_zero_rounds(capsys):
 def test_the_table_shows_no_nan_and_wire_comes_from_the_plans():
     """Without --text there is no perplexity and with --max-new-tokens 1 no decode step: the
     table says "-" rather than "nan"; each row's wire ratio is that of the calls that ran."""
-    settings = [("exact", TPComm("exact")), ("int8", TPComm("flash", bits=8, min_bytes=0))]
+    settings = [("exact", TPComm("exact")), ("int8", TPComm("quantized", bits=8, min_bytes=0))]
     rows = _rows(1, settings, max_new_tokens=1)
     assert "tokens_per_s" not in rows[0]
     text = table(rows, TP)

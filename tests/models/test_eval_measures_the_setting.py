@@ -50,4 +50,4 @@ def test_a_policy_reports_the_wire_of_its_sites(tmp_path, patched_loader):  # no
     policy = fc.CommPolicy(sites={"0.mlp": FP8}).save(tmp_path / "policy.json")
     result, _ = _eval(tmp_path, "--comm-policy", str(policy))
     assert result["all_reduce_paths"] == {"lax": 3, "quantized": 1}
-    assert result["wire_vs_bf16"] == pytest.approx((3 + fc.comm_policy.wire_vs_bf16(FP8)) / 4)
+    assert result["wire_vs_bf16"] == pytest.approx((3 + fc.policy.wire_vs_bf16(FP8)) / 4)

@@ -12,7 +12,7 @@ import jax_flashcomm as fc
 from jax_flashcomm import CommConfig
 from jax_flashcomm.nn import TPComm
 from models.engine import Engine
-from models.weights import load_model
+from models.llama.params import load_model
 from tests.support.tiny_llama import TINY, DictCheckpoint
 
 TOKENS = np.random.RandomState(1).randint(0, TINY.vocab_size, size=(2, 16)).astype(np.int32)
@@ -44,9 +44,9 @@ def test_exact_fused_equals_unfused(tp):
 def test_quantized_fused_close_to_unfused():
     config = CommConfig(bits=8, min_bytes=0)
     exact = np.asarray(_engine(4, TPComm("exact")).score(TOKENS))
-    plain = np.asarray(_engine(4, TPComm("flash", config=config)).score(TOKENS))
+    plain = np.asarray(_engine(4, TPComm("quantized", config=config)).score(TOKENS))
     with fc.record() as plans:
-        fused = np.asarray(_engine(4, TPComm("flash", config=config, fuse_norm=True))
+        fused = np.asarray(_engine(4, TPComm("quantized", config=config, fuse_norm=True))
                            .score(TOKENS))
     assert any(p.op == "psum_add_rms_norm" and p.quantized for p in plans)
     err_plain, err_fused = np.abs(plain - exact).max(), np.abs(fused - exact).max()
@@ -54,7 +54,7 @@ def test_quantized_fused_close_to_unfused():
 
 
 def test_fuse_norm_is_a_tpcomm_option():
-    comm = TPComm("flash", fuse_norm=True, bits=4)
+    comm = TPComm("quantized", fuse_norm=True, bits=4)
     assert comm.fuse_norm and comm.config.bits == 4
     assert not TPComm("exact").fuse_norm
     assert TPComm("exact", fuse_norm=True) != TPComm("exact")

@@ -10,7 +10,7 @@ import pytest
 from jax_flashcomm import CommConfig
 from jax_flashcomm.nn import TPComm
 from models.engine import Engine, Sampling, sample
-from models.weights import load_model
+from models.llama.params import load_model
 from tests.support.tiny_llama import TINY, DictCheckpoint
 from tests.support.meshes import AXIS_TYPES
 from tests.support.pairwise import all_pairs
@@ -48,7 +48,7 @@ def test_tp_logits_equal_tp1_within_f32_rounding(reference, tp, kind, axis_type)
     twice the TP=1 run's own f32 error, measured against f64)."""
     f32, f64 = reference
     e1 = np.abs(f32 - f64).max()
-    out = np.asarray(_engine(tp, TPComm(kind), axis_type=axis_type).score(TOKENS), np.float64)
+    out = np.asarray(_engine(tp, TPComm.from_kind(kind), axis_type=axis_type).score(TOKENS), np.float64)
     assert 0 < e1 < 1e-4 * np.abs(f64).max()
     assert np.abs(out - f64).max() <= 2 * e1
     assert np.abs(out - f32).max() <= 3 * e1
@@ -61,10 +61,10 @@ def test_flash_error_shrinks_with_bits(reference):
     exact4 = np.asarray(_engine(4).score(TOKENS))
     err = {}
     for bits in (4, 8):
-        out = _engine(4, TPComm("flash", config=CommConfig(bits=bits, min_bytes=0)))
+        out = _engine(4, TPComm("quantized", config=CommConfig(bits=bits, min_bytes=0)))
         err[bits] = np.abs(np.asarray(out.score(TOKENS)) - exact4).max()
     assert 0 < err[8] < err[4]
-    off = _engine(4, TPComm("flash", config=CommConfig(bits=4, min_bytes=1 << 30)))
+    off = _engine(4, TPComm("quantized", config=CommConfig(bits=4, min_bytes=1 << 30)))
     np.testing.assert_array_equal(np.asarray(off.score(TOKENS)), exact4)
 
 
@@ -73,7 +73,7 @@ def test_flash_error_shrinks_with_bits(reference):
 def test_prefill_and_decode_match_scoring(tp, kind):
     """Logits of the cached path (prefill, then one decode step per token) equal those of
     scoring the whole sequence at once (same arithmetic up to f32 summation order)."""
-    engine = _engine(tp, TPComm(kind))
+    engine = _engine(tp, TPComm.from_kind(kind))
     full = np.asarray(engine.score(TOKENS[:1]))[0]
     cache = engine.new_cache(1)
     logits, cache = engine.prefill(TOKENS[:1, :9], cache)
@@ -119,7 +119,7 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="do not fit in the KV cache"):
         list(engine.generate([1, 2, 3], 40))
     with pytest.raises(ValueError, match="unknown communication kind"):
-        TPComm("fast")
+        TPComm.from_kind("fast")
 
 
 def test_params_follow_llama_sharding_and_no_device_holds_everything():
@@ -179,10 +179,10 @@ def test_overlap_rings_on_the_p2p_transport_match_xla(kind):
     transport's ppermute rings, prefill and scoring; a bad name is a clear error."""
     runs = {}
     for transport in ("xla", "p2p"):
-        engine = _engine(4, TPComm(kind, transport=transport))
+        engine = _engine(4, TPComm.from_kind(kind, transport=transport))
         logits, _ = engine.prefill(TOKENS[:1, :12], engine.new_cache(1))
         runs[transport] = (np.asarray(engine.score(TOKENS)), np.asarray(logits))
     for got, want in zip(runs["p2p"], runs["xla"]):
         np.testing.assert_array_equal(got, want)
     with pytest.raises(ValueError, match="transport"):
-        TPComm("overlap", transport="nccl")
+        TPComm(layout="sequence_parallel", transport="nccl")

@@ -15,7 +15,7 @@ from safetensors.numpy import save_file
 
 from jax_flashcomm.nn import TPComm
 from models.engine import Engine
-from models.weights import load_model
+from models.llama.params import load_model
 from tests.support.tiny_llama import TINY, DictCheckpoint, tiny_tensors
 from tests.support.devices import use_worker_xla_flags
 
@@ -31,14 +31,14 @@ def _run(*args, timeout=600):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from models.checkpoint import open_checkpoint
+    from models.checkpoints import open_checkpoint
 
     return open_checkpoint("smollm2")
 
 
 def _logits(ckpt, tp, tokens, kind="exact", dtype=jnp.float32):
     mesh = jax.make_mesh((tp,), ("tp",), devices=jax.devices()[:tp])
-    model, _ = load_model(None, tp=tp, mesh=mesh, comm=TPComm(kind), dtype=dtype, ckpt=ckpt)
+    model, _ = load_model(None, tp=tp, mesh=mesh, comm=TPComm.from_kind(kind), dtype=dtype, ckpt=ckpt)
     return np.asarray(Engine(model, mesh, cache_len=64).score(tokens), np.float64)
 
 

@@ -8,12 +8,12 @@ from jax_flashcomm import CommConfig
 from jax_flashcomm.nn import TPComm
 from models.engine import Engine
 from models.llama import layer_segments, set_comm
-from models.weights import load_model
+from models.llama.params import load_model
 from tests.support.tiny_llama import TINY, DictCheckpoint
 
 TOKENS = np.random.RandomState(3).randint(0, TINY.vocab_size, size=(1, 12)).astype(np.int32)
-INT4 = TPComm("flash", config=CommConfig(bits=4, min_bytes=0))
-INT8 = TPComm("flash", config=CommConfig(bits=8, min_bytes=0))
+INT4 = TPComm("quantized", config=CommConfig(bits=4, min_bytes=0))
+INT8 = TPComm("quantized", config=CommConfig(bits=8, min_bytes=0))
 
 
 def _model(tp=4):
@@ -82,8 +82,8 @@ def test_bad_overrides_raise():
     with pytest.raises(TypeError, match="TPComm"):
         set_comm(model, exact, overrides={(0, "mlp"): CommConfig(bits=4)})
     with pytest.raises(ValueError, match="axis"):
-        set_comm(model, exact, overrides={(0, "mlp"): TPComm("flash", "other")})
-    with pytest.raises(ValueError, match="overlap"):
-        set_comm(model, exact, overrides={(0, "mlp"): TPComm("overlap")})
+        set_comm(model, exact, overrides={(0, "mlp"): TPComm("quantized", "other")})
+    with pytest.raises(ValueError, match="layout"):
+        set_comm(model, exact, overrides={(0, "mlp"): TPComm(layout="sequence_parallel")})
     with pytest.raises(TypeError, match="Llama"):
         set_comm(model.blocks, exact, overrides={(0, "mlp"): INT4})

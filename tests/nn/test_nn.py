@@ -16,7 +16,7 @@ SEQ = P(None, "tp", None)
 
 
 def _mlp(mesh, kind, **comm):
-    mlp = nn.TPMLP(64, 100, tp=mesh.shape["tp"], comm=nn.TPComm(kind, **comm),
+    mlp = nn.TPMLP(64, 100, tp=mesh.shape["tp"], comm=nn.TPComm.from_kind(kind, **comm),
                    rngs=nnx.Rngs(0))
     return nn.place(mlp, mesh)
 
@@ -46,7 +46,7 @@ def test_flash_row_parallel_is_flash_psum(mesh_factory):
     """The flash strategy's all-reduce is jax_flashcomm.psum with the TPComm's config."""
     mesh = mesh_factory((4,), ("tp",))
     config = fc.CommConfig(bits=4, min_bytes=0, spikes=1)
-    row = nn.place(nn.RowParallelLinear(128, 64, tp=4, comm=nn.TPComm("flash", config=config),
+    row = nn.place(nn.RowParallelLinear(128, 64, tp=4, comm=nn.TPComm("quantized", config=config),
                                         rngs=nnx.Rngs(0)), mesh)
     x = jax.random.normal(jax.random.key(2), (2, 3, 128))
     y = nn.shard_call(row, mesh, (P(None, None, "tp"),), P())(x)
@@ -63,7 +63,7 @@ def test_attention_sequence_parallel_matches_replicated(mesh_factory):
     x = jax.random.normal(jax.random.key(3), (1, 8, 64))
     outs = {}
     for kind in ("exact", "overlap"):
-        att = nn.place(nn.TPAttention(64, 8, 2, 16, tp=4, comm=nn.TPComm(kind),
+        att = nn.place(nn.TPAttention(64, 8, 2, 16, tp=4, comm=nn.TPComm.from_kind(kind),
                                       rngs=nnx.Rngs(0)), mesh)
         sp = kind == "overlap"
         spec = SEQ if sp else P()
@@ -87,8 +87,8 @@ def test_layer_errors():
     with pytest.raises(ValueError, match="TP size 3 does not divide the 8 query heads"):
         nn.TPAttention(64, 8, 2, 16, tp=3, comm=nn.TPComm(), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="bits=None"):
-        nn.TPComm("flash", config=fc.CommConfig(bits=None))
+        nn.TPComm("quantized", config=fc.CommConfig(bits=None))
     with pytest.raises(ValueError, match="does not quantize"):
-        nn.TPComm("overlap", config=fc.CommConfig(bits=4))
+        nn.TPComm(layout="sequence_parallel", config=fc.CommConfig(bits=4))
     with pytest.raises(ValueError, match="not divisible by the TP size"):
         nn.RowParallelLinear(10, 4, tp=4, comm=nn.TPComm(), rngs=nnx.Rngs(0))

@@ -18,9 +18,9 @@ from jax.sharding import AxisType
 import jax_flashcomm as fc
 from examples import explicit_llama, rewrite_llama
 from jax_flashcomm.nn import TPComm
-from models.checkpoint import open_checkpoint
+from models.checkpoints import open_checkpoint
 from models.engine import Engine
-from models.weights import load_model
+from models.llama.params import load_model
 
 from tests.support.checkpoint_files import SMALL, write_hf
 
@@ -69,7 +69,7 @@ def test_exact_and_int8_match_the_project_llama(checkpoint, explicit):
     assert report.counts() == {"quantized": 2 * MODEL.n_layers}
     assert [r.site.split(" ")[1] for r in report] == ["(_attention)", "(_mlp)"] * MODEL.n_layers
     int8 = np.asarray(jax.jit(fc.rewrite(fn, CFG))(weights, tokens))
-    flash = _project_logits(checkpoint, TPComm("flash", "tp", config=CFG))
+    flash = _project_logits(checkpoint, TPComm("quantized", "tp", config=CFG))
     np.testing.assert_allclose(int8, flash, atol=rounding, rtol=0)
     assert np.abs(int8 - exact).max() > 100 * rounding
 
@@ -96,7 +96,7 @@ def test_the_script_evaluates_every_setting(explicit):
 def test_fused_norm_islands_match_the_project_llama(checkpoint, explicit):
     """fuse_norm=True: every block's two all-reduces end in the residual add and the next
     RMSNorm (the last one in the final norm), so all become psum_add_rms_norm islands: exact,
-    the model's bits; int8, TPComm("flash", fuse_norm=True)'s logits within f32 rounding."""
+    the model's bits; int8, TPComm("quantized", fuse_norm=True)'s logits within f32 rounding."""
     _, dims, weights = explicit
     fn = functools.partial(explicit_llama.logits, dims)
     tokens = jax.device_put(TOKENS)
@@ -109,7 +109,7 @@ def test_fused_norm_islands_match_the_project_llama(checkpoint, explicit):
                                   exact)
     int8 = np.asarray(jax.jit(fc.rewrite(fn, fc.RewritePolicy(config=CFG, fuse_norm=True)))(
         weights, tokens))
-    flash = _project_logits(checkpoint, TPComm("flash", "tp", config=CFG, fuse_norm=True))
+    flash = _project_logits(checkpoint, TPComm("quantized", "tp", config=CFG, fuse_norm=True))
     rounding = 1e-5 * np.abs(exact).max()
     np.testing.assert_allclose(int8, flash, atol=rounding, rtol=0)
     assert np.abs(int8 - exact).max() > 100 * rounding

@@ -144,7 +144,7 @@ def test_project_llama_attention_sum_fused():
     MLP's psum ends the body (its norm is the next iteration's). The logits are the same bits."""
     from jax_flashcomm.nn import TPComm
     from models.engine import Engine
-    from models.weights import load_model
+    from models.llama.params import load_model
 
     from tests.support.tiny_llama import DictCheckpoint
 

@@ -419,7 +419,7 @@ def test_llama_exact_rewritten_equals_flash():
     row-parallel all-reduce, not the embedding's exact sum) is comm="flash", bit for bit."""
     from jax_flashcomm.nn import TPComm
     from models.engine import Engine
-    from models.weights import load_model
+    from models.llama.params import load_model
     from tests.support.tiny_llama import TINY, DictCheckpoint
 
     mesh = _mesh(n=4, name="tp")
@@ -430,7 +430,7 @@ def test_llama_exact_rewritten_equals_flash():
                               ckpt=DictCheckpoint())
         return Engine(model, mesh, cache_len=64)
 
-    exact, flash = engine(TPComm("exact")), engine(TPComm("flash", config=CFG))
+    exact, flash = engine(TPComm("exact")), engine(TPComm("quantized", config=CFG))
     policy = RewritePolicy(config=CFG, skip_sites=("VocabParallelEmbedding",))
     tok = exact._put(tokens)
     rewritten = rewrite(exact._score, policy)

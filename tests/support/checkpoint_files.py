@@ -12,7 +12,7 @@ import struct
 
 import numpy as np
 
-from models.config import LlamaConfig
+from models.checkpoints.llama_config import LlamaConfig
 from tests.support.tiny_llama import tiny_tensors
 
 # Rows of 32 (a whole Q8_0 / Q4_1 block), head_dim = d_model / n_heads (so a GGUF without
@@ -60,7 +60,7 @@ def write_gguf(path, cfg: LlamaConfig = SMALL, tensors=None, types=default_types
     import gguf
     import gguf.quants
 
-    from models.gguf_checkpoint import llama_cpp_permute, unpermute_qk
+    from models.checkpoints.gguf import llama_cpp_permute, unpermute_qk
 
     t = tiny_tensors(cfg) if tensors is None else tensors
     w = gguf.GGUFWriter(str(path), "llama")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from models.config import LlamaConfig
+from models.checkpoints.llama_config import LlamaConfig
 
 TINY = LlamaConfig(vocab_size=101, d_model=64, n_layers=2, n_heads=8, n_kv_heads=2,
                    head_dim=16, ffn_dim=100, rope_theta=10000.0, rms_eps=1e-5,

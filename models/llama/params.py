@@ -18,10 +18,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jax_flashcomm import nn
-from models.llama import Llama
+from models.llama.modeling import Llama
 
 if TYPE_CHECKING:
-    from models.checkpoint import Checkpoint
+    from models.checkpoints import Checkpoint
 
 __all__ = ["load_model", "load_weights"]
 
@@ -154,7 +154,7 @@ def load_model(name_or_path: str, *, tp: int, mesh, comm: nn.TPComm | None = Non
     """``(model, checkpoint)``: the Llama of a checkpoint (a known name such as ``"smollm2"``, a
     GGUF file or a Hugging Face directory) at TP size ``tp`` on ``mesh``."""
     if ckpt is None:
-        from models.checkpoint import open_checkpoint
+        from models.checkpoints import open_checkpoint
 
         ckpt = open_checkpoint(name_or_path)
     model = nnx.eval_shape(lambda: Llama(ckpt.config, tp=tp, comm=comm, dtype=dtype))

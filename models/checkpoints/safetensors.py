@@ -17,8 +17,8 @@ import struct
 
 import numpy as np
 
-from models.checkpoint_base import Checkpoint, CheckpointError, check_finite
-from models.config import LlamaConfig
+from models.checkpoints.base import Checkpoint, CheckpointError, check_finite
+from models.checkpoints.llama_config import LlamaConfig
 
 __all__ = ["SafetensorsCheckpoint"]
 

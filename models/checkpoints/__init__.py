@@ -1,8 +1,8 @@
 """The checkpoint interface: a Llama-architecture model's config, tokenizer and tensors, read in
 Hugging Face names and (out, in) layout, float32, whatever the file format.
 
-:func:`open_checkpoint` takes a known model name (see :mod:`models.fetch`), a ``.gguf`` file or
-a Hugging Face directory (``config.json`` + safetensors), and checks that every tensor the model
+:func:`open_checkpoint` takes a known model name (see :mod:`models.checkpoints.fetch`), a
+``.gguf`` file or a Hugging Face directory (``config.json`` + safetensors), and checks that every tensor the model
 needs is present with the shape its config implies.
 
 Tensor names (``V`` vocabulary, ``D`` model width, ``H``/``KV`` query/KV heads of ``dh``, ``F``
@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import pathlib
 
-from models.checkpoint_base import Checkpoint, CheckpointError, expected_shapes, validate
+from models.checkpoints.base import Checkpoint, CheckpointError, expected_shapes, validate
 
 __all__ = ["Checkpoint", "CheckpointError", "expected_shapes", "open_checkpoint"]
 
@@ -44,19 +44,19 @@ def open_checkpoint(name_or_path: str | os.PathLike) -> Checkpoint:
     Raises ``FileNotFoundError`` for a path that does not exist, :class:`CheckpointError` for a
     truncated / corrupt file or a missing / misshapen tensor.
     """
-    from models.fetch import model_path
+    from models.checkpoints.fetch import model_path
 
     path = model_path(name_or_path)
     if path.is_dir():
-        from models.safetensors_checkpoint import SafetensorsCheckpoint
+        from models.checkpoints.safetensors import SafetensorsCheckpoint
 
         ckpt: Checkpoint = SafetensorsCheckpoint(path)
     elif path.suffix == ".safetensors" and (path.parent / "config.json").is_file():
-        from models.safetensors_checkpoint import SafetensorsCheckpoint
+        from models.checkpoints.safetensors import SafetensorsCheckpoint
 
         ckpt = SafetensorsCheckpoint(path.parent, files=[path.name])
     elif path.suffix.lower() == ".gguf" or _is_gguf(path):
-        from models.gguf_checkpoint import GGUFCheckpoint
+        from models.checkpoints.gguf import GGUFCheckpoint
 
         ckpt = GGUFCheckpoint(path)
     else:

@@ -1,8 +1,8 @@
 """The checkpoint base class, its error and the tensor shapes a config implies: what
-:mod:`models.checkpoint` (which opens a checkpoint of any format) and the format modules
-(:mod:`models.gguf_checkpoint`, :mod:`models.safetensors_checkpoint`) share, so that the
+:mod:`models.checkpoints` (which opens a checkpoint of any format) and the format modules
+(:mod:`models.checkpoints.gguf`, :mod:`models.checkpoints.safetensors`) share, so that the
 formats do not import the module that imports them. Code outside these modules imports the
-names from :mod:`models.checkpoint`, which re-exports them."""
+names from :mod:`models.checkpoints`, which re-exports them."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from models.config import LlamaConfig
+from models.checkpoints.llama_config import LlamaConfig
 
 if TYPE_CHECKING:
     from models.tokenizer import Tokenizer

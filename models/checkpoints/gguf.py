@@ -27,8 +27,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from models.checkpoint_base import Checkpoint, CheckpointError, check_finite
-from models.config import FLOAT_LIMITS, LIMITS, LlamaConfig, check_float, check_int
+from models.checkpoints.base import Checkpoint, CheckpointError, check_finite
+from models.checkpoints.llama_config import (FLOAT_LIMITS, LIMITS, LlamaConfig, check_float,
+                                             check_int)
 
 __all__ = ["GGUFCheckpoint", "GGUFLayout", "TensorInfo", "gguf_to_hf_name", "llama_cpp_permute",
            "scan_gguf", "unpermute_qk"]

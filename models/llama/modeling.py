@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_flashcomm import nn
 from jax_flashcomm.jax_compat import all_gather_invariant
-from models.config import LlamaConfig
+from models.checkpoints.llama_config import LlamaConfig
 
 __all__ = ["Llama", "Block", "LlamaSharding", "set_comm", "SITES", "site_names",
            "policy_comms"]
@@ -92,7 +92,7 @@ class Block(nnx.Module):
 
 class Llama(nnx.Module):
     """The decoder. ``rngs=None`` makes zero parameters (to be loaded: use under
-    ``nnx.eval_shape``, see :func:`models.weights.load_model`)."""
+    ``nnx.eval_shape``, see :func:`models.llama.params.load_model`)."""
 
     def __init__(self, cfg: LlamaConfig, *, tp: int, comm: nn.TPComm | None = None,
                  dtype=jnp.float32, rngs: nnx.Rngs | None = None):
@@ -214,7 +214,7 @@ def set_comm(model: nnx.Module, comm: nn.TPComm, *, overrides=None) -> nnx.Modul
     all-reduce, ``site`` one of :data:`SITES` (``"attn"``: after the attention output
     projection; ``"mlp"``: after the down projection), e.g. 8 bits for the few all-reduces that
     carry a model's outlier channels and 4 elsewhere. An override must use the same mesh axis
-    and the same sequence layout (``comm.overlap``) as ``comm``. Each call replaces the
+    and the same layout (``comm.layout``) as ``comm``. Each call replaces the
     previous overrides.
     """
     if not isinstance(comm, nn.TPComm):
@@ -242,11 +242,10 @@ def _check_overrides(model, comm: nn.TPComm, overrides) -> tuple:
                              f"0 <= layer < {model.cfg.n_layers} and site in {SITES}")
         if not isinstance(value, nn.TPComm):
             raise TypeError(f"set_comm: override {key} must be a TPComm, got {type(value)}")
-        if value.axis_name != comm.axis_name or value.overlap != comm.overlap:
-            raise ValueError(f"set_comm: override {key} ({value.kind!r} over "
+        if value.axis_name != comm.axis_name or value.layout != comm.layout:
+            raise ValueError(f"set_comm: override {key} ({value.layout!r} over "
                              f"{value.axis_name!r}) must share comm's axis "
-                             f"({comm.axis_name!r}) and sequence layout (overlap="
-                             f"{comm.overlap})")
+                             f"({comm.axis_name!r}) and layout ({comm.layout!r})")
         if value != comm:
             pairs.append((key, value))
     return tuple(sorted(pairs, key=lambda p: (p[0][0], SITES.index(p[0][1]))))
@@ -260,14 +259,14 @@ def site_names(n_layers: int) -> list[str]:
 
 def policy_comms(policy, n_layers: int, *, axis_name: str = "tp", fuse_norm: bool = False):
     """``(comm, overrides)`` for :func:`set_comm` from a per-site
-    :class:`jax_flashcomm.CommPolicy`: ``comm`` is the policy's default (``"flash"`` with that
+    :class:`jax_flashcomm.CommPolicy`: ``comm`` is the policy's default (``"quantized"`` with that
     config, ``"exact"`` for ``None``); ``overrides`` gives each listed site its config.
 
     Raises:
       ValueError: a site name that is not one of :func:`site_names` (a policy for another
         model).
     """
-    from jax_flashcomm.comm_policy import CommPolicy
+    from jax_flashcomm.policy import CommPolicy
 
     if not isinstance(policy, CommPolicy):
         raise TypeError(f"policy_comms: expected a jax_flashcomm.CommPolicy, got "
