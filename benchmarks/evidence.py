@@ -5,12 +5,12 @@ GPU cost model, their plots, and the README's headline table.
 
 Runs, in order (each prints its own progress bar):
 
-1. ``benchmarks.accuracy``: SmolLM2 perplexity / KL / top-1 for every setting (TP 3 and 9)
-   -> docs/accuracy.{json,md,png} (about 50 minutes on 2 cores).
-2. ``benchmarks.ttft``: TTFT and decode at TP=3, 3 gloo processes on a tc-limited loopback
-   (root) -> docs/ttft.{json,md,png} (about 15 minutes).
-3. ``benchmarks.gpu_model``: the cost model, checked against 2. and the all-reduce
-   measurements -> docs/gpu_model.{json,md,png} (seconds).
+1. ``benchmarks.llm.accuracy``: SmolLM2 perplexity / KL / top-1 for every setting (TP 3 and 9)
+   -> docs/results/accuracy.{json,md,png} (about 50 minutes on 2 cores).
+2. ``benchmarks.llm.ttft.links``: TTFT and decode at TP=3, 3 gloo processes on a tc-limited
+   loopback (root) -> docs/results/ttft.{json,md,png} (about 15 minutes).
+3. ``benchmarks.gpu.cost_model``: the cost model, checked against 2. and the all-reduce
+   measurements -> docs/results/gpu_model.{json,md,png} (seconds).
 4. the headline table of README.md, from the three JSON files.
 """
 
@@ -24,20 +24,19 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import replace_block
+from benchmarks.shared.pages import replace_block
+from benchmarks.shared.results import REPO, RESULTS
 
-REPO = Path(__file__).resolve().parents[1]
-DOCS = REPO / "docs"
 BEGIN, END = "<!-- evidence headline: begin -->", "<!-- evidence headline: end -->"
 STEPS = {
-    "accuracy": [sys.executable, "-m", "benchmarks.accuracy"],
-    "ttft": [sys.executable, "-m", "benchmarks.ttft"],
-    "gpu_model": [sys.executable, "-m", "benchmarks.gpu_model"],
+    "accuracy": [sys.executable, "-m", "benchmarks.llm.accuracy"],
+    "ttft": [sys.executable, "-m", "benchmarks.llm.ttft.links"],
+    "gpu_model": [sys.executable, "-m", "benchmarks.gpu.cost_model"],
 }
 
 
 def _load(name):
-    path = DOCS / f"{name}.json"
+    path = RESULTS / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
 
 
@@ -88,8 +87,8 @@ def headline(acc, ttft, model) -> str:
              f"`{(ttft or {}).get('machine', '?')}`")
     lines.append(f"\nMeasured {where} by `.venv/bin/python -m benchmarks.evidence` "
                  "(docs/accuracy.md, docs/ttft.md, docs/gpu_model.md). bf16 exact: the exact "
-                 "all-reduce moving bf16 (`benchmarks/bf16_two_step.py`), half the bytes of "
-                 "XLA:CPU's f32 `lax.psum`.")
+                 "all-reduce moving bf16 (`benchmarks/collectives/bf16_baseline.py`), half the "
+                 "bytes of XLA:CPU's f32 `lax.psum`.")
     return "\n".join(lines)
 
 

@@ -9,7 +9,7 @@
 #      jax_flashcomm/ when pip cannot build);
 #   2. runs the tests marked gpu, all in tests/gpu (pytest -m gpu -rs: every skip is listed
 #      with its reason);
-#   3. measures (benchmarks/gpu_bench.py) and writes docs/cuda_check.json and the table between
+#   3. measures (benchmarks/gpu/check.py) and writes docs/results/cuda_check.json and the table between
 #      the gpu_check markers in docs/cuda.md.
 # Without a GPU it does the same, as CI would: the build (the CUDA module compiles without a
 # GPU where nvcc is present), the gpu tests collected and skipped with their reasons (the few
@@ -209,8 +209,8 @@ if [[ "${GPU_CHECK_BENCH:-1}" == 1 ]]; then
   say "measurements and report"
   quick=()
   [[ "${GPU_CHECK_QUICK:-0}" == 1 ]] && quick=(--quick)
-  "$PY" -m benchmarks.gpu_bench --junit "$tmp/gpu_tests.xml" --build "$build" \
-    --json docs/cuda_check.json --markdown docs/cuda.md "${quick[@]}" || status=1
+  "$PY" -m benchmarks.gpu.check --junit "$tmp/gpu_tests.xml" --build "$build" \
+    --json docs/results/cuda_check.json --markdown docs/cuda.md "${quick[@]}" || status=1
 else
   say "measurements skipped (GPU_CHECK_BENCH=0): docs/cuda.md keeps its table"
 fi
@@ -229,7 +229,7 @@ if [[ "$gpus" -gt 0 && "${GPU_CHECK_PROFILE:-0}" == 1 ]]; then
       -k regex:'Quantize|Dequantize' \
       --section SpeedOfLight --section LaunchStats --section Occupancy \
       --section ComputeWorkloadAnalysis \
-      "$PY" -m benchmarks.gpu_codec_speed --once --sizes 64 >"$tmp/ncu.txt" 2>&1; then
+      "$PY" -m benchmarks.gpu.codec_speed --once --sizes 64 >"$tmp/ncu.txt" 2>&1; then
     { echo "# Nsight Compute on the codec kernels ($(date -u '+%Y-%m-%d %H:%M UTC'), $(
         nvidia-smi -L 2>/dev/null | head -1)); written by benchmarks/gpu_check.sh"
       grep -v '^==PROF==' "$tmp/ncu.txt"; } >docs/cuda_profile.txt

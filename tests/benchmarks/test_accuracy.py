@@ -1,4 +1,4 @@
-"""benchmarks/accuracy.py: the rows it runs, the bytes it reports, and the metrics it computes
+"""benchmarks/llm/accuracy.py: the rows it runs, the bytes it reports, and the metrics it computes
 (on the tiny random checkpoint; the SmolLM2 sweep itself is docs/accuracy.md)."""
 
 import math
@@ -8,9 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import accuracy, accuracy_report
+from benchmarks.llm import accuracy
+
+from benchmarks.llm import accuracy_page as accuracy_report
 from jax_flashcomm.codec import spec
-from models.weights import load_model
+from models.llama.params import load_model
 from tests.support.tiny_llama import TINY, DictCheckpoint
 
 
@@ -41,7 +43,7 @@ def test_rows_cover_the_grid_once_per_tp():
 
 
 def test_layer_policy_upgrades_the_most_sensitive_sites():
-    from benchmarks import layer_sensitivity
+    from benchmarks.llm import layer_sensitivity
     from jax_flashcomm import CommConfig
 
     assert layer_sensitivity.ranked_sites(SENSITIVITY) == [(1, "mlp"), (0, "mlp"), (0, "attn")]
@@ -145,15 +147,10 @@ def test_report_tables_markdown_and_plot(tmp_path):
     data = _fake_data()
     text = accuracy_report.tables(data)
     assert "int8 per-tensor" in text and "+10.000%" in text and "+20.000%" in text
-    doc = tmp_path / "a.md"
-    doc.write_text(f"intro\n{accuracy_report.BEGIN}\nold\n{accuracy_report.END}\noutro\n")
-    accuracy_report.write_markdown(data, doc)
-    out = doc.read_text()
-    assert out.startswith("intro\n") and out.endswith("outro\n") and "old" not in out
-    assert "int8 per-tensor" in out
-    bad = tmp_path / "b.md"
-    bad.write_text("no markers")
-    with pytest.raises(ValueError, match="markers"):
-        accuracy_report.write_markdown(data, bad)
-    accuracy_report.plot(data, tmp_path / "a.png")
-    assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    accuracy_report.plot(data, tmp_path / "accuracy.png")
+    assert (tmp_path / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = accuracy_report.write_markdown(data, tmp_path / "accuracy.json")
+    assert page == tmp_path / "accuracy.md"
+    out = page.read_text()
+    assert out.startswith("# Accuracy") and "Machine: test" in out and "int8 per-tensor" in out
+    assert "(accuracy.png)" in out and "[accuracy.json](accuracy.json)" in out

@@ -1,4 +1,4 @@
-"""The benchmark's exact bf16 two-step all-reduce (benchmarks/bf16_two_step.py): exact, and its
+"""The benchmark's exact bf16 two-step all-reduce (benchmarks/collectives/bf16_baseline.py): exact, and its
 collectives move bf16 bit patterns (u16), not XLA:CPU's f32-widened bf16.
 
 Bound against ``lax.psum`` of the f32 upcast rounded to bf16. With ``S`` the exact sum of the
@@ -21,7 +21,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from benchmarks.bf16_two_step import bf16_two_step_psum
+from benchmarks.collectives.bf16_baseline import bf16_two_step_psum
 from tests.support.meshes import make_mesh
 
 N = 4

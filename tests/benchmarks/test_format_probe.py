@@ -1,4 +1,4 @@
-"""benchmarks/format_probe.py: the simulated FP8 / FP4 formats round as their specs say, the
+"""benchmarks/llm/format_probe.py: the simulated FP8 / FP4 formats round as their specs say, the
 Hadamard rotation is undone, the two-phase simulation is what its docstring says, and the
 wire bytes are the specs'."""
 
@@ -8,7 +8,7 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
-from benchmarks import format_probe as fp  # noqa: E402
+from benchmarks.llm import format_probe as fp  # noqa: E402
 
 E2M1_GRID = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
 
@@ -109,22 +109,17 @@ def test_spikes_travel_in_bf16_and_cost_three_bytes():
     assert np.abs(out - x)[:, rest].max() <= np.abs(plain - x)[:, rest].max()
 
 
-def test_markdown_tables_live_between_their_markers(tmp_path):
-    data = {"tp": 3, "windows": 6, "window": 512, "machine": "m", "rows": [
+def test_a_run_page_holds_its_command_machine_and_table(tmp_path):
+    from benchmarks.shared.results import write_page
+
+    data = {"tp": 3, "windows": 6, "window": 512, "machine": "m", "command": "c --x", "rows": [
         {"setting": "exact", "perplexity": 15.0, "delta_ppl": 0.0, "kl": 0.0, "top1": 1.0,
          "vs_bf16_ring": 1.0}]}
-    page = tmp_path / "p.md"
-    page.write_text("# Title\n\nprose\n")
-    fp.write_markdown(data, page, "a")
-    fp.write_markdown(data, page, "b")
-    data["rows"][0]["perplexity"] = 16.0
-    fp.write_markdown(data, page, "a")
+    page = write_page(tmp_path / "format_probe_a.json", data, tables=fp.table(data))
     text = page.read_text()
-    assert text.startswith("# Title\n\nprose\n")
-    assert text.count("<!-- a: begin -->") == 1 and text.count("<!-- b: begin -->") == 1
-    a = text.split("<!-- a: begin -->")[1].split("<!-- a: end -->")[0]
-    b = text.split("<!-- b: begin -->")[1].split("<!-- b: end -->")[0]
-    assert "16.000" in a and "15.000" in b
+    assert text.startswith("# FP8 and FP4 group formats")
+    assert "Command: `c --x`" in text and "Machine: m" in text and "15.000" in text
+    assert "(../format_probe.md)" in text
 
 
 def test_spreading_order_deals_the_largest_channels_to_different_units():

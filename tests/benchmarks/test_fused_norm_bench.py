@@ -1,10 +1,10 @@
-"""benchmarks.fused_norm counts the bytes of every kernel of a compiled program: the fused
+"""benchmarks.collectives.fused_norm counts the bytes of every kernel of a compiled program: the fused
 epilogue is one kernel that reads the payload, the residual and the weight and writes the new
 residual and the output, exactly; the unfused ops move more."""
 
 import jax.numpy as jnp
 
-from benchmarks.fused_norm import _operands, _programs, counted_bytes
+from benchmarks.collectives.fused_norm import _operands, _programs, counted_bytes
 
 
 def test_counted_bytes_of_the_fused_and_unfused_epilogues():

@@ -1,12 +1,12 @@
-"""The GPU cost model (benchmarks/gpu_model.py): its limits, its monotonicity, its self-checks
-(the emulated-link all-reduce data and a synthetic docs/ttft.json) and its argument errors."""
+"""The GPU cost model (benchmarks/gpu/cost_model.py): its limits, its monotonicity, its self-checks
+(the emulated-link all-reduce data and a synthetic docs/results/ttft.json) and its argument errors."""
 
 import dataclasses
 import json
 
 import pytest
 
-from benchmarks import gpu_model as gm
+from benchmarks.gpu import cost_model as gm
 
 MIB = 2**20
 FREE = gm.Link(1e9, "switched")                      # no latency

@@ -1,4 +1,4 @@
-"""benchmarks/ttft.py: the pure parts (bytes per step against the compiled HLO of a tiny TP=3
+"""benchmarks/llm/ttft/links.py: the pure parts (bytes per step against the compiled HLO of a tiny TP=3
 model, FLOPs against the checkpoint's weight shapes, link calibration, strategy and argument
 parsing, the doc's table block); the whole benchmark is a slow test (root, iproute2, model)."""
 
@@ -14,12 +14,12 @@ import jax
 import numpy as np
 import pytest
 
-from benchmarks import ttft
+from benchmarks.llm.ttft import links as ttft
 from jax_flashcomm.nn import TPComm
-from models.config import LlamaConfig
+from models.checkpoints.llama_config import LlamaConfig
 from models.engine import Engine, Sampling
 from models.traffic import allreduce_bytes_per_token
-from models.weights import load_model
+from models.llama.params import load_model
 from tests.support.wire_bytes import _OP, _runs_per_call, wire_bytes
 from tests.support.tiny_llama import DictCheckpoint, tiny_tensors
 
@@ -105,7 +105,7 @@ def test_prefill_bytes_smollm2_by_hand():
     exact = ttft.step_traffic(SMOL, 3, comms["exact"], s, decode=False)
     logits = 2 * 16384 * 4
     assert exact["bytes"] == pytest.approx(61 * 4 / 3 * s * 576 * 4 + logits)
-    int4 = ttft.step_traffic(SMOL, 3, TPComm("flash", config=dataclasses.replace(
+    int4 = ttft.step_traffic(SMOL, 3, TPComm("quantized", config=dataclasses.replace(
         comms["int8"].config, bits=4)), s, decode=False)
     padded = -(-s * 576 // 384) * 384
     assert int4["blocks"] == pytest.approx(60 * 2 * 2 / 3 * padded * 71 / 128)
@@ -163,19 +163,27 @@ def test_bad_arguments_exit_2(argv, capsys):
     assert "error" in capsys.readouterr().err
 
 
-def test_write_tables_keeps_the_page(tmp_path):
-    page = tmp_path / "t.md"
-    page.write_text(f"# Title\n\nprose\n\n{ttft.BEGIN}\nold\n{ttft.END}\n\nmore prose\n")
-    ttft.write_tables(page, "new table\n")
-    assert page.read_text() == (f"# Title\n\nprose\n\n{ttft.BEGIN}\nnew table\n{ttft.END}\n\n"
-                                "more prose\n")
-    fresh = tmp_path / "f.md"
-    ttft.write_tables(fresh, "t\n")
-    assert fresh.read_text() == f"{ttft.BEGIN}\nt\n{ttft.END}\n"
+def test_the_page_of_a_run(tmp_path):
+    """The page a run writes beside its record: title, command, machine, its tables, the plot
+    where there is one, a link to the record and to the guide page; rewritten whole."""
+    from benchmarks.shared.results import write_page
+
+    record = {"command": "python -m benchmarks.llm.ttft.links --quick", "machine": "CPU X",
+              "rows": [{"link": "pcie", "strategy": "exact", "ttft_s": 1.5}]}
+    (tmp_path / "ttft.png").write_bytes(b"png")
+    page = write_page(tmp_path / "ttft.json", record, tables="| a |\n|---|\n| 1 |\n")
+    text = page.read_text()
+    assert page == tmp_path / "ttft.md"
+    assert text.splitlines()[0] == "# TTFT and decode of SmolLM2 at TP=3 on emulated links"
+    for part in ("Command: `python -m benchmarks.llm.ttft.links --quick`", "Machine: CPU X",
+                 "| a |\n|---|\n| 1 |", "(ttft.png)", "[ttft.json](ttft.json)", "(../ttft.md)"):
+        assert part in text, part
+    page = write_page(tmp_path / "ttft.json", record)  # no tables given: the record's rows
+    assert "| link | strategy | ttft_s |\n|---|---|---|\n| pcie | exact | 1.5 |" in page.read_text()
 
 
 def _can_run() -> str | None:
-    from benchmarks.netns import available
+    from benchmarks.shared.netns import available
 
     reason = available()
     if reason:
@@ -194,7 +202,7 @@ def test_quick_run_end_to_end(tmp_path):
     faster one: CI time): every row present, the calibrated rate set, int4 sending fewer bytes
     and faster than exact on the limited link."""
     out = tmp_path / "ttft"
-    subprocess.run([sys.executable, "-m", "benchmarks.ttft", "--strategies", "exact,int4",
+    subprocess.run([sys.executable, "-m", "benchmarks.llm.ttft.links", "--strategies", "exact,int4",
                     "--links", "nvlink", "--prompt-tokens", "32", "--decode-tokens", "2",
                     "--reps", "1", "--out", str(out)], cwd=REPO, check=True, timeout=900)
     data = json.loads(out.with_suffix(".json").read_text())
@@ -216,7 +224,8 @@ def test_auto_overlap_prefill_bytes_match_compiled_hlo(quantized):
     """auto+overlap's prefill with its ring matmuls' collectives chosen apart (a synthetic
     table: the quantized candidate 10x faster for one, 10x slower for the other)."""
     import jax_flashcomm as fc
-    from jax_flashcomm import planner, tuning
+    from jax_flashcomm.planner import _plan as planner
+    from jax_flashcomm.costs import _table as tuning
 
     rows = []
     for op, part in (("all_gather", "ag"), ("psum_scatter", "rs")):
@@ -226,7 +235,7 @@ def test_auto_overlap_prefill_bytes_match_compiled_hlo(quantized):
                                         planner.choice_bits(op, fc.CommConfig()),
                                         1e-4 if quantized[part] else 1e-2)]
     mesh = jax.make_mesh((3,), ("tp",), devices=jax.devices()[:3])
-    comm = TPComm("auto+overlap", transport="xla")
+    comm = TPComm("auto", layout="sequence_parallel", transport="xla")
     with tuning.use_table(tuning.Table(key={"synthetic": True}, rows=tuple(rows))), \
             fc.record() as plans:
         model, _ = load_model(None, tp=3, mesh=mesh, comm=comm,

@@ -1,5 +1,5 @@
-"""benchmarks/ttft_p2p.py: the bytes its p2p rows move (the transport's own timeline against
-the ring traffic benchmarks/ttft.py computes), its FLOP share and exposure arithmetic, its table."""
+"""benchmarks/llm/ttft/p2p.py: the bytes its p2p rows move (the transport's own timeline against
+the ring traffic benchmarks/llm/ttft/links.py computes), its FLOP share and exposure arithmetic, its table."""
 
 import contextlib
 
@@ -7,12 +7,14 @@ import jax
 import numpy as np
 import pytest
 
-from benchmarks import ttft, ttft_p2p
+from benchmarks.llm.ttft import links as ttft
+
+from benchmarks.llm.ttft import p2p as ttft_p2p
 from jax_flashcomm.nn import TPComm
 from jax_flashcomm.transport import ring
-from models.config import LlamaConfig
+from models.checkpoints.llama_config import LlamaConfig
 from models.engine import Engine
-from models.weights import load_model
+from models.llama.params import load_model
 from tests.support.tiny_llama import DictCheckpoint, tiny_tensors
 
 TINY3 = LlamaConfig(vocab_size=101, d_model=64, n_layers=2, n_heads=6, n_kv_heads=3,
@@ -23,7 +25,7 @@ def test_p2p_prefill_moves_the_ring_bytes_of_the_traffic_model():
     """One TP=3 overlap prefill on the p2p rings: every rank receives exactly the per-layer ring
     bytes of ttft.step_traffic, in 2 L x 2 (N - 1) moves, paced or not."""
     mesh = jax.make_mesh((3,), ("tp",), devices=jax.devices()[:3])
-    comm = TPComm("overlap", transport="p2p")
+    comm = TPComm(layout="sequence_parallel", transport="p2p")
     model, _ = load_model(None, tp=3, mesh=mesh, comm=comm,
                           ckpt=DictCheckpoint(TINY3, tiny_tensors(TINY3)))
     ids = list(range(3, 33))

@@ -1,4 +1,4 @@
-"""benchmarks/tune_repeat.py: two tables compared row by row, and the best latency + bandwidth
+"""benchmarks/autotune/table_repeat.py: two tables compared row by row, and the best latency + bandwidth
 line per series (a series on a line is fitted exactly; one off any line is not)."""
 
 import json
@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks import tune_repeat
-from jax_flashcomm import tuning
+from benchmarks.autotune import table_repeat as tune_repeat
+from jax_flashcomm.costs import _table as tuning
 
 SIZES = (256 * 1024, 1 << 20, 4 << 20, 16 << 20)
 

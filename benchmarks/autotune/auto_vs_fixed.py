@@ -1,0 +1,147 @@
+"""Decode and TTFT of SmolLM2 at TP=3 in one process, settings interleaved: is ``auto`` as fast as
+the best fixed setting?
+
+    .venv/bin/python -m benchmarks.autotune.auto_vs_fixed [--settings exact,int8,int4,auto] \\
+        [--rounds 8] [--tokens 32] [--prompt-tokens 24,200] [--out docs/results/decode.json]
+
+One process, ``--tp`` CPU devices (the models' in-process layout; ``models.demo`` runs the same
+settings once each, which on 2 cores is too noisy to rank them within a few percent). Each
+setting gets its compiled engine (prefill buckets and decode step warmed up); then ``--rounds``
+rounds, each running every setting in turn (the order rotated every round, so slow spells of
+the machine hit every setting alike): per prompt length one prefill (TTFT) and, for the first,
+``--tokens`` greedy decode steps (every step's time kept). Reported per setting: the median decode
+step (and its tokens/s), the median TTFT per prompt length, and each against the best fixed
+setting (every setting but ``auto``): ``auto / best`` >= 0.97 is the issue's bar for decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.shared.results import write_page
+from benchmarks.shared.runtime import MALLOC_KEEP, reexec_with
+from models import cli
+
+
+
+def run(args) -> dict:
+    cli.set_devices(args.tp)
+    import jax
+
+    from models.compare import parse_setting
+    from models.corpus import load_text
+    from models.engine import Engine
+    from models.eval import progress
+    from models.llama import set_comm
+    from models.machine import describe, first_line
+    from models.llama.params import load_model
+    from jax_flashcomm import record
+    from jax_flashcomm import costs as tuning
+
+    print(first_line(), flush=True)
+    mesh = jax.make_mesh((args.tp,), ("tp",), devices=jax.devices()[:args.tp])
+    model, ckpt = load_model(args.model, tp=args.tp, mesh=mesh)
+    text_ids = ckpt.tokenizer.encode(load_text())
+    prompts = {n: text_ids[:n] for n in args.prompt_tokens}
+    settings = [parse_setting(s) for s in args.settings]
+    engines, plans = {}, {}
+    for name, comm in settings:
+        set_comm(model, comm)
+        engine = Engine(model, mesh, cache_len=max(prompts) + args.tokens + 8)
+        with record() as recorded:
+            for ids in prompts.values():
+                list(engine.generate(ids, 2))
+        engines[name] = (comm, engine)
+        plans[name] = sorted({f"{p.op} {p.nbytes} B: {p.path}"
+                              + (f" over {p.transport}" if p.transport else "")
+                              for p in recorded})
+        print(f"{name}: compiled; {plans[name]}", file=sys.stderr, flush=True)
+    steps = {name: [] for name, _ in settings}
+    ttft = {name: {n: [] for n in prompts} for name, _ in settings}
+    names = [n for n, _ in settings]
+    start = time.perf_counter()
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            comm, engine = engines[name]
+            set_comm(engine.model, comm)
+            for i, (n, ids) in enumerate(prompts.items()):
+                list(engine.generate(ids, args.tokens if i == 0 else 1))
+                ttft[name][n].append(engine.last_timings["ttft"])
+                if i == 0:
+                    steps[name].extend(engine.last_timings["decode"])
+        progress(r + 1, args.rounds, start, sys.stderr, unit="rounds")
+    rows = []
+    for name, comm in settings:
+        step = statistics.median(steps[name])
+        rows.append({"setting": name, "comm": comm.kind, "decode_step_s": step,
+                     "tokens_per_s": 1 / step, "decode_steps": len(steps[name]),
+                     "ttft_s": {str(n): statistics.median(v) for n, v in ttft[name].items()},
+                     "plans": plans[name]})
+    fixed = [r for r in rows if r["comm"] != "auto"]
+    best_dec = max(r["tokens_per_s"] for r in fixed)
+    for r in rows:
+        r["decode_vs_best_fixed"] = r["tokens_per_s"] / best_dec
+        r["ttft_vs_best_fixed"] = {n: min(f["ttft_s"][n] for f in fixed) / t
+                                   for n, t in r["ttft_s"].items()}
+    table = tuning.active()
+    return {"machine": describe(), "tp": args.tp, "rounds": args.rounds, "tokens": args.tokens,
+            "prompt_tokens": list(prompts), "tuning_table": None if table is None else
+            {"created": table.created, "isa": table.codec.get("isa")},
+            "command": ".venv/bin/python -m benchmarks.autotune.auto_vs_fixed "
+                       + " ".join(sys.argv[1:]),
+            "rows": rows}
+
+
+def markdown(data) -> str:
+    lengths = data["prompt_tokens"]
+    head = ["setting", "decode tok/s (median step)", "vs best fixed",
+            *(f"TTFT ms, {n} tokens" for n in lengths), *(f"vs best, {n}" for n in lengths)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in data["rows"]:
+        lines.append("| " + " | ".join([
+            r["setting"], f"{r['tokens_per_s']:.2f}", f"{r['decode_vs_best_fixed']:.3f}x",
+            *(f"{r['ttft_s'][str(n)] * 1e3:.1f}" for n in lengths),
+            *(f"{r['ttft_vs_best_fixed'][str(n)]:.3f}x" for n in lengths)]) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.autotune.auto_vs_fixed",
+                                 description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--tp", type=int, default=3)
+    ap.add_argument("--settings", default="exact,int8,int4,auto")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--prompt-tokens", default="24,200")
+    ap.add_argument("--out", default=None, help="write the JSON here")
+    args = ap.parse_args(argv)
+    try:
+        args.settings = [s.strip() for s in args.settings.split(",") if s.strip()]
+        args.prompt_tokens = sorted({int(n) for n in args.prompt_tokens.split(",")})
+        for s in args.settings:
+            cli.parse_setting(s)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.rounds < 1 or args.tokens < 2 or min(args.prompt_tokens) < 1 or args.tp < 2:
+        ap.error("--rounds >= 1, --tokens >= 2, --prompt-tokens >= 1 and --tp >= 2")
+    if not any(cli.parse_setting(s)[1].kind != "auto" for s in args.settings):
+        ap.error("--settings needs at least one fixed setting to compare with")
+    data = run(args)
+    print(markdown(data))
+    if args.out:
+        Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
+        write_page(args.out, data, tables=markdown(data))
+        print("wrote", args.out, "and its page")
+    return 0
+
+
+if __name__ == "__main__":
+    reexec_with(MALLOC_KEEP)
+    sys.exit(main())
