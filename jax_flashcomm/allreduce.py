@@ -194,7 +194,7 @@ _qpsum.defvjp(_qpsum_fwd, _qpsum_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _epsum(x, axes, p):
-    return transport.p2p.exact_all_reduce(x, axes, p.timeout_ms)
+    return transport.by_name(p.transport).exact_all_reduce(x, axes, p)
 
 
 def _epsum_fwd(x, axes, p):

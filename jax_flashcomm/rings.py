@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_flashcomm import _axes, codec
+from jax_flashcomm import _axes, codec, transport
 from jax_flashcomm.transport import ring as ring_steps
 from jax_flashcomm.transport import wire
 
@@ -48,9 +48,10 @@ def _perms(axis_name):
 
 
 def _link(ring, axis_name):
-    """The ring steps' link (jax_flashcomm.transport.ring) of a transport spec."""
+    """The ring steps' link of a transport spec (:func:`jax_flashcomm.transport.ring.spec`): its
+    transport's (:meth:`jax_flashcomm.transport.Transport.ring_link`)."""
     fwd, bwd = _perms(axis_name)
-    return ring_steps.make_link(ring, axis_name, {1: fwd, -1: bwd})
+    return transport.by_name(ring[0]).ring_link(ring, axis_name, {1: fwd, -1: bwd})
 
 
 def ag_ring(x: jax.Array, axis_name, axis: int, bidirectional: bool, product, place, state,

@@ -36,7 +36,6 @@ Re-run (~2 min on 2 cores)::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -54,152 +53,13 @@ M, K, NCOL = 512, 1024, 1024  # per rank: rows, contraction, columns
 OPS = ("ag", "ag_bidi", "ag_int8", "rs", "rs_bidi")
 
 
-def _setup(loops):
-    import jax
-    import jax.numpy as jnp
-    from jax import lax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    import jax_flashcomm as fc
-    from jax_flashcomm.config import auto_rotation, auto_spikes
-    from jax_flashcomm.transport import ring, wire
-
-    mesh = jax.make_mesh((DEVICES,), ("i",), axis_types=(jax.sharding.AxisType.Explicit,))
-    n = DEVICES
-
-    def looped(op, out_shape):
-        """L calls of ``op(x, w)`` in a fori_loop, each iteration's x depending on the last
-        result (so no call is hoisted out of the loop or overlapped with the next)."""
-        def f(x, w):
-            def body(_, c):
-                x, _ = c
-                out = op(x, w)
-                return x + 0.0 * out[: x.shape[0], : x.shape[1]].sum(), out
-
-            out = lax.pcast(jnp.zeros(out_shape, x.dtype), "i", to="varying")
-            return lax.fori_loop(0, loops, body, (x, out))[1]
-        return f
-
-    def gather(p, steps, shift=1):
-        """``p`` and the ``steps`` chunks that follow it round the ring, moved one after the
-        other over p2p (each move starts from the chunk the last one brought); the local
-        chunk comes back through the last done, so whatever reads it waits for every move."""
-        link = ring.make_link(ring.spec("p2p", 60_000), "i", {})
-        chunks, local = [], p
-        for _ in range(steps):
-            sent, pending = link.begin(p, shift)
-            p, local = link.finish(pending, local)
-            chunks.append(p)
-        return [local] + chunks
-
-    def programs(op):
-        ag = op.startswith("ag")
-        bidi = op.endswith("bidi")
-        bits = 8 if op == "ag_int8" else None
-        # The int8 ring's codec options, given to the ring and to the baselines alike: the
-        # defaults "auto" resolves to at 8 bits (Hadamard rotation, no spikes).
-        quant = dict(bits=8, group_size=128, rotation=auto_rotation((8,), 128),
-                     spikes=auto_spikes(8, 128))
-        if ag:
-            xs, ws, in_specs = (n * M, K), (K, n * NCOL), (P("i"), P(None, "i"))
-            out_local = (n * M, NCOL)
-        else:
-            xs, ws, in_specs = (n * M, n * K), (n * K, NCOL), (P(None, "i"), P("i"))
-            out_local = (M, NCOL)
-
-        def sm(body):
-            return jax.jit(jax.shard_map(looped(body, out_local), mesh=mesh, in_specs=in_specs,
-                                         out_specs=P("i")))
-
-        def ring_op(transport):
-            # int8: min_bytes=0, the quantized ring at any size; else bits=None, the exact ring
-            # (neither left to the automatic choice)
-            if ag:
-                return lambda x, w: fc.all_gather_matmul(x, w, "i", bidirectional=bidi,
-                                                         transport=transport,
-                                                         **({**quant, "min_bytes": 0} if bits
-                                                            else {"bits": None}))
-            return lambda x, w: fc.matmul_reduce_scatter(x, w, "i", bidirectional=bidi,
-                                                         bits=None, transport=transport)
-
-        def payload(x):  # what one step moves: the chunk (or its codec payload), or a block
-            if bits:
-                return wire.pack_tree(fc.codec.quantize(x, **quant))
-            return x if ag else jnp.zeros((M, NCOL), x.dtype) + x[0, 0]
-
-
-        # The codec as the ring runs it (backend="auto"): the FFI quantize, the jnp decode.
-        def dots(x, w):  # every dot of the ring (and codec call), no communication
-            if ag and bits:  # quantize once, dequantize every chunk, as the ring does
-                q = fc.codec.quantize(x, **quant)
-                return jnp.concatenate([  # codes + k: n payloads, n dequantizes
-                    fc.codec.dequantize(dataclasses.replace(q, codes=q.codes + jnp.uint8(k)),
-                                        dtype=x.dtype, backend="jnp") @ w for k in range(n)])
-            if ag:
-                return jnp.concatenate([(x + k) @ w for k in range(n)])
-            return sum(lax.dynamic_slice_in_dim(x, k * M, M) @ w for k in range(n))
-
-        def two_way(p, steps):  # bidirectional: the halves go opposite ways
-            h = p.shape[0] // 2
-            return [jnp.concatenate([a, b]) for a, b in
-                    zip(gather(p[:h], steps, 1), gather(p[h:], steps, -1), strict=True)]
-
-        def moved(p):
-            return two_way(p, n - 1) if bidi else gather(p, n - 1)
-
-        def comm(x, w):  # the moves of the ring alone
-            chunks = moved(payload(x))
-            return jnp.zeros(out_local, x.dtype) + sum(c.reshape(-1)[0] for c in chunks)
-
-        def unfused_p2p(x, w):  # the same moves, and the dots before (rs) or after (ag) them
-            if ag:
-                chunks = moved(payload(x))
-                if bits:
-                    like = fc.codec.quantize(x, **quant)
-                    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), like)
-                    chunks = [fc.codec.dequantize(wire.unpack_tree(c, shapes), dtype=x.dtype,
-                                                  backend="jnp") for c in chunks]
-                return jnp.concatenate(chunks) @ w
-            full = x @ w  # one dot, then the reduce-scatter ring of its blocks
-            acc = full[:M]
-            for k in range(1, n):
-                acc = moved(acc)[-1] + full[k * M:(k + 1) * M]
-            return acc
-
-        def unfused_xla(x, w):
-            if ag:
-                return lax.all_gather(x, "i", tiled=True) @ w
-            return lax.psum_scatter(x @ w, "i", scatter_dimension=0, tiled=True)
-
-        progs = {"compute": sm(dots), "comm": sm(comm), "unfused": sm(unfused_p2p),
-                 "ring": sm(ring_op("p2p"))}
-        if jax.process_count() == 1:
-            progs.update({"xla unfused": sm(unfused_xla), "xla ring": sm(ring_op("xla"))})
-        key = jax.random.key(0)
-        x = _put(jax.random.normal(key, xs), NamedSharding(mesh, in_specs[0]))
-        w = _put(jax.random.normal(key, ws) / 32, NamedSharding(mesh, in_specs[1]))
-        return progs, (x, w), payload
-
-    return programs, mesh
-
-
-def _put(value, sharding):
-    """``value`` (the same on every process) placed with ``sharding``."""
-    import jax
-    import numpy as np
-
-    host = np.asarray(value)
-    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
-
-
 def _xla_over_gloo(op):
     """The xla transport's exposed fraction for the same op where communication ~ computation,
     as benchmarks/collectives/matmul_overlap_gloo.py measured it (2 processes over gloo on a 2
     Gbit/s netns link: XLA:CPU's collective-permute is synchronous, and in one process its "link" is
     a memcpy that
     cannot be paced). None when docs/results/overlap.json has no such row."""
-    path = REPO / "docs" / "overlap.json"
+    path = RESULTS / "overlap.json"
     if not path.exists() or op == "ag_int8":
         return None
     kind = op.split("_")[0]
@@ -259,7 +119,9 @@ def run(ops, loops, reps):
 
     from jax_flashcomm.transport import ring
 
-    programs, mesh = _setup(loops)
+    from benchmarks.collectives.ring_programs import RingPrograms
+
+    mesh = jax.make_mesh((DEVICES,), ("i",), axis_types=(jax.sharding.AxisType.Explicit,))
     rows = []
     multi = jax.process_count() > 1
     dot_ms = None if multi else _shared_executor(mesh, reps)
@@ -269,7 +131,8 @@ def run(ops, loops, reps):
           f"at once ({dot_ms['cores_both']:.2f} cores busy)", flush=True)
     with jax.set_mesh(mesh):
         for op in ops:
-            progs, args, payload = programs(op)
+            built = RingPrograms(op, mesh, loops, (M, K, NCOL))
+            progs, args, payload = built.programs(), built.operands(), built.payload
             t_compute = statistics.median(_time(progs["compute"], args, reps)) / loops
             local = (M, args[0].shape[1]) if op.startswith("ag") else (M, NCOL)
             moved = jax.eval_shape(payload, jax.ShapeDtypeStruct(local, args[0].dtype))

@@ -1,6 +1,6 @@
 """A cost model of the two-step quantized all-reduce (Flash AllReduce) and of TTFT on GPUs.
 
-The equations live in :mod:`jax_flashcomm.tune` (the library prices its automatic choice
+The equations live in :mod:`jax_flashcomm.costs` (the library prices its automatic choice
 with them). From bytes moved, link bandwidth and latency, and codec passes at HBM bandwidth, this
 predicts the all-reduce speedup over a bf16 NCCL ring and the TTFT speedup of a tensor-parallel
 Llama prefill on L40 (PCIe Gen4, a shared host-bridged bus), A100 and H100 (NVLink through

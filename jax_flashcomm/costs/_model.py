@@ -32,7 +32,8 @@ __all__ = ["MIB", "BF16", "PASSES", "PCIE4_X16_BYTES_PER_S", "NVLINK3_BYTES_PER_
            "L40_HBM", "L40_FLOPS", "A100_HBM", "A100_FLOPS", "H100_HBM", "H100_FLOPS", "Link",
            "Gpu", "CpuCodec", "nccl_ll_link", "GPUS", "wire_bytes_per_element",
            "exact_allreduce", "flash_allreduce", "exact_collective", "flash_collective",
-           "gpu_allreduce_speedup"]
+           "gpu_allreduce_speedup", "CPU_CODEC_VALUES_PER_S",
+           "CPU_SPIKED_CODEC_VALUES_PER_S", "CPU_CODEC_CALL_S", "cpu_codec", "local_gpu"]
 
 MIB = 2**20
 BF16 = 2                 # bytes per activation value of the exact all-reduce on a GPU
@@ -215,3 +216,50 @@ def gpu_allreduce_speedup(gpu: Gpu, size: float, n: int, bits: int, **kw) -> flo
     """NCCL bf16 ring time / Flash AllReduce time on ``gpu``."""
     q = flash_allreduce(size, n, gpu.link, gpu.codec_pass_s, bits, **kw)
     return exact_allreduce(size, n, gpu.link, "ring")["total_s"] / q["total_s"]
+
+
+# --- CPU inputs where no table exists --------------------------------------------------------
+#: `python -m jax_flashcomm.tune --quick` on an AMD EPYC Zen 4 (2 cores, AVX2 build;
+#: docs/autotune.md, "The cost model"): the codec's passes with 3 ranks running them at once
+#: (values/s per rank).
+CPU_CODEC_VALUES_PER_S = {"quantize": 6.8e8, "dequantize_sum_quantize": 5.8e9,
+                          "dequantize": 3.8e8}
+#: The same in the spiked format (4 bits, one spike per group; the default at <= 6 bits): the
+#: defaults above times the spiked / rotated ratio of each pass with 3 ranks in one full
+#: ``python -m jax_flashcomm.tune`` run (same CPU; 0.94, 0.48, 1.57).
+CPU_SPIKED_CODEC_VALUES_PER_S = {"quantize": 6.4e8, "dequantize_sum_quantize": 2.8e9,
+                                 "dequantize": 6.0e8}
+CPU_CODEC_CALL_S = 130e-6
+
+
+def cpu_codec(n: int, table) -> tuple[CpuCodec, CpuCodec | None, str]:
+    """The CPU codec's speed with ``n`` ranks running it at once.
+
+    Args:
+      n: the ranks (they share this machine's cores).
+      table: the measured table (:class:`jax_flashcomm.costs.Table`) or None.
+
+    Returns:
+      ``(codec, spiked codec or None, source)``: the table's figures measured with ``n`` ranks
+      (source ``"table"``), else the defaults above scaled from 3 ranks on 2 cores to ``n``
+      ranks on this machine's cores (source ``"defaults"``).
+    """
+    import os
+
+    share = max(1.0, n / (os.cpu_count() or 1)) / 1.5
+    codec, spiked = (CpuCodec({k: v / share for k, v in rates.items()}, CPU_CODEC_CALL_S * share)
+                     for rates in (CPU_CODEC_VALUES_PER_S, CPU_SPIKED_CODEC_VALUES_PER_S))
+    measured = None if table is None else table.codec.get("by_n", {}).get(str(n))
+    if not measured:
+        return codec, spiked, "defaults"
+    m = measured.get("spiked")  # absent from tables older than this format's figures
+    return (CpuCodec(dict(measured["values_per_s"]), float(measured["call_s"])),
+            CpuCodec(dict(m["values_per_s"]), float(m["call_s"])) if m else None, "table")
+
+
+def local_gpu() -> Gpu:
+    """The :class:`Gpu` of this process's first device (an H100 when its kind is not known)."""
+    import jax
+
+    kind = str(getattr(jax.devices()[0], "device_kind", ""))
+    return GPUS[next((g for g in GPUS if g in kind), "H100")]

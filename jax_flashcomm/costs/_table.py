@@ -379,7 +379,7 @@ _TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
 
 
 def parse_link(text: str) -> Link:
-    """A :class:`~jax_flashcomm.tune.Link` from ``"rate=400mbit,latency=0.2ms,
+    """A :class:`~jax_flashcomm.costs.Link` from ``"rate=400mbit,latency=0.2ms,
     topology=shared"`` (rate in tc units: ``bit`` or ``bps`` = bytes/s, k/m/g = 10^3/6/9;
     latency per collective in s, ms or us; topology shared or switched, default shared).
 

@@ -3,7 +3,7 @@
 :func:`plan` (:mod:`._plan`) turns a call (op, operand, axes, config) into a :class:`Plan`: the
 size policy, the transport, the per-phase formats; under ``min_bytes="auto"`` it asks
 :func:`choose` (:mod:`._choose`), which prices the call on every transport that can take it
-(from the measured table or the cost model, :mod:`jax_flashcomm.tune`) and keeps the fastest.
+(from the measured table or the cost model, :mod:`jax_flashcomm.costs`) and keeps the fastest.
 :func:`record` collects the plans of a trace.
 """
 

@@ -57,8 +57,8 @@ import numpy as np
 from jax_flashcomm import _axes
 from jax_flashcomm.planner import _choose as auto_choice
 from jax_flashcomm.config import CommConfig, auto_spikes
+from jax_flashcomm import transport
 from jax_flashcomm.transport import p2p as p2p_transport
-from jax_flashcomm.transport import ring as ring_transport
 from jax_flashcomm.transport import shm as shm_transport
 
 if TYPE_CHECKING:
@@ -177,33 +177,19 @@ def size_policy(config: CommConfig, nbytes: int, axis_size: int) -> tuple[bool, 
     return True, f"{nbytes} B >= min_bytes={config.min_bytes}"
 
 
-def _collective_transport(config: CommConfig, axes: tuple, where: str) -> str:
-    """``xla`` or ``p2p`` for a quantized collective's payloads (module docstring)."""
-    if config.transport == "xla":
+def _transport(config: CommConfig, axes: tuple, where: str, ring: bool) -> str:
+    """The transport of a quantized collective (``ring=False``) or of ring steps: the config's
+    pinned one, which must be able to run (else a ValueError naming why not), or the first of
+    ``p2p`` and ``xla`` that can (ring steps take ``p2p`` only when pinned)."""
+    if config.transport == "xla" or (ring and config.transport != "p2p"):
         return "xla"
-    reason = p2p_transport.unsupported_reason(axes)
-    if reason is None and config.floating_point:
-        reason = _FP_REASON
-    if reason is None and config.backend == "jnp":
-        reason = "backend='jnp' (the p2p transport runs the FFI codec kernels)"
+    p2p = transport.by_name("p2p")
+    reason = p2p.ring_reason(axes) if ring else p2p.collective_reason(config, axes)
     if config.transport == "p2p":
         if reason is not None:
             raise ValueError(f"{where}: transport='p2p' cannot run here: {reason}")
         return "p2p"
     return "xla" if reason is not None else "p2p"
-
-
-_FP_REASON = "a floating-point format (the p2p transport moves integer groups)"
-
-
-def _ring_transport(config: CommConfig, axes: tuple, where: str) -> str:
-    """``xla`` or ``p2p`` for a ring matmul's steps (module docstring)."""
-    if config.transport != "p2p":
-        return "xla"
-    reason = ring_transport.unsupported_reason(axes)
-    if reason is not None:
-        raise ValueError(f"{where}: transport='p2p' cannot run here: {reason}")
-    return "p2p"
 
 
 #: The collective whose time decides an op's path under the automatic choice.
@@ -218,11 +204,7 @@ def _auto_choice(op: str, axes: tuple, fields: dict, config: CommConfig, where: 
     elif op in _RINGS:
         p2p_reason = "ring matmul (its transport follows the ring rule)"
     else:
-        p2p_reason = p2p_transport.unsupported_reason(axes)
-        if p2p_reason is None and config.floating_point:
-            p2p_reason = _FP_REASON
-        if p2p_reason is None and config.backend == "jnp":
-            p2p_reason = "backend='jnp' (the p2p transport runs the FFI codec kernels)"
+        p2p_reason = transport.by_name("p2p").collective_reason(config, axes)
         if config.transport == "p2p" and p2p_reason is not None:
             raise ValueError(f"{where}: transport='p2p' cannot run here: {p2p_reason}")
     return _choose(op, fields["nbytes"], fields["axis_size"], fields["dtype"], config,
@@ -335,13 +317,13 @@ def plan(op: str, axes: tuple, shape, dtype, axis_size: int, config: CommConfig,
         quantized = chosen.candidate.startswith("quantized")
         fields.update(reason=str(chosen), predicted_s=chosen.predicted_s)
     if op in _RINGS and (not quantized or op == "all_gather_matmul"):
-        transport = _ring_transport(config, axes, where)
+        transport = _transport(config, axes, where, ring=True)
         path = "quantized ring" if quantized else "ring"
     elif chosen is not None and chosen.candidate == "exact/p2p":
         transport, path = "p2p", "exact"
     elif quantized:
         transport = (chosen.transport if chosen is not None and op not in _RINGS
-                     else _collective_transport(config, axes, where))
+                     else _transport(config, axes, where, ring=False))
         path = "matmul, quantized" if op == "matmul_reduce_scatter" else "quantized"
     else:
         transport, path = None, "lax"

@@ -31,7 +31,7 @@ from jax import lax
 from jax_flashcomm import _axes
 from jax_flashcomm.transport import p2p
 
-__all__ = ["XlaLink", "P2pLink", "spec", "make_link", "link_emulation",
+__all__ = ["XlaLink", "P2pLink", "spec", "link_emulation",
            "recording", "steps_in_progress"]
 
 #: The FFI targets of the ring steps (registered by the CPU module, and the CUDA one if built).
@@ -207,23 +207,6 @@ def spec(name: str, timeout_ms: int) -> tuple:
     if name != "p2p":
         return ("xla", 0, 0)
     return ("p2p", int(timeout_ms), _link_bytes_per_s.get())
-
-
-def make_link(spec: tuple, axis_name, perms: dict) -> XlaLink | P2pLink:
-    """The link of a ``spec`` (:func:`spec`).
-
-    Args:
-      spec: ``(name, timeout_ms, link_bytes_per_s)``.
-      axis_name: the ring's mesh axis (or tuple of axes).
-      perms: ``perms[shift]``: the ppermute pairs of the ``xla`` link for shift +1 and -1.
-
-    Returns:
-      A :class:`P2pLink` or an :class:`XlaLink`.
-    """
-    name, timeout_ms, rate = spec
-    if name == "p2p":
-        return P2pLink(_axes.normalize_axes(axis_name), timeout_ms, rate)
-    return XlaLink(axis_name, perms)
 
 
 @contextlib.contextmanager

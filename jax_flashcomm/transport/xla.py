@@ -224,3 +224,4 @@ def _ring_gather(x, p, axes, axis, tiled, plan):
         if tiled:
             out = out.reshape(_gathered_shape(x.shape, n, axis, tiled))
     return out
+

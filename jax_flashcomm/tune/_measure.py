@@ -5,7 +5,7 @@ of ``psum`` (f32 and bf16), ``psum_scatter`` and ``all_gather`` (f32) per size o
 (bytes per rank), by each candidate of the automatic choice (``lax``, ``quantized/p2p``,
 ``quantized/xla``) at each ``--bits``, per call of 8 chained in one program (as a model's are); the codec's three passes with every CPU build (the
 fastest is recorded and used from then on); and the in-process link (a ``ppermute`` at two
-sizes). The table goes to the user's cache (:func:`jax_flashcomm.tune.table_path`) unless
+sizes). The table goes to the user's cache (:func:`jax_flashcomm.costs.table_path`) unless
 ``--out`` names a file, and the cost model's predictions are printed beside the measurements
 (:func:`model_check`). A few minutes on 2 cores; ``--quick``: one axis size, four sizes.
 
@@ -124,7 +124,7 @@ def measure_mesh(mesh, axis: str, sizes, bits, reps: int, *, ops=OPS, layout: st
         between processes whose shared-memory transport is set up).
 
     Returns:
-      The :class:`~jax_flashcomm.tune.Measurement` rows.
+      The :class:`~jax_flashcomm.costs.Measurement` rows.
     """
     import jax
     import numpy as np
@@ -163,7 +163,7 @@ def measure_mesh(mesh, axis: str, sizes, bits, reps: int, *, ops=OPS, layout: st
 
 
 def measure_collectives(devices, sizes, bits, reps, start, step, total, p2p: bool):
-    """The in-process :class:`~jax_flashcomm.tune.Measurement` rows of every axis size."""
+    """The in-process :class:`~jax_flashcomm.costs.Measurement` rows of every axis size."""
     import jax
 
     def on_step(label):

@@ -135,7 +135,7 @@ def measure_in_step(make_step: Callable[[CommConfig], Callable[[], Sequence[floa
         ``"in-process"``).
 
     Returns:
-      ``scope="step"`` :class:`~jax_flashcomm.tune.Measurement` rows, one per candidate:
+      ``scope="step"`` :class:`~jax_flashcomm.costs.Measurement` rows, one per candidate:
       the median step's seconds (the whole step's: it ranks the candidates, it is not a
       call's time).
 

@@ -7,6 +7,7 @@ import logging
 
 import pytest
 
+from jax_flashcomm import transport
 from jax_flashcomm.planner import _choose as selection
 from jax_flashcomm.costs import _table as tuning
 from jax_flashcomm.codec import kernels
@@ -172,7 +173,7 @@ def test_spiked_calls_are_priced_at_the_spiked_codec_speed():
     spiked = tuning.Table(key={}, codec={"by_n": {"3": {
         "call_s": 1e-5, "values_per_s": rates,
         "spiked": {"call_s": 1e-5, "values_per_s": slow}}}}, link=link)
-    q = selection.Quantized("xla")
+    q = selection.Candidate(transport.by_name("xla"), exact=False)
 
     def seconds(table, spikes):
         call = selection.Call("psum", 4 * 2**20, 4, "float32", 3, "cpu", "in-process", None,

@@ -1,0 +1,151 @@
+"""The transports, one class each (the contract: :mod:`jax_flashcomm.transport.base`).
+
+:class:`XlaTransport` runs the collectives of :mod:`jax_flashcomm.transport.xla` and the ring
+steps as ``ppermute``; :class:`P2pTransport` those of :mod:`jax_flashcomm.transport.p2p` and
+:mod:`jax_flashcomm.transport.ring`. Each knows its own link for the cost model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax import lax
+
+from jax_flashcomm import _axes, costs
+from jax_flashcomm.costs import Link
+from jax_flashcomm.transport import p2p, ring, shm, xla
+from jax_flashcomm.transport.base import Call, Transport
+
+__all__ = ["XlaTransport", "P2pTransport", "TRANSPORTS"]
+
+
+class XlaTransport(Transport):
+    """XLA's own collectives: runs everywhere, across processes and hosts; its exact path is
+    the ``lax`` collective itself."""
+
+    name = "xla"
+    #: The in-process link where no table measured it: a 3-device ppermute on an AMD EPYC Zen 4
+    #: (2 cores; ``python -m jax_flashcomm.tune --quick``, docs/autotune.md).
+    IN_PROCESS_LINK = Link(21e9, "shared", 145e-6, 0.0)
+    #: gloo over a loopback, 3 processes on 2 cores (docs/ttft.json, "unlimited": the 1 MiB
+    #: psum's rate and the 4-byte psum's time): the link between processes where none is given.
+    GLOO_LOOPBACK_LINK = Link(309e6, "shared", 150e-6, 0.0)
+
+    def path_name(self, exact: bool) -> str:
+        return "lax" if exact else "quantized/xla"
+
+    def link(self, call: Call, table) -> Link:
+        if call.platform != "cpu":
+            return costs.local_gpu().link
+        if call.layout == "processes":
+            return costs.link_profile() or self.GLOO_LOOPBACK_LINK
+        if table is not None and table.link.get("bytes_per_s"):
+            return Link(float(table.link["bytes_per_s"]), "shared", float(table.link["latency_s"]))
+        return self.IN_PROCESS_LINK
+
+    def model_s(self, call: Call, exact: bool, link: Link, codec_pass_s) -> float:
+        if not exact:
+            return super().model_s(call, exact, link, codec_pass_s)
+        # XLA:CPU moves bf16 as f32; on GPUs NCCL takes its LL protocol for small messages
+        wide = 2 if call.platform == "cpu" and call.dtype == "bfloat16" else 1
+        links = [link] if call.platform == "cpu" else [link, costs.nccl_ll_link(link)]
+        return min(costs.exact_collective(call.op, call.nbytes * wide, call.n, lk)
+                   for lk in links)
+
+    def collective_reason(self, config, axes: tuple) -> str | None:
+        return None
+
+    def ring_reason(self, axes: tuple) -> str | None:
+        return None
+
+    def all_reduce(self, x, axes, plan, decode=True):
+        return xla.all_reduce(x, axes, plan, decode=decode)
+
+    def reduce_scatter(self, rows, axes, plan):
+        return xla.reduce_scatter(rows, axes, plan)
+
+    def all_gather(self, x, axes, axis, tiled, plan):
+        return xla.all_gather(x, axes, axis, tiled, plan)
+
+    def exact_all_reduce(self, x, axes, plan):
+        return lax.psum(x, axes)
+
+    def ring_link(self, spec, axis_name, perms):
+        return ring.XlaLink(axis_name, perms)
+
+
+
+class P2pTransport(Transport):
+    """One FFI call per rank that reads its peers' buffers (module docstring): the devices of
+    this process, or processes of this host over shared memory."""
+
+    name = "p2p"
+    #: The latency of one p2p call in one process where no table measured it (AMD EPYC Zen 4,
+    #: 2 cores; ``python -m jax_flashcomm.tune --quick``, docs/autotune.md).
+    LATENCY_S = 174e-6
+    #: The exact all-reduce over shared memory between processes (benchmarks/shm_allreduce.py
+    #: on an AMD EPYC Zen 4, 2 processes on 2 cores, fitted to its 2 KiB, 16 and 64 MiB rows;
+    #: docs/transport.md, "Across processes").
+    SHM_LINK = Link(2.2e9, "shared", 110e-6, 0.0)
+
+    def unavailable(self, call: Call, exact: bool) -> str | None:
+        if exact and call.op != "psum":
+            return "only psum has an exact p2p path"
+        if exact and call.layout != "processes":
+            return "peers in this process (lax.psum is its exact path)"
+        return super().unavailable(call, exact) or call.p2p_reason
+
+    def link(self, call: Call, table) -> Link:
+        if call.platform != "cpu":
+            return costs.local_gpu().link
+        if call.layout == "processes":
+            return self.shm_link()
+        latency = self.LATENCY_S
+        if table is not None and table.link.get("bytes_per_s"):
+            latency = float(table.link.get("p2p_latency_s", latency))
+        return dataclasses.replace(XlaTransport().link(call, table), base_latency_s=latency)
+
+    def shm_link(self) -> Link:
+        """The shared-memory link between processes as it runs now: paced at the emulated bus's
+        rate where a benchmark set one (:func:`jax_flashcomm.transport.shm.set_link_rate`), with
+        shared memory's own latency; else :data:`SHM_LINK`. (The link profile describes XLA's
+        path between the processes: with no emulation, shared memory does not cross it.)"""
+        try:
+            rate = shm.link_rate()
+        except RuntimeError:  # no CPU kernel module: no shared-memory transport either
+            rate = 0.0
+        if rate <= 0:
+            return self.SHM_LINK
+        return Link(rate, "shared", self.SHM_LINK.base_latency_s, self.SHM_LINK.step_latency_s)
+
+    def collective_reason(self, config, axes: tuple) -> str | None:
+        reason = p2p.unsupported_reason(axes)
+        if reason is None and config.floating_point:
+            reason = "a floating-point format (the p2p transport moves integer groups)"
+        if reason is None and config.backend == "jnp":
+            reason = "backend='jnp' (the p2p transport runs the FFI codec kernels)"
+        return reason
+
+    def ring_reason(self, axes: tuple) -> str | None:
+        return ring.unsupported_reason(axes)
+
+    def all_reduce(self, x, axes, plan, decode=True):
+        return p2p.all_reduce(x, axes, plan, decode=decode)
+
+    def reduce_scatter(self, rows, axes, plan):
+        return p2p.reduce_scatter(rows, axes, plan)
+
+    def all_gather(self, x, axes, axis, tiled, plan):
+        return p2p.all_gather(x, axes, axis, tiled, plan)
+
+    def exact_all_reduce(self, x, axes, plan):
+        return p2p.exact_all_reduce(x, axes, plan.timeout_ms)
+
+    def ring_link(self, spec, axis_name, perms):
+        _, timeout_ms, rate = spec
+        return ring.P2pLink(_axes.normalize_axes(axis_name), timeout_ms, rate)
+
+
+
+#: The transports by name, in the order the planner tries them when none is pinned.
+TRANSPORTS = {t.name: t for t in (XlaTransport(), P2pTransport())}
