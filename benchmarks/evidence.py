@@ -16,7 +16,6 @@ Runs, in order (each prints its own progress bar):
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -26,6 +25,7 @@ from pathlib import Path
 
 from benchmarks.shared.pages import replace_block
 from benchmarks.shared.results import REPO, RESULTS
+from benchmarks.shared.runtime import command_parser
 
 BEGIN, END = "<!-- evidence headline: begin -->", "<!-- evidence headline: end -->"
 STEPS = {
@@ -99,8 +99,7 @@ def write_headline(readme: Path) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.evidence", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("benchmarks.evidence", __doc__)
     parser.add_argument("--only", nargs="+", choices=[*STEPS, "headline"],
                         default=[*STEPS, "headline"])
     parser.add_argument("--dry-run", action="store_true", help="print the commands only")

@@ -8,105 +8,47 @@ them all, e.g. after a change to the page format, without measuring anything).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 
 from benchmarks.shared.results import RESULTS, write_page
 
 
-def _ttft(data):
-    from benchmarks.llm.ttft import links
-
-    return links.tables(data)
-
-
-def _ttft_p2p(data):
-    from benchmarks.llm.ttft import p2p
-
-    return p2p.markdown(data)
-
-
-def _accuracy(data):
-    from benchmarks.llm import accuracy_page
-
-    return accuracy_page.tables(data)
-
-
-def _format_probe(data):
-    from benchmarks.llm import format_probe
-
-    return format_probe.table(data)
-
-
-def _ring_overlap(data):
-    from benchmarks.collectives import matmul_overlap_p2p
-
-    return matmul_overlap_p2p.markdown(data["rows"])
-
-
-def _transport(data):
-    from benchmarks.collectives import allreduce_p2p
-
-    return allreduce_p2p.markdown(data["rows"])
-
-
-def _allreduce(data):
-    from benchmarks.collectives import allreduce_speed
-
-    return allreduce_speed.page_tables(data)
-
-
-def _outliers(data):
-    from benchmarks.codec import outliers
-
-    return outliers.markdown(data["results"])
-
-
-def _decode(data):
-    from benchmarks.autotune import auto_vs_fixed
-
-    return auto_vs_fixed.markdown(data)
-
-
-def _gpu_model(data):
-    from benchmarks.gpu import cost_model
-
-    return cost_model.markdown(data)
-
-
-def _cuda_check(data):
-    from benchmarks.gpu import check
-
-    return check.markdown(data)
-
-
-def _shm_allreduce(data):
-    from benchmarks.collectives import allreduce_shm
-
-    return allreduce_shm.markdown(data)
-
-
-def _layer_sensitivity(data):
-    from benchmarks.llm import layer_sensitivity
-
-    return layer_sensitivity.tables(data)
-
-
-#: The tables of each kind of record (by the start of its name; the rest get their rows).
-TABLES = {"ttft_p2p": _ttft_p2p, "ttft": _ttft, "autotune_shm": _ttft, "accuracy": _accuracy,
-          "format_probe": _format_probe, "ring_overlap": _ring_overlap,
-          "transport": _transport, "allreduce_error": None, "allreduce": _allreduce,
-          "outliers": _outliers, "decode": _decode, "gpu_model": _gpu_model,
-          "cuda_check": _cuda_check, "shm_allreduce": _shm_allreduce,
-          "layer_sensitivity": _layer_sensitivity}
+#: The tables of each kind of record (by the start of its name; the others get their rows):
+#: ``(module, function, field)``: ``module.function(record[field])``, or of the whole record
+#: where ``field`` is None.
+TABLES = {
+    "ttft_p2p": ("benchmarks.llm.ttft.p2p", "markdown", None),
+    "ttft": ("benchmarks.llm.ttft.report", "tables", None),
+    "autotune_shm": ("benchmarks.llm.ttft.report", "tables", None),
+    "accuracy": ("benchmarks.llm.accuracy_page", "tables", None),
+    "format_probe": ("benchmarks.llm.format_probe", "table", None),
+    "layer_sensitivity": ("benchmarks.llm.layer_sensitivity", "tables", None),
+    "ring_overlap": ("benchmarks.collectives.matmul_overlap_p2p", "markdown", "rows"),
+    "transport": ("benchmarks.collectives.allreduce_p2p", "markdown", "rows"),
+    "allreduce_error": None,
+    "allreduce": ("benchmarks.collectives.allreduce_speed", "page_tables", None),
+    "shm_allreduce": ("benchmarks.collectives.allreduce_shm", "markdown", None),
+    "outliers": ("benchmarks.codec.outliers", "markdown", "results"),
+    "decode": ("benchmarks.autotune.auto_vs_fixed", "markdown", None),
+    "gpu_model": ("benchmarks.gpu.cost_model", "markdown", None),
+    "cuda_check": ("benchmarks.gpu.check", "markdown", None),
+}
 
 
 def tables_of(name: str):
     """The function that gives the tables of the record ``name`` (None: its rows)."""
-    for n in range(len(name), 0, -1):
-        if name[:n] in TABLES:
-            return TABLES[name[:n]]
-    return None
+    entry = next((TABLES[name[:n]] for n in range(len(name), 0, -1) if name[:n] in TABLES),
+                 None)
+    if entry is None:
+        return None
+    module, function, field = entry
+
+    def render(record):
+        fn = getattr(importlib.import_module(module), function)
+        return fn(record if field is None else record[field])
+    return render
 
 
 def main(argv=None) -> int:

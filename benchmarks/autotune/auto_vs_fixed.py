@@ -16,7 +16,6 @@ setting (every setting but ``auto``): ``auto / best`` >= 0.97 is the issue's bar
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -24,7 +23,7 @@ import time
 from pathlib import Path
 
 from benchmarks.shared.results import write_page
-from benchmarks.shared.runtime import MALLOC_KEEP, reexec_with
+from benchmarks.shared.runtime import MALLOC_KEEP, command_parser, reexec_with
 from models import cli
 
 
@@ -33,7 +32,7 @@ def run(args) -> dict:
     cli.set_devices(args.tp)
     import jax
 
-    from models.compare import parse_setting
+    from models.cli import parse_setting
     from models.corpus import load_text
     from models.engine import Engine
     from models.eval import progress
@@ -111,9 +110,7 @@ def markdown(data) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.autotune.auto_vs_fixed",
-                                 description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = command_parser("benchmarks.autotune.auto_vs_fixed", __doc__)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--tp", type=int, default=3)
     ap.add_argument("--settings", default="exact,int8,int4,auto")

@@ -21,7 +21,6 @@ For the call rows at or above ``--min-bytes`` (default 256 KiB, the bar of the m
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections import defaultdict
@@ -30,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.shared.results import write_page
+from benchmarks.shared.runtime import command_parser
 from jax_flashcomm import costs as tuning
 from jax_flashcomm.tune import TOLERANCE
 
@@ -87,9 +87,7 @@ def fit(table, min_bytes: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.autotune.table_repeat",
-                                 description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = command_parser("benchmarks.autotune.table_repeat", __doc__)
     ap.add_argument("tables", nargs="+", help="one or two tuning tables (JSON)")
     ap.add_argument("--min-bytes", type=int, default=256 * 1024)
     ap.add_argument("--json", default=None, help="write the figures here")

@@ -275,6 +275,14 @@ def measure_psum(devices, sizes_mib=(16, 64)) -> list[dict]:
 
 # --- report ----------------------------------------------------------------------------------
 
+def _sizes_head(rows, default_sizes, columns):
+    """The sizes (MiB) of a table's columns (``default_sizes`` where ``rows`` is the reason it
+    was not run) and its two header lines."""
+    sizes = sorted({r["mib"] for r in rows}) if not isinstance(rows, str) else default_sizes
+    return sizes, ["| " + " | ".join(columns + [f"{mib} MiB" for mib in sizes]) + " |",
+                   "|" + "---|" * (len(columns) + len(sizes))]
+
+
 def markdown(report: dict) -> str:
     m, t = report["machine"], report["tests"]
     gpu = ", ".join(m["gpus"]) or "none"
@@ -302,9 +310,8 @@ def markdown(report: dict) -> str:
     lines += ["", "Codec kernels (bf16, G = 128) against a device-to-device copy of the same "
               "bytes: GB/s of the operand (fraction of the copy's):", ""]
     codec_rows = report["codec"]
-    sizes = sorted({r["mib"] for r in codec_rows}) if not isinstance(codec_rows, str) else [16, 256]
-    lines += ["| op | config | " + " | ".join(f"{mib} MiB" for mib in sizes) + " |",
-              "|---|---|" + "---|" * len(sizes)]
+    sizes, head = _sizes_head(codec_rows, [16, 256], ["op", "config"])
+    lines += head
     if isinstance(codec_rows, str):
         for op in ("quantize", "dequantize", "dequantize_sum (8 chunks)",
                    "dequantize_sum_quantize (8 chunks)", "dequantize_into"):
@@ -319,9 +326,8 @@ def markdown(report: dict) -> str:
     lines += ["", "Quantized psum against `lax.psum` (bf16, per rank): ms per call (speed-up "
               "over lax.psum):", ""]
     psum_rows = report["psum"]
-    sizes = sorted({r["mib"] for r in psum_rows}) if not isinstance(psum_rows, str) else [16, 64]
-    lines += ["| op | config | ranks | " + " | ".join(f"{mib} MiB" for mib in sizes) + " |",
-              "|---|---|---|" + "---|" * len(sizes)]
+    sizes, head = _sizes_head(psum_rows, [16, 64], ["op", "config", "ranks"])
+    lines += head
     if isinstance(psum_rows, str):
         lines.append("| jax_flashcomm.psum vs lax.psum | int8, int4; xla, p2p | - | "
                      + " | ".join([psum_rows] * len(sizes)) + " |")

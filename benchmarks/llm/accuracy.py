@@ -31,7 +31,6 @@ Rows are written to ``OUT.json`` as they finish (``--resume`` skips those alread
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -43,6 +42,7 @@ from benchmarks.llm.scoring import score_windows, wire
 from models import cli  # sets no jax state
 
 from benchmarks.shared.results import RESULTS
+from benchmarks.shared.runtime import command_parser
 
 
 GRID_BITS = (8, 6, 5, 4, 3, 2)
@@ -225,9 +225,7 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.llm.accuracy",
-                                     description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("benchmarks.llm.accuracy", __doc__)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--text", default=None,
                         help="UTF-8 text file (default: models.corpus's default text)")

@@ -37,7 +37,6 @@ them).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -49,6 +48,7 @@ from benchmarks.llm.scoring import score_windows
 from models import cli  # sets no jax state
 
 from benchmarks.shared.results import REPO, RESULTS, write_page
+from benchmarks.shared.runtime import command_parser
 
 
 #: Values per group of the spike selection (the codec's default group size).
@@ -368,9 +368,7 @@ def table(data: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.llm.format_probe",
-                                 description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = command_parser("benchmarks.llm.format_probe", __doc__)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--tp", type=int, default=3)
     ap.add_argument("--formats", default="all",

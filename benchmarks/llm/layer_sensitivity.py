@@ -24,7 +24,6 @@ table and ``OUT.png`` the per-site plot.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -35,6 +34,7 @@ from benchmarks.llm.scoring import score_windows, wire
 from models import cli  # sets no jax state
 
 from benchmarks.shared.results import RESULTS, write_page
+from benchmarks.shared.runtime import command_parser
 
 
 
@@ -210,9 +210,7 @@ def write_report(data: dict, out: str) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.llm.layer_sensitivity",
-                                     description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("benchmarks.llm.layer_sensitivity", __doc__)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--tp", type=int, default=3)
     parser.add_argument("--bits", type=int, default=4)

@@ -21,39 +21,35 @@ REPO = Path(__file__).resolve().parents[2]
 #: The folder of the result records, plots and pages.
 RESULTS = REPO / "docs" / "results"
 
-#: Per result (its file name's stem, or the longest registered start of it): the page's title
-#: and the guide page of ``docs/`` that explains its figures.
-PAGES = {
-    "accuracy": ("Accuracy of quantized communication on SmolLM2", "accuracy.md"),
-    "all_gather_ring": ("Quantized all_gather: the ring, the one-shot gather, lax.all_gather",
-                        "reliability.md"),
-    "allreduce": ("Quantized all-reduce against the best exact JAX all-reduce", "allreduce.md"),
-    "allreduce_error": ("Relative error of the quantized psum per bits", "allreduce.md"),
-    "autotune_shm": ("The automatic choice over the shared-memory transport, SmolLM2 TP=3",
-                     "autotune.md"),
-    "codec": ("CPU codec throughput beside single-core memcpy", "benchmarks.md"),
-    "cuda_check": ("The GPU check: tests, codec kernels and psum on GPUs", "cuda.md"),
-    "decode": ("Decode and TTFT in one process: auto against the fixed settings", "autotune.md"),
-    "format_probe": ("FP8 and FP4 group formats on SmolLM2, simulated", "format_probe.md"),
-    "fp_codec": ("Floating-point formats: CPU kernel speed", "fp_formats.md"),
-    "fused_norm": ("The all-reduce's epilogue fused against the unfused ops", "fused_norm.md"),
-    "gpu_model": ("The GPU cost model of the all-reduce and of TTFT", "gpu_model.md"),
-    "layer_sensitivity": ("Per-site sensitivity of SmolLM2's all-reduces, and per-site policies",
-                          "accuracy.md"),
-    "outliers": ("Quantized all-reduce error per codec option on outlier data", "outliers.md"),
-    "overlap": ("Ring collective matmuls against unfused, processes over gloo", "overlap.md"),
-    "rewrite_maxtext": ("The rewrite on MaxText-style programs", "rewrite.md"),
-    "ring_overlap": ("Ring matmuls on the p2p transport, link paced: exposed communication",
-                     "transport.md"),
-    "shm_allreduce": ("The all-reduce between processes: shared memory against gloo",
-                      "transport.md"),
-    "transport": ("The p2p transport against lax.psum and the xla transport", "transport.md"),
-    "ttft": ("TTFT and decode of SmolLM2 at TP=3 on emulated links", "ttft.md"),
-    "ttft_p2p": ("TTFT of SmolLM2 at TP=3 in one process: the rings on the p2p transport",
-                 "ttft.md"),
-    "ttft_shm": ("TTFT and decode between processes over shared memory", "ttft_shm.md"),
-    "zero_dtype": ("Which type a group's zero has on the wire", "format.md"),
-}
+#: Per result (its file name's stem, or the longest registered start of it): the guide page of
+#: ``docs/`` that explains its figures, and the page's title.
+_PAGES = """
+accuracy           accuracy.md      Accuracy of quantized communication on SmolLM2
+all_gather_ring    reliability.md   Quantized all_gather: ring, one-shot gather, lax.all_gather
+allreduce          allreduce.md     Quantized all-reduce against the best exact JAX all-reduce
+allreduce_error    allreduce.md     Relative error of the quantized psum per bits
+autotune_shm       autotune.md      The automatic choice on the shared-memory transport, TP=3
+codec              benchmarks.md    CPU codec throughput beside single-core memcpy
+cuda_check         cuda.md          The GPU check: tests, codec kernels and psum on GPUs
+decode             autotune.md      Decode and TTFT in one process: auto against the fixed settings
+format_probe       format_probe.md  FP8 and FP4 group formats on SmolLM2, simulated
+fp_codec           fp_formats.md    Floating-point formats: CPU kernel speed
+fused_norm         fused_norm.md    The all-reduce's epilogue fused against the unfused ops
+gpu_model          gpu_model.md     The GPU cost model of the all-reduce and of TTFT
+layer_sensitivity  accuracy.md      Per-site sensitivity of SmolLM2's all-reduces, and policies
+outliers           outliers.md      Quantized all-reduce error per codec option on outlier data
+overlap            overlap.md       Ring collective matmuls against unfused, processes over gloo
+rewrite_maxtext    rewrite.md       The rewrite on MaxText-style programs
+ring_overlap       transport.md     Ring matmuls on the p2p transport, link paced: exposed comm
+shm_allreduce      transport.md     The all-reduce between processes: shared memory against gloo
+transport          transport.md     The p2p transport against lax.psum and the xla transport
+ttft               ttft.md          TTFT and decode of SmolLM2 at TP=3 on emulated links
+ttft_p2p           ttft.md          TTFT of SmolLM2 at TP=3 in one process, rings on p2p
+ttft_shm           ttft_shm.md      TTFT and decode between processes over shared memory
+zero_dtype         format.md        Which type a group's zero has on the wire
+"""
+PAGES = {stem: (title, guide) for stem, guide, title in
+         (line.split(None, 2) for line in _PAGES.strip().splitlines())}
 
 _MAX_COLUMNS = 12
 _MAX_ROWS = 80

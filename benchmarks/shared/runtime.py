@@ -21,10 +21,11 @@ same build's fp8 quantize ran at 2.8-3.0 GB/s instead of 3.3-3.9 GB/s
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
-__all__ = ["MALLOC_KEEP", "reexec_with", "join_shm_job"]
+__all__ = ["MALLOC_KEEP", "reexec_with", "join_shm_job", "command_parser"]
 
 MALLOC_KEEP = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0",
                "MALLOC_TRIM_THRESHOLD_": str(2**40), "MALLOC_TOP_PAD_": str(256 * 2**20),
@@ -62,3 +63,10 @@ def join_shm_job(rank: int, processes: int, port: int, pin: bool = True) -> None
     reason = shm.setup()
     if reason is not None:
         raise SystemExit(f"the shared-memory transport cannot run: {reason}")
+
+
+def command_parser(module: str, doc: str) -> argparse.ArgumentParser:
+    """The argument parser of the benchmark run as ``python -m module``: its module docstring
+    (``doc``) as the help text, kept as written."""
+    return argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from benchmarks.llm.ttft import links as ttft
+from benchmarks.llm.ttft import links, settings
 from jax_flashcomm.nn import TPComm
 from models.checkpoints.llama_config import LlamaConfig
 from models.engine import Engine, Sampling
@@ -51,7 +51,7 @@ def compiled_steps():
     mesh = jax.make_mesh((3,), ("tp",), devices=jax.devices()[:3])
     ckpt = DictCheckpoint(TINY3, tiny_tensors(TINY3))
     out = {}
-    for name, comm in ttft.parse_strategies(STRATEGIES):
+    for name, comm in settings.parse_strategies(STRATEGIES):
         model, _ = load_model(None, tp=3, mesh=mesh, comm=_xla(comm), ckpt=ckpt)
         eng = Engine(model, mesh, cache_len=64)
         seq = eng.bucket(30)
@@ -71,7 +71,7 @@ def compiled_steps():
 def test_prefill_bytes_and_collectives_match_compiled_hlo(compiled_steps, name):
     e = compiled_steps[name]
     assert e["seq"] == 33
-    got = ttft.step_traffic(TINY3, 3, e["comm"], e["seq"], decode=False)
+    got = settings.step_traffic(TINY3, 3, e["comm"], e["seq"], decode=False)
     sent = wire_bytes(e["prefill"], 3)
     assert got["bytes"] == pytest.approx(sum(sent.values()), rel=1e-12), sent
     assert got["collectives"] == _collectives(e["prefill"])
@@ -80,7 +80,7 @@ def test_prefill_bytes_and_collectives_match_compiled_hlo(compiled_steps, name):
 @pytest.mark.parametrize("name", ["exact", "int4/8"])
 def test_decode_bytes_match_compiled_hlo(compiled_steps, name):
     e = compiled_steps[name]
-    got = ttft.step_traffic(TINY3, 3, e["comm"], e["seq"], decode=True)
+    got = settings.step_traffic(TINY3, 3, e["comm"], e["seq"], decode=True)
     assert got["bytes"] == pytest.approx(sum(wire_bytes(e["decode"], 3).values()), rel=1e-12)
     assert got["collectives"] == _collectives(e["decode"])
 
@@ -89,31 +89,31 @@ def test_decode_bytes_match_compiled_hlo(compiled_steps, name):
 def test_decode_blocks_equal_models_traffic(name):
     """The per-layer part of a decode step is models/traffic.py's figure; the rest is the
     embedding psum and the logits all-gather (f32), the same for every strategy."""
-    comm = dict(ttft.parse_strategies(STRATEGIES))[name]
-    got = ttft.step_traffic(SMOL, 3, comm, 1, decode=True)
+    comm = dict(settings.parse_strategies(STRATEGIES))[name]
+    got = settings.step_traffic(SMOL, 3, comm, 1, decode=True)
     assert got["blocks"] == pytest.approx(allreduce_bytes_per_token(SMOL, 3, comm)["sent"])
     fixed = 2 * 2 / 3 * 576 * 4 + 2 * 49152 // 3 * 4
     assert got["bytes"] - got["blocks"] == pytest.approx(fixed)
-    assert ttft.step_traffic(SMOL, 1, comm, 1, decode=True)["bytes"] == 0
+    assert settings.step_traffic(SMOL, 1, comm, 1, decode=True)["bytes"] == 0
 
 
 def test_prefill_bytes_smollm2_by_hand():
     """exact: 61 f32 ring all-reduces of S x 576 values plus the logits' all-gather; int4
     (G=128, 1 spike per group in each phase): (4 * 128 / 8 + 4 + 3) / 128 bytes per value."""
-    comms = dict(ttft.parse_strategies(STRATEGIES))
+    comms = dict(settings.parse_strategies(STRATEGIES))
     s = 258
-    exact = ttft.step_traffic(SMOL, 3, comms["exact"], s, decode=False)
+    exact = settings.step_traffic(SMOL, 3, comms["exact"], s, decode=False)
     logits = 2 * 16384 * 4
     assert exact["bytes"] == pytest.approx(61 * 4 / 3 * s * 576 * 4 + logits)
-    int4 = ttft.step_traffic(SMOL, 3, TPComm("quantized", config=dataclasses.replace(
+    int4 = settings.step_traffic(SMOL, 3, TPComm("quantized", config=dataclasses.replace(
         comms["int8"].config, bits=4)), s, decode=False)
     padded = -(-s * 576 // 384) * 384
     assert int4["blocks"] == pytest.approx(60 * 2 * 2 / 3 * padded * 71 / 128)
-    overlap = ttft.step_traffic(SMOL, 3, comms["overlap"], s, decode=False)
+    overlap = settings.step_traffic(SMOL, 3, comms["overlap"], s, decode=False)
     assert overlap["blocks"] == pytest.approx(exact["blocks"])  # same bytes, 4x the permutes
     assert overlap["collectives"] == 1 + 60 * 4 + 1 + 1
     with pytest.raises(ValueError, match="seq % 3"):
-        ttft.step_traffic(SMOL, 3, comms["overlap"], 256, decode=False)
+        settings.step_traffic(SMOL, 3, comms["overlap"], 256, decode=False)
 
 
 def test_prefill_flops_from_weight_shapes():
@@ -124,33 +124,33 @@ def test_prefill_flops_from_weight_shapes():
     weights = sum(a.size for k, a in tensors.items() if k.endswith("proj.weight"))
     s, q = 33, TINY3.n_heads * TINY3.head_dim
     expect = 2 * weights * s + TINY3.n_layers * 4 * s * s * q + 2 * TINY3.d_model * 101
-    assert ttft.prefill_flops(TINY3, s) == expect
+    assert settings.prefill_flops(TINY3, s) == expect
 
 
 def test_link_rate_calibration():
-    pcie, nvlink = ttft.SYSTEMS["pcie"], ttft.SYSTEMS["nvlink"]
-    assert ttft.link_rate(20e9, pcie) == pytest.approx(20e9 * 25e9 / 181e12)  # 2.76 MB/s
-    assert ttft.link_rate(20e9, nvlink) / ttft.link_rate(20e9, pcie) == pytest.approx(
+    pcie, nvlink = settings.SYSTEMS["pcie"], settings.SYSTEMS["nvlink"]
+    assert settings.link_rate(20e9, pcie) == pytest.approx(20e9 * 25e9 / 181e12)  # 2.76 MB/s
+    assert settings.link_rate(20e9, nvlink) / settings.link_rate(20e9, pcie) == pytest.approx(
         (230 / 312) / (25 / 181))
     for bad in (0, -1.0, float("nan")):
         with pytest.raises(ValueError):
-            ttft.link_rate(bad, pcie)
+            settings.link_rate(bad, pcie)
 
 
 def test_strategy_and_link_parsing():
-    got = ttft.parse_strategies("int4, overlap+int8,int4/8")
+    got = settings.parse_strategies("int4, overlap+int8,int4/8")
     assert [n for n, _ in got] == ["exact", "int4", "overlap+int8", "int4/8"]
-    fields = [ttft.strategy_fields(n, c) for n, c in got]
+    fields = [settings.strategy_fields(n, c) for n, c in got]
     assert [(f["kind"], f["rs_bits"], f["ag_bits"]) for f in fields] == [
         ("exact", None, None), ("flash", 4, 4), ("flash+overlap", 8, 8), ("flash", 4, 8)]
     assert fields[1]["group_size"] == 128 and fields[1]["spikes"] == [1, 1]
     for bad in ("", "int4,int4", "bogus", "overlap+", "int9"):
         with pytest.raises(ValueError):
-            ttft.parse_strategies(bad)
-    assert ttft.parse_links("nvlink,pcie") == ["nvlink", "pcie"]
+            settings.parse_strategies(bad)
+    assert settings.parse_links("nvlink,pcie") == ["nvlink", "pcie"]
     for bad in ("", "pcie,pcie", "unlimited", "ethernet"):
         with pytest.raises(ValueError):
-            ttft.parse_links(bad)
+            settings.parse_links(bad)
 
 
 @pytest.mark.parametrize("argv", [["--links", "ib"], ["--strategies", "int4,bogus"],
@@ -158,7 +158,7 @@ def test_strategy_and_link_parsing():
                                   ["--decode-steps", "0"], ["--decode-tokens", "-1"]])
 def test_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
-        ttft.main(argv)
+        links.main(argv)
     assert e.value.code == 2
     assert "error" in capsys.readouterr().err
 
@@ -175,7 +175,8 @@ def test_the_page_of_a_run(tmp_path):
     text = page.read_text()
     assert page == tmp_path / "ttft.md"
     assert text.splitlines()[0] == "# TTFT and decode of SmolLM2 at TP=3 on emulated links"
-    for part in ("Command: `python -m benchmarks.llm.ttft.links --quick`", "Machine: CPU X",
+    for part in ("Command: `.venv/bin/python -m benchmarks.llm.ttft.links --quick`",
+                 "Machine: CPU X",
                  "| a |\n|---|\n| 1 |", "(ttft.png)", "[ttft.json](ttft.json)", "(../ttft.md)"):
         assert part in text, part
     page = write_page(tmp_path / "ttft.json", record)  # no tables given: the record's rows
@@ -247,6 +248,6 @@ def test_auto_overlap_prefill_bytes_match_compiled_hlo(quantized):
     ran = {part: {p.quantized for p in plans if p.op == op}
            for part, op in (("ag", "all_gather_matmul"), ("rs", "matmul_reduce_scatter"))}
     assert ran == {part: {q} for part, q in quantized.items()}
-    got = ttft.step_traffic(TINY3, 3, comm, seq, decode=False, auto_quantizes=quantized)
+    got = settings.step_traffic(TINY3, 3, comm, seq, decode=False, auto_quantizes=quantized)
     assert got["bytes"] == pytest.approx(sum(wire_bytes(hlo, 3).values()), rel=1e-12)
     assert got["collectives"] == _collectives(hlo)

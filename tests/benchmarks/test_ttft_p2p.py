@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from benchmarks.llm.ttft import links as ttft
+from benchmarks.llm.ttft import settings
 
 from benchmarks.llm.ttft import p2p as ttft_p2p
 from jax_flashcomm.nn import TPComm
@@ -23,7 +23,7 @@ TINY3 = LlamaConfig(vocab_size=101, d_model=64, n_layers=2, n_heads=6, n_kv_head
 
 def test_p2p_prefill_moves_the_ring_bytes_of_the_traffic_model():
     """One TP=3 overlap prefill on the p2p rings: every rank receives exactly the per-layer ring
-    bytes of ttft.step_traffic, in 2 L x 2 (N - 1) moves, paced or not."""
+    bytes of settings.step_traffic, in 2 L x 2 (N - 1) moves, paced or not."""
     mesh = jax.make_mesh((3,), ("tp",), devices=jax.devices()[:3])
     comm = TPComm(layout="sequence_parallel", transport="p2p")
     model, _ = load_model(None, tp=3, mesh=mesh, comm=comm,
@@ -35,7 +35,7 @@ def test_p2p_prefill_moves_the_ring_bytes_of_the_traffic_model():
             list(engine.generate(ids, 1))   # traced here: the rate is read at trace time
         with ring.recording() as events:
             list(engine.generate(ids, 1))
-        want = ttft.step_traffic(TINY3, 3, comm, engine.bucket(len(ids)), decode=False)
+        want = settings.step_traffic(TINY3, 3, comm, engine.bucket(len(ids)), decode=False)
         for rank in range(3):
             moves = [e for e in events if e["kind"] == "move" and e["rank"] == rank]
             assert len(moves) == 2 * TINY3.n_layers * 2 * (3 - 1)
@@ -46,16 +46,16 @@ def test_ring_dot_share_and_exposure():
     smol = LlamaConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
                        head_dim=64, ffn_dim=1536)
     share = ttft_p2p.ring_dot_share(smol, 129)
-    rest = ttft.prefill_flops(smol, 129) * (1 - share)
+    rest = settings.prefill_flops(smol, 129) * (1 - share)
     attention_and_head = 30 * 2 * 2 * 129 * 129 * 576 + 2 * 576 * 49152
     assert rest == pytest.approx(attention_and_head, rel=1e-9)
     assert ttft_p2p.exposed_fraction(1.5, 1.0, 1.0) == pytest.approx(0.5)
     assert ttft_p2p.exposed_fraction(2.0, 1.0, 1.0) == pytest.approx(1.0)
     with pytest.raises(ValueError):
         ttft_p2p.exposed_fraction(1.0, 1.0, 0.0)
-    system = ttft.SYSTEMS["pcie"]
+    system = settings.SYSTEMS["pcie"]
     assert ttft_p2p.per_link_rate(3e10, system, 3) * 3 == pytest.approx(
-        ttft.link_rate(3e10, system))
+        settings.link_rate(3e10, system))
 
 
 def test_markdown_rows():

@@ -27,7 +27,6 @@ model-level counterpart of docs/transport.md's per-op figure). Writes ``OUT.json
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import statistics
@@ -38,6 +37,7 @@ from pathlib import Path
 from models import cli  # sets no jax state
 
 from benchmarks.shared.results import RESULTS, write_page
+from benchmarks.shared.runtime import command_parser
 
 
 TP = 3
@@ -53,24 +53,24 @@ def exposed_fraction(ttft_paced: float, ttft_unpaced: float, comm_s: float) -> f
 def ring_dot_share(cfg, seq: int) -> float:
     """FLOP share of a prefill in the matmuls the overlap rings run next to (every
     projection and the MLP; not the attention core nor the LM head)."""
-    from benchmarks.llm.ttft import links as ttft
+    from benchmarks.llm.ttft import settings
 
-    return ttft.block_matmul_flops(cfg, seq) / ttft.prefill_flops(cfg, seq)
+    return settings.block_matmul_flops(cfg, seq) / settings.prefill_flops(cfg, seq)
 
 
 def per_link_rate(achieved_flops_per_s: float, system: dict, ranks: int) -> float:
     """Bytes/s of one rank's link whose ratio to one rank's achieved FLOP/s is the GPU
     system's ratio of per-GPU bus bandwidth to per-GPU FLOP/s."""
-    from benchmarks.llm.ttft import links as ttft
+    from benchmarks.llm.ttft import settings
 
-    return ttft.link_rate(achieved_flops_per_s, system) / ranks
+    return settings.link_rate(achieved_flops_per_s, system) / ranks
 
 
 def run(args) -> dict:
     cli.set_devices(TP)
     import jax
 
-    from benchmarks.llm.ttft import links as ttft
+    from benchmarks.llm.ttft import settings
     from jax_flashcomm.nn import TPComm
     from jax_flashcomm.transport import ring
     from models.corpus import load_text
@@ -118,9 +118,9 @@ def run(args) -> dict:
         rows.append({"strategy": kind, "transport": transport, "link": "unpaced",
                      "rate_bytes_per_s": None, **measure(comm)})
     exact, unpaced = rows[0], rows[2]
-    flops = ttft.prefill_flops(model.cfg, exact["seq"])
+    flops = settings.prefill_flops(model.cfg, exact["seq"])
     achieved = flops / exact["ttft_s"]
-    rates = [(name, per_link_rate(achieved, ttft.SYSTEMS[name], TP)) for name in ttft.LINKS]
+    rates = [(name, per_link_rate(achieved, settings.SYSTEMS[name], TP)) for name in settings.LINKS]
     share = ring_dot_share(model.cfg, exact["seq"])
     rates.append(("matched", unpaced["bytes_into_rank0"] / (unpaced["ttft_s"] * share)))
     rates += [(f"{r / 1e6:g} MB/s", r) for r in args.extra_rates]
@@ -136,7 +136,7 @@ def run(args) -> dict:
     progress(total, total, start, unit="rows", what="done")
     return {"machine": first_line(), "tp": TP, "prompt_tokens": len(ids), "reps": args.reps,
             "prefill_flops": flops, "achieved_flops_per_s": achieved, "ring_dot_share": share,
-            "systems": {name: ttft.SYSTEMS[name] for name in ttft.LINKS},
+            "systems": {name: settings.SYSTEMS[name] for name in settings.LINKS},
             "command": "python -m benchmarks.llm.ttft.p2p " + " ".join(sys.argv[1:]),
             "rows": rows}
 
@@ -163,9 +163,7 @@ def markdown(data) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.llm.ttft.p2p",
-                                     description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("benchmarks.llm.ttft.p2p", __doc__)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--extra-rates", type=float, nargs="*", default=[],
