@@ -22,6 +22,7 @@ import operator
 import numpy as np
 
 from jax_flashcomm.codec import spec
+from jax_flashcomm.codec.group_format import GroupFormat
 
 __all__ = ["CommConfig", "OPTION_NAMES", "COMM_KINDS", "TRANSPORTS", "GRAD_MODES", "BACKENDS",
            "DEFAULT_MIN_BYTES", "AUTO", "auto_rotation", "auto_spikes", "config_from", "option",
@@ -276,6 +277,18 @@ class CommConfig:
         if self.exact or self.floating_point:  # rotation did not help them (docs/format_probe.md)
             return 0
         return auto_rotation((self.phase1_bits, self.phase2_bits), self.group_size)
+
+    @property
+    def group_formats(self) -> tuple[GroupFormat, GroupFormat] | None:
+        """The two phases' :class:`~jax_flashcomm.codec.GroupFormat` (reduce-scatter, then
+        all-gather), every ``"auto"`` resolved; None for the exact setting. The one value that
+        carries a phase's format from here through the plan and the payload to the kernels."""
+        if self.exact:
+            return None
+        return (GroupFormat(self.phase1_format, self.phase1_bits, self.group_size,
+                            self.resolved_rotation, self.phase1_spikes),
+                GroupFormat(self.phase2_format, self.phase2_bits, self.group_size,
+                            self.resolved_rotation, self.phase2_spikes))
 
 
 #: The options every entry point takes, in CommConfig's field order.

@@ -179,3 +179,20 @@ def distributed_client():
     from jax._src import distributed
 
     return distributed.global_state.client
+
+
+#: JAX platform names -> the kernel module that serves them (``jax.default_backend()`` says
+#: ``"gpu"`` or ``"cuda"`` for NVIDIA GPUs).
+_KERNEL_PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}
+
+
+def kernel_platform_name(jax_platform: str | None = None) -> str | None:
+    """The kernel platform (``"cpu"`` or ``"cuda"``) of a JAX platform name.
+
+    Args:
+      jax_platform: a JAX platform name (default: ``jax.default_backend()``).
+
+    Returns:
+      ``"cpu"``, ``"cuda"``, or None for a platform without kernels (TPU, ...).
+    """
+    return _KERNEL_PLATFORMS.get(jax.default_backend() if jax_platform is None else jax_platform)

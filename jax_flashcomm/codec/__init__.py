@@ -49,8 +49,7 @@ __all__ = [
 from jax_flashcomm.codec.norm import add_rms_norm  # noqa: E402
 from jax_flashcomm.codec.kernels import (  # noqa: E402
     cpu_isa, cpu_isas, cpu_threads, use_cpu_isa, use_cpu_threads)
-
-_JAX_TO_FFI_PLATFORM = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}
+from jax_flashcomm.jax_compat import kernel_platform_name  # noqa: E402
 
 
 def _dispatch(op: str, *args, backend: str, **params):
@@ -61,7 +60,7 @@ def _dispatch(op: str, *args, backend: str, **params):
         return twin(*args)
     kernel = functools.partial(getattr(kernels, op), **params)
     if backend == "ffi":
-        kernels.require(_JAX_TO_FFI_PLATFORM.get(jax.default_backend(), jax.default_backend()))
+        kernels.require(kernel_platform_name() or jax.default_backend())
         return lax.platform_dependent(*args, cpu=kernel, cuda=kernel)
     built = {p: kernel for p in ("cpu", "cuda") if kernels.available(p)}
     if not built:

@@ -19,6 +19,7 @@ from jax import lax
 
 from jax_flashcomm.codec import fp_kernels, fp_reference, kernels, spec
 from jax_flashcomm.codec.payload import Payload
+from jax_flashcomm.jax_compat import kernel_platform_name
 
 #: Per element, the largest rounding error in units of the element's block scale: half the
 #: widest gap of the element grid (E4M3: 32 between 416 and 448; E2M1: 2 between 4 and 6),
@@ -37,7 +38,7 @@ def dispatch(op: str, *args, backend: str, **params):
     built = {p: kernel for p in ("cpu", "cuda")
              if "flashcomm_fp_quantize" in kernels.registered(p)}
     if backend == "ffi":
-        platform = {"gpu": "cuda"}.get(jax.default_backend(), jax.default_backend())
+        platform = kernel_platform_name() or jax.default_backend()
         if platform not in built:
             raise RuntimeError(
                 f"backend='ffi': no floating-point format kernels are registered for "

@@ -35,6 +35,7 @@ from jax import lax
 
 from jax_flashcomm.codec import kernels, reference, spec
 from jax_flashcomm.codec.payload import Payload
+from jax_flashcomm.jax_compat import kernel_platform_name
 
 __all__ = ["add_rms_norm", "NORM_LANES"]
 
@@ -225,7 +226,7 @@ def add_rms_norm(payload: Payload, residual: jax.Array, weight: jax.Array, *, ep
     args = (payload.codes, payload.scale, payload.zero, residual, weight)
     twin = functools.partial(reference_add_rms_norm, **params)
     kernel = functools.partial(kernels.add_rms_norm, **params)
-    platform = {"gpu": "cuda"}.get(jax.default_backend(), jax.default_backend())
+    platform = kernel_platform_name() or jax.default_backend()
     if backend == "jnp":
         out, new_residual = twin(*args)
     elif backend == "ffi":

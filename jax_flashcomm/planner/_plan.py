@@ -56,7 +56,7 @@ import numpy as np
 
 from jax_flashcomm import _axes
 from jax_flashcomm.planner import _choose as auto_choice
-from jax_flashcomm.config import CommConfig, auto_spikes
+from jax_flashcomm.config import CommConfig
 from jax_flashcomm import transport
 from jax_flashcomm.transport import p2p as p2p_transport
 from jax_flashcomm.transport import shm as shm_transport
@@ -97,10 +97,10 @@ class Plan:
       path: one of :data:`PATHS`.
       reason: why this path.
       transport: ``"xla"`` or ``"p2p"`` for the quantized and ring paths, None for ``"lax"``.
-      rs_bits, ag_bits: bits of the phases this op quantizes (None: not quantized).
-      rs_spikes, ag_spikes: spikes per group of those phases.
-      rs_format, ag_format: the group formats of those phases ("int", "fp8", "mxfp4", "nvfp4").
-      rotation: the group rotation (0 none, 1 Hadamard, 2 signed Hadamard).
+      group_formats: ``(reduce-scatter, all-gather)``: the
+        :class:`~jax_flashcomm.codec.GroupFormat` of each phase this op quantizes (None: a
+        phase it does not have, or not quantized). ``rs_bits``, ``ag_bits``, ``rs_spikes``,
+        ``ag_spikes``, ``rs_format``, ``ag_format`` and ``rotation`` read them.
       group_size: values per group.
       backend: the codec backend the quantized path calls.
       timeout_ms: the p2p transport's limit on a wait for a peer.
@@ -118,18 +118,41 @@ class Plan:
     path: str
     reason: str
     transport: str | None = None
-    rs_bits: int | None = None
-    ag_bits: int | None = None
-    rs_spikes: int = 0
-    ag_spikes: int = 0
-    rs_format: str = "int"
-    ag_format: str = "int"
-    rotation: int = 0
+    group_formats: tuple = (None, None)
     group_size: int = 128
     backend: str = "auto"
     timeout_ms: int = 60_000
     predicted_s: float | None = None
     config: CommConfig = dataclasses.field(default_factory=CommConfig, repr=False)
+
+    @property
+    def rs_bits(self) -> int | None:
+        return None if self.group_formats[0] is None else self.group_formats[0].bits
+
+    @property
+    def ag_bits(self) -> int | None:
+        return None if self.group_formats[1] is None else self.group_formats[1].bits
+
+    @property
+    def rs_spikes(self) -> int:
+        return 0 if self.group_formats[0] is None else self.group_formats[0].spikes
+
+    @property
+    def ag_spikes(self) -> int:
+        return 0 if self.group_formats[1] is None else self.group_formats[1].spikes
+
+    @property
+    def rs_format(self) -> str:
+        return "int" if self.group_formats[0] is None else self.group_formats[0].format
+
+    @property
+    def ag_format(self) -> str:
+        return "int" if self.group_formats[1] is None else self.group_formats[1].format
+
+    @property
+    def rotation(self) -> int:
+        """The group rotation of the quantized phases (0 none, 1 Hadamard, 2 signed)."""
+        return next((f.rotation for f in self.group_formats if f is not None), 0)
 
     @property
     def quantized(self) -> bool:
@@ -328,13 +351,9 @@ def plan(op: str, axes: tuple, shape, dtype, axis_size: int, config: CommConfig,
     else:
         transport, path = None, "lax"
     if quantized:
-        rs = config.phase1_bits if "rs" in phases else None
-        ag = config.phase2_bits if "ag" in phases else None
-        fields.update(rs_bits=rs, ag_bits=ag, rotation=config.resolved_rotation,
-                      rs_format=config.phase1_format if rs else "int",
-                      ag_format=config.phase2_format if ag else "int",
-                      rs_spikes=config.phase1_spikes if rs else auto_spikes(None),
-                      ag_spikes=config.phase2_spikes if ag else auto_spikes(None))
+        rs_format, ag_format = config.group_formats
+        fields.update(group_formats=(rs_format if "rs" in phases else None,
+                                     ag_format if "ag" in phases else None))
     return _recorded(Plan(path=path, transport=transport, **fields), record)
 
 

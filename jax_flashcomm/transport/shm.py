@@ -27,6 +27,7 @@ import jax
 
 from jax_flashcomm import jax_compat
 from jax_flashcomm.codec import kernels
+from jax_flashcomm.jax_compat import kernel_platform_name
 
 __all__ = ["TARGETS", "setup", "unsupported_reason", "meetings_in_progress", "segments",
            "set_link_rate", "link_rate", "name_site"]
@@ -55,7 +56,7 @@ def _local_reason() -> str | None:
     """Why this process alone cannot take part (None: it can)."""
     if not os.path.isdir("/proc/self/fd"):
         return "no /proc (the shared-memory transport maps its peers' memfds through it)"
-    platform = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}.get(jax.default_backend())
+    platform = kernel_platform_name()
     if platform is None:
         return (f"platform {jax.default_backend()!r} (the shared-memory transport runs on CPU "
                 "and on CUDA GPUs)")
