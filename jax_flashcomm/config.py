@@ -117,7 +117,7 @@ class CommConfig:
         all-gather phase of the two-step all-reduce (e.g. ``rs_bits=4, ag_bits=8``).
       group_size: values per quantization group (a multiple of 8).
       min_bytes: ``"auto"`` (default): per call, the exact path or the quantized one, whichever
-        the tuning table (``python -m jax_flashcomm.tune``) or the cost model predicts faster
+        the tuning table (measured by ``jax_flashcomm.tune``) or the cost model predicts faster
         (docs/autotune.md); an int pins the size policy: operands of fewer bytes per rank take
         the exact path, the others are quantized.
       backend: the codec implementation: ``"auto"``, ``"ffi"`` (the C++/CUDA kernels) or
@@ -385,3 +385,32 @@ def config_from(config: CommConfig | None, options: dict, where: str) -> CommCon
     if config is None:
         return CommConfig(**given)
     return dataclasses.replace(config, **given) if given else config
+
+
+def options_table() -> str:
+    """The options as a Markdown table (docs/layout.md holds it; tests/docs checks it is this).
+
+    One row per entry of :class:`CommConfig`'s ``Attributes`` (names that share an entry share a
+    row), with each field's default and type from the dataclass.
+
+    Returns:
+      The table, a line per row, ending in a newline.
+    """
+    doc = inspect.getdoc(CommConfig).split("Attributes:", 1)[1]
+    entries, names = [], None
+    for line in doc.splitlines():
+        head, sep, text = line.strip().partition(": ")
+        fields = [n.strip() for n in head.split(",")] if sep else []
+        if fields and all(n in _DEFAULTS for n in fields) and not line.startswith("    "):
+            names = fields
+            entries.append((names, [text]))
+        elif names and line.strip():
+            entries[-1][1].append(line.strip())
+    types = {f.name: str(f.type).replace(" | ", " or ") for f in dataclasses.fields(CommConfig)}
+    rows = ["| option | default | type | meaning |", "|---|---|---|---|"]
+    for names, text in entries:
+        default = _DEFAULTS[names[0]]
+        shown = f'"{default}"' if isinstance(default, str) else repr(default)
+        rows.append(f"| {', '.join(f'`{n}`' for n in names)} | `{shown}` | {types[names[0]]} "
+                    f"| {' '.join(text).replace('``', '`')} |")
+    return "\n".join(rows) + "\n"

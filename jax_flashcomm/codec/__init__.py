@@ -25,6 +25,7 @@ from jax_flashcomm.codec import bounds, fp, kernels, reference, spec
 from jax_flashcomm.codec.bounds import (  # public; the first two also for tests
     rotated_domain_bound, rotation_bound, spike_bound)
 from jax_flashcomm.codec.payload import Payload
+from jax_flashcomm.codec.group_format import GroupFormat
 from jax_flashcomm.codec.spec import DEFAULT_GROUP_SIZE, wire_bytes_per_element
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "error_bound",
     "spike_bound",
     "wire_bytes_per_element",
+    "GroupFormat",
     "DEFAULT_GROUP_SIZE",
     "cpu_isa",
     "cpu_isas",

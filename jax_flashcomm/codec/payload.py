@@ -7,6 +7,8 @@ import dataclasses
 import jax
 import numpy as np
 
+from jax_flashcomm.codec.group_format import GroupFormat
+
 
 @dataclasses.dataclass(frozen=True)
 class Payload:
@@ -51,6 +53,12 @@ class Payload:
     #: "int": integer groups with the scale and zero arrays; "fp8", "mxfp4", "nvfp4": floating-
     #: point groups, everything in the codes record (docs/format.md, "Floating-point formats").
     format: str = dataclasses.field(default="int", metadata=dict(static=True))
+
+    @property
+    def group_format(self) -> GroupFormat:
+        """The payload's :class:`~jax_flashcomm.codec.GroupFormat` (format, bits, group size,
+        rotation, spikes): what the kernels decode it with."""
+        return GroupFormat(self.format, self.bits, self.group_size, self.rotation, self.spikes)
 
     @property
     def num_groups(self) -> int:
