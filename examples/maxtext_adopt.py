@@ -137,106 +137,129 @@ def build(name):
                 args=(params, rest, *inputs), closed=(params, *inputs), scope=scope, info=info)
 
 
-def run_one(name, out, skip):
-    """One configuration, stage by stage; the results file is rewritten after every stage."""
-    res = dict(config=name, stages={}, current=None)
+class _Stages:
+    """One configuration's results, stage by stage; the results file is rewritten after every
+    stage (a stage that aborts the process leaves it naming that stage as ``current``)."""
 
-    def stage(key, fn):
+    def __init__(self, name, out):
+        self.name, self.out = name, out
+        self.res = dict(config=name, stages={}, current=None)
+
+    def stage(self, key, fn):
+        res = self.res
         res["current"] = key
-        with open(out, "w") as f:
+        with open(self.out, "w") as f:
             json.dump(res, f, default=str)
         t = time.perf_counter()
         try:
             got = dict(ok=True, **(fn() or {}))
         except Exception as e:                   # noqa: BLE001  (every failure is a finding)
             got = _error(e)
-            print(f"[{name}] {key}: {got['error']}", flush=True)
+            print(f"[{self.name}] {key}: {got['error']}", flush=True)
         got["seconds"] = round(time.perf_counter() - t, 3)
         res["stages"][key], res["current"] = got, None
-        with open(out, "w") as f:
+        with open(self.out, "w") as f:
             json.dump(res, f, indent=1, default=str)
         return got["ok"]
 
-    ctx = {}
-    if not stage("build", lambda: ctx.update(build(name)) or ctx["info"]):
-        return
-    jax, fc, mesh, fwd, args = (ctx[k] for k in ("jax", "fc", "mesh", "fwd", "args"))
-    y = {}
 
-    def timed_compile(f, key):
+def _timed_compile(ctx, y, f, key):
+    """``f`` jitted, lowered and compiled on the configuration's arguments, then called (its
+    result in ``y[key]``): the compile time and the HLO's collectives."""
+    jax, args = ctx["jax"], ctx["args"]
+    t = time.perf_counter()
+    compiled = jax.jit(f).lower(*args).compile()
+    seconds = round(time.perf_counter() - t, 3)
+    y[key] = jax.block_until_ready(compiled(*args))
+    return dict(trace_compile_s=seconds, hlo=hlo_collectives(compiled.as_text(), ctx["mesh"]))
+
+
+def _accuracy(ctx, rw):
+    """Over BATCHES batches of 4 x 32 tokens against the as-written jit: the relative L2 error
+    of the logits, top-1 agreement (strict, and among the reference's tied maxima)."""
+    import numpy as np
+
+    jax, fwd = ctx["jax"], ctx["fwd"]
+    ref, got, sq, err, hits, tied, n = jax.jit(fwd), jax.jit(rw), 0.0, 0.0, 0, 0, 0
+    for seed in range(1, BATCHES + 1):
+        a = np.asarray(ref(*ctx["batch"](seed)), np.float64)
+        b = np.asarray(got(*ctx["batch"](seed)), np.float64)
+        a, b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+        sq, err = sq + np.sum(a * a), err + np.sum((a - b) ** 2)
+        pick = b.argmax(-1)
+        hits += int(np.sum(a.argmax(-1) == pick))
+        # bf16 logits tie: a pick among the reference's tied maxima agrees
+        tied += int(np.sum(a[np.arange(len(a)), pick] == a.max(-1)))
+        n += len(a)
+    return dict(tokens=n, rel_l2=float(np.sqrt(err / sq)), top1=hits / n, top1_ties=tied / n)
+
+
+def _variant_stages(ctx, y, name, v, config):
+    """The stages of one variant (its ``CommConfig``): ``[(key, fn)]`` in the order they run."""
+    jax, fc, mesh, fwd, args = (ctx[k] for k in ("jax", "fc", "mesh", "fwd", "args"))
+    policy = fc.RewritePolicy(config=config)
+    rw = fc.rewrite(fwd, policy)
+
+    def jit_first():
+        jf = jax.jit(fc.rewrite(fwd, policy))        # a fresh object: nothing ran before
+        y["jit_first"] = jax.block_until_ready(jf(*args))
+        return dict(vs_as_written=_compare(y["jit_first"], y["as_written"]),
+                    hlo=hlo_collectives(jf.lower(*args).compile().as_text(), mesh))
+
+    def report():
+        jax.clear_caches()                           # nothing reused from jit_first
         t = time.perf_counter()
-        compiled = jax.jit(f).lower(*args).compile()
+        rep = rw.report(*args)
         seconds = round(time.perf_counter() - t, 3)
-        y[key] = jax.block_until_ready(compiled(*args))
-        return dict(trace_compile_s=seconds, hlo=hlo_collectives(compiled.as_text(), mesh))
+        print(f"--- {name} {v}: rw.report(*args) ---\n{rep}", flush=True)
+        return dict(report_s=seconds, rows=len(rep), counts=dict(rep.counts()),
+                    report_compile_s=rep.compile_seconds)
+
+    def compile_rw():
+        got = _timed_compile(ctx, y, rw, "jit")
+        return dict(got, vs_as_written=_compare(y["jit"], y["as_written"]))
+
+    def eager():
+        y["eager"] = jax.block_until_ready(rw(*args))
+        return dict(vs_as_written=_compare(y["eager"], y["as_written"]),
+                    **{f"{k}_vs_eager": _compare(y[k], y["eager"])
+                       for k in ("jit_first", "jit") if k in y})
+
+    return [("jit_first", jit_first), ("report", report), ("compile", compile_rw),
+            ("eager", eager), ("accuracy", lambda: _accuracy(ctx, rw))]
+
+
+def run_one(name, out, skip):
+    """One configuration, stage by stage; the results file is rewritten after every stage."""
+    stages = _Stages(name, out)
+    ctx = {}
+    if not stages.stage("build", lambda: ctx.update(build(name)) or ctx["info"]):
+        return
+    jax, fc = ctx["jax"], ctx["fc"]
+    y = {}
 
     def as_written():
         jax.clear_caches()
-        got = timed_compile(fwd, "as_written")
+        got = _timed_compile(ctx, y, ctx["fwd"], "as_written")
         return dict(got, logits=f"{y['as_written'].dtype}{list(y['as_written'].shape)}")
 
     with contextlib.ExitStack() as stack:
         ctx["scope"](stack)
-        if not stage("as_written", as_written):
+        if not stages.stage("as_written", as_written):
             return
         int8 = dict(bits=8, min_bytes=0, spikes=1)     # one outlier kept exact per group
         configs = {"exact": fc.CommConfig(bits=None), "int8": fc.CommConfig(**int8),
                    "int8-xla": fc.CommConfig(**int8, transport="xla")}
         for v in (v for v in VARIANTS if v not in skip):
-            policy = fc.RewritePolicy(config=configs[v])
-            rw = fc.rewrite(fwd, policy)
-
-            def jit_first():
-                jf = jax.jit(fc.rewrite(fwd, policy))        # a fresh object: nothing ran before
-                y["jit_first"] = jax.block_until_ready(jf(*args))
-                return dict(vs_as_written=_compare(y["jit_first"], y["as_written"]),
-                            hlo=hlo_collectives(jf.lower(*args).compile().as_text(), mesh))
-
-            def report():
-                jax.clear_caches()                           # nothing reused from jit_first
-                t = time.perf_counter()
-                rep = rw.report(*args)
-                seconds = round(time.perf_counter() - t, 3)
-                print(f"--- {name} {v}: rw.report(*args) ---\n{rep}", flush=True)
-                return dict(report_s=seconds, rows=len(rep), counts=dict(rep.counts()),
-                            report_compile_s=rep.compile_seconds)
-
-            def compile_rw():
-                got = timed_compile(rw, "jit")
-                return dict(got, vs_as_written=_compare(y["jit"], y["as_written"]))
-
-            def eager():
-                y["eager"] = jax.block_until_ready(rw(*args))
-                return dict(vs_as_written=_compare(y["eager"], y["as_written"]),
-                            **{f"{k}_vs_eager": _compare(y[k], y["eager"])
-                               for k in ("jit_first", "jit") if k in y})
-
-            def accuracy():        # over BATCHES batches of 4 x 32 tokens: the as-written jit
-                import numpy as np
-                ref, got, sq, err, hits, tied, n = jax.jit(fwd), jax.jit(rw), 0.0, 0.0, 0, 0, 0
-                for seed in range(1, BATCHES + 1):
-                    a = np.asarray(ref(*ctx["batch"](seed)), np.float64)
-                    b = np.asarray(got(*ctx["batch"](seed)), np.float64)
-                    a, b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
-                    sq, err = sq + np.sum(a * a), err + np.sum((a - b) ** 2)
-                    pick = b.argmax(-1)
-                    hits += int(np.sum(a.argmax(-1) == pick))
-                    # bf16 logits tie: a pick among the reference's tied maxima agrees
-                    tied += int(np.sum(a[np.arange(len(a)), pick] == a.max(-1)))
-                    n += len(a)
-                return dict(tokens=n, rel_l2=float(np.sqrt(err / sq)), top1=hits / n,
-                            top1_ties=tied / n)
-
-            for key, fn in (("jit_first", jit_first), ("report", report),
-                            ("compile", compile_rw), ("eager", eager), ("accuracy", accuracy)):
+            for key, fn in _variant_stages(ctx, y, name, v, configs[v]):
                 y.pop(key, None)
-                stage(f"{v}.{key}", fn)
+                stages.stage(f"{v}.{key}", fn)
             y.pop("jit", None)
 
         closed, fwd_closed = ctx["closed"], ctx["fwd_closed"]
-        if "closure" not in skip and stage("closure.as_written", lambda: dict(
+        if "closure" not in skip and stages.stage("closure.as_written", lambda: dict(
                 vs_passed=_compare(jax.jit(fwd_closed)(*closed), y["as_written"]))):
-            stage("closure.report", lambda: dict(rows=len(fc.rewrite(
+            stages.stage("closure.report", lambda: dict(rows=len(fc.rewrite(
                 fwd_closed, fc.RewritePolicy(config=configs["exact"])).report(*closed))))
 
 

@@ -216,7 +216,7 @@ def summarize(rows):
               f"fused {r['fused_vs_memcpy']:.2f} {targets}{vs}: {'met' if ok else 'NOT met'}")
 
 
-def main():
+def _args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="one size, fewer repetitions")
     parser.add_argument("--reps", type=int, default=15)
@@ -232,31 +232,14 @@ def main():
                         "default: every build this CPU runs)")
     parser.add_argument("--sizes-mib", type=float, nargs="+",
                         help="operand sizes in MiB (default 1 8 32; --quick: 8)")
-    args = parser.parse_args()
-    if not kernels.available("cpu"):
-        raise SystemExit("the CPU FFI kernels are not built: pip install . first")
-    print(machine.first_line())
-    print(f"jax {jax.__version__}; malloc arenas {os.environ.get('MALLOC_ARENA_MAX')}, mmap max "
-          f"{os.environ.get('MALLOC_MMAP_MAX_')}; load average {os.getloadavg()[0]:.2f}")
-    isas = args.isa or codec.cpu_isas()
-    out = Path(args.out)
-    if args.rotation_only:
-        rotation = rotation_section(args.rotation_mib, args.rotation_reps)
-        data = json.loads(out.read_text()) if out.exists() else {}
-        data["rotation"] = rotation
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(data, indent=1))
-        write_page(out, data)
-        print(f"wrote the rotation section of {out}")
-        return
-    sizes = [int(m * MIB) for m in args.sizes_mib] if args.sizes_mib else (
-        [8 * MIB] if args.quick else [1 * MIB, 8 * MIB, 32 * MIB])
-    reps = 5 if args.quick else args.reps
+    return parser.parse_args()
+
+
+def sweep(isas, sizes, reps, dram) -> list:
+    """Every row: per kernel build two blocks, one thread and XLA's pool (the jnp twin once,
+    on the pool: it uses neither the builds nor the cap); per block every size, dtype and
+    bits."""
     rows = []
-    dram = memcpy_gbps(512 * MIB, 5)
-    print(f"memcpy, 512 MiB (main memory, one core): {dram:.2f} GB/s")
-    # Two blocks per instruction-set build, one thread and XLA's pool (the jnp twin once, on the
-    # pool: it uses neither the builds nor the cap).
     blocks = [(isa, threads) for isa in isas for threads in (1, 0)] + [("jnp", 0)]
     for block, threads in blocks:
         backend = "jnp" if block == "jnp" else "ffi"
@@ -288,6 +271,33 @@ def main():
                           f"{r['dequantize_gbps']:7.2f} {row['dequantize_vs_memcpy']:7.2f} "
                           f"{r['fused_sum_quantize_gbps']:7.2f} {row['fused_vs_memcpy']:7.2f}",
                           flush=True)
+    return rows
+
+
+def main():
+    args = _args()
+    if not kernels.available("cpu"):
+        raise SystemExit("the CPU FFI kernels are not built: pip install . first")
+    print(machine.first_line())
+    print(f"jax {jax.__version__}; malloc arenas {os.environ.get('MALLOC_ARENA_MAX')}, mmap max "
+          f"{os.environ.get('MALLOC_MMAP_MAX_')}; load average {os.getloadavg()[0]:.2f}")
+    isas = args.isa or codec.cpu_isas()
+    out = Path(args.out)
+    if args.rotation_only:
+        rotation = rotation_section(args.rotation_mib, args.rotation_reps)
+        data = json.loads(out.read_text()) if out.exists() else {}
+        data["rotation"] = rotation
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(data, indent=1))
+        write_page(out, data)
+        print(f"wrote the rotation section of {out}")
+        return
+    sizes = [int(m * MIB) for m in args.sizes_mib] if args.sizes_mib else (
+        [8 * MIB] if args.quick else [1 * MIB, 8 * MIB, 32 * MIB])
+    reps = 5 if args.quick else args.reps
+    dram = memcpy_gbps(512 * MIB, 5)
+    print(f"memcpy, 512 MiB (main memory, one core): {dram:.2f} GB/s")
+    rows = sweep(isas, sizes, reps, dram)
     summarize(rows)
     if args.no_rotation:
         rotation = None

@@ -264,14 +264,9 @@ def machine():
             f"numpy {np.__version__}")
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--no-check", action="store_true",
-                    help="skip the bit-for-bit check of the bf16 option against jax_flashcomm")
-    ap.add_argument("--out", default=str(RESULTS / "zero_dtype.json"))
-    args = ap.parse_args()
-
-    t0 = time.time()
+def measure(check: bool):
+    """Every row (data set, operand, bits, zero type), and whether the bf16 option matched
+    jax_flashcomm's codec bit for bit (None: not checked)."""
     rng = np.random.default_rng(0)
     results = []
     checked = None
@@ -288,7 +283,7 @@ def main():
                                         rel_rms=rel_rms, max_err_over_step=max_step,
                                         mean_group_max_err_over_step=mean_step,
                                         bytes_per_element=bpe, wire_ratio_vs_bf16=ratio))
-                if not args.no_check:
+                if check:
                     try:
                         import jax_flashcomm  # noqa: F401
                     except ImportError as e:
@@ -296,8 +291,11 @@ def main():
                     else:
                         ok = check_against_codec(x, bits, dtype)
                         checked = ok if checked is None else (checked and ok)
+    return results, checked
 
-    # ---- table ----
+
+def print_tables(results) -> list:
+    """The error table and the wire table on stdout; returns the wire rows."""
     print(f"\nzero storage type, G={G}, {N_GROUPS} groups per data set; scale bf16 (round up).")
     print("rel_rms = ||x'-x|| / ||x||;  max/step = max |x'-x| / ((max-min)/(2^b-1)) "
           "(ideal 0.5)\n")
@@ -325,6 +323,19 @@ def main():
             wire_rows.append(dict(bits=bits, zero=zt, bytes_per_element=bpe,
                                   wire_ratio_vs_bf16=ratio))
         print(f"{bits:>4}  {cells}")
+    return wire_rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--no-check", action="store_true",
+                    help="skip the bit-for-bit check of the bf16 option against jax_flashcomm")
+    ap.add_argument("--out", default=str(RESULTS / "zero_dtype.json"))
+    args = ap.parse_args()
+
+    t0 = time.time()
+    results, checked = measure(not args.no_check)
+    wire_rows = print_tables(results)
     f32_int8 = wire(8, "f32")[1]
     bf16_int8 = wire(8, "bf16")[1]
     verdict = lambda r: "over" if r > BUDGET else "within"  # noqa: E731

@@ -54,9 +54,8 @@ def _emit(tag: str, payload="") -> None:
     print(f"{tag} {json.dumps(payload)}", flush=True)
 
 
-def worker(spec: dict) -> None:
-    os.environ["XLA_FLAGS"] = (spec["xla_flags"] + " --xla_force_host_platform_device_count="
-                               f"{spec['devices']}").strip()
+def _program(spec: dict):
+    """The one-psum program of the case, its operand and the exact sum."""
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
@@ -79,24 +78,68 @@ def worker(spec: dict) -> None:
     rng = np.random.default_rng(0)
     host = rng.standard_normal(ndev * spec["size"]).astype(np.float32)
     x = jax.device_put(host, NamedSharding(mesh, P("x")))
-    want = host.reshape(ndev, -1).sum(0)
+    return f, x, host.reshape(ndev, -1).sum(0)
+
+
+def _watch(current) -> None:
+    """Name a dispatch that is stuck (the process may die inside it): ``current`` is
+    ``[the dispatch in progress or None, its start]``."""
+    told = None
+    while True:
+        i, ta = current
+        if i is not None and i != told and time.perf_counter() - ta > STALL_S:
+            _emit("STUCK", i)
+            told = i
+        time.sleep(0.1)
+
+
+def _failures(f, x, outs, res) -> None:
+    """After a raise: which calls failed (what each device's shard of the first four says),
+    and whether the next call works."""
+    import jax
+
+    bad, detail = 0, []
+    for i, o in enumerate(outs):
+        try:
+            jax.block_until_ready(o)
+        except Exception:  # noqa: BLE001
+            bad += 1
+            if len(detail) < 4:  # what each device's shard of this call says
+                by_msg: dict[str, list[int]] = {}
+                for sh in o.addressable_shards:
+                    try:
+                        jax.block_until_ready(sh.data)
+                        msg = "ok"
+                    except Exception as e3:  # noqa: BLE001
+                        msg = str(e3).splitlines()[0]
+                        msg = msg[msg.find("timed out"):] if "timed out" in msg else msg
+                    by_msg.setdefault(msg, []).append(sh.device.id)
+                detail.append({"call": i, "shards": by_msg})
+    res["failed_calls"] = bad
+    res["failures"] = detail
+    try:
+        ta = time.perf_counter()
+        jax.block_until_ready(f(x))
+        res["next_call"] = f"ok ({time.perf_counter() - ta:.2f} s)"
+    except Exception as e2:  # noqa: BLE001
+        res["next_call"] = f"{type(e2).__name__}: {str(e2).splitlines()[0][:120]}"
+
+
+def worker(spec: dict) -> None:
+    os.environ["XLA_FLAGS"] = (spec["xla_flags"] + " --xla_force_host_platform_device_count="
+                               f"{spec['devices']}").strip()
+    import jax
+    import numpy as np
+
+    f, x, want = _program(spec)
+    ndev = spec["devices"]
     jax.block_until_ready(f(x))  # compile and warm up
 
     n, every = spec["n"], spec["every"]
     outs, stalls = [], []
     res = {"dispatch_s": None, "total_s": None, "error": None}
     current = [None, 0.0]  # the dispatch in progress and its start
-
-    def watch():  # name a dispatch that is stuck (the process may die inside it)
-        told = None
-        while True:
-            i, ta = current
-            if i is not None and i != told and time.perf_counter() - ta > STALL_S:
-                _emit("STUCK", i)
-                told = i
-            time.sleep(0.1)
-
-    threading.Thread(target=watch, daemon=True).start()
+    threading.Thread(target=_watch, args=(current,), daemon=True).start()
     _emit("START", os.getpid())
     t0 = time.perf_counter()
     try:
@@ -121,32 +164,7 @@ def worker(spec: dict) -> None:
     except Exception as e:  # noqa: BLE001 - the case's outcome is what was raised
         res["total_s"] = time.perf_counter() - t0
         res["error"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
-        # Failed calls: which ones, and does the next call work?
-        bad, detail = 0, []
-        for i, o in enumerate(outs):
-            try:
-                jax.block_until_ready(o)
-            except Exception:  # noqa: BLE001
-                bad += 1
-                if len(detail) < 4:  # what each device's shard of this call says
-                    by_msg: dict[str, list[int]] = {}
-                    for sh in o.addressable_shards:
-                        try:
-                            jax.block_until_ready(sh.data)
-                            msg = "ok"
-                        except Exception as e3:  # noqa: BLE001
-                            msg = str(e3).splitlines()[0]
-                            msg = msg[msg.find("timed out"):] if "timed out" in msg else msg
-                        by_msg.setdefault(msg, []).append(sh.device.id)
-                    detail.append({"call": i, "shards": by_msg})
-        res["failed_calls"] = bad
-        res["failures"] = detail
-        try:
-            ta = time.perf_counter()
-            jax.block_until_ready(f(x))
-            res["next_call"] = f"ok ({time.perf_counter() - ta:.2f} s)"
-        except Exception as e2:  # noqa: BLE001
-            res["next_call"] = f"{type(e2).__name__}: {str(e2).splitlines()[0][:120]}"
+        _failures(f, x, outs, res)
     res["stalls"] = stalls
     if spec["kind"] == "p2p":
         from jax_flashcomm.transport import p2p

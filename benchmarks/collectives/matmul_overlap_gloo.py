@@ -92,16 +92,68 @@ def _trace_timeline(fn, args, tmp: str) -> dict:
             "threads_running_ops": len({t for *_, t in ops})}
 
 
+def _case(op, m, k, n, nproc, rng):
+    """One case's operands (this process's blocks), specs and functions: ``(x, w, specs, out,
+    fns, comm_out, local, local_specs, sent)``; ``local`` are the operands of the same FLOPs
+    with no communication, ``sent`` the bytes each rank sends."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    from jax_flashcomm import all_gather_matmul, matmul_reduce_scatter
+
+    if op == "ag":
+        xl = rng.standard_normal((m, k), np.float32)
+        wl = rng.standard_normal((k, n), np.float32)
+        specs, out = (P("i", None), P(None, "i")), P(None, "i")
+        fns = {
+            "unfused": lambda a, b: lax.all_gather(a, "i", tiled=True) @ b,
+            "decomposed": lambda a, b: all_gather_matmul(a, b, "i"),
+            "bidirectional": lambda a, b: all_gather_matmul(a, b, "i", bidirectional=True),
+            "comm": lambda a, b: lax.all_gather(a, "i", tiled=True),
+        }
+        # each rank's gathered copy; the same FLOPs, no communication
+        return (xl, wl, specs, out, fns, P("i", None), (np.tile(xl, (nproc, 1)), wl), specs,
+                m * k * 4 * (nproc - 1))
+    xl = rng.standard_normal((nproc * m, k), np.float32)
+    wl = rng.standard_normal((k, n), np.float32)
+    specs, out = (P(None, "i"), P("i", None)), P("i", None)
+    fns = {
+        "unfused": lambda a, b: lax.psum_scatter(a @ b, "i", tiled=True),
+        "decomposed": lambda a, b: matmul_reduce_scatter(a, b, "i"),
+        "bidirectional": lambda a, b: matmul_reduce_scatter(a, b, "i", bidirectional=True),
+        "comm": lambda a, b: lax.psum_scatter(
+            jnp.zeros((a.shape[0], b.shape[1]), a.dtype) + a[:, :1], "i", tiled=True),
+    }
+    return xl, wl, specs, out, fns, P("i", None), (xl, wl), specs, m * n * 4 * (nproc - 1)
+
+
+def _interleaved(jitted, inputs, reps, sync, one) -> dict:
+    """``{name: [seconds]}``: every program compiled and warmed up, then ``reps`` rounds of one
+    call each, in turn, each call started in step by a psum."""
+    import jax
+
+    times = {name: [] for name in jitted}
+    for name, f in jitted.items():  # compile and warm up
+        for _ in range(2):
+            jax.block_until_ready(f(*inputs[name]))
+    for _ in range(reps):  # interleaved, each call started in step by a psum
+        for name, f in jitted.items():
+            jax.block_until_ready(sync(one))
+            t = time.perf_counter()
+            jax.block_until_ready(f(*inputs[name]))
+            times[name].append(time.perf_counter() - t)
+    return times
+
+
 def worker(quick: bool, reps: int) -> None:
     process_id, nproc = worker_init()
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from jax import lax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-
-    from jax_flashcomm import all_gather_matmul, matmul_reduce_scatter
 
     mesh = jax.make_mesh((nproc,), ("i",))
     rng = np.random.default_rng(process_id)
@@ -117,37 +169,8 @@ def worker(quick: bool, reps: int) -> None:
         for op, cases in (QUICK if quick else SWEEP).items():
             for c in cases:
                 m, k, n = c["m"], c["k"], c["n"]
-                if op == "ag":
-                    xl = rng.standard_normal((m, k), np.float32)
-                    wl = rng.standard_normal((k, n), np.float32)
-                    specs, out = (P("i", None), P(None, "i")), P(None, "i")
-                    fns = {
-                        "unfused": lambda a, b: lax.all_gather(a, "i", tiled=True) @ b,
-                        "decomposed": lambda a, b: all_gather_matmul(a, b, "i"),
-                        "bidirectional": lambda a, b: all_gather_matmul(
-                            a, b, "i", bidirectional=True),
-                        "comm": lambda a, b: lax.all_gather(a, "i", tiled=True),
-                    }
-                    comm_out = P("i", None)  # each rank's gathered copy
-                    local = (np.tile(xl, (nproc, 1)), wl)  # the same FLOPs, no communication
-                    local_specs = specs
-                    sent = m * k * 4 * (nproc - 1)  # bytes each rank sends
-                else:
-                    xl = rng.standard_normal((nproc * m, k), np.float32)
-                    wl = rng.standard_normal((k, n), np.float32)
-                    specs, out = (P(None, "i"), P("i", None)), P("i", None)
-                    fns = {
-                        "unfused": lambda a, b: lax.psum_scatter(a @ b, "i", tiled=True),
-                        "decomposed": lambda a, b: matmul_reduce_scatter(a, b, "i"),
-                        "bidirectional": lambda a, b: matmul_reduce_scatter(
-                            a, b, "i", bidirectional=True),
-                        "comm": lambda a, b: lax.psum_scatter(
-                            jnp.zeros((a.shape[0], b.shape[1]), a.dtype) + a[:, :1], "i",
-                            tiled=True),
-                    }
-                    comm_out = P("i", None)
-                    local, local_specs = (xl, wl), specs
-                    sent = m * n * 4 * (nproc - 1)
+                xl, wl, specs, out, fns, comm_out, local, local_specs, sent = _case(
+                    op, m, k, n, nproc, rng)
                 args = (glob_arr(xl, specs[0]), glob_arr(wl, specs[1]))
                 jitted = {
                     name: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=specs,
@@ -158,16 +181,7 @@ def worker(quick: bool, reps: int) -> None:
                     lambda a, b: a @ b, mesh=mesh, in_specs=local_specs, out_specs=P("i", None)))
                 inputs = {name: args for name in fns}
                 inputs["compute"] = tuple(glob_arr(a, s) for a, s in zip(local, local_specs))
-                times = {name: [] for name in jitted}
-                for name, f in jitted.items():  # compile and warm up
-                    for _ in range(2):
-                        jax.block_until_ready(f(*inputs[name]))
-                for _ in range(reps):  # interleaved, each call started in step by a psum
-                    for name, f in jitted.items():
-                        jax.block_until_ready(sync(one))
-                        t = time.perf_counter()
-                        jax.block_until_ready(f(*inputs[name]))
-                        times[name].append(time.perf_counter() - t)
+                times = _interleaved(jitted, inputs, reps, sync, one)
                 med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
                 flops = 2 * nproc * m * k * n
                 res = dict(op=op, nproc=nproc, **c, bytes_sent_per_rank=sent,
