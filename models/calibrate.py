@@ -86,7 +86,7 @@ def reused_sensitivity(args) -> dict | None:
     differ = {k: (info.get(k), v) for k, v in wanted.items() if info.get(k) != v}
     if args.text is not None and info.get("text") != args.text:
         differ["text"] = (info.get("text"), args.text)
-    candidates = [config_to_dict(c) for c in candidate_configs(args.candidates)]
+    candidates = [config_to_dict(c) for c in checked_candidates(args)]
     if list((info.get("candidates") or {}).values()) != candidates:
         differ["candidates"] = (info.get("candidate_settings"), args.candidates)
     if differ or "sensitivity" not in info:
@@ -101,11 +101,18 @@ def candidate_configs(text: str):
     configs = []
     for name in (n.strip() for n in text.split(",")):
         label, comm = cli.parse_setting(name)
-        if not comm.quantized or comm.overlap or comm.kind == "auto":
+        if comm.quantization != "quantized" or comm.layout != "all_reduce":
             raise ValueError(f"--candidates: {label!r} is not a quantized all-reduce setting "
                              f"(intB, intR/A, fp8, mxfp4, nvfp4, R/A of those)")
         configs.append(comm.config)
     return configs
+
+
+def checked_candidates(args):
+    """The candidate configs :func:`main` parsed (``args.candidate_configs``), or those of
+    ``args.candidates`` for options that did not go through it."""
+    parsed = getattr(args, "candidate_configs", None)
+    return parsed if parsed is not None else candidate_configs(args.candidates)
 
 
 def run(args, log=sys.stderr):
@@ -123,7 +130,7 @@ def run(args, log=sys.stderr):
     from models.window_scores import score_windows
     from models.llama.params import load_model
 
-    candidates = candidate_configs(args.candidates)
+    candidates = checked_candidates(args)
     reused = reused_sensitivity(args)
     mesh = jax.make_mesh((args.tp,), ("tp",), devices=jax.devices()[:args.tp])
     dtype = jnp.float32 if args.dtype == "float32" else jnp.bfloat16
@@ -249,15 +256,8 @@ def main(argv=None) -> int:
     cli.check(parser, args)
     if not args.budget_ppl >= 0:
         parser.error(f"--budget-ppl must be >= 0 (percent), got {args.budget_ppl}")
-    if args.max_wire is not None and not args.max_wire > 0:
-        parser.error(f"--max-wire must be > 0 (a ratio to a bf16 ring), got {args.max_wire}")
-    for flag, value, least in (("--calib-first", args.calib_first, 0),
-                               ("--calib-windows", args.calib_windows, 1),
-                               ("--rounds", args.rounds, 1)):
-        if value < least:
-            parser.error(f"{flag} must be >= {least}, got {value}")
     try:
-        candidate_configs(args.candidates)
+        args.candidate_configs = candidate_configs(args.candidates)
         reused_sensitivity(args)
     except (ValueError, OSError) as e:
         parser.error(str(e))

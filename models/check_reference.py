@@ -25,7 +25,7 @@ import sys
 from models import cli
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m models.check_reference",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -34,9 +34,11 @@ def main(argv=None) -> int:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--text", default=None, help="the text the reference tokenized")
     parser.add_argument("--json", default=None)
-    args = parser.parse_args(argv)
-    cli.check(parser, args)
-    return cli.run_checked(parser, _main, args)
+    return parser
+
+
+def main(argv=None) -> int:
+    return cli.run_main(build_parser(), _main, argv)
 
 
 def _main(args) -> int:

@@ -20,7 +20,7 @@ import sys
 from models import cli
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m models.check_tp", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
@@ -29,9 +29,11 @@ def main(argv=None) -> int:
     parser.add_argument("--kinds", default="exact,overlap")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--json", default=None)
-    args = parser.parse_args(argv)
-    cli.check(parser, args)
-    return cli.run_checked(parser, _main, args)
+    return parser
+
+
+def main(argv=None) -> int:
+    return cli.run_main(build_parser(), _main, argv)
 
 
 def _main(args) -> int:

@@ -27,7 +27,6 @@ import sys
 import time
 
 from models import cli
-from models.cli import parse_setting
 
 
 def greedy(engine, tok, prompts, max_new: int, stop):
@@ -223,13 +222,6 @@ def main(argv=None) -> int:
     if args.text is None and args.prompts is None:
         parser.error("nothing to compare: give --text FILE (perplexity) and/or --prompts FILE "
                      "(greedy continuations)")
-    if args.devices is not None and args.devices < args.tp:
-        parser.error(f"--devices {args.devices} is fewer than --tp {args.tp}")
-    if args.comm_policy is not None:
-        try:
-            cli.load_policy(args.comm_policy)
-        except (ValueError, OSError) as e:
-            parser.error(f"--comm-policy: {e}")
     return cli.run_checked(parser, _main, args)
 
 
@@ -239,13 +231,6 @@ def _main(args) -> int:
 
     from models.llama.params import load_model
 
-    names = [s.strip() for s in args.settings.split(",")]
-    extra = cli.format_setting(args.format, args.rs_format, args.ag_format)
-    if extra is not None and extra not in names:
-        names.append(extra)
-    settings = [parse_setting(name) for name in names]
-    if args.comm_policy is not None:
-        settings.append(("policy", cli.load_policy(args.comm_policy)))
     text = None
     if args.text is not None:
         with open(args.text, encoding="utf-8") as f:
@@ -258,7 +243,7 @@ def _main(args) -> int:
     model, ckpt = load_model(args.model, tp=args.tp, mesh=mesh)
     if ckpt.tokenizer is None:
         raise ValueError(f"{args.model}: the checkpoint has no tokenizer")
-    rows = run(model, ckpt, mesh, settings, text=text, window=args.window,
+    rows = run(model, ckpt, mesh, args.comm_settings, text=text, window=args.window,
                max_windows=args.max_windows, prompts=prompts,
                max_new_tokens=args.max_new_tokens, rounds=args.rounds)
     from models.machine import first_line

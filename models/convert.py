@@ -20,7 +20,7 @@ from models import cli
 from models.checkpoints.convert import DTYPES, convert
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m models.convert", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", help="a known model name (e.g. smollm2), a .gguf file or an HF dir")
@@ -29,9 +29,11 @@ def main(argv=None) -> int:
                    help="split the safetensors into shards of at most this many MiB")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="the stored tensor type (default float32)")
-    args = p.parse_args(argv)
-    cli.check(p, args)
-    return cli.run_checked(p, _main, args)
+    return p
+
+
+def main(argv=None) -> int:
+    return cli.run_main(build_parser(), _main, argv)
 
 
 def _main(args) -> int:

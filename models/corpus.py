@@ -93,15 +93,17 @@ def load_text(name: str | None = None) -> str:
     return TEXTS[name or DEFAULT][3]()
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m models.corpus",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--name", default=DEFAULT, choices=sorted(TEXTS))
     parser.add_argument("--out", help="file to write (default: stdout)")
     parser.add_argument("--stats", action="store_true", help="print sizes, not the text")
-    args = parser.parse_args(argv)
-    cli.check(parser, args)
-    return cli.run_checked(parser, _main, args)
+    return parser
+
+
+def main(argv=None) -> int:
+    return cli.run_main(build_parser(), _main, argv)
 
 
 def _main(args) -> int:

@@ -38,29 +38,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    cli.check(parser, args)
-    return cli.run_checked(parser, _main, args)
+    return cli.run_main(build_parser(), _main, argv)
 
 
 def _main(args) -> int:
     cli.set_devices(args.tp)
     import jax
 
-    from models.compare import parse_setting, run
+    from models.compare import run
     from models.corpus import load_text
-    from models.machine import first_line
     from models.llama.params import load_model
+    from models.machine import first_line
 
-    settings = [parse_setting(s.strip()) for s in args.settings.split(",")]
     print(first_line())
     mesh = jax.make_mesh((args.tp,), ("tp",), devices=jax.devices()[:args.tp])
     print(f"loading {args.model} at TP={args.tp} ...", file=sys.stderr)
     model, ckpt = load_model(args.model, tp=args.tp, mesh=mesh)
     if ckpt.tokenizer is None:
         raise ValueError(f"{args.model}: the checkpoint has no tokenizer")
-    rows = run(model, ckpt, mesh, settings, text=load_text(), window=args.window,
+    rows = run(model, ckpt, mesh, args.comm_settings, text=load_text(), window=args.window,
                max_windows=1, prompts=[args.prompt], max_new_tokens=args.max_new_tokens,
                rounds=args.rounds)
     print(f"\nSmolLM2-135M-Instruct, TP={args.tp} on {args.tp} CPU devices; perplexity on "
@@ -71,8 +67,8 @@ def _main(args) -> int:
         words = " ".join(r["texts"][0].split()[:10])
         print(f"{r['setting']:<8}{r['ttft_s'] * 1e3:>9.1f}{r['tokens_per_s_median']:>7.1f}"
               f"{r['perplexity']:>9.3f}{r['allreduce_bytes_per_token']:>13.0f}  {words}")
-    for r in rows:
-        if r["comm"].startswith("auto"):
+    for (_, comm), r in zip(args.comm_settings, rows):
+        if comm.quantization == "auto":
             print(f"{r['setting']} chose, per traced call site: " + "; ".join(
                 f"{k} x{v}" for k, v in sorted(r["plans"].items())))
     return 0

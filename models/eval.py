@@ -117,8 +117,7 @@ def run(args, log=sys.stderr) -> dict:
 def run_windows_cli(parser, args, run_fn) -> dict | None:
     """The common part of the perplexity CLIs: checks the options, runs ``run_fn(args)`` and
     adds the machine it ran on; ``None`` (the error printed) when the checkpoint or text fails."""
-    cli.check(parser, args)
-    cli.quantize_every_call(args, sys.stderr)
+    cli.check(parser, args, quantize_all=True)
     try:
         result = run_fn(args)
     except cli.RUN_ERRORS as e:

@@ -83,10 +83,7 @@ def run(args, out=sys.stdout) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    cli.check(parser, args)
-    return cli.run_checked(parser, _main, args)
+    return cli.run_main(build_parser(), _main, argv)
 
 
 def _main(args) -> int:

@@ -12,7 +12,7 @@ import platform
 
 
 def cpu_model() -> str:
-    """The CPU's model name (:func:`jax_flashcomm.tune.cpu_name`)."""
+    """The CPU's model name (:func:`jax_flashcomm.costs.cpu_name`)."""
     from jax_flashcomm.costs import cpu_name
 
     return cpu_name()

@@ -151,11 +151,20 @@ class TPComm:
         Raises:
           ValueError: an unknown kind, or what the constructor raises.
         """
+        quantization, layout = cls.parse_kind(kind)
+        return cls(quantization, axis_name, layout=layout, **kwargs)
+
+    @staticmethod
+    def parse_kind(kind: str) -> tuple[str, str]:
+        """``(quantization, layout)`` of a kind string of :data:`COMM_KINDS`.
+
+        Raises:
+          ValueError: an unknown kind.
+        """
         if kind not in _KIND_FIELDS:
             raise ValueError(f"TPComm: unknown communication kind {kind!r}; expected one of "
                              f"{COMM_KINDS}")
-        quantization, layout = _KIND_FIELDS[kind]
-        return cls(quantization, axis_name, layout=layout, **kwargs)
+        return _KIND_FIELDS[kind]
 
     @classmethod
     def for_site(cls, policy, site: str | None, axis_name: str = "tp", *, fuse_norm: bool = False,

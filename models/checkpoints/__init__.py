@@ -2,8 +2,8 @@
 Hugging Face names and (out, in) layout, float32, whatever the file format.
 
 :func:`open_checkpoint` takes a known model name (see :mod:`models.checkpoints.fetch`), a
-``.gguf`` file or a Hugging Face directory (``config.json`` + safetensors), and checks that every tensor the model
-needs is present with the shape its config implies.
+``.gguf`` file or a Hugging Face directory (``config.json`` + safetensors), and checks that
+every tensor the model needs is present with the shape its config implies.
 
 Tensor names (``V`` vocabulary, ``D`` model width, ``H``/``KV`` query/KV heads of ``dh``, ``F``
 MLP width)::

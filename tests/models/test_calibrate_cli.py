@@ -74,7 +74,8 @@ def test_a_policy_gives_the_logits_of_the_same_overrides_set_by_hand():
 @pytest.fixture
 def patched_loader(monkeypatch):
     """models.calibrate.run on TINY: no device-count change, the tiny model for any name."""
-    monkeypatch.setattr(cli, "set_devices", lambda n: None)
+    monkeypatch.setattr(cli, "set_devices", lambda n: None)           # the CLIs' own calls
+    monkeypatch.setattr("models.cli.running.set_devices", lambda n: None)  # cli.setup's
 
     def fake_load(name, *, tp, mesh, comm=None, dtype=None, ckpt=None):
         model, ckpt, _ = _tiny(comm)

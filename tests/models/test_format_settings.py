@@ -25,7 +25,7 @@ def _parse(*argv):
 ])
 def test_format_flags_make_the_config(argv, rs, ag):
     parser, args = _parse("--comm", "flash", *argv)
-    cli._check_comm(parser, args)
+    cli.check_comm(parser, args)
     config = cli.comm_from_args(args).config
     assert (config.phase1_format, config.phase2_format) == (rs, ag)
     assert rs in cli.describe(args)
@@ -37,8 +37,8 @@ def test_bad_format_and_exact_with_a_format_are_errors(capsys):
     assert "invalid choice: 'fp4'" in capsys.readouterr().err
     parser, args = _parse("--comm", "exact", "--format", "fp8")
     with pytest.raises(SystemExit):
-        cli._check_comm(parser, args)
-    assert "--format/--rs-format/--ag-format need --comm flash" in capsys.readouterr().err
+        cli.check_comm(parser, args)
+    assert "does not quantize" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name,kind,formats,bits", [
