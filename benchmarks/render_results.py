@@ -1,6 +1,7 @@
 """Write the page of every result in docs/results from its record, with the tables of the
-benchmark that produced it (each benchmark writes its own page when it runs; this re-renders
-them all, e.g. after a change to the page format, without measuring anything).
+benchmark that produced it, and the list of them (docs/results/index.md). Each benchmark writes
+its own page when it runs; this re-renders them all (after a change to the page format, say)
+without measuring anything.
 
     .venv/bin/python -m benchmarks.render_results [NAME ...]    # default: every docs/results/*.json
 """
@@ -12,7 +13,7 @@ import importlib
 import json
 import sys
 
-from benchmarks.shared.results import RESULTS, write_page
+from benchmarks.shared.results import RESULTS, page_info, write_page
 
 
 #: The tables of each kind of record (by the start of its name; the others get their rows):
@@ -51,6 +52,31 @@ def tables_of(name: str):
     return render
 
 
+def write_index() -> None:
+    """docs/results/index.md: every result page, by the guide page that explains it."""
+    by_guide: dict = {}
+    for path in sorted(RESULTS.glob("*.json")):
+        title, guide = page_info(path.stem)
+        by_guide.setdefault(guide or "", []).append(f"- [{path.stem}]({path.stem}.md): {title}")
+    out = ["# Results", "", "Every result of the benchmarks: its page (the command, the machine, "
+           "the figures, the plot), beside its record (`.json`) and plot (`.png`). Written by "
+           "the benchmark that measures it; `.venv/bin/python -m benchmarks.render_results` "
+           "rewrites the pages and this list. The benchmarks: [docs/benchmarks.md]"
+           "(../benchmarks.md).", ""]
+    for guide, lines in sorted(by_guide.items()):
+        out += [f"## [docs/{guide}](../{guide})" if guide else "## Others", "", *lines, ""]
+    out += ["## Records of the library's and the models' commands", "",
+            "Written by the command their page names (`models.check_tp`, "
+            "`models.calibrate`, `jax_flashcomm.tune`, ...), read there:", ""]
+    for folder, guide in (("models", "models.md"), ("calibration", "calibration.md"),
+                          ("tune_tables", "autotune.md")):
+        names = sorted(p.name for p in (RESULTS / folder).glob("*.json"))
+        out.append(f"- [docs/{guide}](../{guide}): "
+                   + ", ".join(f"[{folder}/{n}]({folder}/{n})" for n in names))
+    out.append("")
+    (RESULTS / "index.md").write_text("\n".join(out))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.render_results",
                                  description=__doc__.split("\n\n")[0])
@@ -68,6 +94,9 @@ def main(argv=None) -> int:
             # show now: its rows instead
             print(f"{path.name}: its benchmark's tables need {e!r}; the rows instead")
         print("wrote", write_page(path, data, tables=tables).relative_to(RESULTS.parent.parent))
+    if not args.names:
+        write_index()
+        print("wrote docs/results/index.md")
     return 0
 
 

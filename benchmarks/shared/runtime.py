@@ -66,7 +66,7 @@ def join_shm_job(rank: int, processes: int, port: int, pin: bool = True) -> None
 
 
 def command_parser(module: str, doc: str) -> argparse.ArgumentParser:
-    """The argument parser of the benchmark run as ``python -m module``: its module docstring
+    """The argument parser of the benchmark ``module`` (run with ``-m``): its module docstring
     (``doc``) as the help text, kept as written."""
     return argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
