@@ -157,23 +157,32 @@ def reduce_scatter_parts(x: jax.Array, axes: tuple[str, ...], dim: int, tiled: b
     return out, p1
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _qpsum_scatter(x, axes, dim, tiled, p):
-    return reduce_scatter_parts(x, axes, dim, tiled, p)[0]
+def _quantized_op(parts, quantized_transpose, lax_transpose):
+    """The quantized collective ``parts(x, axes, dim, tiled, plan)[0]`` with its transpose as
+    the VJP: the quantized one under ``grad="quantized"``, else the ``lax`` one."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+    def op(x, axes, dim, tiled, p):
+        return parts(x, axes, dim, tiled, p)[0]
+
+    def fwd(x, axes, dim, tiled, p):
+        return op(x, axes, dim, tiled, p), None
+
+    def bwd(axes, dim, tiled, p, _, ct):
+        ct = _axes.to_varying(ct, axes)
+        if p.config.grad == "quantized":
+            return (quantized_transpose(ct, axes, dim, tiled, config=p.config),)
+        return (lax_transpose(ct, axes, dim, tiled),)
+
+    op.defvjp(fwd, bwd)
+    return op
 
 
-def _qpsum_scatter_fwd(x, axes, dim, tiled, p):
-    return _qpsum_scatter(x, axes, dim, tiled, p), None
-
-
-def _qpsum_scatter_bwd(axes, dim, tiled, p, _, ct):
-    ct = _axes.to_varying(ct, axes)
-    if p.config.grad == "quantized":
-        return (all_gather(ct, axes, axis=dim, tiled=tiled, config=p.config),)
-    return (lax.all_gather(ct, axes, axis=dim, tiled=tiled),)
-
-
-_qpsum_scatter.defvjp(_qpsum_scatter_fwd, _qpsum_scatter_bwd)
+_qpsum_scatter = _quantized_op(
+    reduce_scatter_parts,
+    lambda ct, axes, dim, tiled, config: all_gather(ct, axes, axis=dim, tiled=tiled,
+                                                    config=config),
+    lambda ct, axes, dim, tiled: lax.all_gather(ct, axes, axis=dim, tiled=tiled))
 
 
 # --- all_gather -----------------------------------------------------------------------------------
@@ -250,20 +259,8 @@ gather_payloads = transport.xla.gather_payloads
 
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _qall_gather(x, axes, axis, tiled, p):
-    return all_gather_parts(x, axes, axis, tiled, p)[0]
-
-
-def _qall_gather_fwd(x, axes, axis, tiled, p):
-    return _qall_gather(x, axes, axis, tiled, p), None
-
-
-def _qall_gather_bwd(axes, axis, tiled, p, _, ct):
-    ct = _axes.to_varying(ct, axes)
-    if p.config.grad == "quantized":
-        return (psum_scatter(ct, axes, scatter_dimension=axis, tiled=tiled, config=p.config),)
-    return (lax.psum_scatter(ct, axes, scatter_dimension=axis, tiled=tiled),)
-
-
-_qall_gather.defvjp(_qall_gather_fwd, _qall_gather_bwd)
+_qall_gather = _quantized_op(
+    all_gather_parts,
+    lambda ct, axes, axis, tiled, config: psum_scatter(ct, axes, scatter_dimension=axis,
+                                                       tiled=tiled, config=config),
+    lambda ct, axes, axis, tiled: lax.psum_scatter(ct, axes, scatter_dimension=axis, tiled=tiled))

@@ -51,16 +51,22 @@ def bits_to_bf16(bits16):
     return lax.bitcast_convert_type(bits16.astype(jnp.uint16), jnp.bfloat16)
 
 
+def _bf16_round_away(x, sign: int):
+    """f32 -> bf16 bits (uint32), truncated, then bumped one bf16 step away from zero where
+    the sign bit is ``sign`` and bits were dropped."""
+    u = _f32_bits(x)
+    truncated = u & _U32(0xFFFF0000)
+    bump = ((u >> 31) == sign) & ((u & _U32(0xFFFF)) != 0)
+    return jnp.where(bump, truncated + _U32(0x10000), truncated) >> 16
+
+
 def bf16_round_down(x):
     """f32 -> bf16 bits (uint32) rounded toward -inf.
 
     Args:
       x: f32 values.
     """
-    u = _f32_bits(x)
-    truncated = u & _U32(0xFFFF0000)
-    bump = ((u >> 31) == 1) & ((u & _U32(0xFFFF)) != 0)
-    return jnp.where(bump, truncated + _U32(0x10000), truncated) >> 16
+    return _bf16_round_away(x, 1)
 
 
 def bf16_round_up(x):
@@ -69,10 +75,7 @@ def bf16_round_up(x):
     Args:
       x: f32 values.
     """
-    u = _f32_bits(x)
-    truncated = u & _U32(0xFFFF0000)
-    bump = ((u >> 31) == 0) & ((u & _U32(0xFFFF)) != 0)
-    return jnp.where(bump, truncated + _U32(0x10000), truncated) >> 16
+    return _bf16_round_away(x, 0)
 
 
 def group_params(v, bits: int, finite=None):
@@ -469,18 +472,10 @@ def dequantize_sum_quantize(codes, scale, zero, *, bits: int, out_bits: int, gro
 
 def dequantize_into(out, codes, scale, zero, offset, *, bits: int, group_size: int, count: int,
                     rotation: int = 0, spikes: int = 0):
-    """``out`` (flat row-major view) with elements ``[offset, offset + count)`` replaced by the
-    first ``count`` decoded values of one payload, as the FFI kernel writes them. (An
-    out-of-range traced offset is clamped, as ``dynamic_update_slice`` does; the wrapper
-    rejects static ones.)
-
-    Args:
-      out: the buffer (f32/bf16/f16).
-      codes, scale, zero: one payload's arrays.
-      offset: the first element written (int32 scalar).
-      bits, group_size, rotation, spikes: the codec parameters.
-      count: values written.
-    """
+    """The twin of :func:`jax_flashcomm.codec.kernels.dequantize_into` (same arguments):
+    ``out`` (flat row-major view) with elements ``[offset, offset + count)`` replaced by the
+    first ``count`` decoded values of one payload. An out-of-range traced offset is clamped,
+    as ``dynamic_update_slice`` does; the wrapper rejects static ones."""
     v = dequantize(codes, scale, zero, bits=bits, group_size=group_size, dtype=out.dtype,
                    rotation=rotation, spikes=spikes)
     flat = lax.dynamic_update_slice(out.reshape(-1), v.reshape(-1)[:count], (offset,))

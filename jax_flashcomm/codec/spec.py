@@ -27,47 +27,33 @@ SUPPORTED_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.
 BACKENDS = ("auto", "ffi", "jnp")
 
 
+def _as_int(value, name: str, expected: str) -> int:
+    """``value`` as a Python int; a TypeError naming ``name`` and ``expected`` for a bool or a
+    non-integer."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be {expected}, got {value!r}")
+    return int(value)
+
+
 def check_bits(bits, name: str = "bits") -> int:
-    """``bits`` must be an int in 2..8.
-
-    Args:
-      bits: the value to check.
-      name: the argument's name in errors.
-
-    Returns:
-      ``bits`` as a Python int.
-
-    Raises:
-      TypeError, ValueError: not an int, or out of range.
-    """
-    if isinstance(bits, (bool, np.bool_)) or not isinstance(bits, (int, np.integer)):
-        raise TypeError(f"{name} must be an int in {MIN_BITS}..{MAX_BITS}, got {bits!r}")
-    if not MIN_BITS <= int(bits) <= MAX_BITS:
+    """``bits`` as a Python int, which must be an int in 2..8 (else a TypeError or ValueError
+    naming ``name``)."""
+    bits = _as_int(bits, name, f"an int in {MIN_BITS}..{MAX_BITS}")
+    if not MIN_BITS <= bits <= MAX_BITS:
         raise ValueError(f"{name} must be in {MIN_BITS}..{MAX_BITS}, got {bits}")
-    return int(bits)
+    return bits
 
 
 def check_group_size(group_size, name: str = "group_size") -> int:
-    """``group_size`` must be a positive multiple of 8, at most ``MAX_GROUP_SIZE`` (2**24).
-
-    Args:
-      group_size: the value to check.
-      name: the argument's name in errors.
-
-    Returns:
-      ``group_size`` as a Python int.
-
-    Raises:
-      TypeError, ValueError: not an int, or not allowed.
-    """
-    if isinstance(group_size, (bool, np.bool_)) or not isinstance(group_size, (int, np.integer)):
-        raise TypeError(f"{name} must be a positive multiple of {BLOCK}, got {group_size!r}")
+    """``group_size`` as a Python int, which must be a positive multiple of 8 and at most
+    ``MAX_GROUP_SIZE`` (2**24) (else a TypeError or ValueError naming ``name``)."""
+    group_size = _as_int(group_size, name, f"a positive multiple of {BLOCK}")
     if group_size <= 0 or group_size % BLOCK:
         raise ValueError(f"{name} must be a positive multiple of {BLOCK}, got {group_size}")
     if group_size > MAX_GROUP_SIZE:
         raise ValueError(f"{name} must be at most {MAX_GROUP_SIZE} (2**24, docs/format.md), got "
                          f"{group_size}")
-    return int(group_size)
+    return group_size
 
 
 def check_dtype(dtype, name: str = "x") -> np.dtype:

@@ -36,6 +36,7 @@ import platform
 import re
 import time
 
+from jax_flashcomm._files import read_json
 from jax_flashcomm.costs._model import Link
 
 __all__ = ["TABLE_VERSION", "TABLE_ENV", "CACHE_ENV", "LINK_ENV", "LAYOUTS", "SCOPES",
@@ -302,10 +303,9 @@ def load(path: pathlib.Path | str | None = None, *, key: dict | None = None) -> 
     path = pathlib.Path(path) if path is not None else table_path(key)
     if not path.is_file():
         return None
+    data = read_json(path, "tuning table")
     try:
-        table = Table.from_json(json.loads(path.read_text()))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not JSON ({e})") from None
+        table = Table.from_json(data)
     except RecursionError:
         raise ValueError(f"{path}: not a tuning table (nested too deep)") from None
     except ValueError as e:

@@ -20,6 +20,7 @@ import json
 import math
 from pathlib import Path
 
+from jax_flashcomm._files import read_json
 from jax_flashcomm.codec import spec
 from jax_flashcomm.config import CommConfig
 
@@ -208,12 +209,4 @@ class CommPolicy:
         if path.stat().st_size > MAX_FILE_BYTES:
             raise ValueError(f"{path}: {path.stat().st_size} bytes, more than a policy's "
                              f"{MAX_FILE_BYTES}")
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}: not JSON ({err})") from None
-        except RecursionError:
-            raise ValueError(f"{path}: not a jax_flashcomm policy (nested too deep)") from None
-        except UnicodeDecodeError as err:
-            raise ValueError(f"{path}: not a UTF-8 text file ({err.reason})") from None
-        return cls.from_json(data, where=str(path))
+        return cls.from_json(read_json(path, "jax_flashcomm policy"), where=str(path))

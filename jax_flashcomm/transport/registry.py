@@ -19,11 +19,28 @@ from jax_flashcomm.transport.base import Call, Transport
 __all__ = ["XlaTransport", "P2pTransport", "TRANSPORTS"]
 
 
-class XlaTransport(Transport):
+class _Collectives(Transport):
+    """A transport whose quantized collectives are the functions of one module."""
+
+    #: The module with ``all_reduce``, ``reduce_scatter`` and ``all_gather``.
+    collectives = None
+
+    def all_reduce(self, x, axes, plan, decode=True):
+        return self.collectives.all_reduce(x, axes, plan, decode=decode)
+
+    def reduce_scatter(self, rows, axes, plan):
+        return self.collectives.reduce_scatter(rows, axes, plan)
+
+    def all_gather(self, x, axes, axis, tiled, plan):
+        return self.collectives.all_gather(x, axes, axis, tiled, plan)
+
+
+class XlaTransport(_Collectives):
     """XLA's own collectives: runs everywhere, across processes and hosts; its exact path is
     the ``lax`` collective itself."""
 
     name = "xla"
+    collectives = xla
     #: The in-process link where no table measured it: a 3-device ppermute on an AMD EPYC Zen 4
     #: (2 cores; ``python -m jax_flashcomm.tune --quick``, docs/autotune.md).
     IN_PROCESS_LINK = Link(21e9, "shared", 145e-6, 0.0)
@@ -58,15 +75,6 @@ class XlaTransport(Transport):
     def ring_reason(self, axes: tuple) -> str | None:
         return None
 
-    def all_reduce(self, x, axes, plan, decode=True):
-        return xla.all_reduce(x, axes, plan, decode=decode)
-
-    def reduce_scatter(self, rows, axes, plan):
-        return xla.reduce_scatter(rows, axes, plan)
-
-    def all_gather(self, x, axes, axis, tiled, plan):
-        return xla.all_gather(x, axes, axis, tiled, plan)
-
     def exact_all_reduce(self, x, axes, plan):
         return lax.psum(x, axes)
 
@@ -75,11 +83,12 @@ class XlaTransport(Transport):
 
 
 
-class P2pTransport(Transport):
+class P2pTransport(_Collectives):
     """One FFI call per rank that reads its peers' buffers (module docstring): the devices of
     this process, or processes of this host over shared memory."""
 
     name = "p2p"
+    collectives = p2p
     #: The latency of one p2p call in one process where no table measured it (AMD EPYC Zen 4,
     #: 2 cores; ``python -m jax_flashcomm.tune --quick``, docs/autotune.md).
     LATENCY_S = 174e-6
@@ -128,15 +137,6 @@ class P2pTransport(Transport):
 
     def ring_reason(self, axes: tuple) -> str | None:
         return ring.unsupported_reason(axes)
-
-    def all_reduce(self, x, axes, plan, decode=True):
-        return p2p.all_reduce(x, axes, plan, decode=decode)
-
-    def reduce_scatter(self, rows, axes, plan):
-        return p2p.reduce_scatter(rows, axes, plan)
-
-    def all_gather(self, x, axes, axis, tiled, plan):
-        return p2p.all_gather(x, axes, axis, tiled, plan)
 
     def exact_all_reduce(self, x, axes, plan):
         return p2p.exact_all_reduce(x, axes, plan.timeout_ms)

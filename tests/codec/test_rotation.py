@@ -20,6 +20,7 @@ from jax_flashcomm import allreduce, codec
 from jax_flashcomm.codec import kernels, reference
 from jax_flashcomm import CommConfig
 
+from tests.support import collective_oracles as oracles
 from tests.support.codec_data import bit_view as _bits, every_isa, jit_quantize as _quant
 from tests.support.pairwise import all_pairs
 
@@ -65,6 +66,12 @@ def test_parity_quantize_dequantize(rotation, group_size, dtype):
 
     results = every_isa(program, x)  # every output the same bits on every ISA build
     assert len(results) == 4
+    _assert_twin_equals_kernel(results, rotation, outs)
+
+
+def _assert_twin_equals_kernel(results, rotation, outs):
+    """Each ``(jnp payload, FFI payload, [(jnp decode, FFI decode) per output dtype])`` of
+    ``results``: the same rotation, codes, scales, zeros and decoded bits."""
     for pj, pf, deq in results:
         assert pj.rotation == pf.rotation == rotation
         for a, b in ((pj.codes, pf.codes), (pj.scale, pf.scale), (pj.zero, pf.zero)):
@@ -113,13 +120,7 @@ def test_parity_every_width_and_group_size(rotation, group_size):
     # every output (the FFI ones included) bit-equal on every ISA build of the kernels
     per_bits, sums = every_isa(_width_program(rotation, group_size), x)
     assert len(per_bits) == 7
-    for pj, pf, deq in per_bits:
-        assert pj.rotation == pf.rotation == rotation
-        for a, b in ((pj.codes, pf.codes), (pj.scale, pf.scale), (pj.zero, pf.zero)):
-            np.testing.assert_array_equal(_bits(a), _bits(b))
-        for (yj, yf), out in zip(deq, WIDTH_OUTS, strict=True):
-            assert yf.dtype == out
-            np.testing.assert_array_equal(_bits(yj), _bits(yf))
+    _assert_twin_equals_kernel(per_bits, rotation, WIDTH_OUTS)
     for yj, yf in sums:
         np.testing.assert_array_equal(_bits(yj), _bits(yf))
 
@@ -313,18 +314,8 @@ def test_psum_rotated_bound_and_identical(mesh_factory, rotation, mesh_shape, na
     y, y2, b1, t1, b2, t2 = [np.asarray(o, np.float64) for o in f(_put(mesh, x))]
     np.testing.assert_array_equal(y, y2)
     red = tuple(names.index(a) for a in axes)
-
-    def rsum(v):
-        grid = v.reshape(*mesh_shape, *v.shape[1:])
-        return np.broadcast_to(grid.sum(axis=red, keepdims=True), grid.shape).reshape(v.shape)
-
-    n = math.prod(mesh_shape[names.index(a)] for a in axes)
-    b1s, t1s = rsum(b1), rsum(t1)
-    rot_b = b1s + b2 + n * EPS32 * (t1s + b1s)  # rotated domain, elementwise, per group
-    bound_g = np.asarray(codec.rotation_bound(rot_b, t1s + t2, g, np.dtype(dtype)), np.float64)
-    size = math.prod(local_shape)
-    bound = np.repeat(bound_g, g, axis=1)[:, :size]
-    true = rsum(np.asarray(x, np.float64).reshape(n_dev, -1))
+    true, bound = oracles.rotated_psum_bound(mesh_shape, names, axes, x, (b1, t1, b2, t2), g,
+                                             dtype)
     err = np.abs(y - true)
     assert np.all(err <= bound), float(np.max(err / bound))
     # identical on every rank of a reduction group

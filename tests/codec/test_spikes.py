@@ -416,19 +416,8 @@ def _rotated_psum_bound(mesh, mesh_shape, names, axes, x, spikes, rotation):
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(names), out_specs=(P(names),) * 5))
     y, b1, t1, b2, t2 = [np.asarray(o, np.float64) for o in f(oracles.put(mesh, x))]
-    red = tuple(names.index(a) for a in axes)
-
-    def rsum(v):
-        grid = v.reshape(*mesh_shape, *v.shape[1:])
-        return np.broadcast_to(grid.sum(axis=red, keepdims=True), grid.shape).reshape(v.shape)
-
-    n = math.prod(mesh_shape[names.index(a)] for a in axes)
-    b1s, t1s = rsum(b1), rsum(t1)
-    rot_b = b1s + b2 + n * oracles.EPS32 * (t1s + b1s)
-    bound_g = np.asarray(codec.rotation_bound(rot_b, t1s + t2, g, np.dtype(np.float32)))
-    size = math.prod(local)
-    bound = np.repeat(bound_g.astype(np.float64), g, axis=1)[:, :size]
-    true = rsum(np.asarray(x, np.float64).reshape(x.shape[0], -1))
+    true, bound = oracles.rotated_psum_bound(mesh_shape, names, axes, x, (b1, t1, b2, t2), g,
+                                             np.float32)
     assert np.all(np.abs(y - true) <= bound)
     for r in range(1, y.shape[0]):  # one reduction group here: identical everywhere
         np.testing.assert_array_equal(y[r], y[0])

@@ -179,12 +179,20 @@ def test_fuzz_psum_scatter(case, data):
     local[dim] = n * data.draw(st.sampled_from([1, 2, 3, 5]), label="per_rank") if tiled else n
     x = _values(np.random.default_rng(case[-1]), tuple(local), x.dtype, mesh.devices.size,
                 case[7], case[8])
+    _check_both_transports(case, mesh, axes, x, bits, g, "psum_scatter",
+                           dict(scatter_dimension=dim, tiled=tiled), (dim, tiled))
+
+
+def _check_both_transports(case, mesh, axes, x, bits, g, op, lax_kwargs, oracle_args):
+    """The exact op against lax for ``bits=None``; else the quantized op within its error bound
+    under both configs of :func:`_configs`, which give the same bits."""
     if bits is None:
-        _exact(mesh, axes, x, "psum_scatter", scatter_dimension=dim, tiled=tiled)
+        _exact(mesh, axes, x, op, **lax_kwargs)
         return
+    check = getattr(oracles, f"{op}_check")
     results = []
     for config in _configs(bits, g, spikes=_spikes(case[-1], g)):
-        y, true, bound = oracles.psum_scatter_check(mesh, axes, x, config, dim, tiled)
+        y, true, bound = check(mesh, axes, x, config, *oracle_args)
         _assert_within(y, true, bound)
         results.append(y)
     oracles.assert_same(results[0], results[1])
@@ -200,15 +208,8 @@ def test_fuzz_all_gather(case, data):
     tiled = ndim > 0 and data.draw(st.booleans(), label="tiled")
     out_ndim = ndim if tiled else ndim + 1
     axis = data.draw(st.integers(-out_ndim, out_ndim - 1), label="axis")
-    if bits is None:
-        _exact(mesh, axes, x, "all_gather", axis=axis, tiled=tiled)
-        return
-    results = []
-    for config in _configs(bits, g, spikes=_spikes(case[-1], g)):
-        y, true, bound = oracles.all_gather_check(mesh, axes, x, config, axis, tiled)
-        _assert_within(y, true, bound)
-        results.append(y)
-    oracles.assert_same(results[0], results[1])
+    _check_both_transports(case, mesh, axes, x, bits, g, "all_gather",
+                           dict(axis=axis, tiled=tiled), (axis, tiled))
 
 
 # --- collective matmuls -------------------------------------------------------------------------

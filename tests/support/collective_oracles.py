@@ -199,3 +199,32 @@ def all_gather_check(mesh, axes, x, config, axis, tiled):
         for r in g[1:]:
             assert_same(y[r], y[g[0]])
     return y, true, bound
+
+
+def rotated_psum_bound(mesh_shape, names, axes, x, bounds, g, dtype):
+    """The true sum and the elementwise error bound of a rotated two-step psum.
+
+    Args:
+      mesh_shape, names, axes: the mesh and the reduced axes.
+      x: the operands, ``(devices, *local)``.
+      bounds: ``(b1, t1, b2, t2)``: the two payloads' rotated-domain bounds per rank
+        (:func:`jax_flashcomm.codec.rotated_domain_bound`), flattened per rank.
+      g: the group size.
+      dtype: the operand dtype (its rounding in the bound).
+
+    Returns:
+      ``(true, bound)``, f64 ``(devices, local size)``.
+    """
+    b1, t1, b2, t2 = bounds
+    red = tuple(names.index(a) for a in axes)
+
+    def rsum(v):
+        grid = v.reshape(*mesh_shape, *v.shape[1:])
+        return np.broadcast_to(grid.sum(axis=red, keepdims=True), grid.shape).reshape(v.shape)
+
+    n = math.prod(mesh_shape[names.index(a)] for a in axes)
+    b1s, t1s = rsum(b1), rsum(t1)
+    rot_b = b1s + b2 + n * EPS32 * (t1s + b1s)  # rotated domain, elementwise, per group
+    bound_g = np.asarray(codec.rotation_bound(rot_b, t1s + t2, g, np.dtype(dtype)), np.float64)
+    bound = np.repeat(bound_g, g, axis=1)[:, :math.prod(x.shape[1:])]
+    return rsum(np.asarray(x, np.float64).reshape(x.shape[0], -1)), bound

@@ -1,0 +1,26 @@
+"""Reading the package's JSON files (tuning tables, policies) with errors that name the file."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+
+def read_json(path: pathlib.Path, kind: str):
+    """The JSON value in the file ``path``.
+
+    Args:
+      path: the file.
+      kind: what the file should be, for errors (``"tuning table"``, ...).
+
+    Raises:
+      ValueError: not UTF-8, not JSON, or nested too deep, naming the file.
+    """
+    try:
+        return json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not JSON ({err})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: not a {kind} (nested too deep)") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not a UTF-8 text file ({err.reason})") from None
