@@ -1,7 +1,7 @@
 // The choice of the CPU codec's instruction-set build (cpu_dispatch.h): the best build the CPU
 // can run, or the one FLASHCOMM_CPU_ISA names, decided once on first use; set_isa switches
 // (the Python module and the C++ tests use it to run every build).
-#include "flashcomm/cpu_dispatch.h"
+#include "cpu/cpu_dispatch.h"
 
 #include <atomic>
 #include <cstddef>
@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "flashcomm/cpu_alloc.h"
+#include "cpu/cpu_alloc.h"
 
 // One declaration per build compiled in (ffi/cpu/isa_kernels.cc; CMake defines the
 // FLASHCOMM_HAVE_ISA_* macros for the builds it compiles). The builds' namespaces are inline

@@ -2,7 +2,7 @@
 // with FLASHCOMM_ISA (isa_<name>: the namespace of every symbol here and in the codec headers),
 // FLASHCOMM_LANES (16 / 8 / 4 f32 lanes) and the ISA's -m flags; the
 // result is one CodecKernels table per ISA (cpu_dispatch.h). The handlers check shapes and
-// attributes first (codec_kernels.cc, gather_kernels.cc), so sizes here are valid.
+// attributes first (codec_handlers.cc, gather_handlers.cc), so sizes here are valid.
 //
 // Nothing here may instantiate a template or inline function outside FLASHCOMM_ISA's
 // namespace (no std containers): the linker keeps one copy of such a function for the whole
@@ -17,13 +17,13 @@
 #include <cstring>
 
 #include "flashcomm/codec.h"
-#include "flashcomm/cpu_alloc.h"
-#include "flashcomm/cpu_codec.h"
-#include "flashcomm/cpu_dispatch.h"
-#include "flashcomm/cpu_fp.h"
-#include "flashcomm/cpu_norm.h"
-#include "flashcomm/cpu_rotation.h"
-#include "flashcomm/cpu_spikes.h"
+#include "cpu/cpu_alloc.h"
+#include "cpu/cpu_codec.h"
+#include "cpu/cpu_dispatch.h"
+#include "cpu/cpu_fp.h"
+#include "cpu/cpu_norm.h"
+#include "cpu/cpu_rotation.h"
+#include "cpu/cpu_spikes.h"
 
 #if !defined(FLASHCOMM_ISA) || !defined(FLASHCOMM_LANES)
 #error "compile with -DFLASHCOMM_ISA=isa_<name> -DFLASHCOMM_LANES=<16, 8 or 4>"

@@ -9,28 +9,17 @@
 #include <tuple>
 #include <vector>
 
-#include "flashcomm/cpu_dispatch.h"
-#include "flashcomm/cpu_kernels.h"
-#include "flashcomm/cpu_parallel.h"
-#include "flashcomm/cpu_p2p.h"
-#include "flashcomm/cpu_shm.h"
-#include "flashcomm/shm_rendezvous.h"
+#include "cpu/cpu_dispatch.h"
+#include "cpu/handlers.h"
+#include "cpu/cpu_parallel.h"
+#include "cpu/shm_rendezvous.h"
 #include "flashcomm/nb_registrations.h"
 
 NB_MODULE(_flashcomm_cpu, m) {
   m.def("registrations", []() {
-    nanobind::dict d = flashcomm::Registrations(
-        FlashcommQuantizeCpu, FlashcommDequantizeCpu, FlashcommDequantizeSumCpu,
-        FlashcommDequantizeSumQuantizeCpu, FlashcommDequantizeIntoCpu);
-    flashcomm::AddP2pRegistrations(d, FlashcommP2pAllReduceCpu, FlashcommP2pReduceScatterCpu,
-                                   FlashcommP2pAllGatherCpu);
-    flashcomm::AddP2pRingRegistrations(d, FlashcommP2pRingStartCpu, FlashcommP2pRingDoneCpu);
-    flashcomm::AddShmRegistrations(d, FlashcommShmAllReduceCpu, FlashcommShmReduceScatterCpu,
-                                   FlashcommShmAllGatherCpu, FlashcommShmPsumCpu,
-                                   FlashcommShmRingStartCpu, FlashcommShmRingDoneCpu);
-    flashcomm::AddNormRegistrations(d, FlashcommAddRmsNormCpu, FlashcommAddRmsNormQuantizeCpu);
-    flashcomm::AddFpRegistrations(d, FlashcommFpQuantizeCpu, FlashcommFpDequantizeCpu,
-                                  FlashcommFpDequantizeSumCpu, FlashcommFpDequantizeSumQuantizeCpu);
+    nanobind::dict d;
+#define FLASHCOMM_TARGET(name, stem) d[#name] = flashcomm::HandlerCapsule(Flashcomm##stem##Cpu);
+#include "flashcomm/targets.def"
     return d;
   });
   m.def("p2p_meetings_in_progress", &flashcomm::cpu::P2pMeetingsInProgress,

@@ -1,5 +1,5 @@
-// The peer-to-peer protocols on CPU (flashcomm/cpu_p2p_protocol.h), whichever gang carries them.
-#include "flashcomm/cpu_p2p_protocol.h"
+// The peer-to-peer protocols on CPU (cpu/cpu_p2p_protocol.h), whichever gang carries them.
+#include "cpu/cpu_p2p_protocol.h"
 
 namespace flashcomm {
 namespace cpu {

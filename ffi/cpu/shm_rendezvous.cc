@@ -1,5 +1,5 @@
-// The shared-memory meeting point (flashcomm/shm_rendezvous.h has the design).
-#include "flashcomm/shm_rendezvous.h"
+// The shared-memory meeting point (cpu/shm_rendezvous.h has the design).
+#include "cpu/shm_rendezvous.h"
 
 #include <fcntl.h>
 #include <linux/futex.h>

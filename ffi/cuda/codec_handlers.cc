@@ -1,6 +1,6 @@
 // XLA FFI handlers of the codec on CUDA: quantize, dequantize, dequantize_sum and
 // dequantize_sum_quantize, with the same targets, operands, attributes and layouts as the CPU
-// handlers (ffi/cpu/codec_kernels.cc, docs/format.md). They check the operands, pick the
+// handlers (ffi/cpu/codec_handlers.cc, docs/format.md). They check the operands, pick the
 // kernel instance on the host (dtype, rotation, spikes > 0) and call its launcher (launch.h).
 // The kernels live in codec_quantize.cu, codec_dequantize.cu and codec_dequantize_sum.cu;
 // every codec operation there is a call into flashcomm/codec.h, so results are bit-identical
@@ -13,8 +13,9 @@
 #include <cstdint>
 #include <string>
 
+#include "flashcomm/bindings.h"
 #include "flashcomm/codec.h"
-#include "flashcomm/cuda_kernels.h"
+#include "handlers.h"
 #include "flashcomm/ffi_checks.h"
 #include "launch.h"
 #include "xla/ffi/api/ffi.h"
@@ -72,8 +73,9 @@ ffi::Error ForDtype(ffi::DataType dtype, const char* op, const char* what, Launc
 ffi::Error Quantize(cudaStream_t stream, ffi::AnyBuffer x,
                     ffi::Result<ffi::Buffer<ffi::U8>> codes,
                     ffi::Result<ffi::Buffer<ffi::BF16>> scale,
-                    ffi::Result<ffi::Buffer<ffi::BF16>> zero, int32_t bits,
-                    int64_t group_size, int32_t rotation, int32_t spikes) {
+                    ffi::Result<ffi::Buffer<ffi::BF16>> zero, GroupFormat fmt) {
+  const int32_t bits = fmt.bits, rotation = fmt.rotation, spikes = fmt.spikes;
+  const int64_t group_size = fmt.group_size;
   int64_t n_groups = 0;
   if (ffi::Error e = CheckQuantizeShapes(x, *codes, *scale, *zero, bits, group_size, spikes,
                                          &n_groups);
@@ -105,8 +107,9 @@ ffi::Error Quantize(cudaStream_t stream, ffi::AnyBuffer x,
 
 ffi::Error Dequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
                       ffi::Buffer<ffi::BF16> scale, ffi::Buffer<ffi::BF16> zero,
-                      ffi::Result<ffi::AnyBuffer> y, int32_t bits, int64_t group_size,
-                      int32_t rotation, int32_t spikes) {
+                      ffi::Result<ffi::AnyBuffer> y, GroupFormat fmt) {
+  const int32_t bits = fmt.bits, rotation = fmt.rotation, spikes = fmt.spikes;
+  const int64_t group_size = fmt.group_size;
   int64_t n_groups = 0;
   if (ffi::Error e = CheckDequantizeShapes(codes, scale, zero, *y, bits, group_size, spikes,
                                            &n_groups);
@@ -139,8 +142,9 @@ ffi::Error Dequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
 
 ffi::Error DequantizeSum(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
                          ffi::Buffer<ffi::BF16> scale, ffi::Buffer<ffi::BF16> zero,
-                         ffi::Result<ffi::AnyBuffer> y, int32_t bits, int64_t group_size,
-                         int32_t rotation, int32_t spikes) {
+                         ffi::Result<ffi::AnyBuffer> y, GroupFormat fmt) {
+  const int32_t bits = fmt.bits, rotation = fmt.rotation, spikes = fmt.spikes;
+  const int64_t group_size = fmt.group_size;
   PayloadView in;
   if (ffi::Error e = ViewChunkedPayload(codes, scale, zero, bits, group_size, spikes, &in);
       e.failure()) {
@@ -170,9 +174,11 @@ ffi::Error DequantizeSumQuantize(cudaStream_t stream, ffi::Buffer<ffi::U8> codes
                                  ffi::Buffer<ffi::BF16> scale, ffi::Buffer<ffi::BF16> zero,
                                  ffi::Result<ffi::Buffer<ffi::U8>> out_codes,
                                  ffi::Result<ffi::Buffer<ffi::BF16>> out_scale,
-                                 ffi::Result<ffi::Buffer<ffi::BF16>> out_zero, int32_t bits,
-                                 int32_t out_bits, int64_t group_size, int32_t spikes,
-                                 int32_t out_spikes) {
+                                 ffi::Result<ffi::Buffer<ffi::BF16>> out_zero, GroupFormat fmt,
+                                 GroupFormat out_fmt) {
+  const int32_t bits = fmt.bits, out_bits = out_fmt.bits;
+  const int32_t spikes = fmt.spikes, out_spikes = out_fmt.spikes;
+  const int64_t group_size = fmt.group_size;
   PayloadView in;
   if (ffi::Error e = ViewChunkedPayload(codes, scale, zero, bits, group_size, spikes, &in);
       e.failure()) {
@@ -205,58 +211,20 @@ ffi::Error DequantizeSumQuantize(cudaStream_t stream, ffi::Buffer<ffi::U8> codes
 // custom call again when an address changes). No handler reads device memory or host state
 // at run time, allocates, synchronizes or queries the stream: one kernel launch (or none, for
 // an empty operand) per call, on XLA's stream. docs/cuda.md, "Command buffers".
+namespace bind = flashcomm::bind;
+using Stream = ffi::PlatformStream<cudaStream_t>;  // XLA's stream for this device
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommQuantizeCuda, flashcomm::cuda::Quantize,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                                  .Arg<ffi::AnyBuffer>()              // x: (..., group_size)
-                                  .Ret<ffi::Buffer<ffi::U8>>()        // codes: (..., group bytes)
-                                  .Ret<ffi::Buffer<ffi::BF16>>()      // scale: (...)
-                                  .Ret<ffi::Buffer<ffi::BF16>>()      // zero: (...)
-                                  .Attr<int32_t>("bits")              // code width, 2..8
-                                  .Attr<int64_t>("group_size")        // multiple of 8
-                                  .Attr<int32_t>("rotation")          // 0, 1 or 2
-                                  .Attr<int32_t>("spikes"),           // kept per group, 0..16
+                              bind::Quantize(ffi::Ffi::Bind().Ctx<Stream>()),
                               {ffi::Traits::kCmdBufferCompatible});
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeCuda, flashcomm::cuda::Dequantize,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                                  .Arg<ffi::Buffer<ffi::U8>>()        // codes: (..., group bytes)
-                                  .Arg<ffi::Buffer<ffi::BF16>>()      // scale: (...)
-                                  .Arg<ffi::Buffer<ffi::BF16>>()      // zero: (...)
-                                  .Ret<ffi::AnyBuffer>()              // y: (..., group_size)
-                                  .Attr<int32_t>("bits")              // code width, 2..8
-                                  .Attr<int64_t>("group_size")        // multiple of 8
-                                  .Attr<int32_t>("rotation")          // 0, 1 or 2
-                                  .Attr<int32_t>("spikes"),           // kept per group, 0..16
+                              bind::Dequantize(ffi::Ffi::Bind().Ctx<Stream>()),
                               {ffi::Traits::kCmdBufferCompatible});
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeSumCuda, flashcomm::cuda::DequantizeSum,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // codes: (..., N, G/chunk, bytes)
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // scale: (..., N, G/chunk)
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // zero: (..., N, G/chunk)
-                                  .Ret<ffi::AnyBuffer>()          // y: (..., G/chunk * group_size)
-                                  .Attr<int32_t>("bits")          // code width of the input
-                                  .Attr<int64_t>("group_size")    // multiple of 8
-                                  .Attr<int32_t>("rotation")      // 0, 1 or 2
-                                  .Attr<int32_t>("spikes"),       // kept per group, 0..16
+                              bind::Dequantize(ffi::Ffi::Bind().Ctx<Stream>()),
                               {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    FlashcommDequantizeSumQuantizeCuda, flashcomm::cuda::DequantizeSumQuantize,
+    bind::DequantizeSumQuantize(ffi::Ffi::Bind().Ctx<Stream>()),
+    {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeSumQuantizeCuda,
-                              flashcomm::cuda::DequantizeSumQuantize,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // codes: (..., N, G/chunk, bytes)
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // scale: (..., N, G/chunk)
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // zero: (..., N, G/chunk)
-                                  .Ret<ffi::Buffer<ffi::U8>>()    // codes: (..., G/chunk, bytes')
-                                  .Ret<ffi::Buffer<ffi::BF16>>()  // scale: (..., G/chunk)
-                                  .Ret<ffi::Buffer<ffi::BF16>>()  // zero: (..., G/chunk)
-                                  .Attr<int32_t>("bits")          // code width of the input
-                                  .Attr<int32_t>("out_bits")      // code width of the output
-                                  .Attr<int64_t>("group_size")    // multiple of 8
-                                  .Attr<int32_t>("spikes")        // per input group, 0..16
-                                  .Attr<int32_t>("out_spikes"),   // per output group, 0..16
-                              {ffi::Traits::kCmdBufferCompatible});

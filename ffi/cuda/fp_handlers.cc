@@ -1,5 +1,5 @@
 // XLA FFI handlers of the floating-point group formats on CUDA (fp8, mxfp4, nvfp4): the same
-// targets, operands, attributes and record layouts as the CPU handlers (ffi/cpu/fp_kernels.cc,
+// targets, operands, attributes and record layouts as the CPU handlers (ffi/cpu/fp_handlers.cc,
 // docs/format.md "Floating-point formats"). They check the operands and call the launchers of
 // fp_kernels.cu (launch.h). Plain C++ (host compiler, CUDA runtime API only).
 #include <cuda_runtime_api.h>
@@ -7,8 +7,9 @@
 #include <cstdint>
 #include <string>
 
+#include "flashcomm/bindings.h"
 #include "flashcomm/codec.h"
-#include "flashcomm/cuda_kernels.h"
+#include "handlers.h"
 #include "flashcomm/ffi_checks.h"
 #include "flashcomm/fp_checks.h"
 #include "flashcomm/fp_codec.h"
@@ -58,8 +59,9 @@ ffi::Error ViewChunks(const char* op, const ffi::Buffer<ffi::U8>& records, int32
 }
 
 ffi::Error FpQuantize(cudaStream_t stream, ffi::AnyBuffer x,
-                      ffi::Result<ffi::Buffer<ffi::U8>> records, int32_t format,
-                      int64_t group_size, int32_t rotation, int32_t spikes) {
+                      ffi::Result<ffi::Buffer<ffi::U8>> records, GroupFormat fmt) {
+  const int32_t format = fmt.format, rotation = fmt.rotation, spikes = fmt.spikes;
+  const int64_t group_size = fmt.group_size;
   const char* op = "flashcomm_fp_quantize";
   if (ffi::Error e = CheckAttrs(op, format, group_size, rotation, spikes); e.failure()) {
     return e;
@@ -78,8 +80,9 @@ ffi::Error FpQuantize(cudaStream_t stream, ffi::AnyBuffer x,
 }
 
 ffi::Error FpDequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> records,
-                        ffi::Result<ffi::AnyBuffer> y, int32_t format, int64_t group_size,
-                        int32_t rotation, int32_t spikes) {
+                        ffi::Result<ffi::AnyBuffer> y, GroupFormat fmt) {
+  const int32_t format = fmt.format, rotation = fmt.rotation, spikes = fmt.spikes;
+  const int64_t group_size = fmt.group_size;
   const char* op = "flashcomm_fp_dequantize";
   if (ffi::Error e = CheckAttrs(op, format, group_size, rotation, spikes); e.failure()) {
     return e;
@@ -96,8 +99,9 @@ ffi::Error FpDequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> records,
 }
 
 ffi::Error FpDequantizeSum(cudaStream_t stream, ffi::Buffer<ffi::U8> records,
-                           ffi::Result<ffi::AnyBuffer> y, int32_t format, int64_t group_size,
-                           int32_t rotation, int32_t spikes) {
+                           ffi::Result<ffi::AnyBuffer> y, GroupFormat fmt) {
+  const int32_t format = fmt.format, rotation = fmt.rotation, spikes = fmt.spikes;
+  const int64_t group_size = fmt.group_size;
   const char* op = "flashcomm_fp_dequantize_sum";
   if (ffi::Error e = CheckAttrs(op, format, group_size, rotation, spikes); e.failure()) {
     return e;
@@ -116,9 +120,11 @@ ffi::Error FpDequantizeSum(cudaStream_t stream, ffi::Buffer<ffi::U8> records,
 }
 
 ffi::Error FpDequantizeSumQuantize(cudaStream_t stream, ffi::Buffer<ffi::U8> records,
-                                   ffi::Result<ffi::Buffer<ffi::U8>> out, int32_t format,
-                                   int32_t out_format, int64_t group_size, int32_t spikes,
-                                   int32_t out_spikes) {
+                                   ffi::Result<ffi::Buffer<ffi::U8>> out, GroupFormat fmt,
+                                   GroupFormat out_fmt) {
+  const int32_t format = fmt.format, out_format = out_fmt.format;
+  const int32_t spikes = fmt.spikes, out_spikes = out_fmt.spikes;
+  const int64_t group_size = fmt.group_size;
   const char* op = "flashcomm_fp_dequantize_sum_quantize";
   if (ffi::Error e = CheckAttrs(op, format, group_size, 0, spikes); e.failure()) return e;
   if (ffi::Error e = CheckAttrs(op, out_format, group_size, 0, out_spikes); e.failure()) {
@@ -140,48 +146,20 @@ ffi::Error FpDequantizeSumQuantize(cudaStream_t stream, ffi::Buffer<ffi::U8> rec
 }  // namespace cuda
 }  // namespace flashcomm
 
+namespace bind = flashcomm::bind;
+using Stream = ffi::PlatformStream<cudaStream_t>;  // XLA's stream for this device
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommFpQuantizeCuda, flashcomm::cuda::FpQuantize,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                                  .Arg<ffi::AnyBuffer>()           // x: (..., group_size)
-                                  .Ret<ffi::Buffer<ffi::U8>>()     // records: (..., bytes)
-                                  .Attr<int32_t>("format")         // 1 fp8, 2 mxfp4, 3 nvfp4
-                                  .Attr<int64_t>("group_size")     // multiple of the block
-                                  .Attr<int32_t>("rotation")       // 0, 1 or 2
-                                  .Attr<int32_t>("spikes"),        // kept per group, 0..16
+                              bind::FpQuantize(ffi::Ffi::Bind().Ctx<Stream>()),
                               {ffi::Traits::kCmdBufferCompatible});
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommFpDequantizeCuda, flashcomm::cuda::FpDequantize,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                                  .Arg<ffi::Buffer<ffi::U8>>()     // records: (..., bytes)
-                                  .Ret<ffi::AnyBuffer>()           // y: (..., group_size)
-                                  .Attr<int32_t>("format")         // 1 fp8, 2 mxfp4, 3 nvfp4
-                                  .Attr<int64_t>("group_size")     // multiple of the block
-                                  .Attr<int32_t>("rotation")       // 0, 1 or 2
-                                  .Attr<int32_t>("spikes"),        // kept per group, 0..16
+                              bind::FpDequantize(ffi::Ffi::Bind().Ctx<Stream>()),
                               {ffi::Traits::kCmdBufferCompatible});
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommFpDequantizeSumCuda, flashcomm::cuda::FpDequantizeSum,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                                  .Arg<ffi::Buffer<ffi::U8>>()     // records: (..., N, G, bytes)
-                                  .Ret<ffi::AnyBuffer>()           // y: (..., G, group_size)
-                                  .Attr<int32_t>("format")         // 1 fp8, 2 mxfp4, 3 nvfp4
-                                  .Attr<int64_t>("group_size")     // multiple of the block
-                                  .Attr<int32_t>("rotation")       // 0, 1 or 2
-                                  .Attr<int32_t>("spikes"),        // kept per group, 0..16
+                              bind::FpDequantize(ffi::Ffi::Bind().Ctx<Stream>()),
                               {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    FlashcommFpDequantizeSumQuantizeCuda, flashcomm::cuda::FpDequantizeSumQuantize,
+    bind::FpDequantizeSumQuantize(ffi::Ffi::Bind().Ctx<Stream>()),
+    {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommFpDequantizeSumQuantizeCuda,
-                              flashcomm::cuda::FpDequantizeSumQuantize,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                                  .Arg<ffi::Buffer<ffi::U8>>()     // records: (..., N, G, bytes)
-                                  .Ret<ffi::Buffer<ffi::U8>>()     // records: (..., G, bytes')
-                                  .Attr<int32_t>("format")         // of the input
-                                  .Attr<int32_t>("out_format")     // of the output
-                                  .Attr<int64_t>("group_size")     // multiple of both blocks
-                                  .Attr<int32_t>("spikes")         // per input group, 0..16
-                                  .Attr<int32_t>("out_spikes"),    // per output group, 0..16
-                              {ffi::Traits::kCmdBufferCompatible});

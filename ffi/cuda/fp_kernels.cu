@@ -1,7 +1,7 @@
 // Kernels of the floating-point group formats on CUDA (fp8, mxfp4, nvfp4; handlers:
 // fp_handlers.cc): one warp per group, the group in shared memory as f32 (kWarpsPerBlock * G
 // floats per block, G <= kMaxRotatedGroup), every arithmetic step a call into
-// flashcomm/fp_codec.h and codec.h as on the CPU (ffi/include/flashcomm/cpu_fp.h), so the
+// flashcomm/fp_codec.h and codec.h as on the CPU (ffi/cpu/cpu_fp.h), so the
 // records are the CPU's bit for bit (tests/gpu/test_gpu_fp_formats.py, run on an H200).
 #include <cuda_runtime.h>
 

@@ -1,15 +1,16 @@
 // XLA FFI handler of flashcomm_dequantize_into on CUDA: decode one payload into a slot of a
 // larger output buffer in place (the result is aliased to operand 0), the ring all-gather's
 // step. Same target, operands, attributes and results as the CPU handler
-// (ffi/cpu/gather_kernels.cc). It checks the operands and calls the launcher of
+// (ffi/cpu/gather_handlers.cc). It checks the operands and calls the launcher of
 // gather_kernels.cu (launch.h); plain C++, like codec_handlers.cc.
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 #include <string>
 
+#include "flashcomm/bindings.h"
 #include "flashcomm/codec.h"
-#include "flashcomm/cuda_kernels.h"
+#include "handlers.h"
 #include "flashcomm/ffi_checks.h"
 #include "launch.h"
 #include "xla/ffi/api/ffi.h"
@@ -39,8 +40,9 @@ ffi::Error Invalid(const std::string& what) {
 ffi::Error DequantizeInto(cudaStream_t stream, ffi::AnyBuffer out_in,
                           ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
                           ffi::Buffer<ffi::BF16> zero, ffi::Buffer<ffi::S32> offset,
-                          ffi::Result<ffi::AnyBuffer> out, int32_t bits, int64_t group_size,
-                          int32_t rotation, int32_t spikes, int64_t count) {
+                          ffi::Result<ffi::AnyBuffer> out, GroupFormat fmt, int64_t count) {
+  const int32_t bits = fmt.bits, rotation = fmt.rotation, spikes = fmt.spikes;
+  const int64_t group_size = fmt.group_size;
   if (ffi::Error e = CheckDequantizeIntoArgs(out_in, codes, scale, zero, offset, *out, bits,
                                              group_size, rotation, spikes, count,
                                              kMaxRotatedGroup, " of at most 1024 on CUDA");
@@ -83,18 +85,10 @@ ffi::Error DequantizeInto(cudaStream_t stream, ffi::AnyBuffer out_in,
 // traces are keyed by) and one kernel launch on XLA's stream. The offset is read by the
 // kernel from device memory, never by the host, so a captured graph stays right for every
 // offset.
+namespace bind = flashcomm::bind;
+using Stream = ffi::PlatformStream<cudaStream_t>;  // XLA's stream for this device
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeIntoCuda, flashcomm::cuda::DequantizeInto,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                                  .Arg<ffi::AnyBuffer>()          // out: f32/bf16/f16, any shape
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // codes: (groups, record bytes)
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // scale: (groups,)
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // zero: (groups,)
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // offset: () in device memory
-                                  .Ret<ffi::AnyBuffer>()          // out, aliased to operand 0
-                                  .Attr<int32_t>("bits")          // code width, 2..8
-                                  .Attr<int64_t>("group_size")    // multiple of 8
-                                  .Attr<int32_t>("rotation")      // 0, 1 or 2
-                                  .Attr<int32_t>("spikes")        // kept per group, 0..16
-                                  .Attr<int64_t>("count"),        // the chunk's elements
+                              bind::DequantizeInto(ffi::Ffi::Bind().Ctx<Stream>()),
                               {ffi::Traits::kCmdBufferCompatible});
+

@@ -2,7 +2,7 @@
 // IPC"), shared by the collectives (shm_handlers.cc) and the ring steps (shm_ring_handlers.cc):
 // the staging buffers and signal words of this process, the peers' mapped handles, and
 // the participant of one call, which meets its peers through the CPU module's shared-memory
-// meeting point (flashcomm/shm_rendezvous.h, bound once from Python).
+// meeting point (cpu/shm_rendezvous.h, bound once from Python).
 //   - A rank copies what it publishes at a barrier into a staging buffer of its own, allocated
 //     with cudaMalloc (legacy IPC exports only those; XLA's allocator may hand out memory it
 //     cannot), one per (site, group, barrier), grown by doubling.
@@ -39,7 +39,7 @@
 #include <vector>
 
 #include "flashcomm/p2p_rendezvous.h"
-#include "flashcomm/shm_rendezvous.h"
+#include "cpu/shm_rendezvous.h"
 #include "ipc_signals.h"
 #include "p2p_host.h"
 #include "p2p_protocol.h"

@@ -2,10 +2,10 @@
 // jax.ffi.register_ffi_target(..., platform="CUDA"). Compiled by the host compiler; the CUDA
 // runtime is linked statically (cudart_static), so importing it needs no GPU.
 
-#include "flashcomm/cuda_kernels.h"
-#include "flashcomm/handler_metadata.h"
+#include "handlers.h"
+#include "handler_metadata.h"
 #include "flashcomm/nb_registrations.h"
-#include "flashcomm/shm_rendezvous.h"
+#include "cpu/shm_rendezvous.h"
 
 #include <stdexcept>
 #include <string>
@@ -13,19 +13,9 @@
 namespace {
 
 nanobind::dict CudaRegistrations() {
-  nanobind::dict d = flashcomm::Registrations(FlashcommQuantizeCuda, FlashcommDequantizeCuda,
-                                              FlashcommDequantizeSumCuda,
-                                              FlashcommDequantizeSumQuantizeCuda,
-                                              FlashcommDequantizeIntoCuda);
-  flashcomm::AddP2pRegistrations(d, FlashcommP2pAllReduceCuda, FlashcommP2pReduceScatterCuda,
-                                 FlashcommP2pAllGatherCuda);
-  flashcomm::AddP2pRingRegistrations(d, FlashcommP2pRingStartCuda, FlashcommP2pRingDoneCuda);
-  flashcomm::AddShmRegistrations(d, FlashcommShmAllReduceCuda, FlashcommShmReduceScatterCuda,
-                                 FlashcommShmAllGatherCuda, FlashcommShmPsumCuda,
-                                 FlashcommShmRingStartCuda, FlashcommShmRingDoneCuda);
-  flashcomm::AddNormRegistrations(d, FlashcommAddRmsNormCuda, FlashcommAddRmsNormQuantizeCuda);
-  flashcomm::AddFpRegistrations(d, FlashcommFpQuantizeCuda, FlashcommFpDequantizeCuda,
-                                FlashcommFpDequantizeSumCuda, FlashcommFpDequantizeSumQuantizeCuda);
+  nanobind::dict d;
+#define FLASHCOMM_TARGET(name, stem) d[#name] = flashcomm::HandlerCapsule(Flashcomm##stem##Cuda);
+#include "flashcomm/targets.def"
   return d;
 }
 
@@ -34,7 +24,7 @@ nanobind::dict CudaRegistrations() {
 NB_MODULE(_flashcomm_cuda, m) {
   m.def("registrations", &CudaRegistrations);
   // What each registered handler declares, read as XLA reads it at registration (the metadata
-  // call, flashcomm/handler_metadata.h): tests/gpu/test_cuda_traits.py checks the traits.
+  // call, handler_metadata.h): tests/gpu/test_cuda_traits.py checks the traits.
   m.def(
       "handler_metadata",
       []() {

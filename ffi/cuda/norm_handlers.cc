@@ -1,6 +1,6 @@
 // XLA FFI handlers of the fused all-reduce epilogue on CUDA (docs/fused_norm.md):
 // flashcomm_add_rms_norm and flashcomm_add_rms_norm_quantize, with the operands, attributes and
-// checks of the CPU handlers (ffi/cpu/norm_kernels.cc, flashcomm/norm_checks.h). They pick the
+// checks of the CPU handlers (ffi/cpu/norm_handlers.cc, flashcomm/norm_checks.h). They pick the
 // kernel instance (dtype, weight dtype, spikes > 0) and call its launcher (launch.h); the kernel
 // is in norm_kernels.cu. Plain C++: XLA's ffi.h is parsed by the host compiler only.
 #include <cuda_runtime_api.h>
@@ -8,8 +8,9 @@
 #include <cstdint>
 #include <string>
 
+#include "flashcomm/bindings.h"
 #include "flashcomm/codec.h"
-#include "flashcomm/cuda_kernels.h"
+#include "handlers.h"
 #include "flashcomm/ffi_checks.h"
 #include "flashcomm/norm_checks.h"
 #include "launch.h"
@@ -66,16 +67,15 @@ ffi::Error Launch(const char* op, cudaStream_t stream, const NormLaunch& a,
 }
 
 NormLaunch Args(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
-                ffi::Buffer<ffi::BF16> zero, const NormShape& shape, int32_t bits,
-                int64_t group_size, int32_t rotation, int32_t spikes, float eps) {
+                ffi::Buffer<ffi::BF16> zero, const NormShape& shape, GroupFormat fmt, float eps) {
   NormLaunch a{};
   a.codes = codes.typed_data();
   a.scale = reinterpret_cast<const uint16_t*>(scale.typed_data());
   a.zero = reinterpret_cast<const uint16_t*>(zero.typed_data());
-  a.group_size = group_size;
-  a.bits = bits;
-  a.rotation = rotation;
-  a.spikes = spikes;
+  a.group_size = fmt.group_size;
+  a.bits = fmt.bits;
+  a.rotation = fmt.rotation;
+  a.spikes = fmt.spikes;
   a.rows = shape.rows;
   a.hidden = shape.hidden;
   a.inv_h = 1.0f / float(shape.hidden);
@@ -89,8 +89,9 @@ ffi::Error AddRmsNorm(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
                       ffi::Buffer<ffi::BF16> scale, ffi::Buffer<ffi::BF16> zero,
                       ffi::AnyBuffer residual, ffi::AnyBuffer weight,
                       ffi::Result<ffi::AnyBuffer> new_residual, ffi::Result<ffi::AnyBuffer> out,
-                      int32_t bits, int64_t group_size, int32_t rotation, int32_t spikes,
-                      float eps) {
+                      GroupFormat fmt, float eps) {
+  const int32_t bits = fmt.bits, rotation = fmt.rotation, spikes = fmt.spikes;
+  const int64_t group_size = fmt.group_size;
   constexpr const char* kOp = "flashcomm_add_rms_norm";
   NormShape shape;
   ffi::AnyBuffer out_buf = *out;
@@ -99,7 +100,7 @@ ffi::Error AddRmsNorm(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
       e.failure()) {
     return e;
   }
-  const NormLaunch a = Args(codes, scale, zero, shape, bits, group_size, rotation, spikes, eps);
+  const NormLaunch a = Args(codes, scale, zero, shape, fmt, eps);
   return Launch(kOp, stream, a, residual, weight, new_residual->untyped_data(),
                 out->untyped_data());
 }
@@ -110,9 +111,12 @@ ffi::Error AddRmsNormQuantize(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
                               ffi::Result<ffi::AnyBuffer> new_residual,
                               ffi::Result<ffi::Buffer<ffi::U8>> out_codes,
                               ffi::Result<ffi::Buffer<ffi::BF16>> out_scale,
-                              ffi::Result<ffi::Buffer<ffi::BF16>> out_zero, int32_t bits,
-                              int64_t group_size, int32_t rotation, int32_t spikes, float eps,
-                              int32_t out_bits, int64_t out_group_size) {
+                              ffi::Result<ffi::Buffer<ffi::BF16>> out_zero, GroupFormat fmt,
+                              float eps, GroupFormat out_fmt) {
+  const int32_t bits = fmt.bits, rotation = fmt.rotation, spikes = fmt.spikes;
+  const int64_t group_size = fmt.group_size;
+  const int32_t out_bits = out_fmt.bits;
+  const int64_t out_group_size = out_fmt.group_size;
   constexpr const char* kOp = "flashcomm_add_rms_norm_quantize";
   NormShape shape;
   if (ffi::Error e = CheckNormArgs(codes, scale, zero, residual, weight, *new_residual,
@@ -126,7 +130,7 @@ ffi::Error AddRmsNormQuantize(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
       e.failure()) {
     return e;
   }
-  NormLaunch a = Args(codes, scale, zero, shape, bits, group_size, rotation, spikes, eps);
+  NormLaunch a = Args(codes, scale, zero, shape, fmt, eps);
   a.out_bits = out_bits;
   a.out_group_size = out_group_size;
   a.out_codes = out_codes->typed_data();
@@ -140,41 +144,13 @@ ffi::Error AddRmsNormQuantize(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
 
 // One kernel launch per call on XLA's stream, nothing read from device memory on the host: a
 // command buffer may capture it (as the codec handlers, codec_handlers.cc).
+namespace bind = flashcomm::bind;
+using Stream = ffi::PlatformStream<cudaStream_t>;  // XLA's stream for this device
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommAddRmsNormCuda, flashcomm::cuda::AddRmsNorm,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // codes: (groups, record)
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // scale: (groups,)
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // zero: (groups,)
-                                  .Arg<ffi::AnyBuffer>()          // residual: (..., hidden)
-                                  .Arg<ffi::AnyBuffer>()          // weight: (hidden,)
-                                  .Ret<ffi::AnyBuffer>()          // new residual
-                                  .Ret<ffi::AnyBuffer>()          // normalised output
-                                  .Attr<int32_t>("bits")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<int32_t>("rotation")
-                                  .Attr<int32_t>("spikes")
-                                  .Attr<float>("eps"),
+                              bind::AddRmsNorm(ffi::Ffi::Bind().Ctx<Stream>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommAddRmsNormQuantizeCuda, flashcomm::cuda::AddRmsNormQuantize,
+                              bind::AddRmsNormQuantize(ffi::Ffi::Bind().Ctx<Stream>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommAddRmsNormQuantizeCuda,
-                              flashcomm::cuda::AddRmsNormQuantize,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // codes: (groups, record)
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // scale: (groups,)
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // zero: (groups,)
-                                  .Arg<ffi::AnyBuffer>()          // residual: (..., hidden)
-                                  .Arg<ffi::AnyBuffer>()          // weight: (hidden,)
-                                  .Ret<ffi::AnyBuffer>()          // new residual
-                                  .Ret<ffi::Buffer<ffi::U8>>()    // out codes: (groups', bytes)
-                                  .Ret<ffi::Buffer<ffi::BF16>>()  // out scale: (groups',)
-                                  .Ret<ffi::Buffer<ffi::BF16>>()  // out zero: (groups',)
-                                  .Attr<int32_t>("bits")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<int32_t>("rotation")
-                                  .Attr<int32_t>("spikes")
-                                  .Attr<float>("eps")
-                                  .Attr<int32_t>("out_bits")
-                                  .Attr<int64_t>("out_group_size"),
-                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,6 +1,6 @@
 // The peer-to-peer transport on CUDA: one process with several GPUs, one FFI call per rank per
 // collective, the same protocol and the same operands, results and attributes as the CPU
-// handlers (ffi/cpu/p2p_kernels.cc), over the same host-side rendezvous (p2p_rendezvous.h).
+// handlers (ffi/cpu/p2p_handlers.cc), over the same host-side rendezvous (p2p_rendezvous.h).
 // NOT RUN ON HARDWARE: it compiles and lowers; no GPU has executed it (docs/cuda.md,
 // "Peer-to-peer transport (not run on hardware)").
 //
@@ -30,10 +30,12 @@
 #include <utility>
 #include <vector>
 
+#include "flashcomm/bindings.h"
 #include "flashcomm/codec.h"
-#include "flashcomm/cuda_kernels.h"
+#include "handlers.h"
 #include "flashcomm/ffi_checks.h"
 #include "flashcomm/p2p_rendezvous.h"
+#include "collective_handlers.h"
 #include "p2p_host.h"
 #include "p2p_protocol.h"
 #include "xla/ffi/api/ffi.h"
@@ -180,142 +182,42 @@ class Participant {
 };
 
 
-using protocol::AllocateWork;
-using protocol::CheckCommon;
-using protocol::Codec;
-using protocol::ScratchPayload;
-using protocol::Start;
+// The GPUs of this process: they meet in the in-process rendezvous (p2p_rendezvous.h) and read
+// each other's buffers by peer copies; the descriptor is for the shared-memory meeting point.
+struct InProcessPeers {
+  using Participant = cuda::Participant;
+  static constexpr const char* kAllReduce = "flashcomm_p2p_all_reduce";
+  static constexpr const char* kReduceScatter = "flashcomm_p2p_reduce_scatter";
+  static constexpr const char* kAllGather = "flashcomm_p2p_all_gather";
+  static ffi::Error Begin(const char* op, const ffi::RunId& run, cudaStream_t stream,
+                          ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
+                          int64_t size, int64_t site, int64_t timeout_ms, int barriers,
+                          uint64_t /*descriptor*/, int64_t slots, int64_t slot_groups,
+                          int64_t nb, Begun<Participant>* b) {
+    const auto deadline = p2p::DeadlineAfter(timeout_ms);  // saturated: no overflow
+    if (ffi::Error e = protocol::Start(op, stream, rank_buf, group_buf, size, deadline, &b->on,
+                                       &b->device, &b->rank, &b->group);
+        e.failure()) {
+      return e;
+    }
+    if (ffi::Error e = protocol::AllocateWork(op, b->device, site, b->group, slots,
+                                              slot_groups, nb, &b->gathered);
+        e.failure()) {
+      return e;
+    }
+    b->me = std::make_unique<Participant>(op, b->device, stream, deadline);
+    return b->me->Join(run.run_id, site, b->group, b->rank, size, barriers);
+  }
+};
 
 }  // namespace
-
-ffi::Error P2pAllReduce(ffi::RunId run, cudaStream_t stream,
-                        ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
-                        ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> y,
-                        ffi::Result<ffi::Buffer<ffi::U8>> p1_codes,
-                        ffi::Result<ffi::Buffer<ffi::BF16>> p1_scale,
-                        ffi::Result<ffi::Buffer<ffi::BF16>> p1_zero,
-                        ffi::Result<ffi::Buffer<ffi::U8>> p2_codes,
-                        ffi::Result<ffi::Buffer<ffi::BF16>> p2_scale,
-                        ffi::Result<ffi::Buffer<ffi::BF16>> p2_zero, int32_t bits,
-                        int32_t out_bits, int64_t group_size, int32_t rotation, int32_t spikes,
-                        int32_t out_spikes, int64_t size, int64_t site, int64_t timeout_ms) {
-  constexpr const char* kOp = "flashcomm_p2p_all_reduce";
-  Codec k;
-  bool decode = false;
-  if (ffi::Error e = protocol::CheckAllReduce(kOp, x, *y, *p1_codes, *p1_scale, *p1_zero,
-                                              *p2_codes, *p2_scale, *p2_zero, bits, out_bits,
-                                              group_size, rotation, spikes, out_spikes, size,
-                                              timeout_ms, &k, &decode);
-      e.failure()) {
-    return e;
-  }
-  const auto deadline = p2p::DeadlineAfter(timeout_ms);  // saturated: no overflow
-  CurrentDevice on;
-  int device = 0;
-  int32_t rank = 0, group = 0;
-  if (ffi::Error e = Start(kOp, stream, rank_buf, group_buf, size, deadline, &on, &device, &rank,
-                           &group);
-      e.failure()) {
-    return e;
-  }
-  ScratchPayload gathered;  // chunk `rank` of every peer's phase-1 payload
-  if (ffi::Error e = AllocateWork(kOp, device, site, group, size, k.n_groups / size,
-                                     record_bytes(group_size, bits, spikes), &gathered);
-      e.failure()) {
-    return e;
-  }
-  Participant me(kOp, device, stream, deadline);
-  if (ffi::Error e = me.Join(run.run_id, site, group, rank, size, 3); e.failure()) return e;
-  return protocol::AllReduce(kOp, me, stream, gathered, k, rank, x.untyped_data(),
-                             y->untyped_data(), decode, p1_codes->typed_data(),
-                             p1_scale->typed_data(), p1_zero->typed_data(),
-                             p2_codes->typed_data(), p2_scale->typed_data(),
-                             p2_zero->typed_data());
-}
-
-ffi::Error P2pReduceScatter(ffi::RunId run, cudaStream_t stream,
-                            ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
-                            ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> y,
-                            ffi::Result<ffi::Buffer<ffi::U8>> p1_codes,
-                            ffi::Result<ffi::Buffer<ffi::BF16>> p1_scale,
-                            ffi::Result<ffi::Buffer<ffi::BF16>> p1_zero, int32_t bits,
-                            int64_t group_size, int32_t rotation, int32_t spikes, int64_t size,
-                            int64_t site, int64_t timeout_ms) {
-  constexpr const char* kOp = "flashcomm_p2p_reduce_scatter";
-  Codec k;
-  if (ffi::Error e = protocol::CheckReduceScatter(kOp, x, *y, *p1_codes, *p1_scale, *p1_zero,
-                                                  bits, group_size, rotation, spikes, size,
-                                                  timeout_ms, &k);
-      e.failure()) {
-    return e;
-  }
-  const auto deadline = p2p::DeadlineAfter(timeout_ms);  // saturated: no overflow
-  CurrentDevice on;
-  int device = 0;
-  int32_t rank = 0, group = 0;
-  if (ffi::Error e = Start(kOp, stream, rank_buf, group_buf, size, deadline, &on, &device, &rank,
-                           &group);
-      e.failure()) {
-    return e;
-  }
-  ScratchPayload gathered;
-  if (ffi::Error e = AllocateWork(kOp, device, site, group, size, k.n_groups / size,
-                                     record_bytes(group_size, bits, spikes), &gathered);
-      e.failure()) {
-    return e;
-  }
-  Participant me(kOp, device, stream, deadline);
-  if (ffi::Error e = me.Join(run.run_id, site, group, rank, size, 2); e.failure()) return e;
-  return protocol::ReduceScatter(kOp, me, stream, gathered, k, rank, x.untyped_data(),
-                                 y->untyped_data(), p1_codes->typed_data(),
-                                 p1_scale->typed_data(), p1_zero->typed_data());
-}
-
-ffi::Error P2pAllGather(ffi::RunId run, cudaStream_t stream,
-                        ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
-                        ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> y,
-                        ffi::Result<ffi::Buffer<ffi::U8>> codes,
-                        ffi::Result<ffi::Buffer<ffi::BF16>> scale,
-                        ffi::Result<ffi::Buffer<ffi::BF16>> zero, int32_t bits,
-                        int64_t group_size, int32_t rotation, int32_t spikes, int64_t size,
-                        int64_t site, int64_t timeout_ms) {
-  constexpr const char* kOp = "flashcomm_p2p_all_gather";
-  Codec k;
-  if (ffi::Error e = protocol::CheckAllGather(kOp, x, *y, *codes, *scale, *zero, bits,
-                                              group_size, rotation, spikes, size, timeout_ms,
-                                              &k);
-      e.failure()) {
-    return e;
-  }
-  const auto deadline = p2p::DeadlineAfter(timeout_ms);  // saturated: no overflow
-  CurrentDevice on;
-  int device = 0;
-  int32_t rank = 0, group = 0;
-  if (ffi::Error e = Start(kOp, stream, rank_buf, group_buf, size, deadline, &on, &device, &rank,
-                           &group);
-      e.failure()) {
-    return e;
-  }
-  ScratchPayload gathered;  // every peer's payload (this rank's slot unused)
-  if (ffi::Error e = AllocateWork(kOp, device, site, group, size, k.n_groups,
-                                     record_bytes(group_size, bits, spikes), &gathered);
-      e.failure()) {
-    return e;
-  }
-  Participant me(kOp, device, stream, deadline);
-  if (ffi::Error e = me.Join(run.run_id, site, group, rank, size, 2); e.failure()) return e;
-  return protocol::AllGather(kOp, me, stream, gathered, k, rank, x.untyped_data(), x.size_bytes(),
-                             y->untyped_data(), codes->typed_data(), scale->typed_data(),
-                             zero->typed_data());
-}
 
 size_t P2pMeetingsInProgress() { return Rendezvous::Global().InProgress(); }
 
 }  // namespace cuda
 }  // namespace flashcomm
 
-// The same operands, results and attributes as the CPU handlers (ffi/cpu/p2p_kernels.cc), in
-// the same order; the contexts add the run id and the stream.
+// The bindings of the CPU handlers (flashcomm/bindings.h); the contexts add the stream.
 //
 // No traits: these handlers are NOT command-buffer compatible and must never declare XLA's
 // command-buffer trait. Each call reads the rank and group from device memory on the host
@@ -324,64 +226,5 @@ size_t P2pMeetingsInProgress() { return Rendezvous::Global().InProgress(); }
 // freeze the rank of its capture, the peers' pointers and events of one run (silently stale
 // data afterwards), and capture forbids the stream query. XLA runs them as plain custom calls
 // outside command buffers (tests/gpu/test_cuda_traits.py checks both ways).
-#define FLASHCOMM_P2P_COMMON_ATTRS                                                         \
-  .Attr<int64_t>("size")          /* ranks in the replica group */                         \
-      .Attr<int64_t>("site")      /* the call site: peers of one call share it */          \
-      .Attr<int64_t>("timeout_ms") /* every host wait gives up after this, with an error */
-
-#define FLASHCOMM_P2P_CUDA_CONTEXT                                                         \
-  .Ctx<ffi::RunId>()                             /* the execution: peers of one run meet */ \
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()  /* this device's stream */
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FlashcommP2pAllReduceCuda, flashcomm::cuda::P2pAllReduce,
-    ffi::Ffi::Bind() FLASHCOMM_P2P_CUDA_CONTEXT
-        .Arg<ffi::AnyBuffer>()             // x: (N * groups_per_chunk, group_size)
-        .Arg<ffi::Buffer<ffi::S32>>()      // rank: () in 0..N-1, device memory
-        .Arg<ffi::Buffer<ffi::S32>>()      // group: () the replica group's index
-        .Ret<ffi::AnyBuffer>()             // y: x's shape and dtype, the decoded sum
-        .Ret<ffi::Buffer<ffi::U8>>()       // phase-1 codes: (N, groups_per_chunk, bytes)
-        .Ret<ffi::Buffer<ffi::BF16>>()     // phase-1 scale: (N, groups_per_chunk)
-        .Ret<ffi::Buffer<ffi::BF16>>()     // phase-1 zero
-        .Ret<ffi::Buffer<ffi::U8>>()       // phase-2 codes, gathered: (N * gpc, bytes')
-        .Ret<ffi::Buffer<ffi::BF16>>()     // phase-2 scale: (N * gpc)
-        .Ret<ffi::Buffer<ffi::BF16>>()     // phase-2 zero
-        .Attr<int32_t>("bits")             // phase-1 code width, 2..8
-        .Attr<int32_t>("out_bits")         // phase-2 code width, 2..8
-        .Attr<int64_t>("group_size")       // multiple of 8
-        .Attr<int32_t>("rotation")         // 0, 1 or 2 (both phases)
-        .Attr<int32_t>("spikes")           // phase-1 spikes per group, 0..16
-        .Attr<int32_t>("out_spikes")       // phase-2 spikes per group, 0..16
-        FLASHCOMM_P2P_COMMON_ATTRS);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FlashcommP2pReduceScatterCuda, flashcomm::cuda::P2pReduceScatter,
-    ffi::Ffi::Bind() FLASHCOMM_P2P_CUDA_CONTEXT
-        .Arg<ffi::AnyBuffer>()             // x: (N * groups_per_chunk, group_size)
-        .Arg<ffi::Buffer<ffi::S32>>()      // rank: () in 0..N-1, device memory
-        .Arg<ffi::Buffer<ffi::S32>>()      // group: () the replica group's index
-        .Ret<ffi::AnyBuffer>()             // y: (groups_per_chunk, group_size), chunk `rank`
-        .Ret<ffi::Buffer<ffi::U8>>()       // codes: (N, groups_per_chunk, bytes)
-        .Ret<ffi::Buffer<ffi::BF16>>()     // scale: (N, groups_per_chunk)
-        .Ret<ffi::Buffer<ffi::BF16>>()     // zero
-        .Attr<int32_t>("bits")             // code width, 2..8
-        .Attr<int64_t>("group_size")       // multiple of 8
-        .Attr<int32_t>("rotation")         // 0, 1 or 2
-        .Attr<int32_t>("spikes")           // spikes per group, 0..16
-        FLASHCOMM_P2P_COMMON_ATTRS);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FlashcommP2pAllGatherCuda, flashcomm::cuda::P2pAllGather,
-    ffi::Ffi::Bind() FLASHCOMM_P2P_CUDA_CONTEXT
-        .Arg<ffi::AnyBuffer>()             // x: (groups, group_size)
-        .Arg<ffi::Buffer<ffi::S32>>()      // rank: () in 0..N-1, device memory
-        .Arg<ffi::Buffer<ffi::S32>>()      // group: () the replica group's index
-        .Ret<ffi::AnyBuffer>()             // y: (N, groups, group_size), rank j's in slot j
-        .Ret<ffi::Buffer<ffi::U8>>()       // codes: (groups, bytes), this rank's payload
-        .Ret<ffi::Buffer<ffi::BF16>>()     // scale: (groups)
-        .Ret<ffi::Buffer<ffi::BF16>>()     // zero
-        .Attr<int32_t>("bits")             // code width, 2..8
-        .Attr<int64_t>("group_size")       // multiple of 8
-        .Attr<int32_t>("rotation")         // 0, 1 or 2
-        .Attr<int32_t>("spikes")           // spikes per group, 0..16
-        FLASHCOMM_P2P_COMMON_ATTRS);
+FLASHCOMM_DEFINE_CUDA_COLLECTIVES(P2p, flashcomm::bind::Peers::kInProcess,
+                                  flashcomm::cuda::InProcessPeers);

@@ -1,6 +1,6 @@
 // Ring steps of the peer-to-peer transport on CUDA: one process with several GPUs, the same
 // start / done pair with the same operands, results and attributes as the CPU handlers
-// (ffi/cpu/p2p_ring_kernels.cc), over the same host-side protocol (p2p_ring.h).
+// (ffi/cpu/p2p_ring_handlers.cc), over the same host-side protocol (p2p_ring.h).
 // NOT RUN ON HARDWARE: it compiles and lowers; no GPU has executed it (docs/cuda.md,
 // "Peer-to-peer transport (not run on hardware)").
 //
@@ -37,7 +37,8 @@
 #include <tuple>
 #include <utility>
 
-#include "flashcomm/cuda_kernels.h"
+#include "handlers.h"
+#include "flashcomm/bindings.h"
 #include "flashcomm/p2p_ring.h"
 #include "p2p_host.h"
 #include "xla/ffi/api/ffi.h"
@@ -438,43 +439,18 @@ size_t P2pRingStepsInProgress() { return RingTable::Global().InProgress(); }
 }  // namespace cuda
 }  // namespace flashcomm
 
-// The same operands, results and attributes as the CPU handlers (ffi/cpu/p2p_ring_kernels.cc),
-// in the same order; the contexts add the stream.
+// The bindings of the CPU handlers (flashcomm/bindings.h); the contexts add the stream.
 //
 // No traits: not command-buffer compatible (see p2p_handlers.cc). The start reads the rank on
 // the host and publishes this call's pointers and events to the peers; the done waits on the
 // host until both moves of its rank are enqueued. A captured graph would replay one run's
 // peers, pointers and events.
-#define FLASHCOMM_P2P_RING_ATTRS                                                           \
-  .Attr<int64_t>("size")       /* ranks in the ring */                                     \
-      .Attr<int64_t>("shift")  /* rank r sends to r + shift and receives from r - shift */ \
-      .Attr<int64_t>("site")   /* the call site: the ranks' calls of one step share it */
-
-#define FLASHCOMM_P2P_RING_CUDA_CONTEXT                                                    \
-  .Ctx<ffi::RunId>()                            /* the execution: peers of one run meet */ \
-      .Ctx<ffi::PlatformStream<cudaStream_t>>() /* this device's stream */
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     FlashcommP2pRingStartCuda, flashcomm::cuda::P2pRingStart,
-    ffi::Ffi::Bind() FLASHCOMM_P2P_RING_CUDA_CONTEXT
-        .Arg<ffi::AnyBuffer>()              // send: the chunk this rank sends
-        .Arg<ffi::Buffer<ffi::S32>>()       // rank: () in 0..N-1, device memory
-        .Arg<ffi::Buffer<ffi::S32>>()       // group: () the replica group's index
-        .Ret<ffi::AnyBuffer>()              // send_out: send, aliased (what the dot reads)
-        .Ret<ffi::AnyBuffer>()              // recv: the chunk of rank - shift, once done
-        .Ret<ffi::Buffer<ffi::S32>>()       // order: () zero, added to the step's slice offsets
-        FLASHCOMM_P2P_RING_ATTRS
-        .Attr<int64_t>("timeout_ms")        // the step fails (every done errs) after this
-        .Attr<int64_t>("link_bytes_per_s"));  // must be 0: link emulation is CPU only
-
+    flashcomm::bind::RingStart<flashcomm::bind::Peers::kInProcess>(
+        ffi::Ffi::Bind().Ctx<ffi::RunId>().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     FlashcommP2pRingDoneCuda, flashcomm::cuda::P2pRingDone,
-    ffi::Ffi::Bind() FLASHCOMM_P2P_RING_CUDA_CONTEXT
-        .Arg<ffi::AnyBuffer>()              // recv: start's result, the chunk arriving
-        .Arg<ffi::AnyBuffer>()              // send: start's send_out, read by rank + shift
-        .Arg<ffi::AnyBuffer>()              // after: the step's dot, run before this call
-        .Arg<ffi::Buffer<ffi::S32>>()       // rank: () as start's; not read (see PendingDones)
-        .Arg<ffi::Buffer<ffi::S32>>()       // group: () as start's; not read
-        .Ret<ffi::AnyBuffer>()              // recv_out: recv, aliased, the chunk arrived
-        .Ret<ffi::AnyBuffer>()              // after_out: after, aliased
-        FLASHCOMM_P2P_RING_ATTRS);
+    flashcomm::bind::RingDone<flashcomm::bind::Peers::kInProcess>(
+        ffi::Ffi::Bind().Ctx<ffi::RunId>().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+

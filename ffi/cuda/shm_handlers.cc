@@ -14,12 +14,14 @@
 #include <memory>
 #include <string>
 
+#include "flashcomm/bindings.h"
 #include "flashcomm/codec.h"
-#include "flashcomm/cuda_kernels.h"
+#include "handlers.h"
 #include "flashcomm/ffi_checks.h"
-#include "flashcomm/shm_rendezvous.h"
+#include "cpu/shm_rendezvous.h"
 #include "ipc_participant.h"
 #include "launch.h"
+#include "collective_handlers.h"
 #include "p2p_host.h"
 #include "p2p_protocol.h"
 #include "xla/ffi/api/ffi.h"
@@ -34,143 +36,40 @@ using ipc::IpcParticipant;
 using ipc::Region;
 using shm::Describe;
 
-// What the three quantized handlers do before their protocol: the meeting point, the device,
-// the rank and group, working memory, the call joined.
-struct Begun {
-  CurrentDevice on;
-  int device = 0;
-  int32_t rank = 0, group = 0;
-  protocol::ScratchPayload gathered;
+// Processes of one host: they meet at the CPU module's shared-memory meeting point (keyed by
+// the mesh axes, with the call's descriptor) and share device memory and events by CUDA IPC.
+struct SharedPeers {
+  using Participant = IpcParticipant;
+  static constexpr const char* kAllReduce = "flashcomm_shm_all_reduce";
+  static constexpr const char* kReduceScatter = "flashcomm_shm_reduce_scatter";
+  static constexpr const char* kAllGather = "flashcomm_shm_all_gather";
+  static ffi::Error Begin(const char* op, const ffi::RunId&, cudaStream_t stream,
+                          ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
+                          int64_t size, int64_t site, int64_t timeout_ms, int64_t axes_key,
+                          int barriers, uint64_t descriptor, int64_t slots, int64_t slot_groups,
+                          int64_t nb, Begun<Participant>* b) {
+    ffi::Error error = ffi::Error::Success();
+    const shm::Api* api = ipc::BoundApi(op, &error);
+    if (!api) return error;
+    const auto deadline = p2p::DeadlineAfter(timeout_ms);
+    if (ffi::Error e = protocol::Start(op, stream, rank_buf, group_buf, size, deadline, &b->on,
+                                       &b->device, &b->rank, &b->group);
+        e.failure()) {
+      return e;
+    }
+    if (ffi::Error e = protocol::AllocateWork(op, b->device, site, b->group, slots,
+                                              slot_groups, nb, &b->gathered);
+        e.failure()) {
+      return e;
+    }
+    b->me = std::make_unique<IpcParticipant>(api, op, stream, deadline, site, b->group);
+    return b->me->Join(axes_key, b->rank, size, barriers, descriptor, timeout_ms);
+  }
 };
-
-ffi::Error Begin(const char* op, cudaStream_t stream,
-                 ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf, int64_t size,
-                 int64_t site, int64_t timeout_ms, int64_t axes_key, int barriers,
-                 uint64_t descriptor, int64_t slots, int64_t slot_groups, int64_t nb,
-                 Begun* b, std::unique_ptr<IpcParticipant>* me) {
-  ffi::Error error = ffi::Error::Success();
-  const shm::Api* api = ipc::BoundApi(op, &error);
-  if (!api) return error;
-  const auto deadline = p2p::DeadlineAfter(timeout_ms);
-  if (ffi::Error e = protocol::Start(op, stream, rank_buf, group_buf, size, deadline, &b->on,
-                                     &b->device, &b->rank, &b->group);
-      e.failure()) {
-    return e;
-  }
-  if (ffi::Error e =
-          protocol::AllocateWork(op, b->device, site, b->group, slots, slot_groups, nb,
-                                 &b->gathered);
-      e.failure()) {
-    return e;
-  }
-  *me = std::make_unique<IpcParticipant>(api, op, stream, deadline, site, b->group);
-  return (*me)->Join(axes_key, b->rank, size, barriers, descriptor, timeout_ms);
-}
 
 }  // namespace
 
-ffi::Error ShmAllReduce(cudaStream_t stream, ffi::AnyBuffer x,
-                        ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
-                        ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::U8>> p1_codes,
-                        ffi::Result<ffi::Buffer<ffi::BF16>> p1_scale,
-                        ffi::Result<ffi::Buffer<ffi::BF16>> p1_zero,
-                        ffi::Result<ffi::Buffer<ffi::U8>> p2_codes,
-                        ffi::Result<ffi::Buffer<ffi::BF16>> p2_scale,
-                        ffi::Result<ffi::Buffer<ffi::BF16>> p2_zero, int32_t bits,
-                        int32_t out_bits, int64_t group_size, int32_t rotation, int32_t spikes,
-                        int32_t out_spikes, int64_t size, int64_t site, int64_t timeout_ms,
-                        int64_t axes_key) {
-  constexpr const char* kOp = "flashcomm_shm_all_reduce";
-  protocol::Codec k;
-  bool decode = false;
-  if (ffi::Error e = protocol::CheckAllReduce(kOp, x, *y, *p1_codes, *p1_scale, *p1_zero,
-                                              *p2_codes, *p2_scale, *p2_zero, bits, out_bits,
-                                              group_size, rotation, spikes, out_spikes, size,
-                                              timeout_ms, &k, &decode);
-      e.failure()) {
-    return e;
-  }
-  Begun b;
-  std::unique_ptr<IpcParticipant> me;
-  const uint64_t descriptor = Describe({1, int64_t(k.dtype), k.n_groups, group_size, bits,
-                                        out_bits, rotation, spikes, out_spikes, decode, size});
-  if (ffi::Error e = Begin(kOp, stream, rank_buf, group_buf, size, site, timeout_ms,
-                           axes_key, 3, descriptor, size, k.n_groups / size,
-                           record_bytes(group_size, bits, spikes), &b, &me);
-      e.failure()) {
-    return e;
-  }
-  return protocol::AllReduce(kOp, *me, stream, b.gathered, k, b.rank, x.untyped_data(),
-                             y->untyped_data(), decode, p1_codes->typed_data(),
-                             p1_scale->typed_data(), p1_zero->typed_data(),
-                             p2_codes->typed_data(), p2_scale->typed_data(),
-                             p2_zero->typed_data());
-}
-
-ffi::Error ShmReduceScatter(cudaStream_t stream, ffi::AnyBuffer x,
-                            ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
-                            ffi::Result<ffi::AnyBuffer> y,
-                            ffi::Result<ffi::Buffer<ffi::U8>> codes,
-                            ffi::Result<ffi::Buffer<ffi::BF16>> scale,
-                            ffi::Result<ffi::Buffer<ffi::BF16>> zero, int32_t bits,
-                            int64_t group_size, int32_t rotation, int32_t spikes, int64_t size,
-                            int64_t site, int64_t timeout_ms, int64_t axes_key) {
-  constexpr const char* kOp = "flashcomm_shm_reduce_scatter";
-  protocol::Codec k;
-  if (ffi::Error e = protocol::CheckReduceScatter(kOp, x, *y, *codes, *scale, *zero, bits,
-                                                  group_size, rotation, spikes, size,
-                                                  timeout_ms, &k);
-      e.failure()) {
-    return e;
-  }
-  Begun b;
-  std::unique_ptr<IpcParticipant> me;
-  const uint64_t descriptor = Describe({2, int64_t(k.dtype), k.n_groups, group_size, bits,
-                                        rotation, spikes, size});
-  if (ffi::Error e = Begin(kOp, stream, rank_buf, group_buf, size, site, timeout_ms,
-                           axes_key, 2, descriptor, size, k.n_groups / size,
-                           record_bytes(group_size, bits, spikes), &b, &me);
-      e.failure()) {
-    return e;
-  }
-  return protocol::ReduceScatter(kOp, *me, stream, b.gathered, k, b.rank, x.untyped_data(),
-                                 y->untyped_data(), codes->typed_data(), scale->typed_data(),
-                                 zero->typed_data());
-}
-
-ffi::Error ShmAllGather(cudaStream_t stream, ffi::AnyBuffer x,
-                        ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
-                        ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::U8>> codes,
-                        ffi::Result<ffi::Buffer<ffi::BF16>> scale,
-                        ffi::Result<ffi::Buffer<ffi::BF16>> zero, int32_t bits,
-                        int64_t group_size, int32_t rotation, int32_t spikes, int64_t size,
-                        int64_t site, int64_t timeout_ms, int64_t axes_key) {
-  constexpr const char* kOp = "flashcomm_shm_all_gather";
-  protocol::Codec k;
-  if (ffi::Error e = protocol::CheckAllGather(kOp, x, *y, *codes, *scale, *zero, bits,
-                                              group_size, rotation, spikes, size, timeout_ms,
-                                              &k);
-      e.failure()) {
-    return e;
-  }
-  Begun b;
-  std::unique_ptr<IpcParticipant> me;
-  const uint64_t descriptor = Describe({3, int64_t(k.dtype), k.n_groups, group_size, bits,
-                                        rotation, spikes, size});
-  if (ffi::Error e = Begin(kOp, stream, rank_buf, group_buf, size, site, timeout_ms,
-                           axes_key, 2, descriptor, size, k.n_groups,
-                           record_bytes(group_size, bits, spikes), &b, &me);
-      e.failure()) {
-    return e;
-  }
-  return protocol::AllGather(kOp, *me, stream, b.gathered, k, b.rank, x.untyped_data(),
-                             x.size_bytes(), y->untyped_data(), codes->typed_data(),
-                             scale->typed_data(), zero->typed_data());
-}
-
-// The exact all-reduce: one shot (every rank sums every rank's x) or two shots (rank r sums
-// chunk r, then every rank copies every chunk), the f32 rank-order sum of the CPU handler.
-ffi::Error ShmPsum(cudaStream_t stream, ffi::AnyBuffer x,
+ffi::Error ShmPsum(ffi::RunId, cudaStream_t stream, ffi::AnyBuffer x,
                    ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
                    ffi::Result<ffi::AnyBuffer> y, int64_t size, int64_t site,
                    int64_t timeout_ms, int64_t axes_key, int32_t two_shot,
@@ -266,79 +165,13 @@ size_t ShmSignalChannels() { return ipc::IpcState::Global().SignalChannels(); }
 }  // namespace cuda
 }  // namespace flashcomm
 
-// The same operands, results and attributes as the CPU handlers (ffi/cpu/shm_kernels.cc), in
-// the same order; the context adds the stream. No traits: NOT
-// command-buffer compatible (see p2p_handlers.cc).
-#define FLASHCOMM_SHM_COMMON_ATTRS                                                         \
-  .Attr<int64_t>("size")          /* ranks in the replica group */                         \
-      .Attr<int64_t>("site")      /* the call site: peers of one call share it */          \
-      .Attr<int64_t>("timeout_ms") /* every wait gives up after this, with an error */     \
-      .Attr<int64_t>("axes_key")  /* the mesh axes (a hash of their names) */
+// The bindings of the CPU handlers (flashcomm/bindings.h); the contexts add the stream. No
+// traits: NOT command-buffer compatible (see p2p_handlers.cc).
+FLASHCOMM_DEFINE_CUDA_COLLECTIVES(Shm, flashcomm::bind::Peers::kShared,
+                                  flashcomm::cuda::SharedPeers, int64_t);
 
-#define FLASHCOMM_SHM_CUDA_CONTEXT \
-  .Ctx<ffi::PlatformStream<cudaStream_t>>() /* this device's stream */
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FlashcommShmAllReduceCuda, flashcomm::cuda::ShmAllReduce,
-    ffi::Ffi::Bind() FLASHCOMM_SHM_CUDA_CONTEXT
-        .Arg<ffi::AnyBuffer>()             // x: (N * groups_per_chunk, group_size)
-        .Arg<ffi::Buffer<ffi::S32>>()      // rank: () in 0..N-1
-        .Arg<ffi::Buffer<ffi::S32>>()      // group: () the replica group's index
-        .Ret<ffi::AnyBuffer>()             // y: x's shape and dtype, the decoded sum (or empty)
-        .Ret<ffi::Buffer<ffi::U8>>()       // phase-1 codes: (N, groups_per_chunk, bytes)
-        .Ret<ffi::Buffer<ffi::BF16>>()     // phase-1 scale: (N, groups_per_chunk)
-        .Ret<ffi::Buffer<ffi::BF16>>()     // phase-1 zero
-        .Ret<ffi::Buffer<ffi::U8>>()       // phase-2 codes, gathered: (N * gpc, bytes')
-        .Ret<ffi::Buffer<ffi::BF16>>()     // phase-2 scale: (N * gpc)
-        .Ret<ffi::Buffer<ffi::BF16>>()     // phase-2 zero
-        .Attr<int32_t>("bits")             // phase-1 code width, 2..8
-        .Attr<int32_t>("out_bits")         // phase-2 code width, 2..8
-        .Attr<int64_t>("group_size")       // multiple of 8
-        .Attr<int32_t>("rotation")         // 0, 1 or 2 (both phases)
-        .Attr<int32_t>("spikes")           // phase-1 spikes per group, 0..16
-        .Attr<int32_t>("out_spikes")       // phase-2 spikes per group, 0..16
-        FLASHCOMM_SHM_COMMON_ATTRS);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FlashcommShmReduceScatterCuda, flashcomm::cuda::ShmReduceScatter,
-    ffi::Ffi::Bind() FLASHCOMM_SHM_CUDA_CONTEXT
-        .Arg<ffi::AnyBuffer>()             // x: (N * groups_per_chunk, group_size)
-        .Arg<ffi::Buffer<ffi::S32>>()      // rank: () in 0..N-1
-        .Arg<ffi::Buffer<ffi::S32>>()      // group: () the replica group's index
-        .Ret<ffi::AnyBuffer>()             // y: (groups_per_chunk, group_size), chunk `rank`
-        .Ret<ffi::Buffer<ffi::U8>>()       // codes: (N, groups_per_chunk, bytes)
-        .Ret<ffi::Buffer<ffi::BF16>>()     // scale: (N, groups_per_chunk)
-        .Ret<ffi::Buffer<ffi::BF16>>()     // zero
-        .Attr<int32_t>("bits")             // code width, 2..8
-        .Attr<int64_t>("group_size")       // multiple of 8
-        .Attr<int32_t>("rotation")         // 0, 1 or 2
-        .Attr<int32_t>("spikes")           // spikes per group, 0..16
-        FLASHCOMM_SHM_COMMON_ATTRS);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FlashcommShmAllGatherCuda, flashcomm::cuda::ShmAllGather,
-    ffi::Ffi::Bind() FLASHCOMM_SHM_CUDA_CONTEXT
-        .Arg<ffi::AnyBuffer>()             // x: (groups, group_size)
-        .Arg<ffi::Buffer<ffi::S32>>()      // rank: () in 0..N-1
-        .Arg<ffi::Buffer<ffi::S32>>()      // group: () the replica group's index
-        .Ret<ffi::AnyBuffer>()             // y: (N, groups, group_size), rank j's in slot j
-        .Ret<ffi::Buffer<ffi::U8>>()       // codes: (groups, bytes), this rank's payload
-        .Ret<ffi::Buffer<ffi::BF16>>()     // scale: (groups)
-        .Ret<ffi::Buffer<ffi::BF16>>()     // zero
-        .Attr<int32_t>("bits")             // code width, 2..8
-        .Attr<int64_t>("group_size")       // multiple of 8
-        .Attr<int32_t>("rotation")         // 0, 1 or 2
-        .Attr<int32_t>("spikes")           // spikes per group, 0..16
-        FLASHCOMM_SHM_COMMON_ATTRS);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FlashcommShmPsumCuda, flashcomm::cuda::ShmPsum,
-    ffi::Ffi::Bind() FLASHCOMM_SHM_CUDA_CONTEXT
-        .Arg<ffi::AnyBuffer>()             // x: any shape, f32, bf16 or f16
-        .Arg<ffi::Buffer<ffi::S32>>()      // rank: () in 0..N-1
-        .Arg<ffi::Buffer<ffi::S32>>()      // group: () the replica group's index
-        .Ret<ffi::AnyBuffer>()             // y: x's shape and dtype, the exact sum
-        FLASHCOMM_SHM_COMMON_ATTRS
-        .Attr<int32_t>("two_shot")         // 0: every rank sums all; 1: reduce-scatter + gather;
-                                           // 2: two shots from two_shot_bytes
-        .Attr<int64_t>("two_shot_bytes"));  // with 2: two shots from this many bytes per rank
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommShmPsumCuda, flashcomm::cuda::ShmPsum,
+                              flashcomm::bind::Psum(
+                                  ffi::Ffi::Bind()
+                                      .Ctx<ffi::RunId>()
+                                      .Ctx<ffi::PlatformStream<cudaStream_t>>()));

@@ -1,5 +1,5 @@
 // Ring steps between processes on CUDA (one GPU each): the start / done pair of the CPU
-// handlers (ffi/cpu/shm_ring_kernels.cc) with their operands, results and attributes, over CUDA
+// handlers (ffi/cpu/shm_ring_handlers.cc) with their operands, results and attributes, over CUDA
 // IPC (ipc_participant.h; docs/cuda.md, "Across processes: CUDA IPC").
 //
 // start: passes `send` through to `send_out`, zeroes `order`, reads the rank and group (a host
@@ -22,8 +22,9 @@
 #include <string>
 #include <utility>
 
-#include "flashcomm/cuda_kernels.h"
-#include "flashcomm/shm_rendezvous.h"
+#include "cpu/shm_rendezvous.h"
+#include "handlers.h"
+#include "flashcomm/bindings.h"
 #include "ipc_participant.h"
 #include "p2p_host.h"
 #include "p2p_protocol.h"
@@ -228,38 +229,13 @@ size_t ShmRingStepsInProgress() { return Steps::Global().Count(); }
 }  // namespace cuda
 }  // namespace flashcomm
 
-// The same operands, results and attributes as the CPU handlers (ffi/cpu/shm_ring_kernels.cc),
-// in the same order; the context adds the stream. No traits (see p2p_handlers.cc).
-#define FLASHCOMM_SHM_RING_ATTRS                                                           \
-  .Attr<int64_t>("size")       /* ranks in the ring */                                     \
-      .Attr<int64_t>("shift")  /* rank r sends to r + shift and receives from r - shift */ \
-      .Attr<int64_t>("site")   /* the call site: the ranks' calls of one step share it */
-
+// The bindings of the CPU handlers (flashcomm/bindings.h); the context adds the stream. No
+// traits (see p2p_handlers.cc).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     FlashcommShmRingStartCuda, flashcomm::cuda::ShmRingStart,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // this device's stream
-        .Arg<ffi::AnyBuffer>()              // send: the chunk this rank sends
-        .Arg<ffi::Buffer<ffi::S32>>()       // rank: () in 0..N-1, lax's order
-        .Arg<ffi::Buffer<ffi::S32>>()       // group: () the replica group's index
-        .Ret<ffi::AnyBuffer>()              // send_out: send, aliased (what the dot reads)
-        .Ret<ffi::AnyBuffer>()              // recv: the chunk of rank - shift, once done
-        .Ret<ffi::Buffer<ffi::S32>>()       // order: () zero, added to the step's slice offsets
-        FLASHCOMM_SHM_RING_ATTRS
-        .Attr<int64_t>("timeout_ms")        // the step fails (every done errs) after this
-        .Attr<int64_t>("link_bytes_per_s")  // must be 0: link emulation is CPU only
-        .Attr<int64_t>("axes_key"));        // the mesh axes (a hash of their names)
-
+    flashcomm::bind::RingStart<flashcomm::bind::Peers::kShared>(
+        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     FlashcommShmRingDoneCuda, flashcomm::cuda::ShmRingDone,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // this device's stream
-        .Arg<ffi::AnyBuffer>()              // recv: start's result, the chunk arriving
-        .Arg<ffi::AnyBuffer>()              // send: start's send_out
-        .Arg<ffi::AnyBuffer>()              // after: the step's dot, run before this call
-        .Arg<ffi::Buffer<ffi::S32>>()       // rank: () in 0..N-1
-        .Arg<ffi::Buffer<ffi::S32>>()       // group: () the replica group's index
-        .Ret<ffi::AnyBuffer>()              // recv_out: recv, aliased, the chunk arrived
-        .Ret<ffi::AnyBuffer>()              // after_out: after, aliased
-        FLASHCOMM_SHM_RING_ATTRS
-        .Attr<int64_t>("axes_key"));        // the mesh axes (a hash of their names)
+    flashcomm::bind::RingDone<flashcomm::bind::Peers::kShared>(
+        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));

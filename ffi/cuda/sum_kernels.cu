@@ -1,6 +1,6 @@
 // The exact all-reduce's sum on CUDA (handler: shm_handlers.cc, flashcomm_shm_psum): every
 // rank's values summed in f32 in rank order and rounded once to the dtype, the CPU handler's
-// SumRanks (ffi/cpu/shm_kernels.cc) value for value. One thread per value, grid-stride.
+// SumRanks (ffi/cpu/shm_handlers.cc) value for value. One thread per value, grid-stride.
 #include <cuda_runtime.h>
 
 #include <cstdint>

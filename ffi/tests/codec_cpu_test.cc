@@ -1,5 +1,5 @@
-// C++ tests of the CPU codec: the handler bodies of ffi/cpu/codec_kernels.cc (called through
-// flashcomm/cpu_ops.h on XLA_FFI_Buffer views of heap buffers of exact sizes, so that
+// C++ tests of the CPU codec: the handler bodies of ffi/cpu/codec_handlers.cc (called through
+// cpu/cpu_ops.h on XLA_FFI_Buffer views of heap buffers of exact sizes, so that
 // AddressSanitizer catches any out-of-bounds access) and the 16-bit float conversions of
 // flashcomm/codec.h. Self-contained: prints failures, then "N passed, M failed"; exits
 // nonzero on any failure. Built and run by ctest with -DFLASHCOMM_CPU_TESTS=ON
@@ -23,10 +23,10 @@
 #endif
 
 #include "flashcomm/codec.h"
-#include "flashcomm/cpu_alloc.h"
-#include "flashcomm/cpu_dispatch.h"
-#include "flashcomm/cpu_gather.h"
-#include "flashcomm/cpu_ops.h"
+#include "cpu/cpu_alloc.h"
+#include "cpu/cpu_dispatch.h"
+#include "cpu/cpu_gather.h"
+#include "cpu/cpu_ops.h"
 #include "flashcomm/ffi_checks.h"
 #include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"

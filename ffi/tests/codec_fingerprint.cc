@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "flashcomm/codec.h"
-#include "flashcomm/cpu_dispatch.h"
+#include "cpu/cpu_dispatch.h"
 #include "flashcomm/fp_codec.h"
 
 using flashcomm::PayloadView;

@@ -1,4 +1,4 @@
-// C++ tests of the split of codec calls over threads (flashcomm/cpu_parallel.h): every range
+// C++ tests of the split of codec calls over threads (cpu/cpu_parallel.h): every range
 // once, on an inline runner, on real threads and on a pool that starts its tasks only after the
 // call returned (they must find nothing to do); and the kernels' output-group ranges
 // (dequantize_sum, dequantize_sum_quantize) giving the bytes of one whole call.
@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "flashcomm/codec.h"
-#include "flashcomm/cpu_dispatch.h"
-#include "flashcomm/cpu_parallel.h"
+#include "cpu/cpu_dispatch.h"
+#include "cpu/cpu_parallel.h"
 #include "check.h"
 
 using namespace flashcomm;  // NOLINT

@@ -1,5 +1,5 @@
-// C++ tests of flashcomm_dequantize_into on CPU (ffi/cpu/gather_kernels.cc), called through
-// flashcomm/cpu_gather.h on XLA_FFI_Buffer views of heap buffers of exact sizes, so that
+// C++ tests of flashcomm_dequantize_into on CPU (ffi/cpu/gather_handlers.cc), called through
+// cpu/cpu_gather.h on XLA_FFI_Buffer views of heap buffers of exact sizes, so that
 // AddressSanitizer catches any out-of-bounds access:
 // - the chunk written is bit-identical to flashcomm_dequantize of the same payload (f32, bf16,
 //   f16; plain, rotation, spikes; chunks that end inside a group), and nothing else is touched;
@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "flashcomm/codec.h"
-#include "flashcomm/cpu_gather.h"
-#include "flashcomm/cpu_ops.h"
+#include "cpu/cpu_gather.h"
+#include "cpu/cpu_ops.h"
 #include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
 

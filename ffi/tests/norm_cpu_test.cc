@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "flashcomm/codec.h"
-#include "flashcomm/cpu_dispatch.h"
+#include "cpu/cpu_dispatch.h"
 
 using namespace flashcomm;  // NOLINT
 

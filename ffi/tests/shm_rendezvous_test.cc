@@ -1,4 +1,4 @@
-// Tests of the shared-memory meeting point (ffi/include/flashcomm/shm_rendezvous.h) with real
+// Tests of the shared-memory meeting point (ffi/cpu/shm_rendezvous.h) with real
 // processes: the parent forks N ranks, passes every block's (pid, fd) to every rank through
 // pipes (as jax.distributed's key-value store does), and checks each rank's exit status. In the
 // ranks: continuations see every rank's published bytes at every barrier of 200 calls on two
@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "check.h"
-#include "flashcomm/shm_rendezvous.h"
+#include "cpu/shm_rendezvous.h"
 
 namespace shm = flashcomm::shm;
 namespace p2p = flashcomm::p2p;

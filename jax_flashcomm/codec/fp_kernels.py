@@ -1,16 +1,16 @@
 """The ``ffi_call``\\ s of the floating-point group formats' kernels (ffi/cpu/fp_kernels.cc).
 
-Each format travels as an int32 attribute: its index in :data:`spec.FORMATS` (fp8 1, mxfp4 2,
-nvfp4 3). The arguments are validated by :mod:`jax_flashcomm.codec.fp`.
+Each phase's format travels as one :class:`~jax_flashcomm.codec.group_format.GroupFormat`
+attribute. The arguments are validated by :mod:`jax_flashcomm.codec.fp`.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jax_flashcomm.codec import spec
+from jax_flashcomm.codec.group_format import GroupFormat
 from jax_flashcomm.codec.kernels import result_like
 
 TARGETS = (
@@ -21,10 +21,6 @@ TARGETS = (
 )
 
 
-def _fmt(fmt: str) -> np.int32:
-    return np.int32(spec.FORMATS.index(fmt))
-
-
 def quantize(v, *, fmt: str, group_size: int, rotation: int = 0, spikes: int = 0):
     """Groups ``(..., group_size)`` of f32/bf16/f16 -> records uint8 ``(..., record bytes)``."""
     lead = v.shape[:-1]
@@ -32,8 +28,8 @@ def quantize(v, *, fmt: str, group_size: int, rotation: int = 0, spikes: int = 0
         "flashcomm_fp_quantize",
         result_like(v, (*lead, spec.fp_record_bytes(fmt, group_size, spikes)), jnp.uint8),
         vmap_method="broadcast_all")
-    return call(v, format=_fmt(fmt), group_size=np.int64(group_size),
-                rotation=np.int32(rotation), spikes=np.int32(spikes))
+    return call(v,
+                fmt=GroupFormat(fmt, spec.FP_BITS[fmt], group_size, rotation, spikes).ffi_attribute())
 
 
 def dequantize(codes, *, fmt: str, group_size: int, dtype, rotation: int = 0, spikes: int = 0):
@@ -41,8 +37,8 @@ def dequantize(codes, *, fmt: str, group_size: int, dtype, rotation: int = 0, sp
     call = jax.ffi.ffi_call(
         "flashcomm_fp_dequantize", result_like(codes, (*codes.shape[:-1], group_size), dtype),
         vmap_method="broadcast_all")
-    return call(codes, format=_fmt(fmt), group_size=np.int64(group_size),
-                rotation=np.int32(rotation), spikes=np.int32(spikes))
+    return call(codes,
+                fmt=GroupFormat(fmt, spec.FP_BITS[fmt], group_size, rotation, spikes).ffi_attribute())
 
 
 def dequantize_sum(codes, *, fmt: str, group_size: int, dtype, rotation: int = 0,
@@ -52,8 +48,8 @@ def dequantize_sum(codes, *, fmt: str, group_size: int, dtype, rotation: int = 0
     shape = (*codes.shape[:-3], codes.shape[-2], group_size)
     call = jax.ffi.ffi_call("flashcomm_fp_dequantize_sum", result_like(codes, shape, dtype),
                             vmap_method="broadcast_all")
-    return call(codes, format=_fmt(fmt), group_size=np.int64(group_size),
-                rotation=np.int32(rotation), spikes=np.int32(spikes))
+    return call(codes,
+                fmt=GroupFormat(fmt, spec.FP_BITS[fmt], group_size, rotation, spikes).ffi_attribute())
 
 
 def dequantize_sum_quantize(codes, *, fmt: str, out_fmt: str, group_size: int, spikes: int = 0,
@@ -63,6 +59,7 @@ def dequantize_sum_quantize(codes, *, fmt: str, out_fmt: str, group_size: int, s
              spec.fp_record_bytes(out_fmt, group_size, out_spikes))
     call = jax.ffi.ffi_call("flashcomm_fp_dequantize_sum_quantize",
                             result_like(codes, shape, jnp.uint8), vmap_method="broadcast_all")
-    return call(codes, format=_fmt(fmt), out_format=_fmt(out_fmt),
-                group_size=np.int64(group_size), spikes=np.int32(spikes),
-                out_spikes=np.int32(out_spikes))
+    return call(codes,
+                fmt=GroupFormat(fmt, spec.FP_BITS[fmt], group_size, 0, spikes).ffi_attribute(),
+                out_fmt=GroupFormat(out_fmt, spec.FP_BITS[out_fmt], group_size, 0,
+                                    out_spikes).ffi_attribute())

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_flashcomm.codec import spec
+from jax_flashcomm.codec.group_format import GroupFormat
 
 TARGETS = (
     "flashcomm_quantize",
@@ -306,8 +307,8 @@ def quantize(v, *, bits: int, group_size: int, rotation: int = 0, spikes: int = 
          result_like(v, lead, jnp.bfloat16), result_like(v, lead, jnp.bfloat16)),
         vmap_method="broadcast_all",
     )
-    return tuple(call(v, bits=np.int32(bits), group_size=np.int64(group_size),
-                      rotation=np.int32(rotation), spikes=np.int32(spikes)))
+    return tuple(call(
+        v, fmt=GroupFormat("int", bits, group_size, rotation, spikes).ffi_attribute()))
 
 
 def dequantize(codes, scale, zero, *, bits: int, group_size: int, dtype, rotation: int = 0,
@@ -322,8 +323,8 @@ def dequantize(codes, scale, zero, *, bits: int, group_size: int, dtype, rotatio
         "flashcomm_dequantize", result_like(codes, (*scale.shape, group_size), dtype),
         vmap_method="broadcast_all",
     )
-    return call(codes, scale, zero, bits=np.int32(bits), group_size=np.int64(group_size),
-                rotation=np.int32(rotation), spikes=np.int32(spikes))
+    return call(codes, scale, zero,
+                fmt=GroupFormat("int", bits, group_size, rotation, spikes).ffi_attribute())
 
 
 def dequantize_sum(codes, scale, zero, *, bits: int, group_size: int, dtype,
@@ -338,8 +339,8 @@ def dequantize_sum(codes, scale, zero, *, bits: int, group_size: int, dtype,
     call = jax.ffi.ffi_call(
         "flashcomm_dequantize_sum", result_like(codes, out_shape, dtype), vmap_method="broadcast_all"
     )
-    return call(codes, scale, zero, bits=np.int32(bits), group_size=np.int64(group_size),
-                rotation=np.int32(rotation), spikes=np.int32(spikes))
+    return call(codes, scale, zero,
+                fmt=GroupFormat("int", bits, group_size, rotation, spikes).ffi_attribute())
 
 
 def dequantize_sum_quantize(codes, scale, zero, *, bits: int, out_bits: int, group_size: int,
@@ -363,9 +364,10 @@ def dequantize_sum_quantize(codes, scale, zero, *, bits: int, out_bits: int, gro
          result_like(codes, groups, jnp.bfloat16), result_like(codes, groups, jnp.bfloat16)),
         vmap_method="broadcast_all",
     )
-    return tuple(call(codes, scale, zero, bits=np.int32(bits), out_bits=np.int32(out_bits),
-                      group_size=np.int64(group_size), spikes=np.int32(spikes),
-                      out_spikes=np.int32(out_spikes)))
+    return tuple(call(codes, scale, zero,
+                      fmt=GroupFormat("int", bits, group_size, 0, spikes).ffi_attribute(),
+                      out_fmt=GroupFormat("int", out_bits, group_size, 0,
+                                          out_spikes).ffi_attribute()))
 
 
 def dequantize_into(out, codes, scale, zero, offset, *, bits: int, group_size: int, count: int,
@@ -387,9 +389,9 @@ def dequantize_into(out, codes, scale, zero, offset, *, bits: int, group_size: i
         "flashcomm_dequantize_into", result_like(out, out.shape, out.dtype),
         input_output_aliases={0: 0}, vmap_method="sequential",
     )
-    return call(out, codes, scale, zero, offset, bits=np.int32(bits),
-                group_size=np.int64(group_size), rotation=np.int32(rotation),
-                spikes=np.int32(spikes), count=np.int64(count))
+    return call(out, codes, scale, zero, offset,
+                fmt=GroupFormat("int", bits, group_size, rotation, spikes).ffi_attribute(),
+                count=np.int64(count))
 
 
 def _union_like(x, others, shape: tuple[int, ...], dtype):
@@ -420,8 +422,8 @@ def add_rms_norm(codes, scale, zero, residual, weight, *, bits: int, group_size:
     """
     others = (codes, scale, zero, weight)
     res = _union_like(residual, others, residual.shape, residual.dtype)
-    attrs = dict(bits=np.int32(bits), group_size=np.int64(group_size),
-                 rotation=np.int32(rotation), spikes=np.int32(spikes), eps=np.float32(eps))
+    attrs = dict(fmt=GroupFormat("int", bits, group_size, rotation, spikes).ffi_attribute(),
+                 eps=np.float32(eps))
     if out_bits is None:
         call = jax.ffi.ffi_call("flashcomm_add_rms_norm", (res, res),
                                 vmap_method="broadcast_all")
@@ -435,6 +437,7 @@ def add_rms_norm(codes, scale, zero, residual, weight, *, bits: int, group_size:
          _union_like(residual, others, (groups,), jnp.bfloat16),
          _union_like(residual, others, (groups,), jnp.bfloat16)),
         vmap_method="broadcast_all")
-    new_residual, c, s, z = call(codes, scale, zero, residual, weight, out_bits=np.int32(out_bits),
-                                 out_group_size=np.int64(out_group_size), **attrs)
+    new_residual, c, s, z = call(
+        codes, scale, zero, residual, weight,
+        out_fmt=GroupFormat("int", out_bits, out_group_size).ffi_attribute(), **attrs)
     return (c, s, z), new_residual

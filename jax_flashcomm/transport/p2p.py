@@ -29,6 +29,7 @@ from jax import lax
 from jax_flashcomm import _axes
 from jax_flashcomm.codec import Payload, kernels, spec
 from jax_flashcomm.codec import as_groups, restore_shape
+from jax_flashcomm.codec.group_format import GroupFormat
 from jax_flashcomm.transport import identity, shm
 from jax_flashcomm.transport.xla import arrange_gathered
 
@@ -206,8 +207,8 @@ def all_reduce(x: jax.Array, axes: tuple[str, ...], plan,
         vmap_method="sequential")
     rank, group = rank_and_group(axes)
     y, c1, s1, z1, c2, s2, z2 = call(
-        groups, rank, group, bits=np.int32(b1), out_bits=np.int32(b2), group_size=np.int64(g),
-        rotation=np.int32(rot), spikes=np.int32(k1), out_spikes=np.int32(k2),
+        groups, rank, group, fmt=GroupFormat("int", b1, g, rot, k1).ffi_attribute(),
+        out_fmt=GroupFormat("int", b2, g, rot, k2).ffi_attribute(),
         **_attrs("all_reduce", axes, x, plan.timeout_ms))
     meta = dict(group_size=g, shape=tuple(x.shape), dtype=np.dtype(x.dtype), rotation=rot)
     p1 = Payload(c1, s1, z1, bits=b1, spikes=k1, **meta).merge_groups()
@@ -241,8 +242,8 @@ def reduce_scatter(rows: jax.Array, axes: tuple[str, ...],
          result_aval(rows, (n, mp // g), jnp.bfloat16, vma)),
         vmap_method="sequential")
     rank, group = rank_and_group(axes)
-    y, c1, s1, z1 = call(groups, rank, group, bits=np.int32(bits), group_size=np.int64(g),
-                         rotation=np.int32(rot), spikes=np.int32(k1),
+    y, c1, s1, z1 = call(groups, rank, group,
+                         fmt=GroupFormat("int", bits, g, rot, k1).ffi_attribute(),
                          **_attrs("reduce_scatter", axes, rows, plan.timeout_ms))
     p1 = Payload(c1, s1, z1, bits=bits, group_size=g, shape=(mp,), dtype=np.dtype(rows.dtype),
                  rotation=rot, spikes=k1)
@@ -276,8 +277,7 @@ def all_gather(x: jax.Array, axes: tuple[str, ...], axis: int, tiled: bool,
          result_aval(x, (count,), jnp.bfloat16, vma), result_aval(x, (count,), jnp.bfloat16, vma)),
         vmap_method="sequential")
     rank, group = rank_and_group(axes)
-    y, c, s, z = call(groups, rank, group, bits=np.int32(bits), group_size=np.int64(g),
-                      rotation=np.int32(rot), spikes=np.int32(k2),
+    y, c, s, z = call(groups, rank, group, fmt=GroupFormat("int", bits, g, rot, k2).ffi_attribute(),
                       **_attrs("all_gather", axes, x, plan.timeout_ms))
     p = Payload(c, s, z, bits=bits, group_size=g, shape=tuple(x.shape), dtype=np.dtype(x.dtype),
                 rotation=rot, spikes=k2)

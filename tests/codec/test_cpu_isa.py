@@ -1,4 +1,4 @@
-"""The CPU kernels' instruction-set builds (ffi/include/flashcomm/cpu_dispatch.h): which one runs,
+"""The CPU kernels' instruction-set builds (ffi/cpu/cpu_dispatch.h): which one runs,
 FLASHCOMM_CPU_ISA, the errors for a build the CPU cannot run, and the vendored FFI headers.
 
 That every build gives the same codes is tested by the parity tests, which run once per build

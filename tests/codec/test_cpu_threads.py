@@ -1,4 +1,4 @@
-"""Codec calls split over XLA's intra-op thread pool (ffi/include/flashcomm/cpu_parallel.h):
+"""Codec calls split over XLA's intra-op thread pool (ffi/cpu/cpu_parallel.h):
 the bytes do not depend on the split (one thread == the pool == the jnp twin), the split
 happens for large operands, and ``use_cpu_threads`` / ``FLASHCOMM_CPU_THREADS`` set and check
 the cap."""

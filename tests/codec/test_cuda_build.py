@@ -5,7 +5,7 @@
   with the expected set of kernels found in each file for every architecture (so the check
   cannot pass on empty output).
 - Lowering for the "cuda" platform emits the four codec ``flashcomm_*`` custom calls (targets
-  ``_flashcomm_cuda`` registers), as typed-FFI calls with the codec attributes, including
+  ``_flashcomm_cuda`` registers), as typed-FFI calls with the group-format attributes, including
   ``spikes`` (spike reserving, docs/format.md).
 
 The nvcc output comes from the build when it is there: a FLASHCOMM_CUDA=ON build installs
@@ -30,6 +30,7 @@ from jax_flashcomm.transport import p2p, ring, shm
 from tests.support.cuda_build import (ARCHS, CODEC_KERNELS, CODEC_TARGETS, EXPECTED_KERNELS,
                                        REQUIRED_FLAGS, _custom_calls, _kernel_base,
                                        _lowered_for_cuda)
+from tests.support.cuda_p2p import _attr
 
 pytestmark = pytest.mark.slow  # nvcc compiles without a build log
 
@@ -107,8 +108,8 @@ def test_cuda_lowering_emits_the_ffi_targets(dtype):
     for target in CODEC_TARGETS:
         (line,) = [ln for ln in hlo if f'custom_call_target="{target}"' in ln]
         assert "api_version=API_VERSION_TYPED_FFI" in line, line
-    assert "bits = 4 : i32" in calls["flashcomm_quantize"][0]
-    assert "out_bits = 8 : i32" in calls["flashcomm_dequantize_sum_quantize"][0]
+    assert _attr(calls["flashcomm_quantize"][0], "fmt", "bits") == "4"
+    assert _attr(calls["flashcomm_dequantize_sum_quantize"][0], "out_fmt", "bits") == "8"
 
 
 @pytest.mark.parametrize("rotation", [0, 2])
@@ -133,14 +134,14 @@ def test_cuda_lowering_carries_spikes(spikes, rotation):
     assert set(CODEC_TARGETS) <= set(calls), sorted(calls)
     fused = calls.pop("flashcomm_dequantize_sum_quantize")
     # per-phase spikes: the output's own count, apart from the input's
-    assert sorted(f"out_spikes = {k} : i32" in c for c in fused for k in (0, spikes)) == [
+    assert sorted(_attr(c, "out_fmt", "spikes") == str(k) for c in fused for k in (0, spikes)) == [
         False, False, True, True], fused
     calls["flashcomm_dequantize_sum_quantize"] = fused[:1]
     for target in CODEC_TARGETS:
         (line,) = calls[target]
-        assert f"spikes = {spikes} : i32" in line, line
-        if target != "flashcomm_dequantize_sum_quantize":  # no rotation attribute: unrotated
-            assert f"rotation = {rotation} : i32" in line, line
+        assert _attr(line, "fmt", "spikes") == str(spikes), line
+        if target != "flashcomm_dequantize_sum_quantize":  # its rotation field is 0: unrotated
+            assert _attr(line, "fmt", "rotation") == str(rotation), line
     # The spike record widens the codes: G * 4 / 8 + k * (2 + 1) bytes per group at G = 128.
     record = 128 * 4 // 8 + spikes * 3
     assert f"x{record}xui8>" in calls["flashcomm_quantize"][0], calls["flashcomm_quantize"][0]
@@ -173,8 +174,8 @@ def test_cuda_lowering_emits_the_fp_format_targets(fmt):
     calls = _custom_calls(_lowered_for_cuda(f, x).as_text())
     assert set(fp_kernels.TARGETS) <= set(calls), sorted(calls)
     fid = codec.spec.FORMATS.index(fmt)
-    assert f"format = {fid} : i32" in calls["flashcomm_fp_quantize"][0]
-    assert "out_format = 1 : i32" in calls["flashcomm_fp_dequantize_sum_quantize"][0]
+    assert _attr(calls["flashcomm_fp_quantize"][0], "fmt", "format") == str(fid)
+    assert _attr(calls["flashcomm_fp_dequantize_sum_quantize"][0], "out_fmt", "format") == "1"
 
 
 def test_cuda_module_registrations_if_built():

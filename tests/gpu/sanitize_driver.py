@@ -1,4 +1,4 @@
-"""The GPU half of the GPU tests' programs, for compute-sanitizer (benchmarks/gpu_sanitize.sh).
+"""The GPU half of the GPU tests' programs, for compute-sanitizer (benchmarks/native/gpu_sanitize.sh).
 
 Runs every configuration of the codec, floating-point format, fused-norm and gather tests on
 the GPU only: the comparison with the CPU kernels is the tests' job (pytest under the

@@ -8,6 +8,8 @@ skips)."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,4 +61,5 @@ def test_cuda_lowering_emits_the_norm_targets():
     (quant,) = calls["flashcomm_add_rms_norm_quantize"]
     for line in (plain, quant):
         assert "rotation = 1 : i32" in line and "spikes = 1 : i32" in line, line
-    assert "out_bits = 8 : i32" in quant and "out_group_size = 64 : i64" in quant, quant
+    out_fmt = re.search(r"out_fmt = \{([^{}]*)\}", quant)
+    assert out_fmt and "bits = 8 : i32" in out_fmt[1] and "group_size = 64 : i64" in out_fmt[1], quant

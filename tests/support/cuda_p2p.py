@@ -1,6 +1,7 @@
 """Helpers of the CUDA peer-to-peer build tests (tests/transport/test_cuda_p2p_build.py and
 tests/transport/test_cuda_ring_build.py): the CUDA module, the FFI handlers' bindings read from
-the sources, a host-side compile of a handler file, a mesh, an HLO attribute."""
+the sources, a host-side compile of a handler file, a mesh, an HLO attribute (also one field
+of a group-format attribute)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,48 @@ import pytest
 
 from tests.support.cuda_build import ROOT, _nvcc
 
-# One binding entry: .Arg<T>(), .Ret<T>(), .Ctx<T>(), .Attr<T>("name") (T nests one level).
-_ENTRY = re.compile(r"\.(Arg|Ret|Attr|Ctx)<((?:[^<>]|<[^<>]*>)*)>\(\s*(?:\"(\w+)\")?\s*\)")
+# A handler's binding: its contexts (.Ctx<T>()), then the op's builder of flashcomm/bindings.h
+# (bind::Name<...>(...): every operand, result and attribute, the same for CPU and CUDA).
+_CTX = re.compile(r"\.Ctx<((?:[^<>]|<[^<>]*>)*)>\(\s*\)")
+_BUILDER = re.compile(r"bind::(\w+)(?:<([^<>()]*)>)?\(")
+# The macros that define a platform's three quantized collectives (collective_handlers.h).
+_COLLECTIVES = re.compile(r"(FLASHCOMM_DEFINE_\w+_COLLECTIVES)\(\s*(\w+),\s*([\w:]+)\s*,.*?\);",
+                          re.S)
+
+
+def _define_bodies(text: str):
+    """``(symbol, binding text)`` of every XLA_FFI_DEFINE_HANDLER_SYMBOL in ``text``."""
+    for m in re.finditer(r"XLA_FFI_DEFINE_HANDLER_SYMBOL\(\s*(\w+),(.*?)\);", text, re.S):
+        yield m[1], m[2]
+
+
+def _bindings(path: pathlib.Path) -> dict[str, list[tuple[str, str, str]]]:
+    """handler symbol -> its binding: ``("Ctx", T, "")`` per context, then ``("Bind", builder,
+    peers)`` (peers: the builder's template argument, "" for none). The collectives' macros of
+    the platform's collective_handlers.h are expanded."""
+    text = re.sub(r"//[^\n]*", "", re.sub(r"/\*.*?\*/", "", path.read_text(), flags=re.S))
+    header = path.with_name("collective_handlers.h")
+    macros = {}
+    if header.is_file():
+        for m in re.finditer(r"#define (FLASHCOMM_DEFINE_\w+_COLLECTIVES)\((\w+), (\w+), \.\.\.\)"
+                             r"((?:[^\n]*\\\n)*[^\n]*)", header.read_text()):
+            macros[m[1]] = (m[2], m[3], m[4].replace("\\\n", " "))
+    out = {}
+    for m in _COLLECTIVES.finditer(text):
+        prefix_param, peers_param, body = macros[m[1]]
+        body = re.sub(r"//[^\n]*", "", body)
+        body = body.replace(f"{prefix_param}##", m[2]).replace(f"##{prefix_param}##", m[2])
+        body = re.sub(rf"\b{peers_param}\b", m[3], body)
+        text += "\n" + body.replace("##", "") + ";"
+    for symbol, body in _define_bodies(text):
+        entries = [("Ctx", re.sub(r"\s+", "", c).replace("xla::ffi::", "ffi::"), "")
+                   for c in _CTX.findall(body)]
+        builder = _BUILDER.search(body)
+        if builder:
+            peers = (builder[2] or "").rsplit("::", 1)[-1]
+            entries.append(("Bind", builder[1], peers))
+        out[symbol] = entries
+    return out
 
 
 def _cuda_module():
@@ -29,20 +70,6 @@ def _cuda_module():
     except ImportError as err:
         pytest.skip(f"_flashcomm_cuda not built (FLASHCOMM_CUDA=OFF): {err}")
     return _flashcomm_cuda
-
-
-def _bindings(path: pathlib.Path) -> dict[str, list[tuple[str, str, str]]]:
-    """handler symbol -> its binding entries, the file's FLASHCOMM_P2P_* macros expanded."""
-    text = re.sub(r"/\*.*?\*/", "", path.read_text())
-    macros = {m[1]: m[2].replace("\\\n", " ")
-              for m in re.finditer(r"#define (FLASHCOMM_(?:P2P|SHM)_\w+)((?:[^\n]*\\\n)*[^\n]*)", text)}
-    out = {}
-    for m in re.finditer(r"XLA_FFI_DEFINE_HANDLER_SYMBOL\(\s*(\w+),(.*?)\);", text, re.S):
-        body = re.sub(r"//[^\n]*", "", m[2])
-        for name, definition in macros.items():
-            body = body.replace(name, definition)
-        out[m[1]] = [(e[1], re.sub(r"\s+", "", e[2]), e[3] or "") for e in _ENTRY.finditer(body)]
-    return out
 
 
 HOST_LOG = "cuda_host_build.log"
@@ -97,7 +124,7 @@ def compile_host_source(source: pathlib.Path, out: pathlib.Path):
     if cuda_include is None:
         pytest.skip(f"no cuda_runtime_api.h under {[str(c) for c in candidates]}")
     cmd = [cxx, "-std=c++17", "-O3", "-Wall", "-Wextra", "-Werror", "-ffp-contract=off", "-fPIC",
-           f"-I{ROOT / 'ffi' / 'include'}", f"-I{ROOT / 'ffi' / 'cuda'}",
+           f"-I{ROOT / 'ffi' / 'include'}", f"-I{ROOT / 'ffi'}", f"-I{ROOT / 'ffi' / 'cuda'}",
            "-isystem", str(ROOT / "third_party" / "xla_ffi" / "include"),
            "-isystem", str(cuda_include), "-c", str(source), "-o", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -109,7 +136,13 @@ def _mesh(shape, names):
                          devices=jax.devices()[:math.prod(shape)])
 
 
-def _attr(line: str, name: str) -> str:
+def _attr(line: str, name: str, field: str | None = None) -> str:
+    """The integer attribute ``name`` of a custom call's text line, or the field ``field`` of
+    its dictionary attribute ``name`` (a GroupFormat: ``fmt``, ``out_fmt``)."""
+    if field is not None:
+        m = re.search(rf"\b{name} = \{{([^{{}}]*)\}}", line)
+        assert m, f"no {name} in {line}"
+        return _attr(m[1], field)
     m = re.search(rf"\b{name} = (-?\d+) : i(?:32|64)", line)
     assert m, f"no {name} in {line}"
     return m[1]

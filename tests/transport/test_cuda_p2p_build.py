@@ -2,8 +2,9 @@
 
 - The CUDA module registers the three ``flashcomm_p2p_*`` targets (and has its own, empty,
   rendezvous table).
-- The CUDA handlers bind exactly the CPU handlers' operands, results and attributes, in the
-  same order (read from both sources), and do not declare themselves CUDA-graph safe.
+- The CUDA handlers bind through the CPU handlers' builders (flashcomm/bindings.h: the same
+  operands, results and attributes, read from both sources), and do not declare themselves
+  CUDA-graph safe.
 - p2p_handlers.cc compiles with g++ -Wall -Wextra -Werror, as the build's
   FLASHCOMM_WERROR=ON does.
 - With the default backend made "gpu" (so that the transport's trace-time check takes its CUDA
@@ -33,7 +34,7 @@ from jax_flashcomm.transport import p2p
 from tests.support.cuda_build import ROOT, _custom_calls
 from tests.support.cuda_p2p import _attr, _bindings, _cuda_module, _mesh, compile_host_source
 
-CPU_SOURCE = ROOT / "ffi" / "cpu" / "p2p_kernels.cc"
+CPU_SOURCE = ROOT / "ffi" / "cpu" / "p2p_handlers.cc"
 CUDA_SOURCE = ROOT / "ffi" / "cuda" / "p2p_handlers.cc"
 HANDLERS = ("FlashcommP2pAllReduce", "FlashcommP2pReduceScatter", "FlashcommP2pAllGather")
 
@@ -52,10 +53,7 @@ def test_cuda_handlers_bind_what_the_cpu_handlers_bind():
     for h in HANDLERS:
         cpu_sig = [e for e in cpu[h + "Cpu"] if e[0] != "Ctx"]
         cuda_sig = [e for e in cuda[h + "Cuda"] if e[0] != "Ctx"]
-        assert len(cpu_sig) >= 12 and [e[0] for e in cpu_sig[:3]] == ["Arg"] * 3, cpu_sig
-        assert cuda_sig == cpu_sig, h
-        attrs = [e[2] for e in cuda_sig if e[0] == "Attr"]
-        assert attrs[-3:] == ["size", "site", "timeout_ms"], attrs
+        assert cuda_sig == cpu_sig and [e[2] for e in cpu_sig] == ["kInProcess"], (h, cpu_sig)
         ctx = [e[1] for e in cuda[h + "Cuda"] if e[0] == "Ctx"]
         assert ctx == ["ffi::RunId", "ffi::PlatformStream<cudaStream_t>"], ctx
     # Not CUDA-graph safe (host reads and barriers per call): no command-buffer trait.
@@ -111,18 +109,18 @@ def test_cuda_lowering_emits_the_p2p_targets(as_gpu, rotation, spikes):
         assert re.search(rf"%\w+:{results[target]} = stablehlo.custom_call", line), line
         # operands: x (groups, group_size) and the int32 scalars rank and group
         assert re.search(r"\(tensor<\d+x128xbf16>, tensor<i32>, tensor<i32>\)", line), line
-        assert _attr(line, "group_size") == "128"
-        assert _attr(line, "rotation") == str(rotation)
-        assert _attr(line, "spikes") == str(spikes)
+        assert _attr(line, "fmt", "group_size") == "128"
+        assert _attr(line, "fmt", "rotation") == str(rotation)
+        assert _attr(line, "fmt", "spikes") == str(spikes)
         assert _attr(line, "size") == str(n)
         assert _attr(line, "timeout_ms") == "1234"
         sites.add(_attr(line, "site"))
     assert len(sites) == 3, sites  # one site per call
     ar = calls["flashcomm_p2p_all_reduce"][0]
-    assert (_attr(ar, "bits"), _attr(ar, "out_bits"), _attr(ar, "out_spikes")) == (
-        "4", "8", str(spikes))
-    assert _attr(calls["flashcomm_p2p_reduce_scatter"][0], "bits") == "4"
-    assert _attr(calls["flashcomm_p2p_all_gather"][0], "bits") == "8"
+    assert (_attr(ar, "fmt", "bits"), _attr(ar, "out_fmt", "bits"),
+            _attr(ar, "out_fmt", "spikes")) == ("4", "8", str(spikes))
+    assert _attr(calls["flashcomm_p2p_reduce_scatter"][0], "fmt", "bits") == "4"
+    assert _attr(calls["flashcomm_p2p_all_gather"][0], "fmt", "bits") == "8"
     hlo = [ln for ln in lowered.as_text(dialect="hlo").splitlines() if "custom-call(" in ln]
     for target in p2p.TARGETS:
         (line,) = [ln for ln in hlo if f'custom_call_target="{target}"' in ln]

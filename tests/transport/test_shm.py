@@ -1,5 +1,5 @@
 """The p2p transport between processes on one host, over shared memory
-(jax_flashcomm/transport/shm.py, ffi/cpu/shm_rendezvous.cc, ffi/cpu/shm_kernels.cc).
+(jax_flashcomm/transport/shm.py, ffi/cpu/shm_rendezvous.cc, ffi/cpu/shm_handlers.cc).
 
 Each test launches tests/support/_shm_worker.py as N processes of one device each
 (jax.distributed on 127.0.0.1, gloo for XLA's own collectives):

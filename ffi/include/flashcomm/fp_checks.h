@@ -1,5 +1,5 @@
 // Host-side checks of the floating-point formats' handlers (fp8, mxfp4, nvfp4), shared by the
-// CPU handlers (ffi/cpu/fp_kernels.cc) and the CUDA ones (ffi/cuda/fp_handlers.cc). The Python
+// CPU handlers (ffi/cpu/fp_handlers.cc) and the CUDA ones (ffi/cuda/fp_handlers.cc). The Python
 // wrappers validate everything at trace time; these make a handler called directly return an
 // ffi::Error instead of reading or writing out of bounds.
 #ifndef FLASHCOMM_FP_CHECKS_H_

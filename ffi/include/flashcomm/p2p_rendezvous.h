@@ -1,6 +1,6 @@
 // The peer-to-peer transport's meeting point: the devices of one process find each other's
 // buffers here (docs/transport.md). Host-side and platform-neutral: the CPU handlers
-// (ffi/cpu/p2p_kernels.cc) and the CUDA handlers (ffi/cuda/p2p_handlers.cc) run the same
+// (ffi/cpu/p2p_handlers.cc) and the CUDA handlers (ffi/cuda/p2p_handlers.cc) run the same
 // protocol over it.
 //
 // One collective call of one call site by the `size` ranks of one replica group is a Meeting.

@@ -3,7 +3,7 @@
 // buffer it sends and the buffer it receives into), the chunk of rank r - shift is moved into
 // rank r's receive buffer as soon as both have started, and *done* completes once this rank's
 // chunk has arrived and its own send buffer has been read by rank r + shift. Host-side and
-// platform-neutral: the CPU handlers (ffi/cpu/p2p_ring_kernels.cc) move chunks with the
+// platform-neutral: the CPU handlers (ffi/cpu/p2p_ring_handlers.cc) move chunks with the
 // CopyEngine below, the CUDA handlers (ffi/cuda/p2p_ring_handlers.cc) with peer copies on a
 // stream.
 //

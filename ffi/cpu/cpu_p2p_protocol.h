@@ -1,0 +1,282 @@
+// The peer-to-peer transport's protocols on CPU (docs/transport.md): fused quantized collectives
+// in one FFI call per rank, over a Gang, the rank's part in one call of its group. Two gangs run
+// them: the devices of one process (p2p_rendezvous.h, ffi/cpu/p2p_handlers.cc) and processes on
+// one host (shm_rendezvous.h, ffi/cpu/shm_handlers.cc). The codec work is the same kernels,
+// inputs and order as the `xla` transport's (jax_flashcomm/allreduce.py two_step), so the results
+// are bit-identical to it whichever gang carries them.
+//
+// The protocols are asynchronous (they return an ffi::Future): a call quantizes on XLA's thread,
+// arrives at the first barrier and returns; each later step is a continuation that runs when
+// every peer has arrived, and the last one completes the future. No thread waits for a peer.
+#ifndef FLASHCOMM_CPU_P2P_PROTOCOL_H_
+#define FLASHCOMM_CPU_P2P_PROTOCOL_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "flashcomm/codec.h"
+#include "cpu/cpu_alloc.h"
+#include "cpu/cpu_dispatch.h"
+#include "cpu/cpu_ops.h"
+#include "flashcomm/ffi_checks.h"
+#include "flashcomm/p2p_rendezvous.h"
+#include "cpu/shm_rendezvous.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace flashcomm {
+namespace cpu {
+
+namespace ffi = xla::ffi;
+using p2p::Published;
+using shm::Span;
+using shm::Spans;
+
+// One rank's part in one call, as its transport carries it.
+class Gang {
+ public:
+  virtual ~Gang() = default;
+  // Publish `mine` at `barrier` (`failed`: this rank's own work failed; `wire_bytes`: the bytes
+  // of it the peers will read, which an emulated link paces); `then` gets every rank's
+  // pointers (a failed rank's [3] is &p2p::kRankFailed) or the error that ended the call.
+  virtual void Arrive(int barrier, const Spans& mine, bool failed, p2p::Continuation then,
+                      int64_t wire_bytes) = 0;
+  // End the call for every rank now.
+  virtual void Abort(const std::string& why) = 0;
+  // Done with the call (after its last barrier, or an error); called once.
+  virtual void Leave() = 0;
+};
+
+// Makes the gang of this call: `barriers` of the protocol, `descriptor` of its shapes and
+// options (ranks that disagree fail); nullptr and `error` when it cannot.
+using GangFactory =
+    std::function<std::unique_ptr<Gang>(int barriers, uint64_t descriptor, std::string* error)>;
+
+using shm::Describe;  // the descriptor of a call (JoinArgs::descriptor)
+
+// One rank's part in one call: joined on creation, left when the call completes (success or
+// error), which completes the call's future.
+//
+// A failure of this rank's codec work (Fail) does not leave the protocol: the rank skips the
+// work that is left, passes its remaining barriers marked failed (peers may still read the
+// buffers it published), and completes with the error; a peer that sees the mark completes with
+// an error naming the rank. Continuations of one call run one after another, so the failure
+// state needs no lock.
+class Call : public std::enable_shared_from_this<Call> {
+ public:
+  static std::shared_ptr<Call> Join(const char* op, int32_t rank, const GangFactory& join,
+                                    int barriers, uint64_t descriptor, std::string* error) {
+    auto call = std::shared_ptr<Call>(new Call(op, rank));
+    call->gang_ = join(barriers, descriptor, error);
+    return call->gang_ ? call : nullptr;
+  }
+  ~Call() {
+    if (gang_) gang_->Leave();
+  }
+  ffi::Future future() const { return ffi::Future(promise_); }
+  // Publish `mine` at `barrier` (`wire_bytes` of it read by the peers); `next` gets every
+  // rank's pointers once all have arrived. On a failed meeting the call completes with the
+  // error instead.
+  void Arrive(int barrier, const Spans& mine,
+              std::function<void(const std::vector<Published>&)> next, int64_t wire_bytes = 0) {
+    auto self = shared_from_this();
+    gang_->Arrive(barrier, mine, failed(),
+                  [self, next = std::move(next)](const std::vector<Published>& peers,
+                                                 const std::string& error) {
+                    if (!error.empty()) return self->Finish(error);
+                    for (size_t j = 0; j < peers.size() && !self->failed(); ++j) {
+                      if (peers[j][3] == &p2p::kRankFailed) {
+                        self->Fail(ffi::ErrorCode::kInternal,
+                                   "rank " + std::to_string(j) +
+                                       " failed (its own error says why)");
+                      }
+                    }
+                    try {
+                      next(peers);
+                    } catch (const std::exception& e) {
+                      // A small allocation of the protocol itself: fail the meeting, so that
+                      // the peers do not wait for the deadline.
+                      self->Abort(std::string("rank ") + std::to_string(self->rank_) + ": " +
+                                  e.what());
+                    }
+                  },
+                  wire_bytes);
+  }
+  // This rank's codec work failed: remember the first failure (Finish reports it).
+  void Fail(ffi::ErrorCode code, const std::string& why) {
+    if (failure_.empty()) {
+      failure_ = why;
+      failure_code_ = code;
+    }
+  }
+  bool failed() const { return !failure_.empty(); }
+  // Fail the whole meeting now (nothing of this rank's is published, or the protocol cannot go
+  // on), then complete this call with `why`.
+  void Abort(const std::string& why) {
+    if (gang_) gang_->Abort("peer-to-peer collective: " + why);
+    Fail(ffi::ErrorCode::kInternal, why);
+    Finish();
+  }
+  // Complete the call (after its last barrier): leave the meeting, then set the future, with
+  // `error` (a failed meeting) or this rank's failure (Fail) if any.
+  void Finish(const std::string& error = std::string()) {
+    if (gang_) {
+      gang_->Leave();
+      gang_ = nullptr;
+    }
+    // Never on a worker: XLA continues the program on the completing thread.
+    ffi::Promise promise = promise_;
+    const std::string& why = error.empty() ? failure_ : error;
+    const ffi::ErrorCode code = error.empty() ? failure_code_ : ffi::ErrorCode::kInternal;
+    std::string message = why.empty() ? why : std::string(op_) + ": " + why;
+    p2p::ThreadPool::Completions().Schedule([promise, message, code]() mutable {
+      if (message.empty()) {
+        promise.SetAvailable();
+      } else {
+        promise.SetError(ffi::Error(code, message));
+      }
+    });
+  }
+
+ private:
+  Call(const char* op, int rank) : op_(op), rank_(rank) {}
+
+  const char* op_;
+  int rank_;
+  std::unique_ptr<Gang> gang_;
+  ffi::Promise promise_;
+  std::string failure_;
+  ffi::ErrorCode failure_code_ = ffi::ErrorCode::kOk;
+};
+
+// The message of a kernel's failed scratch allocation (cpu_dispatch.h).
+inline std::string ScratchMessage(size_t bytes, int rank) {
+  return "could not allocate " + std::to_string(bytes) + " bytes of scratch memory (rank " +
+         std::to_string(rank) + ")";
+}
+
+inline ffi::Future Failed(ffi::Error error) {
+  ffi::Promise promise;
+  promise.SetError(std::move(error));
+  return ffi::Future(promise);
+}
+
+inline ffi::Error CheckCommon(const char* op, const ffi::AnyBuffer& x, int32_t rank,
+                              int64_t size, int64_t timeout_ms, int32_t rotation,
+                              int64_t group_size) {
+  if (size < 1 || rank < 0 || rank >= size) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": rank " + std::to_string(rank) +
+                                       " is not in 0.." + std::to_string(size - 1));
+  }
+  if (timeout_ms <= 0) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": timeout_ms must be positive");
+  }
+  if (rotation < kRotationNone || rotation > kRotationSignedHadamard ||
+      (rotation != kRotationNone && (group_size & (group_size - 1)) != 0)) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": bad rotation for group_size");
+  }
+  DType dtype = DType::kF32;
+  if (!ToDType(x.element_type(), &dtype)) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": x must be f32, bf16 or f16");
+  }
+  return ffi::Error::Success();
+}
+
+// A reusable per-thread buffer (grows, never shrinks; flashcomm_scratch_alloc, cpu_alloc.h).
+// Null when it cannot grow to `bytes` (the old one is kept).
+inline uint8_t* Scratch(size_t bytes) {
+  struct Buffer {
+    ~Buffer() { std::free(data); }
+    uint8_t* data = nullptr;
+    size_t size = 0;
+  };
+  thread_local Buffer buffer;
+  if (buffer.size < bytes) {
+    auto* grown = static_cast<uint8_t*>(flashcomm_scratch_alloc(bytes));
+    if (grown == nullptr) return nullptr;
+    std::free(buffer.data);
+    buffer.data = grown;
+    buffer.size = bytes;
+  }
+  return buffer.data;
+}
+
+// Copies chunk `chunk` (gpc groups) of every peer's payload published at a barrier into one
+// chunked payload (peers in rank order): the input of the fused sum kernels. False (and
+// *failed_bytes, the size asked for) when the scratch buffer cannot be allocated.
+inline bool GatherChunk(const std::vector<Published>& peers, int64_t chunk, int64_t gpc,
+                        int64_t group_size, int bits, int spikes, PayloadView* out,
+                        size_t* failed_bytes) {
+  const int64_t n = int64_t(peers.size());
+  const int64_t nb = record_bytes(group_size, bits, spikes);
+  const size_t bytes = size_t(n * gpc * (nb + 4));
+  uint8_t* buf = Scratch(bytes);
+  if (buf == nullptr && bytes > 0) {
+    *failed_bytes = bytes;
+    return false;
+  }
+  uint8_t* codes = buf;
+  auto* scale = reinterpret_cast<uint16_t*>(buf + n * gpc * nb);
+  uint16_t* zero = scale + n * gpc;
+  for (int64_t j = 0; j < n; ++j) {
+    const auto* pc = static_cast<const uint8_t*>(peers[j][0]);
+    const auto* ps = static_cast<const uint16_t*>(peers[j][1]);
+    const auto* pz = static_cast<const uint16_t*>(peers[j][2]);
+    std::memcpy(codes + j * gpc * nb, pc + chunk * gpc * nb, size_t(gpc * nb));
+    std::memcpy(scale + j * gpc, ps + chunk * gpc, size_t(gpc) * 2);
+    std::memcpy(zero + j * gpc, pz + chunk * gpc, size_t(gpc) * 2);
+  }
+  PayloadView view;
+  view.codes = codes;
+  view.scale = scale;
+  view.zero = zero;
+  view.batch = 1;
+  view.chunks = n;
+  view.groups_per_chunk = gpc;
+  view.group_size = group_size;
+  view.group_bytes = nb;
+  view.bits = bits;
+  view.spikes = spikes;
+  *out = view;
+  return true;
+}
+
+// A payload of `groups` groups of `nb`-byte records as three regions (codes, scale, zero).
+inline Spans PayloadSpans(const void* codes, const void* scale, const void* zero, int64_t groups,
+                          int64_t nb) {
+  return Spans{Span{codes, size_t(groups * nb)}, Span{scale, size_t(groups) * 2},
+               Span{zero, size_t(groups) * 2}, Span{}};
+}
+
+// The fused two-step all-reduce (docs/transport.md). `y` empty: stop after the gather.
+ffi::Future AllReduceProtocol(const GangFactory& join, int32_t rank, const ffi::AnyBuffer& x,
+                              ffi::AnyBuffer& y, ffi::Buffer<ffi::U8>& p1_codes,
+                              ffi::Buffer<ffi::BF16>& p1_scale, ffi::Buffer<ffi::BF16>& p1_zero,
+                              ffi::Buffer<ffi::U8>& p2_codes, ffi::Buffer<ffi::BF16>& p2_scale,
+                              ffi::Buffer<ffi::BF16>& p2_zero, int32_t bits, int32_t out_bits,
+                              int64_t group_size, int32_t rotation, int32_t spikes,
+                              int32_t out_spikes, int64_t size, int64_t timeout_ms);
+// Quantized reduce-scatter: this rank's chunk of the f32 sum.
+ffi::Future ReduceScatterProtocol(const GangFactory& join, int32_t rank, const ffi::AnyBuffer& x,
+                                  ffi::AnyBuffer& y, ffi::Buffer<ffi::U8>& codes,
+                                  ffi::Buffer<ffi::BF16>& scale, ffi::Buffer<ffi::BF16>& zero,
+                                  int32_t bits, int64_t group_size, int32_t rotation,
+                                  int32_t spikes, int64_t size, int64_t timeout_ms);
+// Quantized all-gather: every rank's decoded payload in its slot.
+ffi::Future AllGatherProtocol(const GangFactory& join, int32_t rank, const ffi::AnyBuffer& x,
+                              ffi::AnyBuffer& y, ffi::Buffer<ffi::U8>& codes,
+                              ffi::Buffer<ffi::BF16>& scale, ffi::Buffer<ffi::BF16>& zero,
+                              int32_t bits, int64_t group_size, int32_t rotation, int32_t spikes,
+                              int64_t size, int64_t timeout_ms);
+
+}  // namespace cpu
+}  // namespace flashcomm
+
+#endif  // FLASHCOMM_CPU_P2P_PROTOCOL_H_

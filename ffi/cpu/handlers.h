@@ -1,0 +1,25 @@
+// The CPU FFI handler symbols, Flashcomm<stem>Cpu for every target of flashcomm/targets.def
+// (defined in the *_handlers.cc files of ffi/cpu), and the counters module.cc exposes.
+#ifndef FLASHCOMM_CPU_HANDLERS_H_
+#define FLASHCOMM_CPU_HANDLERS_H_
+
+#include <cstddef>
+
+#include "xla/ffi/api/api.h"
+
+#define FLASHCOMM_TARGET(name, stem) XLA_FFI_DECLARE_HANDLER_SYMBOL(Flashcomm##stem##Cpu);
+#include "flashcomm/targets.def"
+
+namespace flashcomm {
+namespace cpu {
+
+// Peer-to-peer meetings (in-process rendezvous) not yet finished by every rank.
+size_t P2pMeetingsInProgress();
+// Ring steps some rank has not finished, in-process and between processes.
+size_t P2pRingStepsInProgress();
+size_t ShmRingStepsInProgress();
+
+}  // namespace cpu
+}  // namespace flashcomm
+
+#endif  // FLASHCOMM_CPU_HANDLERS_H_

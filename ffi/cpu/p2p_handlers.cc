@@ -1,0 +1,69 @@
+// The peer-to-peer transport on CPU between the virtual CPU devices of one process
+// (docs/transport.md): the handlers of collective_handlers.h over the in-process rendezvous
+// (p2p_rendezvous.h). Each call quantizes into its own result buffers, meets its peers and reads
+// their buffers directly.
+#include "cpu/handlers.h"
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cpu/collective_handlers.h"
+#include "cpu/cpu_p2p_protocol.h"
+#include "flashcomm/p2p_rendezvous.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace flashcomm {
+namespace cpu {
+namespace {
+
+using p2p::Rendezvous;
+
+// The devices of this process: every rank publishes its own buffers' pointers.
+class InProcessGang : public Gang {
+ public:
+  InProcessGang(std::shared_ptr<p2p::Meeting> meeting, int rank)
+      : meeting_(std::move(meeting)), rank_(rank) {}
+  void Arrive(int barrier, const Spans& mine, bool failed, p2p::Continuation then,
+              int64_t /*wire_bytes: no link emulation in one process*/) override {
+    const Published published{mine[0].data, mine[1].data, mine[2].data,
+                              failed ? &p2p::kRankFailed : nullptr};
+    meeting_->Arrive(barrier, rank_, published, std::move(then));
+  }
+  void Abort(const std::string& why) override { meeting_->Abort(why); }
+  void Leave() override {
+    if (meeting_) Rendezvous::Global().Leave(meeting_);
+    meeting_ = nullptr;
+  }
+
+ private:
+  std::shared_ptr<p2p::Meeting> meeting_;
+  int rank_;
+};
+
+// The devices of this process meet in the in-process rendezvous, keyed by (run, site, group).
+struct InProcessPeers {
+  static GangFactory Join(const ffi::RunId& run, int64_t site, int32_t group, int32_t rank,
+                          int64_t size, int64_t timeout_ms) {
+    const int64_t run_id = run.run_id;
+    return [=](int barriers, uint64_t, std::string* error) -> std::unique_ptr<Gang> {
+      auto meeting = Rendezvous::Global().Join({run_id, site, group}, rank, int(size), barriers,
+                                               error, timeout_ms);
+      if (!meeting) return nullptr;
+      return std::make_unique<InProcessGang>(std::move(meeting), rank);
+    };
+  }
+};
+
+}  // namespace
+
+size_t P2pMeetingsInProgress() { return Rendezvous::Global().InProgress(); }
+
+}  // namespace cpu
+}  // namespace flashcomm
+
+FLASHCOMM_DEFINE_CPU_COLLECTIVES(P2p, flashcomm::bind::Peers::kInProcess,
+                                 flashcomm::cpu::InProcessPeers);

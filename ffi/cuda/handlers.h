@@ -1,0 +1,38 @@
+// The CUDA FFI handler symbols, Flashcomm<stem>Cuda for every target of flashcomm/targets.def
+// (defined in the *_handlers.cc files of ffi/cuda; the kernels they launch are in
+// ffi/cuda/*.cu), and the functions module.cc exposes. Deliberately free of CUDA headers:
+// module.cc (nanobind, host compiler) includes it.
+#ifndef FLASHCOMM_CUDA_HANDLERS_H_
+#define FLASHCOMM_CUDA_HANDLERS_H_
+
+#include <cstddef>
+
+#include "xla/ffi/api/api.h"
+
+#define FLASHCOMM_TARGET(name, stem) XLA_FFI_DECLARE_HANDLER_SYMBOL(Flashcomm##stem##Cuda);
+#include "flashcomm/targets.def"
+
+namespace flashcomm {
+namespace cuda {
+
+// Peer-to-peer meetings not yet finished by every rank, in this module's own rendezvous table
+// (zero between collectives).
+size_t P2pMeetingsInProgress();
+// Ring steps some rank has not finished, in this module's own ring table (zero between
+// collective matmuls).
+size_t P2pRingStepsInProgress();
+// The shared-memory meeting point's entry points (a flashcomm::shm::Api* from the CPU module's
+// shm_api capsule): the flashcomm_shm_* handlers fail until it is bound.
+void ShmBind(const void* api);
+bool ShmBound();
+// Ring steps between processes this process started and has not finished.
+size_t ShmRingStepsInProgress();
+// Peers' IPC staging buffers this process has mapped (for tests).
+size_t ShmPeerBuffersMapped();
+// Signal words (one per site, group and barrier) this process has given out (for tests).
+size_t ShmSignalChannels();
+
+}  // namespace cuda
+}  // namespace flashcomm
+
+#endif  // FLASHCOMM_CUDA_HANDLERS_H_
