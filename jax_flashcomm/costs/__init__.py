@@ -4,14 +4,16 @@
   speed (:class:`CpuCodec`, or a :class:`Gpu`) and the format's wire bytes;
 * the measured table (:mod:`._table`): the timings ``python -m jax_flashcomm.tune`` wrote for
   this machine, kept in the user's cache, looked up per call (:func:`active`, :func:`use_table`,
-  :meth:`Table.seconds`), and the link profile between processes (:func:`link_profile`,
-  :func:`use_link`, ``FLASHCOMM_LINK``).
+  :meth:`Table.seconds`);
+* the link profile between processes (:mod:`._link`: :func:`link_profile`, :func:`use_link`,
+  ``FLASHCOMM_LINK``).
 
 The planner (:mod:`jax_flashcomm.planner`) prices each transport's paths with them.
 """
 
-from jax_flashcomm.costs import _model, _table
+from jax_flashcomm.costs import _link, _model, _table
+from jax_flashcomm.costs._link import *  # noqa: F403  (the names of its __all__)
 from jax_flashcomm.costs._model import *  # noqa: F403  (the names of its __all__)
 from jax_flashcomm.costs._table import *  # noqa: F403  (likewise)
 
-__all__ = [*_model.__all__, *_table.__all__]
+__all__ = [*_model.__all__, *_table.__all__, *_link.__all__]

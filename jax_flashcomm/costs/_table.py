@@ -1,4 +1,4 @@
-"""The per-machine tuning table the automatic choice reads, its cache, and the link profile.
+"""The per-machine tuning table the automatic choice reads, and its cache.
 
 ``python -m jax_flashcomm.tune`` measures a :class:`Table` once per machine (collective times
 per op, size, axis size, dtype and candidate path; the codec's speed per CPU build; the
@@ -14,9 +14,8 @@ Where the table is:
 * else ``<cache>/tune-<key digest>.json``, ``<cache>`` being ``FLASHCOMM_CACHE_DIR``, else
   ``$XDG_CACHE_HOME/jax_flashcomm``, else ``~/.cache/jax_flashcomm``.
 
-The link between processes cannot be read off the machine: :func:`link_profile` gives it (set by
-:func:`use_link`, or ``FLASHCOMM_LINK="rate=400mbit,latency=0.2ms,topology=shared"``), and the
-choice prices peers in other processes with it.
+The link between processes cannot be read off the machine: :mod:`jax_flashcomm.costs._link`
+gives it.
 """
 
 from __future__ import annotations
@@ -39,17 +38,16 @@ import time
 from jax_flashcomm._files import read_json
 from jax_flashcomm.costs._model import Link
 
-__all__ = ["TABLE_VERSION", "TABLE_ENV", "CACHE_ENV", "LINK_ENV", "LAYOUTS", "SCOPES",
+__all__ = ["TABLE_VERSION", "TABLE_ENV", "CACHE_ENV", "LAYOUTS", "SCOPES",
            "Measurement", "Table", "cpu_name", "machine_key", "key_digest", "cache_dir",
            "table_path", "save", "check_destination", "load", "apply_isa", "active", "clear",
-           "use_table", "parse_link", "link_profile", "use_link", "now"]
+           "use_table", "now"]
 
 logger = logging.getLogger("jax_flashcomm")
 
 TABLE_VERSION = 1
 TABLE_ENV = "FLASHCOMM_TUNING_TABLE"
 CACHE_ENV = "FLASHCOMM_CACHE_DIR"
-LINK_ENV = "FLASHCOMM_LINK"
 #: Where a call's peers are: devices of this process, or other processes.
 LAYOUTS = ("in-process", "processes")
 #: What a measured time covers: one call, or a model step (:class:`Measurement`).
@@ -371,63 +369,6 @@ def use_table(table: Table | None):
     """Inside the block (``with use_table(t):``), :func:`active` is ``table`` (None: no table;
     the cost model decides)."""
     return _scoped(_override, table)
-
-
-# --- the link between processes -----------------------------------------------------------------
-_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
-_TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
-
-
-def parse_link(text: str) -> Link:
-    """A :class:`~jax_flashcomm.costs.Link` from ``"rate=400mbit,latency=0.2ms,
-    topology=shared"`` (rate in tc units: ``bit`` or ``bps`` = bytes/s, k/m/g = 10^3/6/9;
-    latency per collective in s, ms or us; topology shared or switched, default shared).
-
-    Raises:
-      ValueError: a malformed profile.
-    """
-    expected = f"{LINK_ENV}: expected rate=...[,latency=...][,topology=...], got {text!r}"
-    fields: dict = {}
-    for part in (p for p in str(text).split(",") if p.strip()):
-        if "=" not in part:
-            raise ValueError(f"{expected} ({part!r} has no '=')")
-        name, value = (s.strip() for s in part.split("=", 1))
-        if name in fields:
-            raise ValueError(f"{expected} ({name!r} given twice)")
-        fields[name] = value
-    bad = set(fields) - {"rate", "latency", "topology"}
-    if bad or "rate" not in fields:
-        raise ValueError(expected)
-    number = r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*"
-    m = re.fullmatch(number + r"([kmg]?)(bit|bps)\s*", fields["rate"].lower())
-    if not m or float(m[1]) <= 0:
-        raise ValueError(f"{LINK_ENV}: not a positive rate: {fields['rate']!r} (e.g. 400mbit)")
-    rate = float(m[1]) * _UNITS[m[2]] / (8 if m[3] == "bit" else 1)
-    lat = 0.0
-    if "latency" in fields:
-        t = re.fullmatch(number + r"(s|ms|us)\s*", fields["latency"].lower())
-        if not t:
-            raise ValueError(f"{LINK_ENV}: not a latency: {fields['latency']!r} (e.g. 0.2ms)")
-        lat = float(t[1]) * _TIME[t[2]]
-    return Link(rate, fields.get("topology", "shared"), lat, 0.0)
-
-
-_link: contextvars.ContextVar = contextvars.ContextVar("jax_flashcomm_link", default=None)
-
-
-def link_profile() -> Link | None:
-    """The link between processes the choice prices: :func:`use_link`'s, else
-    ``FLASHCOMM_LINK``'s, else None (the library's default profile)."""
-    link = _link.get()
-    if link is None and os.environ.get(LINK_ENV):
-        link = parse_link(os.environ[LINK_ENV])
-    return link
-
-
-def use_link(link: Link | None):
-    """Inside the block (``with use_link(l):``), calls whose peers are other processes are
-    priced on ``link``."""
-    return _scoped(_link, link)
 
 
 def now() -> str:

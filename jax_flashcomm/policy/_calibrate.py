@@ -91,6 +91,80 @@ def select(sensitivity: Sequence[Sequence[float]], wires: Sequence[float], targe
     return [fronts[i][at[i]][2] for i in range(n)]
 
 
+class _Progress:
+    """The progress bar of one calibration: ``total`` evaluations, counted as they start."""
+
+    def __init__(self, total: int, out):
+        self.total, self.out, self.done, self.start = total, out, 0, time.perf_counter()
+
+    def step(self, what: str):
+        if self.out is not None:
+            progress(self.done, self.total, self.start, self.out, unit="evaluations", what=what)
+        self.done += 1
+
+    def finish(self):
+        self.done = self.total
+        if self.out is not None:
+            progress(self.done, self.total, self.start, self.out, unit="evaluations",
+                     what="done")
+
+
+def _checked(sites, candidates, budget, max_wire, rounds, sensitivity):
+    """``(sites, candidates, labels)`` of :func:`calibrate`'s arguments, each checked."""
+    sites = list(sites)
+    candidates = list(candidates)
+    if not sites or len(set(sites)) != len(sites):
+        raise ValueError(f"calibrate: sites must be distinct names, at least one, got {sites}")
+    if not candidates:
+        raise ValueError("calibrate: no candidate configs")
+    for c in candidates:
+        if not isinstance(c, CommConfig) or c.exact:
+            raise ValueError(f"calibrate: candidates must be quantized CommConfigs (exact is "
+                             f"always a choice), got {c!r}")
+    if not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget >= 0):
+        raise ValueError(f"calibrate: budget must be a finite number >= 0, got {budget!r}")
+    if max_wire is not None and not 0 < max_wire:
+        raise ValueError(f"calibrate: max_wire must be > 0 (a ratio to a bf16 ring), got "
+                         f"{max_wire!r}")
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"calibrate: rounds must be an int >= 1, got {rounds!r}")
+    labels = [_label(c) for c in candidates]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"calibrate: candidates repeat: {labels}")
+    if sensitivity is not None:
+        missing = [(s, label) for s in sites for label in labels
+                   if label not in (sensitivity.get(s) or {})]
+        if missing:
+            raise ValueError(f"calibrate: the given sensitivity lacks {missing[:3]}"
+                             f"{' ...' if len(missing) > 3 else ''} (another model or other "
+                             f"candidates?)")
+    return sites, candidates, labels
+
+
+def _sensitivity(evaluate, sites, candidates, labels, given, bar) -> list[list[float]]:
+    """Step 1: the loss each candidate adds at each site alone (``given``: an earlier run's,
+    by site and label, instead of measuring)."""
+    rows = []
+    for site in sites:
+        row = []
+        for c, label in zip(candidates, labels):
+            if given is None:
+                bar.step(f"{site} {label}")
+                row.append(float(evaluate({site: c})))
+            else:
+                row.append(float(given[site][label]))
+        rows.append(row)
+    return rows
+
+
+def _tables(sites, candidates, labels, sensitivity, tried) -> dict:
+    """The candidates, the measured sensitivities and the rounds, for a policy's ``info``."""
+    return {"candidates": {label: config_to_dict(c) for label, c in zip(labels, candidates)},
+            "sensitivity": {s: dict(zip(labels, row)) for s, row in zip(sites, sensitivity)},
+            "rounds": [{k: t[k] for k in ("target", "measured", "predicted", "mean_wire")}
+                       for t in tried]}
+
+
 def calibrate(evaluate: Evaluate, sites: Sequence[str], candidates: Sequence[CommConfig], *,
               budget: float, max_wire: float | None = None, rounds: int = 4,
               verify: Evaluate | None = None, sensitivity: Mapping | None = None,
@@ -125,54 +199,12 @@ def calibrate(evaluate: Evaluate, sites: Sequence[str], candidates: Sequence[Com
     Raises:
       ValueError: no sites or candidates, an exact candidate, a bad budget, cap or count.
     """
-    sites = list(sites)
-    candidates = list(candidates)
-    if not sites or len(set(sites)) != len(sites):
-        raise ValueError(f"calibrate: sites must be distinct names, at least one, got {sites}")
-    if not candidates:
-        raise ValueError("calibrate: no candidate configs")
-    for c in candidates:
-        if not isinstance(c, CommConfig) or c.exact:
-            raise ValueError(f"calibrate: candidates must be quantized CommConfigs (exact is "
-                             f"always a choice), got {c!r}")
-    if not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget >= 0):
-        raise ValueError(f"calibrate: budget must be a finite number >= 0, got {budget!r}")
-    if max_wire is not None and not 0 < max_wire:
-        raise ValueError(f"calibrate: max_wire must be > 0 (a ratio to a bf16 ring), got "
-                         f"{max_wire!r}")
-    if not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"calibrate: rounds must be an int >= 1, got {rounds!r}")
+    sites, candidates, labels = _checked(sites, candidates, budget, max_wire, rounds,
+                                         sensitivity)
     wires = [wire_vs_bf16(c) for c in candidates]
-    labels = [_label(c) for c in candidates]
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"calibrate: candidates repeat: {labels}")
-
-    if sensitivity is not None:
-        missing = [(s, label) for s in sites for label in labels
-                   if label not in (sensitivity.get(s) or {})]
-        if missing:
-            raise ValueError(f"calibrate: the given sensitivity lacks {missing[:3]}"
-                             f"{' ...' if len(missing) > 3 else ''} (another model or other "
-                             f"candidates?)")
     measure = sensitivity is None
-    total = (len(sites) * len(candidates) if measure else 0) + rounds
-    done, start = 0, time.perf_counter()
-
-    def step(what: str):
-        if progress_out is not None:
-            progress(done, total, start, progress_out, unit="evaluations", what=what)
-
-    given, sensitivity = sensitivity, []
-    for site in sites:
-        row = []
-        for c, label in zip(candidates, labels):
-            if measure:
-                step(f"{site} {label}")
-                row.append(float(evaluate({site: c})))
-                done += 1
-            else:
-                row.append(float(given[site][label]))
-        sensitivity.append(row)
+    bar = _Progress((len(sites) * len(candidates) if measure else 0) + rounds, progress_out)
+    sensitivity = _sensitivity(evaluate, sites, candidates, labels, sensitivity, bar)
 
     def assignment_of(choice):
         return {s: candidates[k] for s, k in zip(sites, choice) if k >= 0}
@@ -190,32 +222,22 @@ def calibrate(evaluate: Evaluate, sites: Sequence[str], candidates: Sequence[Com
         if tuple(choice) in seen:
             break
         seen.add(tuple(choice))
-        step(f"whole policy, target {target:.4g}")
+        bar.step(f"whole policy, target {target:.4g}")
         measured = float((verify or evaluate)(assignment_of(choice)))
-        done += 1
         tried.append({"choice": choice, "target": target, "measured": measured,
                       "predicted": predicted_of(choice), "mean_wire": mean_wire(choice)})
-        if measured <= budget:
-            break
-        if measured <= 0 or predicted_of(choice) <= 0:
+        if measured <= budget or measured <= 0 or predicted_of(choice) <= 0:
             break
         target = min(target, predicted_of(choice)) * budget / measured
-    done = total
-    step("done")
+    bar.finish()
 
     within = [t for t in tried if t["measured"] <= budget]
     best = (min(within, key=lambda t: (t["mean_wire"], t["measured"])) if within
             else min(tried, key=lambda t: (t["measured"], t["mean_wire"])))
-    data = dict(info or {})
-    data.update({
-        "budget": budget, "max_wire": max_wire, "measured": best["measured"],
-        "sensitivity_reused": not measure,
-        "predicted": best["predicted"], "mean_wire": best["mean_wire"], "met": bool(within),
-        "candidates": {label: config_to_dict(c) for label, c in zip(labels, candidates)},
-        "sensitivity": {s: dict(zip(labels, row)) for s, row in zip(sites, sensitivity)},
-        "rounds": [{k: t[k] for k in ("target", "measured", "predicted", "mean_wire")}
-                   for t in tried],
-    })
+    data = {**(info or {}), "budget": budget, "max_wire": max_wire,
+            "measured": best["measured"], "sensitivity_reused": not measure,
+            "predicted": best["predicted"], "mean_wire": best["mean_wire"], "met": bool(within),
+            **_tables(sites, candidates, labels, sensitivity, tried)}
     return CommPolicy(default=None,
                       sites=tuple((s, candidates[k] if k >= 0 else None)
                                   for s, k in zip(sites, best["choice"])),

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_flashcomm as fc
 from jax_flashcomm.planner import _choose as selection
+from jax_flashcomm import costs
 from jax_flashcomm.costs import _table as tuning
 from jax_flashcomm.costs._model import Link
 from jax_flashcomm.transport import shm as shm_transport
@@ -140,7 +141,7 @@ def _call(nbytes, layout="processes", n=3):
 
 
 def _choose(call, link):
-    with tuning.use_table(None), tuning.use_link(link):
+    with tuning.use_table(None), costs.use_link(link):
         return selection.choose(call)
 
 

@@ -6,6 +6,7 @@ import logging
 
 import pytest
 
+from jax_flashcomm import costs
 from jax_flashcomm.costs import _table as tuning
 
 ROW = dict(op="psum", layout="tp", n=4, dtype="float32", nbytes=4096, candidate="lax",
@@ -57,9 +58,9 @@ def test_the_active_table_ignores_a_bad_file_with_a_warning(tmp_path, monkeypatc
 ])
 def test_a_bad_link_profile_names_the_variable_and_the_part(text, match):
     with pytest.raises(ValueError, match=match):
-        tuning.parse_link(text)
+        costs.parse_link(text)
 
 
 def test_a_link_profile_parses():
-    link = tuning.parse_link(" rate = 400mbit , latency=0.2ms,topology=switched")
+    link = costs.parse_link(" rate = 400mbit , latency=0.2ms,topology=switched")
     assert (link.bytes_per_s, link.base_latency_s, link.topology) == (5e7, 2e-4, "switched")

@@ -9,6 +9,7 @@ import pytest
 
 from jax_flashcomm import transport
 from jax_flashcomm.planner import _choose as selection
+from jax_flashcomm import costs
 from jax_flashcomm.costs import _table as tuning
 from jax_flashcomm.codec import kernels
 from jax_flashcomm.costs._model import Link
@@ -93,19 +94,19 @@ def test_active_reads_the_environment_once(monkeypatch, tmp_path):
 
 
 def test_parse_link():
-    link = tuning.parse_link("rate=400mbit,latency=0.2ms")
+    link = costs.parse_link("rate=400mbit,latency=0.2ms")
     assert link == Link(50e6, "shared", 0.2e-3, 0.0)
-    assert tuning.parse_link("rate=2gbps,topology=switched").topology == "switched"
+    assert costs.parse_link("rate=2gbps,topology=switched").topology == "switched"
     for bad in ("latency=1ms", "rate=fast", "rate=1mbit,latency=soon", "rate=1mbit,x=1"):
         with pytest.raises(ValueError, match="FLASHCOMM_LINK"):
-            tuning.parse_link(bad)
+            costs.parse_link(bad)
 
 
 def test_link_profile_from_the_environment(monkeypatch):
-    monkeypatch.setenv(tuning.LINK_ENV, "rate=8mbit,latency=1ms")
-    assert tuning.link_profile() == Link(1e6, "shared", 1e-3)
-    with tuning.use_link(Link(5.0)):
-        assert tuning.link_profile() == Link(5.0)
+    monkeypatch.setenv(costs.LINK_ENV, "rate=8mbit,latency=1ms")
+    assert costs.link_profile() == Link(1e6, "shared", 1e-3)
+    with costs.use_link(Link(5.0)):
+        assert costs.link_profile() == Link(5.0)
 
 
 @pytest.mark.skipif(not kernels.available("cpu"), reason="CPU kernels not built")
