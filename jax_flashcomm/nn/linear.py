@@ -55,29 +55,43 @@ def _sequence_axis(x, name: str) -> int:
     return x.ndim - 2
 
 
-class ColumnParallelLinear(nnx.Module):
-    """``y = x @ kernel`` with ``kernel`` ``(in, out)`` sharded by columns over ``comm.axis_name``.
-
-    Local: ``x (..., in)`` replicated → ``(..., out / N)``; with ``sp=True``
-    ``x (..., S / N, in)`` → ``(..., S, out / N)`` through ``comm.gather_matmul``.
+class _ShardedLinear(nnx.Module):
+    """``y = x @ kernel``, ``kernel`` ``(in, out)`` at global shape, sharded over
+    ``comm.axis_name`` along dimension ``SHARDED`` (0: rows, 1: columns).
 
     Args:
-      in_features: input width.
-      out_features: output width (global; a multiple of ``tp``).
+      in_features: input width (global; a multiple of ``tp`` when rows are sharded).
+      out_features: output width (global; a multiple of ``tp`` when columns are sharded).
       tp: the TP size.
       comm: the :class:`~jax_flashcomm.nn.TPComm`.
       dtype: the kernel's dtype.
       rngs: ``nnx.Rngs`` to initialize, or None for zeros (weights to be loaded).
     """
 
+    SHARDED: int
+
     def __init__(self, in_features: int, out_features: int, *, tp: int, comm: TPComm,
                  dtype=jnp.float32, rngs: nnx.Rngs | None):
-        if out_features % tp:
-            raise ValueError(f"ColumnParallelLinear: out_features={out_features} is not "
-                             f"divisible by the TP size {tp}")
+        name, size = (("in_features", in_features) if self.SHARDED == 0
+                      else ("out_features", out_features))
+        if size % tp:
+            raise ValueError(f"{type(self).__name__}: {name}={size} is not divisible by the TP "
+                             f"size {tp}")
         self.comm, self.tp = comm, tp
-        self.kernel = init_param(rngs, (in_features, out_features), dtype,
-                                 (None, comm.axis_name))
+        sharding = [None, None]
+        sharding[self.SHARDED] = comm.axis_name
+        self.kernel = init_param(rngs, (in_features, out_features), dtype, tuple(sharding))
+
+
+class ColumnParallelLinear(_ShardedLinear):
+    """``y = x @ kernel`` with ``kernel`` ``(in, out)`` sharded by columns over ``comm.axis_name``
+    (the arguments of :class:`_ShardedLinear`).
+
+    Local: ``x (..., in)`` replicated → ``(..., out / N)``; with ``sp=True``
+    ``x (..., S / N, in)`` → ``(..., S, out / N)`` through ``comm.gather_matmul``.
+    """
+
+    SHARDED = 1
 
     def __call__(self, x, *, sp: bool = False):
         w = self.kernel[...]
@@ -86,31 +100,17 @@ class ColumnParallelLinear(nnx.Module):
         return x @ w
 
 
-class RowParallelLinear(nnx.Module):
-    """``y = x @ kernel`` with ``kernel`` ``(in, out)`` sharded by rows over ``comm.axis_name``.
+class RowParallelLinear(_ShardedLinear):
+    """``y = x @ kernel`` with ``kernel`` ``(in, out)`` sharded by rows over ``comm.axis_name``
+    (the arguments of :class:`_ShardedLinear`).
 
     Local: ``x (..., in / N)`` → the sum over ranks ``(..., out)`` through ``comm.all_reduce``
     (``reduce=False``: this rank's partial ``x @ kernel``, for a caller that all-reduces it
     fused with what follows, :meth:`TPComm.all_reduce_add_norm`);
     with ``sp=True`` → this rank's ``(..., S / N, out)`` through ``comm.matmul_scatter``.
-
-    Args:
-      in_features: input width (global; a multiple of ``tp``).
-      out_features: output width.
-      tp: the TP size.
-      comm: the :class:`~jax_flashcomm.nn.TPComm`.
-      dtype: the kernel's dtype.
-      rngs: ``nnx.Rngs`` to initialize, or None for zeros (weights to be loaded).
     """
 
-    def __init__(self, in_features: int, out_features: int, *, tp: int, comm: TPComm,
-                 dtype=jnp.float32, rngs: nnx.Rngs | None):
-        if in_features % tp:
-            raise ValueError(f"RowParallelLinear: in_features={in_features} is not divisible "
-                             f"by the TP size {tp}")
-        self.comm, self.tp = comm, tp
-        self.kernel = init_param(rngs, (in_features, out_features), dtype,
-                                 (comm.axis_name, None))
+    SHARDED = 0
 
     def __call__(self, x, *, sp: bool = False, reduce: bool = True):
         w = self.kernel[...]

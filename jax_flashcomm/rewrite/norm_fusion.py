@@ -2,7 +2,7 @@
 :func:`~jax_flashcomm.psum_add_rms_norm`.
 
 The chain matched is the one ``residual + lax.psum(x)`` followed by the RMSNorm expression of
-:class:`jax_flashcomm.nn.RMSNorm` (and of ``models/llama.py``, the JAX docs' and most Flax
+:class:`jax_flashcomm.nn.RMSNorm` (and of ``models/llama/modeling.py``, the JAX docs' and most Flax
 models'), as JAX traces it::
 
     h = add residual s                 # s = psum(x); either operand order
@@ -100,6 +100,7 @@ def _weight_source(jaxpr, producer, var, hidden):
 
 def match_psum_norm(jaxpr, index: int, users: dict, producer: dict
                     ) -> tuple[NormFusion | None, str]:
+    # long function: the pattern, one check per step of the RMSNorm it matches
     """The fusion of the psum equation ``index`` with the residual add and RMSNorm after it.
 
     Args:

@@ -234,7 +234,7 @@ def model_heads(model: str) -> tuple[int, int] | None:
 def _gguf_heads(path: pathlib.Path) -> tuple[int, int] | None:
     """The ``*.attention.head_count`` / ``head_count_kv`` of a GGUF's metadata, read by the
     checkpoint reader's own header scan (no tensor is read)."""
-    from models.checkpoints.gguf import scan_gguf
+    from models.checkpoints.gguf_header import scan_gguf
 
     fields = scan_gguf(path).fields
     heads = next((v for k, (_, v) in fields.items() if k.endswith(".attention.head_count")),

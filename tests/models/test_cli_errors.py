@@ -228,16 +228,17 @@ def test_tp2_on_smollm2_reads_only_the_header(files, cli, args):
     assert r.stdout == ""
 
 
+# (what to make at {p}, the --config value, what the error line says)
+CONFIG_PATHS = [("fifo", "{p}", "--config {p}: not a regular file"),
+                ("dir", "{d}", "--config {d}: not a regular file"),
+                ("none", "[1]", "expected a JSON object"),
+                ("none", "/dev/zero", "--config /dev/zero: not a regular file")]
+
+
 @pytest.mark.parametrize("make, args, message", [
     ("fifo", ["--model", "{p}"], "not a regular file or a checkpoint directory"),
-    ("fifo", ["--model", "{d}/tiny", "--comm", "flash", "--config", "{p}"],
-     "--config {p}: not a regular file"),
-    ("dir", ["--model", "{d}/tiny", "--comm", "flash", "--config", "{d}"],
-     "--config {d}: not a regular file"),
-    ("none", ["--model", "{d}/tiny", "--comm", "flash", "--config", "[1]"],
-     "expected a JSON object"),
-    ("none", ["--model", "{d}/tiny", "--comm", "flash", "--config", "/dev/zero"],
-     "--config /dev/zero: not a regular file"),
+    *((make, ["--model", "{d}/tiny", "--comm", "flash", "--config", value], message)
+      for make, value, message in CONFIG_PATHS),
     ("fifo", ["--model", "{d}/tiny", "--text", "{d}/text.txt", "--json", "{p}"],
      "--json {p}: not a regular file"),
     ("fifo", ["--model", "{d}/tiny", "--text", "{d}/text.txt", "--comm-policy", "{p}"],
