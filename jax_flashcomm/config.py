@@ -1,3 +1,4 @@
+# long file: CommConfig, its auto rules, the keyword options every entry point shares and their table
 """The one set of options every jax_flashcomm entry point takes: :class:`CommConfig`.
 
 Every collective (``psum``, ``pmean``, ``psum_scatter``, ``all_gather``), ring matmul

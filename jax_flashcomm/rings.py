@@ -54,6 +54,31 @@ def _link(ring, axis_name):
     return transport.by_name(ring[0]).ring_link(ring, axis_name, {1: fwd, -1: bwd})
 
 
+def _piece_codec(quant: tuple | None):
+    """``(encode, decode)`` of the pieces a ring moves: identities when ``quant`` is None, else
+    quantize once into one uint8 buffer (one move per step, not three) and decode by the
+    operand's shape. The decode too runs the codec's choice of backend (the FFI kernels where
+    built): the twin's fused decode (with the 8-bit default's Hadamard rotation) cost more than
+    the kernel's pass (docs/ttft_shm.md, 512-token prefill)."""
+    if quant is None:
+        return (lambda a: a), (lambda p, like: p)
+    bits, group_size, backend, rotation, spikes = quant
+    layouts = {}
+
+    def enc(a):
+        payload = codec.quantize(a, bits=bits, group_size=group_size, backend=backend,
+                                 rotation=rotation, spikes=spikes)
+        layouts[a.shape] = jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape, b.dtype),
+                                        payload)
+        return wire.pack_tree(payload)
+
+    def dec(buf, like):
+        return codec.dequantize(wire.unpack_tree(buf, layouts[like.shape]), dtype=like.dtype,
+                                backend=backend)
+
+    return enc, dec
+
+
 def ag_ring(x: jax.Array, axis_name, axis: int, bidirectional: bool, product, place, state,
             quant: tuple | None, ring: tuple):
     """Ring all-gather of ``x`` along ``axis``, with ``product(chunk)`` of every piece.
@@ -85,27 +110,7 @@ def ag_ring(x: jax.Array, axis_name, axis: int, bidirectional: bool, product, pl
     idx = lax.axis_index(axis_name)
     m = x.shape[axis]
     link = _link(ring, axis_name)
-    if quant is None:
-        enc, dec = (lambda a: a), (lambda p, like: p)
-    else:
-        bits, group_size, backend, rotation, spikes = quant
-        layouts = {}
-
-        def enc(a):  # quantize once, then one uint8 buffer: one move per step, not three
-            payload = codec.quantize(a, bits=bits, group_size=group_size, backend=backend,
-                               rotation=rotation, spikes=spikes)
-            layouts[a.shape] = jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape, b.dtype),
-                                            payload)
-            return wire.pack_tree(payload)
-
-        # the decode too runs the codec's choice of backend (the FFI kernels where built):
-        # the twin's fused decode (with the 8-bit default's Hadamard rotation) cost more than
-        # the kernel's pass (docs/ttft_shm.md, 512-token prefill)
-
-        def dec(buf, like):  # the payload knows its operand's shape
-            return codec.dequantize(wire.unpack_tree(buf, layouts[like.shape]),
-                                    dtype=like.dtype, backend=backend)
-
+    enc, dec = _piece_codec(quant)
     if not bidirectional or m < 2:  # a one-row chunk has no two halves: one direction
         payload = enc(x)
         for k in range(n):

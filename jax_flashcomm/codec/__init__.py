@@ -1,3 +1,4 @@
+# long file: the codec's public ops, each checking its arguments at trace time before it dispatches
 """The low-bit codec: per-group asymmetric quantization of activations (docs/format.md).
 
 ``quantize`` turns an array into a :class:`Payload` (packed codes plus a bf16 scale and zero

@@ -1,3 +1,4 @@
+# long file: the jnp twin of every kernel in one file, read side by side with ffi/include/flashcomm/codec.h
 """The pure-jnp twin of the codec kernels: runs on any backend (CPU, GPU, TPU).
 
 It mirrors ffi/include/flashcomm/codec.h operation for operation, so its codes are

@@ -1,3 +1,4 @@
+# long file: the one decision of a call's path: the Plan, its rules and the size policy together
 """The path of one call, decided in one place: :func:`plan` returns a :class:`Plan`.
 
 Every op (``psum``, ``psum_scatter``, ``all_gather``, ``all_gather_matmul``, ``psum_add_rms_norm``,

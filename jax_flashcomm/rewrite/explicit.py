@@ -1,3 +1,4 @@
+# long file: the collectives Explicit sharding implies, one rule per primitive, read as a table
 """The collectives a jaxpr implies through sharding in types (Explicit mesh axes).
 
 With Explicit axes (``jax.make_mesh``'s default since JAX 0.10) a model has no collective in its

@@ -1,3 +1,4 @@
+# long file: the jaxpr walk of the rewrite: one interpreter whose cases share its state
 """The jaxpr interpreter behind :func:`jax_flashcomm.rewrite.rewrite`.
 
 It re-evaluates a traced function's jaxpr equation by equation under the caller's trace,

@@ -1,3 +1,4 @@
+# long file: the measuring command: collectives, codec, link and mesh, each a function of its own
 """Measure this machine's tuning table: ``python -m jax_flashcomm.tune``.
 
 In one process on ``max(--devices)`` CPU devices, for each axis size of ``--devices``: the time
@@ -188,10 +189,9 @@ SPIKED_FORMAT = {"bits": 4, "rotation": 0, "spikes": 1}
 def measure_codec(reps: int, devices) -> dict:
     """The CPU build for the all-reduce's three passes (8 bits, 4 MiB of bf16, each build): the
     loader's default unless another is at least 5% faster. With it, per axis size ``n``: the
-    values/s of each pass when ``n`` ranks run it at once (as inside a collective), in the
-    collectives' default 8-bit format (Hadamard rotation; under ``"spiked"``, the 4-bit format
-    with a spike per group) on 256 Ki f32 values per rank (a 1 MiB message), less the fixed
-    cost of a call (one group per chunk); each per call of 8 chained in one program."""
+    values/s of each pass with ``n`` ranks running it at once, in the default 8-bit format
+    (under ``"spiked"``, 4 bits with a spike per group) on 256 Ki f32 values per rank, less the
+    fixed cost of a call (one group per chunk); each per call of 8 chained in one program."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -336,6 +336,18 @@ def model_check(table: costs.Table, min_bytes: int = 0) -> dict:
             "min_bytes": min_bytes}
 
 
+def _print_check(check: dict, min_bytes: int) -> None:
+    """The cost model against the measured rows (:func:`model_check`), as a table."""
+    print(f"\n{'N':>2} {'op':<13}{'dtype':<9}{'bytes':>9}  {'candidate':<14}{'bits':<9}"
+          f"{'measured':>10}{'model':>10}{'error':>8}")
+    for r in check["rows"]:
+        print(f"{r['n']:>2} {r['op']:<13}{r['dtype']:<9}{r['nbytes']:>9}  {r['candidate']:<14}"
+              f"{str(r['bits']):<9}{r['seconds'] * 1e3:>9.3f}m{r['predicted_s'] * 1e3:>9.3f}m"
+              f"{r['err']:>+8.0%}")
+    print(f"cost model vs measured (rows >= {min_bytes} B): largest |error| "
+          f"{check['max_abs_err']:.0%}, within {TOLERANCE:.0%}: {check['within_tolerance']}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jax_flashcomm.tune", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -406,15 +418,7 @@ def main(argv=None) -> int:
     table = costs.Table(key=key, rows=tuple(rows), codec=codec_info, link=link,
                          created=costs.now())
     path = costs.save(table, args.out)
-    check = model_check(table, args.check_min_bytes)
-    print(f"\n{'N':>2} {'op':<13}{'dtype':<9}{'bytes':>9}  {'candidate':<14}{'bits':<9}"
-          f"{'measured':>10}{'model':>10}{'error':>8}")
-    for r in check["rows"]:
-        print(f"{r['n']:>2} {r['op']:<13}{r['dtype']:<9}{r['nbytes']:>9}  {r['candidate']:<14}"
-              f"{str(r['bits']):<9}{r['seconds'] * 1e3:>9.3f}m{r['predicted_s'] * 1e3:>9.3f}m"
-              f"{r['err']:>+8.0%}")
-    print(f"cost model vs measured (rows >= {args.check_min_bytes} B): largest |error| "
-          f"{check['max_abs_err']:.0%}, within {TOLERANCE:.0%}: {check['within_tolerance']}")
+    _print_check(model_check(table, args.check_min_bytes), args.check_min_bytes)
     print(f"wrote {path} ({time.perf_counter() - start:.0f} s)")
     return 0
 

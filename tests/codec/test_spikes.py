@@ -1,3 +1,4 @@
+# long file: the spiked format's parity, bounds and collectives, sharing one set of outlier data
 """Spike reserving (docs/format.md, "Spike reserving"): the jnp twin and the CPU kernels
 bit-identical (codes, spike records, scales, zeros, decoded values, fused sums), the selection
 rule, the spikes' stored values, the elementwise error bound (plain and rotated), non-finite

@@ -42,6 +42,7 @@ def _payload(mutate):
 
 # (id, what, op(s), local x (shape, dtype), body(v) or body(x, w), w shape or None, exc, match)
 def _cases():
+    # long function: the table of bad inputs, one entry per line
     cases = []
     for dt, name in DT_NAMES.items():
         for op in OPS:

@@ -1,3 +1,4 @@
+# long file: the rewrite end to end over the model shapes it adopts, sharing their fixtures
 """jax_flashcomm.rewrite: lax-collective models rewritten into flashcomm ones.
 
 Rewritten outputs are bit-equal to calling flashcomm directly with the same CommConfig and

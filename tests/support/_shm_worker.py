@@ -1,3 +1,4 @@
+# long file: the one worker process of every shared-memory scenario (each a function)
 """One process of tests/transport/test_shm.py: ONE CPU device, gloo, jax.distributed; the
 ``p2p`` transport then runs between the processes over shared memory
 (jax_flashcomm/transport/shm.py, FFI targets ``flashcomm_shm_*``). With
@@ -121,6 +122,7 @@ def first_line(err: BaseException) -> str:
 # --- parity -----------------------------------------------------------------------------------
 
 def parity():
+    # long function: one scenario: every op over shared memory against the in-process results
     log("initialized")
     assert shm.setup() is None, shm.setup()
     rng = np.random.default_rng(1234)  # the same on every process: each knows every operand
