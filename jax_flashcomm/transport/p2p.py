@@ -29,8 +29,8 @@ from jax import lax
 from jax_flashcomm import _axes
 from jax_flashcomm.codec import Payload, kernels, spec
 from jax_flashcomm.codec import as_groups, restore_shape
-from jax_flashcomm.codec.group_format import GroupFormat
 from jax_flashcomm.transport import identity, shm
+from jax_flashcomm.jax_compat import kernel_platform_name
 from jax_flashcomm.transport.xla import arrange_gathered
 
 
@@ -88,7 +88,7 @@ def kernel_platform(jax_platform: str) -> str | None:
     Returns:
       ``"cpu"`` or ``"cuda"``, or None when that module is not built or lacks them.
     """
-    platform = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}.get(jax_platform)
+    platform = kernel_platform_name(jax_platform)
     if platform == "cuda" and "rocm" in _platform_version().lower():
         return None
     if platform is None or not set(TARGETS) <= kernels.registered(platform):
@@ -207,8 +207,8 @@ def all_reduce(x: jax.Array, axes: tuple[str, ...], plan,
         vmap_method="sequential")
     rank, group = rank_and_group(axes)
     y, c1, s1, z1, c2, s2, z2 = call(
-        groups, rank, group, fmt=GroupFormat("int", b1, g, rot, k1).ffi_attribute(),
-        out_fmt=GroupFormat("int", b2, g, rot, k2).ffi_attribute(),
+        groups, rank, group, fmt=plan.group_formats[0].ffi_attribute(),
+        out_fmt=plan.group_formats[1].ffi_attribute(),
         **_attrs("all_reduce", axes, x, plan.timeout_ms))
     meta = dict(group_size=g, shape=tuple(x.shape), dtype=np.dtype(x.dtype), rotation=rot)
     p1 = Payload(c1, s1, z1, bits=b1, spikes=k1, **meta).merge_groups()
@@ -243,7 +243,7 @@ def reduce_scatter(rows: jax.Array, axes: tuple[str, ...],
         vmap_method="sequential")
     rank, group = rank_and_group(axes)
     y, c1, s1, z1 = call(groups, rank, group,
-                         fmt=GroupFormat("int", bits, g, rot, k1).ffi_attribute(),
+                         fmt=plan.group_formats[0].ffi_attribute(),
                          **_attrs("reduce_scatter", axes, rows, plan.timeout_ms))
     p1 = Payload(c1, s1, z1, bits=bits, group_size=g, shape=(mp,), dtype=np.dtype(rows.dtype),
                  rotation=rot, spikes=k1)
@@ -252,18 +252,8 @@ def reduce_scatter(rows: jax.Array, axes: tuple[str, ...],
 
 def all_gather(x: jax.Array, axes: tuple[str, ...], axis: int, tiled: bool,
                plan) -> tuple[jax.Array, Payload]:
-    """Quantized all-gather of a varying ``x`` in one call per rank.
-
-    Args:
-      x: the operand (f32, bf16 or f16), varying over ``axes``.
-      axes: the gathered mesh axes.
-      axis, tiled: as for ``lax.all_gather``.
-      plan: the call's quantized :class:`~jax_flashcomm.planner.Plan`.
-
-    Returns:
-      ``(y, p)``: ``y`` laid out as ``lax.all_gather(x, axes, axis=axis, tiled=tiled)`` (the N
-      decoded operands in lax's rank order), ``p`` this rank's payload.
-    """
+    """:func:`jax_flashcomm.transport.xla.all_gather` (same arguments and results, the same
+    bits) in one FFI call per rank."""
     n = _axes.axis_size(axes)
     g, bits = plan.group_size, plan.ag_bits
     rot, k2 = plan.rotation, plan.ag_spikes
@@ -277,7 +267,7 @@ def all_gather(x: jax.Array, axes: tuple[str, ...], axis: int, tiled: bool,
          result_aval(x, (count,), jnp.bfloat16, vma), result_aval(x, (count,), jnp.bfloat16, vma)),
         vmap_method="sequential")
     rank, group = rank_and_group(axes)
-    y, c, s, z = call(groups, rank, group, fmt=GroupFormat("int", bits, g, rot, k2).ffi_attribute(),
+    y, c, s, z = call(groups, rank, group, fmt=plan.group_formats[1].ffi_attribute(),
                       **_attrs("all_gather", axes, x, plan.timeout_ms))
     p = Payload(c, s, z, bits=bits, group_size=g, shape=tuple(x.shape), dtype=np.dtype(x.dtype),
                 rotation=rot, spikes=k2)

@@ -224,4 +224,3 @@ def _ring_gather(x, p, axes, axis, tiled, plan):
         if tiled:
             out = out.reshape(_gathered_shape(x.shape, n, axis, tiled))
     return out
-
