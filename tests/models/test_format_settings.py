@@ -81,3 +81,21 @@ def test_wire_vs_bf16():
     _, int8 = cli.parse_setting("int8")
     assert traffic.wire_vs_bf16(int8) == spec.wire_bytes_per_element(8, 128) / 2
     assert traffic.wire_vs_bf16(cli.parse_setting("exact")[1]) == 1.0
+
+
+@pytest.mark.parametrize("name,flags", [
+    ("exact", ["--comm", "exact"]),
+    ("overlap", ["--comm", "overlap"]),
+    ("int4/fp8", ["--comm", "flash", "--bits", "4", "--ag-format", "fp8", "--min-bytes", "0"]),
+    ("overlap+nvfp4", ["--comm", "flash+overlap", "--format", "nvfp4", "--min-bytes", "0"]),
+    ("int4/8", ["--comm", "flash", "--bits", "4", "--ag-bits", "8", "--ag-format", "int",
+                "--min-bytes", "0"]),
+    ("auto6", ["--comm", "auto", "--bits", "6"]),
+    ("overlap+auto", ["--comm", "auto+overlap", "--bits", "8"]),
+])
+def test_a_setting_name_and_its_flags_build_the_same_comm(name, flags):
+    """One settings language: a models.compare setting name and the --comm / option flags it
+    stands for parse to the same options and build the same TPComm."""
+    parser, args = _parse(*flags)
+    cli.check_comm(parser, args)
+    assert cli.parse_setting(name)[1] == args.tp_comm == cli.comm_from_args(args)

@@ -92,3 +92,24 @@ def test_layer_errors():
         nn.TPComm(layout="sequence_parallel", config=fc.CommConfig(bits=4))
     with pytest.raises(ValueError, match="not divisible by the TP size"):
         nn.RowParallelLinear(10, 4, tp=4, comm=nn.TPComm(), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("kind", nn.COMM_KINDS)
+def test_a_kind_string_names_a_quantization_and_a_layout(kind):
+    options = {} if kind in ("exact", "overlap") else {"bits": 4}
+    comm = nn.TPComm.from_kind(kind, **options)
+    assert comm.kind == kind
+    assert (comm.quantization, comm.layout) == nn.TPComm.parse_kind(kind)
+    assert comm.overlap == (comm.layout == "sequence_parallel")
+    assert comm == nn.TPComm(comm.quantization, layout=comm.layout, config=comm.config)
+
+
+def test_unknown_quantization_layout_and_kind():
+    with pytest.raises(ValueError, match="unknown quantization 'flash'.*from_kind"):
+        nn.TPComm("flash")
+    with pytest.raises(ValueError, match="unknown layout 'tp'"):
+        nn.TPComm("exact", layout="tp")
+    with pytest.raises(ValueError, match="unknown communication kind 'fast'"):
+        nn.TPComm.from_kind("fast")
+    with pytest.raises(ValueError, match="format='fp8' would be ignored"):
+        nn.TPComm("exact", format="fp8")
