@@ -6,7 +6,7 @@ Head layout over ``tp`` ranks (vLLM's): each rank owns ``n_heads / tp`` query he
 ``tp <= n_kv_heads`` it owns ``n_kv_heads / tp`` KV heads; when ``tp > n_kv_heads`` every rank
 holds one KV head, replicated ``tp / n_kv_heads`` times over consecutive ranks (:func:`kv_heads`).
 The q, k and v projections are one column-parallel matmul whose columns are, per rank, that
-rank's q, k and v heads (one ring in the overlap strategies); gate and up of the MLP likewise.
+rank's q, k and v heads (one ring in the sequence-parallel layout); gate and up of the MLP likewise.
 """
 
 from __future__ import annotations
