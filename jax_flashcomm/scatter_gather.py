@@ -157,13 +157,16 @@ def reduce_scatter_parts(x: jax.Array, axes: tuple[str, ...], dim: int, tiled: b
     return out, p1
 
 
-def _quantized_op(parts, quantized_transpose, lax_transpose):
+def _quantized_op(name, parts, quantized_transpose, lax_transpose):
     """The quantized collective ``parts(x, axes, dim, tiled, plan)[0]`` with its transpose as
-    the VJP: the quantized one under ``grad="quantized"``, else the ``lax`` one."""
+    the VJP: the quantized one under ``grad="quantized"``, else the ``lax`` one. ``name`` is
+    its custom_vjp's name in jaxprs (the rewrite and its tests find the op by it)."""
 
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
     def op(x, axes, dim, tiled, p):
         return parts(x, axes, dim, tiled, p)[0]
+
+    op.__name__ = op.__qualname__ = name
+    op = jax.custom_vjp(op, nondiff_argnums=(1, 2, 3, 4))
 
     def fwd(x, axes, dim, tiled, p):
         return op(x, axes, dim, tiled, p), None
@@ -179,7 +182,7 @@ def _quantized_op(parts, quantized_transpose, lax_transpose):
 
 
 _qpsum_scatter = _quantized_op(
-    reduce_scatter_parts,
+    "_qpsum_scatter", reduce_scatter_parts,
     lambda ct, axes, dim, tiled, config: all_gather(ct, axes, axis=dim, tiled=tiled,
                                                     config=config),
     lambda ct, axes, dim, tiled: lax.all_gather(ct, axes, axis=dim, tiled=tiled))
@@ -260,7 +263,7 @@ gather_payloads = transport.xla.gather_payloads
 
 
 _qall_gather = _quantized_op(
-    all_gather_parts,
+    "_qall_gather", all_gather_parts,
     lambda ct, axes, axis, tiled, config: psum_scatter(ct, axes, scatter_dimension=axis,
                                                        tiled=tiled, config=config),
     lambda ct, axes, axis, tiled: lax.psum_scatter(ct, axes, scatter_dimension=axis, tiled=tiled))

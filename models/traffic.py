@@ -46,11 +46,7 @@ def plans_wire_vs_bf16(plans) -> tuple[float, dict]:
         elements = p.nbytes / np.dtype(p.dtype).itemsize
         bf16 += 2.0 * elements
         if p.quantized:
-            wire += elements * (
-                spec.format_wire_bytes_per_element(p.rs_format, p.group_size, p.rs_bits,
-                                                   p.rs_spikes)
-                + spec.format_wire_bytes_per_element(p.ag_format, p.group_size, p.ag_bits,
-                                                     p.ag_spikes)) / 2
+            wire += elements * sum(f.wire_bytes_per_element() for f in p.group_formats) / 2
         else:
             wire += 2.0 * elements
     return (wire / bf16 if bf16 else 1.0), paths

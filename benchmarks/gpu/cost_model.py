@@ -28,7 +28,8 @@ from jax_flashcomm.costs import (  # noqa: F401  (the model lives in the library
     A100_FLOPS, A100_HBM, BF16, CODEC_EFFICIENCY, GPUS, H100_FLOPS, H100_HBM, KERNEL_LAUNCH_S,
     L40_FLOPS, L40_HBM, LINK_EFFICIENCY, MIB, NCCL_BASE_LATENCY_S, NCCL_STEP_LATENCY_S,
     NVLINK3_BYTES_PER_S, NVLINK4_BYTES_PER_S, PASSES, PCIE4_X16_BYTES_PER_S, PREFILL_MFU, Gpu,
-    Link, exact_allreduce, flash_allreduce, gpu_allreduce_speedup, wire_bytes_per_element)
+    Link, exact_allreduce, flash_allreduce, gpu_allreduce_speedup)
+from jax_flashcomm.codec import GroupFormat
 
 EMULATED_LINK_FILES = ("docs/results/allreduce_bf16.json", "docs/results/allreduce_bf16_4p.json")
 LINK_CALIBRATION_FILE = "docs/results/allreduce.json"   # another run; its ppermute column
@@ -63,6 +64,11 @@ MODELS = {m.name: m for m in (
     Llama("LLaMA-3-8B", 32, 4096, 14336, 32, 8, 128256),
     Llama("LLaMA-2-70B", 80, 8192, 28672, 64, 8, 32000),
     Llama("LLaMA-3-70B", 80, 8192, 28672, 64, 8, 128256))}
+
+
+def int_wire_bytes(bits: int, group_size: int = 128, spikes: int = 0) -> float:
+    """Bytes per value of the integer format at ``bits`` (the codec's figure)."""
+    return GroupFormat("int", bits, group_size, 0, spikes).wire_bytes_per_element()
 
 
 def ttft(model: Llama, gpu: Gpu, tp: int, batch: int, seq: int, bits: int | None = None) -> dict:
@@ -239,7 +245,7 @@ def ttft_check(data: dict) -> dict:
 # --- output ---------------------------------------------------------------------------------------
 def predictions() -> dict:
     """GPU all-reduce speedups by size, TTFT per setting, the paper rows, the sensitivity."""
-    ar = [{"gpu": g, "n": n, "bits": b, "byte_ideal": BF16 / wire_bytes_per_element(b),
+    ar = [{"gpu": g, "n": n, "bits": b, "byte_ideal": BF16 / int_wire_bytes(b),
            "speedups": [gpu_allreduce_speedup(GPUS[g], s, n, b) for s in TABLE_SIZES]}
           for g in GPUS for n in (4, 8) for b in (8, 6, 4)]
     tt = []
@@ -334,8 +340,8 @@ def plot(path: Path) -> None:
         for b, c in colors.items():
             ax.plot(sizes, [gpu_allreduce_speedup(GPUS[g], s, 4, b) for s in sizes], color=c,
                     label=f"int{b}")
-            ax.axhline(BF16 / wire_bytes_per_element(b), color=c, ls="--", lw=1,
-                       label=f"int{b} byte ideal ({BF16 / wire_bytes_per_element(b):.2f}x)")
+            ax.axhline(BF16 / int_wire_bytes(b), color=c, ls="--", lw=1,
+                       label=f"int{b} byte ideal ({BF16 / int_wire_bytes(b):.2f}x)")
         if g == "L40":
             ax.plot([64 * MIB], [3.18], "*", color="k", ms=14, label="paper: INT4 3.18x (>= 64 MB)")
             ax.hlines(3.18, 64 * MIB, 2**30, color="k", lw=1, ls=":")

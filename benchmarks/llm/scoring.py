@@ -13,12 +13,7 @@ def wire(config) -> dict:
     """Wire bytes per element, averaged over the two phases (a bf16 ring moves 2.0), and the
     ratio to a bf16 ring (padding to whole groups left out: it is the same for every row of a
     message size and below 0.5% here except per-tensor)."""
-    from jax_flashcomm.codec import spec
-
     if config is None:
         return {"bytes_per_element": 2.0, "vs_bf16_ring": 1.0}
-    per = (spec.wire_bytes_per_element(config.phase1_bits, config.group_size,
-                                       config.phase1_spikes)
-           + spec.wire_bytes_per_element(config.phase2_bits, config.group_size,
-                                         config.phase2_spikes)) / 2
+    per = sum(f.wire_bytes_per_element() for f in config.group_formats) / 2
     return {"bytes_per_element": per, "vs_bf16_ring": per / 2.0}

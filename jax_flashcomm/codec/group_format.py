@@ -55,6 +55,10 @@ class GroupFormat:
             return spec.fp_record_bytes(self.format, self.group_size, self.spikes)
         return spec.record_bytes(self.group_size, self.bits, self.spikes)
 
+    def wire_bytes_per_element(self) -> float:
+        """Bytes a payload of this format carries per operand element (whole groups)."""
+        return spec.wire_bytes_per_element(self.bits, self.group_size, self.spikes, self.format)
+
     def ffi_attribute(self) -> dict:
         """The FFI dictionary attribute the kernels decode into ``flashcomm::GroupFormat``."""
         return {"format": np.int32(spec.FORMATS.index(self.format)), "bits": np.int32(self.bits),

@@ -213,16 +213,22 @@ def padded_size(size: int, group_size: int, multiple: int = 1) -> int:
     return max(unit, -(-size // unit) * unit)
 
 
-def wire_bytes_per_element(bits: int, group_size: int, spikes: int = 0) -> float:
-    """Bytes one payload carries per operand element: codes, spike record, bf16 scale and zero.
+def wire_bytes_per_element(bits: int, group_size: int, spikes: int = 0,
+                           format: str = "int") -> float:
+    """Bytes one payload carries per operand element: codes, spike record, and the scales (a
+    bf16 scale and zero per group in ``"int"``, in the record in a floating-point format).
 
     Args:
-      bits, group_size, spikes: the codec parameters.
+      bits, group_size, spikes: the codec parameters (``bits`` only for ``"int"``).
+      format: one of :data:`FORMATS`.
 
     Returns:
-      Bytes per element (e.g. 1.03125 for 8 bits, groups of 128, no spikes).
+      Bytes per element: e.g. 1.03125 for 8 bits, groups of 128, no spikes; 0.5703 for nvfp4 at
+      G = 128 (0.2852x of a bf16 ring).
     """
-    return (record_bytes(group_size, bits, spikes) + 4) / group_size
+    if format == "int":
+        return (record_bytes(group_size, bits, spikes) + 4) / group_size
+    return fp_record_bytes(format, group_size, spikes) / group_size
 
 
 # ---- floating-point group formats (docs/format.md, "Floating-point formats") ----
@@ -286,19 +292,3 @@ def fp_record_bytes(fmt: str, group_size: int, spikes: int = 0) -> int:
     """
     return (fp_code_bytes(fmt, group_size) + fp_scale_bytes(fmt, group_size)
             + spike_bytes(group_size, spikes))
-
-
-def format_wire_bytes_per_element(fmt: str, group_size: int, bits: int = 8,
-                                  spikes: int = 0) -> float:
-    """Bytes one payload carries per operand element in format ``fmt`` (``bits`` for "int").
-
-    Args:
-      fmt: one of :data:`FORMATS`.
-      group_size, bits, spikes: the codec parameters (``bits`` only for "int").
-
-    Returns:
-      Bytes per element: e.g. 0.5703 for nvfp4 at G = 128 (0.2852x of a bf16 ring).
-    """
-    if fmt == "int":
-        return wire_bytes_per_element(bits, group_size, spikes)
-    return fp_record_bytes(fmt, group_size, spikes) / group_size

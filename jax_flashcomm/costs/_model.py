@@ -24,13 +24,14 @@ from __future__ import annotations
 import dataclasses
 
 from jax_flashcomm.codec import spec
+from jax_flashcomm.codec.group_format import GroupFormat
 
 __all__ = ["MIB", "BF16", "PASSES", "PCIE4_X16_BYTES_PER_S", "NVLINK3_BYTES_PER_S",
            "NVLINK4_BYTES_PER_S", "LINK_EFFICIENCY", "NCCL_BASE_LATENCY_S",
            "NCCL_STEP_LATENCY_S", "NCCL_LL_BASE_LATENCY_S", "NCCL_LL_STEP_LATENCY_S",
            "NCCL_LL_BANDWIDTH_SHARE", "KERNEL_LAUNCH_S", "CODEC_EFFICIENCY", "PREFILL_MFU",
            "L40_HBM", "L40_FLOPS", "A100_HBM", "A100_FLOPS", "H100_HBM", "H100_FLOPS", "Link",
-           "Gpu", "CpuCodec", "nccl_ll_link", "GPUS", "wire_bytes_per_element",
+           "Gpu", "CpuCodec", "nccl_ll_link", "GPUS",
            "exact_allreduce", "flash_allreduce", "exact_collective", "flash_collective",
            "gpu_allreduce_speedup", "CPU_CODEC_VALUES_PER_S",
            "CPU_SPIKED_CODEC_VALUES_PER_S", "CPU_CODEC_CALL_S", "cpu_codec", "local_gpu"]
@@ -131,11 +132,11 @@ GPUS = {"L40": Gpu("L40", _link(PCIE4_X16_BYTES_PER_S, "shared"), L40_HBM, L40_F
         "H100": Gpu("H100", _link(NVLINK4_BYTES_PER_S, "switched"), H100_HBM, H100_FLOPS)}
 
 
-def wire_bytes_per_element(bits: int, group_size: int = 128, spikes: int = 0) -> float:
-    """Payload bytes per value (codes, spikes, scale and zero): the codec's own figure, with
-    the arguments checked."""
+def _wire(bits: int, group_size: int, spikes: int) -> float:
+    """Payload bytes per value of the integer format (:meth:`GroupFormat.wire_bytes_per_element`,
+    its fields checked)."""
     g = spec.check_group_size(group_size)
-    return spec.wire_bytes_per_element(spec.check_bits(bits), g, spec.check_spikes(spikes, g))
+    return GroupFormat("int", bits, g, 0, spec.check_spikes(spikes, g)).wire_bytes_per_element()
 
 
 def _check(size, n):
@@ -165,8 +166,8 @@ def flash_allreduce(size: float, n: int, link: Link, codec_pass_s, rs_bits: int,
     padded to N chunks of whole groups); ``codec_pass_s(name, elems, w1, w2, n)`` prices a pass.
     ``size`` is in bytes of ``itemsize``-byte values."""
     _check(size, n)
-    w1 = wire_bytes_per_element(rs_bits, group_size, spikes)
-    w2 = wire_bytes_per_element(rs_bits if ag_bits is None else ag_bits, group_size, spikes)
+    w1 = _wire(rs_bits, group_size, spikes)
+    w2 = _wire(rs_bits if ag_bits is None else ag_bits, group_size, spikes)
     elems = spec.padded_size(int(size) // itemsize, group_size, n)
     t = {"link_s": sum(link.transfer_s((n - 1) / n * elems * w, n) for w in (w1, w2)),
          "latency_s": 2 * link.collective_latency_s,
@@ -199,7 +200,7 @@ def flash_collective(op: str, size: float, n: int, link: Link, codec_pass_s, rs_
                                spikes, itemsize)["total_s"]
     _check(size, n)
     bits = rs_bits if op == "psum_scatter" else ag_bits
-    w = wire_bytes_per_element(bits, group_size, spikes)
+    w = _wire(bits, group_size, spikes)
     elems = int(size) // itemsize
     if op == "psum_scatter":
         elems = spec.padded_size(elems, group_size, n)

@@ -55,10 +55,8 @@ def wire_vs_bf16(config: CommConfig | None) -> float:
 def wire_per_element(config: CommConfig) -> tuple[float, float]:
     """Bytes per element of the two phases' payloads of a quantized ``config`` (codes, scales,
     spikes; whole groups)."""
-    return (spec.format_wire_bytes_per_element(config.phase1_format, config.group_size,
-                                               config.phase1_bits, config.phase1_spikes),
-            spec.format_wire_bytes_per_element(config.phase2_format, config.group_size,
-                                               config.phase2_bits, config.phase2_spikes))
+    rs, ag = config.group_formats
+    return rs.wire_bytes_per_element(), ag.wire_bytes_per_element()
 
 
 def config_to_dict(config: CommConfig | None) -> dict | None:

@@ -166,13 +166,8 @@ def _outcome(decisions, note: str | None) -> tuple[str, str, str]:
 
 def _per_byte(plan, itemsize: int) -> tuple[float, float]:
     """Payload bytes per operand byte of a plan's reduce-scatter and all-gather phases."""
-    def phase(bits, fmt, spikes):
-        if not bits:
-            return 1.0
-        return codec.spec.format_wire_bytes_per_element(fmt, plan.group_size, bits,
-                                                        spikes) / itemsize
-    return (phase(plan.rs_bits, plan.rs_format, plan.rs_spikes),
-            phase(plan.ag_bits, plan.ag_format, plan.ag_spikes))
+    return tuple(1.0 if f is None else f.wire_bytes_per_element() / itemsize
+                 for f in plan.group_formats)
 
 
 def _same_type(a, b) -> bool:

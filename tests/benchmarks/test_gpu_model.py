@@ -21,15 +21,15 @@ def test_no_latency_and_free_codec_give_the_byte_ratio(link, n, rs_bits, ag_bits
     size = 2 * n * 128 * 1000                        # whole groups in every chunk: no padding
     exact = gm.exact_allreduce(size, n, link, "ring")["total_s"]
     q = gm.flash_allreduce(size, n, link, NO_CODEC, rs_bits, ag_bits)
-    ratio = 2 * gm.BF16 / (gm.wire_bytes_per_element(rs_bits) + gm.wire_bytes_per_element(ag_bits))
+    ratio = 2 * gm.BF16 / (gm.int_wire_bytes(rs_bits) + gm.int_wire_bytes(ag_bits))
     assert exact / q["total_s"] == pytest.approx(ratio, rel=1e-12)
     assert q["byte_ideal"] == pytest.approx(ratio, rel=1e-12)
 
 
 def test_wire_bytes_follow_the_format():
-    assert gm.wire_bytes_per_element(8) == pytest.approx(1.03125)
-    assert gm.wire_bytes_per_element(4) == pytest.approx(0.53125)
-    assert gm.wire_bytes_per_element(4, 128, 1) == pytest.approx((64 + 3 + 4) / 128)
+    assert gm.int_wire_bytes(8) == pytest.approx(1.03125)
+    assert gm.int_wire_bytes(4) == pytest.approx(0.53125)
+    assert gm.int_wire_bytes(4, 128, 1) == pytest.approx((64 + 3 + 4) / 128)
 
 
 @pytest.mark.parametrize("gpu", [gm.GPUS["L40"], *(dataclasses.replace(
@@ -39,7 +39,7 @@ def test_wire_bytes_follow_the_format():
 def test_speedup_grows_with_size_toward_the_byte_ideal(gpu, bits):
     sizes = [2**k for k in range(16, 31)]
     s = [gm.gpu_allreduce_speedup(gpu, size, 4, bits) for size in sizes]
-    ideal = gm.BF16 / gm.wire_bytes_per_element(bits)
+    ideal = gm.BF16 / gm.int_wire_bytes(bits)
     assert all(b >= a * (1 - 1e-9) for a, b in zip(s, s[1:])), s
     assert s[-1] < ideal
     free = dataclasses.replace(gpu, codec_efficiency=1e12, kernel_launch_s=0.0,

@@ -25,8 +25,8 @@ def test_wire_vs_bf16_is_the_formats_record_over_a_bf16_ring():
     assert wire_vs_bf16(None) == 1.0 and wire_vs_bf16(fc.CommConfig(bits=None)) == 1.0
     assert wire_vs_bf16(FP8) == pytest.approx((g + 2) / g / 2)              # E4M3 + bf16 scale
     assert wire_vs_bf16(INT8) == pytest.approx((g + 4) / g / 2)             # codes + scale, zero
-    nv = spec.format_wire_bytes_per_element("nvfp4", g, 4, 2)     # spikes=2 in both phases
-    f8 = spec.format_wire_bytes_per_element("fp8", g, 8, 2)
+    nv = spec.wire_bytes_per_element(4, g, 2, "nvfp4")     # spikes=2 in both phases
+    f8 = spec.wire_bytes_per_element(8, g, 2, "fp8")
     assert f8 == pytest.approx((g + 2 + 2 * 3) / g)                   # a spike: bf16 + position
     assert wire_vs_bf16(MIXED) == pytest.approx((nv + f8) / 4)
 

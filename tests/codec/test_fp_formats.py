@@ -115,7 +115,7 @@ def test_a_non_finite_value_poisons_only_its_group(fmt, backend):
     ("fp8", 0, (128 + 2) / 128), ("mxfp4", 0, (64 + 4) / 128), ("nvfp4", 0, (64 + 8 + 1) / 128),
     ("nvfp4", 1, (64 + 8 + 1 + 3) / 128)])
 def test_wire_bytes_from_the_layout(fmt, spikes, per_element):
-    assert spec.format_wire_bytes_per_element(fmt, 128, spikes=spikes) == per_element
+    assert spec.wire_bytes_per_element(8, 128, spikes, fmt) == per_element
     p = codec.quantize(jnp.ones((4, 128)), format=fmt, spikes=spikes)
     assert p.nbytes == 4 * 128 * per_element and p.scale is None and p.zero is None
 

@@ -76,8 +76,8 @@ def test_wire_vs_bf16():
     assert traffic.wire_vs_bf16(nvfp4) == (64 + 8 + 1 + 3) / 128 / 2
     _, mixed = cli.parse_setting("nvfp4/fp8")
     assert traffic.wire_vs_bf16(mixed) == pytest.approx(
-        (spec.format_wire_bytes_per_element("nvfp4", 128, spikes=1)
-         + spec.format_wire_bytes_per_element("fp8", 128)) / 4)
+        (spec.wire_bytes_per_element(4, 128, 1, "nvfp4")
+         + spec.wire_bytes_per_element(8, 128, 0, "fp8")) / 4)
     _, int8 = cli.parse_setting("int8")
     assert traffic.wire_vs_bf16(int8) == spec.wire_bytes_per_element(8, 128) / 2
     assert traffic.wire_vs_bf16(cli.parse_setting("exact")[1]) == 1.0
