@@ -10,7 +10,7 @@ each setting prints the TTFT and decode tokens/s (the median of ``--rounds`` gre
 the settings in turn with the order rotated each round; tokens/s of the median step), the
 perplexity on a short passage (the first window of ``models/corpus.py``'s text), the bytes each
 rank sends in one decode step's all-reduces, and the first words the model answers.
-``benchmarks/decode.py`` runs more rounds to rank the settings within a few percent.
+``benchmarks/autotune/auto_vs_fixed.py`` runs more rounds to rank the settings within a few percent.
 """
 
 from __future__ import annotations

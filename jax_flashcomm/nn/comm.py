@@ -24,7 +24,7 @@ path of every call is :func:`jax_flashcomm.planner.plan`'s.
   a quantized reduce-scatter ring would add N-1 quantization errors); ``auto``, each ring
   matmul takes the fastest path its config allows. Which layout is faster is a property of the
   whole step, not of one call: measure it (:func:`jax_flashcomm.tune.measure_steps`;
-  benchmarks/ttft.py times both per link).
+  benchmarks/llm/ttft/links.py times both per link).
 
 The kind strings of :data:`jax_flashcomm.config.COMM_KINDS` name the six combinations
 (``exact``, ``flash``, ``overlap``, ``flash+overlap``, ``auto``, ``auto+overlap``):

@@ -44,7 +44,7 @@ class XlaTransport(_Collectives):
     #: The in-process link where no table measured it: a 3-device ppermute on an AMD EPYC Zen 4
     #: (2 cores; ``python -m jax_flashcomm.tune --quick``, docs/autotune.md).
     IN_PROCESS_LINK = Link(21e9, "shared", 145e-6, 0.0)
-    #: gloo over a loopback, 3 processes on 2 cores (docs/ttft.json, "unlimited": the 1 MiB
+    #: gloo over a loopback, 3 processes on 2 cores (docs/results/ttft.json, "unlimited": the 1 MiB
     #: psum's rate and the 4-byte psum's time): the link between processes where none is given.
     GLOO_LOOPBACK_LINK = Link(309e6, "shared", 150e-6, 0.0)
 
@@ -92,7 +92,7 @@ class P2pTransport(_Collectives):
     #: The latency of one p2p call in one process where no table measured it (AMD EPYC Zen 4,
     #: 2 cores; ``python -m jax_flashcomm.tune --quick``, docs/autotune.md).
     LATENCY_S = 174e-6
-    #: The exact all-reduce over shared memory between processes (benchmarks/shm_allreduce.py
+    #: The exact all-reduce over shared memory between processes (benchmarks/collectives/allreduce_shm.py
     #: on an AMD EPYC Zen 4, 2 processes on 2 cores, fitted to its 2 KiB, 16 and 64 MiB rows;
     #: docs/transport.md, "Across processes").
     SHM_LINK = Link(2.2e9, "shared", 110e-6, 0.0)

@@ -6,7 +6,7 @@ and ``model.safetensors.index.json`` when the tensors exceed ``max_shard_mb``), 
 Tensors are stored float32 (default; exact for a GGUF, whose dequantized values are float32) or
 bfloat16 (half the size, rounded to nearest even). Why: the rest of the code, and
 ``transformers``, read this layout directly, and it is sharded so that a device can read its
-part of each tensor without the rest. The command line is ``python -m models.convert``.
+part of each tensor without the rest. The command line is ``.venv/bin/python -m models.convert``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The sequence-parallel layout under the automatic choice:
 ``TPComm("auto", layout="sequence_parallel")`` (its options and errors, the ``overlap+auto``
 setting and ``--comm auto+overlap``), its ring matmuls choosing per call from a synthetic table, and ``tune_step.measure_steps``, which times a
-step's variants side by side (benchmarks/ttft.py picks auto's layout per link with it)."""
+step's variants side by side (benchmarks/llm/ttft/links.py picks auto's layout per link with it)."""
 
 import argparse
 

@@ -7,9 +7,9 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
+DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "models").rglob("*.md")])
 # Scripts whose docstrings and JSON records carry re-run commands.
-SCRIPTS = sorted([*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "models").glob("*.py"),
+SCRIPTS = sorted([*(ROOT / "benchmarks").rglob("*.py"), *(ROOT / "models").rglob("*.py"),
                   *(ROOT / "examples").glob("*.py"), *(ROOT / "docs").glob("**/*.json")])
 # A bare interpreter or pip at the start of a command (line start, after `, $, ( or a
 # VAR=value prefix): it would run whatever python the reader's PATH has first.

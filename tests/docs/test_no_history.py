@@ -8,9 +8,9 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
-SOURCES = sorted([ROOT / "BUILD", ROOT / "CMakeLists.txt", *(ROOT / "jax_flashcomm").rglob("*.py"), *(ROOT / "models").glob("*.py"),
-                  *(ROOT / "benchmarks").glob("*.py"), *(ROOT / "ffi").rglob("*.cc"),
+PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "models").rglob("*.md")])
+SOURCES = sorted([ROOT / "BUILD", ROOT / "CMakeLists.txt", *(ROOT / "jax_flashcomm").rglob("*.py"), *(ROOT / "models").rglob("*.py"),
+                  *(ROOT / "benchmarks").rglob("*.py"), *(ROOT / "ffi").rglob("*.cc"),
                   *(ROOT / "ffi").rglob("*.h"), *(ROOT / "ffi").rglob("*.cu*")])
 
 HISTORY = {
