@@ -250,16 +250,11 @@ def all_gather_parts(x: jax.Array, axes: tuple[str, ...], axis: int, tiled: bool
 
     Returns:
       ``(y, p)``: ``y`` the gathered array; ``p`` this rank's payload of ``x`` (``x``'s
-      shape); :func:`gather_payloads` of it gives every sender's, whose
-      ``codec.error_bound`` is ``(N, *x.shape)``.
+      shape); :func:`jax_flashcomm.transport.xla.gather_payloads` of it gives every sender's,
+      whose ``codec.error_bound`` is ``(N, *x.shape)``.
     """
     p = as_plan("all_gather", x, axes, p)
     return transport.by_name(p.transport).all_gather(x, axes, axis, tiled, p)
-
-
-# The xla transport's all-gather pieces, kept importable here (tests, benchmarks).
-gather_payloads = transport.xla.gather_payloads
-
 
 
 _qall_gather = _quantized_op(

@@ -54,7 +54,7 @@ def _ag_checks(xl, axes, axis, tiled, cfg):
     ref = lax.all_gather(xl, axes, axis=axis, tiled=tiled)
     exact = fc.all_gather(xl, axes, axis=axis, tiled=tiled, bits=None)
     y2, p = sg.all_gather_parts(xl, axes, axis, tiled, cfg)
-    pg = sg.gather_payloads(p, axes)
+    pg = transport.xla.gather_payloads(p, axes)
     b = jnp.moveaxis(codec.error_bound(pg), 0, axis).reshape(y.shape)
     assert jax.typeof(y).mat.varying == jax.typeof(ref).mat.varying
     # the ring == decoding all gathered payloads at once (the one-shot gather), bit for bit
@@ -217,7 +217,7 @@ def test_ring_all_gather_equals_one_shot(mesh_shape, names, axes, rotation, spik
             v = allreduce.vary(v.astype(dtype), axes, cfg)
             y, p = sg.all_gather_parts(v, axes, axis, tiled, cfg)
             one_shot = transport.xla.decode_gathered(
-                sg.gather_payloads(p, axes), axis, tiled, planner.as_plan("all_gather", v, axes,
+                transport.xla.gather_payloads(p, axes), axis, tiled, planner.as_plan("all_gather", v, axes,
                                                                           cfg))
             ok.append(jnp.all(lax.bitcast_convert_type(y, jnp.uint16 if dtype != jnp.float32
                                                        else jnp.uint32)

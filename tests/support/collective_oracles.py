@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_flashcomm as fc
-from jax_flashcomm import allreduce, codec, scatter_gather
+from jax_flashcomm import allreduce, codec, scatter_gather, transport
 
 
 # The meshes every collective is checked on: (mesh shape, mesh axis names, reduced axes).
@@ -80,7 +80,7 @@ def _program(op, mesh, axes, local_shape, dtype, config, opts):
             ref = lax.all_gather(v, axes, axis=axis, tiled=opts["tiled"])
             y2, p = scatter_gather.all_gather_parts(
                 allreduce.vary(v, axes, config), axes, axis, opts["tiled"], config)
-            extra = (y2, codec.error_bound(scatter_gather.gather_payloads(p, axes)))
+            extra = (y2, codec.error_bound(transport.xla.gather_payloads(p, axes)))
         else:
             raise ValueError(op)
         return tuple(r[None] for r in (y, ref) + extra)
