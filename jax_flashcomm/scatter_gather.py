@@ -72,14 +72,20 @@ def psum_scatter(x, axis_name, *, scatter_dimension: int = 0, axis_index_groups=
     Returns:
       This rank's slice of the sum, varying over the axes (``lax.psum_scatter``'s type).
     """
-    config = config_from(config, options, "psum_scatter")
+    return _per_leaf("psum_scatter", _psum_scatter_leaf, x, axis_name, scatter_dimension,
+                     axis_index_groups, tiled, config, options)
+
+
+def _per_leaf(op, leaf_fn, x, axis_name, dim, axis_index_groups, tiled, config, options):
+    """``leaf_fn(leaf, axes, dim, tiled, config, name)`` over the leaves of ``x``, the options
+    and axes checked once (``op``: the entry point's name for errors)."""
+    config = config_from(config, options, op)
     if axis_index_groups is not None:
-        raise NotImplementedError("jax_flashcomm.psum_scatter: axis_index_groups is not "
-                                  "supported")
-    axes = _axes.normalize_axes(axis_name, "psum_scatter")
+        raise NotImplementedError(f"jax_flashcomm.{op}: axis_index_groups is not supported")
+    axes = _axes.normalize_axes(axis_name, op)
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: _psum_scatter_leaf(leaf, axes, scatter_dimension, bool(tiled), config,
-                                              _axes.leaf_name(path)), x)
+        lambda path, leaf: leaf_fn(leaf, axes, dim, bool(tiled), config, _axes.leaf_name(path)),
+        x)
 
 
 def _psum_scatter_leaf(x, axes, dim, tiled, config, name="x"):
@@ -210,14 +216,8 @@ def all_gather(x, axis_name, *, axis: int = 0, axis_index_groups=None, tiled: bo
     Returns:
       The gathered operands, varying over the axes (``lax.all_gather``'s type).
     """
-    config = config_from(config, options, "all_gather")
-    if axis_index_groups is not None:
-        raise NotImplementedError("jax_flashcomm.all_gather: axis_index_groups is not "
-                                  "supported")
-    axes = _axes.normalize_axes(axis_name, "all_gather")
-    return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: _all_gather_leaf(leaf, axes, axis, bool(tiled), config,
-                                            _axes.leaf_name(path)), x)
+    return _per_leaf("all_gather", _all_gather_leaf, x, axis_name, axis, axis_index_groups,
+                     tiled, config, options)
 
 
 def _all_gather_leaf(x, axes, axis, tiled, config, name="x"):
