@@ -15,7 +15,7 @@ from jax import lax
 from jax_flashcomm.codec import spec
 from jax_flashcomm.codec.reference import (
     _bits_f32, _f32_bits, _le_bytes, bf16_bits_to_f32, bf16_round_down, bf16_round_up,
-    from_le_bytes, pack,
+    from_le_bytes, pack, restore_spikes,
     rotate, saturate, select_spikes, spike_value_bits, unpack, unrotate)
 
 _U32 = jnp.uint32
@@ -192,14 +192,7 @@ def decode_groups(codes, fmt: str, group_size: int, spikes: int = 0):
         elems = jnp.asarray(e2m1_table())[unpack(codes[..., :nc], 4, group_size)]
         block = spec.FP_BLOCK[fmt]
         d = (_blocks(elems, block) * scales[..., None]).reshape(elems.shape)
-    if spikes:
-        base = nc + ns
-        values = bf16_bits_to_f32(from_le_bytes(codes[..., base:base + 2 * spikes], 2))
-        pos = from_le_bytes(codes[..., base + 2 * spikes:], spec.position_bytes(group_size))
-        iota = lax.broadcasted_iota(_U32, d.shape, d.ndim - 1)
-        for j in range(spikes):
-            d = jnp.where(iota == pos[..., j:j + 1], values[..., j:j + 1], d)
-    return d
+    return restore_spikes(d, codes[..., nc + ns:], group_size, spikes)
 
 
 def quantize_groups(v, fmt: str, spikes: int = 0):

@@ -283,12 +283,19 @@ def decode_groups(codes, scale, zero, bits: int, group_size: int, spikes: int = 
     half = np.float32(0.5)
     from_halves = (q * (scale * half) + zero * half) * np.float32(2)
     d = jnp.where(jnp.isfinite(prod), prod + zero, from_halves)
-    if spikes:
-        values = bf16_bits_to_f32(from_le_bytes(codes[..., nb:nb + 2 * spikes], 2))
-        pos = from_le_bytes(codes[..., nb + 2 * spikes:], spec.position_bytes(group_size))
-        iota = lax.broadcasted_iota(_U32, d.shape, d.ndim - 1)
-        for j in range(spikes):
-            d = jnp.where(iota == pos[..., j:j + 1], values[..., j:j + 1], d)
+    return restore_spikes(d, codes[..., nb:], group_size, spikes)
+
+
+def restore_spikes(d, record, group_size: int, spikes: int):
+    """``d`` (decoded groups ``(..., G)``) with each group's spikes put back from its spike
+    ``record`` (``spikes`` bf16 values, then their positions)."""
+    if not spikes:
+        return d
+    values = bf16_bits_to_f32(from_le_bytes(record[..., :2 * spikes], 2))
+    pos = from_le_bytes(record[..., 2 * spikes:], spec.position_bytes(group_size))
+    iota = lax.broadcasted_iota(_U32, d.shape, d.ndim - 1)
+    for j in range(spikes):
+        d = jnp.where(iota == pos[..., j:j + 1], values[..., j:j + 1], d)
     return d
 
 
