@@ -23,6 +23,7 @@ import jax_flashcomm as fc
 from jax_flashcomm.rewrite import RewritePolicy, rewrite
 
 from tests.support import collective_oracles as oracles
+from tests.support.meshes import TP_MESHES
 
 CFG = fc.CommConfig(bits=8, min_bytes=0, rotation=0)
 EXACT = fc.CommConfig(bits=None)
@@ -92,7 +93,7 @@ def _hand(kind, mesh, config, data):
 PATTERNS = {"row_parallel": (row_parallel, "psum"), "reduce_scatter": (reduce_scatter,
             "psum_scatter"), "all_gather": (all_gather, "all_gather"),
             "unreduced": (unreduced, "psum")}
-MESHES = {"tp4": ((4,), ("tp",)), "data2xtp4": ((2, 4), ("data", "tp"))}
+MESHES = TP_MESHES
 
 
 @pytest.mark.parametrize("mesh_name", sorted(MESHES))

@@ -22,6 +22,7 @@ import jax_flashcomm as fc
 from jax_flashcomm.rewrite import rewrite
 
 from tests.rewrite.test_explicit import _hand
+from tests.support.meshes import TP_MESHES
 
 CFG = fc.CommConfig(bits=8, min_bytes=0, rotation=0)
 EXACT = fc.CommConfig(bits=None)
@@ -59,7 +60,7 @@ def all_gather(x, w1, w2, *, mesh, data):
 PATTERNS = {"row_parallel": (row_parallel, "psum"),
             "reduce_scatter": (reduce_scatter, "psum_scatter"),
             "all_gather": (all_gather, "all_gather")}
-MESHES = {"tp4": ((4,), ("tp",)), "data2xtp4": ((2, 4), ("data", "tp"))}
+MESHES = TP_MESHES
 
 
 @pytest.mark.parametrize("mesh_name", sorted(MESHES))

@@ -18,3 +18,7 @@ def make_mesh(shape, names, axis_type):
     return jax.make_mesh(
         shape, names, axis_types=(axis_type,) * len(names), devices=jax.devices()[:n]
     )
+
+
+#: The meshes the rewrite's pattern tests run on: TP alone, and data x TP.
+TP_MESHES = {"tp4": ((4,), ("tp",)), "data2xtp4": ((2, 4), ("data", "tp"))}
