@@ -238,20 +238,13 @@ def _all_gather_leaf(x, axes, axis, tiled, config, name="x"):
 
 def all_gather_parts(x: jax.Array, axes: tuple[str, ...], axis: int, tiled: bool,
                      p: Plan | CommConfig) -> tuple[jax.Array, Payload]:
-    """Quantized all-gather of a varying ``x``; also returns this rank's payload.
+    """Quantized all-gather of a varying ``x`` (one array, f32, bf16 or f16) over the normalized
+    ``axes`` along ``axis`` (non-negative; ``tiled`` as for ``lax.all_gather``), by the
+    quantized plan ``p`` of op ``"all_gather"`` (or a config's).
 
-    Args:
-      x: one array (f32, bf16 or f16), varying over ``axes``.
-      axes: normalized mesh axes.
-      axis: the gathered dimension (non-negative).
-      tiled: as for ``lax.all_gather``.
-      p: a quantized :class:`~jax_flashcomm.planner.Plan` of op ``"all_gather"``, or a
-        config (its quantized plan).
-
-    Returns:
-      ``(y, p)``: ``y`` the gathered array; ``p`` this rank's payload of ``x`` (``x``'s
-      shape); :func:`jax_flashcomm.transport.xla.gather_payloads` of it gives every sender's,
-      whose ``codec.error_bound`` is ``(N, *x.shape)``.
+    Returns ``(y, p)``: ``y`` the gathered array; ``p`` this rank's payload of ``x`` (``x``'s
+    shape); :func:`jax_flashcomm.transport.xla.gather_payloads` of it gives every sender's,
+    whose ``codec.error_bound`` is ``(N, *x.shape)``.
     """
     p = as_plan("all_gather", x, axes, p)
     return transport.by_name(p.transport).all_gather(x, axes, axis, tiled, p)
