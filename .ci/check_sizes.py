@@ -23,12 +23,14 @@ FUNCTION_MARK = "long function:"
 PYTHON = (".py",)
 CXX = (".cc", ".h", ".cu", ".cuh", ".cpp")
 SKIPPED = ("third_party/",)
-_CONTROL = re.compile(r"^\s*(inline\s+namespace|if|for|while|switch|catch|else|do|namespace|struct|class|union|enum|"
-                      r"extern|try|return|template\s*<[^>]*>\s*(struct|class))\b")
+_CONTROL = re.compile(r"^\s*(inline\s+namespace|if|for|while|switch|catch|else|do|namespace|"
+                      r"struct|class|union|enum|extern|try|return|"
+                      r"template\s*<[^>]*>\s*(struct|class))\b")
 
 
 def tracked_files(root: pathlib.Path) -> list[pathlib.Path]:
-    """The files git tracks under ``root`` with a Python or C++ ending (``third_party/`` left out)."""
+    """The files git tracks under ``root`` with a Python or C++ ending (``third_party/`` left
+    out)."""
     names = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
                            cwd=root, check=True, capture_output=True, text=True).stdout.split()
     return [root / n for n in names if n.endswith(PYTHON + CXX) and not n.startswith(SKIPPED)
@@ -70,8 +72,9 @@ def cxx_functions(text: str):
         for char in line:
             if char == "{":
                 head = statement.strip()
-                is_function = "(" in head and not _CONTROL.match(head) and "=" not in head.split("(")[0]
-                name = head.split("(")[0].split()[-1] if is_function and head.split("(")[0].split() else ""
+                before = head.split("(")[0]
+                is_function = "(" in head and not _CONTROL.match(head) and "=" not in before
+                name = before.split()[-1] if is_function and before.split() else ""
                 opened.append((name if is_function else None, number, depth))
                 depth += 1
                 statement = ""
@@ -104,7 +107,8 @@ def offenders(root: pathlib.Path) -> list[str]:
             found.append(f"{rel}:1: {len(lines)} lines, no '{FILE_MARK} <reason>' in its first 5")
         functions = python_functions(text) if path.suffix in PYTHON else cxx_functions(text)
         for name, first, last in functions:
-            if last - first + 1 > FUNCTION_LIMIT and not _marked(lines, first - 1, 4, FUNCTION_MARK):
+            long = last - first + 1 > FUNCTION_LIMIT
+            if long and not _marked(lines, first - 1, 4, FUNCTION_MARK):
                 found.append(f"{rel}:{first}: {name} is {last - first + 1} lines, no "
                              f"'{FUNCTION_MARK} <reason>' at its top")
     return found

@@ -18,6 +18,7 @@ from jax_flashcomm.rewrite import RewritePolicy, rewrite  # noqa: E402  (the fun
 from jax_flashcomm.policy import CommPolicy, calibrate  # noqa: E402  (it imports the ops above)
 
 __all__ = ["codec", "psum", "pmean", "psum_scatter", "all_gather", "all_gather_matmul",
-           "matmul_reduce_scatter", "psum_add_rms_norm", "tp_attention", "CommConfig", "OPTION_NAMES", "Plan",
+           "matmul_reduce_scatter", "psum_add_rms_norm", "tp_attention", "CommConfig",
+           "OPTION_NAMES", "Plan",
            "plan", "record", "RewritePolicy", "rewrite", "CommPolicy", "calibrate"]
 __version__ = "0.1.0"

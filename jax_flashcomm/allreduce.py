@@ -49,7 +49,8 @@ def psum(x, axis_name, *, axis_index_groups=None, config: CommConfig | None = No
     """Quantized all-reduce sum over mesh axes ``axis_name``: a drop-in for ``lax.psum``.
 
     The options are :class:`~jax_flashcomm.CommConfig`'s fields, with its defaults; options
-    given beside ``config`` update it. The path of every leaf is :func:`jax_flashcomm.planner.plan`'s
+    given beside ``config`` update it. The path of every leaf is
+    :func:`jax_flashcomm.planner.plan`'s
     (exact ``lax.psum`` below ``min_bytes`` per rank, for the exact setting and on one rank).
 
     Args:

@@ -1,4 +1,5 @@
-# long file: CommConfig, its auto rules, the keyword options every entry point shares and their table
+# long file: CommConfig, its auto rules, the keyword options every entry point shares and their
+# table
 """The one set of options every jax_flashcomm entry point takes: :class:`CommConfig`.
 
 Every collective (``psum``, ``pmean``, ``psum_scatter``, ``all_gather``), ring matmul
@@ -334,8 +335,8 @@ def is_default(value) -> bool:
     return isinstance(value, _Default)
 
 
-_OPTION_TYPES = {"min_bytes": "int | str", "bits": "int | None", "rs_bits": "int | None", "ag_bits": "int | None",
-                 "rotation": "int | str", "spikes": "int | str"}
+_OPTION_TYPES = {"min_bytes": "int | str", "bits": "int | None", "rs_bits": "int | None",
+                 "ag_bits": "int | None", "rotation": "int | str", "spikes": "int | str"}
 
 
 def takes_options(fn):

@@ -5,7 +5,8 @@ next RMSNorm reads that sum again, and in quantized inference a quantize for the
 reads the norm's output once more. :func:`psum_add_rms_norm` is the three as one op:
 
 * exact path (the plan's ``lax``: ``bits=None``, one rank, below ``min_bytes``): ``lax.psum``,
-  ``residual + s`` and the RMSNorm of ``models/llama/modeling.py`` / :class:`jax_flashcomm.nn.RMSNorm`
+  ``residual + s`` and the RMSNorm of ``models/llama/modeling.py`` /
+  :class:`jax_flashcomm.nn.RMSNorm`
   (``x * rsqrt(mean(x * x) + eps) * weight`` in f32), as lax ops: the same numbers as the
   unfused ops;
 * quantized path: the two-step all-reduce up to the all-gather phase's payload, then one codec
@@ -40,7 +41,8 @@ __all__ = ["psum_add_rms_norm", "rms_norm"]
 def rms_norm(h: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """``h * rsqrt(mean(h * h, -1) + eps) * weight`` in f32, cast to ``h``'s dtype.
 
-    The expression of :class:`jax_flashcomm.nn.RMSNorm` (and so of ``models/llama/modeling.py``), so the
+    The expression of :class:`jax_flashcomm.nn.RMSNorm` (and so of ``models/llama/modeling.py``),
+    so the
     exact path gives the unfused numbers.
 
     Args:

@@ -47,7 +47,8 @@ try:  # Varying -> Invariant all-gather (what psum's result type needs); not re-
 except ImportError:  # pragma: no cover - a JAX without it
     _all_gather_invariant = None
 
-__all__ = ["CHECKED_JAX_VERSIONS", "all_gather_invariant", "psum", "jit_arguments", "ad_util", "core",
+__all__ = ["CHECKED_JAX_VERSIONS", "all_gather_invariant", "psum", "jit_arguments", "ad_util",
+           "core",
            "source_info_util", "linear_util", "partial_eval", "FlatTree", "flat_tree_flatten",
            "jax_version", "distributed_client", "current_trace", "is_trace_entry",
            "is_jit_entry", "trace_started_in", "is_jax_frame"]

@@ -11,7 +11,6 @@ import numpy as np
 from jax import lax
 
 from jax_flashcomm import _axes, codec, transport
-from jax_flashcomm.transport import ring as ring_steps
 from jax_flashcomm.transport import wire
 
 __all__ = ["ag_ring", "rs_ring"]

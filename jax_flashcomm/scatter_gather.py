@@ -23,7 +23,6 @@ the same bits (``jax_flashcomm/transport/p2p.py``, docs/transport.md).
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
 
 import jax

@@ -41,6 +41,8 @@ __all__ = [
     "spike_bound",
     "wire_bytes_per_element",
     "GroupFormat",
+    "rotation_bound",
+    "rotated_domain_bound",
     "DEFAULT_GROUP_SIZE",
     "cpu_isa",
     "cpu_isas",

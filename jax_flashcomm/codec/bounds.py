@@ -68,7 +68,8 @@ def _fp_bound(p: Payload, dtype) -> jax.Array:
 def _spikes(p: Payload):
     """A spiked payload's spike values (f32) and positions (uint32), ``(..., groups, k)``."""
     nb = spec.group_bytes(p.group_size, p.bits)
-    values = reference.bf16_bits_to_f32(reference.from_le_bytes(p.codes[..., nb:nb + 2 * p.spikes], 2))
+    values = reference.bf16_bits_to_f32(
+        reference.from_le_bytes(p.codes[..., nb:nb + 2 * p.spikes], 2))
     positions = reference.from_le_bytes(p.codes[..., nb + 2 * p.spikes:],
                                          spec.position_bytes(p.group_size))
     return values, positions

@@ -21,6 +21,12 @@ TARGETS = (
 )
 
 
+
+def _format(fmt: str, group_size: int, rotation: int, spikes: int) -> dict:
+    """The FFI attribute of a floating-point group format (its bits are the format's)."""
+    return GroupFormat(fmt, spec.FP_BITS[fmt], group_size, rotation, spikes).ffi_attribute()
+
+
 def quantize(v, *, fmt: str, group_size: int, rotation: int = 0, spikes: int = 0):
     """Groups ``(..., group_size)`` of f32/bf16/f16 -> records uint8 ``(..., record bytes)``."""
     lead = v.shape[:-1]
@@ -29,7 +35,7 @@ def quantize(v, *, fmt: str, group_size: int, rotation: int = 0, spikes: int = 0
         result_like(v, (*lead, spec.fp_record_bytes(fmt, group_size, spikes)), jnp.uint8),
         vmap_method="broadcast_all")
     return call(v,
-                fmt=GroupFormat(fmt, spec.FP_BITS[fmt], group_size, rotation, spikes).ffi_attribute())
+                fmt=_format(fmt, group_size, rotation, spikes))
 
 
 def dequantize(codes, *, fmt: str, group_size: int, dtype, rotation: int = 0, spikes: int = 0):
@@ -38,7 +44,7 @@ def dequantize(codes, *, fmt: str, group_size: int, dtype, rotation: int = 0, sp
         "flashcomm_fp_dequantize", result_like(codes, (*codes.shape[:-1], group_size), dtype),
         vmap_method="broadcast_all")
     return call(codes,
-                fmt=GroupFormat(fmt, spec.FP_BITS[fmt], group_size, rotation, spikes).ffi_attribute())
+                fmt=_format(fmt, group_size, rotation, spikes))
 
 
 def dequantize_sum(codes, *, fmt: str, group_size: int, dtype, rotation: int = 0,
@@ -49,7 +55,7 @@ def dequantize_sum(codes, *, fmt: str, group_size: int, dtype, rotation: int = 0
     call = jax.ffi.ffi_call("flashcomm_fp_dequantize_sum", result_like(codes, shape, dtype),
                             vmap_method="broadcast_all")
     return call(codes,
-                fmt=GroupFormat(fmt, spec.FP_BITS[fmt], group_size, rotation, spikes).ffi_attribute())
+                fmt=_format(fmt, group_size, rotation, spikes))
 
 
 def dequantize_sum_quantize(codes, *, fmt: str, out_fmt: str, group_size: int, spikes: int = 0,

@@ -1,3 +1,4 @@
+# long file: the ffi_call of every codec kernel, one function each, and the module loading
 """The FFI codec kernels: registration of the compiled targets and their ``ffi_call``\\ s.
 
 The CPU module (``_flashcomm_cpu``) is built by ``pip install``; the CUDA module
@@ -337,7 +338,8 @@ def dequantize_sum(codes, scale, zero, *, bits: int, group_size: int, dtype,
     """
     out_shape = (*scale.shape[:-2], scale.shape[-1], group_size)
     call = jax.ffi.ffi_call(
-        "flashcomm_dequantize_sum", result_like(codes, out_shape, dtype), vmap_method="broadcast_all"
+        "flashcomm_dequantize_sum", result_like(codes, out_shape, dtype),
+        vmap_method="broadcast_all"
     )
     return call(codes, scale, zero,
                 fmt=GroupFormat("int", bits, group_size, rotation, spikes).ffi_attribute())
@@ -360,7 +362,8 @@ def dequantize_sum_quantize(codes, scale, zero, *, bits: int, out_bits: int, gro
     groups = (*scale.shape[:-2], scale.shape[-1])
     call = jax.ffi.ffi_call(
         "flashcomm_dequantize_sum_quantize",
-        (result_like(codes, (*groups, spec.record_bytes(group_size, out_bits, out_spikes)), jnp.uint8),
+        (result_like(codes, (*groups, spec.record_bytes(group_size, out_bits, out_spikes)),
+                     jnp.uint8),
          result_like(codes, groups, jnp.bfloat16), result_like(codes, groups, jnp.bfloat16)),
         vmap_method="broadcast_all",
     )
@@ -395,7 +398,8 @@ def dequantize_into(out, codes, scale, zero, offset, *, bits: int, group_size: i
 
 
 def _union_like(x, others, shape: tuple[int, ...], dtype):
-    """:func:`result_like` of ``x``, varying over every axis any of ``x``, ``others`` varies over."""
+    """:func:`result_like` of ``x``, varying over every axis any of ``x`` and ``others`` varies
+    over."""
     aval = result_like(x, shape, dtype)
     mat = getattr(aval, "manual_axis_type", None)
     if mat is None:

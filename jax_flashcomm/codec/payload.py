@@ -14,7 +14,8 @@ from jax_flashcomm.codec.group_format import GroupFormat
 class Payload:
     """Codes and per-group parameters of a quantized operand (docs/format.md).
 
-    ``codes`` is uint8 ``(..., groups, group_size * bits / 8 + spike bytes)``; ``scale`` and ``zero`` are bf16
+    ``codes`` is uint8 ``(..., groups, group_size * bits / 8 + spike bytes)``; ``scale`` and
+    ``zero`` are bf16
     ``(..., groups)``. The leading ``...`` axes are chunk or batch axes that collectives move
     around. ``shape`` and ``dtype`` describe the operand that :func:`dequantize` rebuilds.
     A payload is a pytree whose leaves are the three arrays, so it passes through ``jit``,

@@ -1,4 +1,5 @@
-# long file: the jnp twin of every kernel in one file, read side by side with ffi/include/flashcomm/codec.h
+# long file: the jnp twin of every kernel in one file, read side by side with
+# ffi/include/flashcomm/codec.h
 """The pure-jnp twin of the codec kernels: runs on any backend (CPU, GPU, TPU).
 
 It mirrors ffi/include/flashcomm/codec.h operation for operation, so its codes are
@@ -95,7 +96,8 @@ def group_params(v, bits: int, finite=None):
     lo = jnp.where(lo == 0, jnp.float32(0), lo)  # canonical +0 (see codec.h)
     hi = jnp.where(hi == 0, jnp.float32(0), hi)
     zero_bits = bf16_round_down(lo)
-    zero_bits = jnp.where(zero_bits == spec.BF16_NEG_INF_BITS, _U32(spec.BF16_LOWEST_BITS), zero_bits)
+    zero_bits = jnp.where(zero_bits == spec.BF16_NEG_INF_BITS, _U32(spec.BF16_LOWEST_BITS),
+                          zero_bits)
     zero = bf16_bits_to_f32(zero_bits)
     rng = hi - zero
     rng = jnp.where(rng > 0, rng, jnp.float32(0))  # groups below the lowest bf16 (see codec.h)

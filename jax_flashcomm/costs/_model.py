@@ -2,7 +2,8 @@
 passes at a measured (or assumed) throughput.
 
 Two users: :mod:`jax_flashcomm.planner` prices a call's candidate paths with it where no
-measured table covers the call, and ``benchmarks/gpu/cost_model.py`` predicts GPU all-reduce and TTFT
+measured table covers the call, and ``benchmarks/gpu/cost_model.py`` predicts GPU all-reduce and
+TTFT
 speedups with the same equations (every GPU constant's source is in docs/gpu_model.md).
 
 The equations (docs/autotune.md, "The cost model"):

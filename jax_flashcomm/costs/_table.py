@@ -32,11 +32,9 @@ import numbers
 import os
 import pathlib
 import platform
-import re
 import time
 
 from jax_flashcomm._files import read_json
-from jax_flashcomm.costs._model import Link
 
 __all__ = ["TABLE_VERSION", "TABLE_ENV", "CACHE_ENV", "LAYOUTS", "SCOPES",
            "Measurement", "Table", "cpu_name", "machine_key", "key_digest", "cache_dir",

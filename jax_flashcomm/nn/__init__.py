@@ -14,5 +14,6 @@ from jax_flashcomm.nn.sharded import param_specs, place, shard_call
 from jax_flashcomm.fused_norm import rms_norm
 
 __all__ = ["COMM_KINDS", "LAYOUTS", "QUANTIZATIONS", "TPComm", "RMSNorm", "TPAttention", "TPMLP",
-           "check_heads", "kv_heads", "padded_ffn", "rope", "ColumnParallelLinear", "RowParallelLinear",
+           "check_heads", "kv_heads", "padded_ffn", "rope", "ColumnParallelLinear",
+           "RowParallelLinear",
            "VocabParallelEmbedding", "param_specs", "place", "shard_call", "rms_norm"]

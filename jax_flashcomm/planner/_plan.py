@@ -33,7 +33,8 @@ the tuning table or the cost model; the plan's ``reason`` names the choice, ``pr
 predicted time. A ring matmul weighs its collective (``all_gather`` of ``x``, ``psum_scatter`` of
 the product) the same way. An int ``min_bytes`` is the fixed size policy.
 
-``transport="auto"`` resolves per op (under an int ``min_bytes``): the collectives' payloads take ``p2p`` where every peer
+``transport="auto"`` resolves per op (under an int ``min_bytes``): the collectives' payloads take
+``p2p`` where every peer
 is a device of this process and the p2p kernels are built (docs/transport.md measured it
 faster at every size), else ``xla``; ring steps take ``xla`` (docs/transport.md, "Ring
 steps"). An explicit ``"p2p"`` that cannot run is an error naming why. ``backend="auto"``

@@ -21,7 +21,6 @@ import math
 from pathlib import Path
 
 from jax_flashcomm._files import read_json
-from jax_flashcomm.codec import spec
 from jax_flashcomm.config import CommConfig
 
 __all__ = ["CommPolicy", "wire_vs_bf16", "wire_per_element", "config_to_dict",

@@ -35,7 +35,8 @@ from jax.sharding import PartitionSpec as P
 
 from jax_flashcomm.jax_compat import core
 
-__all__ = ["Implied", "Kept", "Region", "entry", "entries", "analyze_dot", "analyze_reduce", "analyze_reshard",
+__all__ = ["Implied", "Kept", "Region", "entry", "entries", "analyze_dot", "analyze_reduce",
+           "analyze_reshard",
            "unreduced_region", "LINEAR_PRIMITIVES"]
 
 #: Primitives an unreduced value may pass through between its dots and its reduction point

@@ -33,11 +33,10 @@ import dataclasses
 import os
 
 import numpy as np
-from jax import lax
-from jax_flashcomm import _axes, codec
+from jax_flashcomm import _axes
 from jax_flashcomm.allreduce import psum as flash_psum
 from jax_flashcomm.collective_matmul import all_gather_matmul, matmul_reduce_scatter
-from jax_flashcomm.jax_compat import ad_util, core, flat_tree_flatten, source_info_util
+from jax_flashcomm.jax_compat import core, source_info_util
 from jax_flashcomm.jax_compat import linear_util as lu
 from jax_flashcomm.jax_compat import partial_eval as pe
 from jax_flashcomm.planner import quantizes, record

@@ -28,7 +28,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_flashcomm.jax_compat import core, source_info_util
+from jax_flashcomm.jax_compat import core
 from jax_flashcomm.jax_compat import linear_util as lu
 from jax_flashcomm.rewrite.gspmd import CONSTRAINT_SCOPE, Retyper
 

@@ -23,7 +23,8 @@ from jax_flashcomm.transport.base import Call, Transport
 from jax_flashcomm.transport.registry import TRANSPORTS as _BY_NAME
 from jax_flashcomm.transport.registry import P2pTransport, XlaTransport
 
-__all__ = ["TRANSPORTS", "Call", "Transport", "XlaTransport", "P2pTransport", "by_name", "all_transports", "p2p", "ring", "wire",
+__all__ = ["TRANSPORTS", "Call", "Transport", "XlaTransport", "P2pTransport", "by_name",
+           "all_transports", "p2p", "ring", "wire",
            "xla"]
 
 

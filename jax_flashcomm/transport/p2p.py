@@ -4,9 +4,11 @@ CUDA ffi/cuda/p2p_handlers.cc, which compiles and lowers but has not run on a GP
 
 The ranks are the devices of one process, or processes on one host with one device each: then
 the same protocols run over shared memory (:mod:`jax_flashcomm.transport.shm`, FFI targets
-``flashcomm_shm_*``), and :func:`exact_all_reduce` sums exactly over it too. In one process, every call of a collective meets its peers through
+``flashcomm_shm_*``), and :func:`exact_all_reduce` sums exactly over it too. In one process, every
+call of a collective meets its peers through
 an in-process rendezvous keyed by the XLA execution (its run id), the call site (an id given
-here at trace time, :mod:`jax_flashcomm.transport.identity`), the replica group (the index over the mesh axes not reduced) and how many
+here at trace time, :mod:`jax_flashcomm.transport.identity`), the replica group (the index over the
+mesh axes not reduced) and how many
 times this rank has called the site in this run (loops). Inside, the call runs the `xla`
 transport's steps with the same codec kernels on the same bytes in the same order, so the
 results are bit-identical to it (tests/transport/test_transport.py): quantize into its own result
@@ -19,7 +21,6 @@ error (a Python exception from the computation), never a hang.
 from __future__ import annotations
 
 import hashlib
-import importlib
 
 import jax
 import jax.numpy as jnp

@@ -92,7 +92,8 @@ class P2pTransport(_Collectives):
     #: The latency of one p2p call in one process where no table measured it (AMD EPYC Zen 4,
     #: 2 cores; ``python -m jax_flashcomm.tune --quick``, docs/autotune.md).
     LATENCY_S = 174e-6
-    #: The exact all-reduce over shared memory between processes (benchmarks/collectives/allreduce_shm.py
+    #: The exact all-reduce over shared memory between processes
+    # (benchmarks/collectives/allreduce_shm.py
     #: on an AMD EPYC Zen 4, 2 processes on 2 cores, fitted to its 2 KiB, 16 and 64 MiB rows;
     #: docs/transport.md, "Across processes").
     SHM_LINK = Link(2.2e9, "shared", 110e-6, 0.0)

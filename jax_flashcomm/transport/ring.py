@@ -216,7 +216,8 @@ def link_emulation(bytes_per_s: float):
     Read when a collective matmul is traced: functions jitted inside the ``with`` keep the
     rate. Each move is copied in ~1 ms slices, none started before the time the bytes before it
     would take on such a link, so a CPU, whose "link" is memcpy, can stand in for a slower one
-    and the overlap of copies with dots can be measured (benchmarks/collectives/matmul_overlap_p2p.py).
+    and the overlap of copies with dots can be measured
+    (benchmarks/collectives/matmul_overlap_p2p.py).
 
     Args:
       bytes_per_s: the emulated rate per link (positive).

@@ -4,7 +4,8 @@
 In one process on ``max(--devices)`` CPU devices, for each axis size of ``--devices``: the time
 of ``psum`` (f32 and bf16), ``psum_scatter`` and ``all_gather`` (f32) per size of ``--sizes``
 (bytes per rank), by each candidate of the automatic choice (``lax``, ``quantized/p2p``,
-``quantized/xla``) at each ``--bits``, per call of 8 chained in one program (as a model's are); the codec's three passes with every CPU build (the
+``quantized/xla``) at each ``--bits``, per call of 8 chained in one program (as a model's are); the
+codec's three passes with every CPU build (the
 fastest is recorded and used from then on); and the in-process link (a ``ppermute`` at two
 sizes). The table goes to the user's cache (:func:`jax_flashcomm.costs.table_path`) unless
 ``--out`` names a file, and the cost model's predictions are printed beside the measurements
