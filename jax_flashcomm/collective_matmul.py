@@ -45,7 +45,7 @@ from jax import lax
 from jax_flashcomm import _axes
 from jax_flashcomm.config import CommConfig, config_from, takes_options
 from jax_flashcomm.planner import Plan, plan
-from jax_flashcomm.rings import ag_ring, rs_ring
+from jax_flashcomm._rings import ag_ring, rs_ring
 from jax_flashcomm.scatter_gather import psum_scatter
 from jax_flashcomm.transport import ring as ring_steps
 

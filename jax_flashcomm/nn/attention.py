@@ -29,7 +29,7 @@ from jax_flashcomm import _axes
 from jax_flashcomm.collective_matmul import all_gather_matmul, ring_spec
 from jax_flashcomm.config import config_from, option
 from jax_flashcomm.planner import plan
-from jax_flashcomm.rings import rs_ring
+from jax_flashcomm._rings import rs_ring
 
 __all__ = ["attend", "tp_attention"]
 
