@@ -20,7 +20,7 @@
 #if __has_include("cpu/cpu_fp.h")
 #include "cpu/cpu_fp.h"
 #else
-#include "cpu/cpu_fp.h"
+#include "flashcomm/cpu_fp.h"
 #endif
 
 using namespace flashcomm;

@@ -23,8 +23,8 @@
 #include "cpu/cpu_dispatch.h"
 #include "flashcomm/fp_codec.h"
 
-FLASHCOMM_DECLARE_ISA_KERNELS(ISA_AB_BEFORE)
-FLASHCOMM_DECLARE_ISA_KERNELS(ISA_AB_AFTER)
+FLASHCOMM_DECLARE_ISA_KERNELS(ISA_AB_BEFORE);
+FLASHCOMM_DECLARE_ISA_KERNELS(ISA_AB_AFTER);
 
 // The scratch allocator of cpu_alloc.h, as ffi/cpu/dispatch.cc defines it (malloc).
 extern "C" void* flashcomm_scratch_alloc(size_t bytes) { return std::malloc(bytes); }
@@ -57,6 +57,7 @@ struct Op {
 }  // namespace
 
 int main() {
+  // long function: the A/B table: one row per kernel and operand, timed and compared in order
   const CodecKernels& before = flashcomm::ISA_AB_BEFORE::cpu::isa_kernels();
   const CodecKernels& after = flashcomm::ISA_AB_AFTER::cpu::isa_kernels();
   auto* x = reinterpret_cast<uint16_t*>(Buffer(size_t(kValues) * 2));

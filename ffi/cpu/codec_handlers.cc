@@ -19,21 +19,6 @@ namespace ffi = xla::ffi;
 
 namespace flashcomm {
 namespace cpu {
-namespace {
-
-// Rotation attribute: 0 (none), 1 (Hadamard) or 2 (signed Hadamard); G a power of two.
-ffi::Error CheckRotation(int32_t rotation, int64_t group_size, const char* op) {
-  if (rotation < kRotationNone || rotation > kRotationSignedHadamard) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": rotation must be 0, 1 or 2");
-  }
-  if (rotation != kRotationNone && (group_size & (group_size - 1)) != 0) {
-    return ffi::Error::InvalidArgument(std::string(op) +
-                                       ": rotation needs a power-of-two group_size");
-  }
-  return ffi::Error::Success();
-}
-
-}  // namespace
 
 ffi::Error Quantize(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U8>> codes,
                     ffi::Result<ffi::Buffer<ffi::BF16>> scale,
@@ -128,13 +113,10 @@ ffi::Error DequantizeSumQuantize(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF
                                  int32_t out_bits, int64_t group_size, int32_t spikes,
                                  int32_t out_spikes, const Runner& runner) {
   PayloadView in;
-  if (ffi::Error e = ViewChunkedPayload(codes, scale, zero, bits, group_size, spikes, &in);
-      e.failure()) {
-    return e;
-  }
   int64_t n_out = 0;
-  if (ffi::Error e = CheckSumQuantizeOutputs(in, *out_codes, *out_scale, *out_zero, out_bits,
-                                             out_spikes, &n_out);
+  if (ffi::Error e = CheckSumQuantizeOperands(codes, scale, zero, *out_codes, *out_scale,
+                                              *out_zero, bits, out_bits, group_size, spikes,
+                                              out_spikes, &in, &n_out);
       e.failure()) {
     return e;
   }
@@ -198,14 +180,9 @@ ffi::Error DequantizeSumQuantizeOnPool(
 }  // namespace cpu
 }  // namespace flashcomm
 
-namespace bind = flashcomm::bind;
+FLASHCOMM_CPU_POOL_HANDLER(Quantize, flashcomm::cpu::QuantizeOnPool, Quantize);
+FLASHCOMM_CPU_POOL_HANDLER(Dequantize, flashcomm::cpu::DequantizeOnPool, Dequantize);
+FLASHCOMM_CPU_POOL_HANDLER(DequantizeSum, flashcomm::cpu::DequantizeSumOnPool, Dequantize);
+FLASHCOMM_CPU_POOL_HANDLER(DequantizeSumQuantize, flashcomm::cpu::DequantizeSumQuantizeOnPool,
+                           DequantizeSumQuantize);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommQuantizeCpu, flashcomm::cpu::QuantizeOnPool,
-                              bind::Quantize(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeCpu, flashcomm::cpu::DequantizeOnPool,
-                              bind::Dequantize(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeSumCpu, flashcomm::cpu::DequantizeSumOnPool,
-                              bind::Dequantize(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeSumQuantizeCpu,
-                              flashcomm::cpu::DequantizeSumQuantizeOnPool,
-                              bind::DequantizeSumQuantize(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));

@@ -1,3 +1,5 @@
+// long file: the integer codec's vector loops (quantize, dequantize, the sums) over one set of lane
+// helpers, compiled together in each instruction-set build
 // Host loops over one group for the codec (docs/format.md). The arithmetic is codec.h; these
 // loops only arrange it in vectors of kLanes f32 lanes (cpu_simd.h): the code width is a
 // template parameter (constant shifts), the range pass keeps independent lanes, encode and

@@ -127,6 +127,7 @@ std::string set_isa(const std::string& name);
   const ::flashcomm::cpu::CodecKernels& isa_kernels();   \
   }                                                      \
   }                                                      \
-  }
+  }                                                      \
+  static_assert(true, "a declaration: ends with ;")
 
 #endif  // FLASHCOMM_CPU_DISPATCH_H_

@@ -39,6 +39,21 @@ using p2p::Published;
 using shm::Span;
 using shm::Spans;
 
+// Completes `promise` from the completion threads (XLA continues the program on the thread
+// that completes the future: never a copy thread): with Internal(`error`), or available when
+// `error` is empty; `first` runs there before.
+inline void CompleteLater(ffi::Promise promise, std::string error,
+                          std::function<void()> first = nullptr) {
+  p2p::ThreadPool::Completions().Schedule([promise, error, first]() mutable {
+    if (first) first();
+    if (error.empty()) {
+      promise.SetAvailable();
+    } else {
+      promise.SetError(ffi::Error::Internal(error));
+    }
+  });
+}
+
 // One rank's part in one call, as its transport carries it.
 class Gang {
  public:

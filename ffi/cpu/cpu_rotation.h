@@ -1,3 +1,5 @@
+// long file: the Hadamard rotations of every group size, forward and register-blocked inverse, one
+// unit per instruction-set build
 // Host loops of the rotation (codec.h, docs/format.md "Rotation"): the Walsh-Hadamard
 // butterflies of codec.h's hadamard_butterflies arranged in vectors of kLanes f32 lanes, fused
 // with the decode and store of cpu_codec.h's loops. Split from cpu_codec.h (same conventions:

@@ -1,3 +1,4 @@
+// long file: the lane types and intrinsics of every instruction set, one #if branch each
 // The vector layer of the CPU kernels: kLanes f32 lanes (codec.h: 16 on AVX-512, 8 on AVX2, 4
 // on SSE2 and NEON) and the few operations on them that GCC's vector extensions do not turn into
 // good code on every ISA. Measured with g++ 12: converting 8 or 16 bytes to f32 lanes, and 32-bit

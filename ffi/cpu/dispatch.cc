@@ -16,15 +16,15 @@
 // namespaces of flashcomm there; declared here as plain ones (same symbols), so that
 // flashcomm::cpu stays unambiguous in this file.
 #if defined(FLASHCOMM_HAVE_ISA_AVX512)
-FLASHCOMM_DECLARE_ISA_KERNELS(isa_avx512)
+FLASHCOMM_DECLARE_ISA_KERNELS(isa_avx512);
 #endif
 #if defined(FLASHCOMM_HAVE_ISA_AVX2)
-FLASHCOMM_DECLARE_ISA_KERNELS(isa_avx2)
+FLASHCOMM_DECLARE_ISA_KERNELS(isa_avx2);
 #endif
 #if defined(FLASHCOMM_HAVE_ISA_NEON)
-FLASHCOMM_DECLARE_ISA_KERNELS(isa_neon)
+FLASHCOMM_DECLARE_ISA_KERNELS(isa_neon);
 #endif
-FLASHCOMM_DECLARE_ISA_KERNELS(isa_baseline)
+FLASHCOMM_DECLARE_ISA_KERNELS(isa_baseline);
 
 namespace flashcomm {
 namespace cpu {

@@ -9,6 +9,7 @@
 
 #include "flashcomm/codec.h"
 #include "cpu/cpu_dispatch.h"
+#include "cpu/handlers.h"
 #include "cpu/cpu_ops.h"
 #include "cpu/cpu_parallel.h"
 #include "flashcomm/ffi_checks.h"
@@ -171,14 +172,9 @@ ffi::Error FpDequantizeSumQuantizeOnPool(ffi::ThreadPool pool, ffi::Buffer<ffi::
 }  // namespace cpu
 }  // namespace flashcomm
 
-namespace bind = flashcomm::bind;
+FLASHCOMM_CPU_POOL_HANDLER(FpQuantize, flashcomm::cpu::FpQuantizeOnPool, FpQuantize);
+FLASHCOMM_CPU_POOL_HANDLER(FpDequantize, flashcomm::cpu::FpDequantizeOnPool, FpDequantize);
+FLASHCOMM_CPU_POOL_HANDLER(FpDequantizeSum, flashcomm::cpu::FpDequantizeSumOnPool, FpDequantize);
+FLASHCOMM_CPU_POOL_HANDLER(FpDequantizeSumQuantize, flashcomm::cpu::FpDequantizeSumQuantizeOnPool,
+                           FpDequantizeSumQuantize);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommFpQuantizeCpu, flashcomm::cpu::FpQuantizeOnPool,
-                              bind::FpQuantize(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommFpDequantizeCpu, flashcomm::cpu::FpDequantizeOnPool,
-                              bind::FpDequantize(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommFpDequantizeSumCpu, flashcomm::cpu::FpDequantizeSumOnPool,
-                              bind::FpDequantize(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FlashcommFpDequantizeSumQuantizeCpu, flashcomm::cpu::FpDequantizeSumQuantizeOnPool,
-    bind::FpDequantizeSumQuantize(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));

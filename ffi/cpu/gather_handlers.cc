@@ -94,6 +94,5 @@ ffi::Error DequantizeIntoOnPool(ffi::ThreadPool pool, ffi::AnyBuffer out_in,
 }  // namespace cpu
 }  // namespace flashcomm
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FlashcommDequantizeIntoCpu, flashcomm::cpu::DequantizeIntoOnPool,
-    flashcomm::bind::DequantizeInto(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+FLASHCOMM_CPU_POOL_HANDLER(DequantizeInto, flashcomm::cpu::DequantizeIntoOnPool, DequantizeInto);
+

@@ -10,6 +10,12 @@
 #define FLASHCOMM_TARGET(name, stem) XLA_FFI_DECLARE_HANDLER_SYMBOL(Flashcomm##stem##Cpu);
 #include "flashcomm/targets.def"
 
+// Defines Flashcomm<stem>Cpu: `fn` bound by flashcomm::bind::<Op> (flashcomm/bindings.h) after
+// XLA's intra-op thread pool.
+#define FLASHCOMM_CPU_POOL_HANDLER(stem, fn, Op)        \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Flashcomm##stem##Cpu, fn, \
+                                flashcomm::bind::Op(xla::ffi::Ffi::Bind().Ctx<xla::ffi::ThreadPool>()))
+
 namespace flashcomm {
 namespace cpu {
 

@@ -1,3 +1,5 @@
+// long file: every kernel entry point of one instruction-set build (the translation unit compiled
+// once per ISA)
 // The CPU codec's work, compiled once per instruction set: the build system compiles this file
 // with FLASHCOMM_ISA (isa_<name>: the namespace of every symbol here and in the codec headers),
 // FLASHCOMM_LANES (16 / 8 / 4 f32 lanes) and the ISA's -m flags; the

@@ -15,15 +15,10 @@
 #include "cpu/shm_rendezvous.h"
 #include "flashcomm/nb_registrations.h"
 
-NB_MODULE(_flashcomm_cpu, m) {
-  m.def("registrations", []() {
-    nanobind::dict d;
-#define FLASHCOMM_TARGET(name, stem) d[#name] = flashcomm::HandlerCapsule(Flashcomm##stem##Cpu);
-#include "flashcomm/targets.def"
-    return d;
-  });
-  m.def("p2p_meetings_in_progress", &flashcomm::cpu::P2pMeetingsInProgress,
-        "Peer-to-peer collective calls some rank has not finished (0 between collectives).");
+namespace {
+
+// The shared-memory transport's blocks, meetings and emulated bus (jax_flashcomm/transport/shm.py).
+void AddShmFunctions(nanobind::module_& m) {
   m.def(
       "shm_create_block",
       [](int64_t process_index) {
@@ -71,10 +66,10 @@ NB_MODULE(_flashcomm_cpu, m) {
         "Publishes a call site's description for the errors of peers (after shm_create_block).");
   m.def("shm_segments", &flashcomm::shm::SegmentsMapped,
         "Shared segments this process owns or maps (blocks excluded).");
-  flashcomm::AddP2pRingInspection(
-      m, &flashcomm::cpu::P2pRingStepsInProgress,
-      "Returns and clears the ring steps' recorded events (kind 0 move, 1 start, 2 wait; "
-      "site, rank, peer, bytes, begin_us, end_us) and records from now on if `record`.");
+}
+
+// The codec kernels' instruction-set build and threads (jax_flashcomm/codec/kernels.py).
+void AddCodecFunctions(nanobind::module_& m) {
   m.def("cpu_isa", []() { return std::string(flashcomm::cpu::kernels().isa); },
         "The instruction-set build the codec kernels run (avx512, avx2, baseline or neon).");
   m.def("supported_isas", &flashcomm::cpu::supported_isas,
@@ -99,4 +94,23 @@ NB_MODULE(_flashcomm_cpu, m) {
         flashcomm::cpu::max_codec_threads().store(threads);
       },
       "Split each codec call over at most `threads` threads from now on (0: the whole pool).");
+}
+
+}  // namespace
+
+NB_MODULE(_flashcomm_cpu, m) {
+  m.def("registrations", []() {
+    nanobind::dict d;
+#define FLASHCOMM_TARGET(name, stem) d[#name] = flashcomm::HandlerCapsule(Flashcomm##stem##Cpu);
+#include "flashcomm/targets.def"
+    return d;
+  });
+  m.def("p2p_meetings_in_progress", &flashcomm::cpu::P2pMeetingsInProgress,
+        "Peer-to-peer collective calls some rank has not finished (0 between collectives).");
+  AddShmFunctions(m);
+  flashcomm::AddP2pRingInspection(
+      m, &flashcomm::cpu::P2pRingStepsInProgress,
+      "Returns and clears the ring steps' recorded events (kind 0 move, 1 start, 2 wait; "
+      "site, rank, peer, bytes, begin_us, end_us) and records from now on if `record`.");
+  AddCodecFunctions(m);
 }

@@ -30,18 +30,17 @@ ffi::Error Run(const char* op, const NormShape& shape, NormArgs args, int64_t it
 
 NormArgs Args(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
               ffi::Buffer<ffi::BF16> zero, ffi::AnyBuffer residual, ffi::AnyBuffer weight,
-              ffi::AnyBuffer new_residual, int32_t bits, int64_t group_size, int32_t rotation,
-              int32_t spikes, float eps, int64_t hidden) {
+              ffi::AnyBuffer new_residual, const GroupFormat& fmt, float eps, int64_t hidden) {
   NormArgs a{};
   ToDType(residual.element_type(), &a.dtype);
   a.wtype = weight.element_type() == ffi::DataType::BF16 ? DType::kBF16 : DType::kF32;
   a.codes = codes.typed_data();
   a.scale = reinterpret_cast<const uint16_t*>(scale.typed_data());
   a.zero = reinterpret_cast<const uint16_t*>(zero.typed_data());
-  a.group_size = group_size;
-  a.bits = bits;
-  a.rotation = rotation;
-  a.spikes = spikes;
+  a.group_size = fmt.group_size;
+  a.bits = fmt.bits;
+  a.rotation = fmt.rotation;
+  a.spikes = fmt.spikes;
   a.residual = residual.untyped_data();
   a.weight = weight.untyped_data();
   a.hidden = hidden;
@@ -55,20 +54,17 @@ ffi::Error AddRmsNorm(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes,
                       ffi::AnyBuffer residual, ffi::AnyBuffer weight,
                       ffi::Result<ffi::AnyBuffer> new_residual, ffi::Result<ffi::AnyBuffer> out,
                       GroupFormat fmt, float eps) {
-  const int32_t bits = fmt.bits, rotation = fmt.rotation, spikes = fmt.spikes;
-  const int64_t group_size = fmt.group_size;
   constexpr const char* kOp = "flashcomm_add_rms_norm";
   return Guarded(kOp, [&] {
     NormShape shape;
     ffi::AnyBuffer out_buf = *out;
     if (ffi::Error e = CheckNormArgs(codes, scale, zero, residual, weight, *new_residual,
-                                     &out_buf, bits, group_size, rotation, spikes, eps, kOp,
+                                     &out_buf, fmt, eps, kOp,
                                      &shape);
         e.failure()) {
       return e;
     }
-    NormArgs a = Args(codes, scale, zero, residual, weight, *new_residual, bits, group_size,
-                      rotation, spikes, eps, shape.hidden);
+    NormArgs a = Args(codes, scale, zero, residual, weight, *new_residual, fmt, eps, shape.hidden);
     a.out = out->untyped_data();
     const int64_t item = shape.rows > 0 ? int64_t(residual.size_bytes()) / shape.rows : 0;
     return Run(kOp, shape, a, item, PoolRunner(pool));
@@ -84,27 +80,21 @@ ffi::Error AddRmsNormQuantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes,
                               ffi::Result<ffi::Buffer<ffi::BF16>> out_zero, GroupFormat fmt,
                               float eps, GroupFormat out_fmt) {
   constexpr const char* kOp = "flashcomm_add_rms_norm_quantize";
-  const int32_t bits = fmt.bits, rotation = fmt.rotation, spikes = fmt.spikes;
-  const int64_t group_size = fmt.group_size;
-  const int32_t out_bits = out_fmt.bits;
-  const int64_t out_group_size = out_fmt.group_size;
   return Guarded(kOp, [&] {
     NormShape shape;
     if (ffi::Error e = CheckNormArgs(codes, scale, zero, residual, weight, *new_residual,
-                                     static_cast<const ffi::AnyBuffer*>(nullptr), bits,
-                                     group_size, rotation, spikes, eps, kOp, &shape);
+                                     static_cast<const ffi::AnyBuffer*>(nullptr), fmt, eps,
+                                     kOp, &shape);
         e.failure()) {
       return e;
     }
-    if (ffi::Error e = CheckNormQuantOut(shape, *out_codes, *out_scale, *out_zero, out_bits,
-                                         out_group_size, kOp);
+    if (ffi::Error e = CheckNormQuantOut(shape, *out_codes, *out_scale, *out_zero, out_fmt, kOp);
         e.failure()) {
       return e;
     }
-    NormArgs a = Args(codes, scale, zero, residual, weight, *new_residual, bits, group_size,
-                      rotation, spikes, eps, shape.hidden);
-    a.out_bits = out_bits;
-    a.out_group_size = out_group_size;
+    NormArgs a = Args(codes, scale, zero, residual, weight, *new_residual, fmt, eps, shape.hidden);
+    a.out_bits = out_fmt.bits;
+    a.out_group_size = out_fmt.group_size;
     a.out_codes = out_codes->typed_data();
     a.out_scale = reinterpret_cast<uint16_t*>(out_scale->typed_data());
     a.out_zero = reinterpret_cast<uint16_t*>(out_zero->typed_data());
@@ -117,8 +107,7 @@ ffi::Error AddRmsNormQuantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes,
 }  // namespace cpu
 }  // namespace flashcomm
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommAddRmsNormCpu, flashcomm::cpu::AddRmsNorm,
-                              flashcomm::bind::AddRmsNorm(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FlashcommAddRmsNormQuantizeCpu, flashcomm::cpu::AddRmsNormQuantize,
-    flashcomm::bind::AddRmsNormQuantize(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+FLASHCOMM_CPU_POOL_HANDLER(AddRmsNorm, flashcomm::cpu::AddRmsNorm, AddRmsNorm);
+FLASHCOMM_CPU_POOL_HANDLER(AddRmsNormQuantize, flashcomm::cpu::AddRmsNormQuantize,
+                           AddRmsNormQuantize);
+

@@ -12,6 +12,7 @@ ffi::Future AllReduceProtocol(const GangFactory& join, int32_t rank, const ffi::
                               int64_t group_size, int32_t rotation, int32_t spikes,
                               int32_t out_spikes, int64_t size, int64_t timeout_ms) {
   constexpr const char* kOp = "flashcomm_p2p_all_reduce";
+  // long function: the all-reduce's protocol: its barriers and their continuations, in order
   if (ffi::Error e = CheckCommon(kOp, x, rank, size, timeout_ms, rotation, group_size);
       e.failure()) {
     return Failed(std::move(e));

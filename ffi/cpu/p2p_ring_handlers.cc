@@ -22,6 +22,7 @@
 #include <utility>
 
 #include "cpu/cpu_ops.h"
+#include "cpu/cpu_p2p_protocol.h"
 #include "flashcomm/bindings.h"
 #include "flashcomm/p2p_ring.h"
 #include "xla/ffi/api/ffi.h"
@@ -135,16 +136,8 @@ ffi::Future P2pRingDone(ffi::RunId run, ffi::AnyBuffer recv, ffi::AnyBuffer send
     if (error.empty() && in != out) std::memcpy(out, in, bytes);
     Timeline::Global().Add({Timeline::kWait, site, rank, -1, int64_t(bytes), begin_us,
                             Timeline::NowMicros()});
-    // XLA continues the program on the thread that completes the future: never a copy thread.
-    std::string message = error.empty() ? error : Prefix(kOp) + error;
-    p2p::ThreadPool::Completions().Schedule([promise, message]() mutable {
-      RingTable::Global().Prune();
-      if (message.empty()) {
-        promise.SetAvailable();
-      } else {
-        promise.SetError(ffi::Error::Internal(message));
-      }
-    });
+    CompleteLater(promise, error.empty() ? error : Prefix(kOp) + error,
+                  [] { RingTable::Global().Prune(); });
   });
   return future;
 }

@@ -1,3 +1,5 @@
+// long file: the shared-memory meeting point: blocks, segments, meetings, the emulated bus and the
+// C API the CUDA module binds share one state and its lock
 // The shared-memory meeting point (cpu/shm_rendezvous.h has the design).
 #include "cpu/shm_rendezvous.h"
 
@@ -586,6 +588,8 @@ class Engine {
 
   // One look at a waiting call: opens its barrier, fails it, or leaves it waiting.
   void CheckLocked(const std::shared_ptr<Meeting>& m, Clock::time_point now, bool check_exits) {
+    // long function: every way a meeting's peers can disagree, exit or time out, checked in one
+    // pass under the lock
     const JoinArgs& a = m->args;
     const int b = m->waiting;
     std::string error;

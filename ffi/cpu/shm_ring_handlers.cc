@@ -247,14 +247,7 @@ ffi::Future ShmRingDone(ffi::AnyBuffer recv, ffi::AnyBuffer send, ffi::AnyBuffer
   const size_t bytes = recv.size_bytes();
   step->Done([promise, in, out, bytes](const std::string& error) mutable {
     if (error.empty() && in != out) std::memcpy(out, in, bytes);
-    // XLA continues the program on the thread that completes the future.
-    p2p::ThreadPool::Completions().Schedule([promise, error]() mutable {
-      if (error.empty()) {
-        promise.SetAvailable();
-      } else {
-        promise.SetError(ffi::Error::Internal(error));
-      }
-    });
+    CompleteLater(promise, error);
   });
   return future;
 }

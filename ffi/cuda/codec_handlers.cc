@@ -35,16 +35,10 @@ ffi::Error LaunchStatus(const char* op, cudaError_t err) {
   return ffi::Error::Success();
 }
 
+// The rotation attribute with the CUDA kernels' limit on rotated groups.
 ffi::Error CheckRotation(int32_t rotation, int64_t group_size, const char* op) {
-  if (rotation < kRotationNone || rotation > kRotationSignedHadamard) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": rotation must be 0, 1 or 2");
-  }
-  if (rotation != kRotationNone && ((group_size & (group_size - 1)) != 0 ||
-                                    group_size > kMaxRotatedGroup)) {
-    return ffi::Error::InvalidArgument(
-        std::string(op) + ": rotation needs a power-of-two group_size of at most 1024 on CUDA");
-  }
-  return ffi::Error::Success();
+  return flashcomm::CheckRotation(rotation, group_size, op, kMaxRotatedGroup,
+                                  " of at most 1024 on CUDA");
 }
 
 // The launcher of one (rotated?, spiked?) path for a runtime element type: calls
@@ -176,20 +170,15 @@ ffi::Error DequantizeSumQuantize(cudaStream_t stream, ffi::Buffer<ffi::U8> codes
                                  ffi::Result<ffi::Buffer<ffi::BF16>> out_scale,
                                  ffi::Result<ffi::Buffer<ffi::BF16>> out_zero, GroupFormat fmt,
                                  GroupFormat out_fmt) {
-  const int32_t bits = fmt.bits, out_bits = out_fmt.bits;
-  const int32_t spikes = fmt.spikes, out_spikes = out_fmt.spikes;
-  const int64_t group_size = fmt.group_size;
   PayloadView in;
-  if (ffi::Error e = ViewChunkedPayload(codes, scale, zero, bits, group_size, spikes, &in);
-      e.failure()) {
-    return e;
-  }
   int64_t n_out = 0;
-  if (ffi::Error e = CheckSumQuantizeOutputs(in, *out_codes, *out_scale, *out_zero, out_bits,
-                                             out_spikes, &n_out);
+  if (ffi::Error e = CheckSumQuantizeOperands(codes, scale, zero, *out_codes, *out_scale,
+                                              *out_zero, fmt.bits, out_fmt.bits, fmt.group_size,
+                                              fmt.spikes, out_fmt.spikes, &in, &n_out);
       e.failure()) {
     return e;
   }
+  const int32_t spikes = fmt.spikes, out_bits = out_fmt.bits, out_spikes = out_fmt.spikes;
   uint8_t* c = out_codes->typed_data();
   uint16_t* s = out_scale->typed_data();
   uint16_t* z = out_zero->typed_data();
@@ -211,20 +200,10 @@ ffi::Error DequantizeSumQuantize(cudaStream_t stream, ffi::Buffer<ffi::U8> codes
 // custom call again when an address changes). No handler reads device memory or host state
 // at run time, allocates, synchronizes or queries the stream: one kernel launch (or none, for
 // an empty operand) per call, on XLA's stream. docs/cuda.md, "Command buffers".
-namespace bind = flashcomm::bind;
-using Stream = ffi::PlatformStream<cudaStream_t>;  // XLA's stream for this device
+FLASHCOMM_CUDA_STREAM_HANDLER(Quantize, flashcomm::cuda::Quantize, Quantize);
+FLASHCOMM_CUDA_STREAM_HANDLER(Dequantize, flashcomm::cuda::Dequantize, Dequantize);
+FLASHCOMM_CUDA_STREAM_HANDLER(DequantizeSum, flashcomm::cuda::DequantizeSum, Dequantize);
+FLASHCOMM_CUDA_STREAM_HANDLER(DequantizeSumQuantize, flashcomm::cuda::DequantizeSumQuantize,
+                              DequantizeSumQuantize);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommQuantizeCuda, flashcomm::cuda::Quantize,
-                              bind::Quantize(ffi::Ffi::Bind().Ctx<Stream>()),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeCuda, flashcomm::cuda::Dequantize,
-                              bind::Dequantize(ffi::Ffi::Bind().Ctx<Stream>()),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeSumCuda, flashcomm::cuda::DequantizeSum,
-                              bind::Dequantize(ffi::Ffi::Bind().Ctx<Stream>()),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FlashcommDequantizeSumQuantizeCuda, flashcomm::cuda::DequantizeSumQuantize,
-    bind::DequantizeSumQuantize(ffi::Ffi::Bind().Ctx<Stream>()),
-    {ffi::Traits::kCmdBufferCompatible});
 

@@ -193,6 +193,8 @@ __device__ __forceinline__ void quantize_group_spiked_warp(const Source& source,
                                                            uint16_t* __restrict__ scale,
                                                            uint16_t* __restrict__ zero) {
   const int64_t g = nblocks * kBlock;
+  // long function: one warp's spiked quantization of a group, step for step codec.h's; its steps
+  // share the lanes' registers
   const bool has_first = lane < nblocks;
   float first_block[kBlock];
   if (has_first) source(group, lane, first_block);

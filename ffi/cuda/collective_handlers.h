@@ -34,6 +34,20 @@ struct Begun {
   int32_t rank = 0, group = 0;
   protocol::ScratchPayload gathered;
   std::unique_ptr<Participant> me;
+
+  // What every Peers::Begin does before it joins: the device, rank and group
+  // (protocol::Start), then `slots` of `slot_groups` groups of `nb` bytes of working memory.
+  ffi::Error Start(const char* op, cudaStream_t stream, ffi::Buffer<ffi::S32> rank_buf,
+                   ffi::Buffer<ffi::S32> group_buf, int64_t size, int64_t site,
+                   protocol::Clock::time_point deadline, int64_t slots, int64_t slot_groups,
+                   int64_t nb) {
+    if (ffi::Error e = protocol::Start(op, stream, rank_buf, group_buf, size, deadline, &on,
+                                       &device, &rank, &group);
+        e.failure()) {
+      return e;
+    }
+    return protocol::AllocateWork(op, device, site, group, slots, slot_groups, nb, &gathered);
+  }
 };
 
 template <typename Peers, typename... Key>

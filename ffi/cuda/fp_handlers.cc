@@ -146,20 +146,10 @@ ffi::Error FpDequantizeSumQuantize(cudaStream_t stream, ffi::Buffer<ffi::U8> rec
 }  // namespace cuda
 }  // namespace flashcomm
 
-namespace bind = flashcomm::bind;
-using Stream = ffi::PlatformStream<cudaStream_t>;  // XLA's stream for this device
+FLASHCOMM_CUDA_STREAM_HANDLER(FpQuantize, flashcomm::cuda::FpQuantize, FpQuantize);
+FLASHCOMM_CUDA_STREAM_HANDLER(FpDequantize, flashcomm::cuda::FpDequantize, FpDequantize);
+FLASHCOMM_CUDA_STREAM_HANDLER(FpDequantizeSum, flashcomm::cuda::FpDequantizeSum, FpDequantize);
+FLASHCOMM_CUDA_STREAM_HANDLER(FpDequantizeSumQuantize, flashcomm::cuda::FpDequantizeSumQuantize,
+                              FpDequantizeSumQuantize);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommFpQuantizeCuda, flashcomm::cuda::FpQuantize,
-                              bind::FpQuantize(ffi::Ffi::Bind().Ctx<Stream>()),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommFpDequantizeCuda, flashcomm::cuda::FpDequantize,
-                              bind::FpDequantize(ffi::Ffi::Bind().Ctx<Stream>()),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommFpDequantizeSumCuda, flashcomm::cuda::FpDequantizeSum,
-                              bind::FpDequantize(ffi::Ffi::Bind().Ctx<Stream>()),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FlashcommFpDequantizeSumQuantizeCuda, flashcomm::cuda::FpDequantizeSumQuantize,
-    bind::FpDequantizeSumQuantize(ffi::Ffi::Bind().Ctx<Stream>()),
-    {ffi::Traits::kCmdBufferCompatible});
 

@@ -85,10 +85,6 @@ ffi::Error DequantizeInto(cudaStream_t stream, ffi::AnyBuffer out_in,
 // traces are keyed by) and one kernel launch on XLA's stream. The offset is read by the
 // kernel from device memory, never by the host, so a captured graph stays right for every
 // offset.
-namespace bind = flashcomm::bind;
-using Stream = ffi::PlatformStream<cudaStream_t>;  // XLA's stream for this device
+FLASHCOMM_CUDA_STREAM_HANDLER(DequantizeInto, flashcomm::cuda::DequantizeInto, DequantizeInto);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommDequantizeIntoCuda, flashcomm::cuda::DequantizeInto,
-                              bind::DequantizeInto(ffi::Ffi::Bind().Ctx<Stream>()),
-                              {ffi::Traits::kCmdBufferCompatible});
 

@@ -12,6 +12,16 @@
 #define FLASHCOMM_TARGET(name, stem) XLA_FFI_DECLARE_HANDLER_SYMBOL(Flashcomm##stem##Cuda);
 #include "flashcomm/targets.def"
 
+// Defines Flashcomm<stem>Cuda: `fn` bound by flashcomm::bind::<Op> (flashcomm/bindings.h) after
+// the device's stream, and declared command-buffer compatible (docs/cuda.md, "Command
+// buffers"): for the handlers that enqueue kernels only.
+#define FLASHCOMM_CUDA_STREAM_HANDLER(stem, fn, Op)                                      \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                         \
+      Flashcomm##stem##Cuda, fn,                                                         \
+      flashcomm::bind::Op(                                                               \
+          xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),          \
+      {xla::ffi::Traits::kCmdBufferCompatible})
+
 namespace flashcomm {
 namespace cuda {
 

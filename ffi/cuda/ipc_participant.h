@@ -1,3 +1,5 @@
+// long file: the CUDA IPC participant: its handles, mapped buffers, events and signal words are one
+// class and its helpers
 // The CUDA IPC side of the transport between processes (docs/cuda.md, "Across processes: CUDA
 // IPC"), shared by the collectives (shm_handlers.cc) and the ring steps (shm_ring_handlers.cc):
 // the staging buffers and signal words of this process, the peers' mapped handles, and

@@ -90,13 +90,11 @@ ffi::Error AddRmsNorm(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
                       ffi::AnyBuffer residual, ffi::AnyBuffer weight,
                       ffi::Result<ffi::AnyBuffer> new_residual, ffi::Result<ffi::AnyBuffer> out,
                       GroupFormat fmt, float eps) {
-  const int32_t bits = fmt.bits, rotation = fmt.rotation, spikes = fmt.spikes;
-  const int64_t group_size = fmt.group_size;
   constexpr const char* kOp = "flashcomm_add_rms_norm";
   NormShape shape;
   ffi::AnyBuffer out_buf = *out;
   if (ffi::Error e = CheckNormArgs(codes, scale, zero, residual, weight, *new_residual, &out_buf,
-                                   bits, group_size, rotation, spikes, eps, kOp, &shape);
+                                   fmt, eps, kOp, &shape);
       e.failure()) {
     return e;
   }
@@ -113,26 +111,21 @@ ffi::Error AddRmsNormQuantize(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
                               ffi::Result<ffi::Buffer<ffi::BF16>> out_scale,
                               ffi::Result<ffi::Buffer<ffi::BF16>> out_zero, GroupFormat fmt,
                               float eps, GroupFormat out_fmt) {
-  const int32_t bits = fmt.bits, rotation = fmt.rotation, spikes = fmt.spikes;
-  const int64_t group_size = fmt.group_size;
-  const int32_t out_bits = out_fmt.bits;
-  const int64_t out_group_size = out_fmt.group_size;
   constexpr const char* kOp = "flashcomm_add_rms_norm_quantize";
   NormShape shape;
   if (ffi::Error e = CheckNormArgs(codes, scale, zero, residual, weight, *new_residual,
-                                   static_cast<const ffi::AnyBuffer*>(nullptr), bits, group_size,
-                                   rotation, spikes, eps, kOp, &shape);
+                                   static_cast<const ffi::AnyBuffer*>(nullptr), fmt, eps, kOp,
+                                   &shape);
       e.failure()) {
     return e;
   }
-  if (ffi::Error e = CheckNormQuantOut(shape, *out_codes, *out_scale, *out_zero, out_bits,
-                                       out_group_size, kOp);
+  if (ffi::Error e = CheckNormQuantOut(shape, *out_codes, *out_scale, *out_zero, out_fmt, kOp);
       e.failure()) {
     return e;
   }
   NormLaunch a = Args(codes, scale, zero, shape, fmt, eps);
-  a.out_bits = out_bits;
-  a.out_group_size = out_group_size;
+  a.out_bits = out_fmt.bits;
+  a.out_group_size = out_fmt.group_size;
   a.out_codes = out_codes->typed_data();
   a.out_scale = reinterpret_cast<uint16_t*>(out_scale->typed_data());
   a.out_zero = reinterpret_cast<uint16_t*>(out_zero->typed_data());
@@ -144,13 +137,8 @@ ffi::Error AddRmsNormQuantize(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
 
 // One kernel launch per call on XLA's stream, nothing read from device memory on the host: a
 // command buffer may capture it (as the codec handlers, codec_handlers.cc).
-namespace bind = flashcomm::bind;
-using Stream = ffi::PlatformStream<cudaStream_t>;  // XLA's stream for this device
+FLASHCOMM_CUDA_STREAM_HANDLER(AddRmsNorm, flashcomm::cuda::AddRmsNorm, AddRmsNorm);
+FLASHCOMM_CUDA_STREAM_HANDLER(AddRmsNormQuantize, flashcomm::cuda::AddRmsNormQuantize,
+                              AddRmsNormQuantize);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommAddRmsNormCuda, flashcomm::cuda::AddRmsNorm,
-                              bind::AddRmsNorm(ffi::Ffi::Bind().Ctx<Stream>()),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommAddRmsNormQuantizeCuda, flashcomm::cuda::AddRmsNormQuantize,
-                              bind::AddRmsNormQuantize(ffi::Ffi::Bind().Ctx<Stream>()),
-                              {ffi::Traits::kCmdBufferCompatible});
 

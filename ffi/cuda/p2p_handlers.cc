@@ -51,47 +51,6 @@ using p2p::Published;
 using p2p::Rendezvous;
 using Clock = std::chrono::steady_clock;
 
-// An event one rank records and every peer's stream waits on, shared through the meeting
-// (Published slot 3). It starts with one reference per rank; the owner drops its own after the
-// barrier, each peer after enqueueing its wait, and the last one destroys the event (a
-// cudaStreamWaitEvent already enqueued does not need the event to live on). Peers also read
-// the owner's device from it.
-class SharedEvent {
- public:
-  // A new event on `device` (current), recorded on `stream`, with `users` references.
-  static cudaError_t Record(int device, int users, cudaStream_t stream, SharedEvent** out) {
-    cudaEvent_t event = nullptr;
-    if (cudaError_t e = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
-        e != cudaSuccess) {
-      return e;
-    }
-    if (cudaError_t e = cudaEventRecord(event, stream); e != cudaSuccess) {
-      cudaEventDestroy(event);
-      return e;
-    }
-    *out = new SharedEvent(event, device, users);
-    return cudaSuccess;
-  }
-  cudaEvent_t event() const { return event_; }
-  int device() const { return device_; }
-  // Drop `n` references; the last one destroys the event (on its device).
-  void Release(int n = 1) {
-    if (users_.fetch_sub(n, std::memory_order_acq_rel) == n) {
-      CurrentDevice on;
-      on.Set(device_);
-      cudaEventDestroy(event_);
-      delete this;
-    }
-  }
-
- private:
-  SharedEvent(cudaEvent_t event, int device, int users)
-      : event_(event), device_(device), users_(users) {}
-  cudaEvent_t event_;
-  int device_;
-  std::atomic<int> users_;
-};
-
 // One rank's part in one meeting (joins, leaves on destruction on every return path). Record()
 // marks the point of this rank's stream its peers will wait for at the next Meet(); Meet()
 // publishes the pointers and that event, waits (on the host, until the deadline) for every
@@ -195,13 +154,8 @@ struct InProcessPeers {
                           uint64_t /*descriptor*/, int64_t slots, int64_t slot_groups,
                           int64_t nb, Begun<Participant>* b) {
     const auto deadline = p2p::DeadlineAfter(timeout_ms);  // saturated: no overflow
-    if (ffi::Error e = protocol::Start(op, stream, rank_buf, group_buf, size, deadline, &b->on,
-                                       &b->device, &b->rank, &b->group);
-        e.failure()) {
-      return e;
-    }
-    if (ffi::Error e = protocol::AllocateWork(op, b->device, site, b->group, slots,
-                                              slot_groups, nb, &b->gathered);
+    if (ffi::Error e = b->Start(op, stream, rank_buf, group_buf, size, site, deadline, slots,
+                                slot_groups, nb);
         e.failure()) {
       return e;
     }

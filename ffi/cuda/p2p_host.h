@@ -8,6 +8,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <map>
@@ -178,6 +179,47 @@ inline ffi::Error ReadRankAndGroup(const char* op, cudaStream_t stream, const in
   *group = host[1];
   return ffi::Error::Success();
 }
+
+// An event one rank records and other ranks' streams wait on, with `users` references; the last
+// Release() destroys it (on its device; a cudaStreamWaitEvent already enqueued does not need the
+// event to live on). The p2p collectives share it through the meeting (Published slot 3, one
+// reference per rank: the owner drops its own after the barrier, each peer after enqueueing
+// its wait, and peers read the owner's device from it); the ring steps publish one per move.
+class SharedEvent {
+ public:
+  // A new event on `device` (current), recorded on `stream`, with `users` references.
+  static cudaError_t Record(int device, int users, cudaStream_t stream, SharedEvent** out) {
+    cudaEvent_t event = nullptr;
+    if (cudaError_t e = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+        e != cudaSuccess) {
+      return e;
+    }
+    if (cudaError_t e = cudaEventRecord(event, stream); e != cudaSuccess) {
+      cudaEventDestroy(event);
+      return e;
+    }
+    *out = new SharedEvent(event, device, users);
+    return cudaSuccess;
+  }
+  cudaEvent_t event() const { return event_; }
+  int device() const { return device_; }
+  // Drop `n` references; the last one destroys the event (on its device).
+  void Release(int n = 1) {
+    if (users_.fetch_sub(n, std::memory_order_acq_rel) == n) {
+      CurrentDevice on;
+      on.Set(device_);
+      cudaEventDestroy(event_);
+      delete this;
+    }
+  }
+
+ private:
+  SharedEvent(cudaEvent_t event, int device, int users)
+      : event_(event), device_(device), users_(users) {}
+  cudaEvent_t event_;
+  int device_;
+  std::atomic<int> users_;
+};
 
 }  // namespace cuda
 }  // namespace flashcomm

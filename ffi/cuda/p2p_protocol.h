@@ -1,3 +1,5 @@
+// long file: the three collectives' protocols on CUDA and the steps they share (checks, peer
+// copies, codec launches)
 // The CUDA collectives' protocols, shared by the two ways ranks meet (docs/cuda.md):
 //   - in one process with several GPUs (p2p_handlers.cc: the host-side rendezvous of
 //     p2p_rendezvous.h, device pointers and CUDA events shared in memory);

@@ -1,3 +1,5 @@
+// long file: the ring step's start and done on CUDA and the CUDA state they share (events, pending
+// dones)
 // Ring steps of the peer-to-peer transport on CUDA: one process with several GPUs, the same
 // start / done pair with the same operands, results and attributes as the CPU handlers
 // (ffi/cpu/p2p_ring_handlers.cc), over the same host-side protocol (p2p_ring.h).
@@ -65,42 +67,6 @@ std::string CudaErrorText(const std::string& what, cudaError_t err) {
 }
 
 // --- the ring step's CUDA state ---
-
-// An event with `users` references; the last Release() destroys it (on its device). A
-// cudaStreamWaitEvent already enqueued does not need the event to live on.
-class SharedEvent {
- public:
-  // A new event on the current device `device`, recorded on `stream`.
-  static cudaError_t Record(int device, int users, cudaStream_t stream, SharedEvent** out) {
-    cudaEvent_t event = nullptr;
-    if (cudaError_t e = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
-        e != cudaSuccess) {
-      return e;
-    }
-    if (cudaError_t e = cudaEventRecord(event, stream); e != cudaSuccess) {
-      cudaEventDestroy(event);
-      return e;
-    }
-    *out = new SharedEvent(event, device, users);
-    return cudaSuccess;
-  }
-  cudaEvent_t event() const { return event_; }
-  void Release() {
-    if (users_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      CurrentDevice on;
-      on.Set(device_);
-      cudaEventDestroy(event_);
-      delete this;
-    }
-  }
-
- private:
-  SharedEvent(cudaEvent_t event, int device, int users)
-      : event_(event), device_(device), users_(users) {}
-  cudaEvent_t event_;
-  int device_;
-  std::atomic<int> users_;
-};
 
 // One rank's CUDA side of one step, published as its Endpoint::event. `started`: recorded on
 // its stream by the start. `incoming` / `outgoing`: the arrived events of the move into this
@@ -347,6 +313,7 @@ ffi::Error P2pRingDone(ffi::RunId run, cudaStream_t stream, ffi::AnyBuffer recv,
                        ffi::Result<ffi::AnyBuffer> after_out, int64_t size, int64_t shift,
                        int64_t site) {
   constexpr const char* kOp = "flashcomm_p2p_ring_done";
+  // long function: the done's protocol: both moves, then their events, each with its failure path
   const int64_t begin_us = Timeline::NowMicros();
   if (ffi::Error e = CheckRing(kOp, size, shift); e.failure()) return e;
   if (recv_out->size_bytes() != recv.size_bytes() ||

@@ -52,13 +52,8 @@ struct SharedPeers {
     const shm::Api* api = ipc::BoundApi(op, &error);
     if (!api) return error;
     const auto deadline = p2p::DeadlineAfter(timeout_ms);
-    if (ffi::Error e = protocol::Start(op, stream, rank_buf, group_buf, size, deadline, &b->on,
-                                       &b->device, &b->rank, &b->group);
-        e.failure()) {
-      return e;
-    }
-    if (ffi::Error e = protocol::AllocateWork(op, b->device, site, b->group, slots,
-                                              slot_groups, nb, &b->gathered);
+    if (ffi::Error e = b->Start(op, stream, rank_buf, group_buf, size, site, deadline, slots,
+                                slot_groups, nb);
         e.failure()) {
       return e;
     }
@@ -75,6 +70,8 @@ ffi::Error ShmPsum(ffi::RunId, cudaStream_t stream, ffi::AnyBuffer x,
                    int64_t timeout_ms, int64_t axes_key, int32_t two_shot,
                    int64_t two_shot_bytes) {
   constexpr const char* kOp = "flashcomm_shm_psum";
+  // long function: the exact all-reduce's checks and its one- and two-shot protocol, barrier by
+  // barrier
   const ffi::DataType dtype = x.element_type();
   if (size < 1 || size > 1024) {
     return ffi::Error::InvalidArgument(std::string(kOp) + ": size must be in 1..1024");

@@ -1,3 +1,4 @@
+// long file: the codec's C++ test program: every op against the scalar reference, one ctest entry
 // C++ tests of the CPU codec: the handler bodies of ffi/cpu/codec_handlers.cc (called through
 // cpu/cpu_ops.h on XLA_FFI_Buffer views of heap buffers of exact sizes, so that
 // AddressSanitizer catches any out-of-bounds access) and the 16-bit float conversions of
@@ -28,6 +29,7 @@
 #include "cpu/cpu_gather.h"
 #include "cpu/cpu_ops.h"
 #include "flashcomm/ffi_checks.h"
+#include "buffers.h"
 #include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -60,51 +62,11 @@ std::string Fmt(const char* fmt, ...) {
   return buf;
 }
 
-// ---------------------------------------------------------------------------------------------
-// Buffers handed to the handlers: XLA_FFI_Buffer views of std::vector storage of exact size.
-
-template <typename S>
-struct Array {
-  std::vector<S> data;
-  std::vector<int64_t> dims;
-  XLA_FFI_Buffer buf;
-
-  Array(std::vector<int64_t> shape, XLA_FFI_DataType dtype, S fill = S()) : dims(std::move(shape)) {
-    int64_t n = 1;
-    for (int64_t d : dims) n *= d;
-    data.assign(size_t(n), fill);  // exactly n elements: ASan flags the first byte past the end
-    buf.struct_size = XLA_FFI_Buffer_STRUCT_SIZE;
-    buf.extension_start = nullptr;
-    buf.dtype = dtype;
-    buf.data = data.data();
-    buf.rank = int64_t(dims.size());
-    buf.dims = dims.data();
-  }
-  Array(const Array&) = delete;
-  Array& operator=(const Array&) = delete;
-  const XLA_FFI_Buffer* view() const { return &buf; }
-};
-
-using Codes = Array<uint8_t>;
-using Bf16s = Array<uint16_t>;
-
-template <typename T>
-constexpr XLA_FFI_DataType DtypeOf();
-template <>
-constexpr XLA_FFI_DataType DtypeOf<F32>() { return XLA_FFI_DataType_F32; }
-template <>
-constexpr XLA_FFI_DataType DtypeOf<BF16>() { return XLA_FFI_DataType_BF16; }
-template <>
-constexpr XLA_FFI_DataType DtypeOf<F16>() { return XLA_FFI_DataType_F16; }
-
-template <typename T>
-const char* NameOf();
-template <>
-const char* NameOf<F32>() { return "f32"; }
-template <>
-const char* NameOf<BF16>() { return "bf16"; }
-template <>
-const char* NameOf<F16>() { return "f16"; }
+using test::Array;
+using test::Bf16s;
+using test::Codes;
+using test::DtypeOf;
+using test::NameOf;
 
 ffi::Error CallQuantize(const XLA_FFI_Buffer* x, Codes& codes, Bf16s& scale, Bf16s& zero,
                         int bits, int64_t g) {
@@ -272,6 +234,7 @@ void FillGroup(Rng& rng, Kind kind, float* v, int64_t g) {
 // Quantize then dequantize through the handlers, for one dtype, bits and group size.
 template <typename T>
 void TestRoundTrip(Rng& rng, int bits, int64_t g) {
+  // long function: a test table: every value kind, dtype and rotation of one width and group size
   using S = typename T::Storage;
   const int64_t n_groups = kNumKinds + 3;  // + a NaN group, a +Inf group and a -Inf group
   const int64_t nb = group_bytes(g, bits);
@@ -725,6 +688,7 @@ uint16_t RefBf16(float f, int mode) {
 }
 
 void TestConversions(Rng& rng) {
+  // long function: a test table: every f16 bit pattern, then the bf16 and f32 edge cases
   // All f16 bit patterns: f16 -> f32 exact, f32 -> f16 back to the same bits (NaN: quieted).
   int64_t bad_to = 0, bad_back = 0;
   for (uint32_t h = 0; h < 65536; ++h) {
@@ -820,6 +784,7 @@ void TestConversions(Rng& rng) {
 // values at their positions (selected with ties to the lowest position), the other values
 // within the group's step; fused sums and a tampered position run clean under the sanitizers.
 void TestSpikes(Rng& rng, int64_t g, int k, int32_t rotation) {
+  // long function: a test table: the spiked payload through every op, against the unspiked one
   const int bits = 4;
   const int64_t groups = 4;
   const int64_t rec = record_bytes(g, bits, k);

@@ -17,6 +17,7 @@
 #include "flashcomm/codec.h"
 #include "cpu/cpu_gather.h"
 #include "cpu/cpu_ops.h"
+#include "buffers.h"
 #include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -50,48 +51,11 @@ std::string Fmt(const char* fmt, ...) {
 }
 
 // An XLA_FFI_Buffer view of std::vector storage of exactly prod(shape) elements.
-template <typename S>
-struct Array {
-  std::vector<S> data;
-  std::vector<int64_t> dims;
-  XLA_FFI_Buffer buf;
-
-  Array(std::vector<int64_t> shape, XLA_FFI_DataType dtype, S fill = S()) : dims(std::move(shape)) {
-    int64_t n = 1;
-    for (int64_t d : dims) n *= d;
-    data.assign(size_t(n), fill);
-    buf.struct_size = XLA_FFI_Buffer_STRUCT_SIZE;
-    buf.extension_start = nullptr;
-    buf.dtype = dtype;
-    buf.data = data.data();
-    buf.rank = int64_t(dims.size());
-    buf.dims = dims.data();
-  }
-  Array(const Array&) = delete;
-  Array& operator=(const Array&) = delete;
-  const XLA_FFI_Buffer* view() const { return &buf; }
-};
-
-using Codes = Array<uint8_t>;
-using Bf16s = Array<uint16_t>;
-
-template <typename T>
-constexpr XLA_FFI_DataType DtypeOf();
-template <>
-constexpr XLA_FFI_DataType DtypeOf<F32>() { return XLA_FFI_DataType_F32; }
-template <>
-constexpr XLA_FFI_DataType DtypeOf<BF16>() { return XLA_FFI_DataType_BF16; }
-template <>
-constexpr XLA_FFI_DataType DtypeOf<F16>() { return XLA_FFI_DataType_F16; }
-
-template <typename T>
-const char* NameOf();
-template <>
-const char* NameOf<F32>() { return "f32"; }
-template <>
-const char* NameOf<BF16>() { return "bf16"; }
-template <>
-const char* NameOf<F16>() { return "f16"; }
+using test::Array;
+using test::Bf16s;
+using test::Codes;
+using test::DtypeOf;
+using test::NameOf;
 
 template <typename S>
 ffi::Error CallInto(Array<S>& out, const Codes& codes, const Bf16s& scale, const Bf16s& zero,
@@ -173,6 +137,7 @@ void TestMatchesDequantize(std::mt19937& rng, int bits, int64_t g, int32_t rotat
 }
 
 void TestBounds() {
+  // long function: a test table of out-of-range offsets, counts and malformed operands
   std::mt19937 rng(7);
   const int bits = 4;
   const int64_t g = 16, groups = 3, count = 40;  // the payload holds 48 values

@@ -33,6 +33,7 @@ void Check(bool ok, const std::string& what) {
 template <typename T>
 void RunCase(int64_t rows, int64_t hidden, int64_t g, int rotation, int spikes, bool bf16_weight,
              uint32_t seed) {
+  // long function: one case end to end: operands, both handlers, the reference, the comparison
   using S = typename T::Storage;
   const int bits = 8;
   const cpu::DType dtype = sizeof(S) == 4 ? cpu::DType::kF32 : cpu::DType::kBF16;

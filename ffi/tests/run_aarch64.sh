@@ -27,7 +27,7 @@ build="$(mktemp -d "${TMPDIR:-/tmp}/flashcomm-aarch64.XXXXXX")"
 trap 'rm -rf "$build"' EXIT
 # The flags of CMakeLists.txt's FLASHCOMM_CXX_FLAGS.
 flags=(-O3 -std=c++17 -ffp-contract=off -fno-fast-math -fno-trapping-math -Wall -Wextra
-       -Wno-psabi -Werror -Iffi/include -isystem third_party/xla_ffi/include)
+       -Wno-psabi -Werror -Iffi/include -Iffi -isystem third_party/xla_ffi/include)
 
 # Compile jobs two at a time (2 cores).
 jobs_run() { while (($(jobs -rp | wc -l) >= 2)); do wait -n; done; "$@" & }
@@ -39,7 +39,7 @@ jobs_run "$cross" "${flags[@]}" -DFLASHCOMM_ISA=isa_neon -DFLASHCOMM_LANES=4 \
   -c ffi/cpu/isa_kernels.cc -o "$a/isa_neon.o"
 jobs_run "$cross" "${flags[@]}" -DFLASHCOMM_ISA=isa_baseline -DFLASHCOMM_LANES=4 \
   -DFLASHCOMM_NO_INTRINSICS -c ffi/cpu/isa_kernels.cc -o "$a/isa_baseline.o"
-for src in codec_kernels gather_kernels dispatch; do
+for src in codec_handlers gather_handlers dispatch; do
   jobs_run "$cross" "${flags[@]}" -DFLASHCOMM_HAVE_ISA_NEON -c "ffi/cpu/$src.cc" -o "$a/$src.o"
 done
 for t in codec_cpu_test gather_cpu_test codec_fingerprint; do
@@ -57,7 +57,7 @@ jobs_run g++ "${flags[@]}" -DFLASHCOMM_HAVE_ISA_AVX512 -DFLASHCOMM_HAVE_ISA_AVX2
 jobs_run g++ "${flags[@]}" -c ffi/tests/codec_fingerprint.cc -o "$x/codec_fingerprint.o"
 wait
 
-lib=("$a/isa_neon.o" "$a/isa_baseline.o" "$a/codec_kernels.o" "$a/gather_kernels.o" "$a/dispatch.o")
+lib=("$a/isa_neon.o" "$a/isa_baseline.o" "$a/codec_handlers.o" "$a/gather_handlers.o" "$a/dispatch.o")
 for t in codec_cpu_test gather_cpu_test codec_fingerprint; do
   "$cross" -static "$a/$t.o" "${lib[@]}" -o "$a/$t"
 done

@@ -1,6 +1,7 @@
 """The FFI target names are declared once, in ``ffi/include/flashcomm/targets.def``: both native
-modules register exactly that list (their ``registrations()`` is generated from it), and the
-Python constants that name the targets, and every literal target of an ``ffi_call``, are in it."""
+modules register exactly that list (their ``registrations()`` is generated from it) and export
+what their ``.pyi`` stubs list; the Python constants that name the targets, and every literal
+target of an ``ffi_call``, are in it."""
 
 from __future__ import annotations
 
@@ -59,3 +60,14 @@ def test_native_module_registers_the_declared_targets(module):
     except ImportError as err:
         pytest.skip(f"{module} not built: {err}")
     assert set(native.registrations()) == set(declared())
+
+
+@pytest.mark.parametrize("module", ["_flashcomm_cpu", "_flashcomm_cuda"])
+def test_stub_lists_what_the_native_module_exports(module):
+    stub = (ROOT / "jax_flashcomm" / f"{module}.pyi").read_text()
+    listed = set(re.findall(r"^def (\w+)\(", stub, re.M)) | set(re.findall(r"^(\w+): ", stub, re.M))
+    try:
+        native = importlib.import_module(f"jax_flashcomm.{module}")
+    except ImportError as err:
+        pytest.skip(f"{module} not built: {err}")
+    assert listed == {n for n in dir(native) if not n.startswith("_")}

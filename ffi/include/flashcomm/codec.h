@@ -1,3 +1,5 @@
+// long file: the codec's normative arithmetic (docs/format.md), one header so that the CPU and CUDA
+// kernels compile the same operations
 // The jax_flashcomm wire format: the arithmetic of every codec implementation.
 //
 // These functions are the single definition of the codec math (docs/format.md). The CPU

@@ -34,6 +34,23 @@ inline ffi::Error ScratchError(const char* op, size_t bytes) {
                         " bytes of scratch memory");
 }
 
+// The rotation attribute: 0 (none), 1 (Hadamard) or 2 (signed Hadamard), with a power-of-two
+// group_size (and at most max_rotated_group where it is > 0: the platform's limit, which
+// `limit_note` names in the message). Messages are prefixed by `op`.
+inline ffi::Error CheckRotation(int32_t rotation, int64_t group_size, const char* op,
+                                int64_t max_rotated_group = 0, const char* limit_note = "") {
+  if (rotation < kRotationNone || rotation > kRotationSignedHadamard) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": rotation must be 0, 1 or 2");
+  }
+  if (rotation != kRotationNone &&
+      ((group_size & (group_size - 1)) != 0 ||
+       (max_rotated_group > 0 && group_size > max_rotated_group))) {
+    return ffi::Error::InvalidArgument(std::string(op) +
+                                       ": rotation needs a power-of-two group_size" + limit_note);
+  }
+  return ffi::Error::Success();
+}
+
 inline ffi::Error CheckCodecAttrs(int32_t bits, int64_t group_size, int32_t spikes) {
   if (bits < kMinBits || bits > kMaxBits) {
     return ffi::Error::InvalidArgument("flashcomm: bits must be in 2..8");
@@ -130,6 +147,22 @@ ffi::Error CheckSumQuantizeOutputs(const PayloadView& in, const C& out_codes, co
   return ffi::Error::Success();
 }
 
+// Every operand of flashcomm_dequantize_sum_quantize: the chunked input payload (viewed as
+// `in`) and the output payload, of `n_out` groups.
+template <typename C, typename S, typename OC, typename OS>
+ffi::Error CheckSumQuantizeOperands(const C& codes, const S& scale, const S& zero,
+                                    const OC& out_codes, const OS& out_scale, const OS& out_zero,
+                                    int32_t bits, int32_t out_bits, int64_t group_size,
+                                    int32_t spikes, int32_t out_spikes, PayloadView* in,
+                                    int64_t* n_out) {
+  if (ffi::Error e = ViewChunkedPayload(codes, scale, zero, bits, group_size, spikes, in);
+      e.failure()) {
+    return e;
+  }
+  return CheckSumQuantizeOutputs(*in, out_codes, out_scale, out_zero, out_bits, out_spikes,
+                                 n_out);
+}
+
 // The operands of flashcomm_dequantize_into, shared by the CPU and CUDA handlers: attributes,
 // payload shapes, count, out's dtype and size, the aliased operand, the offset scalar.
 // rotated_group_note: the platform's limit on rotated group sizes, for the message ("" for none;
@@ -144,15 +177,10 @@ ffi::Error CheckDequantizeIntoArgs(const A& out_in, const C& codes, const S& sca
     return ffi::Error::InvalidArgument(std::string("flashcomm_dequantize_into: ") + what);
   };
   if (ffi::Error e = CheckCodecAttrs(bits, group_size, spikes); e.failure()) return e;
-  if (rotation < kRotationNone || rotation > kRotationSignedHadamard) {
-    return invalid("rotation must be 0, 1 or 2");
-  }
-  if (rotation != kRotationNone &&
-      ((group_size & (group_size - 1)) != 0 ||
-       (max_rotated_group > 0 && group_size > max_rotated_group))) {
-    return ffi::Error::InvalidArgument(
-        std::string("flashcomm_dequantize_into: rotation needs a power-of-two group_size") +
-        rotated_group_note);
+  if (ffi::Error e = CheckRotation(rotation, group_size, "flashcomm_dequantize_into",
+                                   max_rotated_group, rotated_group_note);
+      e.failure()) {
+    return e;
   }
   const int64_t n_groups = int64_t(scale.element_count());
   if (int64_t(zero.element_count()) != n_groups ||

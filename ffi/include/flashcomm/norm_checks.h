@@ -10,6 +10,7 @@
 
 #include "flashcomm/codec.h"
 #include "flashcomm/ffi_checks.h"
+#include "flashcomm/group_format.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace flashcomm {
@@ -24,9 +25,10 @@ struct NormShape {
 // of the residual's type and size; out (when given) too.
 template <typename C, typename S, typename A>
 ffi::Error CheckNormArgs(const C& codes, const S& scale, const S& zero, const A& residual,
-                         const A& weight, const A& new_residual, const A* out, int32_t bits,
-                         int64_t group_size, int32_t rotation, int32_t spikes, float eps,
-                         const char* op, NormShape* shape) {
+                         const A& weight, const A& new_residual, const A* out,
+                         const GroupFormat& fmt, float eps, const char* op, NormShape* shape) {
+  const int32_t bits = fmt.bits, rotation = fmt.rotation, spikes = fmt.spikes;
+  const int64_t group_size = fmt.group_size;
   const std::string name(op);
   if (ffi::Error e = CheckCodecAttrs(bits, group_size, spikes); e.failure()) return e;
   if (rotation < kRotationNone || rotation > kRotationSignedHadamard ||
@@ -69,8 +71,9 @@ ffi::Error CheckNormArgs(const C& codes, const S& scale, const S& zero, const A&
 // rows * hidden / out_group_size groups of out_bits codes (no spikes).
 template <typename C, typename S>
 ffi::Error CheckNormQuantOut(const NormShape& shape, const C& codes, const S& scale,
-                             const S& zero, int32_t out_bits, int64_t out_group_size,
-                             const char* op) {
+                             const S& zero, const GroupFormat& out_fmt, const char* op) {
+  const int32_t out_bits = out_fmt.bits;
+  const int64_t out_group_size = out_fmt.group_size;
   if (ffi::Error e = CheckCodecAttrs(out_bits, out_group_size, 0); e.failure()) return e;
   if (shape.hidden % out_group_size != 0) {
     return ffi::Error::InvalidArgument(std::string(op) +

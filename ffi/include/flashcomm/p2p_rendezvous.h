@@ -1,3 +1,5 @@
+// long file: the in-process rendezvous: meetings, barriers, deadlines and continuation threads are
+// one state machine
 // The peer-to-peer transport's meeting point: the devices of one process find each other's
 // buffers here (docs/transport.md). Host-side and platform-neutral: the CPU handlers
 // (ffi/cpu/p2p_handlers.cc) and the CUDA handlers (ffi/cuda/p2p_handlers.cc) run the same

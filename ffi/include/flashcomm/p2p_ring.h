@@ -1,3 +1,5 @@
+// long file: the ring steps' table, copy engine and timeline, shared by both platforms' ring
+// handlers
 // One ring step of the peer-to-peer transport, split in two calls so that a matmul runs while
 // the chunk moves (docs/transport.md, "Ring steps"): every rank r *starts* (publishes the
 // buffer it sends and the buffer it receives into), the chunk of rank r - shift is moved into
