@@ -1,6 +1,9 @@
 // The peer-to-peer protocols on CPU (cpu/cpu_p2p_protocol.h), whichever gang carries them.
 #include "cpu/cpu_p2p_protocol.h"
 
+#include <optional>
+#include <string>
+
 namespace flashcomm {
 namespace cpu {
 
@@ -103,27 +106,78 @@ ffi::Future AllReduceProtocol(const GangFactory& join, int32_t rank, const ffi::
   return done;
 }
 
+namespace {
+
+// The first steps of reduce-scatter (`kind` 2) and all-gather (3): the checks (`y_error`: what is
+// wrong with y for x's `n_groups` groups, or null), this rank's payload quantized into
+// codes / scale / zero, and the call joined. Null when the call is over: `*done` is then its
+// result (an error, or the peers failed at once by a failed quantize).
+template <typename YError>
+std::shared_ptr<Call> QuantizeAndJoin(const char* op, int kind, const GangFactory& join,
+                                      int32_t rank, const ffi::AnyBuffer& x,
+                                      ffi::Buffer<ffi::U8>& codes, ffi::Buffer<ffi::BF16>& scale,
+                                      ffi::Buffer<ffi::BF16>& zero, int32_t bits,
+                                      int64_t group_size, int32_t rotation, int32_t spikes,
+                                      int64_t size, int64_t timeout_ms, YError y_error,
+                                      int64_t* n_groups, std::optional<ffi::Future>* done) {
+  if (ffi::Error e = CheckCommon(op, x, rank, size, timeout_ms, rotation, group_size);
+      e.failure()) {
+    done->emplace(Failed(std::move(e)));
+    return nullptr;
+  }
+  if (ffi::Error e = CheckQuantizeShapes(x, codes, scale, zero, bits, group_size, spikes,
+                                         n_groups);
+      e.failure()) {
+    done->emplace(Failed(std::move(e)));
+    return nullptr;
+  }
+  if (const char* what = y_error(*n_groups)) {
+    done->emplace(Failed(ffi::Error::InvalidArgument(std::string(op) + ": " + what)));
+    return nullptr;
+  }
+  DType dtype = DType::kF32;
+  ToDType(x.element_type(), &dtype);
+  const size_t quantize_failed =
+      kernels().quantize(dtype, x.untyped_data(), *n_groups, group_size, bits, rotation, spikes,
+                         codes.typed_data(), reinterpret_cast<uint16_t*>(scale.typed_data()),
+                         reinterpret_cast<uint16_t*>(zero.typed_data()));
+  std::string error;
+  auto call = Call::Join(op, rank, join, 2,
+                         Describe({kind, int64_t(x.element_type()), *n_groups, bits, group_size,
+                                   rotation, spikes, size}),
+                         &error);
+  if (!call) {
+    done->emplace(Failed(ffi::Error::Internal(std::string(op) + ": " + error)));
+    return nullptr;
+  }
+  done->emplace(call->future());
+  if (quantize_failed != 0) {  // nothing published yet: the peers fail at once
+    call->Fail(ffi::ErrorCode::kResourceExhausted, ScratchMessage(quantize_failed, rank));
+    call->Abort(ScratchMessage(quantize_failed, rank));
+    return nullptr;
+  }
+  return call;
+}
+
+}  // namespace
+
 ffi::Future ReduceScatterProtocol(const GangFactory& join, int32_t rank, const ffi::AnyBuffer& x,
                                   ffi::AnyBuffer& y, ffi::Buffer<ffi::U8>& codes,
                                   ffi::Buffer<ffi::BF16>& scale, ffi::Buffer<ffi::BF16>& zero,
                                   int32_t bits, int64_t group_size, int32_t rotation,
                                   int32_t spikes, int64_t size, int64_t timeout_ms) {
   constexpr const char* kOp = "flashcomm_p2p_reduce_scatter";
-  if (ffi::Error e = CheckCommon(kOp, x, rank, size, timeout_ms, rotation, group_size);
-      e.failure()) {
-    return Failed(std::move(e));
-  }
   int64_t n_groups = 0;
-  if (ffi::Error e = CheckQuantizeShapes(x, codes, scale, zero, bits, group_size, spikes,
-                                         &n_groups);
-      e.failure()) {
-    return Failed(std::move(e));
-  }
-  if (n_groups % size != 0 || int64_t(y.element_count()) * size != n_groups * group_size ||
-      y.element_type() != x.element_type()) {
-    return Failed(
-        ffi::Error::InvalidArgument(std::string(kOp) + ": y must hold one chunk of x"));
-  }
+  std::optional<ffi::Future> done;
+  auto y_error = [&](int64_t groups) -> const char* {
+    const bool fits = groups % size == 0 &&
+                      int64_t(y.element_count()) * size == groups * group_size &&
+                      y.element_type() == x.element_type();
+    return fits ? nullptr : "y must hold one chunk of x";
+  };
+  auto call = QuantizeAndJoin(kOp, 2, join, rank, x, codes, scale, zero, bits, group_size,
+                              rotation, spikes, size, timeout_ms, y_error, &n_groups, &done);
+  if (!call) return std::move(*done);
   DType dtype = DType::kF32;
   ToDType(x.element_type(), &dtype);
   const int64_t gpc = n_groups / size;
@@ -132,20 +186,6 @@ ffi::Future ReduceScatterProtocol(const GangFactory& join, int32_t rank, const f
   uint8_t* c = codes.typed_data();
   auto* s = reinterpret_cast<uint16_t*>(scale.typed_data());
   auto* z = reinterpret_cast<uint16_t*>(zero.typed_data());
-  const size_t quantize_failed = kernels().quantize(dtype, x.untyped_data(), n_groups,
-                                                    group_size, bits, rotation, spikes, c, s, z);
-  std::string error;
-  auto call = Call::Join(kOp, rank, join, 2,
-                         Describe({2, int64_t(x.element_type()), n_groups, bits, group_size,
-                                   rotation, spikes, size}),
-                         &error);
-  if (!call) return Failed(ffi::Error::Internal(std::string(kOp) + ": " + error));
-  ffi::Future done = call->future();
-  if (quantize_failed != 0) {  // nothing published yet: the peers fail at once
-    call->Fail(ffi::ErrorCode::kResourceExhausted, ScratchMessage(quantize_failed, rank));
-    call->Abort(ScratchMessage(quantize_failed, rank));
-    return done;
-  }
   call->Arrive(0, PayloadSpans(c, s, z, n_groups, nb), [=](const std::vector<Published>& peers) {
     // This rank's chunk of every peer's payload (copied here), summed in f32 in rank order;
     // complete once every peer has read this rank's payload.
@@ -159,7 +199,7 @@ ffi::Future ReduceScatterProtocol(const GangFactory& join, int32_t rank, const f
     }
     call->Arrive(1, Spans{}, [=](const std::vector<Published>&) { call->Finish(); });
   }, (size - 1) * gpc * (nb + 4));  // each peer reads its chunk of this rank's payload
-  return done;
+  return std::move(*done);
 }
 
 ffi::Future AllGatherProtocol(const GangFactory& join, int32_t rank, const ffi::AnyBuffer& x,
@@ -168,40 +208,22 @@ ffi::Future AllGatherProtocol(const GangFactory& join, int32_t rank, const ffi::
                               int32_t bits, int64_t group_size, int32_t rotation, int32_t spikes,
                               int64_t size, int64_t timeout_ms) {
   constexpr const char* kOp = "flashcomm_p2p_all_gather";
-  if (ffi::Error e = CheckCommon(kOp, x, rank, size, timeout_ms, rotation, group_size);
-      e.failure()) {
-    return Failed(std::move(e));
-  }
   int64_t n_groups = 0;
-  if (ffi::Error e = CheckQuantizeShapes(x, codes, scale, zero, bits, group_size, spikes,
-                                         &n_groups);
-      e.failure()) {
-    return Failed(std::move(e));
-  }
-  if (y.element_count() != x.element_count() * size || y.element_type() != x.element_type()) {
-    return Failed(
-        ffi::Error::InvalidArgument(std::string(kOp) + ": y must hold N copies of x"));
-  }
+  std::optional<ffi::Future> done;
+  auto y_error = [&](int64_t) -> const char* {
+    const bool fits = y.element_count() == x.element_count() * size &&
+                      y.element_type() == x.element_type();
+    return fits ? nullptr : "y must hold N copies of x";
+  };
+  auto call = QuantizeAndJoin(kOp, 3, join, rank, x, codes, scale, zero, bits, group_size,
+                              rotation, spikes, size, timeout_ms, y_error, &n_groups, &done);
+  if (!call) return std::move(*done);
   DType dtype = DType::kF32;
   ToDType(x.element_type(), &dtype);
   const int64_t nb = record_bytes(group_size, bits, spikes);
   uint8_t* c = codes.typed_data();
   auto* s = reinterpret_cast<uint16_t*>(scale.typed_data());
   auto* z = reinterpret_cast<uint16_t*>(zero.typed_data());
-  const size_t quantize_failed = kernels().quantize(dtype, x.untyped_data(), n_groups,
-                                                    group_size, bits, rotation, spikes, c, s, z);
-  std::string error;
-  auto call = Call::Join(kOp, rank, join, 2,
-                         Describe({3, int64_t(x.element_type()), n_groups, bits, group_size,
-                                   rotation, spikes, size}),
-                         &error);
-  if (!call) return Failed(ffi::Error::Internal(std::string(kOp) + ": " + error));
-  ffi::Future done = call->future();
-  if (quantize_failed != 0) {  // nothing published yet: the peers fail at once
-    call->Fail(ffi::ErrorCode::kResourceExhausted, ScratchMessage(quantize_failed, rank));
-    call->Abort(ScratchMessage(quantize_failed, rank));
-    return done;
-  }
   const size_t slot_bytes = x.size_bytes();
   auto* out = static_cast<uint8_t*>(y.untyped_data());
   call->Arrive(0, PayloadSpans(c, s, z, n_groups, nb), [=](const std::vector<Published>& peers) {
@@ -217,7 +239,7 @@ ffi::Future AllGatherProtocol(const GangFactory& join, int32_t rank, const ffi::
     }
     call->Arrive(1, Spans{}, [=](const std::vector<Published>&) { call->Finish(); });
   }, (size - 1) * n_groups * (nb + 4));  // every peer reads this rank's payload
-  return done;
+  return std::move(*done);
 }
 
 }  // namespace cpu

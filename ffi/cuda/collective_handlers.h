@@ -101,9 +101,9 @@ ffi::Error PayloadHandler(ffi::RunId run, cudaStream_t stream, ffi::AnyBuffer x,
   constexpr const char* kOp = kAllGather ? Peers::kAllGather : Peers::kReduceScatter;
   const int64_t g = fmt.group_size;
   protocol::Codec k;
-  const auto check = kAllGather ? protocol::CheckAllGather : protocol::CheckReduceScatter;
-  if (ffi::Error e = check(kOp, x, *y, *codes, *scale, *zero, fmt.bits, g, fmt.rotation,
-                           fmt.spikes, size, timeout_ms, &k);
+  if (ffi::Error e = protocol::CheckPayloadCollective(kOp, kAllGather, x, *y, *codes, *scale,
+                                                      *zero, fmt.bits, g, fmt.rotation,
+                                                      fmt.spikes, size, timeout_ms, &k);
       e.failure()) {
     return e;
   }

@@ -313,38 +313,27 @@ inline ffi::Error CheckOnePayload(const char* op, const ffi::AnyBuffer& x,
   return ffi::Error::Success();
 }
 
-inline ffi::Error CheckReduceScatter(const char* op, const ffi::AnyBuffer& x,
-                                     const ffi::AnyBuffer& y, const ffi::Buffer<ffi::U8>& codes,
-                                     const ffi::Buffer<ffi::BF16>& scale,
-                                     const ffi::Buffer<ffi::BF16>& zero, int32_t bits,
-                                     int64_t group_size, int32_t rotation, int32_t spikes,
-                                     int64_t size, int64_t timeout_ms, Codec* k) {
+// reduce_scatter's operands (y: chunk `rank` of the sum) or all_gather's (y: N copies of x).
+inline ffi::Error CheckPayloadCollective(const char* op, bool all_gather, const ffi::AnyBuffer& x,
+                                         const ffi::AnyBuffer& y,
+                                         const ffi::Buffer<ffi::U8>& codes,
+                                         const ffi::Buffer<ffi::BF16>& scale,
+                                         const ffi::Buffer<ffi::BF16>& zero, int32_t bits,
+                                         int64_t group_size, int32_t rotation, int32_t spikes,
+                                         int64_t size, int64_t timeout_ms, Codec* k) {
   if (ffi::Error e = CheckOnePayload(op, x, codes, scale, zero, bits, group_size, rotation,
                                      spikes, size, timeout_ms, k);
       e.failure()) {
     return e;
   }
-  if (k->n_groups % size != 0 ||
-      int64_t(y.element_count()) * size != k->n_groups * group_size ||
-      y.element_type() != k->dtype) {
+  if (all_gather) {
+    if (y.element_count() != x.element_count() * size || y.element_type() != k->dtype) {
+      return ffi::Error::InvalidArgument(std::string(op) + ": y must hold N copies of x");
+    }
+  } else if (k->n_groups % size != 0 ||
+             int64_t(y.element_count()) * size != k->n_groups * group_size ||
+             y.element_type() != k->dtype) {
     return ffi::Error::InvalidArgument(std::string(op) + ": y must hold one chunk of x");
-  }
-  return ffi::Error::Success();
-}
-
-inline ffi::Error CheckAllGather(const char* op, const ffi::AnyBuffer& x, const ffi::AnyBuffer& y,
-                                 const ffi::Buffer<ffi::U8>& codes,
-                                 const ffi::Buffer<ffi::BF16>& scale,
-                                 const ffi::Buffer<ffi::BF16>& zero, int32_t bits,
-                                 int64_t group_size, int32_t rotation, int32_t spikes,
-                                 int64_t size, int64_t timeout_ms, Codec* k) {
-  if (ffi::Error e = CheckOnePayload(op, x, codes, scale, zero, bits, group_size, rotation,
-                                     spikes, size, timeout_ms, k);
-      e.failure()) {
-    return e;
-  }
-  if (y.element_count() != x.element_count() * size || y.element_type() != k->dtype) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": y must hold N copies of x");
   }
   return ffi::Error::Success();
 }

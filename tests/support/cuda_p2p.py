@@ -72,6 +72,27 @@ def _cuda_module():
     return _flashcomm_cuda
 
 
+def same_builders(cpu_source: pathlib.Path, cuda_source: pathlib.Path, handlers) -> dict:
+    """Asserts that each of ``handlers`` (symbols without their platform suffix) binds through
+    the same builder on both platforms and that the CUDA file declares no command-buffer trait;
+    returns handler -> (its builder entry, the CPU contexts, the CUDA contexts)."""
+    cpu, cuda = _bindings(cpu_source), _bindings(cuda_source)
+    assert {h + "Cpu" for h in handlers} <= set(cpu), sorted(cpu)
+    assert set(cuda) == {h + "Cuda" for h in handlers}, sorted(cuda)
+    out = {}
+    for h in handlers:
+        cpu_sig = [e for e in cpu[h + "Cpu"] if e[0] != "Ctx"]
+        cuda_sig = [e for e in cuda[h + "Cuda"] if e[0] != "Ctx"]
+        assert cuda_sig == cpu_sig and len(cpu_sig) == 1, (h, cpu_sig, cuda_sig)
+        kinds = [e[0] for e in cuda[h + "Cuda"]]
+        assert kinds[-1] == "Bind" and set(kinds[:-1]) <= {"Ctx"}, (h, kinds)  # contexts first
+        out[h] = (cpu_sig[0], [e[1] for e in cpu[h + "Cpu"] if e[0] == "Ctx"],
+                  [e[1] for e in cuda[h + "Cuda"] if e[0] == "Ctx"])
+    # Not CUDA-graph safe (host reads and waits per call): no command-buffer trait.
+    assert "CmdBuffer" not in cuda_source.read_text()
+    return out
+
+
 HOST_LOG = "cuda_host_build.log"
 WARNING_FLAGS = ("-Wall", "-Wextra", "-Werror")
 

@@ -32,7 +32,8 @@ import jax_flashcomm
 from jax_flashcomm.codec import kernels
 from jax_flashcomm.transport import p2p
 from tests.support.cuda_build import ROOT, _custom_calls
-from tests.support.cuda_p2p import _attr, _bindings, _cuda_module, _mesh, compile_host_source
+from tests.support.cuda_p2p import (_attr, _bindings, _cuda_module, _mesh, compile_host_source,
+                                     same_builders)
 
 CPU_SOURCE = ROOT / "ffi" / "cpu" / "p2p_handlers.cc"
 CUDA_SOURCE = ROOT / "ffi" / "cuda" / "p2p_handlers.cc"
@@ -47,17 +48,11 @@ def test_cuda_module_registers_the_p2p_targets():
 
 
 def test_cuda_handlers_bind_what_the_cpu_handlers_bind():
-    cpu, cuda = _bindings(CPU_SOURCE), _bindings(CUDA_SOURCE)
-    assert set(cpu) == {h + "Cpu" for h in HANDLERS}, sorted(cpu)
-    assert set(cuda) == {h + "Cuda" for h in HANDLERS}, sorted(cuda)
-    for h in HANDLERS:
-        cpu_sig = [e for e in cpu[h + "Cpu"] if e[0] != "Ctx"]
-        cuda_sig = [e for e in cuda[h + "Cuda"] if e[0] != "Ctx"]
-        assert cuda_sig == cpu_sig and [e[2] for e in cpu_sig] == ["kInProcess"], (h, cpu_sig)
-        ctx = [e[1] for e in cuda[h + "Cuda"] if e[0] == "Ctx"]
-        assert ctx == ["ffi::RunId", "ffi::PlatformStream<cudaStream_t>"], ctx
-    # Not CUDA-graph safe (host reads and barriers per call): no command-buffer trait.
-    assert "CmdBuffer" not in CUDA_SOURCE.read_text()
+    bound = same_builders(CPU_SOURCE, CUDA_SOURCE, HANDLERS)
+    assert set(_bindings(CPU_SOURCE)) == {h + "Cpu" for h in HANDLERS}
+    for h, (builder, _, cuda_ctx) in bound.items():
+        assert builder[2] == "kInProcess", (h, builder)
+        assert cuda_ctx == ["ffi::RunId", "ffi::PlatformStream<cudaStream_t>"], cuda_ctx
 
 
 def test_p2p_handlers_compile_with_warnings_as_errors(tmp_path):

@@ -33,7 +33,7 @@ import jax_flashcomm as fc
 from jax_flashcomm.codec import kernels
 from jax_flashcomm.transport import p2p, ring
 from tests.support.cuda_build import _custom_calls
-from tests.support.cuda_p2p import _attr, _bindings, _cuda_module, _mesh, compile_host_source
+from tests.support.cuda_p2p import _attr, _cuda_module, _mesh, compile_host_source, same_builders
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CPU_SOURCE = ROOT / "ffi" / "cpu" / "p2p_ring_handlers.cc"
@@ -52,24 +52,12 @@ def test_cuda_module_registers_the_ring_targets():
 
 
 def test_cuda_ring_handlers_bind_what_the_cpu_ring_handlers_bind():
-    cpu, cuda = _bindings(CPU_SOURCE), _bindings(CUDA_SOURCE)
-    assert set(cpu) == {h + "Cpu" for h in HANDLERS}, sorted(cpu)
-    assert set(cuda) == {h + "Cuda" for h in HANDLERS}, sorted(cuda)
-    for h in HANDLERS:
-        cpu_sig = [e for e in cpu[h + "Cpu"] if e[0] != "Ctx"]
-        cuda_sig = [e for e in cuda[h + "Cuda"] if e[0] != "Ctx"]
-        assert cuda_sig == cpu_sig and [e[2] for e in cpu_sig] == ["kInProcess"], (h, cpu_sig)
-        # The contexts come first in both, as in p2p_handlers.cc; CUDA adds the stream.
-        for source, want in ((cpu[h + "Cpu"], ["ffi::RunId"]),
-                             (cuda[h + "Cuda"], ["ffi::RunId",
-                                                 "ffi::PlatformStream<cudaStream_t>"])):
-            kinds = [e[0] for e in source]
-            assert kinds[:len(want)] == ["Ctx"] * len(want) and "Ctx" not in kinds[len(want):]
-            assert [e[1] for e in source if e[0] == "Ctx"] == want, h
-    assert cpu["FlashcommP2pRingStartCpu"][-1][1] == "RingStart"
-    assert cpu["FlashcommP2pRingDoneCpu"][-1][1] == "RingDone"
-    # Not CUDA-graph safe (host reads and waits per call): no command-buffer trait.
-    assert "CmdBuffer" not in CUDA_SOURCE.read_text()
+    bound = same_builders(CPU_SOURCE, CUDA_SOURCE, HANDLERS)
+    for h, (builder, cpu_ctx, cuda_ctx) in bound.items():
+        assert builder == ("Bind", h.removeprefix("FlashcommP2p"), "kInProcess"), (h, builder)
+        # The run id first in both, as in p2p_handlers.cc; CUDA adds the stream.
+        assert cpu_ctx == ["ffi::RunId"], cpu_ctx
+        assert cuda_ctx == ["ffi::RunId", "ffi::PlatformStream<cudaStream_t>"], cuda_ctx
 
 
 def test_ring_handlers_compile_with_warnings_as_errors(tmp_path):

@@ -24,7 +24,7 @@ import jax_flashcomm as fc
 from jax_flashcomm.codec import kernels
 from jax_flashcomm.transport import p2p, ring, shm
 from tests.support.cuda_build import ROOT, _custom_calls
-from tests.support.cuda_p2p import _attr, _bindings, _cuda_module, _mesh, compile_host_source
+from tests.support.cuda_p2p import _attr, _cuda_module, _mesh, compile_host_source, same_builders
 from tests.transport.test_cuda_p2p_build import _lower_collectives
 
 CPU_SOURCE = ROOT / "ffi" / "cpu" / "shm_handlers.cc"
@@ -58,18 +58,10 @@ def test_shm_bind_takes_only_the_cpu_meeting_point():
 @pytest.mark.parametrize("cpu_source,cuda_source,handlers", [
     (CPU_SOURCE, CUDA_SOURCE, HANDLERS), (CPU_RING_SOURCE, CUDA_RING_SOURCE, RING_HANDLERS)])
 def test_cuda_handlers_bind_what_the_cpu_handlers_bind(cpu_source, cuda_source, handlers):
-    cpu, cuda = _bindings(cpu_source), _bindings(cuda_source)
-    assert {h + "Cpu" for h in handlers} <= set(cpu), sorted(cpu)
-    assert set(cuda) == {h + "Cuda" for h in handlers}, sorted(cuda)
-    for h in handlers:
-        cpu_sig = [e for e in cpu[h + "Cpu"] if e[0] != "Ctx"]
-        cuda_sig = [e for e in cuda[h + "Cuda"] if e[0] != "Ctx"]
+    for h, (builder, _, cuda_ctx) in same_builders(cpu_source, cuda_source, handlers).items():
         # Between processes: the builders' shared variant (with axes_key), or the exact psum.
-        assert cuda_sig == cpu_sig and len(cpu_sig) == 1, (h, cpu_sig, cuda_sig)
-        assert cpu_sig[0][2] == "kShared" or cpu_sig[0][1] == "Psum", cpu_sig
-        ctx = [e[1] for e in cuda[h + "Cuda"] if e[0] == "Ctx"]
-        assert ctx[-1:] == ["ffi::PlatformStream<cudaStream_t>"], ctx
-    assert "CmdBuffer" not in cuda_source.read_text()
+        assert builder[2] == "kShared" or builder[1] == "Psum", (h, builder)
+        assert cuda_ctx[-1:] == ["ffi::PlatformStream<cudaStream_t>"], cuda_ctx
 
 
 @pytest.mark.parametrize("source", [CUDA_SOURCE, CUDA_RING_SOURCE])
