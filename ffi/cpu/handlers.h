@@ -12,9 +12,23 @@
 
 // Defines Flashcomm<stem>Cpu: `fn` bound by flashcomm::bind::<Op> (flashcomm/bindings.h) after
 // XLA's intra-op thread pool.
-#define FLASHCOMM_CPU_POOL_HANDLER(stem, fn, Op)        \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(Flashcomm##stem##Cpu, fn, \
-                                flashcomm::bind::Op(xla::ffi::Ffi::Bind().Ctx<xla::ffi::ThreadPool>()))
+#define FLASHCOMM_CPU_POOL_HANDLER(stem, fn, Op) \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                   \
+      Flashcomm##stem##Cpu, fn,                    \
+      flashcomm::bind::Op(xla::ffi::Ffi::Bind().Ctx<xla::ffi::ThreadPool>()))
+
+// Defines Flashcomm<Prefix>RingStartCpu and ...RingDoneCpu: flashcomm::cpu::<Prefix>RingStart
+// and <Prefix>RingDone (cpu_ops.h Guard), bound by bind::RingStart / RingDone<kPeers> after
+// `binding`'s contexts.
+#define FLASHCOMM_DEFINE_CPU_RING(Prefix, kPeers, binding)                         \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                   \
+      Flashcomm##Prefix##RingStartCpu,                                             \
+      (flashcomm::cpu::Guard<&flashcomm::cpu::Prefix##RingStart>::Call),           \
+      flashcomm::bind::RingStart<kPeers>(binding));                                \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                   \
+      Flashcomm##Prefix##RingDoneCpu,                                              \
+      (flashcomm::cpu::Guard<&flashcomm::cpu::Prefix##RingDone>::Call),            \
+      flashcomm::bind::RingDone<kPeers>(binding))
 
 namespace flashcomm {
 namespace cpu {

@@ -147,9 +147,5 @@ size_t P2pRingStepsInProgress() { return RingTable::Global().InProgress(); }
 }  // namespace cpu
 }  // namespace flashcomm
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FlashcommP2pRingStartCpu, flashcomm::cpu::Guard<&flashcomm::cpu::P2pRingStart>::Call,
-    flashcomm::bind::RingStart<flashcomm::bind::Peers::kInProcess>(ffi::Ffi::Bind().Ctx<ffi::RunId>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FlashcommP2pRingDoneCpu, flashcomm::cpu::Guard<&flashcomm::cpu::P2pRingDone>::Call,
-    flashcomm::bind::RingDone<flashcomm::bind::Peers::kInProcess>(ffi::Ffi::Bind().Ctx<ffi::RunId>()));
+FLASHCOMM_DEFINE_CPU_RING(P2p, flashcomm::bind::Peers::kInProcess,
+                          ffi::Ffi::Bind().Ctx<ffi::RunId>());

@@ -257,9 +257,4 @@ size_t ShmRingStepsInProgress() { return StepTable::Global().Count(); }
 }  // namespace cpu
 }  // namespace flashcomm
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FlashcommShmRingStartCpu, flashcomm::cpu::Guard<&flashcomm::cpu::ShmRingStart>::Call,
-    flashcomm::bind::RingStart<flashcomm::bind::Peers::kShared>(ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FlashcommShmRingDoneCpu, flashcomm::cpu::Guard<&flashcomm::cpu::ShmRingDone>::Call,
-    flashcomm::bind::RingDone<flashcomm::bind::Peers::kShared>(ffi::Ffi::Bind()));
+FLASHCOMM_DEFINE_CPU_RING(Shm, flashcomm::bind::Peers::kShared, ffi::Ffi::Bind());

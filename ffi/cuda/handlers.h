@@ -22,6 +22,17 @@
           xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),          \
       {xla::ffi::Traits::kCmdBufferCompatible})
 
+// Defines Flashcomm<Prefix>RingStartCuda and ...RingDoneCuda: flashcomm::cuda::<Prefix>RingStart
+// and <Prefix>RingDone, bound by bind::RingStart / RingDone<kPeers> after `binding`'s contexts.
+// No traits (not command-buffer safe: p2p_ring_handlers.cc says why).
+#define FLASHCOMM_DEFINE_CUDA_RING(Prefix, kPeers, binding)                                 \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Flashcomm##Prefix##RingStartCuda,                           \
+                                flashcomm::cuda::Prefix##RingStart,                         \
+                                flashcomm::bind::RingStart<kPeers>(binding));              \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Flashcomm##Prefix##RingDoneCuda,                            \
+                                flashcomm::cuda::Prefix##RingDone,                          \
+                                flashcomm::bind::RingDone<kPeers>(binding))
+
 namespace flashcomm {
 namespace cuda {
 

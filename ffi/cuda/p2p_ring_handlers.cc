@@ -412,12 +412,7 @@ size_t P2pRingStepsInProgress() { return RingTable::Global().InProgress(); }
 // the host and publishes this call's pointers and events to the peers; the done waits on the
 // host until both moves of its rank are enqueued. A captured graph would replay one run's
 // peers, pointers and events.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FlashcommP2pRingStartCuda, flashcomm::cuda::P2pRingStart,
-    flashcomm::bind::RingStart<flashcomm::bind::Peers::kInProcess>(
-        ffi::Ffi::Bind().Ctx<ffi::RunId>().Ctx<ffi::PlatformStream<cudaStream_t>>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FlashcommP2pRingDoneCuda, flashcomm::cuda::P2pRingDone,
-    flashcomm::bind::RingDone<flashcomm::bind::Peers::kInProcess>(
-        ffi::Ffi::Bind().Ctx<ffi::RunId>().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+FLASHCOMM_DEFINE_CUDA_RING(
+    P2p, flashcomm::bind::Peers::kInProcess,
+    ffi::Ffi::Bind().Ctx<ffi::RunId>().Ctx<ffi::PlatformStream<cudaStream_t>>());
 

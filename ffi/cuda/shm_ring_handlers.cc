@@ -231,11 +231,5 @@ size_t ShmRingStepsInProgress() { return Steps::Global().Count(); }
 
 // The bindings of the CPU handlers (flashcomm/bindings.h); the context adds the stream. No
 // traits (see p2p_handlers.cc).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FlashcommShmRingStartCuda, flashcomm::cuda::ShmRingStart,
-    flashcomm::bind::RingStart<flashcomm::bind::Peers::kShared>(
-        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FlashcommShmRingDoneCuda, flashcomm::cuda::ShmRingDone,
-    flashcomm::bind::RingDone<flashcomm::bind::Peers::kShared>(
-        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+FLASHCOMM_DEFINE_CUDA_RING(Shm, flashcomm::bind::Peers::kShared,
+                           ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>());

@@ -29,7 +29,7 @@
 #include "cpu/cpu_gather.h"
 #include "cpu/cpu_ops.h"
 #include "flashcomm/ffi_checks.h"
-#include "buffers.h"
+#include "harness.h"
 #include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -38,31 +38,10 @@ using namespace flashcomm;  // NOLINT
 
 namespace {
 
-int g_passed = 0;
-int g_failed = 0;
-
-void Check(bool ok, const char* expr, const char* file, int line, const std::string& what) {
-  if (ok) {
-    ++g_passed;
-    return;
-  }
-  ++g_failed;
-  std::printf("FAIL %s:%d: %s  [%s]\n", file, line, expr, what.c_str());
-}
-
-#define CHECK(cond, what) Check(static_cast<bool>(cond), #cond, __FILE__, __LINE__, (what))
-
-std::string Fmt(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
-std::string Fmt(const char* fmt, ...) {
-  char buf[512];
-  va_list ap;
-  va_start(ap, fmt);
-  std::vsnprintf(buf, sizeof buf, fmt, ap);
-  va_end(ap);
-  return buf;
-}
-
 using test::Array;
+using test::Fmt;
+using test::g_failed;
+using test::g_passed;
 using test::Bf16s;
 using test::Codes;
 using test::DtypeOf;

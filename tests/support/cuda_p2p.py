@@ -24,9 +24,22 @@ from tests.support.cuda_build import ROOT, _nvcc
 # (bind::Name<...>(...): every operand, result and attribute, the same for CPU and CUDA).
 _CTX = re.compile(r"\.Ctx<((?:[^<>]|<[^<>]*>)*)>\(\s*\)")
 _BUILDER = re.compile(r"bind::(\w+)(?:<([^<>()]*)>)?\(")
-# The macros that define a platform's three quantized collectives (collective_handlers.h).
-_COLLECTIVES = re.compile(r"(FLASHCOMM_DEFINE_\w+_COLLECTIVES)\(\s*(\w+),\s*([\w:]+)\s*,.*?\);",
-                          re.S)
+# The macros that define several handlers at once (the collectives, the ring steps), in the
+# platform's collective_handlers.h and handlers.h.
+_MACRO_USE = re.compile(r"(FLASHCOMM_DEFINE_\w+)\((.*?)\);", re.S)
+
+
+def _split_args(text: str) -> list[str]:
+    """A macro call's arguments: ``text`` split at its top-level commas."""
+    args, depth, cur = [], 0, ""
+    for ch in text:
+        if ch == "," and depth == 0:
+            args.append(cur.strip())
+            cur = ""
+            continue
+        depth += (ch in "(<[") - (ch in ")>]")
+        cur += ch
+    return [*args, cur.strip()]
 
 
 def _define_bodies(text: str):
@@ -37,22 +50,29 @@ def _define_bodies(text: str):
 
 def _bindings(path: pathlib.Path) -> dict[str, list[tuple[str, str, str]]]:
     """handler symbol -> its binding: ``("Ctx", T, "")`` per context, then ``("Bind", builder,
-    peers)`` (peers: the builder's template argument, "" for none). The collectives' macros of
-    the platform's collective_handlers.h are expanded."""
+    peers)`` (peers: the builder's template argument, "" for none). The FLASHCOMM_DEFINE_*
+    macros of the platform's collective_handlers.h and handlers.h are expanded."""
     text = re.sub(r"//[^\n]*", "", re.sub(r"/\*.*?\*/", "", path.read_text(), flags=re.S))
-    header = path.with_name("collective_handlers.h")
     macros = {}
-    if header.is_file():
-        for m in re.finditer(r"#define (FLASHCOMM_DEFINE_\w+_COLLECTIVES)\((\w+), (\w+), \.\.\.\)"
-                             r"((?:[^\n]*\\\n)*[^\n]*)", header.read_text()):
-            macros[m[1]] = (m[2], m[3], m[4].replace("\\\n", " "))
-    out = {}
-    for m in _COLLECTIVES.finditer(text):
-        prefix_param, peers_param, body = macros[m[1]]
+    for header in (path.with_name("collective_handlers.h"), path.with_name("handlers.h")):
+        if not header.is_file():
+            continue
+        for m in re.finditer(r"#define (FLASHCOMM_DEFINE_\w+)\(([^)]*)\)((?:[^\n]*\\\n)*[^\n]*)",
+                             header.read_text()):
+            macros[m[1]] = ([p.strip() for p in m[2].split(",")], m[3].replace("\\\n", " "))
+    for m in _MACRO_USE.finditer(text):
+        if m[1] not in macros:
+            continue
+        params, body = macros[m[1]]
+        args = _split_args(m[2])
         body = re.sub(r"//[^\n]*", "", body)
-        body = body.replace(f"{prefix_param}##", m[2]).replace(f"##{prefix_param}##", m[2])
-        body = re.sub(rf"\b{peers_param}\b", m[3], body)
+        for param, arg in zip(params, args):
+            if param == "...":
+                body = body.replace("__VA_ARGS__", ", ".join(args[len(params) - 1:]))
+            else:
+                body = re.sub(rf"(?<![\w]){param}(?![\w])", arg, body)
         text += "\n" + body.replace("##", "") + ";"
+    out = {}
     for symbol, body in _define_bodies(text):
         entries = [("Ctx", re.sub(r"\s+", "", c).replace("xla::ffi::", "ffi::"), "")
                    for c in _CTX.findall(body)]

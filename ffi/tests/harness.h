@@ -1,9 +1,14 @@
-// The C++ tests' operands: XLA_FFI_Buffer views of std::vector storage of exact size (so that
-// AddressSanitizer flags the first byte past the end), and the codec dtypes' FFI types and names.
-#ifndef FLASHCOMM_TESTS_BUFFERS_H_
-#define FLASHCOMM_TESTS_BUFFERS_H_
+// The codec's C++ tests' harness (codec_cpu_test.cc, gather_cpu_test.cc): CHECK(cond, what)
+// counts and prints each failure with its place; the operands are XLA_FFI_Buffer views of
+// std::vector storage of exact size (so that AddressSanitizer flags the first byte past the end);
+// the codec dtypes' FFI types and names.
+#ifndef FLASHCOMM_TESTS_HARNESS_H_
+#define FLASHCOMM_TESTS_HARNESS_H_
 
+#include <cstdarg>
 #include <cstdint>
+#include <cstdio>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -12,6 +17,31 @@
 
 namespace flashcomm {
 namespace test {
+
+inline int g_passed = 0;
+inline int g_failed = 0;
+
+inline void Check(bool ok, const char* expr, const char* file, int line, const std::string& what) {
+  if (ok) {
+    ++g_passed;
+    return;
+  }
+  ++g_failed;
+  std::printf("FAIL %s:%d: %s  [%s]\n", file, line, expr, what.c_str());
+}
+
+#define CHECK(cond, what) \
+  ::flashcomm::test::Check(static_cast<bool>(cond), #cond, __FILE__, __LINE__, (what))
+
+inline std::string Fmt(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+inline std::string Fmt(const char* fmt, ...) {
+  char buf[512];
+  va_list ap;
+  va_start(ap, fmt);
+  std::vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  return buf;
+}
 
 template <typename S>
 struct Array {
@@ -59,4 +89,4 @@ inline const char* NameOf<F16>() { return "f16"; }
 }  // namespace test
 }  // namespace flashcomm
 
-#endif  // FLASHCOMM_TESTS_BUFFERS_H_
+#endif  // FLASHCOMM_TESTS_HARNESS_H_
