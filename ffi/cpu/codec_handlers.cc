@@ -25,12 +25,10 @@ ffi::Error Quantize(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U8>> codes,
                     ffi::Result<ffi::Buffer<ffi::BF16>> zero, int32_t bits,
                     int64_t group_size, int32_t rotation, int32_t spikes, const Runner& runner) {
   int64_t n_groups = 0;
-  if (ffi::Error e = CheckQuantizeShapes(x, *codes, *scale, *zero, bits, group_size, spikes,
-                                         &n_groups);
+  if (ffi::Error e = CheckCodecOperands("flashcomm_quantize", x, *codes, *scale, *zero, bits,
+                                        group_size, rotation, spikes, 0, "",
+                                        &n_groups);
       e.failure()) {
-    return e;
-  }
-  if (ffi::Error e = CheckRotation(rotation, group_size, "flashcomm_quantize"); e.failure()) {
     return e;
   }
   DType dtype;
@@ -53,12 +51,10 @@ ffi::Error Dequantize(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
                       int64_t group_size, int32_t rotation, int32_t spikes,
                       const Runner& runner) {
   int64_t n_groups = 0;
-  if (ffi::Error e = CheckDequantizeShapes(codes, scale, zero, *y, bits, group_size, spikes,
-                                           &n_groups);
+  if (ffi::Error e = CheckCodecOperands("flashcomm_dequantize", *y, codes, scale, zero, bits,
+                                        group_size, rotation, spikes, 0, "",
+                                        &n_groups);
       e.failure()) {
-    return e;
-  }
-  if (ffi::Error e = CheckRotation(rotation, group_size, "flashcomm_dequantize"); e.failure()) {
     return e;
   }
   DType dtype;

@@ -35,10 +35,12 @@ ffi::Error LaunchStatus(const char* op, cudaError_t err) {
   return ffi::Error::Success();
 }
 
-// The rotation attribute with the CUDA kernels' limit on rotated groups.
+// The CUDA kernels' limit on rotated groups, as the messages say it.
+constexpr const char* kRotatedGroupNote = " of at most 1024 on CUDA";
+
+// The rotation attribute with that limit.
 ffi::Error CheckRotation(int32_t rotation, int64_t group_size, const char* op) {
-  return flashcomm::CheckRotation(rotation, group_size, op, kMaxRotatedGroup,
-                                  " of at most 1024 on CUDA");
+  return flashcomm::CheckRotation(rotation, group_size, op, kMaxRotatedGroup, kRotatedGroupNote);
 }
 
 // The launcher of one (rotated?, spiked?) path for a runtime element type: calls
@@ -71,12 +73,10 @@ ffi::Error Quantize(cudaStream_t stream, ffi::AnyBuffer x,
   const int32_t bits = fmt.bits, rotation = fmt.rotation, spikes = fmt.spikes;
   const int64_t group_size = fmt.group_size;
   int64_t n_groups = 0;
-  if (ffi::Error e = CheckQuantizeShapes(x, *codes, *scale, *zero, bits, group_size, spikes,
-                                         &n_groups);
+  if (ffi::Error e = CheckCodecOperands("flashcomm_quantize", x, *codes, *scale, *zero, bits,
+                                        group_size, rotation, spikes, kMaxRotatedGroup,
+                                        kRotatedGroupNote, &n_groups);
       e.failure()) {
-    return e;
-  }
-  if (ffi::Error e = CheckRotation(rotation, group_size, "flashcomm_quantize"); e.failure()) {
     return e;
   }
   uint8_t* c = codes->typed_data();
@@ -105,12 +105,10 @@ ffi::Error Dequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
   const int32_t bits = fmt.bits, rotation = fmt.rotation, spikes = fmt.spikes;
   const int64_t group_size = fmt.group_size;
   int64_t n_groups = 0;
-  if (ffi::Error e = CheckDequantizeShapes(codes, scale, zero, *y, bits, group_size, spikes,
-                                           &n_groups);
+  if (ffi::Error e = CheckCodecOperands("flashcomm_dequantize", *y, codes, scale, zero, bits,
+                                        group_size, rotation, spikes, kMaxRotatedGroup,
+                                        kRotatedGroupNote, &n_groups);
       e.failure()) {
-    return e;
-  }
-  if (ffi::Error e = CheckRotation(rotation, group_size, "flashcomm_dequantize"); e.failure()) {
     return e;
   }
   const uint8_t* c = codes.typed_data();

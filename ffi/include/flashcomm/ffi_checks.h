@@ -86,6 +86,21 @@ ffi::Error CheckQuantizeShapes(const X& x, const C& codes, const S& scale, const
   return ffi::Error::Success();
 }
 
+// The operands and rotation of quantize (`values`: x) and dequantize (`values`: y), with the
+// platform's limit on rotated groups (CheckRotation); `n_groups`: the payload's groups.
+template <typename V, typename C, typename S>
+ffi::Error CheckCodecOperands(const char* op, const V& values, const C& codes, const S& scale,
+                              const S& zero, int32_t bits, int64_t group_size, int32_t rotation,
+                              int32_t spikes, int64_t max_rotated_group, const char* limit_note,
+                              int64_t* n_groups) {
+  if (ffi::Error e = CheckQuantizeShapes(values, codes, scale, zero, bits, group_size, spikes,
+                                         n_groups);
+      e.failure()) {
+    return e;
+  }
+  return CheckRotation(rotation, group_size, op, max_rotated_group, limit_note);
+}
+
 template <typename C, typename S, typename Y>
 ffi::Error CheckDequantizeShapes(const C& codes, const S& scale, const S& zero, const Y& y,
                                  int32_t bits, int64_t group_size, int32_t spikes,
