@@ -1,4 +1,4 @@
-"""The ``ffi_call``\\ s of the floating-point group formats' kernels (ffi/cpu/fp_kernels.cc).
+"""The ``ffi_call``\\ s of the floating-point group formats' kernels (ffi/cpu/fp_handlers.cc).
 
 Each phase's format travels as one :class:`~jax_flashcomm.codec.group_format.GroupFormat`
 attribute. The arguments are validated by :mod:`jax_flashcomm.codec.fp`.
