@@ -9,7 +9,7 @@ from tests.support.devices import set_cpu_devices
 
 set_cpu_devices(8)  # the one place the suite's device count is set
 # No tuning table from the user's cache: the automatic choice runs on the cost model's defaults
-# (tests of tables pass theirs with jax_flashcomm.tune.use_table or this variable).
+# (tests of tables pass theirs with jax_flashcomm.costs.use_table or this variable).
 os.environ["FLASHCOMM_TUNING_TABLE"] = "off"
 
 # XLA's LLVM backend at -O0 unless FLASHCOMM_TEST_XLA_OPT=default: the suite compiles thousands
