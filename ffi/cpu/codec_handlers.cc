@@ -176,9 +176,5 @@ ffi::Error DequantizeSumQuantizeOnPool(
 }  // namespace cpu
 }  // namespace flashcomm
 
-FLASHCOMM_CPU_POOL_HANDLER(Quantize, flashcomm::cpu::QuantizeOnPool, Quantize);
-FLASHCOMM_CPU_POOL_HANDLER(Dequantize, flashcomm::cpu::DequantizeOnPool, Dequantize);
-FLASHCOMM_CPU_POOL_HANDLER(DequantizeSum, flashcomm::cpu::DequantizeSumOnPool, Dequantize);
-FLASHCOMM_CPU_POOL_HANDLER(DequantizeSumQuantize, flashcomm::cpu::DequantizeSumQuantizeOnPool,
-                           DequantizeSumQuantize);
+FLASHCOMM_CODEC_FAMILY(FLASHCOMM_CPU_POOL_HANDLER, flashcomm::cpu, , OnPool);
 

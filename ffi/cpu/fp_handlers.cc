@@ -172,9 +172,5 @@ ffi::Error FpDequantizeSumQuantizeOnPool(ffi::ThreadPool pool, ffi::Buffer<ffi::
 }  // namespace cpu
 }  // namespace flashcomm
 
-FLASHCOMM_CPU_POOL_HANDLER(FpQuantize, flashcomm::cpu::FpQuantizeOnPool, FpQuantize);
-FLASHCOMM_CPU_POOL_HANDLER(FpDequantize, flashcomm::cpu::FpDequantizeOnPool, FpDequantize);
-FLASHCOMM_CPU_POOL_HANDLER(FpDequantizeSum, flashcomm::cpu::FpDequantizeSumOnPool, FpDequantize);
-FLASHCOMM_CPU_POOL_HANDLER(FpDequantizeSumQuantize, flashcomm::cpu::FpDequantizeSumQuantizeOnPool,
-                           FpDequantizeSumQuantize);
+FLASHCOMM_CODEC_FAMILY(FLASHCOMM_CPU_POOL_HANDLER, flashcomm::cpu, Fp, OnPool);
 

@@ -198,10 +198,6 @@ ffi::Error DequantizeSumQuantize(cudaStream_t stream, ffi::Buffer<ffi::U8> codes
 // custom call again when an address changes). No handler reads device memory or host state
 // at run time, allocates, synchronizes or queries the stream: one kernel launch (or none, for
 // an empty operand) per call, on XLA's stream. docs/cuda.md, "Command buffers".
-FLASHCOMM_CUDA_STREAM_HANDLER(Quantize, flashcomm::cuda::Quantize, Quantize);
-FLASHCOMM_CUDA_STREAM_HANDLER(Dequantize, flashcomm::cuda::Dequantize, Dequantize);
-FLASHCOMM_CUDA_STREAM_HANDLER(DequantizeSum, flashcomm::cuda::DequantizeSum, Dequantize);
-FLASHCOMM_CUDA_STREAM_HANDLER(DequantizeSumQuantize, flashcomm::cuda::DequantizeSumQuantize,
-                              DequantizeSumQuantize);
+FLASHCOMM_CODEC_FAMILY(FLASHCOMM_CUDA_STREAM_HANDLER, flashcomm::cuda, , );
 
 

@@ -146,10 +146,6 @@ ffi::Error FpDequantizeSumQuantize(cudaStream_t stream, ffi::Buffer<ffi::U8> rec
 }  // namespace cuda
 }  // namespace flashcomm
 
-FLASHCOMM_CUDA_STREAM_HANDLER(FpQuantize, flashcomm::cuda::FpQuantize, FpQuantize);
-FLASHCOMM_CUDA_STREAM_HANDLER(FpDequantize, flashcomm::cuda::FpDequantize, FpDequantize);
-FLASHCOMM_CUDA_STREAM_HANDLER(FpDequantizeSum, flashcomm::cuda::FpDequantizeSum, FpDequantize);
-FLASHCOMM_CUDA_STREAM_HANDLER(FpDequantizeSumQuantize, flashcomm::cuda::FpDequantizeSumQuantize,
-                              FpDequantizeSumQuantize);
+FLASHCOMM_CODEC_FAMILY(FLASHCOMM_CUDA_STREAM_HANDLER, flashcomm::cuda, Fp, );
 
 

@@ -242,4 +242,14 @@ auto RingDone(B&& b) {
 }  // namespace bind
 }  // namespace flashcomm
 
+// Defines a codec family's four handlers with `HANDLER` (FLASHCOMM_CPU_POOL_HANDLER or
+// FLASHCOMM_CUDA_STREAM_HANDLER): stem P<Op> from NS::P<Op>SUFFIX, bound as above (P: empty
+// for the integer format, Fp for the floating-point ones); dequantize_sum binds as dequantize.
+#define FLASHCOMM_CODEC_FAMILY(HANDLER, NS, P, SUFFIX)                          \
+  HANDLER(P##Quantize, NS::P##Quantize##SUFFIX, P##Quantize);                   \
+  HANDLER(P##Dequantize, NS::P##Dequantize##SUFFIX, P##Dequantize);             \
+  HANDLER(P##DequantizeSum, NS::P##DequantizeSum##SUFFIX, P##Dequantize);       \
+  HANDLER(P##DequantizeSumQuantize, NS::P##DequantizeSumQuantize##SUFFIX,       \
+          P##DequantizeSumQuantize)
+
 #endif  // FLASHCOMM_BINDINGS_H_
