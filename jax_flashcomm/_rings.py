@@ -1,7 +1,7 @@
 """The two rings of the collective matmuls (jax_flashcomm/collective_matmul.py): an all-gather
 ring that computes on every chunk as it arrives and a reduce-scatter ring whose partial sums
 travel while the next block is computed, over either transport's ring steps
-(jax_flashcomm/transport/ring.py). docs/overlap.md has the algorithm."""
+(jax_flashcomm/transport/ring_steps.py). docs/overlap.md has the algorithm."""
 
 from __future__ import annotations
 
@@ -47,8 +47,9 @@ def _perms(axis_name):
 
 
 def _link(ring, axis_name):
-    """The ring steps' link of a transport spec (:func:`jax_flashcomm.transport.ring.spec`): its
-    transport's (:meth:`jax_flashcomm.transport.Transport.ring_link`)."""
+    """The ring steps' link of a transport spec
+    (:func:`jax_flashcomm.transport.ring_steps.spec`): its transport's
+    (:meth:`jax_flashcomm.transport.Transport.ring_link`)."""
     fwd, bwd = _perms(axis_name)
     return transport.by_name(ring[0]).ring_link(ring, axis_name, {1: fwd, -1: bwd})
 
@@ -85,8 +86,9 @@ def ag_ring(x: jax.Array, axis_name, axis: int, bidirectional: bool, product, pl
     ``place(state, chunk, prod, start)`` stores a piece and its product; ``start`` is the
     piece's row offset in the gathered array. The local chunk comes first. Every step begins the
     move of the piece already here, computes that piece's product, and finishes the move with
-    the product passed through (``ring``: the transport spec, :mod:`jax_flashcomm.transport.ring`),
-    so the move and the dot do not depend on each other and the p2p transport runs them at once.
+    the product passed through (``ring``: the transport spec,
+    :mod:`jax_flashcomm.transport.ring_steps`), so the move and the dot do not depend on each
+    other and the p2p transport runs them at once.
     ``quant=(bits, group_size, codec_backend, rotation, spikes)``: pieces travel as codec payloads,
     quantized once on this rank and never re-quantized; every piece (the local one too) is
     consumed dequantized, so the result is that of gathering ``dequantize(quantize(x))``.
@@ -100,7 +102,7 @@ def ag_ring(x: jax.Array, axis_name, axis: int, bidirectional: bool, product, pl
       place: ``(state, chunk, prod, start) -> state``.
       state: the initial state (e.g. zero outputs).
       quant: ``(bits, group_size, codec_backend, rotation, spikes)``, or None (exact).
-      ring: the transport spec (:func:`jax_flashcomm.transport.ring.spec`).
+      ring: the transport spec (:func:`jax_flashcomm.transport.ring_steps.spec`).
 
     Returns:
       The final ``state``, after every rank's pieces were placed.
@@ -169,7 +171,7 @@ def rs_ring(block_fn, axis_name, n: int, m_out: int, axis: int, bidirectional: b
       m_out: rows per block (this rank's share of the result along ``axis``).
       axis: the scattered dimension of the products.
       bidirectional: send the halves of every block both ways.
-      ring: the transport spec (:func:`jax_flashcomm.transport.ring.spec`).
+      ring: the transport spec (:func:`jax_flashcomm.transport.ring_steps.spec`).
 
     Returns:
       This rank's block of the summed result (``m_out`` rows along ``axis``).

@@ -47,7 +47,7 @@ from jax_flashcomm.config import CommConfig, config_from, takes_options
 from jax_flashcomm.planner import Plan, plan
 from jax_flashcomm._rings import ag_ring, rs_ring
 from jax_flashcomm.scatter_gather import psum_scatter
-from jax_flashcomm.transport import ring as ring_steps
+from jax_flashcomm.transport import ring_steps
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "ring_spec"]
 
@@ -76,7 +76,7 @@ def _check_operands(fn: str, x, w, axis: int) -> int:
 
 
 def ring_spec(p: Plan) -> tuple:
-    """The ring-step spec (:func:`jax_flashcomm.transport.ring.spec`) of a ring plan.
+    """The ring-step spec (:func:`jax_flashcomm.transport.ring_steps.spec`) of a ring plan.
 
     Args:
       p: a plan of a ring path (its ``transport`` and ``timeout_ms``).

@@ -3,7 +3,7 @@
 Two CPU devices in one process (XLA_FLAGS below: plain dot thunks, no YNNPACK fusion; it also
 measures how the two devices share the cores: one chunk's dot alone and on both at once). The
 p2p transport's copies are paced
-(``jax_flashcomm.transport.ring.link_emulation``) at the rate that makes one ring step's move
+(``jax_flashcomm.transport.ring_steps.link_emulation``) at the rate that makes one ring step's move
 take as long as that step's dot (measured first): communication ~ computation. Per op it times,
 in one run, L ring matmuls in a loop inside one program (launch skew and dispatch amortized):
 
@@ -117,7 +117,7 @@ def _shared_executor(mesh, reps):
 def run(ops, loops, reps):
     import jax
 
-    from jax_flashcomm.transport import ring
+    from jax_flashcomm.transport import ring_steps
 
     from benchmarks.collectives.ring_programs import RingPrograms
 
@@ -141,7 +141,7 @@ def run(ops, loops, reps):
                 step_bytes //= 2  # each direction carries half a chunk per step
             rate = step_bytes * DEVICES / t_compute  # one step's move ~ one step's dot
             samples = {"compute": []}
-            with ring.link_emulation(rate):
+            with ring_steps.link_emulation(rate):
                 timed = {k: v for k, v in progs.items() if k != "compute"}
                 for name in timed:  # traced inside the emulation: the link is paced
                     jax.block_until_ready(timed[name](*args))
@@ -174,9 +174,9 @@ def _timeline(fn, args, rate, loops):
     their dispatch, not their run.)"""
     import jax
 
-    from jax_flashcomm.transport import ring
+    from jax_flashcomm.transport import ring_steps
 
-    with ring.link_emulation(rate), ring.recording() as events:
+    with ring_steps.link_emulation(rate), ring_steps.recording() as events:
         jax.block_until_ready(fn(*args))
     t0 = min(e["begin_us"] for e in events)
     ms = lambda us: (us - t0) / 1e3  # noqa: E731

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 import jax_flashcomm as fc
 from jax_flashcomm import transport
 from jax_flashcomm.config import auto_rotation, auto_spikes
-from jax_flashcomm.transport import ring, wire
+from jax_flashcomm.transport import ring_steps, wire
 
 
 def looped(op, out_shape, loops):
@@ -39,7 +39,7 @@ def gather(p, steps, shift=1):
     """``p`` and the ``steps`` chunks that follow it round the ring, moved one after the other
     over p2p (each move starts from the chunk the last one brought); the local chunk comes back
     through the last done, so whatever reads it waits for every move."""
-    link = transport.by_name("p2p").ring_link(ring.spec("p2p", 60_000), "i", {})
+    link = transport.by_name("p2p").ring_link(ring_steps.spec("p2p", 60_000), "i", {})
     chunks, local = [], p
     for _ in range(steps):
         sent, pending = link.begin(p, shift)

@@ -3,7 +3,7 @@
 E8M0 scale per 32) and nvfp4 (E2M1 values, an E4M3 scale per 16 under an E8M0 scale per group).
 
 :mod:`jax_flashcomm.codec` calls these for a payload whose ``format`` is not "int". Each op
-runs the FFI kernel where it is registered (CPU: ffi/cpu/fp_kernels.cc; CUDA:
+runs the FFI kernel where it is registered (CPU: ffi/cpu/fp_handlers.cc; CUDA:
 ffi/cuda/fp_kernels.cu, compiled and lowered, not yet run on a GPU) and the jnp twin
 (:mod:`jax_flashcomm.codec.fp_reference`) elsewhere.
 """

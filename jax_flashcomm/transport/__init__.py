@@ -8,7 +8,7 @@ it can take a call, prices it over its own link, and runs the collectives and ri
 across processes and hosts (gloo on CPU, NCCL on GPU, ICI on TPU); its exact path is ``lax``.
 ``p2p`` (:class:`P2pTransport`): one fused FFI call per rank that
 reads its peers' buffers directly, and ring steps as start / done FFI calls
-(:mod:`jax_flashcomm.transport.ring`); its peers are the devices of one process, or processes
+(:mod:`jax_flashcomm.transport.ring_steps`); its peers are the devices of one process, or processes
 of one host with one device each, over shared memory (:mod:`jax_flashcomm.transport.shm`).
 Both run the same codec kernels on the same bytes in the same order, so they give the same
 bits. :mod:`jax_flashcomm.transport.wire` is what travels. Which transport a call takes is the
@@ -18,13 +18,13 @@ plan's decision (:func:`jax_flashcomm.planner.plan`).
 from __future__ import annotations
 
 from jax_flashcomm.config import TRANSPORTS
-from jax_flashcomm.transport import p2p, ring, wire, xla
+from jax_flashcomm.transport import p2p, ring_steps, wire, xla
 from jax_flashcomm.transport.base import Call, Transport
 from jax_flashcomm.transport.registry import TRANSPORTS as _BY_NAME
 from jax_flashcomm.transport.registry import P2pTransport, XlaTransport
 
 __all__ = ["TRANSPORTS", "Call", "Transport", "XlaTransport", "P2pTransport", "by_name",
-           "all_transports", "p2p", "ring", "wire",
+           "all_transports", "p2p", "ring_steps", "wire",
            "xla"]
 
 

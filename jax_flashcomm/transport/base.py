@@ -115,4 +115,4 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def ring_link(self, spec: tuple, axis_name, perms: dict):
         """The link the ring steps of a collective matmul take (``spec``:
-        :func:`jax_flashcomm.transport.ring.spec`)."""
+        :func:`jax_flashcomm.transport.ring_steps.spec`)."""

@@ -1,5 +1,5 @@
 """The ``p2p`` transport: each quantized collective is one FFI call per rank that reads its
-peers' buffers directly (ffi/cpu/p2p_kernels.cc, ffi/include/flashcomm/p2p_rendezvous.h; on
+peers' buffers directly (ffi/cpu/p2p_handlers.cc, ffi/include/flashcomm/p2p_rendezvous.h; on
 CUDA ffi/cuda/p2p_handlers.cc, which compiles and lowers but has not run on a GPU).
 
 The ranks are the devices of one process, or processes on one host with one device each: then

@@ -2,7 +2,7 @@
 
 :class:`XlaTransport` runs the collectives of :mod:`jax_flashcomm.transport.xla` and the ring
 steps as ``ppermute``; :class:`P2pTransport` those of :mod:`jax_flashcomm.transport.p2p` and
-:mod:`jax_flashcomm.transport.ring`. Each knows its own link for the cost model.
+:mod:`jax_flashcomm.transport.ring_steps`. Each knows its own link for the cost model.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from jax import lax
 
 from jax_flashcomm import _axes, costs
 from jax_flashcomm.costs import Link
-from jax_flashcomm.transport import p2p, ring, shm, xla
+from jax_flashcomm.transport import p2p, ring_steps, shm, xla
 from jax_flashcomm.transport.base import Call, Transport
 
 __all__ = ["XlaTransport", "P2pTransport", "TRANSPORTS"]
@@ -79,7 +79,7 @@ class XlaTransport(_Collectives):
         return lax.psum(x, axes)
 
     def ring_link(self, spec, axis_name, perms):
-        return ring.XlaLink(axis_name, perms)
+        return ring_steps.XlaLink(axis_name, perms)
 
 
 
@@ -137,14 +137,14 @@ class P2pTransport(_Collectives):
         return reason
 
     def ring_reason(self, axes: tuple) -> str | None:
-        return ring.unsupported_reason(axes)
+        return ring_steps.unsupported_reason(axes)
 
     def exact_all_reduce(self, x, axes, plan):
         return p2p.exact_all_reduce(x, axes, plan.timeout_ms)
 
     def ring_link(self, spec, axis_name, perms):
         _, timeout_ms, rate = spec
-        return ring.P2pLink(_axes.normalize_axes(axis_name), timeout_ms, rate)
+        return ring_steps.P2pLink(_axes.normalize_axes(axis_name), timeout_ms, rate)
 
 
 

@@ -3,8 +3,8 @@
 When every device of a job is its own process (``jax.distributed``, one device per process:
 the launch style of SLURM and Kubernetes jobs with one process per GPU, and of CPU
 tensor-parallel inference across sockets) and the processes share a host, the ``p2p`` transport
-reads its peers' buffers through shared memory (ffi/cpu/shm_kernels.cc,
-ffi/include/flashcomm/shm_rendezvous.h): each process owns a block (a memfd: no name in
+reads its peers' buffers through shared memory (ffi/cpu/shm_handlers.cc,
+ffi/cpu/shm_rendezvous.h): each process owns a block (a memfd: no name in
 ``/dev/shm``, only the job's user can open it through ``/proc/<pid>/fd``, gone with the last
 process that maps it), and publishes the regions a call shares in segments of its own that its
 peers map. On CUDA GPUs (one per process) the same meeting point carries CUDA IPC handles of

@@ -11,7 +11,7 @@ from benchmarks.llm.ttft import settings
 
 from benchmarks.llm.ttft import p2p as ttft_p2p
 from jax_flashcomm.nn import TPComm
-from jax_flashcomm.transport import ring
+from jax_flashcomm.transport import ring_steps
 from models.checkpoints.llama_config import LlamaConfig
 from models.engine import Engine
 from models.llama.params import load_model
@@ -30,10 +30,10 @@ def test_p2p_prefill_moves_the_ring_bytes_of_the_traffic_model():
                           ckpt=DictCheckpoint(TINY3, tiny_tensors(TINY3)))
     ids = list(range(3, 33))
     for rate in (None, 200e6):
-        with ring.link_emulation(rate) if rate else contextlib.nullcontext():
+        with ring_steps.link_emulation(rate) if rate else contextlib.nullcontext():
             engine = Engine(model, mesh, cache_len=64)
             list(engine.generate(ids, 1))   # traced here: the rate is read at trace time
-        with ring.recording() as events:
+        with ring_steps.recording() as events:
             list(engine.generate(ids, 1))
         want = settings.step_traffic(TINY3, 3, comm, engine.bucket(len(ids)), decode=False)
         for rank in range(3):

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_flashcomm as fc
-from jax_flashcomm.transport import p2p, ring
+from jax_flashcomm.transport import p2p, ring_steps
 
 from tests.gpu.gpu_support import assert_same_bits, gpu_devices, host
 
@@ -140,7 +140,7 @@ def test_ring_steps_bit_identical_to_xla(gpus):
     want = host(_rings(mesh, "xla")(*args))
     for name, g, wa in zip(("ag", "ag_bidi", "ag_int8", "rs", "rs_bidi"), got, want):
         assert_same_bits(g, wa, f"ring {name} over {n} GPUs")
-    assert ring.steps_in_progress() == 0
+    assert ring_steps.steps_in_progress() == 0
 
 
 def test_p2p_many_calls(gpus):
@@ -159,7 +159,7 @@ def test_programs_lower_for_cuda(cuda_module, monkeypatch):
     """Without a GPU: the p2p and ring programs trace (on 2 CPU devices, the default backend
     reported as "gpu" so that the transports pick the CUDA module's kernels) and call the CUDA
     p2p and ring targets when lowered for CUDA."""
-    assert set(p2p.TARGETS) | set(ring.TARGETS) <= set(cuda_module.registrations())
+    assert set(p2p.TARGETS) | set(ring_steps.TARGETS) <= set(cuda_module.registrations())
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     mesh = _mesh(jax.devices("cpu")[:2], (2,), ("i",))
 
@@ -173,4 +173,4 @@ def test_programs_lower_for_cuda(cuda_module, monkeypatch):
     x, w = _ring_operands(2)
     got = targets(_rings(mesh, "p2p"), jax.device_put(x, NamedSharding(mesh, P("i"))),
                   jax.device_put(w, NamedSharding(mesh, P(None, "i"))))
-    assert set(ring.TARGETS) <= got, got
+    assert set(ring_steps.TARGETS) <= got, got

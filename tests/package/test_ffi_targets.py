@@ -12,7 +12,7 @@ import re
 import pytest
 
 from jax_flashcomm.codec import fp_kernels, kernels
-from jax_flashcomm.transport import p2p, ring, shm
+from jax_flashcomm.transport import p2p, ring_steps, shm
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TARGETS_DEF = ROOT / "ffi" / "include" / "flashcomm" / "targets.def"
@@ -29,9 +29,9 @@ def declared() -> dict[str, str]:
 
 def python_constants() -> set[str]:
     """The target names the package's constants hold (the shared-memory ring steps are the
-    p2p ones' names between processes: ring._target)."""
-    shm_rings = {t.replace("flashcomm_p2p_", "flashcomm_shm_") for t in ring.TARGETS}
-    return {*kernels.TARGETS, *fp_kernels.TARGETS, *p2p.TARGETS, *ring.TARGETS, *shm.TARGETS,
+    p2p ones' names between processes: ring_steps._target)."""
+    shm_rings = {t.replace("flashcomm_p2p_", "flashcomm_shm_") for t in ring_steps.TARGETS}
+    return {*kernels.TARGETS, *fp_kernels.TARGETS, *p2p.TARGETS, *ring_steps.TARGETS, *shm.TARGETS,
             *shm_rings}
 
 

@@ -60,7 +60,7 @@ if mode != "reference":
 import jax_flashcomm as fc  # noqa: E402
 from jax_flashcomm import CommConfig  # noqa: E402
 from jax_flashcomm.codec import kernels  # noqa: E402
-from jax_flashcomm.transport import ring, shm  # noqa: E402
+from jax_flashcomm.transport import ring_steps, shm  # noqa: E402
 
 mesh = jax.make_mesh((nproc,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,),
                      devices=jax.devices()[:nproc])
@@ -193,7 +193,7 @@ else:
     exact()
     if mode == "cpu" or os.environ.get("FLASHCOMM_TEST_RINGS") == "1":
         rings()
-        assert ring.steps_in_progress() == 0
+        assert ring_steps.steps_in_progress() == 0
     assert shm.meetings_in_progress() == 0
     if mode == "gpu":
         mapped = kernels.cuda_module().shm_peer_buffers_mapped()

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_flashcomm as fc
 from jax_flashcomm.codec import kernels
-from jax_flashcomm.transport import p2p, ring
+from jax_flashcomm.transport import p2p, ring_steps
 from tests.support.cuda_build import _custom_calls
 from tests.support.cuda_p2p import _attr, _cuda_module, _mesh, compile_host_source, same_builders
 
@@ -39,14 +39,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 CPU_SOURCE = ROOT / "ffi" / "cpu" / "p2p_ring_handlers.cc"
 CUDA_SOURCE = ROOT / "ffi" / "cuda" / "p2p_ring_handlers.cc"
 HANDLERS = ("FlashcommP2pRingStart", "FlashcommP2pRingDone")
-START, DONE = ring.TARGETS
+START, DONE = ring_steps.TARGETS
 M, K, N = 6, 32, 8  # rows per rank (odd halves for the bidirectional rings), contraction, cols
 
 
 def test_cuda_module_registers_the_ring_targets():
     module = _cuda_module()
-    assert set(ring.TARGETS) <= set(module.registrations()), sorted(module.registrations())
-    assert set(ring.TARGETS) <= kernels.registered("cuda")
+    assert set(ring_steps.TARGETS) <= set(module.registrations()), sorted(module.registrations())
+    assert set(ring_steps.TARGETS) <= kernels.registered("cuda")
     assert module.p2p_ring_steps_in_progress() == 0
     assert module.p2p_timeline(False) == []
 
@@ -61,7 +61,7 @@ def test_cuda_ring_handlers_bind_what_the_cpu_ring_handlers_bind():
 
 
 def test_ring_handlers_compile_with_warnings_as_errors(tmp_path):
-    compile_host_source(CUDA_SOURCE, tmp_path / "ring.o")
+    compile_host_source(CUDA_SOURCE, tmp_path / "ring_steps.o")
 
 
 def _lower(op, n=4, timeout_ms=4321):
@@ -104,7 +104,7 @@ def _check_steps(lowered, n, steps, timeout_ms, shifts):
     assert not start_sites  # every start has its done
     assert set(seen_shifts) <= set(shifts), seen_shifts
     hlo = [ln for ln in lowered.as_text(dialect="hlo").splitlines() if "custom-call(" in ln]
-    for target in ring.TARGETS:
+    for target in ring_steps.TARGETS:
         lines = [ln for ln in hlo if f'custom_call_target="{target}"' in ln]
         assert len(lines) == steps
         assert all("api_version=API_VERSION_TYPED_FFI" in ln for ln in lines), lines

@@ -22,7 +22,7 @@ import pytest
 
 import jax_flashcomm as fc
 from jax_flashcomm.codec import kernels
-from jax_flashcomm.transport import p2p, ring, shm
+from jax_flashcomm.transport import p2p, ring_steps, shm
 from tests.support.cuda_build import ROOT, _custom_calls
 from tests.support.cuda_p2p import _attr, _cuda_module, _mesh, compile_host_source, same_builders
 from tests.transport.test_cuda_p2p_build import _lower_collectives
@@ -129,7 +129,7 @@ def test_cuda_lowering_ring_matmuls_over_shm(as_processes, bidirectional):
     calls = _custom_calls(text)
     steps = (n - 1) * (2 if bidirectional else 1)
     assert len(calls.get(RING_TARGETS[0], [])) == len(calls.get(RING_TARGETS[1], [])) == steps
-    assert not set(ring.TARGETS) & set(calls)
+    assert not set(ring_steps.TARGETS) & set(calls)
     for line in calls[RING_TARGETS[0]] + calls[RING_TARGETS[1]]:
         assert _attr(line, "axes_key") == str(p2p.axes_key(("i",))), line
     assert not re.search(r"stablehlo\.(collective_permute|all_gather|all_to_all)", text)

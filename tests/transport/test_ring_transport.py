@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_flashcomm as fc
 from jax_flashcomm import tp_attention
-from jax_flashcomm.transport import ring
+from jax_flashcomm.transport import ring_steps
 
 from tests.support.meshes import make_mesh
 
@@ -247,7 +247,7 @@ def test_bad_options_are_errors():
     with pytest.raises(ValueError, match="p2p_timeout_ms must be a positive int"):
         lower(transport="p2p", p2p_timeout_ms=0)
     with pytest.raises(ValueError, match="bytes_per_s must be positive"):
-        with ring.link_emulation(0):
+        with ring_steps.link_emulation(0):
             pass
 
 
@@ -262,9 +262,9 @@ def test_link_emulation_paces_and_records():
         in_specs=(P("i"), P(None, "i")), out_specs=P(None, "i")))
     x = jax.device_put(jnp.ones((2 * rows, k)), NamedSharding(mesh, P("i")))
     w = jax.device_put(jnp.ones((k, 2 * N)), NamedSharding(mesh, P(None, "i")))
-    with ring.link_emulation(rate):  # read when traced: the first call is inside
+    with ring_steps.link_emulation(rate):  # read when traced: the first call is inside
         jax.block_until_ready(f(x, w))
-    with ring.recording() as events:
+    with ring_steps.recording() as events:
         jax.block_until_ready(f(x, w))
     moves = [e for e in events if e["kind"] == "move"]
     assert sorted((e["peer"], e["rank"]) for e in moves) == [(0, 1), (1, 0)]
@@ -277,6 +277,6 @@ def test_link_emulation_paces_and_records():
 
 def _no_steps_left(within_s: float = 5.0):
     deadline = time.monotonic() + within_s
-    while ring.steps_in_progress() and time.monotonic() < deadline:
+    while ring_steps.steps_in_progress() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert ring.steps_in_progress() == 0
+    assert ring_steps.steps_in_progress() == 0

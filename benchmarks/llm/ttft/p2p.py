@@ -18,7 +18,7 @@ step's copy (per link, i.e. per receiving rank). Rows, one process, one run:
   prefill; what overlap can hide at most), and at ``--extra-rates``.
 
 For each paced row: the bytes each rank receives per prefill (the transport's own timeline,
-``ring.recording``), the time those bytes take on the link (``comm``), the link time hidden
+``ring_steps.recording``), the time those bytes take on the link (``comm``), the link time hidden
 behind compute (``TTFT_unpaced + comm - TTFT_paced``) and the share not hidden:
 ``exposed = (TTFT_paced - TTFT_unpaced) / comm`` (0: all hidden behind the dots, 1: none; the
 model-level counterpart of docs/transport.md's per-op figure). Writes ``OUT.json`` and its page
@@ -72,7 +72,7 @@ def run(args) -> dict:
 
     from benchmarks.llm.ttft import settings
     from jax_flashcomm.nn import TPComm
-    from jax_flashcomm.transport import ring
+    from jax_flashcomm.transport import ring_steps
     from models.corpus import load_text
     from models.engine import Engine
     from models.eval import progress
@@ -90,7 +90,7 @@ def run(args) -> dict:
         ``rate`` the bytes rank 0 received in one of them."""
         set_comm(model, comm)
         # the rate is read when the prefill is traced: compile it (the first call) inside
-        with ring.link_emulation(rate) if rate else contextlib.nullcontext():
+        with ring_steps.link_emulation(rate) if rate else contextlib.nullcontext():
             engine = Engine(model, mesh, cache_len=len(ids) + 2)
             list(engine.generate(ids, 1))
         list(engine.generate(ids, 1))
@@ -101,7 +101,7 @@ def run(args) -> dict:
         row = {"ttft_s": statistics.median(samples), "samples_s": samples,
                "seq": engine.bucket(len(ids))}
         if comm.overlap and comm.config.transport == "p2p":
-            with ring.recording() as events:
+            with ring_steps.recording() as events:
                 list(engine.generate(ids, 1))
             moves = [e for e in events if e["kind"] == "move" and e["rank"] == 0]
             row["bytes_into_rank0"] = sum(e["bytes"] for e in moves)

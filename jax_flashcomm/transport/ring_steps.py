@@ -9,7 +9,7 @@ comes after the dot). So start -> dot -> done is a chain of data dependences.
 * ``xla``: the move is one ``lax.ppermute``; :meth:`finish` passes things through. Whether the
   permute runs during the dot is up to XLA (asynchronous on GPU/TPU; on CPU a gloo permute runs
   synchronously on the module's thread: docs/overlap.md).
-* ``p2p``: the move is a pair of FFI calls (ffi/cpu/p2p_ring_kernels.cc, p2p_ring.h). The start
+* ``p2p``: the move is a pair of FFI calls (ffi/cpu/p2p_ring_handlers.cc, p2p_ring.h). The start
   returns at once while the transport's copy threads move the chunk from the peer's buffer; the
   done takes the receive buffer, the send buffer and the dot's result, so XLA runs it after the
   dot and keeps both buffers alive until the chunk has arrived and the peer has read ours. The
