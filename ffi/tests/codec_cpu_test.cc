@@ -38,14 +38,7 @@ using namespace flashcomm;  // NOLINT
 
 namespace {
 
-using test::Array;
-using test::Fmt;
-using test::g_failed;
-using test::g_passed;
-using test::Bf16s;
-using test::Codes;
-using test::DtypeOf;
-using test::NameOf;
+using namespace test;  // NOLINT
 
 ffi::Error CallQuantize(const XLA_FFI_Buffer* x, Codes& codes, Bf16s& scale, Bf16s& zero,
                         int bits, int64_t g) {

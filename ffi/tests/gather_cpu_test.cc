@@ -26,14 +26,7 @@ using namespace flashcomm;  // NOLINT
 
 namespace {
 
-using test::Array;
-using test::Fmt;
-using test::g_failed;
-using test::g_passed;
-using test::Bf16s;
-using test::Codes;
-using test::DtypeOf;
-using test::NameOf;
+using namespace test;  // NOLINT
 
 template <typename S>
 ffi::Error CallInto(Array<S>& out, const Codes& codes, const Bf16s& scale, const Bf16s& zero,
@@ -175,29 +168,25 @@ void TestBounds() {
   Array<int32_t> outi({100}, XLA_FFI_DataType_S32, 3);
   CHECK(CallInto(outi, c.codes, c.scale, c.zero, 0, bits, g, kRotationNone, 0, count).failure(),
         "rejects an s32 out");
+  // out into `result` with the offset operand `off`
+  auto into = [&](Array<int32_t>& off, Array<float>& result) {
+    return cpu::DequantizeInto(
+        ffi::AnyBuffer(out.view()), ffi::Buffer<ffi::U8>(c.codes.view()),
+        ffi::Buffer<ffi::BF16>(c.scale.view()), ffi::Buffer<ffi::BF16>(c.zero.view()),
+        ffi::Buffer<ffi::S32>(off.view()), ffi::AnyBuffer(result.view()), bits, g, kRotationNone,
+        0, count);
+  };
   Array<int32_t> off2({2}, XLA_FFI_DataType_S32, 0);
-  ffi::Error e = cpu::DequantizeInto(
-      ffi::AnyBuffer(out.view()), ffi::Buffer<ffi::U8>(c.codes.view()),
-      ffi::Buffer<ffi::BF16>(c.scale.view()), ffi::Buffer<ffi::BF16>(c.zero.view()),
-      ffi::Buffer<ffi::S32>(off2.view()), ffi::AnyBuffer(out.view()), bits, g, kRotationNone, 0,
-      count);
+  ffi::Error e = into(off2, out);
   CHECK(e.failure(), "rejects an offset of two elements");
   Array<float> other({99}, XLA_FFI_DataType_F32, 0.0f);
   Array<int32_t> off0({}, XLA_FFI_DataType_S32, 0);
-  e = cpu::DequantizeInto(ffi::AnyBuffer(out.view()), ffi::Buffer<ffi::U8>(c.codes.view()),
-                          ffi::Buffer<ffi::BF16>(c.scale.view()),
-                          ffi::Buffer<ffi::BF16>(c.zero.view()),
-                          ffi::Buffer<ffi::S32>(off0.view()), ffi::AnyBuffer(other.view()), bits,
-                          g, kRotationNone, 0, count);
+  e = into(off0, other);
   CHECK(e.failure(), "rejects a result of another size than operand 0");
   // an unaliased result gets operand 0's contents, then the chunk
   Array<float> res({100}, XLA_FFI_DataType_F32, 0.0f);
   Array<int32_t> off10({}, XLA_FFI_DataType_S32, 10);
-  e = cpu::DequantizeInto(ffi::AnyBuffer(out.view()), ffi::Buffer<ffi::U8>(c.codes.view()),
-                          ffi::Buffer<ffi::BF16>(c.scale.view()),
-                          ffi::Buffer<ffi::BF16>(c.zero.view()),
-                          ffi::Buffer<ffi::S32>(off10.view()), ffi::AnyBuffer(res.view()), bits,
-                          g, kRotationNone, 0, count);
+  e = into(off10, res);
   CHECK(e.success() && res.data[0] == sentinel && res.data[99] == sentinel &&
             std::memcmp(res.data.data() + 10, c.ref.data.data(), size_t(count) * 4) == 0,
         "unaliased result: operand 0 copied, chunk written");

@@ -47,10 +47,11 @@ struct Latch {
   }
 };
 
-bool WriteAll(int fd, const void* data, size_t bytes) {
-  const auto* p = static_cast<const char*>(data);
+// All `bytes` through `io` (write or read), however many calls it takes.
+template <typename Ptr, typename Io>
+bool TransferAll(int fd, Ptr p, size_t bytes, Io io) {
   while (bytes > 0) {
-    const ssize_t n = write(fd, p, bytes);
+    const ssize_t n = io(fd, p, bytes);
     if (n <= 0) return false;
     p += n;
     bytes -= size_t(n);
@@ -58,15 +59,12 @@ bool WriteAll(int fd, const void* data, size_t bytes) {
   return true;
 }
 
+bool WriteAll(int fd, const void* data, size_t bytes) {
+  return TransferAll(fd, static_cast<const char*>(data), bytes, write);
+}
+
 bool ReadAll(int fd, void* data, size_t bytes) {
-  auto* p = static_cast<char*>(data);
-  while (bytes > 0) {
-    const ssize_t n = read(fd, p, bytes);
-    if (n <= 0) return false;
-    p += n;
-    bytes -= size_t(n);
-  }
-  return true;
+  return TransferAll(fd, static_cast<char*>(data), bytes, read);
 }
 
 // One call of `site`: 3 barriers; at each, rank r publishes 4 KiB of the byte r + 7 * call +
