@@ -20,9 +20,7 @@ namespace ffi = xla::ffi;
 namespace flashcomm {
 namespace cpu {
 
-ffi::Error Quantize(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U8>> codes,
-                    ffi::Result<ffi::Buffer<ffi::BF16>> scale,
-                    ffi::Result<ffi::Buffer<ffi::BF16>> zero, int32_t bits,
+ffi::Error Quantize(ffi::AnyBuffer x, U8Out codes, Bf16Out scale, Bf16Out zero, int32_t bits,
                     int64_t group_size, int32_t rotation, int32_t spikes, const Runner& runner) {
   int64_t n_groups = 0;
   if (ffi::Error e = CheckCodecOperands("flashcomm_quantize", x, *codes, *scale, *zero, bits,
@@ -46,10 +44,8 @@ ffi::Error Quantize(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U8>> codes,
   return failed == 0 ? ffi::Error::Success() : ScratchError("flashcomm_quantize", failed);
 }
 
-ffi::Error Dequantize(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
-                      ffi::Buffer<ffi::BF16> zero, ffi::Result<ffi::AnyBuffer> y, int32_t bits,
-                      int64_t group_size, int32_t rotation, int32_t spikes,
-                      const Runner& runner) {
+ffi::Error Dequantize(U8Buf codes, Bf16Buf scale, Bf16Buf zero, AnyOut y, int32_t bits,
+                      int64_t group_size, int32_t rotation, int32_t spikes, const Runner& runner) {
   int64_t n_groups = 0;
   if (ffi::Error e = CheckCodecOperands("flashcomm_dequantize", *y, codes, scale, zero, bits,
                                         group_size, rotation, spikes, 0, "",
@@ -72,9 +68,8 @@ ffi::Error Dequantize(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
   return failed == 0 ? ffi::Error::Success() : ScratchError("flashcomm_dequantize", failed);
 }
 
-ffi::Error DequantizeSum(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
-                         ffi::Buffer<ffi::BF16> zero, ffi::Result<ffi::AnyBuffer> y,
-                         int32_t bits, int64_t group_size, int32_t rotation, int32_t spikes,
+ffi::Error DequantizeSum(U8Buf codes, Bf16Buf scale, Bf16Buf zero, AnyOut y, int32_t bits,
+                         int64_t group_size, int32_t rotation, int32_t spikes,
                          const Runner& runner) {
   PayloadView in;
   if (ffi::Error e = ViewChunkedPayload(codes, scale, zero, bits, group_size, spikes, &in);
@@ -101,11 +96,8 @@ ffi::Error DequantizeSum(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scal
   return failed == 0 ? ffi::Error::Success() : ScratchError("flashcomm_dequantize_sum", failed);
 }
 
-ffi::Error DequantizeSumQuantize(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
-                                 ffi::Buffer<ffi::BF16> zero,
-                                 ffi::Result<ffi::Buffer<ffi::U8>> out_codes,
-                                 ffi::Result<ffi::Buffer<ffi::BF16>> out_scale,
-                                 ffi::Result<ffi::Buffer<ffi::BF16>> out_zero, int32_t bits,
+ffi::Error DequantizeSumQuantize(U8Buf codes, Bf16Buf scale, Bf16Buf zero, U8Out out_codes,
+                                 Bf16Out out_scale, Bf16Out out_zero, int32_t bits,
                                  int32_t out_bits, int64_t group_size, int32_t spikes,
                                  int32_t out_spikes, const Runner& runner) {
   PayloadView in;
@@ -132,39 +124,33 @@ namespace {
 
 // The handlers proper: the pool XLA gives the call, then the op's own arguments (bindings.h).
 
-ffi::Error QuantizeOnPool(ffi::ThreadPool pool, ffi::AnyBuffer x,
-                          ffi::Result<ffi::Buffer<ffi::U8>> codes,
-                          ffi::Result<ffi::Buffer<ffi::BF16>> scale,
-                          ffi::Result<ffi::Buffer<ffi::BF16>> zero, GroupFormat fmt) {
+ffi::Error QuantizeOnPool(ffi::ThreadPool pool, ffi::AnyBuffer x, U8Out codes, Bf16Out scale,
+                          Bf16Out zero, GroupFormat fmt) {
   return Guarded("flashcomm_quantize", [&] {
     return Quantize(x, codes, scale, zero, fmt.bits, fmt.group_size, fmt.rotation, fmt.spikes,
                     PoolRunner(pool));
   });
 }
 
-ffi::Error DequantizeOnPool(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes,
-                            ffi::Buffer<ffi::BF16> scale, ffi::Buffer<ffi::BF16> zero,
-                            ffi::Result<ffi::AnyBuffer> y, GroupFormat fmt) {
-  return Guarded("flashcomm_dequantize", [&] {
-    return Dequantize(codes, scale, zero, y, fmt.bits, fmt.group_size, fmt.rotation, fmt.spikes,
-                      PoolRunner(pool));
+constexpr char kDequantizeOp[] = "flashcomm_dequantize";
+constexpr char kDequantizeSumOp[] = "flashcomm_dequantize_sum";
+
+// dequantize and dequantize_sum: `F` on the pool, its errors named as op `kOp`'s.
+template <decltype(&Dequantize) F, const char* kOp>
+ffi::Error DecodeOnPool(ffi::ThreadPool pool, U8Buf codes, Bf16Buf scale, Bf16Buf zero,
+                        AnyOut y, GroupFormat fmt) {
+  return Guarded(kOp, [&] {
+    return F(codes, scale, zero, y, fmt.bits, fmt.group_size, fmt.rotation, fmt.spikes,
+             PoolRunner(pool));
   });
 }
 
-ffi::Error DequantizeSumOnPool(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes,
-                               ffi::Buffer<ffi::BF16> scale, ffi::Buffer<ffi::BF16> zero,
-                               ffi::Result<ffi::AnyBuffer> y, GroupFormat fmt) {
-  return Guarded("flashcomm_dequantize_sum", [&] {
-    return DequantizeSum(codes, scale, zero, y, fmt.bits, fmt.group_size, fmt.rotation,
-                         fmt.spikes, PoolRunner(pool));
-  });
-}
+constexpr auto DequantizeOnPool = &DecodeOnPool<&Dequantize, kDequantizeOp>;
+constexpr auto DequantizeSumOnPool = &DecodeOnPool<&DequantizeSum, kDequantizeSumOp>;
 
-ffi::Error DequantizeSumQuantizeOnPool(
-    ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
-    ffi::Buffer<ffi::BF16> zero, ffi::Result<ffi::Buffer<ffi::U8>> out_codes,
-    ffi::Result<ffi::Buffer<ffi::BF16>> out_scale, ffi::Result<ffi::Buffer<ffi::BF16>> out_zero,
-    GroupFormat fmt, GroupFormat out_fmt) {
+ffi::Error DequantizeSumQuantizeOnPool(ffi::ThreadPool pool, U8Buf codes, Bf16Buf scale,
+                                       Bf16Buf zero, U8Out out_codes, Bf16Out out_scale,
+                                       Bf16Out out_zero, GroupFormat fmt, GroupFormat out_fmt) {
   return Guarded("flashcomm_dequantize_sum_quantize", [&] {
     return DequantizeSumQuantize(codes, scale, zero, out_codes, out_scale, out_zero, fmt.bits,
                                  out_fmt.bits, fmt.group_size, fmt.spikes, out_fmt.spikes,

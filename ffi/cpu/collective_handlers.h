@@ -21,15 +21,10 @@ namespace ffi = xla::ffi;
 
 template <typename Peers, typename... Key>
 ffi::Future AllReduceHandler(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
-                             ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> y,
-                             ffi::Result<ffi::Buffer<ffi::U8>> p1_codes,
-                             ffi::Result<ffi::Buffer<ffi::BF16>> p1_scale,
-                             ffi::Result<ffi::Buffer<ffi::BF16>> p1_zero,
-                             ffi::Result<ffi::Buffer<ffi::U8>> p2_codes,
-                             ffi::Result<ffi::Buffer<ffi::BF16>> p2_scale,
-                             ffi::Result<ffi::Buffer<ffi::BF16>> p2_zero, GroupFormat fmt,
-                             GroupFormat out_fmt, int64_t size, int64_t site, int64_t timeout_ms,
-                             Key... key) {
+                             ffi::Buffer<ffi::S32> group_buf, AnyOut y, U8Out p1_codes,
+                             Bf16Out p1_scale, Bf16Out p1_zero, U8Out p2_codes, Bf16Out p2_scale,
+                             Bf16Out p2_zero, GroupFormat fmt, GroupFormat out_fmt, int64_t size,
+                             int64_t site, int64_t timeout_ms, Key... key) {
   const int32_t rank = rank_buf.typed_data()[0];
   return AllReduceProtocol(
       Peers::Join(run, site, group_buf.typed_data()[0], rank, size, timeout_ms, key...), rank, x,
@@ -40,11 +35,9 @@ ffi::Future AllReduceHandler(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::
 // reduce_scatter and all_gather: x -> y and one payload (`Protocol` of cpu_p2p_protocol.h).
 template <auto Protocol, typename Peers, typename... Key>
 ffi::Future PayloadHandler(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
-                           ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> y,
-                           ffi::Result<ffi::Buffer<ffi::U8>> codes,
-                           ffi::Result<ffi::Buffer<ffi::BF16>> scale,
-                           ffi::Result<ffi::Buffer<ffi::BF16>> zero, GroupFormat fmt,
-                           int64_t size, int64_t site, int64_t timeout_ms, Key... key) {
+                           ffi::Buffer<ffi::S32> group_buf, AnyOut y, U8Out codes, Bf16Out scale,
+                           Bf16Out zero, GroupFormat fmt, int64_t size, int64_t site,
+                           int64_t timeout_ms, Key... key) {
   const int32_t rank = rank_buf.typed_data()[0];
   return Protocol(Peers::Join(run, site, group_buf.typed_data()[0], rank, size, timeout_ms,
                               key...),

@@ -18,6 +18,7 @@
 
 #include "cpu/cpu_dispatch.h"
 #include "cpu/cpu_parallel.h"
+#include "flashcomm/ffi_checks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace flashcomm {
@@ -88,39 +89,26 @@ inline bool ToDType(xla::ffi::DataType type, DType* dtype) {
 // select_spikes; docs/format.md "Spike reserving"); the codes arrays hold record_bytes per group.
 // x (..., group_size) f32/bf16/f16 -> codes (..., group_size * bits / 8) u8, scale and zero
 // (...) bf16.
-xla::ffi::Error Quantize(xla::ffi::AnyBuffer x, xla::ffi::Result<xla::ffi::Buffer<xla::ffi::U8>> codes,
-                         xla::ffi::Result<xla::ffi::Buffer<xla::ffi::BF16>> scale,
-                         xla::ffi::Result<xla::ffi::Buffer<xla::ffi::BF16>> zero, int32_t bits,
-                         int64_t group_size, int32_t rotation, int32_t spikes,
+xla::ffi::Error Quantize(xla::ffi::AnyBuffer x, U8Out codes, Bf16Out scale, Bf16Out zero,
+                         int32_t bits, int64_t group_size, int32_t rotation, int32_t spikes,
                          const Runner& runner = Runner::Inline());
 
 // codes, scale, zero -> y (..., group_size) f32/bf16/f16, saturated to y's finite range.
-xla::ffi::Error Dequantize(xla::ffi::Buffer<xla::ffi::U8> codes,
-                           xla::ffi::Buffer<xla::ffi::BF16> scale,
-                           xla::ffi::Buffer<xla::ffi::BF16> zero,
-                           xla::ffi::Result<xla::ffi::AnyBuffer> y, int32_t bits,
+xla::ffi::Error Dequantize(U8Buf codes, Bf16Buf scale, Bf16Buf zero, AnyOut y, int32_t bits,
                            int64_t group_size, int32_t rotation, int32_t spikes,
                            const Runner& runner = Runner::Inline());
 
 // codes (..., N, G, bytes), scale and zero (..., N, G) -> y (..., G * group_size): the f32 sum
 // over the N chunks in order 0..N-1, stored as y's dtype.
-xla::ffi::Error DequantizeSum(xla::ffi::Buffer<xla::ffi::U8> codes,
-                              xla::ffi::Buffer<xla::ffi::BF16> scale,
-                              xla::ffi::Buffer<xla::ffi::BF16> zero,
-                              xla::ffi::Result<xla::ffi::AnyBuffer> y, int32_t bits,
+xla::ffi::Error DequantizeSum(U8Buf codes, Bf16Buf scale, Bf16Buf zero, AnyOut y, int32_t bits,
                               int64_t group_size, int32_t rotation, int32_t spikes,
-                           const Runner& runner = Runner::Inline());
+                              const Runner& runner = Runner::Inline());
 
 // As DequantizeSum, then the f32 sum is quantized again with out_bits and out_spikes.
-xla::ffi::Error DequantizeSumQuantize(xla::ffi::Buffer<xla::ffi::U8> codes,
-                                      xla::ffi::Buffer<xla::ffi::BF16> scale,
-                                      xla::ffi::Buffer<xla::ffi::BF16> zero,
-                                      xla::ffi::Result<xla::ffi::Buffer<xla::ffi::U8>> out_codes,
-                                      xla::ffi::Result<xla::ffi::Buffer<xla::ffi::BF16>> out_scale,
-                                      xla::ffi::Result<xla::ffi::Buffer<xla::ffi::BF16>> out_zero,
-                                      int32_t bits, int32_t out_bits, int64_t group_size,
-                                      int32_t spikes, int32_t out_spikes,
-                                      const Runner& runner = Runner::Inline());
+xla::ffi::Error DequantizeSumQuantize(U8Buf codes, Bf16Buf scale, Bf16Buf zero, U8Out out_codes,
+                                      Bf16Out out_scale, Bf16Out out_zero, int32_t bits,
+                                      int32_t out_bits, int64_t group_size, int32_t spikes,
+                                      int32_t out_spikes, const Runner& runner = Runner::Inline());
 
 }  // namespace cpu
 }  // namespace flashcomm

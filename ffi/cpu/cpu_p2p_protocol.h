@@ -183,9 +183,8 @@ inline ffi::Future Failed(ffi::Error error) {
   return ffi::Future(promise);
 }
 
-inline ffi::Error CheckCommon(const char* op, const ffi::AnyBuffer& x, int32_t rank,
-                              int64_t size, int64_t timeout_ms, int32_t rotation,
-                              int64_t group_size) {
+inline ffi::Error CheckCommon(const char* op, const ffi::AnyBuffer& x, int32_t rank, int64_t size,
+                              int64_t timeout_ms, int32_t rotation, int64_t group_size) {
   if (size < 1 || rank < 0 || rank >= size) {
     return ffi::Error::InvalidArgument(std::string(op) + ": rank " + std::to_string(rank) +
                                        " is not in 0.." + std::to_string(size - 1));
@@ -272,22 +271,19 @@ inline Spans PayloadSpans(const void* codes, const void* scale, const void* zero
 
 // The fused two-step all-reduce (docs/transport.md). `y` empty: stop after the gather.
 ffi::Future AllReduceProtocol(const GangFactory& join, int32_t rank, const ffi::AnyBuffer& x,
-                              ffi::AnyBuffer& y, ffi::Buffer<ffi::U8>& p1_codes,
-                              ffi::Buffer<ffi::BF16>& p1_scale, ffi::Buffer<ffi::BF16>& p1_zero,
-                              ffi::Buffer<ffi::U8>& p2_codes, ffi::Buffer<ffi::BF16>& p2_scale,
-                              ffi::Buffer<ffi::BF16>& p2_zero, int32_t bits, int32_t out_bits,
-                              int64_t group_size, int32_t rotation, int32_t spikes,
-                              int32_t out_spikes, int64_t size, int64_t timeout_ms);
+                              ffi::AnyBuffer& y, U8Buf& p1_codes, Bf16Buf& p1_scale,
+                              Bf16Buf& p1_zero, U8Buf& p2_codes, Bf16Buf& p2_scale,
+                              Bf16Buf& p2_zero, int32_t bits, int32_t out_bits, int64_t group_size,
+                              int32_t rotation, int32_t spikes, int32_t out_spikes, int64_t size,
+                              int64_t timeout_ms);
 // Quantized reduce-scatter: this rank's chunk of the f32 sum.
 ffi::Future ReduceScatterProtocol(const GangFactory& join, int32_t rank, const ffi::AnyBuffer& x,
-                                  ffi::AnyBuffer& y, ffi::Buffer<ffi::U8>& codes,
-                                  ffi::Buffer<ffi::BF16>& scale, ffi::Buffer<ffi::BF16>& zero,
+                                  ffi::AnyBuffer& y, U8Buf& codes, Bf16Buf& scale, Bf16Buf& zero,
                                   int32_t bits, int64_t group_size, int32_t rotation,
                                   int32_t spikes, int64_t size, int64_t timeout_ms);
 // Quantized all-gather: every rank's decoded payload in its slot.
 ffi::Future AllGatherProtocol(const GangFactory& join, int32_t rank, const ffi::AnyBuffer& x,
-                              ffi::AnyBuffer& y, ffi::Buffer<ffi::U8>& codes,
-                              ffi::Buffer<ffi::BF16>& scale, ffi::Buffer<ffi::BF16>& zero,
+                              ffi::AnyBuffer& y, U8Buf& codes, Bf16Buf& scale, Bf16Buf& zero,
                               int32_t bits, int64_t group_size, int32_t rotation, int32_t spikes,
                               int64_t size, int64_t timeout_ms);
 

@@ -25,8 +25,8 @@ namespace cpu {
 namespace {
 
 // Records (..., N, groups, record bytes) as chunks for the sums.
-ffi::Error ViewChunks(const char* op, const ffi::Buffer<ffi::U8>& codes, int32_t format,
-                      int64_t group_size, int32_t spikes, FpChunks* in) {
+ffi::Error ViewChunks(const char* op, const U8Buf& codes, int32_t format, int64_t group_size,
+                      int32_t spikes, FpChunks* in) {
   FpChunkShape shape;
   if (ffi::Error e = ViewFpChunks(op, codes, format, group_size, spikes, &shape); e.failure()) {
     return e;
@@ -36,9 +36,8 @@ ffi::Error ViewChunks(const char* op, const ffi::Buffer<ffi::U8>& codes, int32_t
   return ffi::Error::Success();
 }
 
-ffi::Error FpQuantize(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U8>> records, int32_t format,
-                      int64_t group_size, int32_t rotation, int32_t spikes,
-                      const Runner& runner) {
+ffi::Error FpQuantize(ffi::AnyBuffer x, U8Out records, int32_t format, int64_t group_size,
+                      int32_t rotation, int32_t spikes, const Runner& runner) {
   const char* op = "flashcomm_fp_quantize";
   if (ffi::Error e = CheckFpAttrs(op, format, group_size, rotation, spikes); e.failure()) {
     return e;
@@ -60,9 +59,8 @@ ffi::Error FpQuantize(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U8>> record
   return failed == 0 ? ffi::Error::Success() : ScratchError(op, failed);
 }
 
-ffi::Error FpDequantize(ffi::Buffer<ffi::U8> records, ffi::Result<ffi::AnyBuffer> y,
-                        int32_t format, int64_t group_size, int32_t rotation, int32_t spikes,
-                        const Runner& runner) {
+ffi::Error FpDequantize(U8Buf records, AnyOut y, int32_t format, int64_t group_size,
+                        int32_t rotation, int32_t spikes, const Runner& runner) {
   const char* op = "flashcomm_fp_dequantize";
   if (ffi::Error e = CheckFpAttrs(op, format, group_size, rotation, spikes); e.failure()) {
     return e;
@@ -85,9 +83,8 @@ ffi::Error FpDequantize(ffi::Buffer<ffi::U8> records, ffi::Result<ffi::AnyBuffer
   return failed == 0 ? ffi::Error::Success() : ScratchError(op, failed);
 }
 
-ffi::Error FpDequantizeSum(ffi::Buffer<ffi::U8> records, ffi::Result<ffi::AnyBuffer> y,
-                           int32_t format, int64_t group_size, int32_t rotation, int32_t spikes,
-                           const Runner& runner) {
+ffi::Error FpDequantizeSum(U8Buf records, AnyOut y, int32_t format, int64_t group_size,
+                           int32_t rotation, int32_t spikes, const Runner& runner) {
   const char* op = "flashcomm_fp_dequantize_sum";
   if (ffi::Error e = CheckFpAttrs(op, format, group_size, rotation, spikes); e.failure()) {
     return e;
@@ -109,10 +106,9 @@ ffi::Error FpDequantizeSum(ffi::Buffer<ffi::U8> records, ffi::Result<ffi::AnyBuf
   return failed == 0 ? ffi::Error::Success() : ScratchError(op, failed);
 }
 
-ffi::Error FpDequantizeSumQuantize(ffi::Buffer<ffi::U8> records,
-                                   ffi::Result<ffi::Buffer<ffi::U8>> out, int32_t format,
-                                   int32_t out_format, int64_t group_size, int32_t spikes,
-                                   int32_t out_spikes, const Runner& runner) {
+ffi::Error FpDequantizeSumQuantize(U8Buf records, U8Out out, int32_t format, int32_t out_format,
+                                   int64_t group_size, int32_t spikes, int32_t out_spikes,
+                                   const Runner& runner) {
   const char* op = "flashcomm_fp_dequantize_sum_quantize";
   if (ffi::Error e = CheckFpAttrs(op, format, group_size, 0, spikes); e.failure()) return e;
   if (ffi::Error e = CheckFpAttrs(op, out_format, group_size, 0, out_spikes); e.failure()) {
@@ -135,33 +131,30 @@ ffi::Error FpDequantizeSumQuantize(ffi::Buffer<ffi::U8> records,
   return failed == 0 ? ffi::Error::Success() : ScratchError(op, failed);
 }
 
-ffi::Error FpQuantizeOnPool(ffi::ThreadPool pool, ffi::AnyBuffer x,
-                            ffi::Result<ffi::Buffer<ffi::U8>> records, GroupFormat fmt) {
+ffi::Error FpQuantizeOnPool(ffi::ThreadPool pool, ffi::AnyBuffer x, U8Out records,
+                            GroupFormat fmt) {
   return Guarded("flashcomm_fp_quantize", [&] {
     return FpQuantize(x, records, fmt.format, fmt.group_size, fmt.rotation, fmt.spikes,
                       PoolRunner(pool));
   });
 }
 
-ffi::Error FpDequantizeOnPool(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> records,
-                              ffi::Result<ffi::AnyBuffer> y, GroupFormat fmt) {
+ffi::Error FpDequantizeOnPool(ffi::ThreadPool pool, U8Buf records, AnyOut y, GroupFormat fmt) {
   return Guarded("flashcomm_fp_dequantize", [&] {
     return FpDequantize(records, y, fmt.format, fmt.group_size, fmt.rotation, fmt.spikes,
                         PoolRunner(pool));
   });
 }
 
-ffi::Error FpDequantizeSumOnPool(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> records,
-                                 ffi::Result<ffi::AnyBuffer> y, GroupFormat fmt) {
+ffi::Error FpDequantizeSumOnPool(ffi::ThreadPool pool, U8Buf records, AnyOut y, GroupFormat fmt) {
   return Guarded("flashcomm_fp_dequantize_sum", [&] {
     return FpDequantizeSum(records, y, fmt.format, fmt.group_size, fmt.rotation, fmt.spikes,
                            PoolRunner(pool));
   });
 }
 
-ffi::Error FpDequantizeSumQuantizeOnPool(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> records,
-                                         ffi::Result<ffi::Buffer<ffi::U8>> out, GroupFormat fmt,
-                                         GroupFormat out_fmt) {
+ffi::Error FpDequantizeSumQuantizeOnPool(ffi::ThreadPool pool, U8Buf records, U8Out out,
+                                         GroupFormat fmt, GroupFormat out_fmt) {
   return Guarded("flashcomm_fp_dequantize_sum_quantize", [&] {
     return FpDequantizeSumQuantize(records, out, fmt.format, out_fmt.format, fmt.group_size,
                                    fmt.spikes, out_fmt.spikes, PoolRunner(pool));

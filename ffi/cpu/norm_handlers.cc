@@ -28,8 +28,8 @@ ffi::Error Run(const char* op, const NormShape& shape, NormArgs args, int64_t it
   return failed == 0 ? ffi::Error::Success() : ScratchError(op, failed);
 }
 
-NormArgs Args(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
-              ffi::Buffer<ffi::BF16> zero, ffi::AnyBuffer residual, ffi::AnyBuffer weight,
+NormArgs Args(U8Buf codes, Bf16Buf scale,
+              Bf16Buf zero, ffi::AnyBuffer residual, ffi::AnyBuffer weight,
               ffi::AnyBuffer new_residual, const GroupFormat& fmt, float eps, int64_t hidden) {
   NormArgs a{};
   ToDType(residual.element_type(), &a.dtype);
@@ -49,11 +49,9 @@ NormArgs Args(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
   return a;
 }
 
-ffi::Error AddRmsNorm(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes,
-                      ffi::Buffer<ffi::BF16> scale, ffi::Buffer<ffi::BF16> zero,
-                      ffi::AnyBuffer residual, ffi::AnyBuffer weight,
-                      ffi::Result<ffi::AnyBuffer> new_residual, ffi::Result<ffi::AnyBuffer> out,
-                      GroupFormat fmt, float eps) {
+ffi::Error AddRmsNorm(ffi::ThreadPool pool, U8Buf codes, Bf16Buf scale, Bf16Buf zero,
+                      ffi::AnyBuffer residual, ffi::AnyBuffer weight, AnyOut new_residual,
+                      AnyOut out, GroupFormat fmt, float eps) {
   constexpr const char* kOp = "flashcomm_add_rms_norm";
   return Guarded(kOp, [&] {
     NormShape shape;
@@ -71,13 +69,9 @@ ffi::Error AddRmsNorm(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes,
   });
 }
 
-ffi::Error AddRmsNormQuantize(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes,
-                              ffi::Buffer<ffi::BF16> scale, ffi::Buffer<ffi::BF16> zero,
-                              ffi::AnyBuffer residual, ffi::AnyBuffer weight,
-                              ffi::Result<ffi::AnyBuffer> new_residual,
-                              ffi::Result<ffi::Buffer<ffi::U8>> out_codes,
-                              ffi::Result<ffi::Buffer<ffi::BF16>> out_scale,
-                              ffi::Result<ffi::Buffer<ffi::BF16>> out_zero, GroupFormat fmt,
+ffi::Error AddRmsNormQuantize(ffi::ThreadPool pool, U8Buf codes, Bf16Buf scale, Bf16Buf zero,
+                              ffi::AnyBuffer residual, ffi::AnyBuffer weight, AnyOut new_residual,
+                              U8Out out_codes, Bf16Out out_scale, Bf16Out out_zero, GroupFormat fmt,
                               float eps, GroupFormat out_fmt) {
   constexpr const char* kOp = "flashcomm_add_rms_norm_quantize";
   return Guarded(kOp, [&] {

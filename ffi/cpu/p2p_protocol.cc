@@ -8,12 +8,11 @@ namespace flashcomm {
 namespace cpu {
 
 ffi::Future AllReduceProtocol(const GangFactory& join, int32_t rank, const ffi::AnyBuffer& x,
-                              ffi::AnyBuffer& y, ffi::Buffer<ffi::U8>& p1_codes,
-                              ffi::Buffer<ffi::BF16>& p1_scale, ffi::Buffer<ffi::BF16>& p1_zero,
-                              ffi::Buffer<ffi::U8>& p2_codes, ffi::Buffer<ffi::BF16>& p2_scale,
-                              ffi::Buffer<ffi::BF16>& p2_zero, int32_t bits, int32_t out_bits,
-                              int64_t group_size, int32_t rotation, int32_t spikes,
-                              int32_t out_spikes, int64_t size, int64_t timeout_ms) {
+                              ffi::AnyBuffer& y, U8Buf& p1_codes, Bf16Buf& p1_scale,
+                              Bf16Buf& p1_zero, U8Buf& p2_codes, Bf16Buf& p2_scale,
+                              Bf16Buf& p2_zero, int32_t bits, int32_t out_bits, int64_t group_size,
+                              int32_t rotation, int32_t spikes, int32_t out_spikes, int64_t size,
+                              int64_t timeout_ms) {
   constexpr const char* kOp = "flashcomm_p2p_all_reduce";
   // long function: the all-reduce's protocol: its barriers and their continuations, in order
   if (ffi::Error e = CheckCommon(kOp, x, rank, size, timeout_ms, rotation, group_size);
@@ -115,8 +114,8 @@ namespace {
 template <typename YError>
 std::shared_ptr<Call> QuantizeAndJoin(const char* op, int kind, const GangFactory& join,
                                       int32_t rank, const ffi::AnyBuffer& x,
-                                      ffi::Buffer<ffi::U8>& codes, ffi::Buffer<ffi::BF16>& scale,
-                                      ffi::Buffer<ffi::BF16>& zero, int32_t bits,
+                                      U8Buf& codes, Bf16Buf& scale,
+                                      Bf16Buf& zero, int32_t bits,
                                       int64_t group_size, int32_t rotation, int32_t spikes,
                                       int64_t size, int64_t timeout_ms, YError y_error,
                                       int64_t* n_groups, std::optional<ffi::Future>* done) {
@@ -162,8 +161,7 @@ std::shared_ptr<Call> QuantizeAndJoin(const char* op, int kind, const GangFactor
 }  // namespace
 
 ffi::Future ReduceScatterProtocol(const GangFactory& join, int32_t rank, const ffi::AnyBuffer& x,
-                                  ffi::AnyBuffer& y, ffi::Buffer<ffi::U8>& codes,
-                                  ffi::Buffer<ffi::BF16>& scale, ffi::Buffer<ffi::BF16>& zero,
+                                  ffi::AnyBuffer& y, U8Buf& codes, Bf16Buf& scale, Bf16Buf& zero,
                                   int32_t bits, int64_t group_size, int32_t rotation,
                                   int32_t spikes, int64_t size, int64_t timeout_ms) {
   constexpr const char* kOp = "flashcomm_p2p_reduce_scatter";
@@ -203,8 +201,7 @@ ffi::Future ReduceScatterProtocol(const GangFactory& join, int32_t rank, const f
 }
 
 ffi::Future AllGatherProtocol(const GangFactory& join, int32_t rank, const ffi::AnyBuffer& x,
-                              ffi::AnyBuffer& y, ffi::Buffer<ffi::U8>& codes,
-                              ffi::Buffer<ffi::BF16>& scale, ffi::Buffer<ffi::BF16>& zero,
+                              ffi::AnyBuffer& y, U8Buf& codes, Bf16Buf& scale, Bf16Buf& zero,
                               int32_t bits, int64_t group_size, int32_t rotation, int32_t spikes,
                               int64_t size, int64_t timeout_ms) {
   constexpr const char* kOp = "flashcomm_p2p_all_gather";

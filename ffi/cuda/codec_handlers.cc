@@ -66,10 +66,8 @@ ffi::Error ForDtype(ffi::DataType dtype, const char* op, const char* what, Launc
 
 }  // namespace
 
-ffi::Error Quantize(cudaStream_t stream, ffi::AnyBuffer x,
-                    ffi::Result<ffi::Buffer<ffi::U8>> codes,
-                    ffi::Result<ffi::Buffer<ffi::BF16>> scale,
-                    ffi::Result<ffi::Buffer<ffi::BF16>> zero, GroupFormat fmt) {
+ffi::Error Quantize(cudaStream_t stream, ffi::AnyBuffer x, U8Out codes, Bf16Out scale, Bf16Out zero,
+                    GroupFormat fmt) {
   const int32_t bits = fmt.bits, rotation = fmt.rotation, spikes = fmt.spikes;
   const int64_t group_size = fmt.group_size;
   int64_t n_groups = 0;
@@ -99,9 +97,8 @@ ffi::Error Quantize(cudaStream_t stream, ffi::AnyBuffer x,
   });
 }
 
-ffi::Error Dequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
-                      ffi::Buffer<ffi::BF16> scale, ffi::Buffer<ffi::BF16> zero,
-                      ffi::Result<ffi::AnyBuffer> y, GroupFormat fmt) {
+ffi::Error Dequantize(cudaStream_t stream, U8Buf codes, Bf16Buf scale, Bf16Buf zero, AnyOut y,
+                      GroupFormat fmt) {
   const int32_t bits = fmt.bits, rotation = fmt.rotation, spikes = fmt.spikes;
   const int64_t group_size = fmt.group_size;
   int64_t n_groups = 0;
@@ -132,9 +129,8 @@ ffi::Error Dequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
   });
 }
 
-ffi::Error DequantizeSum(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
-                         ffi::Buffer<ffi::BF16> scale, ffi::Buffer<ffi::BF16> zero,
-                         ffi::Result<ffi::AnyBuffer> y, GroupFormat fmt) {
+ffi::Error DequantizeSum(cudaStream_t stream, U8Buf codes, Bf16Buf scale, Bf16Buf zero, AnyOut y,
+                         GroupFormat fmt) {
   const int32_t bits = fmt.bits, rotation = fmt.rotation, spikes = fmt.spikes;
   const int64_t group_size = fmt.group_size;
   PayloadView in;
@@ -162,12 +158,9 @@ ffi::Error DequantizeSum(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
   });
 }
 
-ffi::Error DequantizeSumQuantize(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
-                                 ffi::Buffer<ffi::BF16> scale, ffi::Buffer<ffi::BF16> zero,
-                                 ffi::Result<ffi::Buffer<ffi::U8>> out_codes,
-                                 ffi::Result<ffi::Buffer<ffi::BF16>> out_scale,
-                                 ffi::Result<ffi::Buffer<ffi::BF16>> out_zero, GroupFormat fmt,
-                                 GroupFormat out_fmt) {
+ffi::Error DequantizeSumQuantize(cudaStream_t stream, U8Buf codes, Bf16Buf scale, Bf16Buf zero,
+                                 U8Out out_codes, Bf16Out out_scale, Bf16Out out_zero,
+                                 GroupFormat fmt, GroupFormat out_fmt) {
   PayloadView in;
   int64_t n_out = 0;
   if (ffi::Error e = CheckSumQuantizeOperands(codes, scale, zero, *out_codes, *out_scale,

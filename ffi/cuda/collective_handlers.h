@@ -53,13 +53,8 @@ struct Begun {
 template <typename Peers, typename... Key>
 ffi::Error AllReduceHandler(ffi::RunId run, cudaStream_t stream, ffi::AnyBuffer x,
                             ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
-                            ffi::Result<ffi::AnyBuffer> y,
-                            ffi::Result<ffi::Buffer<ffi::U8>> p1_codes,
-                            ffi::Result<ffi::Buffer<ffi::BF16>> p1_scale,
-                            ffi::Result<ffi::Buffer<ffi::BF16>> p1_zero,
-                            ffi::Result<ffi::Buffer<ffi::U8>> p2_codes,
-                            ffi::Result<ffi::Buffer<ffi::BF16>> p2_scale,
-                            ffi::Result<ffi::Buffer<ffi::BF16>> p2_zero, GroupFormat fmt,
+                            AnyOut y, U8Out p1_codes, Bf16Out p1_scale, Bf16Out p1_zero,
+                            U8Out p2_codes, Bf16Out p2_scale, Bf16Out p2_zero, GroupFormat fmt,
                             GroupFormat out_fmt, int64_t size, int64_t site, int64_t timeout_ms,
                             Key... key) {
   constexpr const char* kOp = Peers::kAllReduce;
@@ -93,11 +88,9 @@ ffi::Error AllReduceHandler(ffi::RunId run, cudaStream_t stream, ffi::AnyBuffer 
 // reduce_scatter (kAllGather false) and all_gather: x -> y and this rank's payload.
 template <bool kAllGather, typename Peers, typename... Key>
 ffi::Error PayloadHandler(ffi::RunId run, cudaStream_t stream, ffi::AnyBuffer x,
-                          ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
-                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::U8>> codes,
-                          ffi::Result<ffi::Buffer<ffi::BF16>> scale,
-                          ffi::Result<ffi::Buffer<ffi::BF16>> zero, GroupFormat fmt,
-                          int64_t size, int64_t site, int64_t timeout_ms, Key... key) {
+                          ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf, AnyOut y,
+                          U8Out codes, Bf16Out scale, Bf16Out zero, GroupFormat fmt, int64_t size,
+                          int64_t site, int64_t timeout_ms, Key... key) {
   constexpr const char* kOp = kAllGather ? Peers::kAllGather : Peers::kReduceScatter;
   const int64_t g = fmt.group_size;
   protocol::Codec k;

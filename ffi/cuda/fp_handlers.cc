@@ -46,8 +46,8 @@ ffi::Error ByDtype(ffi::DataType dtype, const char* op, Launch launch) {
   }
 }
 
-ffi::Error ViewChunks(const char* op, const ffi::Buffer<ffi::U8>& records, int32_t format,
-                      int64_t group_size, int32_t spikes, FpChunkArgs* in) {
+ffi::Error ViewChunks(const char* op, const U8Buf& records, int32_t format, int64_t group_size,
+                      int32_t spikes, FpChunkArgs* in) {
   FpChunkShape shape;
   if (ffi::Error e = ViewFpChunks(op, records, format, group_size, spikes, &shape);
       e.failure()) {
@@ -58,8 +58,7 @@ ffi::Error ViewChunks(const char* op, const ffi::Buffer<ffi::U8>& records, int32
   return ffi::Error::Success();
 }
 
-ffi::Error FpQuantize(cudaStream_t stream, ffi::AnyBuffer x,
-                      ffi::Result<ffi::Buffer<ffi::U8>> records, GroupFormat fmt) {
+ffi::Error FpQuantize(cudaStream_t stream, ffi::AnyBuffer x, U8Out records, GroupFormat fmt) {
   const int32_t format = fmt.format, rotation = fmt.rotation, spikes = fmt.spikes;
   const int64_t group_size = fmt.group_size;
   const char* op = "flashcomm_fp_quantize";
@@ -79,8 +78,7 @@ ffi::Error FpQuantize(cudaStream_t stream, ffi::AnyBuffer x,
   });
 }
 
-ffi::Error FpDequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> records,
-                        ffi::Result<ffi::AnyBuffer> y, GroupFormat fmt) {
+ffi::Error FpDequantize(cudaStream_t stream, U8Buf records, AnyOut y, GroupFormat fmt) {
   const int32_t format = fmt.format, rotation = fmt.rotation, spikes = fmt.spikes;
   const int64_t group_size = fmt.group_size;
   const char* op = "flashcomm_fp_dequantize";
@@ -98,8 +96,7 @@ ffi::Error FpDequantize(cudaStream_t stream, ffi::Buffer<ffi::U8> records,
   });
 }
 
-ffi::Error FpDequantizeSum(cudaStream_t stream, ffi::Buffer<ffi::U8> records,
-                           ffi::Result<ffi::AnyBuffer> y, GroupFormat fmt) {
+ffi::Error FpDequantizeSum(cudaStream_t stream, U8Buf records, AnyOut y, GroupFormat fmt) {
   const int32_t format = fmt.format, rotation = fmt.rotation, spikes = fmt.spikes;
   const int64_t group_size = fmt.group_size;
   const char* op = "flashcomm_fp_dequantize_sum";
@@ -119,8 +116,7 @@ ffi::Error FpDequantizeSum(cudaStream_t stream, ffi::Buffer<ffi::U8> records,
   });
 }
 
-ffi::Error FpDequantizeSumQuantize(cudaStream_t stream, ffi::Buffer<ffi::U8> records,
-                                   ffi::Result<ffi::Buffer<ffi::U8>> out, GroupFormat fmt,
+ffi::Error FpDequantizeSumQuantize(cudaStream_t stream, U8Buf records, U8Out out, GroupFormat fmt,
                                    GroupFormat out_fmt) {
   const int32_t format = fmt.format, out_format = out_fmt.format;
   const int32_t spikes = fmt.spikes, out_spikes = out_fmt.spikes;

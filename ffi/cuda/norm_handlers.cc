@@ -39,8 +39,8 @@ cudaError_t LaunchW(cudaStream_t stream, ffi::DataType wtype, const NormLaunch& 
                             : LaunchFor<T, F32>(stream, a, res, w, new_res, out);
 }
 
-ffi::Error Launch(const char* op, cudaStream_t stream, const NormLaunch& a,
-                  ffi::AnyBuffer residual, ffi::AnyBuffer weight, void* new_res, void* out) {
+ffi::Error Launch(const char* op, cudaStream_t stream, const NormLaunch& a, ffi::AnyBuffer residual,
+                  ffi::AnyBuffer weight, void* new_res, void* out) {
   if (a.rotation != kRotationNone && a.group_size > kMaxRotatedGroup) {
     return ffi::Error::InvalidArgument(std::string(op) +
                                        ": rotation needs group_size <= 1024 on CUDA");
@@ -66,8 +66,8 @@ ffi::Error Launch(const char* op, cudaStream_t stream, const NormLaunch& a,
   return ffi::Error::Success();
 }
 
-NormLaunch Args(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
-                ffi::Buffer<ffi::BF16> zero, const NormShape& shape, GroupFormat fmt, float eps) {
+NormLaunch Args(U8Buf codes, Bf16Buf scale,
+                Bf16Buf zero, const NormShape& shape, GroupFormat fmt, float eps) {
   NormLaunch a{};
   a.codes = codes.typed_data();
   a.scale = reinterpret_cast<const uint16_t*>(scale.typed_data());
@@ -85,11 +85,9 @@ NormLaunch Args(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
 
 }  // namespace
 
-ffi::Error AddRmsNorm(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
-                      ffi::Buffer<ffi::BF16> scale, ffi::Buffer<ffi::BF16> zero,
-                      ffi::AnyBuffer residual, ffi::AnyBuffer weight,
-                      ffi::Result<ffi::AnyBuffer> new_residual, ffi::Result<ffi::AnyBuffer> out,
-                      GroupFormat fmt, float eps) {
+ffi::Error AddRmsNorm(cudaStream_t stream, U8Buf codes, Bf16Buf scale, Bf16Buf zero,
+                      ffi::AnyBuffer residual, ffi::AnyBuffer weight, AnyOut new_residual,
+                      AnyOut out, GroupFormat fmt, float eps) {
   constexpr const char* kOp = "flashcomm_add_rms_norm";
   NormShape shape;
   ffi::AnyBuffer out_buf = *out;
@@ -103,13 +101,9 @@ ffi::Error AddRmsNorm(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
                 out->untyped_data());
 }
 
-ffi::Error AddRmsNormQuantize(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
-                              ffi::Buffer<ffi::BF16> scale, ffi::Buffer<ffi::BF16> zero,
-                              ffi::AnyBuffer residual, ffi::AnyBuffer weight,
-                              ffi::Result<ffi::AnyBuffer> new_residual,
-                              ffi::Result<ffi::Buffer<ffi::U8>> out_codes,
-                              ffi::Result<ffi::Buffer<ffi::BF16>> out_scale,
-                              ffi::Result<ffi::Buffer<ffi::BF16>> out_zero, GroupFormat fmt,
+ffi::Error AddRmsNormQuantize(cudaStream_t stream, U8Buf codes, Bf16Buf scale, Bf16Buf zero,
+                              ffi::AnyBuffer residual, ffi::AnyBuffer weight, AnyOut new_residual,
+                              U8Out out_codes, Bf16Out out_scale, Bf16Out out_zero, GroupFormat fmt,
                               float eps, GroupFormat out_fmt) {
   constexpr const char* kOp = "flashcomm_add_rms_norm_quantize";
   NormShape shape;

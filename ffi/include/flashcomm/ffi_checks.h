@@ -16,6 +16,13 @@ namespace flashcomm {
 
 namespace ffi = xla::ffi;
 
+// The payload buffers as the handlers' signatures name them (codes u8, scale and zero bf16).
+using U8Buf = ffi::Buffer<ffi::U8>;
+using Bf16Buf = ffi::Buffer<ffi::BF16>;
+using U8Out = ffi::Result<U8Buf>;
+using Bf16Out = ffi::Result<Bf16Buf>;
+using AnyOut = ffi::Result<ffi::AnyBuffer>;
+
 // Spike positions are 2 bytes (codec.h position_bytes): spikes > 0 needs group_size <= 65536.
 inline ffi::Error CheckSpikeGroupSize(int32_t spikes, int64_t group_size, const char* what) {
   if (spikes > 0 && group_size > kMaxSpikeGroupSize) {
