@@ -27,21 +27,12 @@ namespace ffi = xla::ffi;
 
 namespace flashcomm {
 namespace cpu {
-namespace {
-
 constexpr const char* kOp = "flashcomm_dequantize_into";
 
-ffi::Error Invalid(const std::string& what) {
-  return ffi::Error::InvalidArgument(std::string(kOp) + ": " + what);
-}
-
-}  // namespace
-
-ffi::Error DequantizeInto(ffi::AnyBuffer out_in, ffi::Buffer<ffi::U8> codes,
-                          ffi::Buffer<ffi::BF16> scale, ffi::Buffer<ffi::BF16> zero,
-                          ffi::Buffer<ffi::S32> offset, ffi::Result<ffi::AnyBuffer> out,
-                          int32_t bits, int64_t group_size, int32_t rotation, int32_t spikes,
-                          int64_t count, const Runner& runner) {
+ffi::Error DequantizeInto(ffi::AnyBuffer out_in, U8Buf codes, Bf16Buf scale, Bf16Buf zero,
+                          ffi::Buffer<ffi::S32> offset, AnyOut out, int32_t bits,
+                          int64_t group_size, int32_t rotation, int32_t spikes, int64_t count,
+                          const Runner& runner) {
   if (ffi::Error e = CheckDequantizeIntoArgs(out_in, codes, scale, zero, offset, *out, bits,
                                              group_size, rotation, spikes, count, 0, "");
       e.failure()) {
@@ -51,8 +42,9 @@ ffi::Error DequantizeInto(ffi::AnyBuffer out_in, ffi::Buffer<ffi::U8> codes,
   const int64_t size = int64_t(out->element_count());
   const int64_t at = int64_t(offset.typed_data()[0]);
   if (at < 0 || count > size || at > size - count) {
-    return Invalid("offset " + std::to_string(at) + " + chunk size " + std::to_string(count) +
-                   " is out of bounds for out of " + std::to_string(size) + " elements");
+    return InvalidFor(kOp, "offset " + std::to_string(at) + " + chunk size " +
+                               std::to_string(count) + " is out of bounds for out of " +
+                               std::to_string(size) + " elements");
   }
   const size_t item = type == ffi::F32 ? 4 : 2;
   if (out->untyped_data() != out_in.untyped_data()) {  // XLA aliases them; be safe if not
@@ -60,7 +52,7 @@ ffi::Error DequantizeInto(ffi::AnyBuffer out_in, ffi::Buffer<ffi::U8> codes,
   }
   if (count == 0) return ffi::Error::Success();
   DType dtype;
-  if (!ToDType(type, &dtype)) return Invalid("out must be f32, bf16 or f16");
+  if (!ToDType(type, &dtype)) return InvalidFor(kOp, "out must be f32, bf16 or f16");
   char* base = static_cast<char*>(out->untyped_data()) + static_cast<size_t>(at) * item;
   // Pieces of whole groups; the last group of the last piece may be cut to `count`.
   const int64_t groups = (count + group_size - 1) / group_size;
@@ -78,11 +70,9 @@ ffi::Error DequantizeInto(ffi::AnyBuffer out_in, ffi::Buffer<ffi::U8> codes,
 namespace {
 
 // The handler proper: the pool XLA gives the call, then the op's own arguments.
-ffi::Error DequantizeIntoOnPool(ffi::ThreadPool pool, ffi::AnyBuffer out_in,
-                                ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
-                                ffi::Buffer<ffi::BF16> zero, ffi::Buffer<ffi::S32> offset,
-                                ffi::Result<ffi::AnyBuffer> out, GroupFormat fmt,
-                                int64_t count) {
+ffi::Error DequantizeIntoOnPool(ffi::ThreadPool pool, ffi::AnyBuffer out_in, U8Buf codes,
+                                Bf16Buf scale, Bf16Buf zero, ffi::Buffer<ffi::S32> offset,
+                                AnyOut out, GroupFormat fmt, int64_t count) {
   return Guarded(kOp, [&] {
     return DequantizeInto(out_in, codes, scale, zero, offset, out, fmt.bits, fmt.group_size,
                           fmt.rotation, fmt.spikes, count, PoolRunner(pool));

@@ -18,6 +18,7 @@
 #include "handlers.h"
 #include "flashcomm/ffi_checks.h"
 #include "launch.h"
+#include "p2p_host.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -25,15 +26,6 @@ namespace ffi = xla::ffi;
 namespace flashcomm {
 namespace cuda {
 namespace {
-
-// The status of a launcher: Internal with the CUDA error's name and message if it failed.
-ffi::Error LaunchStatus(const char* op, cudaError_t err) {
-  if (err != cudaSuccess) {
-    return ffi::Error::Internal(std::string(op) + ": CUDA kernel launch failed: " +
-                                cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
-  }
-  return ffi::Error::Success();
-}
 
 // The CUDA kernels' limit on rotated groups, as the messages say it.
 constexpr const char* kRotatedGroupNote = " of at most 1024 on CUDA";

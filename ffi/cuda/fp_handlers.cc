@@ -14,6 +14,7 @@
 #include "flashcomm/fp_checks.h"
 #include "flashcomm/fp_codec.h"
 #include "launch.h"
+#include "p2p_host.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -21,14 +22,6 @@ namespace ffi = xla::ffi;
 namespace flashcomm {
 namespace cuda {
 namespace {
-
-ffi::Error Launched(const char* op, cudaError_t err) {
-  if (err != cudaSuccess) {
-    return ffi::Error::Internal(std::string(op) + ": CUDA kernel launch failed: " +
-                                cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
-  }
-  return ffi::Error::Success();
-}
 
 // The group lives in shared memory: G <= kMaxRotatedGroup (1024) on CUDA.
 ffi::Error CheckAttrs(const char* op, int32_t format, int64_t group_size, int32_t rotation,
@@ -39,9 +32,9 @@ ffi::Error CheckAttrs(const char* op, int32_t format, int64_t group_size, int32_
 template <typename Launch>
 ffi::Error ByDtype(ffi::DataType dtype, const char* op, Launch launch) {
   switch (dtype) {
-    case ffi::F32: return Launched(op, launch(F32{}));
-    case ffi::BF16: return Launched(op, launch(BF16{}));
-    case ffi::F16: return Launched(op, launch(F16{}));
+    case ffi::F32: return LaunchStatus(op, launch(F32{}));
+    case ffi::BF16: return LaunchStatus(op, launch(BF16{}));
+    case ffi::F16: return LaunchStatus(op, launch(F16{}));
     default: return FpInvalid(op, "the operand must be f32, bf16 or f16");
   }
 }
@@ -134,8 +127,8 @@ ffi::Error FpDequantizeSumQuantize(cudaStream_t stream, U8Buf records, U8Out out
       in.batch * in.groups_per_chunk * fp_record_bytes(out_format, group_size, out_spikes)) {
     return FpInvalid(op, "the output must hold one record per group");
   }
-  return Launched(op, LaunchFpDequantizeSumQuantize(stream, records.typed_data(), in, out_format,
-                                                    out_spikes, out->typed_data()));
+  return LaunchStatus(op, LaunchFpDequantizeSumQuantize(stream, records.typed_data(), in,
+                                                        out_format, out_spikes, out->typed_data()));
 }
 
 }  // namespace

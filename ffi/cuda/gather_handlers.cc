@@ -13,34 +13,18 @@
 #include "handlers.h"
 #include "flashcomm/ffi_checks.h"
 #include "launch.h"
+#include "p2p_host.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace flashcomm {
 namespace cuda {
-namespace {
-
 constexpr const char* kOp = "flashcomm_dequantize_into";
 
-ffi::Error LaunchStatus(cudaError_t err) {
-  if (err != cudaSuccess) {
-    return ffi::Error::Internal(std::string(kOp) + ": CUDA kernel launch failed: " +
-                                cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
-  }
-  return ffi::Error::Success();
-}
-
-ffi::Error Invalid(const std::string& what) {
-  return ffi::Error::InvalidArgument(std::string(kOp) + ": " + what);
-}
-
-}  // namespace
-
-ffi::Error DequantizeInto(cudaStream_t stream, ffi::AnyBuffer out_in,
-                          ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::BF16> scale,
-                          ffi::Buffer<ffi::BF16> zero, ffi::Buffer<ffi::S32> offset,
-                          ffi::Result<ffi::AnyBuffer> out, GroupFormat fmt, int64_t count) {
+ffi::Error DequantizeInto(cudaStream_t stream, ffi::AnyBuffer out_in, U8Buf codes, Bf16Buf scale,
+                          Bf16Buf zero, ffi::Buffer<ffi::S32> offset, AnyOut out, GroupFormat fmt,
+                          int64_t count) {
   const int32_t bits = fmt.bits, rotation = fmt.rotation, spikes = fmt.spikes;
   const int64_t group_size = fmt.group_size;
   if (ffi::Error e = CheckDequantizeIntoArgs(out_in, codes, scale, zero, offset, *out, bits,
@@ -51,12 +35,12 @@ ffi::Error DequantizeInto(cudaStream_t stream, ffi::AnyBuffer out_in,
   }
   const ffi::DataType type = out->element_type();
   const int64_t size = int64_t(out->element_count());
-  if (count > size) return Invalid("the chunk is larger than out");
+  if (count > size) return InvalidFor(kOp, "the chunk is larger than out");
   if (out->untyped_data() != out_in.untyped_data()) {  // XLA aliases them; be safe if not
     const size_t bytes = size_t(size) * (type == ffi::F32 ? 4 : 2);
     if (cudaMemcpyAsync(out->untyped_data(), out_in.untyped_data(), bytes,
                         cudaMemcpyDeviceToDevice, stream) != cudaSuccess) {
-      return LaunchStatus(cudaGetLastError());
+      return LaunchStatus(kOp, cudaGetLastError());
     }
   }
   const uint8_t* c = codes.typed_data();
@@ -64,17 +48,21 @@ ffi::Error DequantizeInto(cudaStream_t stream, ffi::AnyBuffer out_in,
   const uint16_t* z = zero.typed_data();
   const int32_t* off = offset.typed_data();
   void* y = out->untyped_data();
+  cudaError_t err;
   switch (type) {
     case ffi::F32:
-      return LaunchStatus(LaunchDequantizeInto<F32>(stream, c, s, z, group_size, bits, rotation,
-                                                    spikes, count, off, size, y));
+      err = LaunchDequantizeInto<F32>(stream, c, s, z, group_size, bits, rotation, spikes, count,
+                                      off, size, y);
+      break;
     case ffi::BF16:
-      return LaunchStatus(LaunchDequantizeInto<BF16>(stream, c, s, z, group_size, bits, rotation,
-                                                     spikes, count, off, size, y));
+      err = LaunchDequantizeInto<BF16>(stream, c, s, z, group_size, bits, rotation, spikes, count,
+                                       off, size, y);
+      break;
     default:
-      return LaunchStatus(LaunchDequantizeInto<F16>(stream, c, s, z, group_size, bits, rotation,
-                                                    spikes, count, off, size, y));
+      err = LaunchDequantizeInto<F16>(stream, c, s, z, group_size, bits, rotation, spikes, count,
+                                      off, size, y);
   }
+  return LaunchStatus(kOp, err);
 }
 
 }  // namespace cuda

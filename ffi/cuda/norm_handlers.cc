@@ -14,6 +14,7 @@
 #include "flashcomm/ffi_checks.h"
 #include "flashcomm/norm_checks.h"
 #include "launch.h"
+#include "p2p_host.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -59,11 +60,7 @@ ffi::Error Launch(const char* op, cudaStream_t stream, const NormLaunch& a, ffi:
     case ffi::BF16: err = LaunchW<BF16>(stream, wt, a, res, w, new_res, out); break;
     default: err = LaunchW<F16>(stream, wt, a, res, w, new_res, out); break;
   }
-  if (err != cudaSuccess) {
-    return ffi::Error::Internal(std::string(op) + ": CUDA kernel launch failed: " +
-                                cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
-  }
-  return ffi::Error::Success();
+  return LaunchStatus(op, err);
 }
 
 NormLaunch Args(U8Buf codes, Bf16Buf scale,

@@ -1,8 +1,8 @@
-// Host plumbing shared by the CUDA peer-to-peer handlers (p2p_handlers.cc, the fused
-// collectives; p2p_ring_handlers.cc, the ring steps): CUDA errors as ffi::Error, a scoped
-// current device, peer access enabled once per device pair, and reading the rank and group
-// operands on the host with a deadline. Plain C++ with the CUDA runtime API (no nanobind, not
-// compiled by nvcc). Never run on hardware (docs/cuda.md).
+// Host plumbing of the CUDA handlers: CUDA errors and kernel launches' results as ffi::Error (every
+// handler file); for the peer-to-peer ones (p2p_handlers.cc, the fused collectives;
+// p2p_ring_handlers.cc, the ring steps), a scoped current device, peer access enabled once per
+// device pair, and reading the rank and group operands on the host with a deadline. Plain C++ with
+// the CUDA runtime API (no nanobind, not compiled by nvcc). Never run on hardware (docs/cuda.md).
 #ifndef FLASHCOMM_CUDA_P2P_HOST_H_
 #define FLASHCOMM_CUDA_P2P_HOST_H_
 
@@ -29,6 +29,11 @@ namespace ffi = xla::ffi;
 inline ffi::Error CudaError(const char* op, const std::string& what, cudaError_t err) {
   return ffi::Error::Internal(std::string(op) + ": " + what + " failed: " +
                               cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
+}
+
+// A kernel launcher's result as the handler's status: Internal, naming the CUDA error.
+inline ffi::Error LaunchStatus(const char* op, cudaError_t err) {
+  return err == cudaSuccess ? ffi::Error::Success() : CudaError(op, "CUDA kernel launch", err);
 }
 
 #define FLASHCOMM_CUDA_TRY(op, what, expr)                           \

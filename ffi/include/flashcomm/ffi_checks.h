@@ -23,6 +23,11 @@ using U8Out = ffi::Result<U8Buf>;
 using Bf16Out = ffi::Result<Bf16Buf>;
 using AnyOut = ffi::Result<ffi::AnyBuffer>;
 
+// InvalidArgument, the message after the op's name.
+inline ffi::Error InvalidFor(const char* op, const std::string& what) {
+  return ffi::Error::InvalidArgument(std::string(op) + ": " + what);
+}
+
 // Spike positions are 2 bytes (codec.h position_bytes): spikes > 0 needs group_size <= 65536.
 inline ffi::Error CheckSpikeGroupSize(int32_t spikes, int64_t group_size, const char* what) {
   if (spikes > 0 && group_size > kMaxSpikeGroupSize) {
