@@ -104,42 +104,35 @@ int main() {
                      }});
     }
   }
-  ops.push_back({"dequantize int8", size_t(kValues * 2), [=](const CodecKernels& k, uint8_t* o) {
-                   return k.dequantize(DType::kBF16, codes8, scale8, zero8, kGroups, kGroup, 8,
-                                       0, 0, o);
-                 }});
-  ops.push_back({"sum of 8 chunks int8", size_t(out_groups * kGroup * 2),
-                 [=](const CodecKernels& k, uint8_t* o) {
-                   return k.dequantize_sum(DType::kBF16, payload8, 0, o, 0, out_groups);
-                 }});
-  ops.push_back({"fused sum-quantize int8", size_t(out_groups * (rec8 + 4)),
-                 [=](const CodecKernels& k, uint8_t* o) {
-                   auto* scale = reinterpret_cast<uint16_t*>(o + out_groups * rec8);
-                   return k.dequantize_sum_quantize(payload8, 8, 0, o, scale, scale + out_groups,
-                                                    0, out_groups);
-                 }});
+  // dequantize, the sum of 8 chunks, and the int8 chunks' sum quantized to this format
+  auto add_int_decodes = [&](const char* dequantize, const char* sum, const char* fused, int bits,
+                             int spikes, const uint8_t* codes, const uint16_t* scale,
+                             const uint16_t* zero, const flashcomm::PayloadView& payload) {
+    const int64_t rec = flashcomm::record_bytes(kGroup, bits, spikes);
+    ops.push_back({dequantize, size_t(kValues * 2), [=](const CodecKernels& k, uint8_t* o) {
+                     return k.dequantize(DType::kBF16, codes, scale, zero, kGroups, kGroup, bits,
+                                         0, spikes, o);
+                   }});
+    ops.push_back({sum, size_t(out_groups * kGroup * 2), [=](const CodecKernels& k, uint8_t* o) {
+                     return k.dequantize_sum(DType::kBF16, payload, 0, o, 0, out_groups);
+                   }});
+    ops.push_back({fused, size_t(out_groups * (rec + 4)), [=](const CodecKernels& k, uint8_t* o) {
+                     auto* s = reinterpret_cast<uint16_t*>(o + out_groups * rec);
+                     return k.dequantize_sum_quantize(payload8, bits, spikes, o, s, s + out_groups,
+                                                      0, out_groups);
+                   }});
+  };
+  add_int_decodes("dequantize int8", "sum of 8 chunks int8", "fused sum-quantize int8", 8, 0,
+                  codes8, scale8, zero8, payload8);
   const int64_t rec4s = flashcomm::record_bytes(kGroup, 4, 1);
   uint8_t* codes4s = Buffer(size_t(kGroups * rec4s));
   auto* scale4s = reinterpret_cast<uint16_t*>(Buffer(size_t(kGroups) * 2));
   auto* zero4s = reinterpret_cast<uint16_t*>(Buffer(size_t(kGroups) * 2));
   before.quantize(DType::kBF16, x, kGroups, kGroup, 4, 0, 1, codes4s, scale4s, zero4s);
-  ops.push_back({"dequantize int4 +spike", size_t(kValues * 2),
-                 [=](const CodecKernels& k, uint8_t* o) {
-                   return k.dequantize(DType::kBF16, codes4s, scale4s, zero4s, kGroups, kGroup, 4,
-                                       0, 1, o);
-                 }});
   const flashcomm::PayloadView payload4s{codes4s, scale4s, zero4s, 1, kChunks, kGroups / kChunks,
                                          kGroup, rec4s, 4, 1};
-  ops.push_back({"sum of 8 int4 +spike", size_t(out_groups * kGroup * 2),
-                 [=](const CodecKernels& k, uint8_t* o) {
-                   return k.dequantize_sum(DType::kBF16, payload4s, 0, o, 0, out_groups);
-                 }});
-  ops.push_back({"fused int8 to int4 +spike", size_t(out_groups * (rec4s + 4)),
-                 [=](const CodecKernels& k, uint8_t* o) {
-                   auto* scale = reinterpret_cast<uint16_t*>(o + out_groups * rec4s);
-                   return k.dequantize_sum_quantize(payload8, 4, 1, o, scale, scale + out_groups,
-                                                    0, out_groups);
-                 }});
+  add_int_decodes("dequantize int4 +spike", "sum of 8 int4 +spike", "fused int8 to int4 +spike",
+                  4, 1, codes4s, scale4s, zero4s, payload4s);
   const char* fp_names[4][4] = {
       {}, {"quantize fp8", "dequantize fp8", "", ""},
       {"quantize mxfp4", "dequantize mxfp4", "sum of 8 chunks mxfp4", "fused sum-quantize mxfp4"},

@@ -22,22 +22,20 @@ namespace bind {
 namespace ffi = xla::ffi;
 
 // One payload of the integer format, as results: codes (..., record bytes) u8, then one bf16
-// scale and one bf16 zero per group.
+// scale and one bf16 zero per group (...).
 template <typename B>
 auto PayloadRets(B&& b) {
-  return std::forward<B>(b)
-      .template Ret<ffi::Buffer<ffi::U8>>()     // codes: (..., record bytes)
-      .template Ret<ffi::Buffer<ffi::BF16>>()   // scale: (...)
-      .template Ret<ffi::Buffer<ffi::BF16>>();  // zero: (...)
+  using U8 = ffi::Buffer<ffi::U8>;
+  using Bf16 = ffi::Buffer<ffi::BF16>;
+  return std::forward<B>(b).template Ret<U8>().template Ret<Bf16>().template Ret<Bf16>();
 }
 
 // The same payload as operands.
 template <typename B>
 auto PayloadArgs(B&& b) {
-  return std::forward<B>(b)
-      .template Arg<ffi::Buffer<ffi::U8>>()     // codes: (..., record bytes)
-      .template Arg<ffi::Buffer<ffi::BF16>>()   // scale: (...)
-      .template Arg<ffi::Buffer<ffi::BF16>>();  // zero: (...)
+  using U8 = ffi::Buffer<ffi::U8>;
+  using Bf16 = ffi::Buffer<ffi::BF16>;
+  return std::forward<B>(b).template Arg<U8>().template Arg<Bf16>().template Arg<Bf16>();
 }
 
 // quantize: x (..., group_size) f32/bf16/f16 -> its payload.
