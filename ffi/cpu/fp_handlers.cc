@@ -28,9 +28,7 @@ namespace {
 ffi::Error ViewChunks(const char* op, const U8Buf& codes, int32_t format, int64_t group_size,
                       int32_t spikes, FpChunks* in) {
   FpChunkShape shape;
-  if (ffi::Error e = ViewFpChunks(op, codes, format, group_size, spikes, &shape); e.failure()) {
-    return e;
-  }
+  FLASHCOMM_RETURN_IF_FAILED(ViewFpChunks(op, codes, format, group_size, spikes, &shape));
   *in = FpChunks{codes.typed_data(), shape.batch, shape.chunks, shape.groups_per_chunk,
                  group_size, format, spikes};
   return ffi::Error::Success();
@@ -39,9 +37,7 @@ ffi::Error ViewChunks(const char* op, const U8Buf& codes, int32_t format, int64_
 ffi::Error FpQuantize(ffi::AnyBuffer x, U8Out records, int32_t format, int64_t group_size,
                       int32_t rotation, int32_t spikes, const Runner& runner) {
   const char* op = "flashcomm_fp_quantize";
-  if (ffi::Error e = CheckFpAttrs(op, format, group_size, rotation, spikes); e.failure()) {
-    return e;
-  }
+  FLASHCOMM_RETURN_IF_FAILED(CheckFpAttrs(op, format, group_size, rotation, spikes));
   DType dtype;
   if (!ToDType(x.element_type(), &dtype)) return FpInvalid(op, "x must be f32, bf16 or f16");
   const int64_t n = int64_t(x.element_count());
@@ -62,17 +58,12 @@ ffi::Error FpQuantize(ffi::AnyBuffer x, U8Out records, int32_t format, int64_t g
 ffi::Error FpDequantize(U8Buf records, AnyOut y, int32_t format, int64_t group_size,
                         int32_t rotation, int32_t spikes, const Runner& runner) {
   const char* op = "flashcomm_fp_dequantize";
-  if (ffi::Error e = CheckFpAttrs(op, format, group_size, rotation, spikes); e.failure()) {
-    return e;
-  }
+  FLASHCOMM_RETURN_IF_FAILED(CheckFpAttrs(op, format, group_size, rotation, spikes));
   DType dtype;
   if (!ToDType(y->element_type(), &dtype)) return FpInvalid(op, "y must be f32, bf16 or f16");
   const int64_t stride = fp_record_bytes(format, group_size, spikes);
   int64_t n_groups = 0;
-  if (ffi::Error e = CheckFpDecode(op, records, *y, format, group_size, spikes, &n_groups);
-      e.failure()) {
-    return e;
-  }
+  FLASHCOMM_RETURN_IF_FAILED(CheckFpDecode(op, records, *y, format, group_size, spikes, &n_groups));
   const int64_t esize = y->element_count() > 0 ? int64_t(y->size_bytes() / y->element_count()) : 4;
   const int64_t item = group_size * esize;
   auto* ys = static_cast<uint8_t*>(y->untyped_data());
@@ -86,13 +77,9 @@ ffi::Error FpDequantize(U8Buf records, AnyOut y, int32_t format, int64_t group_s
 ffi::Error FpDequantizeSum(U8Buf records, AnyOut y, int32_t format, int64_t group_size,
                            int32_t rotation, int32_t spikes, const Runner& runner) {
   const char* op = "flashcomm_fp_dequantize_sum";
-  if (ffi::Error e = CheckFpAttrs(op, format, group_size, rotation, spikes); e.failure()) {
-    return e;
-  }
+  FLASHCOMM_RETURN_IF_FAILED(CheckFpAttrs(op, format, group_size, rotation, spikes));
   FpChunks in;
-  if (ffi::Error e = ViewChunks(op, records, format, group_size, spikes, &in); e.failure()) {
-    return e;
-  }
+  FLASHCOMM_RETURN_IF_FAILED(ViewChunks(op, records, format, group_size, spikes, &in));
   DType dtype;
   if (!ToDType(y->element_type(), &dtype)) return FpInvalid(op, "y must be f32, bf16 or f16");
   const int64_t n_out = in.batch * in.groups_per_chunk;
@@ -110,14 +97,10 @@ ffi::Error FpDequantizeSumQuantize(U8Buf records, U8Out out, int32_t format, int
                                    int64_t group_size, int32_t spikes, int32_t out_spikes,
                                    const Runner& runner) {
   const char* op = "flashcomm_fp_dequantize_sum_quantize";
-  if (ffi::Error e = CheckFpAttrs(op, format, group_size, 0, spikes); e.failure()) return e;
-  if (ffi::Error e = CheckFpAttrs(op, out_format, group_size, 0, out_spikes); e.failure()) {
-    return e;
-  }
+  FLASHCOMM_RETURN_IF_FAILED(CheckFpAttrs(op, format, group_size, 0, spikes));
+  FLASHCOMM_RETURN_IF_FAILED(CheckFpAttrs(op, out_format, group_size, 0, out_spikes));
   FpChunks in;
-  if (ffi::Error e = ViewChunks(op, records, format, group_size, spikes, &in); e.failure()) {
-    return e;
-  }
+  FLASHCOMM_RETURN_IF_FAILED(ViewChunks(op, records, format, group_size, spikes, &in));
   const int64_t n_out = in.batch * in.groups_per_chunk;
   const int64_t stride = fp_record_bytes(out_format, group_size, out_spikes);
   if (int64_t(out->element_count()) != n_out * stride) {

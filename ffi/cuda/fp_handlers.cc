@@ -42,10 +42,7 @@ ffi::Error ByDtype(ffi::DataType dtype, const char* op, Launch launch) {
 ffi::Error ViewChunks(const char* op, const U8Buf& records, int32_t format, int64_t group_size,
                       int32_t spikes, FpChunkArgs* in) {
   FpChunkShape shape;
-  if (ffi::Error e = ViewFpChunks(op, records, format, group_size, spikes, &shape);
-      e.failure()) {
-    return e;
-  }
+  FLASHCOMM_RETURN_IF_FAILED(ViewFpChunks(op, records, format, group_size, spikes, &shape));
   *in = FpChunkArgs{shape.batch, shape.chunks, shape.groups_per_chunk, group_size, format,
                     spikes};
   return ffi::Error::Success();
@@ -55,9 +52,7 @@ ffi::Error FpQuantize(cudaStream_t stream, ffi::AnyBuffer x, U8Out records, Grou
   const int32_t format = fmt.format, rotation = fmt.rotation, spikes = fmt.spikes;
   const int64_t group_size = fmt.group_size;
   const char* op = "flashcomm_fp_quantize";
-  if (ffi::Error e = CheckAttrs(op, format, group_size, rotation, spikes); e.failure()) {
-    return e;
-  }
+  FLASHCOMM_RETURN_IF_FAILED(CheckAttrs(op, format, group_size, rotation, spikes));
   const int64_t n = int64_t(x.element_count());
   if (n % group_size != 0) return FpInvalid(op, "x must be whole groups");
   const int64_t n_groups = n / group_size;
@@ -75,14 +70,9 @@ ffi::Error FpDequantize(cudaStream_t stream, U8Buf records, AnyOut y, GroupForma
   const int32_t format = fmt.format, rotation = fmt.rotation, spikes = fmt.spikes;
   const int64_t group_size = fmt.group_size;
   const char* op = "flashcomm_fp_dequantize";
-  if (ffi::Error e = CheckAttrs(op, format, group_size, rotation, spikes); e.failure()) {
-    return e;
-  }
+  FLASHCOMM_RETURN_IF_FAILED(CheckAttrs(op, format, group_size, rotation, spikes));
   int64_t n_groups = 0;
-  if (ffi::Error e = CheckFpDecode(op, records, *y, format, group_size, spikes, &n_groups);
-      e.failure()) {
-    return e;
-  }
+  FLASHCOMM_RETURN_IF_FAILED(CheckFpDecode(op, records, *y, format, group_size, spikes, &n_groups));
   return ByDtype(y->element_type(), op, [&](auto t) {
     return LaunchFpDequantize<decltype(t)>(stream, records.typed_data(), n_groups, group_size,
                                            format, rotation, spikes, y->untyped_data());
@@ -93,13 +83,9 @@ ffi::Error FpDequantizeSum(cudaStream_t stream, U8Buf records, AnyOut y, GroupFo
   const int32_t format = fmt.format, rotation = fmt.rotation, spikes = fmt.spikes;
   const int64_t group_size = fmt.group_size;
   const char* op = "flashcomm_fp_dequantize_sum";
-  if (ffi::Error e = CheckAttrs(op, format, group_size, rotation, spikes); e.failure()) {
-    return e;
-  }
+  FLASHCOMM_RETURN_IF_FAILED(CheckAttrs(op, format, group_size, rotation, spikes));
   FpChunkArgs in;
-  if (ffi::Error e = ViewChunks(op, records, format, group_size, spikes, &in); e.failure()) {
-    return e;
-  }
+  FLASHCOMM_RETURN_IF_FAILED(ViewChunks(op, records, format, group_size, spikes, &in));
   if (int64_t(y->element_count()) != in.batch * in.groups_per_chunk * group_size) {
     return FpInvalid(op, "y has the wrong size");
   }
@@ -115,14 +101,10 @@ ffi::Error FpDequantizeSumQuantize(cudaStream_t stream, U8Buf records, U8Out out
   const int32_t spikes = fmt.spikes, out_spikes = out_fmt.spikes;
   const int64_t group_size = fmt.group_size;
   const char* op = "flashcomm_fp_dequantize_sum_quantize";
-  if (ffi::Error e = CheckAttrs(op, format, group_size, 0, spikes); e.failure()) return e;
-  if (ffi::Error e = CheckAttrs(op, out_format, group_size, 0, out_spikes); e.failure()) {
-    return e;
-  }
+  FLASHCOMM_RETURN_IF_FAILED(CheckAttrs(op, format, group_size, 0, spikes));
+  FLASHCOMM_RETURN_IF_FAILED(CheckAttrs(op, out_format, group_size, 0, out_spikes));
   FpChunkArgs in;
-  if (ffi::Error e = ViewChunks(op, records, format, group_size, spikes, &in); e.failure()) {
-    return e;
-  }
+  FLASHCOMM_RETURN_IF_FAILED(ViewChunks(op, records, format, group_size, spikes, &in));
   if (int64_t(out->element_count()) !=
       in.batch * in.groups_per_chunk * fp_record_bytes(out_format, group_size, out_spikes)) {
     return FpInvalid(op, "the output must hold one record per group");

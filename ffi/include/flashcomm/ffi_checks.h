@@ -23,6 +23,14 @@ using U8Out = ffi::Result<U8Buf>;
 using Bf16Out = ffi::Result<Bf16Buf>;
 using AnyOut = ffi::Result<ffi::AnyBuffer>;
 
+// Returns from the calling handler with the error `expr` gives, if it is a failure.
+#define FLASHCOMM_RETURN_IF_FAILED(expr)                                       \
+  do {                                                                         \
+    if (::xla::ffi::Error flashcomm_e_ = (expr); flashcomm_e_.failure()) {     \
+      return flashcomm_e_;                                                     \
+    }                                                                          \
+  } while (0)
+
 // InvalidArgument, the message after the op's name.
 inline ffi::Error InvalidFor(const char* op, const std::string& what) {
   return ffi::Error::InvalidArgument(std::string(op) + ": " + what);
