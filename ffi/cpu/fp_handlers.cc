@@ -34,12 +34,20 @@ ffi::Error ViewChunks(const char* op, const U8Buf& codes, int32_t format, int64_
   return ffi::Error::Success();
 }
 
+// The attributes, then the dtype of operand or result `what`: f32, bf16 or f16.
+ffi::Error CheckAttrsAndDType(const char* op, int32_t format, int64_t group_size, int32_t rotation,
+                              int32_t spikes, ffi::DataType type, const char* what, DType* dtype) {
+  FLASHCOMM_RETURN_IF_FAILED(CheckFpAttrs(op, format, group_size, rotation, spikes));
+  if (!ToDType(type, dtype)) return FpInvalid(op, std::string(what) + " must be f32, bf16 or f16");
+  return ffi::Error::Success();
+}
+
 ffi::Error FpQuantize(ffi::AnyBuffer x, U8Out records, int32_t format, int64_t group_size,
                       int32_t rotation, int32_t spikes, const Runner& runner) {
   const char* op = "flashcomm_fp_quantize";
-  FLASHCOMM_RETURN_IF_FAILED(CheckFpAttrs(op, format, group_size, rotation, spikes));
   DType dtype;
-  if (!ToDType(x.element_type(), &dtype)) return FpInvalid(op, "x must be f32, bf16 or f16");
+  FLASHCOMM_RETURN_IF_FAILED(
+      CheckAttrsAndDType(op, format, group_size, rotation, spikes, x.element_type(), "x", &dtype));
   const int64_t n = int64_t(x.element_count());
   if (n % group_size != 0) return FpInvalid(op, "x must be whole groups");
   const int64_t n_groups = n / group_size, stride = fp_record_bytes(format, group_size, spikes);
@@ -58,9 +66,9 @@ ffi::Error FpQuantize(ffi::AnyBuffer x, U8Out records, int32_t format, int64_t g
 ffi::Error FpDequantize(U8Buf records, AnyOut y, int32_t format, int64_t group_size,
                         int32_t rotation, int32_t spikes, const Runner& runner) {
   const char* op = "flashcomm_fp_dequantize";
-  FLASHCOMM_RETURN_IF_FAILED(CheckFpAttrs(op, format, group_size, rotation, spikes));
   DType dtype;
-  if (!ToDType(y->element_type(), &dtype)) return FpInvalid(op, "y must be f32, bf16 or f16");
+  FLASHCOMM_RETURN_IF_FAILED(
+      CheckAttrsAndDType(op, format, group_size, rotation, spikes, y->element_type(), "y", &dtype));
   const int64_t stride = fp_record_bytes(format, group_size, spikes);
   int64_t n_groups = 0;
   FLASHCOMM_RETURN_IF_FAILED(CheckFpDecode(op, records, *y, format, group_size, spikes, &n_groups));
