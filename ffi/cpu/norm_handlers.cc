@@ -28,19 +28,13 @@ ffi::Error Run(const char* op, const NormShape& shape, NormArgs args, int64_t it
   return failed == 0 ? ffi::Error::Success() : ScratchError(op, failed);
 }
 
-NormArgs Args(U8Buf codes, Bf16Buf scale,
-              Bf16Buf zero, ffi::AnyBuffer residual, ffi::AnyBuffer weight,
-              ffi::AnyBuffer new_residual, const GroupFormat& fmt, float eps, int64_t hidden) {
+NormArgs Args(U8Buf codes, Bf16Buf scale, Bf16Buf zero, ffi::AnyBuffer residual,
+              ffi::AnyBuffer weight, ffi::AnyBuffer new_residual, const GroupFormat& fmt,
+              float eps, int64_t hidden) {
   NormArgs a{};
   ToDType(residual.element_type(), &a.dtype);
   a.wtype = weight.element_type() == ffi::DataType::BF16 ? DType::kBF16 : DType::kF32;
-  a.codes = codes.typed_data();
-  a.scale = reinterpret_cast<const uint16_t*>(scale.typed_data());
-  a.zero = reinterpret_cast<const uint16_t*>(zero.typed_data());
-  a.group_size = fmt.group_size;
-  a.bits = fmt.bits;
-  a.rotation = fmt.rotation;
-  a.spikes = fmt.spikes;
+  SetNormPayload(codes, scale, zero, fmt, &a);
   a.residual = residual.untyped_data();
   a.weight = weight.untyped_data();
   a.hidden = hidden;

@@ -63,16 +63,10 @@ ffi::Error Launch(const char* op, cudaStream_t stream, const NormLaunch& a, ffi:
   return LaunchStatus(op, err);
 }
 
-NormLaunch Args(U8Buf codes, Bf16Buf scale,
-                Bf16Buf zero, const NormShape& shape, GroupFormat fmt, float eps) {
+NormLaunch Args(U8Buf codes, Bf16Buf scale, Bf16Buf zero, const NormShape& shape,
+                GroupFormat fmt, float eps) {
   NormLaunch a{};
-  a.codes = codes.typed_data();
-  a.scale = reinterpret_cast<const uint16_t*>(scale.typed_data());
-  a.zero = reinterpret_cast<const uint16_t*>(zero.typed_data());
-  a.group_size = fmt.group_size;
-  a.bits = fmt.bits;
-  a.rotation = fmt.rotation;
-  a.spikes = fmt.spikes;
+  SetNormPayload(codes, scale, zero, fmt, &a);
   a.rows = shape.rows;
   a.hidden = shape.hidden;
   a.inv_h = 1.0f / float(shape.hidden);

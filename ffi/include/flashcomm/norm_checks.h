@@ -87,6 +87,20 @@ ffi::Error CheckNormQuantOut(const NormShape& shape, const C& codes, const S& sc
   return ffi::Error::Success();
 }
 
+// The gathered payload and its format into a kernel's arguments (the CPU's NormArgs, CUDA's
+// NormLaunch).
+template <typename Args>
+void SetNormPayload(const U8Buf& codes, const Bf16Buf& scale, const Bf16Buf& zero,
+                    const GroupFormat& fmt, Args* a) {
+  a->codes = codes.typed_data();
+  a->scale = reinterpret_cast<const uint16_t*>(scale.typed_data());
+  a->zero = reinterpret_cast<const uint16_t*>(zero.typed_data());
+  a->group_size = fmt.group_size;
+  a->bits = fmt.bits;
+  a->rotation = fmt.rotation;
+  a->spikes = fmt.spikes;
+}
+
 }  // namespace flashcomm
 
 #endif  // FLASHCOMM_NORM_CHECKS_H_
