@@ -183,6 +183,63 @@ inline ffi::Future Failed(ffi::Error error) {
   return ffi::Future(promise);
 }
 
+// ring_start's attributes and results: a positive timeout, a link rate >= 0, and recv and
+// send_out of send's size and dtype.
+inline ffi::Error CheckRingStartArgs(const char* op, const ffi::AnyBuffer& send,
+                                     const ffi::AnyBuffer& send_out, const ffi::AnyBuffer& recv,
+                                     int64_t timeout_ms, int64_t link_bytes_per_s) {
+  if (timeout_ms <= 0 || link_bytes_per_s < 0) {
+    return ffi::Error::InvalidArgument(std::string(op) +
+                                       ": timeout_ms must be positive, link_bytes_per_s >= 0");
+  }
+  if (send_out.size_bytes() != send.size_bytes() || recv.size_bytes() != send.size_bytes() ||
+      recv.element_type() != send.element_type()) {
+    return ffi::Error::InvalidArgument(std::string(op) +
+                                       ": recv and send_out must have send's size and dtype");
+  }
+  return ffi::Error::Success();
+}
+
+// ring_done's operands and results: recv_out and after_out the sizes of recv and after, send
+// the size of recv.
+inline ffi::Error CheckRingDoneSizes(const char* op, const ffi::AnyBuffer& recv,
+                                     const ffi::AnyBuffer& send, const ffi::AnyBuffer& after,
+                                     const ffi::AnyBuffer& recv_out,
+                                     const ffi::AnyBuffer& after_out) {
+  if (recv_out.size_bytes() != recv.size_bytes() || after_out.size_bytes() != after.size_bytes() ||
+      send.size_bytes() != recv.size_bytes()) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": results must match recv and after");
+  }
+  return ffi::Error::Success();
+}
+
+// A ring_done at a call site where `rank` started no step.
+inline ffi::Error NoRingStep(const char* op, int32_t rank) {
+  return ffi::Error::Internal(std::string(op) + ": rank " + std::to_string(rank) +
+                              " has no step in progress at this call site");
+}
+
+// XLA aliases a result to its operand as asked; if it ever gives a distinct buffer, copy.
+inline void PassThrough(const ffi::AnyBuffer& in, ffi::AnyBuffer& out) {
+  if (in.untyped_data() != out.untyped_data()) {
+    std::memcpy(out.untyped_data(), in.untyped_data(), in.size_bytes());
+  }
+}
+
+// ring_done's recv_out once the chunk has arrived in recv: the same buffer, or a copy of it.
+struct RecvCopy {
+  const void* in;
+  void* out;
+  size_t bytes;
+  void operator()() const {
+    if (in != out) std::memcpy(out, in, bytes);
+  }
+};
+
+inline RecvCopy CopyRecv(const ffi::AnyBuffer& recv, ffi::AnyBuffer& recv_out) {
+  return RecvCopy{recv.untyped_data(), recv_out.untyped_data(), recv.size_bytes()};
+}
+
 inline ffi::Error CheckCommon(const char* op, const ffi::AnyBuffer& x, int32_t rank, int64_t size,
                               int64_t timeout_ms, int32_t rotation, int64_t group_size) {
   if (size < 1 || rank < 0 || rank >= size) {

@@ -52,13 +52,6 @@ ffi::Error CheckRank(const char* op, int32_t rank, int64_t size, int64_t shift) 
   return ffi::Error::Success();
 }
 
-// XLA aliases a result to its operand as asked; if it ever gives a distinct buffer, copy.
-void PassThrough(const ffi::AnyBuffer& in, ffi::AnyBuffer& out) {
-  if (in.untyped_data() != out.untyped_data()) {
-    std::memcpy(out.untyped_data(), in.untyped_data(), in.size_bytes());
-  }
-}
-
 }  // namespace
 
 ffi::Error P2pRingStart(ffi::RunId run, ffi::AnyBuffer send, ffi::Buffer<ffi::S32> rank_buf,
@@ -70,14 +63,10 @@ ffi::Error P2pRingStart(ffi::RunId run, ffi::AnyBuffer send, ffi::Buffer<ffi::S3
   const int64_t begin_us = Timeline::NowMicros();
   const int32_t rank = rank_buf.typed_data()[0];
   if (ffi::Error e = CheckRank(kOp, rank, size, shift); e.failure()) return e;
-  if (timeout_ms <= 0 || link_bytes_per_s < 0) {
-    return ffi::Error::InvalidArgument(Prefix(kOp) +
-                                       "timeout_ms must be positive, link_bytes_per_s >= 0");
-  }
-  if (send_out->size_bytes() != send.size_bytes() || recv->size_bytes() != send.size_bytes() ||
-      recv->element_type() != send.element_type()) {
-    return ffi::Error::InvalidArgument(Prefix(kOp) +
-                                       "recv and send_out must have send's size and dtype");
+  if (ffi::Error e =
+          CheckRingStartArgs(kOp, send, *send_out, *recv, timeout_ms, link_bytes_per_s);
+      e.failure()) {
+    return e;
   }
   PassThrough(send, *send_out);
   order->typed_data()[0] = 0;
@@ -108,33 +97,22 @@ ffi::Future P2pRingDone(ffi::RunId run, ffi::AnyBuffer recv, ffi::AnyBuffer send
                         int64_t site) {
   constexpr const char* kOp = "flashcomm_p2p_ring_done";
   const int64_t begin_us = Timeline::NowMicros();
-  auto fail = [](ffi::Error e) {
-    ffi::Promise promise;
-    promise.SetError(std::move(e));
-    return ffi::Future(promise);
-  };
   const int32_t rank = rank_buf.typed_data()[0];
-  if (ffi::Error e = CheckRank(kOp, rank, size, shift); e.failure()) return fail(std::move(e));
-  if (recv_out->size_bytes() != recv.size_bytes() ||
-      after_out->size_bytes() != after.size_bytes() || send.size_bytes() != recv.size_bytes()) {
-    return fail(ffi::Error::InvalidArgument(Prefix(kOp) +
-                                            "results must match recv and after"));
+  if (ffi::Error e = CheckRank(kOp, rank, size, shift); e.failure()) return Failed(std::move(e));
+  if (ffi::Error e = CheckRingDoneSizes(kOp, recv, send, after, *recv_out, *after_out);
+      e.failure()) {
+    return Failed(std::move(e));
   }
   PassThrough(after, *after_out);
   auto step = RingTable::Global().Done({run.run_id, site, group_buf.typed_data()[0]}, rank);
-  if (!step) {
-    return fail(ffi::Error::Internal(Prefix(kOp) + "rank " + std::to_string(rank) +
-                                     " has no step in progress at this call site"));
-  }
+  if (!step) return Failed(NoRingStep(kOp, rank));
   ffi::Promise promise;
   ffi::Future future(promise);
-  const void* in = recv.untyped_data();
-  void* out = recv_out->untyped_data();
-  const size_t bytes = recv.size_bytes();
-  step->Done(rank, in, [promise, in, out, bytes, site, rank, begin_us](
-                           const std::string& error) mutable {
-    if (error.empty() && in != out) std::memcpy(out, in, bytes);
-    Timeline::Global().Add({Timeline::kWait, site, rank, -1, int64_t(bytes), begin_us,
+  const RecvCopy copy = CopyRecv(recv, *recv_out);
+  step->Done(rank, copy.in, [promise, copy, site, rank, begin_us](
+                                const std::string& error) mutable {
+    if (error.empty()) copy();
+    Timeline::Global().Add({Timeline::kWait, site, rank, -1, int64_t(copy.bytes), begin_us,
                             Timeline::NowMicros()});
     CompleteLater(promise, error.empty() ? error : Prefix(kOp) + error,
                   [] { RingTable::Global().Prune(); });

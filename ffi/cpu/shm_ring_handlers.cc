@@ -147,18 +147,12 @@ ffi::Error ShmRingStart(ffi::AnyBuffer send, ffi::Buffer<ffi::S32> rank_buf,
                                        " not in 0.." + std::to_string(size - 1) +
                                        ", or a shift that sends every chunk to itself");
   }
-  if (timeout_ms <= 0 || link_bytes_per_s < 0) {
-    return ffi::Error::InvalidArgument(Prefix(kOp) +
-                                       "timeout_ms must be positive, link_bytes_per_s >= 0");
+  if (ffi::Error e =
+          CheckRingStartArgs(kOp, send, *send_out, *recv, timeout_ms, link_bytes_per_s);
+      e.failure()) {
+    return e;
   }
-  if (send_out->size_bytes() != send.size_bytes() || recv->size_bytes() != send.size_bytes() ||
-      recv->element_type() != send.element_type()) {
-    return ffi::Error::InvalidArgument(Prefix(kOp) +
-                                       "recv and send_out must have send's size and dtype");
-  }
-  if (send_out->untyped_data() != send.untyped_data()) {
-    std::memcpy(send_out->untyped_data(), send.untyped_data(), send.size_bytes());
-  }
+  PassThrough(send, *send_out);
   order->typed_data()[0] = 0;
   std::string error;
   auto meeting = shm::Join({axes_key, site, group, rank, int(size), 2,
@@ -227,26 +221,19 @@ ffi::Future ShmRingDone(ffi::AnyBuffer recv, ffi::AnyBuffer send, ffi::AnyBuffer
   (void)shift;
   (void)axes_key;
   (void)size;
-  if (recv_out->size_bytes() != recv.size_bytes() ||
-      after_out->size_bytes() != after.size_bytes() || send.size_bytes() != recv.size_bytes()) {
-    return Failed(ffi::Error::InvalidArgument(Prefix(kOp) + "results must match recv and after"));
+  if (ffi::Error e = CheckRingDoneSizes(kOp, recv, send, after, *recv_out, *after_out);
+      e.failure()) {
+    return Failed(std::move(e));
   }
-  if (after_out->untyped_data() != after.untyped_data()) {
-    std::memcpy(after_out->untyped_data(), after.untyped_data(), after.size_bytes());
-  }
+  PassThrough(after, *after_out);
   const int32_t rank = rank_buf.typed_data()[0];
   auto step = StepTable::Global().Pop(site, group_buf.typed_data()[0]);
-  if (!step) {
-    return Failed(ffi::Error::Internal(Prefix(kOp) + "rank " + std::to_string(rank) +
-                                       " has no step in progress at this call site"));
-  }
+  if (!step) return Failed(NoRingStep(kOp, rank));
   ffi::Promise promise;
   ffi::Future future(promise);
-  const void* in = recv.untyped_data();
-  void* out = recv_out->untyped_data();
-  const size_t bytes = recv.size_bytes();
-  step->Done([promise, in, out, bytes](const std::string& error) mutable {
-    if (error.empty() && in != out) std::memcpy(out, in, bytes);
+  const RecvCopy copy = CopyRecv(recv, *recv_out);
+  step->Done([promise, copy](const std::string& error) mutable {
+    if (error.empty()) copy();
     CompleteLater(promise, error);
   });
   return future;
