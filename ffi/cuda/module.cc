@@ -24,7 +24,7 @@ nanobind::dict CudaRegistrations() {
 NB_MODULE(_flashcomm_cuda, m) {
   m.def("registrations", &CudaRegistrations);
   // What each registered handler declares, read as XLA reads it at registration (the metadata
-  // call, handler_metadata.h): tests/gpu/test_cuda_traits.py checks the traits.
+  // call, handler_metadata.h): tests/gpu/test_gpu_traits.py checks the traits.
   m.def(
       "handler_metadata",
       []() {

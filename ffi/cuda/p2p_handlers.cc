@@ -179,6 +179,6 @@ size_t P2pMeetingsInProgress() { return Rendezvous::Global().InProgress(); }
 // events published by other devices' calls and allocates working memory: a CUDA graph would
 // freeze the rank of its capture, the peers' pointers and events of one run (silently stale
 // data afterwards), and capture forbids the stream query. XLA runs them as plain custom calls
-// outside command buffers (tests/gpu/test_cuda_traits.py checks both ways).
+// outside command buffers (tests/gpu/test_gpu_traits.py checks both ways).
 FLASHCOMM_DEFINE_CUDA_COLLECTIVES(P2p, flashcomm::bind::Peers::kInProcess,
                                   flashcomm::cuda::InProcessPeers);
