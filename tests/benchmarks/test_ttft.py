@@ -192,7 +192,7 @@ def _can_run() -> str | None:
     cache = Path(os.environ.get("FLASHCOMM_MODEL_CACHE",
                                 Path.home() / ".cache" / "jax_flashcomm" / "models"))
     if not list(cache.glob("SmolLM2-135M-Instruct*.gguf")):
-        return "the SmolLM2 GGUF is not cached (python -m models.fetch)"
+        return "the SmolLM2 GGUF is not cached (any model CLI fetches it on first use, e.g. .venv/bin/python -m models.demo)"
     return None
 
 
