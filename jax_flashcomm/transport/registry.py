@@ -113,7 +113,7 @@ class P2pTransport(_Collectives):
         latency = self.LATENCY_S
         if table is not None and table.link.get("bytes_per_s"):
             latency = float(table.link.get("p2p_latency_s", latency))
-        return dataclasses.replace(XlaTransport().link(call, table), base_latency_s=latency)
+        return dataclasses.replace(TRANSPORTS["xla"].link(call, table), base_latency_s=latency)
 
     def shm_link(self) -> Link:
         """The shared-memory link between processes as it runs now: paced at the emulated bus's
