@@ -1,7 +1,7 @@
 // The peer-to-peer transport on CPU between the virtual CPU devices of one process
 // (docs/transport.md): the handlers of collective_handlers.h over the in-process rendezvous
 // (p2p_rendezvous.h). Each call quantizes into its own result buffers, meets its peers and reads
-// their buffers directly.
+// their buffers directly; the exact all-reduce (cpu_exact_sum.h) reads their x.
 #include "cpu/handlers.h"
 
 #include <cstdint>
@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cpu/collective_handlers.h"
+#include "cpu/cpu_exact_sum.h"
 #include "cpu/cpu_p2p_protocol.h"
 #include "flashcomm/p2p_rendezvous.h"
 #include "xla/ffi/api/ffi.h"
@@ -62,8 +63,25 @@ struct InProcessPeers {
 
 size_t P2pMeetingsInProgress() { return Rendezvous::Global().InProgress(); }
 
+ffi::Future P2pPsum(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
+                    ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> y,
+                    int64_t size, int64_t site, int64_t timeout_ms, int32_t two_shot,
+                    int64_t two_shot_bytes) {
+  const int32_t rank = rank_buf.typed_data()[0];
+  return ExactAllReduceProtocol(
+      "flashcomm_p2p_psum",
+      InProcessPeers::Join(run, site, group_buf.typed_data()[0], rank, size, timeout_ms), rank, x,
+      *y, size, timeout_ms, two_shot,
+      TwoShotBySize(two_shot, two_shot_bytes, int64_t(x.size_bytes())), true);
+}
+
 }  // namespace cpu
 }  // namespace flashcomm
 
 FLASHCOMM_DEFINE_CPU_COLLECTIVES(P2p, flashcomm::bind::Peers::kInProcess,
                                  flashcomm::cpu::InProcessPeers);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommP2pPsumCpu,
+                              flashcomm::cpu::Guard<&flashcomm::cpu::P2pPsum>::Call,
+                              flashcomm::bind::Psum<flashcomm::bind::Peers::kInProcess>(
+                                  ffi::Ffi::Bind().Ctx<ffi::RunId>()));

@@ -289,41 +289,67 @@ def meetings_in_progress() -> int:
     return int(kernel_module().p2p_meetings_in_progress())
 
 
-#: Bytes per rank from which :func:`exact_all_reduce` takes two shots (each rank sums one chunk,
-#: then every rank copies every chunk) rather than one (every rank sums everything); over an
-#: emulated link (:func:`jax_flashcomm.transport.shm.set_link_rate`) with more than two ranks
-#: it always takes two (a ring's bytes; one shot sends N - 1 copies). The kernel decides at run
-#: time from this threshold (its ``two_shot_bytes`` attribute).
+#: Bytes per rank from which :func:`exact_all_reduce` between processes takes two shots (each
+#: rank sums one chunk, then every rank copies every chunk) rather than one (every rank sums
+#: everything); over an emulated link (:func:`jax_flashcomm.transport.shm.set_link_rate`) with
+#: more than two ranks it always takes two (a ring's bytes; one shot sends N - 1 copies). The
+#: kernel decides at run time from this threshold (its ``two_shot_bytes`` attribute).
 TWO_SHOT_BYTES = 256 * 1024
+#: The same threshold between the devices of one process (docs/transport.md, "The exact
+#: all-reduce": the crossover measured by benchmarks/collectives/allreduce_exact_p2p.py).
+IN_PROCESS_TWO_SHOT_BYTES = 256 * 1024
 
 
 def exact_all_reduce(x: jax.Array, axes: tuple[str, ...], timeout_ms: int,
                      two_shot: bool | None = None) -> jax.Array:
-    """The exact all-reduce of a varying ``x`` over shared memory (peers in other processes).
+    """The exact all-reduce of a varying ``x`` over the p2p transport: the devices of this
+    process, or processes of this host over shared memory.
 
-    Every rank's ``x`` is summed in f32 in rank order and rounded once to ``x``'s dtype, so every
-    rank gets the same bits (and with two ranks, XLA:CPU's ``lax.psum``'s bits).
+    Every rank's ``x`` is summed in rank order (16-bit floats in f32, rounded once to their
+    dtype; integers wrap as ``lax.psum``'s do), so every rank gets the same bits, run after run.
 
     Args:
-      x: the operand (f32, bf16 or f16), varying over ``axes``.
+      x: the operand (a float, complex or integer array), varying over ``axes``.
       axes: the reduced mesh axes.
       timeout_ms: the limit on every wait for a peer.
       two_shot: reduce-scatter then gather (True), every rank sums all (False), or by size
-        and link at run time (None: :data:`TWO_SHOT_BYTES`).
+        (and link) at run time (None: :data:`IN_PROCESS_TWO_SHOT_BYTES`, between processes
+        :data:`TWO_SHOT_BYTES`).
 
     Returns:
       The sum, invariant over ``axes``.
 
     Raises:
-      ValueError: the peers are not processes of this host (:func:`unsupported_reason`).
+      ValueError: the p2p transport cannot run here (:func:`unsupported_reason`).
+      TypeError: a dtype the kernels do not sum (:func:`exact_dtypes`).
     """
-    if not across_processes():
-        raise ValueError("exact_all_reduce runs between processes (one device each); in one "
-                         "process lax.psum is the exact path")
+    reason = unsupported_reason(axes)
+    if reason is not None:
+        raise ValueError(f"exact_all_reduce: the p2p transport cannot run here: {reason}")
+    taken = exact_dtypes(jax.default_backend())
+    if np.dtype(x.dtype) not in taken:
+        raise TypeError(f"exact_all_reduce: no exact p2p sum of {np.dtype(x.dtype)} here "
+                        f"(it takes {', '.join(sorted(d.name for d in taken))})")
     rep = _axes.varying_axes(x) - frozenset(axes)
     call = jax.ffi.ffi_call(_target("psum"), result_aval(x, x.shape, x.dtype, rep),
                             vmap_method="sequential")
     rank, group = rank_and_group(axes)
     mode = 2 if two_shot is None else int(bool(two_shot))
+    threshold = TWO_SHOT_BYTES if across_processes() else IN_PROCESS_TWO_SHOT_BYTES
     return call(x, rank, group, two_shot=np.int32(mode),
-                two_shot_bytes=np.int64(TWO_SHOT_BYTES), **_attrs("psum", axes, x, timeout_ms))
+                two_shot_bytes=np.int64(threshold), **_attrs("psum", axes, x, timeout_ms))
+
+
+#: The dtypes the CPU kernels of :func:`exact_all_reduce` sum (SumComponents,
+#: ffi/cpu/cpu_exact_sum.h); the CUDA kernels sum the 16- and 32-bit floats.
+CPU_EXACT_DTYPES = frozenset(np.dtype(d) for d in (
+    np.float32, jnp.bfloat16, np.float16, np.float64, np.complex64, np.complex128, np.int8,
+    np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64))
+CUDA_EXACT_DTYPES = frozenset(np.dtype(d) for d in (np.float32, jnp.bfloat16, np.float16))
+
+
+def exact_dtypes(jax_platform: str) -> frozenset:
+    """The dtypes :func:`exact_all_reduce` sums on ``jax_platform``'s kernels (others take
+    ``lax.psum``)."""
+    return (CUDA_EXACT_DTYPES if kernel_platform_name(jax_platform) == "cuda"
+            else CPU_EXACT_DTYPES)

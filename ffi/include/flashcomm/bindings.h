@@ -188,13 +188,13 @@ auto ReduceScatter(B&& b) {
       PayloadRets(std::move(rets)).template Attr<GroupFormat>("fmt"));  // the payload's
 }
 
-// shm psum: the exact all-reduce, x (any shape, f32/bf16/f16) -> y, the sum in f32 in rank
-// order rounded once.
-template <typename B>
+// p2p / shm psum: the exact all-reduce, x (any shape, f32/bf16/f16) -> y, the sum in f32 in
+// rank order rounded once.
+template <Peers kPeers, typename B>
 auto Psum(B&& b) {
   auto rets = RankArgs(std::forward<B>(b).template Arg<ffi::AnyBuffer>())  // x
                   .template Ret<ffi::AnyBuffer>();                   // y
-  return MeetingAttrs<Peers::kShared>(std::move(rets))
+  return MeetingAttrs<kPeers>(std::move(rets))
       .template Attr<int32_t>("two_shot")         // 0 one shot, 1 two shots, 2 by size
       .template Attr<int64_t>("two_shot_bytes");  // with 2: two shots from these bytes per rank
 }
