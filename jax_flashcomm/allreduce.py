@@ -110,7 +110,7 @@ def _psum_leaf(x, axes, config: CommConfig, name: str = "x"):
         _axes.check_float(x, name)
     p = plan("psum", axes, np.shape(x), jnp.result_type(x), _axes.axis_size(axes), config)
     if p.path == "exact":
-        return _epsum(vary(x, axes, config), axes, p)
+        return exact_psum(vary(x, axes, config), axes, p)
     if not p.quantized:
         return jax_compat.psum(x, axes)
     return _qpsum(vary(x, axes, config), axes, p)
@@ -194,12 +194,14 @@ _qpsum.defvjp(_qpsum_fwd, _qpsum_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _epsum(x, axes, p):
+def exact_psum(x, axes, p):
+    """The exact all-reduce of a varying ``x`` over the plan's transport (its path
+    ``"exact"``); its transpose makes the cotangent varying, as ``lax.psum``'s."""
     return transport.by_name(p.transport).exact_all_reduce(x, axes, p)
 
 
-def _epsum_fwd(x, axes, p):
-    return _epsum(x, axes, p), None
+def _exact_psum_fwd(x, axes, p):
+    return exact_psum(x, axes, p), None
 
 
-_epsum.defvjp(_epsum_fwd, _qpsum_bwd)
+exact_psum.defvjp(_exact_psum_fwd, _qpsum_bwd)

@@ -30,7 +30,7 @@ import numpy as np
 from jax import lax
 
 from jax_flashcomm import _axes, codec, jax_compat
-from jax_flashcomm.allreduce import two_step, vary
+from jax_flashcomm.allreduce import exact_psum, two_step, vary
 from jax_flashcomm.codec import norm as codec_norm
 from jax_flashcomm.config import CommConfig, config_from, takes_options
 from jax_flashcomm.planner import plan
@@ -142,7 +142,9 @@ def psum_add_rms_norm(x, residual, weight, axis_name, *, eps: float = 1e-5,
     p = plan("psum_add_rms_norm", axes, np.shape(x), jnp.result_type(x),
              _axes.axis_size(axes), config)
     if not p.quantized:
-        h = residual + jax_compat.psum(x, axes)
+        total = (exact_psum(vary(x, axes, config), axes, p) if p.path == "exact"
+                 else jax_compat.psum(x, axes))
+        h = residual + total
         out = rms_norm(h, weight, eps)
         if out_bits is None:
             return out, h

@@ -31,6 +31,7 @@ allreduce_error    allreduce.md     Relative error of the quantized psum per bit
 autotune_shm       autotune.md      The automatic choice on the shared-memory transport, TP=3
 codec              benchmarks.md    CPU codec throughput beside single-core memcpy
 cuda_check         cuda.md          The GPU check: tests, codec kernels and psum on GPUs
+exact_p2p          transport.md     The exact all-reduce over the p2p transport against lax.psum
 decode             autotune.md      Decode and TTFT in one process: auto against the fixed settings
 format_probe       format_probe.md  FP8 and FP4 group formats on SmolLM2, simulated
 fp_codec           fp_formats.md    Floating-point formats: CPU kernel speed

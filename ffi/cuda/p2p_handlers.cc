@@ -36,6 +36,7 @@
 #include "flashcomm/ffi_checks.h"
 #include "flashcomm/p2p_rendezvous.h"
 #include "collective_handlers.h"
+#include "exact_sum.h"
 #include "p2p_host.h"
 #include "p2p_protocol.h"
 #include "xla/ffi/api/ffi.h"
@@ -168,6 +169,38 @@ struct InProcessPeers {
 
 size_t P2pMeetingsInProgress() { return Rendezvous::Global().InProgress(); }
 
+// The exact all-reduce among the GPUs of this process (exact_sum.h): one region per barrier,
+// published with this stream's event.
+ffi::Error P2pPsum(ffi::RunId run, cudaStream_t stream, ffi::AnyBuffer x,
+                   ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
+                   ffi::Result<ffi::AnyBuffer> y, int64_t size, int64_t site,
+                   int64_t timeout_ms, int32_t two_shot, int64_t two_shot_bytes) {
+  constexpr const char* kOp = "flashcomm_p2p_psum";
+  if (ffi::Error e = protocol::CheckExactSum(kOp, x, *y, size, timeout_ms, two_shot);
+      e.failure()) {
+    return e;
+  }
+  const bool two = two_shot == 2 ? int64_t(x.size_bytes()) >= two_shot_bytes : two_shot == 1;
+  const auto deadline = p2p::DeadlineAfter(timeout_ms);
+  CurrentDevice on;
+  int device = 0;
+  int32_t rank = 0, group = 0;
+  if (ffi::Error e = protocol::Start(kOp, stream, rank_buf, group_buf, size, deadline, &on,
+                                     &device, &rank, &group);
+      e.failure()) {
+    return e;
+  }
+  Participant me(kOp, device, stream, deadline);
+  if (ffi::Error e = me.Join(run.run_id, site, group, rank, size, two ? 3 : 2); e.failure()) {
+    return e;
+  }
+  auto meet = [&me](int barrier, const void* data, size_t /*bytes*/) {
+    if (ffi::Error e = me.Record(); e.failure()) return e;
+    return me.Meet(barrier, data, nullptr, nullptr, 0, 0);
+  };
+  return protocol::ExactSum(kOp, me, meet, stream, device, site, group, rank, size, x, *y, two);
+}
+
 }  // namespace cuda
 }  // namespace flashcomm
 
@@ -182,3 +215,10 @@ size_t P2pMeetingsInProgress() { return Rendezvous::Global().InProgress(); }
 // outside command buffers (tests/gpu/test_gpu_traits.py checks both ways).
 FLASHCOMM_DEFINE_CUDA_COLLECTIVES(P2p, flashcomm::bind::Peers::kInProcess,
                                   flashcomm::cuda::InProcessPeers);
+
+// The exact all-reduce's binding; no traits either (it meets its peers on the host per call).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommP2pPsumCuda, flashcomm::cuda::P2pPsum,
+                              flashcomm::bind::Psum<flashcomm::bind::Peers::kInProcess>(
+                                  ffi::Ffi::Bind()
+                                      .Ctx<ffi::RunId>()
+                                      .Ctx<ffi::PlatformStream<cudaStream_t>>()));

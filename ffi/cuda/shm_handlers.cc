@@ -2,7 +2,7 @@
 // processes on one host, one GPU each (the launch of jax.distributed jobs with one process per
 // GPU). They meet through the CPU module's shared-memory meeting point and share device memory
 // and events by CUDA IPC handles (ipc_participant.h; docs/cuda.md, "Across processes: CUDA
-// IPC"). The protocols are the in-process ones (p2p_protocol.h). Two processes may share one
+// IPC"). The protocols are the in-process ones (p2p_protocol.h, exact_sum.h). Two processes may share one
 // GPU (CUDA IPC allows it; NCCL does not): that is how one lent GPU tests it
 // (tests/gpu/test_gpu_shm.py).
 //
@@ -22,6 +22,7 @@
 #include "ipc_participant.h"
 #include "launch.h"
 #include "collective_handlers.h"
+#include "exact_sum.h"
 #include "p2p_host.h"
 #include "p2p_protocol.h"
 #include "xla/ffi/api/ffi.h"
@@ -70,29 +71,13 @@ ffi::Error ShmPsum(ffi::RunId, cudaStream_t stream, ffi::AnyBuffer x,
                    int64_t timeout_ms, int64_t axes_key, int32_t two_shot,
                    int64_t two_shot_bytes) {
   constexpr const char* kOp = "flashcomm_shm_psum";
-  // long function: the exact all-reduce's checks and its one- and two-shot protocol, barrier by
-  // barrier
-  const ffi::DataType dtype = x.element_type();
-  if (size < 1 || size > 1024) {
-    return ffi::Error::InvalidArgument(std::string(kOp) + ": size must be in 1..1024");
-  }
-  if (timeout_ms <= 0) {
-    return ffi::Error::InvalidArgument(std::string(kOp) + ": " + p2p::TimeoutError(timeout_ms));
-  }
-  if (dtype != ffi::F32 && dtype != ffi::BF16 && dtype != ffi::F16) {
-    return ffi::Error::InvalidArgument(std::string(kOp) + ": x must be f32, bf16 or f16");
-  }
-  if (y->element_count() != x.element_count() || y->element_type() != dtype) {
-    return ffi::Error::InvalidArgument(std::string(kOp) + ": y must be x's shape");
-  }
-  if (two_shot < 0 || two_shot > 2) {
-    return ffi::Error::InvalidArgument(std::string(kOp) + ": two_shot must be 0, 1 or 2");
+  if (ffi::Error e = protocol::CheckExactSum(kOp, x, *y, size, timeout_ms, two_shot);
+      e.failure()) {
+    return e;
   }
   ffi::Error error = ffi::Error::Success();
   const shm::Api* api = ipc::BoundApi(kOp, &error);
   if (!api) return error;
-  const int64_t count = int64_t(x.element_count());
-  const size_t item = dtype == ffi::F32 ? 4 : 2;
   const bool two = two_shot == 2 ? int64_t(x.size_bytes()) >= two_shot_bytes : two_shot == 1;
   const auto deadline = p2p::DeadlineAfter(timeout_ms);
   CurrentDevice on;
@@ -103,53 +88,18 @@ ffi::Error ShmPsum(ffi::RunId, cudaStream_t stream, ffi::AnyBuffer x,
       e.failure()) {
     return e;
   }
-  auto bound = [count, size](int64_t j) { return count * j / size; };
-  const int64_t lo = two ? bound(rank) : 0, hi = two ? bound(rank + 1) : count;
-  const size_t slot = size_t(hi - lo) * item;
-  uint8_t* stacked = nullptr;  // every rank's [lo, hi), rank-major
-  if (slot * size_t(size) > 0) {
-    void* mem = nullptr;
-    FLASHCOMM_CUDA_TRY(kOp, "allocating working memory",
-                       Workspace(device, site, group, slot * size_t(size), &mem));
-    stacked = static_cast<uint8_t*>(mem);
-  }
   IpcParticipant me(api, kOp, stream, deadline, site, group);
+  const int64_t count = int64_t(x.element_count());
   if (ffi::Error e = me.Join(axes_key, rank, size, two ? 3 : 2,
-                             Describe({4, int64_t(dtype), count, size, two}), timeout_ms);
+                             Describe({4, int64_t(x.element_type()), count, size, two}),
+                             timeout_ms);
       e.failure()) {
     return e;
   }
-  if (ffi::Error e = me.MeetRegions(0, {Region{x.untyped_data(), x.size_bytes()}, Region{},
-                                        Region{}});
-      e.failure()) {
-    return e;
-  }
-  for (int j = 0; j < size && slot > 0; ++j) {
-    FLASHCOMM_CUDA_TRY(kOp, "copying a peer's values",
-                       me.Copy(stream, stacked + j * slot, j,
-                               static_cast<const uint8_t*>(me.peers()[j][0]) + lo * item, slot));
-  }
-  auto* out = static_cast<uint8_t*>(y->untyped_data());
-  const auto sum = [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    return LaunchSumRanks<T>(stream, stacked, hi - lo, int(size), hi - lo, out + lo * item);
+  auto meet = [&me](int barrier, const void* data, size_t bytes) {
+    return me.MeetRegions(barrier, {Region{data, bytes}, Region{}, Region{}});
   };
-  FLASHCOMM_CUDA_TRY(kOp, "sum launch",
-                     dtype == ffi::F32    ? sum(protocol::Tag<F32>{})
-                     : dtype == ffi::BF16 ? sum(protocol::Tag<BF16>{})
-                                          : sum(protocol::Tag<F16>{}));
-  if (!two) return me.MeetRegions(1, {});
-  if (ffi::Error e = me.MeetRegions(1, {Region{out + lo * item, slot}, Region{}, Region{}});
-      e.failure()) {
-    return e;
-  }
-  for (int j = 0; j < size; ++j) {
-    if (j == rank || bound(j + 1) == bound(j)) continue;
-    FLASHCOMM_CUDA_TRY(kOp, "copying a peer's sum",
-                       me.Copy(stream, out + bound(j) * item, j, me.peers()[j][0],
-                               size_t(bound(j + 1) - bound(j)) * item));
-  }
-  return me.MeetRegions(2, {});
+  return protocol::ExactSum(kOp, me, meet, stream, device, site, group, rank, size, x, *y, two);
 }
 
 void ShmBind(const void* api) {
@@ -168,7 +118,7 @@ FLASHCOMM_DEFINE_CUDA_COLLECTIVES(Shm, flashcomm::bind::Peers::kShared,
                                   flashcomm::cuda::SharedPeers, int64_t);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommShmPsumCuda, flashcomm::cuda::ShmPsum,
-                              flashcomm::bind::Psum(
+                              flashcomm::bind::Psum<flashcomm::bind::Peers::kShared>(
                                   ffi::Ffi::Bind()
                                       .Ctx<ffi::RunId>()
                                       .Ctx<ffi::PlatformStream<cudaStream_t>>()));

@@ -1,6 +1,6 @@
-// The exact all-reduce's sum on CUDA (handler: shm_handlers.cc, flashcomm_shm_psum): every
-// rank's values summed in f32 in rank order and rounded once to the dtype, the CPU handler's
-// SumRanks (ffi/cpu/shm_handlers.cc) value for value. One thread per value, grid-stride.
+// The exact all-reduce's sum on CUDA (exact_sum.h: flashcomm_p2p_psum, flashcomm_shm_psum):
+// every rank's values summed in f32 in rank order and rounded once to the dtype, the CPU
+// handlers' SumRanks (ffi/cpu/cpu_exact_sum.h) value for value. One thread per value, grid-stride.
 #include <cuda_runtime.h>
 
 #include <cstdint>

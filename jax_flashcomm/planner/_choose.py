@@ -11,8 +11,9 @@ than the exact ones (:data:`EXACT_PREFERENCE`; 3% where the table timed the mode
 candidate              can take the call when
 =====================  ========================================================================
 ``lax``                always: the exact ``lax`` collective
-``exact/p2p``          ``psum`` whose peers are processes of this host: the exact sum over
-                       shared memory
+``exact/p2p``          ``psum`` whose peers are devices of this process (the in-process
+                       rendezvous) or processes of this host (shared memory), of a dtype
+                       its kernels sum: the exact sum over the p2p transport
 ``quantized/p2p``      the peers are devices of this process (or processes of this host) and
                        the p2p kernels run here
 ``quantized/xla``      always: the codec around XLA's collectives, at the config's bits
@@ -20,8 +21,9 @@ candidate              can take the call when
 
 A candidate's time is the table's step rows where it has them for exactly this call (then
 only the candidates measured in the step are weighed), else the measured table's
-(:mod:`jax_flashcomm.costs`, interpolated over sizes) where it covers the call, else the cost
-model's with the profile of the platform and layout: the table's measured codec speed and
+(:mod:`jax_flashcomm.costs`, interpolated over sizes) where it covers the call (then only the
+candidates it measured are weighed: a table's time and a model's do not rank each other), else
+the cost model's with the profile of the platform and layout: the table's measured codec speed and
 in-process link, or the defaults (:func:`jax_flashcomm.costs.cpu_codec` and each transport's
 link, measured on an AMD EPYC Zen 4 by ``python -m jax_flashcomm.tune``, docs/autotune.md);
 for peers in other processes the link profile (:func:`jax_flashcomm.costs.link_profile`), else
@@ -153,10 +155,18 @@ def choose(call: Call, table: costs.Table | None = None, *,
     able = [(cand, cand.unavailable(call), _bits(cand, call)) for cand in candidates]
     if not any(reason is None and (cand.name, bits) in step for cand, reason, bits in able):
         step = {}  # the step rows cover none of the candidates that can take the call
+    timed = {} if table is None or step else {
+        (cand.name, bits): table.seconds(call.op, call.layout, call.n, call.dtype, cand.name,
+                                         bits, call.nbytes)
+        for cand, reason, bits in able if reason is None}
+    measured = any(s is not None for s in timed.values())
     prof, considered, best = None, [], None
     for cand, reason, bits in able:
         if reason is None and step and (cand.name, bits) not in step:
             reason = "not measured in the step (the step rows rank only each other)"
+        if reason is None and measured and timed[cand.name, bits] is None:
+            reason = ("not in the table, which measured the others (python -m "
+                      "jax_flashcomm.tune measures it)")
         if reason is not None:
             considered.append((cand.name, None, reason))
             continue
@@ -165,8 +175,7 @@ def choose(call: Call, table: costs.Table | None = None, *,
             seconds, source = step[cand.name, bits], "table, in the step"
             preference = STEP_EXACT_PREFERENCE
         else:
-            seconds = None if table is None else table.seconds(
-                call.op, call.layout, call.n, call.dtype, cand.name, bits, call.nbytes)
+            seconds = timed.get((cand.name, bits))
             source, preference = "table", EXACT_PREFERENCE
             if seconds is None:
                 prof = prof or profile(call, table)

@@ -76,8 +76,6 @@ OPS = ("psum", "psum_scatter", "all_gather", "all_gather_matmul", "matmul_reduce
        "psum_add_rms_norm")
 #: The paths a call can take (see the module docstring).
 PATHS = ("lax", "quantized", "exact", "ring", "quantized ring", "matmul, quantized")
-#: The dtypes the exact all-reduce over shared memory sums (others take lax.psum).
-_SHM_EXACT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
 _PHASES = {"psum": ("rs", "ag"), "psum_scatter": ("rs",), "all_gather": ("ag",),
            "all_gather_matmul": ("ag",), "matmul_reduce_scatter": ("rs",),
            "psum_add_rms_norm": ("rs", "ag")}
@@ -233,7 +231,32 @@ def _auto_choice(op: str, axes: tuple, fields: dict, config: CommConfig, where: 
         if config.transport == "p2p" and p2p_reason is not None:
             raise ValueError(f"{where}: transport='p2p' cannot run here: {p2p_reason}")
     return _choose(op, fields["nbytes"], fields["axis_size"], fields["dtype"], config,
-                   p2p_reason)
+                   p2p_reason, exact_p2p_reason(config, axes, fields["dtype"]))
+
+
+def exact_p2p_reason(config: CommConfig, axes: tuple | None, dtype) -> str | None:
+    """Why the automatic choice cannot take the exact all-reduce over ``p2p`` for a ``dtype``
+    operand over the bound ``axes`` (None: outside a trace, the process and platform only), or
+    None when it can."""
+    import jax
+
+    if config.transport == "xla":
+        return "transport='xla'"
+    if jax.process_count() != 1:
+        reason = shm_transport.setup()
+    elif p2p_transport.kernel_platform(_platform()) is None:
+        reason = "no p2p kernels here"
+    else:
+        reason = None if axes is None else p2p_transport.unsupported_reason(axes)
+    if reason is None and np.dtype(dtype) not in p2p_transport.exact_dtypes(_platform()):
+        reason = f"a {np.dtype(dtype)} operand (the exact p2p sum does not take it here)"
+    return reason
+
+
+def _platform() -> str:
+    import jax
+
+    return jax.default_backend()
 
 
 def choice_bits(op: str, config: CommConfig) -> tuple:
@@ -244,7 +267,7 @@ def choice_bits(op: str, config: CommConfig) -> tuple:
             config.phase2_bits if "ag" in phases else None)
 
 
-def _choose(op, nbytes, axis_size, dtype, config, p2p_reason):
+def _choose(op, nbytes, axis_size, dtype, config, p2p_reason, exact_reason):
     import jax
 
     bits = choice_bits(op, config)
@@ -257,7 +280,7 @@ def _choose(op, nbytes, axis_size, dtype, config, p2p_reason):
         n=int(axis_size), platform=jax.default_backend(),
         layout="in-process" if jax.process_count() == 1 else "processes",
         p2p_reason=p2p_reason, bits=bits, group_size=config.group_size,
-        spikes=max(config.phase1_spikes, config.phase2_spikes))
+        spikes=max(config.phase1_spikes, config.phase2_spikes), exact_p2p_reason=exact_reason)
     return auto_choice.choose(call, candidates=candidates)
 
 
@@ -288,8 +311,8 @@ def quantizes(op: str, nbytes: int, axis_size: int, dtype, config: CommConfig) -
         p2p_reason = shm_transport.setup()
     elif p2p_transport.kernel_platform(jax.default_backend()) is None:
         p2p_reason = "no p2p transport here"
-    return _choose(op, nbytes, axis_size, dtype, config, p2p_reason).candidate.startswith(
-        "quantized")
+    return _choose(op, nbytes, axis_size, dtype, config, p2p_reason,
+                   exact_p2p_reason(config, None, dtype)).candidate.startswith("quantized")
 
 
 def plan(op: str, axes: tuple, shape, dtype, axis_size: int, config: CommConfig, *,
@@ -323,20 +346,20 @@ def plan(op: str, axes: tuple, shape, dtype, axis_size: int, config: CommConfig,
                   group_size=config.group_size, timeout_ms=config.p2p_timeout_ms,
                   backend=config.backend, config=config)
     chosen = None
-    if (config.exact and config.transport == "p2p" and op == "psum" and axis_size > 1
-            and nbytes > 0 and np.dtype(dtype) not in _SHM_EXACT_DTYPES
-            and p2p_transport.across_processes()):
-        fields["reason"] = (f"bits=None over transport='p2p' between processes, a "
-                            f"{np.dtype(dtype)} operand: the exact sum over shared memory takes "
-                            f"f32, bf16 and f16; lax.psum")
-    elif (config.exact and config.transport == "p2p" and op == "psum" and axis_size > 1
-            and nbytes > 0 and p2p_transport.across_processes()):
+    if (config.exact and config.transport == "p2p" and op in ("psum", "psum_add_rms_norm")
+            and axis_size > 1 and nbytes > 0):
         reason = p2p_transport.unsupported_reason(axes)
         if reason is not None:
             raise ValueError(f"{where}: transport='p2p' cannot run here: {reason}")
-        return _recorded(Plan(path="exact", transport="p2p", **{
-            **fields, "reason": "bits=None over transport='p2p' between processes: the exact "
-                                "sum over shared memory"}), record)
+        where_peers = ("between processes: the exact sum over shared memory"
+                       if p2p_transport.across_processes()
+                       else "in one process: the exact sum over the in-process rendezvous")
+        if np.dtype(dtype) not in p2p_transport.exact_dtypes(_platform()):
+            fields["reason"] = (f"bits=None over transport='p2p', a {np.dtype(dtype)} operand: "
+                                f"the exact p2p sum does not take it here; lax.psum")
+        else:
+            return _recorded(Plan(path="exact", transport="p2p", **{
+                **fields, "reason": f"bits=None over transport='p2p' {where_peers}"}), record)
     if quantized and config.auto:
         chosen = _auto_choice(op, axes, fields, config, where)
         quantized = chosen.candidate.startswith("quantized")

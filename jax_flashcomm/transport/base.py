@@ -31,7 +31,8 @@ class Call:
     """What the choice weighs: ``op`` of an operand of ``nbytes`` per rank (``itemsize``-byte
     values of ``dtype``) over ``n`` ranks, on ``platform`` with the peers ``layout``
     (:data:`jax_flashcomm.costs.LAYOUTS`); ``p2p_reason``: why the p2p transport cannot run
-    (None: it can); ``bits``: the quantized paths' ``(rs_bits, ag_bits)`` (None: exact);
+    its quantized collectives (None: it can); ``exact_p2p_reason``: why it cannot run the exact
+    all-reduce (None: it can; the default says it was not asked); ``bits``: the quantized paths' ``(rs_bits, ag_bits)`` (None: exact);
     ``group_size`` and ``spikes`` of their format."""
     op: str
     nbytes: int
@@ -44,6 +45,7 @@ class Call:
     bits: tuple | None
     group_size: int = 128
     spikes: int = 0
+    exact_p2p_reason: str | None = "not asked (the caller did not check the exact p2p path)"
 
 
 class Transport(abc.ABC):

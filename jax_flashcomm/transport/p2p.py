@@ -73,7 +73,7 @@ def rank_and_group(axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array]:
 
 #: The FFI targets of the transport (both the CPU and the CUDA module register them).
 TARGETS = ("flashcomm_p2p_all_reduce", "flashcomm_p2p_reduce_scatter",
-           "flashcomm_p2p_all_gather")
+           "flashcomm_p2p_all_gather", "flashcomm_p2p_psum")
 
 
 def kernel_platform(jax_platform: str) -> str | None:

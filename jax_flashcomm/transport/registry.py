@@ -98,12 +98,27 @@ class P2pTransport(_Collectives):
     #: docs/transport.md, "Across processes").
     SHM_LINK = Link(2.2e9, "shared", 110e-6, 0.0)
 
+    #: The in-process exact all-reduce's latency as a fraction of ``lax.psum``'s where no table
+    #: measured it: the 2 KiB f32 rows of benchmarks/collectives/allreduce_exact_p2p.py at 3
+    #: devices (its larger ratio of the 3- and 8-device rows; Intel Xeon, 2 cores,
+    #: docs/transport.md "The exact all-reduce").
+    EXACT_LATENCY_RATIO = 0.88
+
     def unavailable(self, call: Call, exact: bool) -> str | None:
-        if exact and call.op != "psum":
-            return "only psum has an exact p2p path"
-        if exact and call.layout != "processes":
-            return "peers in this process (lax.psum is its exact path)"
+        if exact:
+            return "only psum has an exact p2p path" if call.op != "psum" else (
+                call.exact_p2p_reason)
         return super().unavailable(call, exact) or call.p2p_reason
+
+    def model_s(self, call: Call, exact: bool, link: Link, codec_pass_s) -> float:
+        if not exact or call.layout == "processes" or call.platform != "cpu":
+            return super().model_s(call, exact, link, codec_pass_s)
+        # in one process: lax's link (the table's, else the default) at a fraction of its
+        # latency; every dtype moves as is (lax moves bf16 as f32)
+        lax_link = TRANSPORTS["xla"].link(call, costs.active())
+        lax_link = dataclasses.replace(
+            lax_link, base_latency_s=lax_link.base_latency_s * self.EXACT_LATENCY_RATIO)
+        return costs.exact_collective(call.op, call.nbytes, call.n, lax_link)
 
     def link(self, call: Call, table) -> Link:
         if call.platform != "cpu":

@@ -70,7 +70,7 @@ def _candidate_fn(op: str, candidate: str, bits, mesh, axis: str = "i",
     from jax_flashcomm import allreduce, scatter_gather
     from jax_flashcomm.config import CommConfig
 
-    if candidate == "exact/p2p":  # the exact all-reduce over shared memory (between processes)
+    if candidate == "exact/p2p":  # the exact all-reduce over the p2p transport
         if op != "psum":
             raise ValueError(f"exact/p2p is an all-reduce; {op} has no exact p2p path")
         cfg = CommConfig(bits=None, transport="p2p", backend="ffi")
@@ -123,7 +123,7 @@ def measure_mesh(mesh, axis: str, sizes, bits, reps: int, *, ops=OPS, layout: st
       rounds: the candidates measured in turn this many times per size; each keeps its
         fastest round (noise only adds time).
       exact_p2p: also the exact all-reduce over the p2p transport (``exact/p2p``, psum only:
-        between processes whose shared-memory transport is set up).
+        the devices of this process, or processes whose shared-memory transport is set up).
 
     Returns:
       The :class:`~jax_flashcomm.costs.Measurement` rows.
@@ -177,7 +177,8 @@ def measure_collectives(devices, sizes, bits, reps, start, step, total, p2p: boo
         mesh = jax.make_mesh((n,), ("i",), devices=jax.devices()[:n],
                              axis_types=(jax.sharding.AxisType.Explicit,))
         rows += measure_mesh(mesh, "i", sizes, bits, reps, layout="in-process",
-                             transports=("p2p", "xla") if p2p else ("xla",), on_step=on_step)
+                             transports=("p2p", "xla") if p2p else ("xla",), on_step=on_step,
+                             exact_p2p=p2p)
     return rows
 
 

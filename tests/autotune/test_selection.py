@@ -137,7 +137,7 @@ def test_table_interpolates_in_log_log():
 
 def _call(nbytes, layout="processes", n=3):
     return selection.Call("psum", nbytes, 4, "float32", n, "cpu", layout, "other processes",
-                          (8, 8))
+                          (8, 8), exact_p2p_reason="other processes")
 
 
 def _choose(call, link):
@@ -183,10 +183,10 @@ def test_processes_of_one_host_take_shared_memory():
     """With the shared-memory transport (p2p_reason None between processes), a decode-sized
     psum takes the exact sum over it (exact: no margin) rather than gloo, a prefill over a
     slow emulated bus the codec over it; psum_scatter has no exact p2p path; in one process
-    exact/p2p never applies."""
+    a decode-sized psum takes the exact sum over the in-process rendezvous."""
     slow = Link(5e6, "shared", 1e-3)
     shm = lambda nbytes, op="psum", layout="processes": dataclasses.replace(  # noqa: E731
-        _call(nbytes, layout), op=op, p2p_reason=None)
+        _call(nbytes, layout), op=op, p2p_reason=None, exact_p2p_reason=None)
     assert _choose(shm(2 * KIB), None).candidate == "exact/p2p"
     assert _choose(shm(297 * KIB), None).candidate == "exact/p2p"
     with _emulated_bus(5e6):  # the benchmarks pace shared memory at the link's rate
@@ -199,4 +199,4 @@ def test_processes_of_one_host_take_shared_memory():
     scatter = _choose(shm(2 * KIB, op="psum_scatter"), slow)
     assert dict((n, r) for n, _, r in scatter.considered)["exact/p2p"] == (
         "only psum has an exact p2p path")
-    assert _choose(shm(2 * KIB, layout="in-process"), None).candidate != "exact/p2p"
+    assert _choose(shm(2 * KIB, layout="in-process"), None).candidate == "exact/p2p"

@@ -125,12 +125,14 @@ def test_plan_paths():
     for label, fn in {
         "exact": lambda v: fc.psum(v, "i", bits=None),
         "small": lambda v: fc.psum(v, "i"),
+        "exact p2p": lambda v: fc.psum(v, "i", bits=None, transport="p2p"),
         "quantized": lambda v: fc.psum(v, "i", min_bytes=0),
         "quantized xla": lambda v: fc.psum(v, "i", min_bytes=0, transport="xla"),
     }.items():
         (p,) = _plans(fn, x)
         paths[label] = (p.path, p.transport)
-    assert paths == {"exact": ("lax", None), "small": ("lax", None),
+    assert paths == {"exact": ("lax", None), "small": ("exact", "p2p"),
+                     "exact p2p": ("exact", "p2p"),
                      "quantized": ("quantized", "p2p"), "quantized xla": ("quantized", "xla")}
     spec = (P("i"), P(None, "i"))
     (p,) = _plans(lambda a, b: fc.all_gather_matmul(a, b, "i"), x, w, in_specs=spec,

@@ -37,7 +37,8 @@ from tests.support.cuda_p2p import (_attr, _bindings, _cuda_module, _mesh, compi
 
 CPU_SOURCE = ROOT / "ffi" / "cpu" / "p2p_handlers.cc"
 CUDA_SOURCE = ROOT / "ffi" / "cuda" / "p2p_handlers.cc"
-HANDLERS = ("FlashcommP2pAllReduce", "FlashcommP2pReduceScatter", "FlashcommP2pAllGather")
+HANDLERS = ("FlashcommP2pAllReduce", "FlashcommP2pReduceScatter", "FlashcommP2pAllGather",
+            "FlashcommP2pPsum")
 
 
 def test_cuda_module_registers_the_p2p_targets():

@@ -63,9 +63,10 @@ def test_each_transport_prices_both_paths_over_its_own_link(layout):
 
 
 def test_why_not_comes_from_the_transport():
-    call = transport.Call(layout="in-process", p2p_reason="no kernels", bits=None, **CALL)
+    call = transport.Call(layout="in-process", p2p_reason="no kernels", bits=None,
+                          exact_p2p_reason="no exact kernels", **CALL)
     reasons = {c.name: c.unavailable(call) for c in planner.CANDIDATES}
     assert reasons == {"lax": None,
-                       "exact/p2p": "peers in this process (lax.psum is its exact path)",
+                       "exact/p2p": "no exact kernels",
                        "quantized/p2p": "bits=None (exact setting)",
                        "quantized/xla": "bits=None (exact setting)"}

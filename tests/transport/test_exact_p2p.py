@@ -1,0 +1,151 @@
+"""The exact all-reduce over the p2p transport (``bits=None, transport="p2p"``, and the
+automatic choice's ``exact/p2p``): in one process over the in-process rendezvous, between
+processes over shared memory (tests/transport/test_shm.py runs those). Every rank gets the same
+bits; f32, bf16, integers and complex values are lax.psum's bits; f16 sums in f32 and rounds
+once (lax.psum sums in f16), so it is within half an f16 ulp of the f64 sum per added value."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_flashcomm as fc
+from jax_flashcomm.planner import _plan as planner
+from jax_flashcomm.transport import p2p
+
+from tests.support.meshes import make_mesh
+
+EXACT = fc.CommConfig(bits=None, transport="p2p")
+
+
+def _mesh(n):
+    return make_mesh((n,), ("i",), jax.sharding.AxisType.Explicit)
+
+
+def _sharded(mesh, values):
+    return jax.device_put(values, NamedSharding(mesh, P("i")))
+
+
+def _run(mesh, body, x):
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P()))(x)
+
+
+def _shards_bits(y):
+    shards = [np.asarray(s.data) for s in y.addressable_shards]
+    return [s.view(np.uint8).tobytes() for s in shards]
+
+
+@pytest.mark.parametrize("n", [3, 8])
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.int32, np.int8, np.uint16,
+                                   np.complex64])
+@pytest.mark.parametrize("two_shot", [False, True, None])
+@pytest.mark.parametrize("per_rank", [1, 1000, 70_000])
+def test_ranks_identical_and_lax_bits(n, dtype, two_shot, per_rank):
+    mesh = _mesh(n)
+    rng = np.random.default_rng(per_rank)
+    host = rng.standard_normal(n * per_rank) * 50
+    if np.issubdtype(np.dtype(dtype), np.complexfloating):
+        host = host + 1j * rng.standard_normal(n * per_rank)
+    x = _sharded(mesh, jnp.asarray(host.astype(dtype)))
+    y = _run(mesh, lambda v: p2p.exact_all_reduce(v, ("i",), 60_000, two_shot), x)
+    ref = _run(mesh, lambda v: lax.psum(v, "i"), x)
+    bits = _shards_bits(y)
+    assert all(b == bits[0] for b in bits), "ranks differ"
+    assert bits[0] == _shards_bits(ref)[0], "not lax.psum's bits"
+
+
+@pytest.mark.parametrize("two_shot", [False, True])
+def test_f16_sums_in_f32_and_rounds_once(two_shot):
+    mesh = _mesh(8)
+    host = (np.random.default_rng(0).standard_normal(8 * 5000) * 30).astype(np.float16)
+    y = _run(mesh, lambda v: p2p.exact_all_reduce(v, ("i",), 60_000, two_shot),
+             _sharded(mesh, jnp.asarray(host)))
+    bits = _shards_bits(y)
+    assert all(b == bits[0] for b in bits)
+    want = host.astype(np.float32).reshape(8, -1).sum(0)  # the f32 sum in rank order, exact here
+    np.testing.assert_array_equal(np.asarray(y), want.astype(np.float16))
+
+
+def test_run_to_run_identical_and_pytrees():
+    mesh = _mesh(3)
+    x = _sharded(mesh, jnp.asarray(np.random.default_rng(1).standard_normal((3 * 64, 40)),
+                                   jnp.float32))
+    f = lambda v: fc.psum({"a": v, "b": (v.astype(jnp.bfloat16), v[:, :3].astype(jnp.int32))},  # noqa: E731
+                          "i", config=EXACT)
+    with fc.record() as plans:
+        first = _run(mesh, f, x)
+    assert [(p.path, p.transport) for p in plans] == [("exact", "p2p")] * 3
+    again = _run(mesh, f, x)
+    ref = _run(mesh, lambda v: lax.psum({"a": v, "b": (v.astype(jnp.bfloat16),
+                                                       v[:, :3].astype(jnp.int32))}, "i"), x)
+    for a, b, c in zip(jax.tree.leaves(first), jax.tree.leaves(again), jax.tree.leaves(ref)):
+        assert _shards_bits(a) == _shards_bits(b)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+
+
+def test_gradient_is_lax_psums():
+    mesh = _mesh(3)
+    x = _sharded(mesh, jnp.arange(3 * 12, dtype=jnp.float32))
+
+    def loss(body):
+        return lambda v: jax.shard_map(lambda u: (body(u) ** 2).sum(), mesh=mesh,
+                                       in_specs=P("i"), out_specs=P())(v)
+    g = jax.jit(jax.grad(loss(lambda u: fc.psum(u, "i", config=EXACT))))(x)
+    ref = jax.jit(jax.grad(loss(lambda u: lax.psum(u, "i"))))(x)
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(ref))
+
+
+def test_fused_norm_uses_the_exact_p2p_sum_where_planned():
+    mesh = _mesh(3)
+    x = _sharded(mesh, jnp.asarray(np.random.default_rng(2).standard_normal((3 * 4, 64)),
+                                   jnp.float32))
+    r = jnp.ones((4, 64), jnp.float32)
+    w = jnp.full((64,), 0.5, jnp.float32)
+
+    def body(config):
+        return lambda v: fc.psum_add_rms_norm(v, r, w, "i", config=config)
+    with fc.record() as plans:
+        out, h = _run(mesh, body(EXACT), x)
+    assert [(p.path, p.transport) for p in plans] == [("exact", "p2p")]
+    out_lax, h_lax = _run(mesh, body(fc.CommConfig(bits=None)), x)
+    np.testing.assert_array_equal(np.asarray(h), np.asarray(h_lax))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(out_lax))
+
+
+@pytest.mark.parametrize("across", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.int8, jnp.uint8, jnp.int16, jnp.float64])
+def test_every_summed_dtype_plans_the_exact_p2p_sum(monkeypatch, across, dtype):
+    monkeypatch.setattr(planner.p2p_transport, "across_processes", lambda: across)
+    monkeypatch.setattr(planner.p2p_transport, "unsupported_reason", lambda axes: None)
+    p = planner.plan("psum", ("i",), (8, 16), np.dtype(dtype), 2, EXACT, record=False)
+    assert (p.path, p.transport) == ("exact", "p2p")
+
+
+def test_a_dtype_it_does_not_sum_takes_lax_with_a_reason(monkeypatch):
+    monkeypatch.setattr(planner.p2p_transport, "unsupported_reason", lambda axes: None)
+    p = planner.plan("psum", ("i",), (8, 16), np.dtype(np.bool_), 2, EXACT, record=False)
+    assert p.path == "lax" and p.transport is None
+    assert "lax.psum" in p.reason and "bool" in p.reason
+
+
+def test_direct_call_of_a_dtype_it_does_not_sum_is_a_type_error():
+    mesh = _mesh(3)
+    x = _sharded(mesh, jnp.zeros((3 * 4,), jnp.bool_))
+    with pytest.raises(TypeError, match="no exact p2p sum of bool"):
+        _run(mesh, lambda v: p2p.exact_all_reduce(v, ("i",), 1000), x)
+
+
+def test_the_automatic_choice_weighs_exact_p2p_in_one_process():
+    mesh = _mesh(3)
+    x = _sharded(mesh, jnp.ones((3 * 4, 144), jnp.float32))  # a decode step's 2304 B
+    with fc.record() as plans:
+        _run(mesh, lambda v: fc.psum(v, "i"), x)
+    (p,) = plans
+    assert "exact/p2p" in p.reason
+    assert p.path in ("exact", "lax") and not p.quantized
+    with fc.record() as plans:
+        _run(mesh, lambda v: fc.psum(v, "i", transport="xla"), x)
+    assert plans[0].path != "exact", "transport='xla' leaves no exact p2p candidate"
