@@ -1,7 +1,8 @@
 """The exact all-reduce over the p2p transport against ``lax.psum``, in one process.
 
     .venv/bin/python -m benchmarks.collectives.allreduce_exact_p2p [--devices 8,3] \\
-        [--dtypes float32,bfloat16] [--sizes 2048,...] [--seconds 3] [--out docs/results/exact_p2p.json]
+        [--dtypes float32,bfloat16] [--sizes 2048,...] [--seconds 3] \\
+        [--out docs/results/exact_p2p.json]
 
 Per mesh size (CPU devices of this process), dtype and message size (bytes per rank, 2 KiB to
 64 MiB by default) it times three programs, each ``k`` chained calls in a ``fori_loop`` (the

@@ -53,7 +53,6 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
-import jax.numpy as jnp
 import numpy as np
 
 from jax_flashcomm import _axes

@@ -32,8 +32,9 @@ class Call:
     values of ``dtype``) over ``n`` ranks, on ``platform`` with the peers ``layout``
     (:data:`jax_flashcomm.costs.LAYOUTS`); ``p2p_reason``: why the p2p transport cannot run
     its quantized collectives (None: it can); ``exact_p2p_reason``: why it cannot run the exact
-    all-reduce (None: it can; the default says it was not asked); ``bits``: the quantized paths' ``(rs_bits, ag_bits)`` (None: exact);
-    ``group_size`` and ``spikes`` of their format."""
+    all-reduce (None: it can; the default says it was not asked); ``bits``: the quantized
+    paths' ``(rs_bits, ag_bits)`` (None: exact); ``group_size`` and ``spikes`` of their
+    format."""
     op: str
     nbytes: int
     itemsize: int
