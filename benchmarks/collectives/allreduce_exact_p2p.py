@@ -84,7 +84,7 @@ def run(args) -> list:
 
     from models.eval import progress
 
-    rows, start = [], time.time()
+    rows, start = [], time.perf_counter()
     total = len(args.devices) * len(args.dtypes) * len(args.sizes)
     for n in args.devices:
         mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n],
@@ -113,7 +113,7 @@ def run(args) -> list:
                                           for name in METHODS[1:]},
                        "bits": _bits(once, x, n)}
                 rows.append(row)
-                progress(len(rows), total, start, what=f"N={n} {dtype} {size} B")
+                progress(len(rows), total, start, unit="sizes", what=f"N={n} {dtype} {size} B")
                 del x
     return rows
 

@@ -98,11 +98,16 @@ class P2pTransport(_Collectives):
     #: docs/transport.md, "Across processes").
     SHM_LINK = Link(2.2e9, "shared", 110e-6, 0.0)
 
-    #: The in-process exact all-reduce's latency as a fraction of ``lax.psum``'s where no table
-    #: measured it: the 2 KiB f32 rows of benchmarks/collectives/allreduce_exact_p2p.py at 3
-    #: devices (its larger ratio of the 3- and 8-device rows; Intel Xeon, 2 cores,
-    #: docs/transport.md "The exact all-reduce").
-    EXACT_LATENCY_RATIO = 0.88
+    #: The in-process exact all-reduce against ``lax.psum`` where no table measured it, from
+    #: benchmarks/collectives/allreduce_exact_p2p.py (Intel Xeon, 2 cores, 3 and 8 devices;
+    #: docs/transport.md, "The exact all-reduce"): up to :data:`EXACT_SMALL_BYTES` per rank its
+    #: time is lax's times :data:`EXACT_SMALL_RATIO` (the larger of the 3- and 8-device ratios
+    #: at 2-32 KiB); above, bf16 and f16 (which lax moves as f32) take the cost model's bytes
+    #: as they are, and other dtypes lax's time times :data:`EXACT_LARGE_RATIO` (0.87-1.27x of
+    #: lax's speed measured at f32 128 KiB-64 MiB: where it is not faster, lax is kept).
+    EXACT_SMALL_BYTES = 64 * 1024
+    EXACT_SMALL_RATIO = 0.94
+    EXACT_LARGE_RATIO = 1.05
 
     def unavailable(self, call: Call, exact: bool) -> str | None:
         if exact:
@@ -113,12 +118,14 @@ class P2pTransport(_Collectives):
     def model_s(self, call: Call, exact: bool, link: Link, codec_pass_s) -> float:
         if not exact or call.layout == "processes" or call.platform != "cpu":
             return super().model_s(call, exact, link, codec_pass_s)
-        # in one process: lax's link (the table's, else the default) at a fraction of its
-        # latency; every dtype moves as is (lax moves bf16 as f32)
-        lax_link = TRANSPORTS["xla"].link(call, costs.active())
-        lax_link = dataclasses.replace(
-            lax_link, base_latency_s=lax_link.base_latency_s * self.EXACT_LATENCY_RATIO)
-        return costs.exact_collective(call.op, call.nbytes, call.n, lax_link)
+        xla = TRANSPORTS["xla"]
+        lax_link = xla.link(call, costs.active())
+        if call.nbytes <= self.EXACT_SMALL_BYTES:
+            return xla.model_s(call, True, lax_link, codec_pass_s) * self.EXACT_SMALL_RATIO
+        if call.itemsize == 2:  # lax moves 16-bit floats as f32; this sum moves them as they are
+            as_is = dataclasses.replace(call, dtype="float32")
+            return xla.model_s(as_is, True, lax_link, codec_pass_s)
+        return xla.model_s(call, True, lax_link, codec_pass_s) * self.EXACT_LARGE_RATIO
 
     def link(self, call: Call, table) -> Link:
         if call.platform != "cpu":
