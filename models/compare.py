@@ -77,6 +77,8 @@ def run(model, ckpt, mesh, settings, *, text=None, window=512, max_windows=6, pr
         rows[-1]["plans"] = dict(collections.Counter(
             f"{p.op}: {p.path}" + (f" over {p.transport}" if p.transport else "")
             for p in plans))
+        rows[-1]["choice_sources"] = dict(collections.Counter(
+            choice_source(p.reason) for p in plans if p.reason.startswith("auto:")))
         rows[-1]["wire_vs_bf16"], _ = plans_wire_vs_bf16(plans)  # of the calls that ran
     if prompts:
         for r in range(1, rounds):
@@ -262,3 +264,11 @@ def _main(args) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def choice_source(reason: str) -> str:
+    """Where an automatic choice's times came from, read from its plan's reason
+    (``"auto: lax 40 us (table); ..."``): ``"table"`` (measured by ``python -m
+    jax_flashcomm.tune``), ``"table, in the step"`` or the cost model's profile."""
+    head = reason.split(";", 1)[0]
+    return head[head.find("(") + 1:head.rfind(")")] if "(" in head else "unknown"

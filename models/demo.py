@@ -71,6 +71,10 @@ def _main(args) -> int:
         if comm.quantization == "auto":
             print(f"{r['setting']} chose, per traced call site: " + "; ".join(
                 f"{k} x{v}" for k, v in sorted(r["plans"].items())))
+            print(f"{r['setting']}'s times came from: " + "; ".join(
+                f"{k} x{v}" for k, v in sorted(r["choice_sources"].items()))
+                + " (a table: python -m jax_flashcomm.tune measured this machine; the cost "
+                  "model: its defaults, docs/autotune.md)")
     return 0
 
 
