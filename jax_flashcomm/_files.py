@@ -24,3 +24,18 @@ def read_json(path: pathlib.Path, kind: str):
         raise ValueError(f"{path}: not a {kind} (nested too deep)") from None
     except UnicodeDecodeError as err:
         raise ValueError(f"{path}: not a UTF-8 text file ({err.reason})") from None
+
+
+CACHE_ENV = "FLASHCOMM_CACHE_DIR"
+
+
+def cache_dir() -> pathlib.Path:
+    """The user's cache folder of the package (tuning tables, the CPU build measured per CPU
+    kind): ``FLASHCOMM_CACHE_DIR``, else ``$XDG_CACHE_HOME/jax_flashcomm``, else
+    ``~/.cache/jax_flashcomm``."""
+    import os
+
+    if os.environ.get(CACHE_ENV):
+        return pathlib.Path(os.environ[CACHE_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(base) / "jax_flashcomm"

@@ -26,6 +26,7 @@ def describe() -> dict:
 
         if kernels.available("cpu"):
             info.update(isa=kernels.cpu_isa(), isas=kernels.cpu_isas(),
+                        isa_chosen_by=kernels.isa_choice_made().get("how", ""),
                         features=kernels.cpu_features())
     except Exception as err:  # noqa: BLE001 - a report line must not fail the benchmark
         info["isa_error"] = str(err)
@@ -35,6 +36,7 @@ def describe() -> dict:
 def first_line() -> str:
     """``CPU <model> (<cores> cores): kernels <isa> of [<isas>]; <features>``."""
     d = describe()
-    isa = (f"CPU kernels {d['isa']} (builds this CPU runs: {', '.join(d['isas'])}); "
+    isa = (f"CPU kernels {d['isa']} (builds this CPU runs: {', '.join(d['isas'])}; the "
+           f"loader's: {d.get('isa_chosen_by') or 'n/a'}); "
            f"{d['features']}" if "isa" in d else "CPU kernels not built")
     return f"CPU {d['cpu']} ({d['cores']} cores, {d['machine']}): {isa}"

@@ -114,6 +114,12 @@ std::string cpu_features();
 // success, else the reason (unknown name, or a build the CPU cannot run).
 std::string set_isa(const std::string& name);
 
+// Median seconds of `reps` runs of the all-reduce's three codec passes (quantize,
+// dequantize_sum_quantize over 4 chunks, dequantize; bf16, 8 bits, G = 128, Hadamard) on
+// `groups` groups with build `name` (not the one in use: set_isa is untouched); -1 for a
+// build this CPU cannot run. What the loader measures on a CPU kind it has no rule for.
+double pass_seconds(const std::string& name, int64_t groups, int reps);
+
 }  // namespace cpu
 }  // namespace flashcomm
 

@@ -3,9 +3,12 @@
 // (the Python module and the C++ tests use it to run every build).
 #include "cpu/cpu_dispatch.h"
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -143,6 +146,44 @@ std::string set_isa(const std::string& name) {
   }
   return "FLASHCOMM_CPU_ISA=" + name + " is not one of this library's builds (" + known +
          ", or auto)";
+}
+
+double pass_seconds(const std::string& name, int64_t groups, int reps) {
+  const CodecKernels* table = nullptr;
+  for (const Build& b : Builds()) {
+    if (name == b.name && b.runs_here()) table = &b.table();
+  }
+  if (table == nullptr || groups < 1 || reps < 1) return -1.0;
+  constexpr int64_t kGroup = 128, kChunks = 4;
+  constexpr int kBits = 8, kRotation = 1;
+  const int64_t record = kGroup * kBits / 8;
+  std::vector<uint16_t> x(static_cast<size_t>(groups * kGroup));
+  for (size_t i = 0; i < x.size(); ++i) {  // bf16 values in [-2, 2): a fixed pattern
+    const float v = float(int64_t(i * 2654435761u % 4096) - 2048) / 1024.0f;
+    uint32_t bits;
+    std::memcpy(&bits, &v, 4);
+    x[i] = uint16_t(bits >> 16);
+  }
+  const size_t n = static_cast<size_t>(groups), out_n = static_cast<size_t>(groups / kChunks);
+  std::vector<uint8_t> codes(n * record), out_codes(out_n * record);
+  std::vector<uint16_t> scale(n), zero(n), y(x.size()), out_scale(out_n), out_zero(out_n);
+  const PayloadView chunked{codes.data(), scale.data(), zero.data(), 1, kChunks,
+                            groups / kChunks, kGroup, record, kBits, 0};
+  std::vector<double> times;
+  for (int r = 0; r < reps; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const size_t failed =  // scratch bytes a pass could not allocate (0: none)
+        table->quantize(DType::kBF16, x.data(), groups, kGroup, kBits, kRotation, 0,
+                        codes.data(), scale.data(), zero.data()) +
+        table->dequantize_sum_quantize(chunked, kBits, 0, out_codes.data(), out_scale.data(),
+                                       out_zero.data(), 0, groups / kChunks) +
+        table->dequantize(DType::kBF16, codes.data(), scale.data(), zero.data(), groups, kGroup,
+                          kBits, kRotation, 0, y.data());
+    if (failed != 0) return -1.0;
+    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
 }
 
 }  // namespace cpu

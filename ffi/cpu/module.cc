@@ -83,6 +83,10 @@ void AddCodecFunctions(nanobind::module_& m) {
         if (!error.empty()) throw std::invalid_argument(error);
       },
       "Run the codec kernels with the named build from now on ('auto': the best supported).");
+  m.def("isa_pass_seconds", &flashcomm::cpu::pass_seconds, nanobind::arg("isa"),
+        nanobind::arg("groups"), nanobind::arg("reps"),
+        "Median seconds of the all-reduce's three codec passes with build `isa` (-1: it cannot "
+        "run here).");
   m.def("cpu_threads", []() { return flashcomm::cpu::max_codec_threads().load(); },
         "At most this many threads per codec call (0: every thread of XLA's intra-op pool).");
   m.def("cpu_split_calls", []() { return flashcomm::cpu::split_calls().load(); },

@@ -90,32 +90,45 @@ def cpuinfo(field: str) -> str:
 
 
 def preferred_isa(supported: list[str], vendor: str, family: str) -> str | None:
-    """The build the loader runs instead of the widest one, or None.
-
-    AMD family 25 (Zen 3 / Zen 4) runs AVX-512 on 256-bit units: there the AVX2 build does the
-    all-reduce's three passes faster (measured on a Zen 4 by ``python -m jax_flashcomm.tune``:
-    docs/autotune.md, "The CPU build"). A tuning table's measured choice overrides this rule,
-    ``FLASHCOMM_CPU_ISA`` both.
+    """The build the loader's rule runs instead of the widest on a CPU of ``vendor`` and
+    ``family``, or None where it has no rule (:data:`jax_flashcomm.codec.isa_choice.MEASURED_KINDS`: AMD family 25, Zen 3 /
+    Zen 4, runs AVX-512 on 256-bit units, where the AVX2 build does the all-reduce's passes
+    faster; docs/autotune.md, "The CPU build").
 
     Args:
       supported: the builds this CPU runs, best first.
       vendor, family: ``/proc/cpuinfo``'s ``vendor_id`` and ``cpu family``.
     """
-    if vendor == "AuthenticAMD" and family == "25" and supported[:1] == ["avx512"]:
-        return "avx2" if "avx2" in supported else None
-    return None
+    from jax_flashcomm.codec import isa_choice
+
+    rule = isa_choice.MEASURED_KINDS.get((vendor, family))
+    return rule if rule in supported[1:] else None  # None too where it is the widest
+
+
+_isa_choice: dict = {}
 
 
 def _apply_isa_rule(module) -> None:
-    name = preferred_isa(list(module.supported_isas()), cpuinfo("vendor_id"),
-                         cpuinfo("cpu family"))
-    if name is not None:
+    from jax_flashcomm.codec import isa_choice
+
+    name, how = isa_choice.choose(module)
+    _isa_choice.update(isa=name, how=how)
+    if name != module.cpu_isa():
         module.set_cpu_isa(name)
+
+
+def isa_choice_made() -> dict:
+    """The loader's choice of CPU build: ``{"isa", "how"}`` (``how``: ``"rule"``, ``"only
+    build"``, ``"measured before (cache)"`` or ``"measured now (...)"``;
+    :mod:`jax_flashcomm.codec.isa_choice`); empty before the CPU module is loaded."""
+    return dict(_isa_choice)
 
 
 def default_isa() -> str:
     """The build the loader picks on this CPU without ``FLASHCOMM_CPU_ISA`` or a tuning table:
-    :func:`preferred_isa`'s, else the widest."""
+    the rule's, or the one measured for this CPU kind (:mod:`jax_flashcomm.codec.isa_choice`)."""
+    if available("cpu") and _isa_choice:
+        return _isa_choice["isa"]
     isas = cpu_isas()
     return preferred_isa(isas, cpuinfo("vendor_id"), cpuinfo("cpu family")) or isas[0]
 

@@ -34,6 +34,7 @@ import pathlib
 import platform
 import time
 
+from jax_flashcomm import _files
 from jax_flashcomm._files import read_json
 
 __all__ = ["TABLE_VERSION", "TABLE_ENV", "CACHE_ENV", "LAYOUTS", "SCOPES",
@@ -45,7 +46,7 @@ logger = logging.getLogger("jax_flashcomm")
 
 TABLE_VERSION = 1
 TABLE_ENV = "FLASHCOMM_TUNING_TABLE"
-CACHE_ENV = "FLASHCOMM_CACHE_DIR"
+CACHE_ENV = _files.CACHE_ENV
 #: Where a call's peers are: devices of this process, or other processes.
 LAYOUTS = ("in-process", "processes")
 #: What a measured time covers: one call, or a model step (:class:`Measurement`).
@@ -237,10 +238,7 @@ def key_digest(key: dict) -> str:
 
 def cache_dir() -> pathlib.Path:
     """The folder tables are cached in (module docstring)."""
-    if os.environ.get(CACHE_ENV):
-        return pathlib.Path(os.environ[CACHE_ENV]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
-    return pathlib.Path(base) / "jax_flashcomm"
+    return _files.cache_dir()
 
 
 def table_path(key: dict | None = None) -> pathlib.Path:
