@@ -268,7 +268,7 @@ if __name__ == "__main__":
 
 def choice_source(reason: str) -> str:
     """Where an automatic choice's times came from, read from its plan's reason
-    (``"auto: lax 40 us (table); ..."``): ``"table"`` (measured by ``python -m
-    jax_flashcomm.tune``), ``"table, in the step"`` or the cost model's profile."""
+    (``"auto: lax 40 us (table); ..."``): ``"table"`` (measured by the tune command),
+    ``"table, in the step"`` or the cost model's profile."""
     head = reason.split(";", 1)[0]
     return head[head.find("(") + 1:head.rfind(")")] if "(" in head else "unknown"

@@ -73,8 +73,8 @@ def _main(args) -> int:
                 f"{k} x{v}" for k, v in sorted(r["plans"].items())))
             print(f"{r['setting']}'s times came from: " + "; ".join(
                 f"{k} x{v}" for k, v in sorted(r["choice_sources"].items()))
-                + " (a table: python -m jax_flashcomm.tune measured this machine; the cost "
-                  "model: its defaults, docs/autotune.md)")
+                + " (a table: the tune command measured this machine; the cost model: its "
+                  "defaults, docs/autotune.md)")
     return 0
 
 

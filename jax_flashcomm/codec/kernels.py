@@ -91,9 +91,9 @@ def cpuinfo(field: str) -> str:
 
 def preferred_isa(supported: list[str], vendor: str, family: str) -> str | None:
     """The build the loader's rule runs instead of the widest on a CPU of ``vendor`` and
-    ``family``, or None where it has no rule (:data:`jax_flashcomm.codec.isa_choice.MEASURED_KINDS`: AMD family 25, Zen 3 /
-    Zen 4, runs AVX-512 on 256-bit units, where the AVX2 build does the all-reduce's passes
-    faster; docs/autotune.md, "The CPU build").
+    ``family``, or None where it has no rule (``isa_choice.MEASURED_KINDS``: AMD family 25,
+    Zen 3 / Zen 4, runs AVX-512 on 256-bit units, where the AVX2 build does the all-reduce's
+    passes faster; docs/autotune.md, "The CPU build").
 
     Args:
       supported: the builds this CPU runs, best first.

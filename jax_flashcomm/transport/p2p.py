@@ -295,9 +295,10 @@ def meetings_in_progress() -> int:
 #: more than two ranks it always takes two (a ring's bytes; one shot sends N - 1 copies). The
 #: kernel decides at run time from this threshold (its ``two_shot_bytes`` attribute).
 TWO_SHOT_BYTES = 256 * 1024
-#: The same threshold between the devices of one process (docs/transport.md, "The exact
-#: all-reduce": the crossover measured by benchmarks/collectives/allreduce_exact_p2p.py).
-IN_PROCESS_TWO_SHOT_BYTES = 256 * 1024
+#: The same threshold between the devices of one process: 0, two shots at every size (they were
+#: at least as fast as one at every size measured by
+#: benchmarks/collectives/allreduce_exact_p2p.py; docs/transport.md, "The exact all-reduce").
+IN_PROCESS_TWO_SHOT_BYTES = 0
 
 
 def exact_all_reduce(x: jax.Array, axes: tuple[str, ...], timeout_ms: int,
