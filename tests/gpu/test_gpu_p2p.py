@@ -155,6 +155,29 @@ def test_p2p_many_calls(gpus):
     assert p2p.meetings_in_progress() == 0
 
 
+@functools.lru_cache(maxsize=None)
+def _exact(mesh, two_shot):
+    def body(v):
+        return p2p.exact_all_reduce(v, ("i",), 30_000, two_shot=two_shot)[None]
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+
+
+@pytest.mark.parametrize("two_shot", [False, True, None])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_exact_p2p_psum_is_the_f32_rank_order_sum(gpus, dtype, two_shot):
+    """The exact all-reduce over the CUDA p2p handlers: every GPU gets the same bits, the sum
+    in f32 in rank order rounded once (the CPU handlers' values)."""
+    n = _n_gpus(gpus)
+    mesh = _mesh(gpu_devices()[:n], (n,), ("i",))
+    x = _operand(n, dtype, seed=7).reshape(n * ROWS, COLS)
+    got = host(_exact(mesh, two_shot)(_put(mesh, x)))
+    want = np.asarray(x, np.float32).reshape(n, ROWS, COLS).sum(0)  # rank order, f32
+    want = np.asarray(jnp.asarray(want).astype(dtype))
+    for rank in range(n):
+        assert_same_bits(got[rank], want, f"rank {rank}, {dtype}")
+    assert p2p.meetings_in_progress() == 0
+
+
 def test_programs_lower_for_cuda(cuda_module, monkeypatch):
     """Without a GPU: the p2p and ring programs trace (on 2 CPU devices, the default backend
     reported as "gpu" so that the transports pick the CUDA module's kernels) and call the CUDA
@@ -169,6 +192,8 @@ def test_programs_lower_for_cuda(cuda_module, monkeypatch):
 
     got = targets(_collectives(mesh, ("i",), _with(CONFIGS[1], "p2p")),
                   _put(mesh, _operand(2, jnp.bfloat16, 0)))
+    got |= targets(_exact(mesh, None), _put(mesh, _operand(2, jnp.bfloat16, 0).reshape(
+        2 * ROWS, COLS)))
     assert set(p2p.TARGETS) <= got, got
     x, w = _ring_operands(2)
     got = targets(_rings(mesh, "p2p"), jax.device_put(x, NamedSharding(mesh, P("i"))),

@@ -39,7 +39,7 @@ CAPTURABLE = frozenset(kernels.TARGETS) | frozenset(fp_kernels.TARGETS)
 #: Handlers that must never be captured: host rendezvous, host reads of device values.
 HOST_SYNCHRONOUS = frozenset({
     "flashcomm_p2p_all_reduce", "flashcomm_p2p_reduce_scatter", "flashcomm_p2p_all_gather",
-    "flashcomm_p2p_ring_start", "flashcomm_p2p_ring_done",
+    "flashcomm_p2p_ring_start", "flashcomm_p2p_ring_done", "flashcomm_p2p_psum",
     "flashcomm_shm_all_reduce", "flashcomm_shm_reduce_scatter", "flashcomm_shm_all_gather",
     "flashcomm_shm_psum", "flashcomm_shm_ring_start", "flashcomm_shm_ring_done",
 })
