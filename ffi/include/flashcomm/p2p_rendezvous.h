@@ -176,7 +176,8 @@ class Meeting {
         came_(barriers, std::vector<bool>(size, false)), waiting_(barriers) {}
 
   // Arrive at `barrier` with `mine`; `then` runs once every rank has arrived: inline when this
-  // rank is the last, else on a worker. Never blocks.
+  // rank is the last, else on a worker (at the last barrier inline in the last rank's thread).
+  // Never blocks.
   void Arrive(int barrier, int rank, const Published& mine, Continuation then) {
     std::vector<Continuation> ready;
     std::vector<Published> peers;
@@ -198,8 +199,17 @@ class Meeting {
       }
     }
     cv_.notify_all();
+    // The last barrier's continuations only complete their calls (every protocol ends with a
+    // barrier whose continuation is Finish): they run here, in the last rank's thread, rather
+    // than waking a worker each first.
+    const bool last_barrier = barrier + 1 == int(arrived_.size());
     for (auto& cont : ready) {
-      ThreadPool::Workers().Schedule([cont = std::move(cont), peers] { cont(peers, std::string()); });
+      if (last_barrier) {
+        cont(peers, std::string());
+      } else {
+        ThreadPool::Workers().Schedule(
+            [cont = std::move(cont), peers] { cont(peers, std::string()); });
+      }
     }
     then(error.empty() ? peers : std::vector<Published>(), error);
   }
