@@ -100,12 +100,15 @@ class P2pTransport(_Collectives):
 
     #: The in-process exact all-reduce against ``lax.psum`` where no table measured it, from
     #: benchmarks/collectives/allreduce_exact_p2p.py (Intel Xeon, 2 cores, 3 and 8 devices;
-    #: docs/transport.md, "The exact all-reduce"): up to :data:`EXACT_SMALL_BYTES` per rank its
-    #: time is lax's times :data:`EXACT_SMALL_RATIO` (the larger of the 3- and 8-device ratios
-    #: at 2-32 KiB); above, bf16 and f16 (which lax moves as f32) take the cost model's bytes
-    #: as they are, and other dtypes lax's time times :data:`EXACT_LARGE_RATIO` (0.87-1.27x of
-    #: lax's speed measured at f32 128 KiB-64 MiB: where it is not faster, lax is kept).
-    EXACT_SMALL_BYTES = 64 * 1024
+    #: docs/transport.md, "The exact all-reduce"): up to :data:`EXACT_SMALL_BYTES` per rank
+    #: (:data:`EXACT_SMALL_BYTES_16` for 16-bit floats) lax's time times
+    #: :data:`EXACT_SMALL_RATIO` (measured 1.07-1.65x faster there in every run); 16-bit floats
+    #: from :data:`EXACT_NARROW_BYTES` at their own bytes, which lax moves as f32 (1.13-2.3x
+    #: faster); elsewhere lax's time times :data:`EXACT_LARGE_RATIO` (f32 from 128 KiB measured
+    #: 0.87-1.27x, bf16 at 32 KiB 0.71-0.76x on 3 devices): lax is kept there.
+    EXACT_SMALL_BYTES = 32 * 1024
+    EXACT_SMALL_BYTES_16 = 8 * 1024
+    EXACT_NARROW_BYTES = 128 * 1024
     EXACT_SMALL_RATIO = 0.94
     EXACT_LARGE_RATIO = 1.05
 
@@ -120,9 +123,11 @@ class P2pTransport(_Collectives):
             return super().model_s(call, exact, link, codec_pass_s)
         xla = TRANSPORTS["xla"]
         lax_link = xla.link(call, costs.active())
-        if call.nbytes <= self.EXACT_SMALL_BYTES:
+        narrow = call.itemsize == 2  # lax moves 16-bit floats as f32; this sum as they are
+        small = self.EXACT_SMALL_BYTES_16 if narrow else self.EXACT_SMALL_BYTES
+        if call.nbytes <= small:
             return xla.model_s(call, True, lax_link, codec_pass_s) * self.EXACT_SMALL_RATIO
-        if call.itemsize == 2:  # lax moves 16-bit floats as f32; this sum moves them as they are
+        if narrow and call.nbytes >= self.EXACT_NARROW_BYTES:
             as_is = dataclasses.replace(call, dtype="float32")
             return xla.model_s(as_is, True, lax_link, codec_pass_s)
         return xla.model_s(call, True, lax_link, codec_pass_s) * self.EXACT_LARGE_RATIO
