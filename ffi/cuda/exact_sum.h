@@ -49,6 +49,29 @@ inline ffi::Error CheckExactSum(const char* op, const ffi::AnyBuffer& x, const f
   return ffi::Error::Success();
 }
 
+// What both handlers find before they join: the device made current, the rank and group read
+// from device memory, the deadline and whether to take two shots.
+struct ExactStart {
+  CurrentDevice on;
+  int device = 0;
+  int32_t rank = 0, group = 0;
+  bool two = false;
+  Clock::time_point deadline;
+};
+
+// The checks, then ExactStart's fields (protocol::Start reads the rank and group).
+inline ffi::Error BeginExactSum(const char* op, cudaStream_t stream, const ffi::AnyBuffer& x,
+                                const ffi::AnyBuffer& y, ffi::Buffer<ffi::S32> rank_buf,
+                                ffi::Buffer<ffi::S32> group_buf, int64_t size,
+                                int64_t timeout_ms, int32_t two_shot, int64_t two_shot_bytes,
+                                ExactStart* s) {
+  if (ffi::Error e = CheckExactSum(op, x, y, size, timeout_ms, two_shot); e.failure()) return e;
+  s->two = two_shot == 2 ? int64_t(x.size_bytes()) >= two_shot_bytes : two_shot == 1;
+  s->deadline = p2p::DeadlineAfter(timeout_ms);
+  return Start(op, stream, rank_buf, group_buf, size, s->deadline, &s->on, &s->device, &s->rank,
+               &s->group);
+}
+
 // The protocol, after the handler has joined `me` to a meeting of `two ? 3 : 2` barriers;
 // `device`, `site`, `group` for the working memory.
 template <class P, class Meet>

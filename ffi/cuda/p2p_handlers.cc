@@ -176,29 +176,23 @@ ffi::Error P2pPsum(ffi::RunId run, cudaStream_t stream, ffi::AnyBuffer x,
                    ffi::Result<ffi::AnyBuffer> y, int64_t size, int64_t site,
                    int64_t timeout_ms, int32_t two_shot, int64_t two_shot_bytes) {
   constexpr const char* kOp = "flashcomm_p2p_psum";
-  if (ffi::Error e = protocol::CheckExactSum(kOp, x, *y, size, timeout_ms, two_shot);
+  protocol::ExactStart s;
+  if (ffi::Error e = protocol::BeginExactSum(kOp, stream, x, *y, rank_buf, group_buf, size,
+                                             timeout_ms, two_shot, two_shot_bytes, &s);
       e.failure()) {
     return e;
   }
-  const bool two = two_shot == 2 ? int64_t(x.size_bytes()) >= two_shot_bytes : two_shot == 1;
-  const auto deadline = p2p::DeadlineAfter(timeout_ms);
-  CurrentDevice on;
-  int device = 0;
-  int32_t rank = 0, group = 0;
-  if (ffi::Error e = protocol::Start(kOp, stream, rank_buf, group_buf, size, deadline, &on,
-                                     &device, &rank, &group);
+  Participant me(kOp, s.device, stream, s.deadline);
+  if (ffi::Error e = me.Join(run.run_id, site, s.group, s.rank, size, s.two ? 3 : 2);
       e.failure()) {
-    return e;
-  }
-  Participant me(kOp, device, stream, deadline);
-  if (ffi::Error e = me.Join(run.run_id, site, group, rank, size, two ? 3 : 2); e.failure()) {
     return e;
   }
   auto meet = [&me](int barrier, const void* data, size_t /*bytes*/) {
     if (ffi::Error e = me.Record(); e.failure()) return e;
     return me.Meet(barrier, data, nullptr, nullptr, 0, 0);
   };
-  return protocol::ExactSum(kOp, me, meet, stream, device, site, group, rank, size, x, *y, two);
+  return protocol::ExactSum(kOp, me, meet, stream, s.device, site, s.group, s.rank, size, x, *y,
+                            s.two);
 }
 
 }  // namespace cuda

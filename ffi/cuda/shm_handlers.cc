@@ -71,27 +71,19 @@ ffi::Error ShmPsum(ffi::RunId, cudaStream_t stream, ffi::AnyBuffer x,
                    int64_t timeout_ms, int64_t axes_key, int32_t two_shot,
                    int64_t two_shot_bytes) {
   constexpr const char* kOp = "flashcomm_shm_psum";
-  if (ffi::Error e = protocol::CheckExactSum(kOp, x, *y, size, timeout_ms, two_shot);
+  protocol::ExactStart s;
+  if (ffi::Error e = protocol::BeginExactSum(kOp, stream, x, *y, rank_buf, group_buf, size,
+                                             timeout_ms, two_shot, two_shot_bytes, &s);
       e.failure()) {
     return e;
   }
   ffi::Error error = ffi::Error::Success();
   const shm::Api* api = ipc::BoundApi(kOp, &error);
   if (!api) return error;
-  const bool two = two_shot == 2 ? int64_t(x.size_bytes()) >= two_shot_bytes : two_shot == 1;
-  const auto deadline = p2p::DeadlineAfter(timeout_ms);
-  CurrentDevice on;
-  int device = 0;
-  int32_t rank = 0, group = 0;
-  if (ffi::Error e = protocol::Start(kOp, stream, rank_buf, group_buf, size, deadline, &on,
-                                     &device, &rank, &group);
-      e.failure()) {
-    return e;
-  }
-  IpcParticipant me(api, kOp, stream, deadline, site, group);
-  const int64_t count = int64_t(x.element_count());
-  if (ffi::Error e = me.Join(axes_key, rank, size, two ? 3 : 2,
-                             Describe({4, int64_t(x.element_type()), count, size, two}),
+  IpcParticipant me(api, kOp, stream, s.deadline, site, s.group);
+  if (ffi::Error e = me.Join(axes_key, s.rank, size, s.two ? 3 : 2,
+                             Describe({4, int64_t(x.element_type()), int64_t(x.element_count()),
+                                       size, s.two}),
                              timeout_ms);
       e.failure()) {
     return e;
@@ -99,7 +91,8 @@ ffi::Error ShmPsum(ffi::RunId, cudaStream_t stream, ffi::AnyBuffer x,
   auto meet = [&me](int barrier, const void* data, size_t bytes) {
     return me.MeetRegions(barrier, {Region{data, bytes}, Region{}, Region{}});
   };
-  return protocol::ExactSum(kOp, me, meet, stream, device, site, group, rank, size, x, *y, two);
+  return protocol::ExactSum(kOp, me, meet, stream, s.device, site, s.group, s.rank, size, x, *y,
+                            s.two);
 }
 
 void ShmBind(const void* api) {
