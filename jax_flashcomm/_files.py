@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 
 
@@ -33,8 +34,6 @@ def cache_dir() -> pathlib.Path:
     """The user's cache folder of the package (tuning tables, the CPU build measured per CPU
     kind): ``FLASHCOMM_CACHE_DIR``, else ``$XDG_CACHE_HOME/jax_flashcomm``, else
     ``~/.cache/jax_flashcomm``."""
-    import os
-
     if os.environ.get(CACHE_ENV):
         return pathlib.Path(os.environ[CACHE_ENV]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"

@@ -78,7 +78,7 @@ def run(model, ckpt, mesh, settings, *, text=None, window=512, max_windows=6, pr
             f"{p.op}: {p.path}" + (f" over {p.transport}" if p.transport else "")
             for p in plans))
         rows[-1]["choice_sources"] = dict(collections.Counter(
-            choice_source(p.reason) for p in plans if p.reason.startswith("auto:")))
+            p.choice_source for p in plans if p.choice_source is not None))
         rows[-1]["wire_vs_bf16"], _ = plans_wire_vs_bf16(plans)  # of the calls that ran
     if prompts:
         for r in range(1, rounds):
@@ -264,11 +264,3 @@ def _main(args) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def choice_source(reason: str) -> str:
-    """Where an automatic choice's times came from, read from its plan's reason
-    (``"auto: lax 40 us (table); ..."``): ``"table"`` (measured by the tune command),
-    ``"table, in the step"`` or the cost model's profile."""
-    head = reason.split(";", 1)[0]
-    return head[head.find("(") + 1:head.rfind(")")] if "(" in head else "unknown"

@@ -16,7 +16,7 @@ import logging
 
 from jax_flashcomm import _files
 
-__all__ = ["MEASURED_KINDS", "cpu_kind", "choose", "measure", "cache_path", "MARGIN"]
+__all__ = ["MEASURED_KINDS", "cpuinfo", "cpu_kind", "choose", "measure", "cache_path", "MARGIN"]
 
 logger = logging.getLogger("jax_flashcomm")
 
@@ -29,25 +29,22 @@ MARGIN = 0.95
 _GROUPS, _REPS, _ROUNDS = 2048, 3, 5
 
 
-def _cpuinfo() -> dict:
-    fields = {}
+def cpuinfo(field: str) -> str:
+    """A field of ``/proc/cpuinfo``'s first processor (empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if not line.strip():
-                    break  # the first processor only
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
+                if line.split(":", 1)[0].strip() == field:
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return fields
+    return ""
 
 
 def cpu_kind() -> dict:
     """This CPU's kind: ``vendor``, ``family``, ``model``, ``name`` (empty where unknown)."""
-    info = _cpuinfo()
-    return {"vendor": info.get("vendor_id", ""), "family": info.get("cpu family", ""),
-            "model": info.get("model", ""), "name": info.get("model name", "")}
+    return {"vendor": cpuinfo("vendor_id"), "family": cpuinfo("cpu family"),
+            "model": cpuinfo("model"), "name": cpuinfo("model name")}
 
 
 def _kind_key(kind: dict) -> str:

@@ -18,7 +18,8 @@ import numpy as np
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_flashcomm.codec import spec
+from jax_flashcomm.codec import isa_choice, spec
+from jax_flashcomm.codec.isa_choice import cpuinfo
 from jax_flashcomm.codec.group_format import GroupFormat
 
 TARGETS = (
@@ -44,7 +45,7 @@ def _register(platform: str) -> bool:
         _import_errors[platform] = str(err)
         return False
     if platform == "cpu":
-        _apply_isa_rule(module)
+        _apply_isa_choice(module)
         _apply_isa_env(module)
         _apply_threads_env(module)
     registrations = module.registrations()
@@ -77,18 +78,6 @@ def _apply_isa_env(module) -> None:
             raise RuntimeError(f"jax_flashcomm: {err}") from None
 
 
-def cpuinfo(field: str) -> str:
-    """A field of ``/proc/cpuinfo``'s first processor (empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.split(":", 1)[0].strip() == field:
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
 def preferred_isa(supported: list[str], vendor: str, family: str) -> str | None:
     """The build the loader's rule runs instead of the widest on a CPU of ``vendor`` and
     ``family``, or None where it has no rule (``isa_choice.MEASURED_KINDS``: AMD family 25,
@@ -99,8 +88,6 @@ def preferred_isa(supported: list[str], vendor: str, family: str) -> str | None:
       supported: the builds this CPU runs, best first.
       vendor, family: ``/proc/cpuinfo``'s ``vendor_id`` and ``cpu family``.
     """
-    from jax_flashcomm.codec import isa_choice
-
     rule = isa_choice.MEASURED_KINDS.get((vendor, family))
     return rule if rule in supported[1:] else None  # None too where it is the widest
 
@@ -108,9 +95,7 @@ def preferred_isa(supported: list[str], vendor: str, family: str) -> str | None:
 _isa_choice: dict = {}
 
 
-def _apply_isa_rule(module) -> None:
-    from jax_flashcomm.codec import isa_choice
-
+def _apply_isa_choice(module) -> None:
     name, how = isa_choice.choose(module)
     _isa_choice.update(isa=name, how=how)
     if name != module.cpu_isa():

@@ -105,6 +105,8 @@ class Plan:
       timeout_ms: the p2p transport's limit on a wait for a peer.
       predicted_s: the automatic choice's predicted seconds of this call (None under a fixed
         size policy).
+      choice_source: where those seconds came from: ``"table"``, ``"table, in the step"`` or
+        the cost model's profile (None under a fixed size policy).
       config: the config the plan was made from (the cotangents' collectives use it).
     """
 
@@ -122,6 +124,7 @@ class Plan:
     backend: str = "auto"
     timeout_ms: int = 60_000
     predicted_s: float | None = None
+    choice_source: str | None = None
     config: CommConfig = dataclasses.field(default_factory=CommConfig, repr=False)
 
     @property
@@ -362,7 +365,8 @@ def plan(op: str, axes: tuple, shape, dtype, axis_size: int, config: CommConfig,
     if quantized and config.auto:
         chosen = _auto_choice(op, axes, fields, config, where)
         quantized = chosen.candidate.startswith("quantized")
-        fields.update(reason=str(chosen), predicted_s=chosen.predicted_s)
+        fields.update(reason=str(chosen), predicted_s=chosen.predicted_s,
+                      choice_source=chosen.source)
     if op in _RINGS and (not quantized or op == "all_gather_matmul"):
         transport = _transport(config, axes, where, ring=True)
         path = "quantized ring" if quantized else "ring"
