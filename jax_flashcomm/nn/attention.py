@@ -34,13 +34,17 @@ from jax_flashcomm._rings import rs_ring
 __all__ = ["attend", "tp_attention"]
 
 
-def attend(q, k, v, qpos, kpos, *, causal: bool = True):
-    """``softmax(q k^T / sqrt(dh)) v``, each group of query heads sharing one KV head.
+def attend(q, k, v, qpos, kpos, *, causal: bool = True, scale: float | None = None,
+           window=None):
+    """``softmax(q k^T * scale) v``, each group of query heads sharing one KV head.
 
     Args:
       q: ``(B, S, hq, dh)`` queries; ``k``, ``v``: ``(B, T, hkv, dh)`` with ``hq % hkv == 0``.
       qpos, kpos: ``(S,)`` and ``(T,)`` positions; with ``causal`` a query sees the keys at
         positions up to its own.
+      scale: the score scale, ``1 / sqrt(dh)`` by default.
+      window: None, or a sliding window (an int or a traced int32 scalar): a query also sees
+        only the keys less than ``window`` positions behind it.
 
     Returns:
       ``(B, S, hq, dh)`` in ``v``'s dtype (scores and softmax in f32).
@@ -49,9 +53,11 @@ def attend(q, k, v, qpos, kpos, *, causal: bool = True):
     hkv = k.shape[2]
     qg = q.reshape(b, s, hkv, hq // hkv, dh)
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(dh)
+    scores = scores / math.sqrt(dh) if scale is None else scores * scale
     if causal:
         scores = jnp.where(kpos[None, :] <= qpos[:, None], scores, -jnp.inf)
+    if window is not None:
+        scores = jnp.where(qpos[:, None] - kpos[None, :] < window, scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v)
     return out.reshape(b, s, hq, dh)

@@ -65,13 +65,15 @@ class _ShardedLinear(nnx.Module):
       tp: the TP size.
       comm: the :class:`~jax_flashcomm.nn.TPComm`.
       dtype: the kernel's dtype.
+      use_bias: a bias ``(out,)`` added to the output (column-parallel only: sharded like the
+        output's features; zeros when initialized).
       rngs: ``nnx.Rngs`` to initialize, or None for zeros (weights to be loaded).
     """
 
     SHARDED: int
 
     def __init__(self, in_features: int, out_features: int, *, tp: int, comm: TPComm,
-                 dtype=jnp.float32, rngs: nnx.Rngs | None):
+                 dtype=jnp.float32, use_bias: bool = False, rngs: nnx.Rngs | None):
         name, size = (("in_features", in_features) if self.SHARDED == 0
                       else ("out_features", out_features))
         if size % tp:
@@ -81,6 +83,11 @@ class _ShardedLinear(nnx.Module):
         sharding = [None, None]
         sharding[self.SHARDED] = comm.axis_name
         self.kernel = init_param(rngs, (in_features, out_features), dtype, tuple(sharding))
+        if use_bias and self.SHARDED == 0:
+            raise ValueError(f"{type(self).__name__}: a bias on a row-parallel layer would be "
+                             f"added once per rank before the all-reduce; add it after")
+        self.bias = (init_param(rngs, (out_features,), dtype, (comm.axis_name,), scale=0.0)
+                     if use_bias else None)
 
 
 class ColumnParallelLinear(_ShardedLinear):
@@ -88,7 +95,7 @@ class ColumnParallelLinear(_ShardedLinear):
     (the arguments of :class:`_ShardedLinear`).
 
     Local: ``x (..., in)`` replicated → ``(..., out / N)``; with ``sp=True``
-    ``x (..., S / N, in)`` → ``(..., S, out / N)`` through ``comm.gather_matmul``.
+    ``x (..., S / N, in)`` → ``(..., S, out / N)`` through ``comm.gather_matmul``; plus the bias.
     """
 
     SHARDED = 1
@@ -96,8 +103,10 @@ class ColumnParallelLinear(_ShardedLinear):
     def __call__(self, x, *, sp: bool = False):
         w = self.kernel[...]
         if sp and self.tp > 1:
-            return self.comm.gather_matmul(x, w, _sequence_axis(x, "ColumnParallelLinear"))
-        return x @ w
+            y = self.comm.gather_matmul(x, w, _sequence_axis(x, "ColumnParallelLinear"))
+        else:
+            y = x @ w
+        return y if self.bias is None else y + self.bias[...]
 
 
 class RowParallelLinear(_ShardedLinear):

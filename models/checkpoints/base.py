@@ -71,6 +71,15 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (f, d),
             p + "mlp.down_proj.weight": (d, f),
         })
+        if c.qkv_bias:
+            out.update({p + "self_attn.q_proj.bias": (hq,), p + "self_attn.k_proj.bias": (hkv,),
+                        p + "self_attn.v_proj.bias": (hkv,)})
+        if c.qk_norm:
+            out.update({p + "self_attn.q_norm.weight": (c.head_dim,),
+                        p + "self_attn.k_norm.weight": (c.head_dim,)})
+        if c.sandwich_norms:
+            out.update({p + "pre_feedforward_layernorm.weight": (d,),
+                        p + "post_feedforward_layernorm.weight": (d,)})
     out["model.norm.weight"] = (d,)
     if not c.tie_embeddings:
         out["lm_head.weight"] = (v, d)

@@ -1,17 +1,24 @@
-"""A GGUF checkpoint (llama.cpp) read as a Hugging Face Llama checkpoint.
+"""A GGUF checkpoint (llama.cpp) of a ``llama``, ``qwen2`` or ``gemma3`` model, read as the
+Hugging Face checkpoint of that architecture.
 
 The file is memory-mapped with ``gguf.GGUFReader``; each tensor is dequantized
-(``gguf.quants.dequantize``) to float32 on first read and cached. Names map from llama.cpp's
-(``blk.{i}.attn_q.weight`` ...) to HF's (``model.layers.{i}.self_attn.q_proj.weight`` ...).
+(``gguf.quants.dequantize``: F32, F16, BF16, Q4_0 ... Q8_0, the K-quants) to float32 on first
+read and cached. Names map from llama.cpp's (``blk.{i}.attn_q.weight`` ...) to HF's
+(``model.layers.{i}.self_attn.q_proj.weight`` ...), per architecture (:func:`gguf_to_hf_name`).
 
-Q and K: llama.cpp's ``convert_hf_to_gguf.py`` permutes the rows of each head of ``q_proj`` /
+Gemma 3: llama.cpp's converter stores every RMSNorm weight ``w`` of HF's ``x * (1 + w)`` norms as
+``1 + w``, which is the plain scale the model code multiplies by; it is read as is.
+
+Q and K of ``llama`` only: llama.cpp's ``convert_hf_to_gguf.py`` permutes the rows of each head
+of ``q_proj`` /
 ``k_proj`` so that llama.cpp's interleaved-pair RoPE (pairs ``(2i, 2i+1)``) computes what HF's
 rotate-half RoPE (pairs ``(i, i + dh/2)``) computes on the original rows::
 
     permute(w, n) = w.reshape(n, 2, dh // 2, in).swapaxes(1, 2).reshape(w.shape)
 
 with ``n`` = query heads for Q and KV heads for K. :func:`unpermute_qk` inverts it on read, so
-every tensor comes out in HF layout.
+every tensor comes out in HF layout. ``qwen2`` and ``gemma3`` use rotate-half RoPE in llama.cpp
+too (NEOX), so their rows are stored unpermuted.
 """
 
 from __future__ import annotations
@@ -25,8 +32,8 @@ import numpy as np
 
 from models.checkpoints.base import Checkpoint, CheckpointError, check_finite
 from models.checkpoints.gguf_header import FLOAT_TYPES, INT_TYPES, MetadataArray, scan_gguf
-from models.checkpoints.llama_config import (FLOAT_LIMITS, LIMITS, LlamaConfig, check_float,
-                                             check_int)
+from models.checkpoints.llama_config import (ARCHITECTURES, FLOAT_LIMITS, LIMITS, LlamaConfig,
+                                             check_float, check_int)
 
 __all__ = ["GGUFCheckpoint", "gguf_to_hf_name", "llama_cpp_permute", "unpermute_qk"]
 
@@ -36,16 +43,22 @@ _LAYER = {
     "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Gemma 3's norms: four per block, named as in HF's Gemma3DecoderLayer, and QK-norm.
+_GEMMA3_LAYER = {**_LAYER, "ffn_norm": "pre_feedforward_layernorm",
+                 "post_attention_norm": "post_attention_layernorm",
+                 "post_ffw_norm": "post_feedforward_layernorm",
+                 "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_LAYERS = {"llama": _LAYER, "qwen2": _LAYER, "gemma3": _GEMMA3_LAYER}
 _GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
            "output": "lm_head"}
 _BLK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-    """The HF name of a llama.cpp tensor name (None if it has none)."""
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
+    """The HF name of a llama.cpp tensor name in a model of ``arch`` (None if it has none)."""
     m = _BLK.match(name)
     if m:
-        part = _LAYER.get(m.group(2))
+        part = _LAYERS[arch].get(m.group(2))
         return None if part is None else f"model.layers.{m.group(1)}.{part}.{m.group(3)}"
     stem, _, kind = name.rpartition(".")
     return f"{_GLOBAL[stem]}.{kind}" if stem in _GLOBAL else None
@@ -92,12 +105,16 @@ class GGUFCheckpoint(Checkpoint):
                                   f"{layout.data_start})")
         self._tensors = {}
         self._shapes = {}
+        arch = self._value("general.architecture", "llama")[1]
+        if arch not in _LAYERS:
+            raise CheckpointError(f"{self.path}: general.architecture is {arch!r}, not one of "
+                                  f"{', '.join(repr(a) for a in ARCHITECTURES)}")
         for t, info in zip(tensors, layout.tensors):
             if (t.name, int(t.data_offset), int(t.n_bytes), int(t.tensor_type)) != (
                     info.name, info.data_offset, info.n_bytes, info.ggml_type):
                 raise CheckpointError(f"{self.path}: truncated or corrupt GGUF file (tensor "
                                       f"{info.name}: gguf and the header disagree)")
-            hf = gguf_to_hf_name(t.name)
+            hf = gguf_to_hf_name(t.name, arch)
             if hf is None:
                 continue
             if hf in self._tensors:
@@ -149,10 +166,12 @@ class GGUFCheckpoint(Checkpoint):
         return check_float(key, value, *FLOAT_LIMITS[field])
 
     def _config(self) -> LlamaConfig:
-        vtype, arch = self._value("general.architecture", "llama")
-        if arch != "llama":
-            raise ValueError(f"general.architecture is {arch!r}, not 'llama'")
-        arch = "llama"
+        arch = self._value("general.architecture", "llama")[1]
+        for key in (f"{arch}.rope.scaling.type", f"{arch}.attn_logit_softcapping",
+                    f"{arch}.final_logit_softcapping"):
+            value = self._value(key, None)[1]
+            if value is not None and value not in ("none", 0, 0.0):
+                raise ValueError(f"{key} = {value!r} is not supported by this model code")
         d = self._int(f"{arch}.embedding_length", "d_model")
         n_heads = self._int(f"{arch}.attention.head_count", "n_heads")
         n_kv = self._int(f"{arch}.attention.head_count_kv", "n_kv_heads", n_heads)
@@ -186,15 +205,20 @@ class GGUFCheckpoint(Checkpoint):
                 raise ValueError(f"missing metadata key '{arch}.vocab_size'")
         bos = self._int("tokenizer.ggml.bos_token_id", None, None, 0, vocab - 1)
         eos = self._int("tokenizer.ggml.eos_token_id", None, None, 0, vocab - 1)
-        return LlamaConfig(
-            vocab_size=vocab, d_model=d, n_layers=self._int(f"{arch}.block_count", "n_layers"),
+        features = {}
+        if arch == "gemma3":
+            features["sliding_window"] = self._int(f"{arch}.attention.sliding_window",
+                                                   "sliding_window", 0)
+        return LlamaConfig.for_arch(
+            arch, vocab_size=vocab, d_model=d,
+            n_layers=self._int(f"{arch}.block_count", "n_layers"),
             n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
             ffn_dim=self._int(f"{arch}.feed_forward_length", "ffn_dim"),
             rope_theta=self._float(f"{arch}.rope.freq_base", "rope_theta", 10000.0),
             rms_eps=self._float(f"{arch}.attention.layer_norm_rms_epsilon", "rms_eps", 1e-5),
             tie_embeddings="lm_head.weight" not in self._tensors,
             max_seq_len=self._int(f"{arch}.context_length", "max_seq_len", 2048),
-            bos_token_id=bos, eos_token_ids=() if eos is None else (eos,))
+            bos_token_id=bos, eos_token_ids=() if eos is None else (eos,), **features)
 
     def names(self) -> list[str]:
         return list(self._tensors)
@@ -224,7 +248,9 @@ class GGUFCheckpoint(Checkpoint):
                                       f"{t.tensor_type.name} ({e})") from None
             arr = np.ascontiguousarray(arr, np.float32).reshape(self._shapes[name])
             check_finite(self.path, t.name, arr)
-            if name.endswith("self_attn.q_proj.weight"):
+            if self.config.arch != "llama":
+                pass
+            elif name.endswith("self_attn.q_proj.weight"):
                 arr = np.ascontiguousarray(unpermute_qk(arr, self.config.n_heads))
             elif name.endswith("self_attn.k_proj.weight"):
                 arr = np.ascontiguousarray(unpermute_qk(arr, self.config.n_kv_heads))

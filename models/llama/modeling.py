@@ -1,6 +1,10 @@
-"""A Llama-architecture decoder built from the tensor-parallel layers of :mod:`jax_flashcomm.nn`.
+"""The decoder of the Llama family (Llama, Qwen2, Gemma 3) built from the tensor-parallel layers
+of :mod:`jax_flashcomm.nn`.
 
-RMSNorm, RoPE, GQA attention, SwiGLU MLP, tied or untied embeddings. The blocks are stacked
+RMSNorm, RoPE, GQA attention, a gated MLP, tied or untied embeddings; the config's feature fields
+(:class:`~models.checkpoints.llama_config.LlamaConfig`) add q/k/v biases (Qwen2), QK-norm,
+post-sub-block norms, GeGLU, scaled embeddings and sliding-window layers (Gemma 3). The blocks are
+stacked
 (one parameter array per kind with a leading layer axis) and applied with ``lax.scan``, so a
 step compiles once whatever the depth. Every method here runs on local shards inside the
 ``jax.shard_map`` of a model step (:mod:`models.engine`); :class:`LlamaSharding` says how each
@@ -10,6 +14,7 @@ array is laid out over the TP axis.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -63,30 +68,64 @@ class LlamaSharding:
 
 
 class Block(nnx.Module):
-    """``x + attn(norm(x))``, then ``+ mlp(norm(.))``."""
+    """``x + attn(norm(x))``, then ``+ mlp(norm(.))``; with ``sandwich_norms`` each sub-block's
+    output is normalised too before it is added (``x + norm(attn(norm(x)))``)."""
 
     def __init__(self, cfg: LlamaConfig, *, tp: int, comm: nn.TPComm, dtype, rngs):
-        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.rms_eps, dtype=dtype, rngs=rngs)
-        self.attn = nn.TPAttention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, tp=tp,
-                                   comm=comm, rope_theta=cfg.rope_theta, dtype=dtype, rngs=rngs)
-        self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.rms_eps, dtype=dtype, rngs=rngs)
-        self.mlp = nn.TPMLP(cfg.d_model, cfg.ffn_dim, tp=tp, comm=comm, dtype=dtype, rngs=rngs)
+        def norm():
+            return nn.RMSNorm(cfg.d_model, eps=cfg.rms_eps, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, start, cache, *, decode: bool, sp: bool):
-        h, cache = self.attn(self.attn_norm(x), start, cache, decode=decode, sp=sp)
+        self.attn_norm = norm()
+        self.attn = nn.TPAttention(
+            cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, tp=tp, comm=comm,
+            rope_theta=cfg.rope_theta, qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm,
+            norm_eps=cfg.rms_eps,
+            query_scale=cfg.query_scale if cfg.query_pre_attn_scalar else None,
+            dtype=dtype, rngs=rngs)
+        self.mlp_norm = norm()
+        self.mlp = nn.TPMLP(cfg.d_model, cfg.ffn_dim, tp=tp, comm=comm,
+                            activation=cfg.activation, dtype=dtype, rngs=rngs)
+        self.post_attn_norm = norm() if cfg.sandwich_norms else None
+        self.post_mlp_norm = norm() if cfg.sandwich_norms else None
+
+    def __call__(self, x, start, cache, *, decode: bool, sp: bool, window=None, theta=None):
+        h, cache = self.attn(self.attn_norm(x), start, cache, decode=decode, sp=sp,
+                             window=window, theta=theta)
+        if self.post_attn_norm is not None:
+            h = self.post_attn_norm(h)
         x = x + h
-        return x + self.mlp(self.mlp_norm(x), sp=sp), cache
+        m = self.mlp(self.mlp_norm(x), sp=sp)
+        if self.post_mlp_norm is not None:
+            m = self.post_mlp_norm(m)
+        return x + m, cache
 
-    def fused(self, x, normed, next_scale, start, cache, *, decode: bool):
+    def fused(self, x, normed, next_scale, start, cache, *, decode: bool, window=None,
+              theta=None):
         """The block with its all-reduces fused into the residual adds and the next norms
         (``TPComm.fuse_norm``, docs/fused_norm.md): ``normed`` is ``attn_norm(x)`` (from the
         previous block's fused op), ``next_scale`` the weight of the norm after this block (the
-        next block's ``attn_norm`` or the final norm). Returns ``(x, next_norm(x), cache)``."""
-        h, cache = self.attn(normed, start, cache, decode=decode, reduce=False)
-        normed, x = self.attn.o.comm.all_reduce_add_norm(h, x, self.mlp_norm.scale[...],
-                                                         self.mlp_norm.eps)
+        next block's ``attn_norm`` or the final norm). Returns ``(x, next_norm(x), cache)``.
+
+        With ``sandwich_norms`` the all-reduce is fused with the norm of the sub-block's output
+        (a zero residual) and the residual add and the next pre-norm follow unfused."""
+        eps = self.mlp_norm.eps
+        h, cache = self.attn(normed, start, cache, decode=decode, reduce=False, window=window,
+                             theta=theta)
+        if self.post_attn_norm is None:
+            normed, x = self.attn.o.comm.all_reduce_add_norm(h, x, self.mlp_norm.scale[...], eps)
+        else:
+            h, _ = self.attn.o.comm.all_reduce_add_norm(h, jnp.zeros_like(x),
+                                                        self.post_attn_norm.scale[...], eps)
+            x = x + h
+            normed = nn.rms_norm(x, self.mlp_norm.scale[...], eps)
         m = self.mlp(normed, reduce=False)
-        normed, x = self.mlp.down.comm.all_reduce_add_norm(m, x, next_scale, self.mlp_norm.eps)
+        if self.post_mlp_norm is None:
+            normed, x = self.mlp.down.comm.all_reduce_add_norm(m, x, next_scale, eps)
+        else:
+            m, _ = self.mlp.down.comm.all_reduce_add_norm(m, jnp.zeros_like(x),
+                                                          self.post_mlp_norm.scale[...], eps)
+            x = x + m
+            normed = nn.rms_norm(x, next_scale, eps)
         return x, normed, cache
 
 
@@ -126,13 +165,15 @@ class Llama(nnx.Module):
 
     def kv_cache_shape(self, batch: int, length: int) -> tuple[int, ...]:
         """Global shape of each of the k and v caches."""
-        slots = len(nn.kv_heads(self.cfg.n_kv_heads, self.tp))
+        slots = len(nn.kv_heads(self.cfg.n_heads, self.cfg.n_kv_heads, self.tp))
         return (self.cfg.n_layers, batch, length, slots, self.cfg.head_dim)
 
     def hidden(self, tokens, start, cache, *, decode: bool, sp: bool):
         """Final-norm hidden states of ``tokens (B, S)`` at positions ``start + [0, S)``
         (``(B, S / N, D)`` with ``sp``), and the updated ``cache`` (``(k, v)`` or None)."""
         x = self.embed(tokens, sp=sp).astype(self.dtype)
+        if self.cfg.embed_scale:
+            x = x * jnp.asarray(math.sqrt(self.cfg.d_model), jnp.float32).astype(x.dtype)
         if self.comm.fuse_norm and not sp:
             return self._hidden_fused(x, start, cache, decode=decode)
         graphdef, state = nnx.split(self.blocks)
@@ -145,11 +186,12 @@ class Llama(nnx.Module):
                 block = nnx.merge(graphdef, layer_state)
                 for site, comm in site_comms:
                     set_comm(getattr(block, site), comm)
+                local = self._local_attention(i)
                 if cache is None:
-                    x, _ = block(x, start, None, decode=decode, sp=sp)
+                    x, _ = block(x, start, None, decode=decode, sp=sp, **local)
                     return (x, None), None
                 layer_cache = (cache[0][i], cache[1][i])
-                x, (k, v) = block(x, start, layer_cache, decode=decode, sp=sp)
+                x, (k, v) = block(x, start, layer_cache, decode=decode, sp=sp, **local)
                 cache = (lax.dynamic_update_index_in_dim(cache[0], k, i, 0),
                          lax.dynamic_update_index_in_dim(cache[1], v, i, 0))
                 return (x, cache), None
@@ -161,6 +203,18 @@ class Llama(nnx.Module):
         for first, stop, site_comms in layer_segments(self.cfg.n_layers, self.comm_overrides):
             x, cache = scan_layers(x, cache, first, stop, site_comms)
         return self.norm(x), cache
+
+    def _local_attention(self, layer) -> dict:
+        """The ``window`` and ``theta`` of traced layer index ``layer`` (none without sliding
+        layers): the sliding window and the local RoPE base on sliding layers, no window
+        (every position) and the global base on the others."""
+        cfg = self.cfg
+        if not (cfg.sliding_window and cfg.sliding_pattern):
+            return {}
+        sliding = (layer + 1) % cfg.sliding_pattern != 0
+        return {"window": jnp.where(sliding, cfg.sliding_window, jnp.iinfo(jnp.int32).max),
+                "theta": jnp.where(sliding, jnp.float32(cfg.rope_local_theta),
+                                   jnp.float32(cfg.rope_theta))}
 
     def _hidden_fused(self, x, start, cache, *, decode: bool):
         """:meth:`hidden` with every all-reduce fused into the residual add and the norm after
@@ -181,7 +235,7 @@ class Llama(nnx.Module):
                     set_comm(getattr(block, site), comm)
                 layer_cache = None if cache is None else (cache[0][i], cache[1][i])
                 x, normed, kv = block.fused(x, normed, next_scale, start, layer_cache,
-                                            decode=decode)
+                                            decode=decode, **self._local_attention(i))
                 if cache is not None:
                     cache = (lax.dynamic_update_index_in_dim(cache[0], kv[0], i, 0),
                              lax.dynamic_update_index_in_dim(cache[1], kv[1], i, 0))

@@ -48,7 +48,7 @@ class _Reader:
         self.ckpt, self.cfg, self.tp = ckpt, ckpt.config, model.tp
         cfg = self.cfg
         self.q_local = cfg.n_heads // self.tp
-        self.slots = nn.kv_heads(cfg.n_kv_heads, self.tp)
+        self.slots = nn.kv_heads(cfg.n_heads, cfg.n_kv_heads, self.tp)
         self.kv_local = len(self.slots) // self.tp
         self.ffn_local = nn.padded_ffn(cfg.ffn_dim, self.tp) // self.tp
         self.vocab_local = model.embed.vocab_padded // self.tp
@@ -65,19 +65,22 @@ class _Reader:
         v = self.vocab_local
         return self._rows(name, r * v, (r + 1) * v, self.cfg.vocab_size)
 
-    def qkv(self, index):
+    def qkv(self, index, kind="weight"):
+        """The fused q, k, v kernels (``kind="weight"``, transposed to ``(in, out)``) or biases
+        (``kind="bias"``) of the rank that ``index`` covers, stacked over layers."""
         dh = self.cfg.head_dim
         per_rank = (self.q_local + 2 * self.kv_local) * dh
-        r = _rank_block(index, 2, per_rank)
+        r = _rank_block(index, len(index) - 1, per_rank)
         layers = []
         for i in range(self.cfg.n_layers):
-            q = self._rows(_layer("self_attn.q_proj.weight", i), r * self.q_local * dh,
-                           (r + 1) * self.q_local * dh, self.cfg.n_heads * dh)
+            def rows(proj, start, stop, total=1 << 62, i=i):
+                return self._rows(_layer(f"self_attn.{proj}_proj.{kind}", i), start, stop, total)
+
+            q = rows("q", r * self.q_local * dh, (r + 1) * self.q_local * dh,
+                     self.cfg.n_heads * dh)
             heads = self.slots[r * self.kv_local:(r + 1) * self.kv_local]
-            k = [self._rows(_layer("self_attn.k_proj.weight", i), h * dh, (h + 1) * dh, 1 << 62)
-                 for h in heads]
-            v = [self._rows(_layer("self_attn.v_proj.weight", i), h * dh, (h + 1) * dh, 1 << 62)
-                 for h in heads]
+            k = [rows("k", h * dh, (h + 1) * dh) for h in heads]
+            v = [rows("v", h * dh, (h + 1) * dh) for h in heads]
             layers.append(np.concatenate([q, *k, *v], axis=0).T)
         return np.stack(layers)
 
@@ -126,10 +129,20 @@ def load_weights(model: Llama, ckpt: Checkpoint, mesh) -> Llama:
         ("blocks", "attn", "o", "kernel"): reader.o,
         ("blocks", "mlp", "gate_up", "kernel"): reader.gate_up,
         ("blocks", "mlp", "down", "kernel"): reader.down,
+        ("blocks", "attn", "qkv", "bias"): lambda idx: reader.qkv(idx, "bias"),
         ("blocks", "attn_norm", "scale"): lambda idx: reader.block_norm(
             "input_layernorm.weight")[idx],
         ("blocks", "mlp_norm", "scale"): lambda idx: reader.block_norm(
+            "pre_feedforward_layernorm.weight" if ckpt.config.sandwich_norms
+            else "post_attention_layernorm.weight")[idx],
+        ("blocks", "post_attn_norm", "scale"): lambda idx: reader.block_norm(
             "post_attention_layernorm.weight")[idx],
+        ("blocks", "post_mlp_norm", "scale"): lambda idx: reader.block_norm(
+            "post_feedforward_layernorm.weight")[idx],
+        ("blocks", "attn", "q_norm", "scale"): lambda idx: reader.block_norm(
+            "self_attn.q_norm.weight")[idx],
+        ("blocks", "attn", "k_norm", "scale"): lambda idx: reader.block_norm(
+            "self_attn.k_norm.weight")[idx],
         ("norm", "scale"): lambda idx: ckpt.read("model.norm.weight")[idx],
     }
     flat_specs = dict(nnx.to_flat_state(specs))

@@ -78,8 +78,12 @@ def test_param_specs_and_kv_layout():
     assert specs["qkv"]["kernel"].get_value() == P(None, "tp")
     assert specs["o"]["kernel"].get_value() == P("tp", None)
     assert att.qkv.kernel[...].shape == (64, 4 * (2 + 2) * 16)   # 2 q + 1 k + 1 v per rank
-    assert nn.kv_heads(2, 4) == [0, 0, 1, 1]
-    assert nn.kv_heads(4, 2) == [0, 1, 2, 3]
+    assert nn.kv_heads(8, 2, 4) == [0, 0, 1, 1]
+    assert nn.kv_heads(8, 4, 2) == [0, 1, 2, 3]
+    # 12 query / 2 KV heads over 3 ranks: the middle rank's queries read both KV heads
+    assert nn.kv_heads(12, 2, 3) == [0, 0, 0, 1, 1, 1]
+    assert nn.kv_heads(12, 2, 4) == [0, 0, 1, 1]
+    assert nn.kv_heads(12, 2, 1) == [0, 1]
     assert nn.padded_ffn(100, 8) == 104
 
 
