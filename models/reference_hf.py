@@ -19,7 +19,8 @@ perplexity = exp(mean NLL over all of them).
 The npz holds: token_ids (W, window) int32, nll (W, window-1) float64, perplexity, logits
 (logit-windows, window, vocab) float32, the versions, the model config values, the tokenizer's
 vocab size, and with --prompts-json: prompts (JSON), prompt_ids_i / generated_ids_i int32 (the
-chat-templated prompt and the greedy new tokens of prompt i).
+chat-templated prompt, or for a GGUF without a chat template the prompt after the tokenizer's
+BOS, and the greedy new tokens of prompt i).
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 def config_values(cfg) -> dict:
     """The Llama shape and numerics values of a transformers config, as npz-ready scalars."""
     rope = getattr(cfg, "rope_theta", None)
-    if rope is None:  # transformers >= 5 keeps it in rope_parameters
-        rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta")
+    if rope is None:  # transformers >= 5 keeps it in rope_parameters (per layer type: Gemma 3)
+        params = getattr(cfg, "rope_parameters", None) or {}
+        rope = params.get("rope_theta", (params.get("full_attention") or {}).get("rope_theta"))
     return {"hidden_size": cfg.hidden_size, "num_layers": cfg.num_hidden_layers,
             "num_heads": cfg.num_attention_heads, "num_kv_heads": cfg.num_key_value_heads,
             "vocab_size": cfg.vocab_size, "rope_theta": float(rope),
@@ -66,6 +68,8 @@ def main(argv=None) -> None:
     p.add_argument("--max-windows", type=int, default=6)
     p.add_argument("--logit-windows", type=int, default=2)
     p.add_argument("--prompts-json", help="JSON list of user prompts to generate from")
+    p.add_argument("--max-prompts", type=int, default=None,
+                   help="use only the first N prompts of --prompts-json")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", required=True)
@@ -103,11 +107,15 @@ def main(argv=None) -> None:
                **{k: np.asarray(v) for k, v in config_values(model.config).items()})
     if args.prompts_json:
         prompts = json.loads(Path(args.prompts_json).read_text(encoding="utf-8"))
+        prompts = prompts[:args.max_prompts]
         out["prompts"] = json.dumps(prompts)
         for i, prompt in enumerate(prompts):
-            chat = tok.apply_chat_template([{"role": "user", "content": prompt}],
-                                           add_generation_prompt=True, tokenize=False)
-            pids = tok(chat, add_special_tokens=False, return_tensors="pt")["input_ids"]
+            if tok.chat_template:
+                chat = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                               add_generation_prompt=True, tokenize=False)
+                pids = tok(chat, add_special_tokens=False, return_tensors="pt")["input_ids"]
+            else:  # a base model without a chat template: the prompt itself after BOS
+                pids = tok(prompt, add_special_tokens=True, return_tensors="pt")["input_ids"]
             with torch.no_grad():
                 gen = model.generate(pids, attention_mask=torch.ones_like(pids), do_sample=False,
                                      max_new_tokens=args.max_new_tokens,

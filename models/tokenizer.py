@@ -1,22 +1,15 @@
-r"""The tokenizer of a checkpoint: byte-level BPE (GPT-2 style) through the ``tokenizers`` library,
-plus the checkpoint's Jinja chat template.
+r"""The tokenizer of a checkpoint: a ``tokenizers`` BPE (byte-level, GPT-2 style, or SentencePiece
+style with byte fallback), plus the checkpoint's Jinja chat template.
 
-Built either from a GGUF file's metadata (``tokenizer.ggml.*``: tokens, merges, token types, bos /
-eos ids, ``tokenizer.chat_template``) or from the ``tokenizer.json`` / ``tokenizer_config.json``
-of a Hugging Face directory; :meth:`Tokenizer.save` writes the latter pair.
+Built either from a GGUF file's metadata (``tokenizer.ggml.*``: tokens, merges or scores, token
+types, bos / eos ids, ``tokenizer.chat_template``; :mod:`models.tokenizer_gguf` says which
+pipelines it builds: SmolLM2's, Qwen2's, Gemma's / Llama's SentencePiece) or from the
+``tokenizer.json`` / ``tokenizer_config.json`` of a Hugging Face directory; :meth:`Tokenizer.save`
+writes the latter pair.
 
-For a GGUF (``tokenizer.ggml.model == "gpt2"``) the pipeline is the one of SmolLM2's own
-``tokenizer.json`` when ``tokenizer.ggml.pre`` is ``smollm``: no normalizer; pre-tokenizer
-``Sequence([Digits(individual_digits=True), ByteLevel(add_prefix_space=False, use_regex=True)])``
-(llama.cpp's ``smollm`` split: ``\p{N}``, then GPT-2's regex); BPE over the vocabulary and
-merges, no unknown token; ByteLevel decoder. Control tokens (GGUF token type 3) are special
-tokens, so ``"<|im_start|>"`` in text is one id. Other ``pre`` names are refused unless known to
-split the same way (or as plain GPT-2).
-
-Note: ``transformers``' own GGUF tokenizer conversion (5.x) has no entry for ``smollm`` and
-falls back to GPT-2's split. SmolLM2's merges never touch an ASCII digit, so the two agree on
-ASCII text; they differ around non-ASCII numerals (``²``, ``٣``, ``Ⅻ``: a run of them, or one
-after a space), which GPT-2's split lets BPE merge and llama.cpp's / HF's ``Digits`` keep apart.
+Control tokens are special tokens, so ``"<|im_start|>"`` written in text is one id. A checkpoint
+without a chat template (e.g. a Gemma GGUF that carries none) refuses
+:meth:`Tokenizer.apply_chat_template` with a ``ValueError``.
 """
 
 from __future__ import annotations
@@ -26,25 +19,11 @@ import pathlib
 from typing import Any, Sequence
 
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers, processors
 
+from models import tokenizer_gguf
 from models.chat_template import compile_template, render
 
 __all__ = ["Tokenizer"]
-
-_CONTROL = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
-_USER_DEFINED = 4
-# ``tokenizer.ggml.pre`` names whose split llama.cpp (src/llama-vocab.cpp) does as ``\p{N}`` then
-# GPT-2's regex, i.e. every numeric character alone: HF's ``Digits(individual_digits=True)``
-# (Rust ``char::is_numeric``, \p{N}) followed by ``ByteLevel(use_regex=True)``.
-_DIGITS_THEN_GPT2 = frozenset({"smollm", "starcoder", "refact", "command-r"})
-# ... and those llama.cpp splits with GPT-2's regex alone: ``ByteLevel(use_regex=True)``.
-_GPT2 = frozenset({"gpt-2", "phi-2", "mpt"})
-
-
-def _field(reader, key, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
 
 
 def _token_content(tok) -> str | None:
@@ -72,48 +51,15 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, reader) -> "Tokenizer":
-        """From the metadata of a ``gguf.GGUFReader`` (``tokenizer.ggml.model == "gpt2"``)."""
-        kind = _field(reader, "tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level "
-                             f"BPE, 'gpt2')")
-        tokens = _field(reader, "tokenizer.ggml.tokens")
-        merges = _field(reader, "tokenizer.ggml.merges") or []
-        types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-        vocab = {t: i for i, t in enumerate(tokens)}
-        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
-                         fuse_unk=False, byte_fallback=False)
-        tok = tokenizers.Tokenizer(bpe)
-        pre = _field(reader, "tokenizer.ggml.pre")  # absent: llama.cpp's "default" split
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True,
-                                              use_regex=True)
-        if pre in _DIGITS_THEN_GPT2:
-            tok.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Digits(individual_digits=True), byte_level])
-        elif pre in _GPT2:
-            tok.pre_tokenizer = byte_level
-        else:
-            raise ValueError(f"GGUF pre-tokenizer (tokenizer.ggml.pre) {pre!r} is not supported "
-                             f"(known: {', '.join(sorted(_DIGITS_THEN_GPT2 | _GPT2))})")
-        tok.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True,
-                                         use_regex=True)
-        tok.post_processor = processors.ByteLevel(add_prefix_space=True, trim_offsets=False,
-                                                  use_regex=True)
-        special = [tokenizers.AddedToken(tokens[i], special=True, normalized=False)
-                   for i, t in enumerate(types) if t == _CONTROL]
-        user = [tokenizers.AddedToken(tokens[i], special=False, normalized=False)
-                for i, t in enumerate(types) if t == _USER_DEFINED]
-        if special:
-            tok.add_special_tokens(special)
-        if user:
-            tok.add_tokens(user)
-        bos = _field(reader, "tokenizer.ggml.bos_token_id")
-        eos = _field(reader, "tokenizer.ggml.eos_token_id")
-        eot = _field(reader, "tokenizer.ggml.eot_token_id")
-        eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))
-        return cls(tok, bos_id=bos, eos_ids=eos_ids,
-                   chat_template=_field(reader, "tokenizer.chat_template"),
-                   add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)))
+        """From the metadata of a ``gguf.GGUFReader`` (``tokenizer.ggml.model`` ``"gpt2"`` or
+        ``"llama"``: :mod:`models.tokenizer_gguf`).
+
+        Raises:
+          ValueError: a tokenizer model or pre-tokenizer that module does not support.
+        """
+        t = tokenizer_gguf.build(reader)
+        return cls(t.tok, bos_id=t.bos_id, eos_ids=t.eos_ids, chat_template=t.chat_template,
+                   add_bos=t.add_bos)
 
     @classmethod
     def from_files(cls, directory) -> "Tokenizer":
@@ -170,7 +116,8 @@ class Tokenizer:
             "clean_up_tokenization_spaces": False,
             "bos_token": self.id_to_token(self.bos_id),
             "eos_token": self.id_to_token(self.eos_ids[0]) if self.eos_ids else None,
-            "unk_token": None, "added_tokens_decoder": added,
+            "unk_token": getattr(self.tok.model, "unk_token", None),
+            "added_tokens_decoder": added,
         }
         if self.chat_template is not None:
             cfg["chat_template"] = self.chat_template

@@ -7,7 +7,8 @@ read and cached. Names map from llama.cpp's (``blk.{i}.attn_q.weight`` ...) to H
 (``model.layers.{i}.self_attn.q_proj.weight`` ...), per architecture (:func:`gguf_to_hf_name`).
 
 Gemma 3: llama.cpp's converter stores every RMSNorm weight ``w`` of HF's ``x * (1 + w)`` norms as
-``1 + w``, which is the plain scale the model code multiplies by; it is read as is.
+``1 + w``; the reader subtracts 1 in float32 (as transformers' GGUF loader does), so the tensors
+are HF's.
 
 Q and K of ``llama`` only: llama.cpp's ``convert_hf_to_gguf.py`` permutes the rows of each head
 of ``q_proj`` /
@@ -248,7 +249,9 @@ class GGUFCheckpoint(Checkpoint):
                                       f"{t.tensor_type.name} ({e})") from None
             arr = np.ascontiguousarray(arr, np.float32).reshape(self._shapes[name])
             check_finite(self.path, t.name, arr)
-            if self.config.arch != "llama":
+            if self.config.arch == "gemma3" and name.endswith("norm.weight"):
+                arr = arr - np.float32(1.0)
+            elif self.config.arch != "llama":
                 pass
             elif name.endswith("self_attn.q_proj.weight"):
                 arr = np.ascontiguousarray(unpermute_qk(arr, self.config.n_heads))

@@ -124,6 +124,12 @@ class LlamaConfig:
                 and (layer + 1) % self.sliding_pattern != 0)
 
     @property
+    def norm_offset(self) -> float:
+        """What the model adds to a checkpoint's RMSNorm weight to get the scale it multiplies
+        by: 1 for Gemma 3 (HF's ``x * (1 + w)``), else 0."""
+        return 1.0 if self.arch == "gemma3" else 0.0
+
+    @property
     def query_scale(self) -> float:
         """The attention score scale."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
@@ -233,6 +239,7 @@ class LlamaConfig:
         if self.arch == "gemma3":
             out["hidden_activation"] = out.pop("hidden_act")
             out.update({
+                "sliding_window_pattern": self.sliding_pattern,
                 "sliding_window": self.sliding_window, "rope_local_base_freq":
                 self.rope_local_theta, "query_pre_attn_scalar":
                 self.query_pre_attn_scalar or self.head_dim,

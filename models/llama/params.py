@@ -114,7 +114,12 @@ class _Reader:
         return np.stack(layers)
 
     def block_norm(self, kind):
-        return np.stack([self.ckpt.read(_layer(kind, i)) for i in range(self.cfg.n_layers)])
+        return np.stack([self.norm(_layer(kind, i)) for i in range(self.cfg.n_layers)])
+
+    def norm(self, name):
+        """An RMSNorm's scale: the checkpoint's weight plus the config's ``norm_offset``."""
+        w = self.ckpt.read(name)
+        return w + np.float32(self.cfg.norm_offset) if self.cfg.norm_offset else w
 
 
 def load_weights(model: Llama, ckpt: Checkpoint, mesh) -> Llama:
@@ -143,7 +148,7 @@ def load_weights(model: Llama, ckpt: Checkpoint, mesh) -> Llama:
             "self_attn.q_norm.weight")[idx],
         ("blocks", "attn", "k_norm", "scale"): lambda idx: reader.block_norm(
             "self_attn.k_norm.weight")[idx],
-        ("norm", "scale"): lambda idx: ckpt.read("model.norm.weight")[idx],
+        ("norm", "scale"): lambda idx: reader.norm("model.norm.weight")[idx],
     }
     flat_specs = dict(nnx.to_flat_state(specs))
     new = {}
