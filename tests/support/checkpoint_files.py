@@ -28,15 +28,37 @@ GGUF_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
               "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
               "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+# llama.cpp's Gemma 3 block (convert_hf_to_gguf.py / gguf-py's tensor map): QK-norm and four
+# norms, ``ffn_norm`` being the MLP's pre-norm and ``post_attention_norm`` the attention output's.
+GEMMA3_GGUF_NAMES = {**GGUF_NAMES, "attn_q_norm": "self_attn.q_norm",
+                     "attn_k_norm": "self_attn.k_norm",
+                     "post_attention_norm": "post_attention_layernorm",
+                     "ffn_norm": "pre_feedforward_layernorm",
+                     "post_ffw_norm": "post_feedforward_layernorm"}
 
 
 def gguf_names(cfg: LlamaConfig) -> dict[str, str]:
-    """llama.cpp tensor name -> HF name (without ``.weight``), in llama.cpp's order."""
+    """llama.cpp tensor name -> HF name (without ``.weight`` / ``.bias``), in llama.cpp's order,
+    for ``cfg.arch`` (``llama`` and ``qwen2`` share the names)."""
+    layer = GEMMA3_GGUF_NAMES if cfg.arch == "gemma3" else GGUF_NAMES
     names = {"token_embd": "model.embed_tokens"}
     for i in range(cfg.n_layers):
-        names.update({f"blk.{i}.{g}": f"model.layers.{i}.{h}" for g, h in GGUF_NAMES.items()})
+        names.update({f"blk.{i}.{g}": f"model.layers.{i}.{h}" for g, h in layer.items()})
     names.update({"output_norm": "model.norm", "output": "lm_head"})
     return names
+
+
+def gemma3_gguf_limits(cfg: LlamaConfig) -> None:
+    """Raise ``ValueError`` unless a Gemma 3 GGUF can describe ``cfg``: llama.cpp (and the reader)
+    take the sliding pattern as 6, the local RoPE base as 10000 and the query scalar as
+    ``head_dim``; the file has no key for them."""
+    fixed = {"sliding_pattern": (cfg.sliding_pattern, 6),
+             "rope_local_theta": (cfg.rope_local_theta, 10000.0),
+             "query_pre_attn_scalar": (cfg.query_pre_attn_scalar or cfg.head_dim, cfg.head_dim)}
+    wrong = {k: v for k, (v, want) in fixed.items() if v != want}
+    if wrong:
+        raise ValueError(f"a gemma3 GGUF cannot hold {wrong} (llama.cpp fixes sliding_pattern 6, "
+                         f"rope_local_theta 10000, query_pre_attn_scalar = head_dim)")
 
 
 def default_types(hf_name: str) -> str:
@@ -50,20 +72,28 @@ def default_types(hf_name: str) -> str:
 
 
 def write_gguf(path, cfg: LlamaConfig = SMALL, tensors=None, types=default_types,
-               key_length: bool = False, extra: bool = True):
+               key_length: bool = False, extra: bool = True, arch: str | None = None):
     """A GGUF of ``tensors`` (default: random ones of ``cfg``) as llama.cpp's converter lays it
-    out (llama.cpp names, Q / K rows permuted), each tensor of the type ``types(hf_name)``
-    (``"F32"``, ``"F16"``, ``"Q8_0"``, ``"Q4_1"``...), metadata like SmolLM2's (no
-    ``key_length`` unless asked, ``rope.dimension_count``), plus with ``extra`` a string array
-    and an int32 array. Returns the HF-layout float32 tensors the file holds (quantized ones as
-    they dequantize)."""
+    out for ``cfg.arch`` (llama.cpp names; Q / K rows permuted for ``llama`` only; Gemma 3's
+    norm weights stored as ``1 + w``), each weight of the type ``types(hf_name)`` (``"F32"``,
+    ``"F16"``, ``"Q8_0"``, ``"Q4_1"``...) and each bias F32, metadata like SmolLM2's (no
+    ``key_length`` unless asked (always for ``gemma3``, as its converter writes it), plus
+    ``attention.sliding_window`` for ``gemma3``, ``rope.dimension_count``), plus with ``extra``
+    a string array and an int32 array. ``arch`` overrides ``general.architecture`` and the
+    ``{arch}.`` key prefix (a file of an unsupported architecture). Returns the HF-layout
+    float32 tensors the file holds as the reader should return them (quantized ones as they
+    dequantize, Gemma 3 norms as ``stored - 1`` in float32)."""
     import gguf
     import gguf.quants
 
     from models.checkpoints.gguf import llama_cpp_permute, unpermute_qk
 
     t = tiny_tensors(cfg) if tensors is None else tensors
-    w = gguf.GGUFWriter(str(path), "llama")
+    gemma = cfg.arch == "gemma3"
+    if gemma:
+        gemma3_gguf_limits(cfg)
+    permuted = cfg.arch == "llama"
+    w = gguf.GGUFWriter(str(path), arch or cfg.arch)
     for key, value in [("block_count", cfg.n_layers), ("context_length", cfg.max_seq_len),
                        ("embedding_length", cfg.d_model), ("feed_forward_length", cfg.ffn_dim),
                        ("head_count", cfg.n_heads), ("head_count_kv", cfg.n_kv_heads),
@@ -72,33 +102,40 @@ def write_gguf(path, cfg: LlamaConfig = SMALL, tensors=None, types=default_types
                        ("bos_token_id", cfg.bos_token_id),
                        ("eos_token_id", cfg.eos_token_ids[0])]:
         getattr(w, f"add_{key}")(value)
-    if key_length:
+    if key_length or gemma:
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
+    if gemma and cfg.sliding_window:
+        w.add_sliding_window(cfg.sliding_window)
     if extra:
         w.add_array("general.languages", ["en", "fr"])
         w.add_array("general.fuzz_ints", [3, 1, 4, 1, 5])
     stored = {}
     for g, h in gguf_names(cfg).items():
-        arr = t.get(h + ".weight")
-        if arr is None:
-            continue
-        if h.endswith("q_proj"):
-            arr = llama_cpp_permute(arr, cfg.n_heads, cfg.n_heads)
-        elif h.endswith("k_proj"):
-            arr = llama_cpp_permute(arr, cfg.n_heads, cfg.n_kv_heads)
-        kind = gguf.GGMLQuantizationType[types(h)]
-        data = gguf.quants.quantize(np.ascontiguousarray(arr, np.float32), kind)
-        back = np.asarray(gguf.quants.dequantize(data, kind), np.float32).reshape(arr.shape)
-        if h.endswith("q_proj"):
-            back = unpermute_qk(back, cfg.n_heads)
-        elif h.endswith("k_proj"):
-            back = unpermute_qk(back, cfg.n_kv_heads)
-        stored[h + ".weight"] = np.ascontiguousarray(back)
-        if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-            w.add_tensor(g + ".weight", data)
-        else:
-            w.add_tensor(g + ".weight", data, raw_dtype=kind)
+        for kind in ("weight", "bias"):
+            arr = t.get(f"{h}.{kind}")
+            if arr is None:
+                continue
+            arr = np.ascontiguousarray(arr, np.float32)
+            norm = gemma and kind == "weight" and h.endswith("norm")
+            if norm:
+                arr = arr + np.float32(1.0)
+            qk = permuted and kind == "weight" and h.endswith(("q_proj", "k_proj"))
+            heads = cfg.n_heads if h.endswith("q_proj") else cfg.n_kv_heads
+            if qk:
+                arr = llama_cpp_permute(arr, cfg.n_heads, heads)
+            qtype = gguf.GGMLQuantizationType[types(h) if kind == "weight" else "F32"]
+            data = gguf.quants.quantize(np.ascontiguousarray(arr, np.float32), qtype)
+            back = np.asarray(gguf.quants.dequantize(data, qtype), np.float32).reshape(arr.shape)
+            if qk:
+                back = unpermute_qk(back, heads)
+            if norm:
+                back = back - np.float32(1.0)
+            stored[f"{h}.{kind}"] = np.ascontiguousarray(back)
+            if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+                w.add_tensor(f"{g}.{kind}", data)
+            else:
+                w.add_tensor(f"{g}.{kind}", data, raw_dtype=qtype)
     for step in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file,
                  w.close):
         step()
