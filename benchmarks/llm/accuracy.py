@@ -21,6 +21,9 @@ to it). Sections (a table of the page each):
   once-quantized reduce-scatter.
 - ``defaults``: the library's defaults (``CommConfig(bits=B)``, at every ``--tp``) and the
   candidates for them.
+- ``formats``: one row per wire format at every ``--tp``: the int8 / int6 / int4 / rs4-ag8
+  defaults, int4 with two spikes and Hadamard rotation (G=128 and G=32), fp8, mxfp4, nvfp4 and
+  nvfp4 reduce-scatter with an fp8 all-gather (the comparison of the model families).
 - ``layers``: the per-site policies of ``benchmarks/llm/layer_sensitivity.py``
   (``--sensitivity``: its JSON, calibrated on other windows of the text): its base setting with the
   ``k`` most sensitive all-reduces at its upgrade bits, for every ``k`` it tried, at its TP.
@@ -47,7 +50,7 @@ from benchmarks.shared.runtime import command_parser
 
 GRID_BITS = (8, 6, 5, 4, 3, 2)
 GRID_GROUPS = (32, 64, 128, 256, 1024)
-SECTIONS = ("grid", "options", "mixes", "coarse", "overlap", "defaults", "layers")
+SECTIONS = ("grid", "options", "mixes", "coarse", "overlap", "defaults", "formats", "layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,11 +67,16 @@ class Setting:
     coarse: bool = False                # group size = one rank's chunk of the message
     default: bool = False               # CommConfig(bits=...) with every other option default
     upgraded: int = 0                   # layers section: the k most sensitive sites upgraded
+    rs_format: str = "int"              # the group format of each phase (docs/format.md)
+    ag_format: str = "int"
 
     @property
     def label(self) -> str:
         if self.kind == "exact":
             return "exact"
+        if self.rs_format != "int" or self.ag_format != "int":
+            return (self.rs_format if self.rs_format == self.ag_format
+                    else f"rs {self.rs_format}/ag {self.ag_format}")
         bits = (f"int{self.rs_bits}" if self.rs_bits == self.ag_bits
                 else f"rs{self.rs_bits}/ag{self.ag_bits}")
         if self.default:
@@ -114,6 +122,15 @@ def settings(tps, sections, sensitivity: dict | None = None) -> list[Setting]:
         rows += [Setting("defaults", first, rs_bits=8, ag_bits=8, group_size=256, spikes=1),
                  Setting("defaults", first, rs_bits=8, ag_bits=8, group_size=256, spikes=1,
                          rotation=1)]
+    if "formats" in sections:
+        for tp in tps:
+            rows += [Setting("formats", tp, rs_bits=rs, ag_bits=ag, spikes="auto", default=True)
+                     for rs, ag in ((8, 8), (6, 6), (4, 4), (4, 8))]
+            rows += [Setting("formats", tp, rs_bits=4, ag_bits=4, group_size=g, spikes=2,
+                             rotation=1) for g in (128, 32)]
+            rows += [Setting("formats", tp, rs_format=rs, ag_format=ag)
+                     for rs, ag in (("fp8", "fp8"), ("mxfp4", "mxfp4"), ("nvfp4", "nvfp4"),
+                                    ("nvfp4", "fp8"))]
     if "layers" in sections:
         if sensitivity is None:
             raise ValueError("the layers section needs --sensitivity (a layer_sensitivity JSON)")
@@ -137,7 +154,9 @@ def comm_config(s: Setting, window: int, d_model: int):
 
     if s.kind == "exact":
         return TPComm("exact"), None
-    if s.default:
+    if s.rs_format != "int" or s.ag_format != "int":
+        config = CommConfig(format=s.rs_format, ag_format=s.ag_format, min_bytes=0)
+    elif s.default:
         config = CommConfig(bits=s.rs_bits, ag_bits=s.ag_bits if s.ag_bits != s.rs_bits else None,
                             min_bytes=0)
     else:

@@ -14,6 +14,7 @@ TITLES = {
     "mixes": "Per-phase bits: reduce-scatter / all-gather",
     "overlap": "flash+overlap: quantized all-gather ring, once-quantized reduce-scatter",
     "defaults": "The library's defaults (`CommConfig(bits=B)`) and the candidates",
+    "formats": "One row per wire format (integer defaults and options, FP8, MXFP4, NVFP4)",
     "layers": ("Per-site policies: the k most sensitive all-reduces at the upgrade bits "
                "(benchmarks/llm/layer_sensitivity.py, calibrated on other windows)"),
 }
@@ -72,7 +73,7 @@ def tables(data) -> str:
         head = ["bits", "G", "B/elem", "x bf16 ring"] + [
             f"{h} TP={tp}" for tp in tps for h in ("Δppl", "KL", "top-1")]
         out.append(f"\n### {TITLES['grid']}\n\n" + _table(head, [body[k] for k in sorted(body)]))
-    for section in ("coarse", "options", "mixes", "overlap", "defaults", "layers"):
+    for section in ("coarse", "options", "mixes", "overlap", "defaults", "formats", "layers"):
         rows = _by(data, section)
         if rows:
             body = [[r["tp"], r["label"] + (_resolved(r) if r.get("default") else "")]

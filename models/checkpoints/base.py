@@ -31,6 +31,8 @@ class Checkpoint(abc.ABC):
     config: LlamaConfig
     tokenizer: "Tokenizer | None" = None
     path: pathlib.Path | None = None
+    #: The model's name as the file gives it (a GGUF's ``general.name``), or None.
+    title: str | None = None
 
     @abc.abstractmethod
     def names(self) -> list[str]:
@@ -47,6 +49,9 @@ class Checkpoint(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - an optional hook: most formats hold no files open
         """Release the files (optional)."""
+
+    def drop_cache(self) -> None:  # noqa: B027 - an optional hook: most formats cache nothing
+        """Forget the tensors kept from earlier reads (a later read reads the file again)."""
 
     def __repr__(self):
         return f"{type(self).__name__}({str(self.path)!r}, {self.config})"

@@ -140,6 +140,8 @@ class GGUFCheckpoint(Checkpoint):
                                       f"metadata ({type(e).__name__}: {e})") from None
         self._cache: dict[str, np.ndarray] = {}
         self._lock = threading.Lock()
+        name = self._value("general.name", None)[1]
+        self.title = name if isinstance(name, str) and name else None
 
     def _value(self, key, default=KeyError):
         """The metadata value of ``key`` as (GGUF value type, value)."""
@@ -264,5 +266,9 @@ class GGUFCheckpoint(Checkpoint):
     def read(self, name: str, index=()) -> np.ndarray:
         return self._full(name)[index]
 
+    def drop_cache(self) -> None:
+        with self._lock:
+            self._cache.clear()
+
     def close(self) -> None:
-        self._cache.clear()
+        self.drop_cache()

@@ -164,6 +164,8 @@ def load_weights(model: Llama, ckpt: Checkpoint, mesh) -> Llama:
             shape, sharding, lambda idx, read=read, dtype=dtype: np.asarray(read(idx), dtype))
         new[path] = var.replace(array)
     nnx.update(model, nnx.from_flat_state(new))
+    # the dequantized tensors (f32, whole: up to 4x a GGUF's bytes) are not needed any more
+    ckpt.drop_cache()
     return model
 
 

@@ -22,6 +22,7 @@ import dataclasses
 
 import numpy as np
 
+from models.checkpoints.base import Checkpoint
 from models.checkpoints.llama_config import LlamaConfig
 
 TINY = LlamaConfig(vocab_size=101, d_model=64, n_layers=2, n_heads=8, n_kv_heads=2,
@@ -84,7 +85,7 @@ def tiny_tensors(cfg: LlamaConfig = TINY, seed: int = 0) -> dict[str, np.ndarray
     return {k: np.ascontiguousarray(a, np.float32) for k, a in t.items()}
 
 
-class DictCheckpoint:
+class DictCheckpoint(Checkpoint):
     """The checkpoint interface over a dict of arrays (no file, no tokenizer)."""
 
     def __init__(self, cfg: LlamaConfig = TINY, tensors=None):

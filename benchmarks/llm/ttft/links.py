@@ -1,11 +1,13 @@
-"""TTFT (prefill) and per-token decode latency of SmolLM2-135M at TP=3 on emulated links.
+"""TTFT (prefill) and per-token decode latency of a model (SmolLM2-135M at TP=3 by default) on
+emulated links.
 
-    .venv/bin/python -m benchmarks.llm.ttft.links [--links pcie,nvlink] \\
+    .venv/bin/python -m benchmarks.llm.ttft.links [--model smollm2] [--tp 3] \\
+        [--links pcie,nvlink] \\
         [--strategies exact,int8,int4,int4/8,overlap,overlap+int8] [--prompt-tokens 128] \\
         [--decode-tokens 16] [--reps 3] [--decode-steps N] [--out docs/results/ttft] [--quick] \\
         [--transport xla|shm]
 
-Three worker processes (one CPU device each, ``jax.distributed`` over gloo) run in a private
+``--tp`` worker processes (one CPU device each, ``jax.distributed`` over gloo) run in a private
 network namespace (``benchmarks/shared/netns.py``, root). Process 0 sets the namespace's loopback
 qdisc between measurements: none ("unlimited"), then a ``tc tbf`` rate per link. The rate of a
 link is calibrated in the same run: the achieved FLOP/s of the exact prefill with no limit,
@@ -19,7 +21,7 @@ strategy, one step of each in turn, each from a cache of its own (identical prog
 generations of their own differ by up to 8%; the generations' decode medians are kept as
 ``decode_in_generation_s_per_token``). Writes ``OUT.json``, ``OUT.png`` and the page ``OUT.md``
 (docs/results/ttft.md; docs/ttft.md explains the tables). Needs root, iproute2 and the
-SmolLM2 GGUF (fetched on first use).
+model (``--model``: a known name, fetched on first use, or a path).
 
 ``--transport xla`` (default): every strategy's collectives go over gloo, through the
 tc-limited loopback. ``--transport shm``: every strategy but ``exact`` / ``exact-bf16`` (the
@@ -72,12 +74,13 @@ def run(args) -> dict:
     stop = threading.Event()
     tail = threading.Thread(target=_tail, args=(progress, stop), daemon=True)
     tail.start()
-    wargs = ["--links", ",".join(args.links), "--strategies", ",".join(args.names),
+    wargs = ["--model", args.model, "--links", ",".join(args.links),
+             "--strategies", ",".join(args.names),
              "--prompt-tokens", args.prompt_tokens, "--decode-tokens", args.decode_tokens,
              "--reps", args.reps, "--transport", args.transport,
              "--decode-steps", args.decode_steps or args.reps * args.decode_tokens]
     try:
-        results = run_workers("benchmarks.llm.ttft.links_worker", TP, args=wargs,
+        results = run_workers("benchmarks.llm.ttft.links_worker", args.tp, args=wargs,
                               rate="10gbit", burst=BURST, latency=TBF_LATENCY, mtu=LO_MTU,
                               timeout=args.timeout, pin_cpus=False, port=24600,
                               env={"FLASHCOMM_TTFT_PROGRESS": str(progress)})
@@ -90,6 +93,9 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     ap = command_parser("benchmarks.llm.ttft.links", __doc__)
+    ap.add_argument("--model", default="smollm2",
+                    help="a known model name (models/checkpoints/fetch.py) or a checkpoint path")
+    ap.add_argument("--tp", type=int, default=TP, help="worker processes (the TP size)")
     ap.add_argument("--links", default=",".join(LINKS))
     ap.add_argument("--strategies", default=DEFAULT_STRATEGIES)
     ap.add_argument("--prompt-tokens", type=int, default=128)
@@ -116,7 +122,7 @@ def main(argv=None) -> int:
             args.strategies = "exact,int4"
         elif args.strategies == SHM_STRATEGIES:
             args.strategies = "exact,exact-shm,overlap"
-    for name, lo in (("--prompt-tokens", 1), ("--decode-tokens", 1), ("--reps", 1),
+    for name, lo in (("--tp", 2), ("--prompt-tokens", 1), ("--decode-tokens", 1), ("--reps", 1),
                      ("--decode-steps", 1)):
         value = getattr(args, name[2:].replace("-", "_"))
         if value is not None and value < lo:

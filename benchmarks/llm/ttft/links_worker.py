@@ -30,6 +30,7 @@ LAYOUT_ROUNDS = 5
 
 def _args():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2")
     ap.add_argument("--links", required=True)
     ap.add_argument("--strategies", required=True)
     ap.add_argument("--prompt-tokens", type=int, required=True)
@@ -65,7 +66,8 @@ class Worker:
                                  f"{reason}")
             self.shm = shm
         self.mesh = jax.make_mesh((nproc,), ("tp",), devices=jax.devices())
-        self.model, ckpt = load_model("smollm2", tp=nproc, mesh=self.mesh)
+        self.model, ckpt = load_model(args.model, tp=nproc, mesh=self.mesh)
+        self.model_name = ckpt.title or args.model
         self.cfg = self.model.cfg
         self.ids = ckpt.tokenizer.encode(load_text())[:args.prompt_tokens]
         if len(self.ids) < args.prompt_tokens:
@@ -356,7 +358,7 @@ class Worker:
         return {"tp": self.nproc, "prompt_tokens": len(self.ids),
                 "decode_tokens": self.args.decode_tokens, "reps": self.args.reps,
                 "decode_steps": self.args.decode_steps,
-                "model": "SmolLM2-135M-Instruct (GGUF Q4_1, run in f32)",
+                "model": f"{self.model_name} (run in f32)",
                 "links": {k: self.net.link_info[k] for k in ["unlimited"] + self.links},
                 "compute": compute, "rows": rows, "auto_tables": self.tables,
                 "auto_layouts": self.auto_layouts,

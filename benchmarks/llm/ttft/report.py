@@ -3,6 +3,8 @@ every strategy on each (against exact and the bf16 baseline), auto's choices."""
 
 from __future__ import annotations
 
+import os
+
 from benchmarks.llm.ttft.settings import BF16_BASELINE
 
 
@@ -118,8 +120,9 @@ def plot(data, path) -> None:
                      fontsize=9)
         ax.set_ylabel("TTFT (s, median)")
         ax.set_ylim(0, max(ys + model) * 1.2)
-    fig.suptitle(f"SmolLM2-135M TP={data['tp']}, prompt {data['prompt_tokens']} tokens, "
-                 f"3 gloo processes on 2 CPU cores; label: speedup vs exact", fontsize=9)
+    fig.suptitle(f"{data.get('model', 'SmolLM2-135M').split(' (')[0]} TP={data['tp']}, prompt "
+                 f"{data['prompt_tokens']} tokens, {data['tp']} gloo processes on "
+                 f"{os.cpu_count()} CPU cores; label: speedup vs exact", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
