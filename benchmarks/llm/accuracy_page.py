@@ -31,7 +31,8 @@ HEAD = ["B/elem", "x bf16 ring", "perplexity", "vs exact", "KL", "top-1"]
 
 def _resolved(r) -> str:
     """What a default row's options resolved to."""
-    rotation = {0: "no rotation", 1: "Hadamard", 2: "signed Hadamard"}[r["rotation"]]
+    rotation = {0: "no rotation", 1: "Hadamard", 2: "signed Hadamard"}.get(r["rotation"],
+                                                                  str(r["rotation"]))
     return (f" (G={r['group_size']}, spikes {r['rs_spikes']}/{r['ag_spikes']}, {rotation})")
 
 
