@@ -9,42 +9,41 @@ collectives after tracing. No out_sharding, no reshard, no shard_map, no jax_fla
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from examples.explicit_llama import Dims, rms_norm, rope
+from examples.explicit_llama import (Dims, activation, embed_tokens, layer_attention,
+                                     local_heads, post_norm, qk_heads, rms_norm, scale_and_mask)
 
 __all__ = ["logits"]
 
 
-def _attention(w, x, cfg, n, tp, pin, row_out):
+def _attention(w, x, cfg, n, tp, pin, row_out, window, theta):
     b, s, _ = x.shape
-    dh, q, kv = cfg.head_dim, cfg.n_heads // n, cfg.n_kv_heads // n
-    qkv = pin(jnp.reshape(jnp.einsum("bsd,de->bse", x, w["qkv"]), (b, s, n, q + 2 * kv, dh)),
-              P(None, None, tp))
+    dh, (q, kv) = cfg.head_dim, local_heads(cfg, n)
+    qkv = jnp.einsum("bsd,de->bse", x, w["qkv"])
+    if "qkv_bias" in w:
+        qkv = qkv + w["qkv_bias"]
+    qkv = pin(jnp.reshape(qkv, (b, s, n, q + 2 * kv, dh)), P(None, None, tp))
     positions = jnp.arange(s)
-    qh = rope(qkv[:, :, :, :q], positions, cfg.rope_theta)
-    kh = rope(qkv[:, :, :, q:q + kv], positions, cfg.rope_theta)
+    qh, kh = qk_heads(w, qkv[:, :, :, :q], qkv[:, :, :, q:q + kv], cfg, positions, theta)
     vh = qkv[:, :, :, q + kv:]
     qg = pin(jnp.reshape(qh, (b, s, n, kv, q // kv, dh)), P(None, None, tp))
-    scores = jnp.einsum("bsnkgh,btnkh->bnkgst", qg, kh,
-                        preferred_element_type=jnp.float32) / math.sqrt(dh)
-    scores = jnp.where(positions[None, :] <= positions[:, None], scores, -jnp.inf)
+    scores = jnp.einsum("bsnkgh,btnkh->bnkgst", qg, kh, preferred_element_type=jnp.float32)
+    scores = scale_and_mask(scores, cfg, positions, window)
     probs = jax.nn.softmax(scores, axis=-1).astype(vh.dtype)
     out = jnp.einsum("bnkgst,btnkh->bsnkgh", probs, vh)
     out = pin(jnp.reshape(out, (b, s, n * q * dh)), P(None, None, tp))
     return pin(jnp.einsum("bse,ed->bsd", out, w["o"]), row_out)
 
 
-def _mlp(w, x, n, tp, pin, row_out):
+def _mlp(w, x, cfg, n, tp, pin, row_out):
     b, s, _ = x.shape
     gate_up = pin(jnp.reshape(jnp.einsum("bsd,de->bse", x, w["gate_up"]), (b, s, n, 2, -1)),
                   P(None, None, tp))
-    h = jax.nn.silu(gate_up[:, :, :, 0]) * gate_up[:, :, :, 1]
+    h = activation(cfg, gate_up[:, :, :, 0]) * gate_up[:, :, :, 1]
     h = pin(jnp.reshape(h, (b, s, -1)), P(None, None, tp))
     return pin(jnp.einsum("bsf,fd->bsd", h, w["down"]), row_out)
 
@@ -67,12 +66,13 @@ def logits(dims: Dims, mesh, weights: dict, tokens: jax.Array, *,
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
     row_out = P(None, tp, None) if sequence_parallel else P()
-    x = pin(jnp.take(weights["embed"], tokens, axis=0), row_out)
+    x = pin(embed_tokens(weights, tokens, cfg), row_out)
     gather = (lambda h: pin(h, P())) if sequence_parallel else (lambda h: h)
-    for w in weights["layers"]:
+    for i, w in enumerate(weights["layers"]):
         h = gather(rms_norm(x, w["attn_norm"], cfg.rms_eps))
-        x = x + _attention(w, h, cfg, n, tp, pin, row_out)
+        x = x + post_norm(w, "post_attn_norm", _attention(
+            w, h, cfg, n, tp, pin, row_out, *layer_attention(cfg, i)), cfg)
         h = gather(rms_norm(x, w["mlp_norm"], cfg.rms_eps))
-        x = x + _mlp(w, h, n, tp, pin, row_out)
+        x = x + post_norm(w, "post_mlp_norm", _mlp(w, h, cfg, n, tp, pin, row_out), cfg)
     h = gather(rms_norm(x, weights["norm"], cfg.rms_eps))
     return jnp.einsum("bsd,vd->bsv", h, weights["lm_head"], preferred_element_type=jnp.float32)

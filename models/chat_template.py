@@ -1,6 +1,10 @@
 """The sandbox a checkpoint's Jinja chat template renders in: the template is data from the
 checkpoint file, so its render is bounded in work (the ``TEMPLATE_*`` limits), not only in what
 it may call; every failure is a :class:`ChatTemplateError`.
+
+Also the one place that decides how a CLI hands a user prompt to a model
+(:func:`prompt_ids`): inside the chat template, or, for a checkpoint that carries none (Gemma 3
+270M's GGUF), the prompt itself after BOS.
 """
 
 from __future__ import annotations
@@ -8,12 +12,14 @@ from __future__ import annotations
 import functools
 import json
 import math
+import sys
 import threading
 import time
+import weakref
 
-__all__ = ["ChatTemplateError", "compile_template", "render", "TEMPLATE_TIME_LIMIT_S",
-           "TEMPLATE_MAX_OUTPUT", "TEMPLATE_MAX_SIZE", "TEMPLATE_MAX_RANGE",
-           "TEMPLATE_MAX_INT_BITS"]
+__all__ = ["ChatTemplateError", "compile_template", "render", "prompt_ids", "NO_TEMPLATE_NOTE",
+           "TEMPLATE_TIME_LIMIT_S", "TEMPLATE_MAX_OUTPUT", "TEMPLATE_MAX_SIZE",
+           "TEMPLATE_MAX_RANGE", "TEMPLATE_MAX_INT_BITS"]
 
 #: Limits of one chat template render (the template is data from the checkpoint file, so it is
 #: bounded in work, not only in what it may call): wall time, ...
@@ -287,3 +293,32 @@ def compile_template(source: str):
         raise ChatTemplateError("chat template: nested too deep to compile") from None
     except Exception as e:  # noqa: BLE001 - a syntax error, or anything the compiler raises
         raise ChatTemplateError(f"chat template: {type(e).__name__}: {e}") from e
+
+
+#: What :func:`prompt_ids` says (once per tokenizer) when the checkpoint has no chat template.
+NO_TEMPLATE_NOTE = ("note: the checkpoint has no chat template: each prompt is given as it is, "
+                    "after BOS")
+_NOTED = weakref.WeakSet()  # the tokenizers the note was printed for
+
+
+def prompt_ids(tok, prompt: str, log=None) -> list[int]:
+    """The token ids a CLI gives the model for the user prompt ``prompt``: the checkpoint's chat
+    template around it (one user message, then the generation prompt), or, when the tokenizer
+    has no chat template (``tok.chat_template is None``: a base model, or a GGUF that carries
+    none such as Gemma 3 270M's), the prompt itself encoded after BOS
+    (``tok.encode(prompt, add_bos=True)``), which :data:`NO_TEMPLATE_NOTE` says on ``log``
+    (default stderr) once per tokenizer.
+
+    Raises:
+      ChatTemplateError: the template's render failed (a ``ValueError``).
+    """
+    if getattr(tok, "chat_template", "") is None:
+        try:
+            first = tok not in _NOTED
+            _NOTED.add(tok)
+        except TypeError:  # not weakly referenceable: say it every time
+            first = True
+        if first:
+            print(NO_TEMPLATE_NOTE, file=sys.stderr if log is None else log, flush=True)
+        return tok.encode(prompt, add_bos=True)
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]))

@@ -8,7 +8,9 @@ with the overlap strategy (ring collective matmuls). The tolerance is derived fr
 an f32 evaluation of the model is within ``e1 = max |logits_f32 - logits_f64|`` of the exact
 function; a TP=N run is another f32 evaluation with its sums reassociated across ranks, so it
 passes when its own distance to f64 is at most ``2 e1`` (and then, by the triangle inequality,
-its distance to TP=1 is at most ``3 e1``). Uses max(TP) CPU devices.
+its distance to TP=1 is at most ``3 e1``). Uses max(TP) CPU devices. Without ``--tp``: every
+size from 2 to 9 that divides the checkpoint's query heads (SmolLM2's 9 heads: 3 and 9;
+Qwen2.5-1.5B's 12: 2, 3, 4, 6; Gemma 3 270M's 4: 2 and 4).
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m models.check_tp", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--tp", type=cli.tp_list, default=[3, 9],
-                        help="comma-separated TP sizes (default 3,9)")
+    parser.add_argument("--tp", type=cli.tp_list, default=None,
+                        help="comma-separated TP sizes (default: every size from 2 to 9 that "
+                             "divides the checkpoint's query heads)")
     parser.add_argument("--kinds", default="exact,overlap")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--json", default=None)
@@ -36,21 +39,30 @@ def main(argv=None) -> int:
     return cli.run_main(build_parser(), _main, argv)
 
 
+def default_sizes(n_heads: int) -> list[int]:
+    """The TP sizes checked without ``--tp``: those from 2 to 9 that divide ``n_heads``."""
+    return [tp for tp in range(2, 10) if n_heads % tp == 0]
+
+
 def _main(args) -> int:
-    sizes = args.tp
+    from models.checkpoints import open_checkpoint
+
+    ckpt = open_checkpoint(args.model)  # reads no tensor and starts no jax backend
+    sizes = args.tp if args.tp is not None else default_sizes(ckpt.config.n_heads)
+    if not sizes:
+        raise ValueError(f"{args.model}: {ckpt.config.n_heads} query heads: no TP size from 2 "
+                         f"to 9 divides them; give --tp")
     cli.set_devices(max(sizes + [1]))
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from jax_flashcomm.nn import TPComm
-    from models.checkpoints import open_checkpoint
     from models.corpus import load_text
     from models.engine import Engine
     from models.machine import first_line
     from models.llama.params import load_model
 
-    ckpt = open_checkpoint(args.model)
     if ckpt.tokenizer is None:
         raise ValueError(f"{args.model}: the checkpoint has no tokenizer")
     tokens = np.asarray([ckpt.tokenizer.encode(load_text())[:args.tokens]], np.int32)

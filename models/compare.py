@@ -31,12 +31,14 @@ from models import cli
 
 def greedy(engine, tok, prompts, max_new: int, stop):
     """Greedy continuations (token ids, up to and including an id of ``stop``) of
-    chat-formatted prompts, and the first one's timings."""
+    chat-formatted prompts (the prompt itself after BOS for a checkpoint without a chat
+    template: :func:`models.chat_template.prompt_ids`), and the first one's timings."""
+    from models.chat_template import prompt_ids
     from models.engine import Sampling
 
     outs, timings = [], None
     for p in prompts:
-        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))
+        ids = prompt_ids(tok, p)
         outs.append(list(engine.generate(ids, max_new, sampling=Sampling(), stop_ids=stop)))
         if timings is None:
             timings = dict(engine.last_timings)

@@ -1,21 +1,26 @@
-"""The README's first command: SmolLM2-135M-Instruct tensor-parallel over 3 CPU devices, with
-exact, int8 and int4 all-reduces and the automatic choice (``auto``: per call, exact or int8,
-whichever the tuning table or the cost model predicts faster), side by side.
+"""The README's first command: SmolLM2-135M-Instruct (or any ``--model``: a known name, a GGUF
+file, a Hugging Face directory) tensor-parallel over 3 CPU devices, with exact, int8 and int4
+all-reduces and the automatic choice (``auto``: per call, exact or int8, whichever the tuning
+table or the cost model predicts faster), side by side.
 
-    .venv/bin/python -m models.demo [--tp 3] [--settings exact,int8,int4,auto] [--max-new-tokens 24]
-        [--rounds 3]
+    .venv/bin/python -m models.demo [--model smollm2] [--tp 3] [--settings exact,int8,int4,auto]
+        [--max-new-tokens 24] [--rounds 3] [--window 256]
 
 Fetches the model on first use (``models/checkpoints/fetch.py``), loads its weights once, and for
 each setting prints the TTFT and decode tokens/s (the median of ``--rounds`` greedy generations,
 the settings in turn with the order rotated each round; tokens/s of the median step), the
 perplexity on a short passage (the first window of ``models/corpus.py``'s text), the bytes each
-rank sends in one decode step's all-reduces, and the first words the model answers.
+rank sends in one decode step's all-reduces, and the first words the model answers. The table's
+title names the checkpoint: its own name (a GGUF's ``general.name``), else the ``--model``
+argument's. A checkpoint without a chat template gets the prompt itself after BOS
+(``models.chat_template.prompt_ids``).
 ``benchmarks/autotune/auto_vs_fixed.py`` runs more rounds to rank the settings within a few percent.
 """
 
 from __future__ import annotations
 
 import argparse
+import pathlib
 import sys
 
 from models import cli
@@ -35,6 +40,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=3,
                         help="timed generations per setting, the settings in turn")
     return parser
+
+
+def model_title(ckpt, model: str) -> str:
+    """The name the demo prints for a checkpoint: the file's own (a GGUF's ``general.name``),
+    else the ``--model`` argument's (a known name, or the file or folder name)."""
+    title = getattr(ckpt, "title", None)
+    if not title:
+        fields = getattr(getattr(ckpt, "layout", None), "fields", None) or {}
+        value = fields.get("general.name", (None, None))[1]
+        title = value if isinstance(value, str) else None
+    if title and title.strip():
+        return " ".join(title.split())
+    path = pathlib.Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name or model
 
 
 def main(argv=None) -> int:
@@ -59,9 +78,10 @@ def _main(args) -> int:
     rows = run(model, ckpt, mesh, args.comm_settings, text=load_text(), window=args.window,
                max_windows=1, prompts=[args.prompt], max_new_tokens=args.max_new_tokens,
                rounds=args.rounds)
-    print(f"\nSmolLM2-135M-Instruct, TP={args.tp} on {args.tp} CPU devices; perplexity on "
-          f"{rows[0]['tokens'] + 1} tokens of text; prompt: {args.prompt!r}; TTFT and tok/s: "
-          f"medians of {args.rounds} generation{'s' if args.rounds > 1 else ''} per setting")
+    print(f"\n{model_title(ckpt, args.model)}, TP={args.tp} on {args.tp} CPU devices; "
+          f"perplexity on {rows[0]['tokens'] + 1} tokens of text; prompt: {args.prompt!r}; "
+          f"TTFT and tok/s: medians of {args.rounds} generation{'s' if args.rounds > 1 else ''} "
+          f"per setting")
     print(f"{'setting':<8}{'TTFT ms':>9}{'tok/s':>7}{'ppl':>9}{'AR bytes/tok':>13}  answer")
     for r in rows:
         words = " ".join(r["texts"][0].split()[:10])

@@ -3,7 +3,9 @@
     .venv/bin/python -m models.generate --model smollm2 --tp 3 --comm flash --bits 4 \\
         --prompt "What is the capital of France?" --max-new-tokens 64 [--greedy]
 
-The prompt is wrapped in the model's chat template (``--raw`` sends it as is). Before the timed
+The prompt is wrapped in the model's chat template (``--raw`` sends it as is); a checkpoint
+without one (Gemma 3 270M's GGUF) gets the prompt itself after BOS, and a note on stderr says so
+(``models.chat_template.prompt_ids``). Before the timed
 run, a short warm-up generation compiles the prefill bucket and the decode step, so TTFT and
 tokens/s are those of the compiled program. Afterwards it prints TTFT, decode tokens/s and the
 bytes each rank sends in the all-reduces of one decode step (``models/traffic.py``).
@@ -34,19 +36,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run(args, out=sys.stdout) -> dict:
-    """Generate for ``args``; stream to ``out``; return the text, ids and timings."""
+def run(args, out=None) -> dict:
+    """Generate for ``args``; stream to ``out`` (default: the ``sys.stdout`` of the call); return
+    the text, ids and timings."""
+    out = sys.stdout if out is None else out
     t0 = time.perf_counter()
     model, ckpt, mesh, comm = cli.setup(args)  # sets the device count, then imports jax
+    from models.chat_template import prompt_ids
     from models.engine import Engine, Sampling
     from models.traffic import allreduce_bytes_per_token
 
     tok = ckpt.tokenizer
     if tok is None:
         raise ValueError(f"{args.model}: the checkpoint has no tokenizer")
-    text = args.prompt if args.raw else tok.apply_chat_template(
-        [{"role": "user", "content": args.prompt}], add_generation_prompt=True)
-    ids = tok.encode(text)
+    ids = tok.encode(args.prompt) if args.raw else prompt_ids(tok, args.prompt)
     engine = Engine(model, mesh, cache_len=args.cache_len)
     engine.bucket(len(ids))  # a prompt longer than the cache fails here, before compiling
     sampling = Sampling() if args.greedy else Sampling(args.temperature, args.top_k, args.top_p)
