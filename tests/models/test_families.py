@@ -1,4 +1,6 @@
-"""Qwen2 and Gemma 3 in the Llama-family decoder, on tiny random checkpoints (no real files):
+"""long file: a float64 reference of two architectures and the tests that hold the model to it.
+
+Qwen2 and Gemma 3 in the Llama-family decoder, on tiny random checkpoints (no real files):
 the model against an independent float64 NumPy forward written from Hugging Face's definitions
 (Qwen2ForCausalLM, Gemma3ForCausalLM), from a synthetic GGUF and a synthetic HF directory; TP
 sizes against TP=1 (scoring, and prefill + decode through the KV cache past the sliding window);
