@@ -1,5 +1,6 @@
-"""A Llama written with Explicit sharding (``examples/explicit_llama.py``) or with sharding
-annotations on Auto axes (``--style gspmd``: ``examples/gspmd_llama.py``), rewritten.
+"""A Llama (or a Qwen2, a Gemma 3: the checkpoint says) written with Explicit sharding
+(``examples/explicit_llama.py``) or with sharding annotations on Auto axes (``--style gspmd``:
+``examples/gspmd_llama.py``), rewritten.
 
     .venv/bin/python -m models.corpus --out text.txt
     .venv/bin/python -m examples.rewrite_llama --model smollm2 --tp 3 --text text.txt \\

@@ -298,3 +298,17 @@ def test_check_rewrite_on_gemma3(files, capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "equal: True; logits bit-equal per window: [True, True]" in out
+
+
+def test_check_tp_default_sizes_follow_the_heads(files, capsys):
+    """models.check_tp without --tp: every size from 2 to 9 dividing the query heads (gemma3's
+    4: TP 2 and 4), each within the f32 tolerance of TP=1."""
+    from models import check_tp
+
+    assert [check_tp.default_sizes(h) for h in (9, 12, 4)] == [[3, 9], [2, 3, 4, 6], [2, 4]]
+    rc = check_tp.main(["--model", _model(files, "gemma3"), "--tokens", "16", "--kinds",
+                        "exact"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert [line.split()[0] for line in out.splitlines() if line.endswith(": ok")] == [
+        "TP=2", "TP=4"]
