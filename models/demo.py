@@ -45,11 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 def model_title(ckpt, model: str) -> str:
     """The name the demo prints for a checkpoint: the file's own (a GGUF's ``general.name``),
     else the ``--model`` argument's (a known name, or the file or folder name)."""
-    title = getattr(ckpt, "title", None)
-    if not title:
-        fields = getattr(getattr(ckpt, "layout", None), "fields", None) or {}
-        value = fields.get("general.name", (None, None))[1]
-        title = value if isinstance(value, str) else None
+    title = ckpt.title
     if title and title.strip():
         return " ".join(title.split())
     path = pathlib.Path(model)

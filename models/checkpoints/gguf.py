@@ -251,13 +251,12 @@ class GGUFCheckpoint(Checkpoint):
                                       f"{t.tensor_type.name} ({e})") from None
             arr = np.ascontiguousarray(arr, np.float32).reshape(self._shapes[name])
             check_finite(self.path, t.name, arr)
-            if self.config.arch == "gemma3" and name.endswith("norm.weight"):
+            arch = self.config.arch
+            if arch == "gemma3" and name.endswith("norm.weight"):
                 arr = arr - np.float32(1.0)
-            elif self.config.arch != "llama":
-                pass
-            elif name.endswith("self_attn.q_proj.weight"):
+            elif arch == "llama" and name.endswith("self_attn.q_proj.weight"):
                 arr = np.ascontiguousarray(unpermute_qk(arr, self.config.n_heads))
-            elif name.endswith("self_attn.k_proj.weight"):
+            elif arch == "llama" and name.endswith("self_attn.k_proj.weight"):
                 arr = np.ascontiguousarray(unpermute_qk(arr, self.config.n_kv_heads))
             arr.flags.writeable = False
             self._cache[name] = arr

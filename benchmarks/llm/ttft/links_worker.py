@@ -49,6 +49,7 @@ class Worker:
         import jax
 
         from models.corpus import load_text
+        from models.demo import model_title
         from models.llama.params import load_model
 
         self.args, self.pid, self.nproc = args, pid, nproc
@@ -67,7 +68,7 @@ class Worker:
             self.shm = shm
         self.mesh = jax.make_mesh((nproc,), ("tp",), devices=jax.devices())
         self.model, ckpt = load_model(args.model, tp=nproc, mesh=self.mesh)
-        self.model_name = ckpt.title or args.model
+        self.model_name = model_title(ckpt, args.model)
         self.cfg = self.model.cfg
         self.ids = ckpt.tokenizer.encode(load_text())[:args.prompt_tokens]
         if len(self.ids) < args.prompt_tokens:
