@@ -11,6 +11,7 @@
 
 #include "cpu/collective_handlers.h"
 #include "cpu/cpu_exact_sum.h"
+#include "cpu/cpu_exchange.h"
 #include "cpu/cpu_p2p_protocol.h"
 #include "flashcomm/p2p_rendezvous.h"
 #include "xla/ffi/api/ffi.h"
@@ -75,6 +76,20 @@ ffi::Future P2pPsum(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank
       TwoShotBySize(two_shot, two_shot_bytes, int64_t(x.size_bytes())), true);
 }
 
+ffi::Future P2pExchange(ffi::RunId run, ffi::AnyBuffer operand, ffi::AnyBuffer output,
+                        ffi::Buffer<ffi::S32> input_offsets, ffi::Buffer<ffi::S32> send_sizes,
+                        ffi::Buffer<ffi::S32> output_offsets, ffi::Buffer<ffi::S32> recv_sizes,
+                        ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
+                        ffi::Result<ffi::AnyBuffer> out, int64_t size, int64_t site,
+                        int64_t timeout_ms) {
+  const int32_t rank = rank_buf.typed_data()[0];
+  return ExchangeProtocol(
+      "flashcomm_p2p_exchange",
+      InProcessPeers::Join(run, site, group_buf.typed_data()[0], rank, size, timeout_ms), rank,
+      operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *out, size,
+      timeout_ms);
+}
+
 }  // namespace cpu
 }  // namespace flashcomm
 
@@ -84,4 +99,9 @@ FLASHCOMM_DEFINE_CPU_COLLECTIVES(P2p, flashcomm::bind::Peers::kInProcess,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommP2pPsumCpu,
                               flashcomm::cpu::Guard<&flashcomm::cpu::P2pPsum>::Call,
                               flashcomm::bind::Psum<flashcomm::bind::Peers::kInProcess>(
+                                  ffi::Ffi::Bind().Ctx<ffi::RunId>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommP2pExchangeCpu,
+                              flashcomm::cpu::Guard<&flashcomm::cpu::P2pExchange>::Call,
+                              flashcomm::bind::Exchange<flashcomm::bind::Peers::kInProcess>(
                                   ffi::Ffi::Bind().Ctx<ffi::RunId>()));

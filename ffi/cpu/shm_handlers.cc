@@ -15,6 +15,7 @@
 #include "flashcomm/codec.h"
 #include "cpu/collective_handlers.h"
 #include "cpu/cpu_exact_sum.h"
+#include "cpu/cpu_exchange.h"
 #include "cpu/cpu_p2p_protocol.h"
 #include "cpu/shm_rendezvous.h"
 #include "xla/ffi/api/ffi.h"
@@ -78,6 +79,20 @@ ffi::Future ShmPsum(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank
       TwoShot(two_shot, two_shot_bytes, int64_t(x.size_bytes()), size), false);
 }
 
+ffi::Future ShmExchange(ffi::RunId run, ffi::AnyBuffer operand, ffi::AnyBuffer output,
+                        ffi::Buffer<ffi::S32> input_offsets, ffi::Buffer<ffi::S32> send_sizes,
+                        ffi::Buffer<ffi::S32> output_offsets, ffi::Buffer<ffi::S32> recv_sizes,
+                        ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
+                        ffi::Result<ffi::AnyBuffer> out, int64_t size, int64_t site,
+                        int64_t timeout_ms, int64_t axes_key) {
+  const int32_t rank = rank_buf.typed_data()[0];
+  return ExchangeProtocol(
+      "flashcomm_shm_exchange",
+      SharedPeers::Join(run, site, group_buf.typed_data()[0], rank, size, timeout_ms, axes_key),
+      rank, operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *out, size,
+      timeout_ms);
+}
+
 }  // namespace cpu
 }  // namespace flashcomm
 
@@ -87,4 +102,9 @@ FLASHCOMM_DEFINE_CPU_COLLECTIVES(Shm, flashcomm::bind::Peers::kShared, flashcomm
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommShmPsumCpu,
                               flashcomm::cpu::Guard<&flashcomm::cpu::ShmPsum>::Call,
                               flashcomm::bind::Psum<flashcomm::bind::Peers::kShared>(
+                                  ffi::Ffi::Bind().Ctx<ffi::RunId>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommShmExchangeCpu,
+                              flashcomm::cpu::Guard<&flashcomm::cpu::ShmExchange>::Call,
+                              flashcomm::bind::Exchange<flashcomm::bind::Peers::kShared>(
                                   ffi::Ffi::Bind().Ctx<ffi::RunId>()));

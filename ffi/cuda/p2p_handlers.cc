@@ -37,6 +37,7 @@
 #include "flashcomm/p2p_rendezvous.h"
 #include "collective_handlers.h"
 #include "exact_sum.h"
+#include "exchange.h"
 #include "p2p_host.h"
 #include "p2p_protocol.h"
 #include "xla/ffi/api/ffi.h"
@@ -195,6 +196,36 @@ ffi::Error P2pPsum(ffi::RunId run, cudaStream_t stream, ffi::AnyBuffer x,
                             s.two);
 }
 
+// The ragged exchange among the GPUs of this process (exchange.h).
+ffi::Error P2pExchange(ffi::RunId run, cudaStream_t stream, ffi::AnyBuffer operand,
+                       ffi::AnyBuffer output, ffi::Buffer<ffi::S32> input_offsets,
+                       ffi::Buffer<ffi::S32> send_sizes, ffi::Buffer<ffi::S32> output_offsets,
+                       ffi::Buffer<ffi::S32> recv_sizes, ffi::Buffer<ffi::S32> rank_buf,
+                       ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> out,
+                       int64_t size, int64_t site, int64_t timeout_ms) {
+  constexpr const char* kOp = "flashcomm_p2p_exchange";
+  if (timeout_ms <= 0) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": " + p2p::TimeoutError(timeout_ms));
+  }
+  const auto deadline = p2p::DeadlineAfter(timeout_ms);
+  CurrentDevice on;
+  int device = 0;
+  int32_t rank = 0, group = 0;
+  if (ffi::Error e = protocol::Start(kOp, stream, rank_buf, group_buf, size, deadline, &on,
+                                     &device, &rank, &group);
+      e.failure()) {
+    return e;
+  }
+  Participant me(kOp, device, stream, deadline);
+  if (ffi::Error e = me.Join(run.run_id, site, group, rank, size, 3); e.failure()) return e;
+  auto meet = [&me](int barrier, const void* data, size_t /*bytes*/) {
+    if (ffi::Error e = me.Record(); e.failure()) return e;
+    return me.Meet(barrier, data, nullptr, nullptr, 0, 0);
+  };
+  return protocol::Exchange(kOp, me, meet, stream, device, site, group, rank, size, operand,
+                            output, input_offsets, send_sizes, output_offsets, recv_sizes, *out);
+}
+
 }  // namespace cuda
 }  // namespace flashcomm
 
@@ -213,6 +244,12 @@ FLASHCOMM_DEFINE_CUDA_COLLECTIVES(P2p, flashcomm::bind::Peers::kInProcess,
 // The exact all-reduce's binding; no traits either (it meets its peers on the host per call).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommP2pPsumCuda, flashcomm::cuda::P2pPsum,
                               flashcomm::bind::Psum<flashcomm::bind::Peers::kInProcess>(
+                                  ffi::Ffi::Bind()
+                                      .Ctx<ffi::RunId>()
+                                      .Ctx<ffi::PlatformStream<cudaStream_t>>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommP2pExchangeCuda, flashcomm::cuda::P2pExchange,
+                              flashcomm::bind::Exchange<flashcomm::bind::Peers::kInProcess>(
                                   ffi::Ffi::Bind()
                                       .Ctx<ffi::RunId>()
                                       .Ctx<ffi::PlatformStream<cudaStream_t>>()));

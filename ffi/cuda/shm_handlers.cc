@@ -23,6 +23,7 @@
 #include "launch.h"
 #include "collective_handlers.h"
 #include "exact_sum.h"
+#include "exchange.h"
 #include "p2p_host.h"
 #include "p2p_protocol.h"
 #include "xla/ffi/api/ffi.h"
@@ -95,6 +96,45 @@ ffi::Error ShmPsum(ffi::RunId, cudaStream_t stream, ffi::AnyBuffer x,
                             s.two);
 }
 
+// The ragged exchange among processes of one host over CUDA IPC (exchange.h).
+ffi::Error ShmExchange(ffi::RunId, cudaStream_t stream, ffi::AnyBuffer operand,
+                       ffi::AnyBuffer output, ffi::Buffer<ffi::S32> input_offsets,
+                       ffi::Buffer<ffi::S32> send_sizes, ffi::Buffer<ffi::S32> output_offsets,
+                       ffi::Buffer<ffi::S32> recv_sizes, ffi::Buffer<ffi::S32> rank_buf,
+                       ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> out,
+                       int64_t size, int64_t site, int64_t timeout_ms, int64_t axes_key) {
+  constexpr const char* kOp = "flashcomm_shm_exchange";
+  if (timeout_ms <= 0) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": " + p2p::TimeoutError(timeout_ms));
+  }
+  const auto deadline = p2p::DeadlineAfter(timeout_ms);
+  CurrentDevice on;
+  int device = 0;
+  int32_t rank = 0, group = 0;
+  if (ffi::Error e = protocol::Start(kOp, stream, rank_buf, group_buf, size, deadline, &on,
+                                     &device, &rank, &group);
+      e.failure()) {
+    return e;
+  }
+  ffi::Error error = ffi::Error::Success();
+  const shm::Api* api = ipc::BoundApi(kOp, &error);
+  if (!api) return error;
+  IpcParticipant me(api, kOp, stream, deadline, site, group);
+  int64_t rows = 0, row_bytes = 0;
+  protocol::ExchangeRows(operand, &rows, &row_bytes);
+  if (ffi::Error e = me.Join(axes_key, rank, size, 3,
+                             Describe({9, int64_t(operand.element_type()), row_bytes, size}),
+                             timeout_ms);
+      e.failure()) {
+    return e;
+  }
+  auto meet = [&me](int barrier, const void* data, size_t bytes) {
+    return me.MeetRegions(barrier, {Region{data, bytes}, Region{}, Region{}});
+  };
+  return protocol::Exchange(kOp, me, meet, stream, device, site, group, rank, size, operand,
+                            output, input_offsets, send_sizes, output_offsets, recv_sizes, *out);
+}
+
 void ShmBind(const void* api) {
   ipc::g_api.store(static_cast<const shm::Api*>(api), std::memory_order_release);
 }
@@ -112,6 +152,12 @@ FLASHCOMM_DEFINE_CUDA_COLLECTIVES(Shm, flashcomm::bind::Peers::kShared,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommShmPsumCuda, flashcomm::cuda::ShmPsum,
                               flashcomm::bind::Psum<flashcomm::bind::Peers::kShared>(
+                                  ffi::Ffi::Bind()
+                                      .Ctx<ffi::RunId>()
+                                      .Ctx<ffi::PlatformStream<cudaStream_t>>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashcommShmExchangeCuda, flashcomm::cuda::ShmExchange,
+                              flashcomm::bind::Exchange<flashcomm::bind::Peers::kShared>(
                                   ffi::Ffi::Bind()
                                       .Ctx<ffi::RunId>()
                                       .Ctx<ffi::PlatformStream<cudaStream_t>>()));

@@ -176,18 +176,24 @@ def flash_allreduce(size: float, n: int, link: Link, codec_pass_s, rs_bits: int,
     return {**t, "total_s": sum(t.values()), "byte_ideal": 2 * BF16 / (w1 + w2)}
 
 
+#: The all-to-alls: one step, one quantization.
+ALL_TO_ALLS = ("all_to_all", "ragged_all_to_all")
+
 #: The share of an all-reduce's bytes and codec passes each collective has.
 _ONE_PHASE = {"psum_scatter": ("quantize", "dequantize_sum_quantize"),
               "all_gather": ("quantize", "dequantize")}
 
 
 def exact_collective(op: str, size: float, n: int, link: Link) -> float:
-    """Seconds of an exact ``op`` (``psum``, ``psum_scatter``, ``all_gather``) of ``size`` bytes
-    per rank (the operand: for ``all_gather`` this rank's shard): one collective, a ring
-    (``base + 2 (N-1) step`` latency for ``psum``, ``base + (N-1) step`` for the others)."""
+    """Seconds of an exact ``op`` (``psum``, ``psum_scatter``, ``all_gather``, an all-to-all) of
+    ``size`` bytes per rank (the operand: for ``all_gather`` this rank's shard): one collective,
+    a ring (``base + 2 (N-1) step`` latency for ``psum``, ``base + (N-1) step`` for the
+    gather and scatter, one collective's latency for the all-to-alls)."""
     _check(size, n)
     if op == "psum":
         return exact_allreduce(size, n, link, "ring")["total_s"]
+    if op in ALL_TO_ALLS:  # one step: (N-1)/N of the operand leaves each rank
+        return link.transfer_s((n - 1) / n * size, n) + link.collective_latency_s
     sent = (n - 1) / n * size if op == "psum_scatter" else (n - 1) * size
     return link.transfer_s(sent, n) + link.base_latency_s + (n - 1) * link.step_latency_s
 
@@ -200,6 +206,11 @@ def flash_collective(op: str, size: float, n: int, link: Link, codec_pass_s, rs_
         return flash_allreduce(size, n, link, codec_pass_s, rs_bits, ag_bits, group_size,
                                spikes, itemsize)["total_s"]
     _check(size, n)
+    if op in ALL_TO_ALLS:  # every row quantized once, sent, decoded once
+        w = _wire(ag_bits or rs_bits, group_size, spikes)
+        elems = spec.padded_size(int(size) // itemsize, group_size, 1)
+        codec = sum(codec_pass_s(p, elems, w, w, n) for p in ("quantize", "dequantize"))
+        return link.transfer_s((n - 1) / n * elems * w, n) + link.collective_latency_s + codec
     bits = rs_bits if op == "psum_scatter" else ag_bits
     w = _wire(bits, group_size, spikes)
     elems = int(size) // itemsize

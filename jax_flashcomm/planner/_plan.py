@@ -59,6 +59,7 @@ from jax_flashcomm import _axes
 from jax_flashcomm.planner import _choose as auto_choice
 from jax_flashcomm.config import CommConfig
 from jax_flashcomm import transport
+from jax_flashcomm.transport import exchange as exchange_transport
 from jax_flashcomm.transport import p2p as p2p_transport
 from jax_flashcomm.transport import shm as shm_transport
 
@@ -72,13 +73,16 @@ logger = logging.getLogger("jax_flashcomm")
 
 #: The ops a plan is made for.
 OPS = ("psum", "psum_scatter", "all_gather", "all_gather_matmul", "matmul_reduce_scatter",
-       "psum_add_rms_norm")
+       "psum_add_rms_norm", "all_to_all", "ragged_all_to_all")
 #: The paths a call can take (see the module docstring).
 PATHS = ("lax", "quantized", "exact", "ring", "quantized ring", "matmul, quantized")
 _PHASES = {"psum": ("rs", "ag"), "psum_scatter": ("rs",), "all_gather": ("ag",),
            "all_gather_matmul": ("ag",), "matmul_reduce_scatter": ("rs",),
-           "psum_add_rms_norm": ("rs", "ag")}
+           "psum_add_rms_norm": ("rs", "ag"), "all_to_all": ("ag",),
+           "ragged_all_to_all": ("ag",)}
 _RINGS = ("all_gather_matmul", "matmul_reduce_scatter")
+#: The all-to-alls: their codes move over lax's all-to-all or the p2p exchange.
+EXCHANGES = ("all_to_all", "ragged_all_to_all")
 
 _recorders: contextvars.ContextVar[tuple] = contextvars.ContextVar("jax_flashcomm_recorders",
                                                                    default=())
@@ -269,12 +273,13 @@ def choice_bits(op: str, config: CommConfig) -> tuple:
             config.phase2_bits if "ag" in phases else None)
 
 
-def _choose(op, nbytes, axis_size, dtype, config, p2p_reason, exact_reason):
+def _choose(op, nbytes, axis_size, dtype, config, p2p_reason, exact_reason, candidates=None):
     import jax
 
     bits = choice_bits(op, config)
-    candidates = auto_choice.CANDIDATES
-    if config.transport == "p2p" and op not in _RINGS:
+    given = candidates is not None
+    candidates = auto_choice.CANDIDATES if candidates is None else candidates
+    if config.transport == "p2p" and op not in _RINGS and not given:
         candidates = tuple(c for c in candidates if c.name != "quantized/xla")
     dtype = np.dtype(dtype)
     call = auto_choice.Call(
@@ -347,6 +352,8 @@ def plan(op: str, axes: tuple, shape, dtype, axis_size: int, config: CommConfig,
                   nbytes=nbytes, axis_size=int(axis_size), reason=reason,
                   group_size=config.group_size, timeout_ms=config.p2p_timeout_ms,
                   backend=config.backend, config=config)
+    if op in EXCHANGES:
+        return _recorded(_exchange_plan(op, axes, fields, quantized, config, where), record)
     chosen = None
     if (config.exact and config.transport == "p2p" and op in ("psum", "psum_add_rms_norm")
             and axis_size > 1 and nbytes > 0):
@@ -383,6 +390,45 @@ def plan(op: str, axes: tuple, shape, dtype, axis_size: int, config: CommConfig,
         fields.update(group_formats=(rs_format if "rs" in phases else None,
                                      ag_format if "ag" in phases else None))
     return _recorded(Plan(path=path, transport=transport, **fields), record)
+
+
+def _exchange_plan(op, axes, fields, quantized, config, where) -> Plan:
+    """The plan of an all-to-all (module docstring of :mod:`jax_flashcomm.alltoall`).
+
+    Its codes move over the p2p exchange where one can run on CPU (or it is pinned), else over
+    lax's collective. XLA:CPU has no ``ragged-all-to-all``: there the ragged op, exact too, runs
+    over the exchange, and a config that rules it out is an error."""
+    cpu = _platform() == "cpu"
+    no_lax = op == "ragged_all_to_all" and cpu
+    p2p_reason = ("transport='xla'" if config.transport == "xla"
+                  else exchange_transport.unavailable(axes))
+    if config.transport == "p2p" and p2p_reason is not None:
+        raise ValueError(f"{where}: transport='p2p' cannot run here: {p2p_reason}")
+    if no_lax and p2p_reason is not None and fields["nbytes"] > 0:
+        raise ValueError(f"{where}: XLA:CPU does not implement ragged-all-to-all, and the p2p "
+                         f"exchange that runs it on CPU cannot run here: {p2p_reason}")
+    use_p2p = p2p_reason is None and (cpu or config.transport == "p2p")
+    if quantized and config.auto:
+        candidates = tuple(c for c in auto_choice.CANDIDATES if c.name != "exact/p2p"
+                           and not (c.name == "quantized/xla" and (no_lax or use_p2p))
+                           and not (c.name == "quantized/p2p" and not use_p2p))
+        chosen = _choose(op, fields["nbytes"], fields["axis_size"], fields["dtype"], config,
+                         p2p_reason, "an all-to-all (no exact p2p candidate)",
+                         candidates=candidates)
+        quantized = chosen.candidate.startswith("quantized")
+        fields.update(reason=str(chosen), predicted_s=chosen.predicted_s,
+                      choice_source=chosen.source)
+    if quantized:
+        return Plan(path="quantized", transport="p2p" if use_p2p else "xla",
+                    **{**fields, "group_formats": (None, config.group_formats[1])})
+    if no_lax and fields["nbytes"] > 0:
+        return Plan(path="exact", transport="p2p", **{**fields, "reason": (
+            f"{fields['reason']}; XLA:CPU has no ragged-all-to-all: the rows as they are over "
+            "the p2p exchange")})
+    if op == "ragged_all_to_all" and config.transport == "p2p" and fields["nbytes"] > 0:
+        return Plan(path="exact", transport="p2p", **{**fields, "reason": (
+            f"{fields['reason']}; transport='p2p': the rows as they are over the exchange")})
+    return Plan(path="lax", **fields)
 
 
 def _recorded(result: Plan, record: bool) -> Plan:

@@ -141,7 +141,9 @@ def across_processes() -> bool:
     return jax.process_count() != 1
 
 
-def _target(op: str) -> str:
+def target(op: str) -> str:
+    """The FFI target of ``op`` for these peers: ``flashcomm_p2p_<op>`` in one process,
+    ``flashcomm_shm_<op>`` between processes."""
     return f"flashcomm_{'shm' if across_processes() else 'p2p'}_{op}"
 
 
@@ -166,7 +168,9 @@ def call_site(kind: str, axes, x) -> int:
     return ident
 
 
-def _attrs(kind, axes, x, timeout_ms):
+def meeting_attrs(kind, axes, x, timeout_ms) -> dict:
+    """The meeting attributes of a p2p call of ``kind`` over ``axes`` on operand ``x``: size,
+    site and ``timeout_ms`` (between processes also ``axes_key``)."""
     attrs = dict(size=np.int64(_axes.axis_size(axes)), site=np.int64(call_site(kind, axes, x)),
                  timeout_ms=np.int64(timeout_ms))
     if across_processes():
@@ -198,7 +202,7 @@ def all_reduce(x: jax.Array, axes: tuple[str, ...], plan,
     vma = _axes.varying_axes(x)
     rep = vma - frozenset(axes)
     call = jax.ffi.ffi_call(
-        _target("all_reduce"),
+        target("all_reduce"),
         (result_aval(x, groups.shape if decode else (0,), x.dtype, rep),
          result_aval(x, (n, total // n, spec.record_bytes(g, b1, k1)), jnp.uint8, vma),
          result_aval(x, (n, total // n), jnp.bfloat16, vma),
@@ -210,7 +214,7 @@ def all_reduce(x: jax.Array, axes: tuple[str, ...], plan,
     y, c1, s1, z1, c2, s2, z2 = call(
         groups, rank, group, fmt=plan.group_formats[0].ffi_attribute(),
         out_fmt=plan.group_formats[1].ffi_attribute(),
-        **_attrs("all_reduce", axes, x, plan.timeout_ms))
+        **meeting_attrs("all_reduce", axes, x, plan.timeout_ms))
     meta = dict(group_size=g, shape=tuple(x.shape), dtype=np.dtype(x.dtype), rotation=rot)
     p1 = Payload(c1, s1, z1, bits=b1, spikes=k1, **meta).merge_groups()
     p2 = Payload(c2, s2, z2, bits=b2, spikes=k2, **meta)
@@ -236,7 +240,7 @@ def reduce_scatter(rows: jax.Array, axes: tuple[str, ...],
     groups = rows.reshape(n * mp // g, g)
     vma = _axes.varying_axes(rows)
     call = jax.ffi.ffi_call(
-        _target("reduce_scatter"),
+        target("reduce_scatter"),
         (result_aval(rows, (mp // g, g), rows.dtype, vma),
          result_aval(rows, (n, mp // g, spec.record_bytes(g, bits, k1)), jnp.uint8, vma),
          result_aval(rows, (n, mp // g), jnp.bfloat16, vma),
@@ -245,7 +249,7 @@ def reduce_scatter(rows: jax.Array, axes: tuple[str, ...],
     rank, group = rank_and_group(axes)
     y, c1, s1, z1 = call(groups, rank, group,
                          fmt=plan.group_formats[0].ffi_attribute(),
-                         **_attrs("reduce_scatter", axes, rows, plan.timeout_ms))
+                         **meeting_attrs("reduce_scatter", axes, rows, plan.timeout_ms))
     p1 = Payload(c1, s1, z1, bits=bits, group_size=g, shape=(mp,), dtype=np.dtype(rows.dtype),
                  rotation=rot, spikes=k1)
     return y.reshape(mp), p1
@@ -262,14 +266,14 @@ def all_gather(x: jax.Array, axes: tuple[str, ...], axis: int, tiled: bool,
     count = groups.shape[0]
     vma = _axes.varying_axes(x)
     call = jax.ffi.ffi_call(
-        _target("all_gather"),
+        target("all_gather"),
         (result_aval(x, (n, count, g), x.dtype, vma),
          result_aval(x, (count, spec.record_bytes(g, bits, k2)), jnp.uint8, vma),
          result_aval(x, (count,), jnp.bfloat16, vma), result_aval(x, (count,), jnp.bfloat16, vma)),
         vmap_method="sequential")
     rank, group = rank_and_group(axes)
     y, c, s, z = call(groups, rank, group, fmt=plan.group_formats[1].ffi_attribute(),
-                      **_attrs("all_gather", axes, x, plan.timeout_ms))
+                      **meeting_attrs("all_gather", axes, x, plan.timeout_ms))
     p = Payload(c, s, z, bits=bits, group_size=g, shape=tuple(x.shape), dtype=np.dtype(x.dtype),
                 rotation=rot, spikes=k2)
     stacked = restore_shape(y, tuple(x.shape))  # (N, count, g) -> (N, *x.shape)
@@ -332,13 +336,13 @@ def exact_all_reduce(x: jax.Array, axes: tuple[str, ...], timeout_ms: int,
         raise TypeError(f"exact_all_reduce: no exact p2p sum of {np.dtype(x.dtype)} here "
                         f"(it takes {', '.join(sorted(d.name for d in taken))})")
     rep = _axes.varying_axes(x) - frozenset(axes)
-    call = jax.ffi.ffi_call(_target("psum"), result_aval(x, x.shape, x.dtype, rep),
+    call = jax.ffi.ffi_call(target("psum"), result_aval(x, x.shape, x.dtype, rep),
                             vmap_method="sequential")
     rank, group = rank_and_group(axes)
     mode = 2 if two_shot is None else int(bool(two_shot))
     threshold = TWO_SHOT_BYTES if across_processes() else IN_PROCESS_TWO_SHOT_BYTES
     return call(x, rank, group, two_shot=np.int32(mode),
-                two_shot_bytes=np.int64(threshold), **_attrs("psum", axes, x, timeout_ms))
+                two_shot_bytes=np.int64(threshold), **meeting_attrs("psum", axes, x, timeout_ms))
 
 
 #: The dtypes the CPU kernels of :func:`exact_all_reduce` sum (SumComponents,

@@ -199,6 +199,21 @@ auto Psum(B&& b) {
       .template Attr<int64_t>("two_shot_bytes");  // with 2: two shots from these bytes per rank
 }
 
+// p2p / shm exchange: the rows of a ragged all-to-all (ffi/cpu/cpu_exchange.h), any dtype;
+// out is output with the received rows written, aliased to it.
+template <Peers kPeers, typename B>
+auto Exchange(B&& b) {
+  auto args = std::forward<B>(b)
+                  .template Arg<ffi::AnyBuffer>()          // operand: (rows, ...) sent
+                  .template Arg<ffi::AnyBuffer>()          // output: (rows', ...) received into
+                  .template Arg<ffi::Buffer<ffi::S32>>()   // input_offsets: (N,) operand rows
+                  .template Arg<ffi::Buffer<ffi::S32>>()   // send_sizes: (N,) rows to rank j
+                  .template Arg<ffi::Buffer<ffi::S32>>()   // output_offsets: (N,) at rank j
+                  .template Arg<ffi::Buffer<ffi::S32>>();  // recv_sizes: (N,) from rank j
+  return MeetingAttrs<kPeers>(RankArgs(std::move(args))
+                                  .template Ret<ffi::AnyBuffer>());  // out: output, aliased
+}
+
 // The ring start's attributes before its own: rank r sends to r + shift and receives from
 // r - shift; the ranks' calls of one step share the site.
 template <typename B>
