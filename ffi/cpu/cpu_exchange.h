@@ -71,13 +71,17 @@ inline ffi::Error CheckExchange(const char* op, const ffi::AnyBuffer& operand,
   return ffi::Error::Success();
 }
 
-// Why rank `rank` cannot take the rows rank `j` sends it; empty when it can. `peer`: j's
-// published (input_offsets, send_sizes, output_offsets, operand rows).
-inline std::string BadRows(const int64_t* peer, int64_t size, int32_t rank, int64_t j,
-                           int64_t out_rows, const int64_t* recv_sizes) {
-  const int64_t in = peer[rank], n = peer[size + rank], at = peer[2 * size + rank];
-  const int64_t rows = peer[3 * size];
-  const std::string from = "rank " + std::to_string(j) + " -> rank " + std::to_string(rank);
+// The record each rank publishes: input_offsets, send_sizes, output_offsets, recv_sizes
+// (N each), then its operand's and its output's rows.
+inline size_t RecordSize(int64_t size) { return size_t(4 * size + 2); }
+
+// Why rank `k` cannot take the rows rank `j` sends it; empty when it can (`sender`,
+// `receiver`: their records).
+inline std::string BadRows(const int64_t* sender, const int64_t* receiver, int64_t size,
+                           int64_t j, int64_t k) {
+  const int64_t in = sender[k], n = sender[size + k], at = sender[2 * size + k];
+  const int64_t rows = sender[4 * size], out_rows = receiver[4 * size + 1];
+  const std::string from = "rank " + std::to_string(j) + " -> rank " + std::to_string(k);
   if (n < 0 || in < 0 || at < 0) return from + ": a negative offset or size";
   if (in > rows - n) {
     return from + ": input rows [" + std::to_string(in) + ", " + std::to_string(in + n) +
@@ -87,9 +91,21 @@ inline std::string BadRows(const int64_t* peer, int64_t size, int32_t rank, int6
     return from + ": output rows [" + std::to_string(at) + ", " + std::to_string(at + n) +
            ") are outside the receiver's " + std::to_string(out_rows) + " rows";
   }
-  if (recv_sizes[j] != n) {
-    return from + ": sends " + std::to_string(n) + " rows, recv_sizes says " +
-           std::to_string(recv_sizes[j]);
+  if (receiver[3 * size + j] != n) {
+    return from + ": sends " + std::to_string(n) + " rows, the receiver's recv_sizes says " +
+           std::to_string(receiver[3 * size + j]);
+  }
+  return std::string();
+}
+
+// The first bad pair of every rank's records, the same on every rank; empty when none.
+inline std::string BadExchange(const std::vector<Published>& peers, int64_t size) {
+  for (int64_t j = 0; j < size; ++j) {
+    for (int64_t k = 0; k < size; ++k) {
+      std::string bad = BadRows(static_cast<const int64_t*>(peers[j][1]),
+                                static_cast<const int64_t*>(peers[k][1]), size, j, k);
+      if (!bad.empty()) return bad;
+    }
   }
   return std::string();
 }
@@ -111,16 +127,16 @@ inline ffi::Future ExchangeProtocol(const char* op, const GangFactory& join, int
     return Failed(std::move(e));
   }
   PassThrough(output, out);
-  // what the peers read of this rank: its offsets and sizes, then its operand's rows
-  auto meta = std::make_shared<std::vector<int64_t>>(3 * size + 1);
+  // what the peers read of this rank: its record, then its operand's rows
+  auto meta = std::make_shared<std::vector<int64_t>>(RecordSize(size));
   for (int64_t j = 0; j < size; ++j) {
     (*meta)[j] = input_offsets.typed_data()[j];
     (*meta)[size + j] = send_sizes.typed_data()[j];
     (*meta)[2 * size + j] = output_offsets.typed_data()[j];
+    (*meta)[3 * size + j] = recv_sizes.typed_data()[j];
   }
-  (*meta)[3 * size] = shape.in_rows;
-  auto recv = std::make_shared<std::vector<int64_t>>(recv_sizes.typed_data(),
-                                                     recv_sizes.typed_data() + size);
+  (*meta)[4 * size] = shape.in_rows;
+  (*meta)[4 * size + 1] = shape.out_rows;
   int64_t wire = 0;
   for (int64_t j = 0; j < size; ++j) {
     if (j != rank && send_sizes.typed_data()[j] > 0) {
@@ -137,13 +153,12 @@ inline ffi::Future ExchangeProtocol(const char* op, const GangFactory& join, int
   const Spans mine{Span{operand.untyped_data(), operand.size_bytes()},
                    Span{meta->data(), meta->size() * 8}, Span{}, Span{}};
   call->Arrive(0, mine, [=](const std::vector<Published>& peers) {
+    if (!call->failed()) {
+      const std::string bad = BadExchange(peers, size);
+      if (!bad.empty()) call->Fail(ffi::ErrorCode::kInvalidArgument, bad);
+    }
     for (int64_t j = 0; j < size && !call->failed(); ++j) {
       const auto* peer = static_cast<const int64_t*>(peers[j][1]);
-      const std::string bad = BadRows(peer, size, rank, j, shape.out_rows, recv->data());
-      if (!bad.empty()) {
-        call->Fail(ffi::ErrorCode::kInvalidArgument, bad);
-        break;
-      }
       const int64_t n = peer[size + rank];
       if (n == 0) continue;
       std::memcpy(dst + peer[2 * size + rank] * shape.row_bytes,
