@@ -12,7 +12,7 @@ import re
 import pytest
 
 from jax_flashcomm.codec import fp_kernels, kernels
-from jax_flashcomm.transport import p2p, ring_steps, shm
+from jax_flashcomm.transport import exchange, p2p, ring_steps, shm
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TARGETS_DEF = ROOT / "ffi" / "include" / "flashcomm" / "targets.def"
@@ -32,7 +32,7 @@ def python_constants() -> set[str]:
     p2p ones' names between processes: ring_steps._target)."""
     shm_rings = {t.replace("flashcomm_p2p_", "flashcomm_shm_") for t in ring_steps.TARGETS}
     return {*kernels.TARGETS, *fp_kernels.TARGETS, *p2p.TARGETS, *ring_steps.TARGETS, *shm.TARGETS,
-            *shm_rings}
+            *shm_rings, *exchange.TARGETS}
 
 
 def test_python_constants_are_the_declared_targets():

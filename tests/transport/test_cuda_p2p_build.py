@@ -40,7 +40,7 @@ CUDA_SOURCE = ROOT / "ffi" / "cuda" / "p2p_handlers.cc"
 #: The quantized collectives' targets (p2p.TARGETS less the exact all-reduce's).
 QUANTIZED_TARGETS = tuple(t for t in p2p.TARGETS if t != "flashcomm_p2p_psum")
 HANDLERS = ("FlashcommP2pAllReduce", "FlashcommP2pReduceScatter", "FlashcommP2pAllGather",
-            "FlashcommP2pPsum")
+            "FlashcommP2pPsum", "FlashcommP2pExchange")
 
 
 def test_cuda_module_registers_the_p2p_targets():

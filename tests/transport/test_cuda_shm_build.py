@@ -30,7 +30,7 @@ from tests.transport.test_cuda_p2p_build import _lower_collectives
 CPU_SOURCE = ROOT / "ffi" / "cpu" / "shm_handlers.cc"
 CUDA_SOURCE = ROOT / "ffi" / "cuda" / "shm_handlers.cc"
 HANDLERS = ("FlashcommShmAllReduce", "FlashcommShmReduceScatter", "FlashcommShmAllGather",
-            "FlashcommShmPsum")
+            "FlashcommShmPsum", "FlashcommShmExchange")
 CPU_RING_SOURCE = ROOT / "ffi" / "cpu" / "shm_ring_handlers.cc"
 CUDA_RING_SOURCE = ROOT / "ffi" / "cuda" / "shm_ring_handlers.cc"
 RING_HANDLERS = ("FlashcommShmRingStart", "FlashcommShmRingDone")
