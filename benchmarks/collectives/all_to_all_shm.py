@@ -154,6 +154,13 @@ def markdown(result: dict) -> str:
         cells = [f"{row['seconds'][k] * 1e3:8.2f} ms {row['vs_lax'][k]:4.2f}x"
                  for k in STRATEGIES]
         lines.append(f"{row['bytes_per_rank']:>10}  " + "  ".join(f"{c:>17}" for c in cells))
+    lines += ["", "speedup over the bf16 rows over shared memory (bf16 bytes on the same bus)",
+              f"{'bytes/rank':>10}  "
+              + "  ".join(f"{k:>17}" for k in STRATEGIES)]
+    for row in result["rows"]:
+        base = row["seconds"]["bf16-shm"]
+        lines.append(f"{row['bytes_per_rank']:>10}  " + "  ".join(
+            f"{base / row['seconds'][k]:>16.2f}x" for k in STRATEGIES))
     return "\n".join(lines)
 
 
@@ -188,7 +195,8 @@ def main(argv=None) -> int:
                           mtu=1500, timeout=1800,
                           args=["--worker", "--reps", args.reps, "--chain", args.chain,
                                 "--max-bytes", args.max_bytes, "--rate-bytes", rate])
-    result = dict(results[0], rate=args.rate, hidden=HIDDEN, cpu=_cpu())
+    command = f"python -m {MODULE}" + (f" --out {args.out}" if args.out else "")
+    result = dict(results[0], rate=args.rate, hidden=HIDDEN, cpu=_cpu(), command=command)
     print(f"{args.procs} processes, bf16 (tokens, {HIDDEN}) all-to-all per rank on a "
           f"{args.rate} emulated link; one call's median and speedup over lax.all_to_all "
           f"(gloo), {result['cpu']}")
