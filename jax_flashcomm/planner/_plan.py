@@ -421,14 +421,18 @@ def _exchange_plan(op, axes, fields, quantized, config, where) -> Plan:
     if quantized:
         return Plan(path="quantized", transport="p2p" if use_p2p else "xla",
                     **{**fields, "group_formats": (None, config.group_formats[1])})
-    if no_lax and fields["nbytes"] > 0:
-        return Plan(path="exact", transport="p2p", **{**fields, "reason": (
-            f"{fields['reason']}; XLA:CPU has no ragged-all-to-all: the rows as they are over "
-            "the p2p exchange")})
-    if op == "ragged_all_to_all" and config.transport == "p2p" and fields["nbytes"] > 0:
-        return Plan(path="exact", transport="p2p", **{**fields, "reason": (
-            f"{fields['reason']}; transport='p2p': the rows as they are over the exchange")})
-    return Plan(path="lax", **fields)
+    if fields["nbytes"] == 0 or fields["axis_size"] == 1:
+        return Plan(path="lax", **fields)
+    if no_lax:
+        why = "XLA:CPU has no ragged-all-to-all"
+    elif config.transport == "p2p":
+        why = "transport='p2p'"
+    elif config.auto and not config.exact and use_p2p:
+        why = "on CPU the exchange is faster than XLA's all-to-all (docs/alltoall.md)"
+    else:
+        return Plan(path="lax", **fields)
+    return Plan(path="exact", transport="p2p", **{**fields, "reason": (
+        f"{fields['reason']}; {why}: the rows as they are over the p2p exchange")})
 
 
 def _recorded(result: Plan, record: bool) -> Plan:
