@@ -111,12 +111,15 @@ def _all_to_all_leaf(x, axes, split, concat, tiled, config, name, bound=False):
     if not config.exact:
         _axes.check_float(x, name)
     p = plan("all_to_all", axes, x.shape, x.dtype, n, config)
-    if not p.quantized:
+    if p.path == "lax":
         y = lax.all_to_all(x, axes, split, concat, tiled=tiled)
         return y, (jnp.zeros(y.shape, jnp.float32) if bound else None)
     x = _axes.to_varying(x, axes)
+    if not p.quantized:  # the rows as they are over the exchange
+        y = _qa2a(x, axes, split, concat, tiled, p)
+        return y, (jnp.zeros(y.shape, jnp.float32) if bound else None)
     if bound:
-        return _quantized_all_to_all(x, axes, split, concat, tiled, p, bound=True)
+        return _planned_all_to_all(x, axes, split, concat, tiled, p, bound=True)
     return _qa2a(x, axes, split, concat, tiled, p), None
 
 
@@ -140,12 +143,18 @@ def _arranged(received, concat, tiled):
     return out.reshape(shape)
 
 
-def _quantized_all_to_all(x, axes, split, concat, tiled, p: Plan, bound=False):
+def _planned_all_to_all(x, axes, split, concat, tiled, p: Plan, bound=False):
     n = _axes.axis_size(axes)
     pieces = _pieces(x, n, split, tiled)
     piece_shape = pieces.shape[1:]
     hidden = piece_shape[-1] if piece_shape else 1
     rows = math.prod(piece_shape[:-1]) if piece_shape else 1
+    if not p.quantized:
+        flat = pieces.reshape(n, -1)
+        moved = exchange.exchange(flat, jnp.zeros_like(flat),
+                                  *exchange.uniform_offsets(n, 1, lax.axis_index(axes)), axes,
+                                  p.timeout_ms)
+        return _arranged(moved.reshape(pieces.shape), concat, tiled), None
     received = _move_rows(pieces.reshape(n, rows, hidden), axes, p)
     y = _arranged(_decode_rows(received, hidden, x.dtype, p).reshape(n, *piece_shape), concat,
                   tiled)
@@ -196,7 +205,7 @@ def _decode_rows(received: codec.Payload, hidden, dtype, p: Plan):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
 def _qa2a(x, axes, split, concat, tiled, p):
-    return _quantized_all_to_all(x, axes, split, concat, tiled, p)[0]
+    return _planned_all_to_all(x, axes, split, concat, tiled, p)[0]
 
 
 def _qa2a_fwd(x, axes, split, concat, tiled, p):
@@ -205,8 +214,8 @@ def _qa2a_fwd(x, axes, split, concat, tiled, p):
 
 def _qa2a_bwd(axes, split, concat, tiled, p, _, ct):
     ct = _axes.to_varying(ct, axes)
-    if p.config.grad == "quantized":
-        return (_quantized_all_to_all(ct, axes, concat, split, tiled, p)[0],)
+    if p.config.grad == "quantized" or not p.quantized:  # quantized, or the exact exchange
+        return (_planned_all_to_all(ct, axes, concat, split, tiled, p)[0],)
     return (lax.all_to_all(ct, axes, concat, split, tiled=tiled),)
 
 

@@ -25,6 +25,7 @@ RESULTS = REPO / "docs" / "results"
 #: ``docs/`` that explains its figures, and the page's title.
 _PAGES = """
 accuracy           accuracy.md      Accuracy of quantized communication on SmolLM2
+all_to_all_inproc  alltoall.md      The expert-parallel all-to-all in one process
 all_to_all_shm     alltoall.md      The expert-parallel all-to-all between processes, emulated link
 all_gather_ring    reliability.md   Quantized all_gather: ring, one-shot gather, lax.all_gather
 allreduce          allreduce.md     Quantized all-reduce against the best exact JAX all-reduce

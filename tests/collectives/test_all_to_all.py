@@ -253,3 +253,28 @@ def test_ragged_bad_arguments(mesh):
     with pytest.raises(Exception, match="outside the sender"):
         jax.block_until_ready(_run(mesh, lambda xl, ol, a, b, c, d: fc.ragged_all_to_all(
             xl[0], ol[0], a[0], b[0], c[0], d[0], "ep", bits=None)[None], x, out, *bad))
+
+
+def test_exact_rows_over_the_exchange(mesh):
+    """bits=None with transport="p2p", and an automatic choice of exact on CPU, move the rows
+    as they are over the exchange: lax's bits and lax's cotangents; bits=None alone is lax."""
+    x = _x((N * N * 2, 3, 64), seed=10)
+    ref = _run(mesh, lambda v: lax.all_to_all(v, "ep", 0, 2, tiled=True), x)
+    for opts, path in ((dict(bits=None, transport="p2p"), "exact"), (dict(bits=None), "lax"),
+                       (dict(), None)):
+        with fc.record() as plans:
+            y = _run(mesh, lambda v: fc.all_to_all(v, "ep", 0, 2, tiled=True, **opts), x)
+        if path is None:   # the automatic choice: exact on this small operand, over p2p
+            assert plans[0].path in ("exact", "quantized"), plans[0]
+            if plans[0].path == "quantized":
+                continue
+            path = "exact"
+        assert plans[0].path == path, plans[0]
+        assert (plans[0].transport == "p2p") == (path == "exact")
+        assert bool(jnp.all(y == ref))
+    w = _x(ref.shape, seed=11)
+    g = _run(mesh, lambda v, wl: jax.grad(lambda a: jnp.sum(fc.all_to_all(
+        a, "ep", 0, 2, tiled=True, bits=None, transport="p2p") * wl))(v), x, w)
+    g_ref = _run(mesh, lambda v, wl: jax.grad(lambda a: jnp.sum(lax.all_to_all(
+        a, "ep", 0, 2, tiled=True) * wl))(v), x, w)
+    assert bool(jnp.all(g == g_ref))
