@@ -143,3 +143,32 @@ def test_p2p_on_gpu_without_cuda_p2p_kernels_is_refused(as_gpu, monkeypatch):
     config = jax_flashcomm.CommConfig(bits=4, min_bytes=0, transport="p2p")
     with pytest.raises(ValueError, match="no p2p kernels for platform 'gpu'"):
         _lower_collectives(_mesh((4,), ("x",)), "x", config)
+
+
+def test_cuda_lowering_emits_the_exchange(as_gpu):
+    """fc.all_to_all and fc.ragged_all_to_all with transport="p2p" lower for "cuda" to the
+    exchange (typed FFI, the output aliased), and no XLA all-to-all moves the rows."""
+    mesh = _mesh((4,), ("x",))
+
+    def f(x):
+        a = jax_flashcomm.all_to_all(x, "x", 0, 0, tiled=True, bits=8, min_bytes=0,
+                                     transport="p2p", p2p_timeout_ms=1234)
+        sizes = jnp.ones((4,), jnp.int32)
+        offsets = jnp.arange(4, dtype=jnp.int32)
+        b = jax_flashcomm.ragged_all_to_all(x, jnp.zeros_like(x), offsets, sizes, offsets,
+                                            sizes, "x", bits=None, transport="p2p")
+        return a, b
+
+    x = jax.device_put(jnp.ones((16, 256), jnp.bfloat16), NamedSharding(mesh, P("x")))
+    g = jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=(P("x"), P("x")))
+    lowered = jax.jit(g).trace(x).lower(lowering_platforms=("cuda",))
+    calls = _custom_calls(lowered.as_text())
+    lines = calls["flashcomm_p2p_exchange"]
+    assert len(lines) == 2, lines
+    assert {_attr(line, "size") for line in lines} == {"4"}
+    assert "1234" in {_attr(line, "timeout_ms") for line in lines}
+    assert not re.search(r"stablehlo\.(all_to_all|ragged_all_to_all)\b", lowered.as_text())
+    hlo = [ln for ln in lowered.as_text(dialect="hlo").splitlines()
+           if 'custom_call_target="flashcomm_p2p_exchange"' in ln]
+    assert len(hlo) == 2 and all("API_VERSION_TYPED_FFI" in ln for ln in hlo)
+    assert all("output_to_operand_aliasing" in ln for ln in hlo), hlo
