@@ -268,6 +268,8 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
         return lax.ragged_all_to_all(operand, output, *metas, axis_name=axes)
     if operand.shape[0] == 0 or output.shape[0] == 0 or operand.size == 0:
         return _axes.to_varying(output, axes)
+    # varying first: the cotangents the custom VJP returns vary over the axes
+    operand, output = _axes.to_varying(operand, axes), _axes.to_varying(output, axes)
     return _ragged(operand, output, *metas, axes, p)
 
 

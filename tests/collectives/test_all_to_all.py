@@ -278,3 +278,18 @@ def test_exact_rows_over_the_exchange(mesh):
     g_ref = _run(mesh, lambda v, wl: jax.grad(lambda a: jnp.sum(lax.all_to_all(
         a, "ep", 0, 2, tiled=True) * wl))(v), x, w)
     assert bool(jnp.all(g == g_ref))
+
+
+def test_ragged_gradient_with_an_invariant_output(mesh):
+    """An output buffer that does not vary over the axis (a plain zeros): the cotangents take
+    the primals' types."""
+    def body(xl):
+        one = jnp.ones(N, jnp.int32)
+        y = fc.ragged_all_to_all(xl, jnp.zeros((N, 8)), jnp.arange(N, dtype=jnp.int32), one,
+                                 lax.axis_index("ep") * one, one, "ep", bits=None)
+        return jnp.sum(y)[None]
+
+    x = _x((N * N, 8), seed=12)
+    f = jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+    g = jax.jit(jax.grad(lambda v: f(v).sum()))(jax.device_put(x, NamedSharding(mesh, P("ep"))))
+    assert bool(jnp.all(g == 1.0))
