@@ -5,13 +5,14 @@
 >>> print(rewritten.report(x))                 # every collective found, and what was done
 
 ``f`` is any function whose traced jaxpr has ``lax.psum`` / ``lax.psum_scatter`` /
-``lax.all_gather`` inside a ``jax.shard_map`` (or ``nnx.shard_map``), at any depth of ``jit``,
-``scan``, ``while_loop``, ``cond``, ``checkpoint``, ``custom_jvp`` and ``custom_vjp``; or the
-function that runs inside a shard_map itself; or a model written with sharding in types
-(Explicit mesh axes, no shard_map), whose collectives are implied by ``dot_general`` /
-``reshard`` types and replaced by shard_map islands (:mod:`jax_flashcomm.rewrite.explicit`,
-:mod:`jax_flashcomm.rewrite.islands`). See :mod:`jax_flashcomm.rewrite.interpreter` for what is
-replaced and ``docs/rewrite.md`` for the limits.
+``lax.all_gather`` / ``lax.all_to_all`` / ``lax.ragged_all_to_all`` inside a ``jax.shard_map``
+(or ``nnx.shard_map``), at any depth of ``jit``, ``scan``, ``while_loop``, ``cond``,
+``checkpoint``, ``custom_jvp`` and ``custom_vjp``; or the function that runs inside a shard_map
+itself; or a model written with sharding in types (Explicit mesh axes, no shard_map), whose
+collectives are implied by ``dot_general`` / ``reshard`` types and replaced by shard_map islands
+(:mod:`jax_flashcomm.rewrite.explicit`, :mod:`jax_flashcomm.rewrite.islands`). See
+:mod:`jax_flashcomm.rewrite.interpreter` for what is replaced and ``docs/rewrite.md`` for the
+limits.
 """
 
 from __future__ import annotations
@@ -79,7 +80,14 @@ class Rewritten:
         mesh = partitioner_mesh(jax.tree.leaves((args, kwargs)))
         if mesh is None:
             return Report(rows)
-        inserted, seconds = inserted_collectives(self.fn, args, kwargs, mesh)
+        try:
+            inserted, seconds = inserted_collectives(self.fn, args, kwargs, mesh)
+        except jax.errors.JaxRuntimeError as e:  # e.g. XLA:CPU has no ragged-all-to-all
+            warnings.warn(f"rewrite({getattr(self.fn, '__qualname__', self.fn)}).report: the "
+                          f"collectives XLA's partitioner inserts are not listed: the program "
+                          f"as written does not compile here ({str(e).splitlines()[0]})",
+                          RewriteWarning, stacklevel=2)
+            return Report(rows)
         rows.extend(partitioner_rows(inserted, rows, self._unsupported))
         return Report(rows, compile_seconds=seconds)
 

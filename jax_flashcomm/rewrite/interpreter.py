@@ -5,11 +5,16 @@ It re-evaluates a traced function's jaxpr equation by equation under the caller'
 binding every primitive as it was except:
 
 * the lax collectives ``psum`` (``psum_invariant_p`` / ``psum_p``), ``psum_scatter``
-  (``reduce_scatter_p``) and ``all_gather`` (``all_gather_p``) the policy selects, which become
-  calls of :func:`jax_flashcomm.psum` / :func:`~jax_flashcomm.psum_scatter` /
-  :func:`~jax_flashcomm.all_gather` with the policy's config (the ``pvary`` lax put in front of
-  the collective goes with it: the flashcomm op makes its operand varying itself, with the
-  transpose its ``grad`` mode asks for), or with their matmul, ring collective matmuls;
+  (``reduce_scatter_p``), ``all_gather`` (``all_gather_p``), ``all_to_all`` (``all_to_all_p``)
+  and ``ragged_all_to_all`` (``ragged_all_to_all_p``) the policy selects, which become calls of
+  :func:`jax_flashcomm.psum` / :func:`~jax_flashcomm.psum_scatter` /
+  :func:`~jax_flashcomm.all_gather` / :func:`~jax_flashcomm.all_to_all` /
+  :func:`~jax_flashcomm.ragged_all_to_all` with the policy's config (the ``pvary`` lax put in
+  front of the collective goes with it: the flashcomm op makes its operand varying itself, with
+  the transpose its ``grad`` mode asks for), or with their matmul, ring collective matmuls; an
+  all-to-all of integers (an MoE layer's token counts) under a quantizing config becomes the
+  flashcomm op at ``bits=None``: the lax collective itself, or the exchange where XLA has none
+  (``ragged_all_to_all`` on CPU);
 * the ``dot_general`` and ``reshard`` equations whose Explicit-sharding types imply a collective
   (:mod:`jax_flashcomm.rewrite.explicit`), which become ``shard_map`` islands with the flashcomm
   op (:mod:`jax_flashcomm.rewrite.islands`);
@@ -32,9 +37,12 @@ import collections
 import dataclasses
 import os
 
+import jax
 import numpy as np
 from jax_flashcomm import _axes
 from jax_flashcomm.allreduce import psum as flash_psum
+from jax_flashcomm.alltoall import all_to_all as flash_all_to_all
+from jax_flashcomm.alltoall import ragged_all_to_all as flash_ragged_all_to_all
 from jax_flashcomm.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from jax_flashcomm.jax_compat import core, source_info_util
 from jax_flashcomm.jax_compat import linear_util as lu
@@ -43,7 +51,7 @@ from jax_flashcomm.planner import quantizes, record
 from jax_flashcomm.fused_norm import psum_add_rms_norm
 from jax_flashcomm.rewrite import explicit, fusion, islands, norm_fusion
 from jax_flashcomm.rewrite.higher_order import HANDLERS, bind
-from jax_flashcomm.rewrite.policy import RewritePolicy
+from jax_flashcomm.rewrite.policy import QUANTIZABLE_DTYPES, RewritePolicy
 from jax_flashcomm.rewrite.report import ReportRow, sent_bytes, short_path
 from jax_flashcomm.scatter_gather import all_gather as flash_all_gather
 from jax_flashcomm.scatter_gather import psum_scatter as flash_psum_scatter
@@ -52,11 +60,16 @@ __all__ = ["Interpreter"]
 
 #: jaxpr primitives rewrite can replace, and their lax names.
 REWRITABLE = {"psum_invariant": "psum", "psum": "psum", "reduce_scatter": "psum_scatter",
-              "all_gather": "all_gather"}
+              "all_gather": "all_gather", "all_to_all": "all_to_all",
+              "ragged_all_to_all": "ragged_all_to_all"}
+#: The all-to-alls: one row-wise quantization, and an integer operand moved exactly.
+EXCHANGES = ("all_to_all", "ragged_all_to_all")
+#: Operands of a ragged_all_to_all equation: operand, output, then four offset/size arrays.
+RAGGED_INVARS = 6
 #: Other collectives: reported as kept.
 OTHER_COLLECTIVES = {
     "all_gather_invariant": "no flashcomm equivalent: its result is invariant (replicated)",
-    "ppermute": "not a rewrite target", "all_to_all": "not a rewrite target",
+    "ppermute": "not a rewrite target",
     "pmax": "not a rewrite target", "pmin": "not a rewrite target",
     "pbroadcast": "not a rewrite target",
 }
@@ -96,6 +109,7 @@ class _Plan:
     implied_kept: dict = dataclasses.field(default_factory=dict)  # eqn -> explicit.Kept
     exact_islands: dict = dataclasses.field(default_factory=dict)  # eqn -> islands.Island
     norm: dict = dataclasses.field(default_factory=dict)      # last norm eqn -> NormFusion
+    moved_exactly: dict = dataclasses.field(default_factory=dict)  # all-to-all -> why exact
     jaxpr: object = None
 
 
@@ -149,7 +163,9 @@ def _outcome(decisions, note: str | None) -> tuple[str, str, str]:
     """``(action, detail, reason)`` of a report row from the recorded plans of a flashcomm
     collective."""
     decision = decisions[0] if decisions else None
-    if decision is not None and decision.quantized:
+    if decision is not None and decision.op in EXCHANGES and decision.path == "exact":
+        action, detail, reason = "exact", f"over {decision.transport}", decision.reason
+    elif decision is not None and decision.quantized:
         bits = "/".join(f"int{b}" if fmt == "int" else fmt
                         for b, fmt in ((decision.rs_bits, decision.rs_format),
                                        (decision.ag_bits, decision.ag_format))
@@ -173,6 +189,53 @@ def _same_type(a, b) -> bool:
     return (a.shape == b.shape and a.dtype == b.dtype
             and getattr(a, "vma", frozenset()) == getattr(b, "vma", frozenset())
             and explicit.entries(a) == explicit.entries(b))
+
+
+def _on_mesh(x):
+    """``x`` typed on the current mesh, the same values.
+
+    ``jax.lax.empty`` (MaxText's ragged output buffer) types its result on no mesh; inside a
+    ``shard_map(check_vma=False)`` the exchange cannot then type its result as varying over the
+    axes (an AssertionError in JAX's ``get_mat``). A select of ``x`` itself is typed on the
+    current mesh and compiles to ``x``.
+    """
+    mesh = getattr(getattr(core.typeof(x), "sharding", None), "mesh", None)
+    if mesh is None or not mesh.empty or jax.sharding.get_abstract_mesh().empty:
+        return x
+    return jax.numpy.where(True, x, jax.numpy.zeros(x.shape, x.dtype))
+
+
+def _typed_varying(aval) -> frozenset:
+    """The axes a jaxpr variable's type says it varies over."""
+    return frozenset(getattr(getattr(aval, "manual_axis_type", None), "varying", ()))
+
+
+def _widened(eqn, invals):
+    """The equation bound on operands that vary over more axes than its types say, or None
+    when none does.
+
+    JAX types ``lax.ragged_all_to_all``'s result with its ``output`` operand's varying axes (an
+    invariant buffer gives an invariant result); flashcomm's op returns a value varying over the
+    axes, as the rows it received are. The equations after it then meet a more varying operand
+    than they were typed with: a ``pvary`` drops the axes its operand varies over already (and
+    is skipped when none is left), another primitive gets its other operands made varying too
+    (``pvary``, no communication), as tracing it on those operands would have done.
+    """
+    have = [_axes.varying_axes(v) for v in invals]
+    typed = [_typed_varying(v.aval) for v in eqn.invars]
+    if all(h <= t for h, t in zip(have, typed)):
+        return None
+    if eqn.primitive.name == "pvary":
+        (x,) = invals
+        axes = tuple(a for a in eqn.params["axes"] if a not in have[0])
+        return bind(eqn.primitive, [x], {**eqn.params, "axes": axes}) if axes else x
+    union = frozenset().union(*have)
+    mesh = jax.sharding.get_abstract_mesh()
+    order = [a for a in getattr(mesh, "axis_names", ()) if a in union]
+    order += sorted(union - set(order))
+    invals = [v if union <= h else core.pvary(v, tuple(a for a in order if a not in h))
+              for v, h in zip(invals, have)]
+    return bind(eqn.primitive, invals, eqn.params)
 
 
 class Interpreter:
@@ -245,7 +308,8 @@ class Interpreter:
         if i in plan.fused:
             return self._fused(plan.fused[i], eqn, read, ctx)
         if i in plan.operand:
-            return self._replace(eqn, read(plan.operand[i]), ctx, plan.notes.get(i))
+            return self._replace(eqn, [read(plan.operand[i])] + [read(v) for v in eqn.invars[1:]],
+                                 ctx, plan.notes.get(i), plan.moved_exactly.get(i))
         if i in plan.islands:
             return self._island(plan.islands[i], plan.jaxpr, read, ctx)
         invals = [read(v) for v in eqn.invars]
@@ -265,6 +329,10 @@ class Interpreter:
                            ctx.freeze(TANGENT_REASON) if i in plan.tangent else ctx)
         for sub in core.jaxprs_in_params(eqn.params):
             self._report_unentered(sub, ctx.child(name, eqn), name)
+        if not list(core.jaxprs_in_params(eqn.params)):
+            widened = _widened(eqn, invals)
+            if widened is not None:
+                return widened
         return bind(eqn.primitive, invals, eqn.params)
 
     # --- planning ---------------------------------------------------------------------------
@@ -292,21 +360,27 @@ class Interpreter:
             if ctx.frozen or i in plan.tangent:
                 plan.kept[i] = ctx.frozen or TANGENT_REASON
                 continue
-            if len(eqn.invars) != 1:
+            if len(eqn.invars) != (RAGGED_INVARS if op == "ragged_all_to_all" else 1):
                 plan.kept[i] = "a multi-operand collective equation"
                 continue
             axes = _axes_of(eqn)
             _, frames = _call_site(eqn)
             scope = "/".join(s for s in (ctx.scope, str(eqn.source_info.name_stack)) if s)
+            dtype = np.dtype(eqn.invars[0].aval.dtype)
+            # an all-to-all of integers (token counts, expert ids) moves exactly
+            exact_move = op in EXCHANGES and dtype not in QUANTIZABLE_DTYPES
             selected, why = self.policy.select(
-                op, axes, eqn.invars[0].aval.dtype, scope, frames,
+                op, axes, np.float32 if exact_move else dtype, scope, frames,
                 eqn.params.get("axis_index_groups"))
             if not selected:
                 plan.kept[i] = why
                 continue
+            if exact_move:
+                plan.moved_exactly[i] = f"dtype {dtype} is not quantizable: moved exactly"
             operand = eqn.invars[0]
             j = producer.get(operand)
-            if (j is not None and jaxpr.eqns[j].primitive.name == "pvary"
+            if (op != "ragged_all_to_all" and j is not None
+                    and jaxpr.eqns[j].primitive.name == "pvary"
                     and len(users[operand]) == 1
                     and set(jaxpr.eqns[j].params["axes"]) <= set(axes)):
                 plan.skip.add(j)       # the flashcomm op makes its operand varying itself
@@ -384,12 +458,26 @@ class Interpreter:
 
     # --- replacements -----------------------------------------------------------------------
 
-    def _replace(self, eqn, x, ctx: _Context, note: str | None):
-        """The flashcomm collective in place of a lax one."""
+    def _replace(self, eqn, invals, ctx: _Context, note: str | None, exact_move: str | None):
+        """The flashcomm collective in place of a lax one (``invals``: its operands, the first
+        one without the ``pvary`` that went with it; ``exact_move``: why an all-to-all moves its
+        operand exactly whatever the config)."""
         config = self._config(eqn, ctx)
+        if exact_move is not None and not config.exact:
+            config = dataclasses.replace(config, bits=None, rs_bits=None, ag_bits=None)
+            note = "; ".join(filter(None, (exact_move, note)))
         axes, p = _axes_of(eqn), eqn.params
+        x = invals[0]
         with record() as decisions:
-            if eqn.primitive.name in ("psum_invariant", "psum"):
+            if eqn.primitive.name == "all_to_all":
+                # the primitive's semantics are tiled whatever its `tiled`: lax.all_to_all
+                # inserts and removes the stacked axis around it
+                out = flash_all_to_all(x, axes, p["split_axis"], p["concat_axis"], tiled=True,
+                                       config=config)
+            elif eqn.primitive.name == "ragged_all_to_all":
+                out = flash_ragged_all_to_all(invals[0], _on_mesh(invals[1]), *invals[2:], axes,
+                                              config=config)
+            elif eqn.primitive.name in ("psum_invariant", "psum"):
                 out = flash_psum(x, axes, config=config)
             elif eqn.primitive.name == "reduce_scatter":
                 out = flash_psum_scatter(x, axes, scatter_dimension=p["scatter_dimension"],
@@ -397,7 +485,7 @@ class Interpreter:
             else:
                 out = flash_all_gather(x, axes, axis=p["all_gather_dimension"],
                                        tiled=p["tiled"], config=config)
-        self._check_type(eqn, out, ctx)
+        self._check_type(eqn, out, ctx, loose=eqn.primitive.name == "ragged_all_to_all")
         self._row(eqn, ctx, *_outcome(decisions, note), plans=decisions)
         return out
 
@@ -522,9 +610,14 @@ class Interpreter:
             for sub in core.jaxprs_in_params(eqn.params):
                 self._report_unentered(sub, ctx.child(eqn.primitive.name, eqn), primitive)
 
-    def _check_type(self, eqn, out, ctx: _Context):
+    def _check_type(self, eqn, out, ctx: _Context, loose: bool = False):
+        """A RuntimeError unless the replacement's result has the original's type (``loose``:
+        its shape and dtype; the ragged all-to-all's varies over its axes, see
+        :func:`_widened`, and is typed on the current mesh, see :func:`_on_mesh`)."""
         new, old = core.typeof(out), eqn.outvars[0].aval
-        if not _same_type(new, old):
+        same = ((new.shape, new.dtype) == (old.shape, old.dtype) if loose
+                else _same_type(new, old))
+        if not same:
             site, _ = _call_site(eqn)
             raise RuntimeError(f"rewrite: the flashcomm replacement of {eqn.primitive.name} at "
                                f"{site} ({ctx.path or 'top level'}) gives {new.str_short()}, "

@@ -20,7 +20,7 @@ from jax_flashcomm.config import CommConfig, config_from, takes_options
 __all__ = ["RewritePolicy", "REWRITABLE_OPS"]
 
 #: The lax collectives that have a flashcomm equivalent, by their lax names.
-REWRITABLE_OPS = ("psum", "psum_scatter", "all_gather")
+REWRITABLE_OPS = ("psum", "psum_scatter", "all_gather", "all_to_all", "ragged_all_to_all")
 
 #: dtypes the quantized collectives take.
 QUANTIZABLE_DTYPES = frozenset(spec.SUPPORTED_DTYPES)
@@ -56,7 +56,8 @@ class RewritePolicy:
         8 bits, messages under 1 MiB per rank stay exact). The option keywords of every
         jax_flashcomm op (``bits=``, ``min_bytes=``, ...) update it.
       ops: which lax collectives to rewrite, among ``"psum"``, ``"psum_scatter"``,
-        ``"all_gather"`` (a name or a tuple); ``None``: all three.
+        ``"all_gather"``, ``"all_to_all"``, ``"ragged_all_to_all"`` (a name or a tuple);
+        ``None``: all of them.
       axes: mesh axis names; a collective is rewritten only if every axis it reduces over is
         one of them. ``None``: any axes.
       sites: call-site filter. A collective is rewritten only if one of these strings is a

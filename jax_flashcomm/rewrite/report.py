@@ -77,7 +77,9 @@ def sent_bytes(op: str, nbytes: float, axis_size: int, per_byte: tuple = (1.0, 1
 
     Args:
       op: ``psum`` (reduce-scatter then all-gather), ``psum_scatter``, ``all_gather`` (of an
-        ``nbytes`` shard), the ring matmuls, or another lax name (its operand once).
+        ``nbytes`` shard), the ring matmuls, ``all_to_all`` (every slice but this rank's own),
+        ``ragged_all_to_all`` (at most its whole operand: the rows sent depend on the data), or
+        another lax name (its operand once).
       nbytes: the operand's bytes per rank.
       axis_size: ranks.
       per_byte: the payload bytes per operand byte of the reduce-scatter and the all-gather
@@ -90,7 +92,8 @@ def sent_bytes(op: str, nbytes: float, axis_size: int, per_byte: tuple = (1.0, 1
     share = (n - 1) / n * nbytes
     by_op = {"psum": share * (rs + ag), "psum_scatter": share * rs,
              "matmul_reduce_scatter": share * rs, "all_gather": (n - 1) * nbytes * ag,
-             "all_gather_matmul": (n - 1) * nbytes * ag}
+             "all_gather_matmul": (n - 1) * nbytes * ag, "all_to_all": share * ag,
+             "ragged_all_to_all": nbytes * ag}
     return int(round(by_op.get(op, nbytes)))
 
 

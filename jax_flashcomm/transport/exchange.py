@@ -57,13 +57,15 @@ def exchange(operand: jax.Array, output: jax.Array, input_offsets, send_sizes, o
     reason = unavailable(axes)
     if reason is not None:
         raise ValueError(f"ragged exchange: the p2p transport cannot run here: {reason}")
-    vma = (_axes.varying_axes(operand) | _axes.varying_axes(output)) | frozenset(axes)
     metas = [_axes.to_varying(jnp.asarray(a).astype(jnp.int32), axes)
              for a in (input_offsets, send_sizes, output_offsets, recv_sizes)]
     output = _axes.to_varying(output, axes)
     operand = _axes.to_varying(operand, axes)
+    # varying over what they vary over: nothing where shard_map does not check (check_vma=False)
+    vma = _axes.varying_axes(operand) | _axes.varying_axes(output)
+    # the operand's type carries the mesh: an output made by lax.empty has none
     call = jax.ffi.ffi_call(p2p.target("exchange"),
-                            p2p.result_aval(output, output.shape, output.dtype, vma),
+                            p2p.result_aval(operand, output.shape, output.dtype, vma),
                             input_output_aliases={1: 0}, vmap_method="sequential")
     rank, group = p2p.rank_and_group(axes)
     return call(operand, output, *metas, rank, group,

@@ -293,3 +293,34 @@ def test_ragged_gradient_with_an_invariant_output(mesh):
     f = jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
     g = jax.jit(jax.grad(lambda v: f(v).sum()))(jax.device_put(x, NamedSharding(mesh, P("ep"))))
     assert bool(jnp.all(g == 1.0))
+
+
+def test_ragged_under_check_vma_false_with_an_empty_output():
+    """shard_map(check_vma=False), as MaxText runs its MoE layer, and an output buffer from
+    lax.empty (typed on no mesh): the result's type carries no varying axes, gradients pass a
+    custom_vjp after it."""
+    mesh = make_mesh((N,), ("ep",), jax.sharding.AxisType.Auto)
+
+    @jax.custom_vjp
+    def ident(y):
+        return y
+    ident.defvjp(lambda y: (y, None), lambda _, g: (g,))
+
+    def body(x, io, ss, oo, rs):
+        y = fc.ragged_all_to_all(x, lax.empty((N, 8), x.dtype), io, ss, oo, rs, "ep",
+                                 bits=None)
+        return ident(y)
+
+    ones = jnp.ones(N * N, jnp.int32)
+    offs = jnp.tile(jnp.arange(N, dtype=jnp.int32), N)        # row j to rank j
+    lands = jnp.repeat(jnp.arange(N, dtype=jnp.int32), N)     # at the sender's rank
+    x = jnp.arange(N * N * 8, dtype=jnp.float32).reshape(N * N, 8)
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 5, out_specs=P("ep"),
+                      check_vma=False)
+    with jax.set_mesh(mesh):
+        y = jax.jit(f)(x, offs, ones, lands, ones)
+        g = jax.jit(jax.grad(lambda v: jnp.sum(f(v, offs, ones, lands, ones))))(x)
+    # rank r's row j goes to rank j's row r: the global (N, N) blocks transposed
+    want = np.asarray(x).reshape(N, N, 8).transpose(1, 0, 2).reshape(N * N, 8)
+    assert np.array_equal(np.asarray(y), want)
+    assert bool(jnp.all(g == 1.0))
