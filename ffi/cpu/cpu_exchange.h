@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "cpu/cpu_p2p_protocol.h"
+#include "flashcomm/exchange_checks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace flashcomm {
@@ -71,45 +72,6 @@ inline ffi::Error CheckExchange(const char* op, const ffi::AnyBuffer& operand,
   return ffi::Error::Success();
 }
 
-// The record each rank publishes: input_offsets, send_sizes, output_offsets, recv_sizes
-// (N each), then its operand's and its output's rows.
-inline size_t RecordSize(int64_t size) { return size_t(4 * size + 2); }
-
-// Why rank `k` cannot take the rows rank `j` sends it; empty when it can (`sender`,
-// `receiver`: their records).
-inline std::string BadRows(const int64_t* sender, const int64_t* receiver, int64_t size,
-                           int64_t j, int64_t k) {
-  const int64_t in = sender[k], n = sender[size + k], at = sender[2 * size + k];
-  const int64_t rows = sender[4 * size], out_rows = receiver[4 * size + 1];
-  const std::string from = "rank " + std::to_string(j) + " -> rank " + std::to_string(k);
-  if (n < 0 || in < 0 || at < 0) return from + ": a negative offset or size";
-  if (in > rows - n) {
-    return from + ": input rows [" + std::to_string(in) + ", " + std::to_string(in + n) +
-           ") are outside the sender's " + std::to_string(rows) + " rows";
-  }
-  if (at > out_rows - n) {
-    return from + ": output rows [" + std::to_string(at) + ", " + std::to_string(at + n) +
-           ") are outside the receiver's " + std::to_string(out_rows) + " rows";
-  }
-  if (receiver[3 * size + j] != n) {
-    return from + ": sends " + std::to_string(n) + " rows, the receiver's recv_sizes says " +
-           std::to_string(receiver[3 * size + j]);
-  }
-  return std::string();
-}
-
-// The first bad pair of every rank's records, the same on every rank; empty when none.
-inline std::string BadExchange(const std::vector<Published>& peers, int64_t size) {
-  for (int64_t j = 0; j < size; ++j) {
-    for (int64_t k = 0; k < size; ++k) {
-      std::string bad = BadRows(static_cast<const int64_t*>(peers[j][1]),
-                                static_cast<const int64_t*>(peers[k][1]), size, j, k);
-      if (!bad.empty()) return bad;
-    }
-  }
-  return std::string();
-}
-
 // The exchange of this rank's operand rows into `out` (holding `output`'s values) among the gang
 // `join` makes. Completes once every peer is done reading this rank's operand.
 inline ffi::Future ExchangeProtocol(const char* op, const GangFactory& join, int32_t rank,
@@ -128,7 +90,7 @@ inline ffi::Future ExchangeProtocol(const char* op, const GangFactory& join, int
   }
   PassThrough(output, out);
   // what the peers read of this rank: its record, then its operand's rows
-  auto meta = std::make_shared<std::vector<int64_t>>(RecordSize(size));
+  auto meta = std::make_shared<std::vector<int64_t>>(exchange::RecordSize(size));
   for (int64_t j = 0; j < size; ++j) {
     (*meta)[j] = input_offsets.typed_data()[j];
     (*meta)[size + j] = send_sizes.typed_data()[j];
@@ -154,7 +116,8 @@ inline ffi::Future ExchangeProtocol(const char* op, const GangFactory& join, int
                    Span{meta->data(), meta->size() * 8}, Span{}, Span{}};
   call->Arrive(0, mine, [=](const std::vector<Published>& peers) {
     if (!call->failed()) {
-      const std::string bad = BadExchange(peers, size);
+      const std::string bad = exchange::BadExchange(
+          [&peers](int64_t j) { return static_cast<const int64_t*>(peers[j][1]); }, size);
       if (!bad.empty()) call->Fail(ffi::ErrorCode::kInvalidArgument, bad);
     }
     for (int64_t j = 0; j < size && !call->failed(); ++j) {

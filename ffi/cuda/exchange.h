@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "flashcomm/exchange_checks.h"
 #include "flashcomm/ffi_checks.h"
 #include "p2p_host.h"
 #include "p2p_protocol.h"
@@ -61,58 +62,43 @@ ffi::Error Exchange(const char* op, P& me, Meet meet, cudaStream_t stream, int d
                                          ": offsets and sizes must have one entry per rank");
     }
   }
-  if (in_rows > INT32_MAX) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": more than 2^31 - 1 operand rows");
+  if (in_rows > INT32_MAX || out_rows > INT32_MAX) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": more than 2^31 - 1 rows");
   }
-  const int32_t rows32 = int32_t(in_rows);
-  const size_t record = size_t(3 * size + 1);  // offsets, sizes, offsets, operand rows
+  const size_t record = exchange::RecordSize(size);
+  const int32_t rows[2] = {int32_t(in_rows), int32_t(out_rows)};
   void* mem = nullptr;
   FLASHCOMM_CUDA_TRY(op, "allocating working memory",
-                     Workspace(device, site, group, (record * (size + 1) + size) * 4, &mem));
+                     Workspace(device, site, group, record * (size + 1) * 4, &mem));
   auto* mine = static_cast<int32_t*>(mem);
-  int32_t* theirs = mine + record;       // every rank's record, rank-major
-  int32_t* recv = theirs + record * size;
+  int32_t* theirs = mine + record;  // every rank's record, rank-major
   if (out.untyped_data() != output.untyped_data()) {
     FLASHCOMM_CUDA_TRY(op, "copying output",
                        cudaMemcpyAsync(out.untyped_data(), output.untyped_data(),
                                        output.size_bytes(), cudaMemcpyDeviceToDevice, stream));
   }
-  const void* parts[3] = {input_offsets.untyped_data(), send_sizes.untyped_data(),
-                          output_offsets.untyped_data()};
-  for (int i = 0; i < 3; ++i) {
+  const void* parts[4] = {input_offsets.untyped_data(), send_sizes.untyped_data(),
+                          output_offsets.untyped_data(), recv_sizes.untyped_data()};
+  for (int i = 0; i < 4; ++i) {
     FLASHCOMM_CUDA_TRY(op, "staging the offsets",
                        cudaMemcpyAsync(mine + i * size, parts[i], size_t(size) * 4,
                                        cudaMemcpyDeviceToDevice, stream));
   }
-  FLASHCOMM_CUDA_TRY(op, "staging the operand's rows",
-                     cudaMemcpyAsync(mine + 3 * size, &rows32, 4, cudaMemcpyHostToDevice,
-                                     stream));
-  FLASHCOMM_CUDA_TRY(op, "staging recv_sizes",
-                     cudaMemcpyAsync(recv, recv_sizes.untyped_data(), size_t(size) * 4,
-                                     cudaMemcpyDeviceToDevice, stream));
+  FLASHCOMM_CUDA_TRY(op, "staging the rows",
+                     cudaMemcpyAsync(mine + 4 * size, rows, 8, cudaMemcpyHostToDevice, stream));
   if (ffi::Error e = meet(0, mine, record * 4); e.failure()) return e;
   if (ffi::Error e = me.Prepare(); e.failure()) return e;
   for (int j = 0; j < size; ++j) {
     FLASHCOMM_CUDA_TRY(op, "copying a peer's offsets",
                        me.Copy(stream, theirs + j * record, j, me.peers()[j][0], record * 4));
   }
-  std::vector<int32_t> host(record * size + size);
+  std::vector<int32_t> host(record * size);
   FLASHCOMM_CUDA_TRY(op, "reading the offsets",
                      cudaMemcpyAsync(host.data(), theirs, host.size() * 4,
                                      cudaMemcpyDeviceToHost, stream));
   FLASHCOMM_CUDA_TRY(op, "waiting for the offsets", cudaStreamSynchronize(stream));
-  std::string bad;
-  for (int64_t j = 0; j < size && bad.empty(); ++j) {
-    const int32_t* peer = host.data() + j * record;
-    const int64_t in = peer[rank], n = peer[size + rank], at = peer[2 * size + rank];
-    const std::string from = "rank " + std::to_string(j) + " -> rank " + std::to_string(rank);
-    if (n < 0 || in < 0 || at < 0 || in > peer[3 * size] - n || at > out_rows - n) {
-      bad = from + ": rows outside the sender's operand or the receiver's output";
-    } else if (host[record * size + j] != n) {
-      bad = from + ": sends " + std::to_string(n) + " rows, recv_sizes says " +
-            std::to_string(host[record * size + j]);
-    }
-  }
+  const std::string bad = exchange::BadExchange(
+      [&host, record](int64_t j) { return host.data() + j * record; }, size);
   // a bad record still passes the barriers (the peers would wait for it), copying nothing
   if (ffi::Error e = meet(1, operand.untyped_data(), operand.size_bytes()); e.failure()) {
     return e;
