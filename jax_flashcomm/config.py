@@ -40,7 +40,7 @@ GRAD_MODES = ("exact", "quantized")
 #: The communication kinds of :class:`jax_flashcomm.nn.TPComm` (and the model CLIs' --comm).
 COMM_KINDS = ("exact", "flash", "overlap", "flash+overlap", "auto", "auto+overlap")
 #: How a call's bytes move between ranks (:mod:`jax_flashcomm.transport`).
-TRANSPORTS = ("auto", "xla", "p2p")
+TRANSPORTS = ("auto", "xla", "p2p", "pallas")
 #: The codec implementation: its FFI kernels, its pure-jnp twin, or the plan's choice.
 BACKENDS = spec.BACKENDS
 #: ``bits``' default: what a config that names only a floating-point format carries.
@@ -131,8 +131,9 @@ class CommConfig:
       spikes: values per group kept in bf16 beside the codes (0..16); ``"auto"``: 1 in each
         phase of at most 6 bits, else 0.
       transport: how the bytes move: ``"xla"`` (XLA's collectives), ``"p2p"`` (FFI calls
-        reading the peers' buffers: one process, or processes of one host over shared memory)
-        or ``"auto"`` (the plan's choice per op).
+        reading the peers' buffers: one process, or processes of one host over shared memory),
+        ``"pallas"`` (Pallas TPU kernels; off a TPU in Pallas's TPU interpret mode,
+        docs/tpu.md) or ``"auto"`` (the plan's choice per op).
       p2p_timeout_ms: the p2p transport's limit on every wait for a peer.
       format: the group format of both quantized phases: ``"int"`` (``bits`` per value, a
         bf16 scale and zero per group), ``"fp8"``, ``"mxfp4"`` or ``"nvfp4"`` (docs/format.md,

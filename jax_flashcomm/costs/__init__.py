@@ -11,9 +11,10 @@
 The planner (:mod:`jax_flashcomm.planner`) prices each transport's paths with them.
 """
 
-from jax_flashcomm.costs import _link, _model, _table
+from jax_flashcomm.costs import _link, _model, _table, _tpu
 from jax_flashcomm.costs._link import *  # noqa: F403  (the names of its __all__)
 from jax_flashcomm.costs._model import *  # noqa: F403  (the names of its __all__)
 from jax_flashcomm.costs._table import *  # noqa: F403  (likewise)
+from jax_flashcomm.costs._tpu import *  # noqa: F403  (likewise: the TPU profiles)
 
-__all__ = [*_model.__all__, *_table.__all__, *_link.__all__]
+__all__ = [*_model.__all__, *_table.__all__, *_link.__all__, *_tpu.__all__]

@@ -72,6 +72,9 @@ class Profile:
 def profile(call: Call, table: costs.Table | None) -> Profile:
     """The :class:`Profile` of ``call``'s platform and layout (module docstring)."""
     links = {t.name: t.link(call, table) for t in transport.all_transports()}
+    if call.platform == "tpu":
+        tpu = costs.local_tpu()
+        return Profile(f"cost model TPU {tpu.name}", links, tpu)
     if call.platform != "cpu":
         gpu = costs.local_gpu()
         return Profile(f"cost model {gpu.name}", links, gpu)
@@ -105,9 +108,10 @@ class Candidate:
 
 
 _XLA, _P2P = transport.by_name("xla"), transport.by_name("p2p")
+_PALLAS = transport.by_name("pallas")
 #: The candidates, in the order ties are broken.
 CANDIDATES = (Candidate(_XLA, True), Candidate(_P2P, True), Candidate(_P2P, False),
-              Candidate(_XLA, False))
+              Candidate(_PALLAS, False), Candidate(_XLA, False))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -210,8 +210,12 @@ def _transport(config: CommConfig, axes: tuple, where: str, ring: bool) -> str:
     """The transport of a quantized collective (``ring=False``) or of ring steps: the config's
     pinned one, which must be able to run (else a ValueError naming why not), or the first of
     ``p2p`` and ``xla`` that can (ring steps take ``p2p`` only when pinned)."""
+    if config.transport == "pallas":
+        return "pallas"
     if config.transport == "xla" or (ring and config.transport != "p2p"):
         return "xla"
+    if config.transport == "auto" and _platform() == "tpu":
+        return "pallas"
     p2p = transport.by_name("p2p")
     reason = p2p.ring_reason(axes) if ring else p2p.collective_reason(config, axes)
     if config.transport == "p2p":
@@ -228,8 +232,8 @@ WEIGHED = {"all_gather_matmul": "all_gather", "matmul_reduce_scatter": "psum_sca
 
 def _auto_choice(op: str, axes: tuple, fields: dict, config: CommConfig, where: str):
     """The automatic choice for a call (``min_bytes="auto"``; module docstring)."""
-    if config.transport == "xla":
-        p2p_reason = "transport='xla'"
+    if config.transport in ("xla", "pallas"):
+        p2p_reason = f"transport={config.transport!r}"
     elif op in _RINGS:
         p2p_reason = "ring matmul (its transport follows the ring rule)"
     else:
@@ -280,7 +284,13 @@ def _choose(op, nbytes, axis_size, dtype, config, p2p_reason, exact_reason, cand
     given = candidates is not None
     candidates = auto_choice.CANDIDATES if candidates is None else candidates
     if config.transport == "p2p" and op not in _RINGS and not given:
-        candidates = tuple(c for c in candidates if c.name != "quantized/xla")
+        candidates = tuple(c for c in candidates if c.name not in ("quantized/xla",
+                                                                   "quantized/pallas"))
+    elif config.transport == "pallas" and op not in _RINGS and not given:
+        candidates = (candidates[0],
+                      auto_choice.Candidate(transport.by_name("pallas").as_pinned(), False))
+    elif config.transport == "xla" or given:
+        candidates = tuple(c for c in candidates if c.name != "quantized/pallas")
     dtype = np.dtype(dtype)
     call = auto_choice.Call(
         op=WEIGHED.get(op, op), nbytes=int(nbytes), itemsize=dtype.itemsize, dtype=dtype.name,
@@ -398,6 +408,9 @@ def _exchange_plan(op, axes, fields, quantized, config, where) -> Plan:
     Its codes move over the p2p exchange where one can run on CPU (or it is pinned), else over
     lax's collective. XLA:CPU has no ``ragged-all-to-all``: there the ragged op, exact too, runs
     over the exchange, and a config that rules it out is an error."""
+    if config.transport == "pallas":
+        raise ValueError(f"{where}: transport='pallas' carries psum, psum_scatter, all_gather "
+                         "and the ring matmuls; an all-to-all moves over 'xla' or 'p2p'")
     cpu = _platform() == "cpu"
     no_lax = op == "ragged_all_to_all" and cpu
     p2p_reason = ("transport='xla'" if config.transport == "xla"
@@ -409,7 +422,8 @@ def _exchange_plan(op, axes, fields, quantized, config, where) -> Plan:
                          f"exchange that runs it on CPU cannot run here: {p2p_reason}")
     use_p2p = p2p_reason is None and (cpu or config.transport == "p2p")
     if quantized and config.auto:
-        candidates = tuple(c for c in auto_choice.CANDIDATES if c.name != "exact/p2p"
+        candidates = tuple(c for c in auto_choice.CANDIDATES
+                           if c.name not in ("exact/p2p", "quantized/pallas")
                            and not (c.name == "quantized/xla" and (no_lax or use_p2p))
                            and not (c.name == "quantized/p2p" and not use_p2p))
         chosen = _choose(op, fields["nbytes"], fields["axis_size"], fields["dtype"], config,

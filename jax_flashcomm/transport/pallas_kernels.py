@@ -37,7 +37,7 @@ from jax_flashcomm import _axes, codec
 from jax_flashcomm.transport import wire, xla
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "use_interpret", "interpret_params",
-           "races_found", "Codec", "barrier", "peer_id", "call_kernel"]
+           "races_found", "Codec", "barrier", "peer_id", "call_kernel", "out_type"]
 
 #: The interpret mode kernels traced in this context run in (None: the platform's default).
 _interpret: contextvars.ContextVar = contextvars.ContextVar("jax_flashcomm_pallas_interpret",
@@ -116,7 +116,7 @@ def barrier(axes: tuple, me, n: int):
     pl.semaphore_wait(sem, n - 1)
 
 
-def _out_type(shape, dtype, like, drop: tuple = ()):
+def out_type(shape, dtype, like, drop: tuple = ()):
     """An output's type: ``like``'s varying axes (under check_vma) minus ``drop``."""
     mat = getattr(jax.typeof(like), "manual_axis_type", None)
     if mat is not None:
@@ -130,7 +130,7 @@ def call_kernel(kernel, outs, inputs, scratch, fns: Codec, name: str):
 
     Args:
       kernel: ``(*input refs, *const refs, *output refs, *scratch refs) -> None``.
-      outs: the output types (:func:`_out_type`).
+      outs: the output types (:func:`out_type`).
       inputs: the array inputs.
       scratch: the scratch shapes (VMEM buffers, semaphores).
       fns: the kernel's :class:`Codec`.
@@ -323,12 +323,12 @@ def _exchange(x, axes, plan, dtype, shape, sum_only: bool):
     dma = pltpu.SemaphoreType.DMA((n,))
     scratch = [pltpu.VMEM((2, gc, g), x.dtype), pltpu.SemaphoreType.DMA((2,)),
                pltpu.VMEM((n, gc, b1), u8), pltpu.VMEM((n, gc, b1), u8)]
-    p1_type = _out_type((n, gc, b1), u8, x)
+    p1_type = out_type((n, gc, b1), u8, x)
     if sum_only:
-        outs = [p1_type, _out_type((gc, g), dtype, x)]
+        outs = [p1_type, out_type((gc, g), dtype, x)]
         scratch += [pltpu.VMEM((gc, g), dtype), dma, dma]
     else:
-        outs = [p1_type, _out_type((n, gc, b2), u8, x, axes), _out_type((n, gc, g), dtype, x, axes)]
+        outs = [p1_type, out_type((n, gc, b2), u8, x, axes), out_type((n, gc, g), dtype, x, axes)]
         scratch += [pltpu.VMEM((gc, b2), u8), pltpu.VMEM((n, gc, b2), u8),
                     pltpu.VMEM((gc, g), dtype), dma, dma, dma, dma]
     results = call_kernel(kernel, outs, [xg], scratch, fns,
@@ -371,7 +371,7 @@ def all_gather(x: jax.Array, axes: tuple, axis: int, tiled: bool, plan):
     dma = pltpu.SemaphoreType.DMA((n,))
     scratch = [pltpu.VMEM((ng, g), x.dtype), pltpu.VMEM((ng, b), u8), pltpu.VMEM((n, ng, b), u8),
                pltpu.VMEM((ng, g), x.dtype), dma, dma]
-    outs = [_out_type((ng, b), u8, x), _out_type((n, ng, g), x.dtype, x, axes)]
+    outs = [out_type((ng, b), u8, x), out_type((n, ng, g), x.dtype, x, axes)]
     packed, stacked = call_kernel(kernel, outs, [xg], scratch, fns, "flashcomm_pallas_all_gather")
     p = _unpack(packed, plan, "ag", x.shape, x.dtype)
     size = math.prod(x.shape)

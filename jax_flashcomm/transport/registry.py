@@ -14,9 +14,10 @@ from jax import lax
 from jax_flashcomm import _axes, costs
 from jax_flashcomm.costs import Link
 from jax_flashcomm.transport import p2p, ring_steps, shm, xla
+from jax_flashcomm.transport.pallas import PallasTransport
 from jax_flashcomm.transport.base import Call, Transport
 
-__all__ = ["XlaTransport", "P2pTransport", "TRANSPORTS"]
+__all__ = ["XlaTransport", "P2pTransport", "PallasTransport", "TRANSPORTS"]
 
 
 class _Collectives(Transport):
@@ -52,6 +53,8 @@ class XlaTransport(_Collectives):
         return "lax" if exact else "quantized/xla"
 
     def link(self, call: Call, table) -> Link:
+        if call.platform == "tpu":
+            return costs.local_tpu().link
         if call.platform != "cpu":
             return costs.local_gpu().link
         if call.layout == "processes":
@@ -185,4 +188,5 @@ class P2pTransport(_Collectives):
 
 
 #: The transports by name, in the order the planner tries them when none is pinned.
-TRANSPORTS = {t.name: t for t in (XlaTransport(), P2pTransport())}
+_XLA = XlaTransport()
+TRANSPORTS = {t.name: t for t in (_XLA, P2pTransport(), PallasTransport(_XLA.link))}

@@ -164,7 +164,7 @@ def test_the_choice_is_the_fastest_candidate_considered():
                   else "quantized/xla")
         assert c.candidate == expect and c.predicted_s == times[expect]
         assert [name for name, *_ in c.considered] == ["lax", "exact/p2p", "quantized/p2p",
-                                                       "quantized/xla"]
+                                                       "quantized/pallas", "quantized/xla"]
         for unavailable in c.considered[1:3]:
             assert unavailable[1] is None and unavailable[2] == "other processes"
 

@@ -324,3 +324,9 @@ def test_ragged_under_check_vma_false_with_an_empty_output():
     want = np.asarray(x).reshape(N, N, 8).transpose(1, 0, 2).reshape(N * N, 8)
     assert np.array_equal(np.asarray(y), want)
     assert bool(jnp.all(g == 1.0))
+
+
+def test_pallas_transport_is_refused_for_the_all_to_alls(mesh):
+    with pytest.raises(ValueError, match="an all-to-all moves over 'xla' or 'p2p'"):
+        _run(mesh, lambda v: fc.all_to_all(v, "ep", 0, 0, tiled=True, bits=8, min_bytes=0,
+                                           transport="pallas"), _x((N * N, 128)))

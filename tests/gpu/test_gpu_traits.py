@@ -42,6 +42,7 @@ HOST_SYNCHRONOUS = frozenset({
     "flashcomm_p2p_ring_start", "flashcomm_p2p_ring_done", "flashcomm_p2p_psum",
     "flashcomm_shm_all_reduce", "flashcomm_shm_reduce_scatter", "flashcomm_shm_all_gather",
     "flashcomm_shm_psum", "flashcomm_shm_ring_start", "flashcomm_shm_ring_done",
+    "flashcomm_p2p_exchange", "flashcomm_shm_exchange",
 })
 
 

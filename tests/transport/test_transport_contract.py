@@ -31,7 +31,7 @@ def test_each_transport_implements_the_contract_with_its_signatures(t):
 
 def test_transports_by_name():
     names = [t.name for t in transport.all_transports()]
-    assert names == list(registry.TRANSPORTS) == ["xla", "p2p"]
+    assert names == list(registry.TRANSPORTS) == ["xla", "p2p", "pallas"]
     assert all(transport.by_name(n).name == n for n in names)
     assert set(names) == set(transport.TRANSPORTS) - {"auto"}
     with pytest.raises(ValueError, match="transport must be one of"):
@@ -41,7 +41,8 @@ def test_transports_by_name():
 def test_the_candidates_are_every_transport_path_in_tie_break_order():
     got = [(c.transport.name, c.exact, c.name) for c in planner.CANDIDATES]
     assert got == [("xla", True, "lax"), ("p2p", True, "exact/p2p"),
-                   ("p2p", False, "quantized/p2p"), ("xla", False, "quantized/xla")]
+                   ("p2p", False, "quantized/p2p"), ("pallas", False, "quantized/pallas"),
+                   ("xla", False, "quantized/xla")]
 
 
 CALL = dict(op="psum", nbytes=1 << 20, itemsize=4, dtype="float32", n=3, platform="cpu",
@@ -69,4 +70,5 @@ def test_why_not_comes_from_the_transport():
     assert reasons == {"lax": None,
                        "exact/p2p": "no exact kernels",
                        "quantized/p2p": "bits=None (exact setting)",
+                       "quantized/pallas": "bits=None (exact setting)",
                        "quantized/xla": "bits=None (exact setting)"}

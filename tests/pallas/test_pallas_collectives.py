@@ -1,0 +1,127 @@
+"""transport="pallas" in Pallas's TPU interpret mode on CPU devices: psum, psum_scatter and
+all_gather equal the xla transport with the jnp twin (backend="jnp") bit for bit, codes and
+results; the race detector finds no race in either DMA execution mode; a non-finite group
+poisons only itself."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_flashcomm as fc
+from jax_flashcomm.allreduce import two_step
+from jax_flashcomm.transport import pallas, wire
+
+FORMATS = {"int8": dict(bits=8), "int4": dict(bits=4), "fp8": dict(format="fp8")}
+
+
+def _mesh(n):
+    return jax.make_mesh((n,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,),
+                         devices=jax.devices()[:n])
+
+
+def _run(n, fn, x):
+    """``fn`` per rank under shard_map (check_vma=False: the interpreter needs it)."""
+    mesh = _mesh(n)
+    x = jax.device_put(x, NamedSharding(mesh, P("x")))
+    f = jax.shard_map(lambda a: jax.tree.map(lambda b: b[None], fn(a[0])), mesh=mesh,
+                      in_specs=P("x"), out_specs=P("x"), check_vma=False)
+    return jax.tree.map(np.asarray, jax.jit(f)(x))
+
+
+def _ops(a, transport, opts):
+    """psum, psum_scatter, all_gather of ``a`` and the codes each sent, over ``transport``."""
+    kw = dict(transport=transport, backend="jnp", min_bytes=0, **opts)
+    y, p1, p2 = two_step(a, ("x",), fc.CommConfig(**kw))
+    np.testing.assert_equal(y.shape, a.shape)
+    y = fc.psum(a, "x", **kw)
+    s = fc.psum_scatter(a, "x", scatter_dimension=1, tiled=True, **kw)
+    g = fc.all_gather(a, "x", axis=1, tiled=True, **kw)
+    return [y, wire.pack(p1), wire.pack(p2), s, g]
+
+
+def _operand(n, dtype=jnp.float32, shape=(4, 96)):
+    x = jax.random.normal(jax.random.key(n), (n, *shape), jnp.float32) * 4
+    x = x.at[0, 1, 7].set(jnp.inf)          # a non-finite group on rank 0
+    return x.astype(dtype)
+
+
+def _bits(a):
+    return a.view(np.uint8) if a.dtype != np.uint8 else a
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_bit_equal_to_the_jnp_twin(n, fmt):
+    """Every output (sum, phase-1 and phase-2 codes, scatter, gather) is the xla transport's
+    with the jnp twin, bit for bit, at 2, 4 and 8 devices."""
+    if n == 8 and fmt != "int8":
+        pytest.skip("8 devices: int8 here, the other formats in the slow variant")
+    x = _operand(n)
+    got = _run(n, lambda a: _ops(a, "pallas", FORMATS[fmt]), x)
+    want = _run(n, lambda a: _ops(a, "xla", FORMATS[fmt]), x)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape and g.dtype == w.dtype, i
+        np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=f"output {i}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+def test_bit_equal_8_devices(fmt):
+    """The other formats at 8 devices, bit for bit."""
+    x = _operand(8)
+    got = _run(8, lambda a: _ops(a, "pallas", FORMATS[fmt]), x)
+    want = _run(8, lambda a: _ops(a, "xla", FORMATS[fmt]), x)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(_bits(g), _bits(w))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("opts", [dict(bits=8, rotation=2), dict(bits=4, spikes=2),
+                                  dict(format="nvfp4", spikes=1), dict(format="mxfp4")],
+                         ids=["int8-signed-rotation", "int4-spikes", "nvfp4-spikes", "mxfp4"])
+def test_rotation_spikes_and_fp4_bit_equal(opts):
+    """Rotation, spikes and the FP4 formats run in the kernels too, bit for bit (bf16)."""
+    x = _operand(4, jnp.bfloat16)
+    got = _run(4, lambda a: _ops(a, "pallas", opts), x)
+    want = _run(4, lambda a: _ops(a, "xla", opts), x)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(_bits(g), _bits(w))
+
+
+@pytest.mark.parametrize("mode", ["eager", "on_wait"])
+def test_no_race(mode):
+    """The race detector finds no race in the three kernels, in both DMA execution modes."""
+    pltpu.reset_tpu_interpret_mode_state()
+    params = pltpu.InterpretParams(detect_races=True, dma_execution_mode=mode)
+    with pallas.use_interpret(params):
+        out = _run(4, lambda a: _ops(a, "pallas", dict(bits=8)), _operand(4))
+    assert not pallas.races_found()
+    want = _run(4, lambda a: _ops(a, "xla", dict(bits=8)), _operand(4))
+    for g, w in zip(out, want):
+        np.testing.assert_array_equal(_bits(g), _bits(w))
+
+
+def test_non_finite_group_poisons_only_itself():
+    """The inf on rank 0 makes its group of the sum non-finite; every other group is finite."""
+    n, g = 4, 128
+    x = _operand(n)
+    y = _run(n, lambda a: fc.psum(a, "x", transport="pallas", backend="jnp", min_bytes=0,
+                                  bits=8), x)[0]
+    flat = y.reshape(-1)
+    groups = np.pad(flat, (0, -flat.size % g)).reshape(-1, g)
+    bad = ~np.isfinite(groups).all(axis=1)
+    assert bad.tolist() == [i == (1 * 96 + 7) // g for i in range(len(groups))]
+
+
+def test_check_vma_is_a_clear_error():
+    """Under check_vma=True the interpreter cannot run: a ValueError that says so."""
+    mesh = _mesh(2)
+    x = jax.device_put(_operand(2), NamedSharding(mesh, P("x")))
+    f = jax.shard_map(lambda a: fc.psum(a, "x", transport="pallas", min_bytes=0), mesh=mesh,
+                      in_specs=P("x"), out_specs=P("x"))
+    with pytest.raises(ValueError, match="check_vma=False"):
+        jax.jit(f)(x)
