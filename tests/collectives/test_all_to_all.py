@@ -330,3 +330,36 @@ def test_pallas_transport_is_refused_for_the_all_to_alls(mesh):
     with pytest.raises(ValueError, match="an all-to-all moves over 'xla' or 'p2p'"):
         _run(mesh, lambda v: fc.all_to_all(v, "ep", 0, 0, tiled=True, bits=8, min_bytes=0,
                                            transport="pallas"), _x((N * N, 128)))
+
+
+def test_ragged_quantized_rows_are_the_senders_codes_and_nan_stays_in_its_group(mesh):
+    """Each received row is its sender's own quantization decoded (so within the stored
+    bound), bit for bit; a NaN poisons only its group of its row."""
+    sends = SENDS["uneven"]
+    meta = _layout(sends)
+    x = np.array(_x((N, 8, 300), seed=13))
+    x[2, 3, 140] = np.nan                      # rank 2's row 3: group 1 (values 128..255)
+    out = np.zeros((N, 16, 300), np.float32)
+    cfg = fc.CommConfig(8, min_bytes=0)
+    p = fc.plan("ragged_all_to_all", (), (8, 384), np.float32, N, cfg)
+
+    def decoded(rows):
+        padded = jnp.pad(jnp.asarray(rows), ((0, 0), (0, 84)))
+        q = codec.quantize(padded, bits=8, group_size=128, rotation=p.rotation,
+                           spikes=p.ag_spikes)
+        return np.asarray(codec.dequantize(q))[:, :300], np.asarray(codec.error_bound(q))[:, :300]
+
+    dec = np.stack([decoded(x[i])[0] for i in range(N)])
+    bound = np.stack([decoded(np.nan_to_num(x[i]))[1] for i in range(N)])
+    want = _ragged_reference(dec, out, sends, meta)
+    got = np.asarray(_run(mesh, lambda xl, ol, a, b, c, d: fc.ragged_all_to_all(
+        xl[0], ol[0], a[0], b[0], c[0], d[0], "ep", config=cfg)[None], x, out, *meta))
+    assert np.array_equal(got, want, equal_nan=True)
+    exact = _ragged_reference(np.nan_to_num(x), out, sends, meta)
+    room = _ragged_reference(bound, np.zeros_like(out), sends, meta)
+    finite = np.isfinite(got)
+    assert np.all(np.abs(got[finite] - exact[finite]) <= room[finite])
+    # rank 2's rows 0-3 go to rank 0 (send_sizes[2] = [4, 1, 1, 1]): one row there, one group
+    bad = np.argwhere(~finite)
+    assert {tuple(b) for b in bad[:, :2]} == {(0, 1 + 3)}  # after rank 0's 1 row to itself
+    assert set(bad[:, 2]) == set(range(128, 256))
