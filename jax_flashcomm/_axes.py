@@ -170,3 +170,13 @@ def invariant_over_unit_axes(x: jax.Array, spec) -> jax.Array:
     unit = tuple(a for a in sorted(varying_axes(x)) if sizes.get(a) == 1 and a not in named)
     return jax.lax.psum(x, unit) if unit else x
 
+
+
+def check_dim(dim, ndim: int, name: str) -> int:
+    """``dim`` as a non-negative axis of a rank-``ndim`` operand (a TypeError for a non-int, a
+    ValueError out of range; ``name`` names it)."""
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{name} must be an int, got {dim!r}")
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"{name}={dim} is out of range for an operand of rank {ndim}")
+    return dim % ndim

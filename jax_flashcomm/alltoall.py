@@ -39,14 +39,6 @@ from jax_flashcomm.transport import exchange, wire
 __all__ = ["all_to_all", "ragged_all_to_all", "all_to_all_with_bound"]
 
 
-def _check_dim(dim, ndim, name):
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"{name} must be an int, got {dim!r}")
-    if not -ndim <= dim < ndim:
-        raise ValueError(f"{name}={dim} is out of range for an operand of rank {ndim}")
-    return dim % ndim
-
-
 # --- all_to_all -----------------------------------------------------------------------------------
 
 @takes_options
@@ -99,8 +91,8 @@ def all_to_all_with_bound(x: jax.Array, axis_name, split_axis: int, concat_axis:
 
 def _all_to_all_leaf(x, axes, split, concat, tiled, config, name, bound=False):
     n = _axes.axis_size(axes)
-    split = _check_dim(split, x.ndim, "split_axis")
-    concat = _check_dim(concat, x.ndim, "concat_axis")
+    split = _axes.check_dim(split, x.ndim, "split_axis")
+    concat = _axes.check_dim(concat, x.ndim, "concat_axis")
     size = x.shape[split]
     if tiled and size % n:
         raise ValueError(f"all_to_all: split_axis {split} has size {size}, not a multiple of "

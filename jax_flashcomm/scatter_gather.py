@@ -40,14 +40,6 @@ if TYPE_CHECKING:
 __all__ = ["psum_scatter", "all_gather"]
 
 
-def _check_dim(dim, ndim, name):
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"{name} must be an int, got {dim!r}")
-    if not -ndim <= dim < ndim:
-        raise ValueError(f"{name}={dim} is out of range for an operand of rank {ndim}")
-    return dim % ndim
-
-
 # --- psum_scatter ---------------------------------------------------------------------------------
 
 @takes_options
@@ -91,7 +83,7 @@ def _psum_scatter_leaf(x, axes, dim, tiled, config, name="x"):
     if not config.exact:
         _axes.check_float(x, name)
     n = _axes.axis_size(axes)
-    dim = _check_dim(dim, jnp.ndim(x), "scatter_dimension")
+    dim = _axes.check_dim(dim, jnp.ndim(x), "scatter_dimension")
     size = x.shape[dim]
     if tiled and size % n:
         raise ValueError(f"psum_scatter: scatter_dimension {dim} has size {size}, not a "
@@ -224,7 +216,7 @@ def _all_gather_leaf(x, axes, axis, tiled, config, name="x"):
         _axes.check_float(x, name)
     n = _axes.axis_size(axes)
     ndim = jnp.ndim(x)
-    axis = _check_dim(axis, ndim if tiled else ndim + 1, "axis")
+    axis = _axes.check_dim(axis, ndim if tiled else ndim + 1, "axis")
     if tiled and ndim == 0:
         raise ValueError("all_gather: tiled=True needs an operand of rank >= 1")
     if tiled and x.shape[axis] == 0:  # n empty slices: the empty operand's shape

@@ -24,7 +24,6 @@ costs where bandwidth is free, and which path ``auto`` takes. Prints the table a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -114,18 +113,15 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + f" --xla_force_host_platform_device_count={args.devices}")
-    from jax_flashcomm import costs
-    from benchmarks.shared.results import write_page
+    from benchmarks.shared.results import cpu_cores, save_result
 
     result = run(args.devices, args.reps, args.max_bytes)
-    result["cpu"] = f"{costs.cpu_name()}, {os.cpu_count()} cores"
+    result["cpu"] = cpu_cores()
     result["command"] = f"python -m {MODULE}" + (f" --out {args.out}" if args.out else "")
     print(f"{args.devices} CPU devices in one process, bf16 (tokens, {HIDDEN}) all-to-all per "
           f"rank; one call's median and speedup over lax.all_to_all, {result['cpu']}")
     print(markdown(result))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-        write_page(args.out, result, tables=markdown(result))
+    save_result(args.out, result, markdown(result))
     return 0
 
 

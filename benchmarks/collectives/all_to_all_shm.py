@@ -26,15 +26,12 @@ the table, writes ``--out`` (JSON). Needs root (network namespaces). Re-run (~4 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 from benchmarks.shared.netns import available, run_workers, worker_init, write_result
-from benchmarks.shared.results import write_page
+from benchmarks.shared.results import cpu_cores, save_result
+from benchmarks.shared.timing import interleaved_rows
 
 KIB, MIB = 1024, 1024 * 1024
 SIZES = (64 * KIB, 1 * MIB, 4 * MIB, 16 * MIB)
@@ -120,7 +117,7 @@ def _worker(args) -> None:
 
     sharding = jax.sharding.NamedSharding(mesh, P("x"))
     sizes = [s for s in SIZES if s <= args.max_bytes]
-    compiled, times = {}, {(s, k): [] for s in sizes for k in ops}
+    compiled = {}
     for size in sizes:
         tokens = max(n, size // (2 * HIDDEN) // n * n)
         local = np.random.default_rng(pid).standard_normal((1, tokens, HIDDEN))
@@ -129,19 +126,7 @@ def _worker(args) -> None:
         for name, op in ops.items():
             compiled[size, name] = (program(op), x)
             jax.block_until_ready(compiled[size, name][0](x))
-    for rep in range(args.reps):
-        for size in sizes:
-            order = list(ops)[rep % len(ops):] + list(ops)[:rep % len(ops)]
-            for name in order:
-                f, x = compiled[size, name]
-                t0 = time.perf_counter()
-                jax.block_until_ready(f(x))
-                times[size, name].append((time.perf_counter() - t0) / args.chain)
-    rows = []
-    for size in sizes:
-        med = {k: statistics.median(times[size, k]) for k in ops}
-        rows.append({"bytes_per_rank": size, "seconds": med,
-                     "vs_lax": {k: med["lax"] / med[k] for k in ops}})
+    rows = interleaved_rows(compiled, sizes, ops, args.reps, args.chain)
     write_result({"procs": n, "rows": rows})
     jax.distributed.shutdown()
 
@@ -196,21 +181,13 @@ def main(argv=None) -> int:
                           args=["--worker", "--reps", args.reps, "--chain", args.chain,
                                 "--max-bytes", args.max_bytes, "--rate-bytes", rate])
     command = f"python -m {MODULE}" + (f" --out {args.out}" if args.out else "")
-    result = dict(results[0], rate=args.rate, hidden=HIDDEN, cpu=_cpu(), command=command)
+    result = dict(results[0], rate=args.rate, hidden=HIDDEN, cpu=cpu_cores(), command=command)
     print(f"{args.procs} processes, bf16 (tokens, {HIDDEN}) all-to-all per rank on a "
           f"{args.rate} emulated link; one call's median and speedup over lax.all_to_all "
           f"(gloo), {result['cpu']}")
     print(markdown(result))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-        write_page(args.out, result, tables=markdown(result))
+    save_result(args.out, result, markdown(result))
     return 0
-
-
-def _cpu() -> str:
-    from jax_flashcomm import costs
-
-    return f"{costs.cpu_name()}, {os.cpu_count()} cores"
 
 
 if __name__ == "__main__":

@@ -28,13 +28,12 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from benchmarks.shared.results import REPO, write_page
+from benchmarks.shared.results import REPO, cpu_cores, save_result
+from benchmarks.shared.timing import interleaved_rows
 
 KIB, MIB = 1024, 1024 * 1024
 SIZES = (2 * KIB, 64 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB)
@@ -92,7 +91,6 @@ def _worker(args) -> None:
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
 
     sharding = jax.sharding.NamedSharding(mesh, P("x"))
-    times = {(s, k): [] for s in sizes for k in ops}
     compiled = {}
     for size in sizes:
         local = np.random.default_rng(args.rank).standard_normal((1, size // 2))
@@ -101,20 +99,8 @@ def _worker(args) -> None:
         for name, op in ops.items():
             compiled[size, name] = (program(op), x)
             jax.block_until_ready(compiled[size, name][0](x))  # compile and warm up
-    for rep in range(args.reps):
-        for size in sizes:
-            order = list(ops)[rep % len(ops):] + list(ops)[:rep % len(ops)]
-            for name in order:
-                f, x = compiled[size, name]
-                t0 = time.perf_counter()
-                jax.block_until_ready(f(x))
-                times[size, name].append((time.perf_counter() - t0) / args.chain)
+    rows = interleaved_rows(compiled, sizes, ops, args.reps, args.chain)
     if args.rank == 0:
-        rows = []
-        for size in sizes:
-            med = {k: statistics.median(times[size, k]) for k in ops}
-            rows.append({"bytes_per_rank": size, "seconds": med,
-                         "vs_lax": {k: med["lax"] / med[k] for k in ops}})
         print("RESULT " + json.dumps({"procs": n, "pinned": args.pin, "chain": args.chain,
                                       "reps": args.reps, "rows": rows}), flush=True)
     jax.distributed.shutdown()
@@ -165,20 +151,12 @@ def main(argv=None) -> int:
         return 1
     line = next(ln for ln in outputs[0].splitlines() if ln.startswith("RESULT "))
     result = json.loads(line[len("RESULT "):])
-    result["cpu"] = _cpu()
+    result["cpu"] = cpu_cores()
     print(f"{args.procs} processes{' (pinned)' if args.pin else ''}, bf16 psum, one call's "
           f"median time and speedup over lax.psum (gloo), {result['cpu']}")
     print(markdown(result))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-        write_page(args.out, result, tables=markdown(result))
+    save_result(args.out, result, markdown(result))
     return 0
-
-
-def _cpu() -> str:
-    from jax_flashcomm import costs as tuning
-
-    return f"{tuning.cpu_name()}, {os.cpu_count()} cores"
 
 
 if __name__ == "__main__":

@@ -153,3 +153,22 @@ def write_page(json_path, record: dict | None = None, *, tables: str | None = No
     page = json_path.with_suffix(".md")
     page.write_text("\n".join(out))
     return page
+
+
+def cpu_cores() -> str:
+    """This machine's CPU and core count, as the benchmarks name it beside their figures."""
+    import os
+
+    from jax_flashcomm import costs
+
+    return f"{costs.cpu_name()}, {os.cpu_count()} cores"
+
+
+def save_result(out, record: dict, tables: str) -> None:
+    """Write ``record`` as JSON to ``out`` (when given) and its page beside it (:func:`write_page`
+    with ``tables``)."""
+    if out is None:
+        return
+    out = Path(out)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    write_page(out, record, tables=tables)

@@ -90,3 +90,37 @@ def time_calls(fn, x, reps: int, budget_s: float, warm: bool = True) -> tuple[fl
         if time.perf_counter() - start > budget_s:
             break
     return statistics.median(times), len(times)
+
+
+def interleaved_rows(compiled: dict, sizes, names, reps: int, per_call: int = 1,
+                     baseline: str = "lax") -> list:
+    """Rows of median seconds per call, the strategies interleaved.
+
+    Args:
+      compiled: ``{(size, name): (f, x)}``, each ``f(x)`` compiled and warmed up.
+      sizes, names: the row keys and the strategies, in order.
+      reps: rounds; round ``r`` starts at strategy ``r % len(names)`` (no strategy always runs
+        first).
+      per_call: calls chained in one ``f`` (a time is divided by it).
+      baseline: the strategy the ``vs_<baseline>`` ratios divide.
+
+    Returns:
+      ``[{"bytes_per_rank", "seconds": {name: s}, "vs_<baseline>": {name: ratio}}]``.
+    """
+    import jax
+
+    names = list(names)
+    times = {(s, k): [] for s in sizes for k in names}
+    for rep in range(reps):
+        for size in sizes:
+            for name in names[rep % len(names):] + names[:rep % len(names)]:
+                f, x = compiled[size, name]
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(x))
+                times[size, name].append((time.perf_counter() - t0) / per_call)
+    rows = []
+    for size in sizes:
+        med = {k: statistics.median(times[size, k]) for k in names}
+        rows.append({"bytes_per_rank": size, "seconds": med,
+                     f"vs_{baseline}": {k: med[baseline] / med[k] for k in names}})
+    return rows

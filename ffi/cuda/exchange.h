@@ -37,6 +37,26 @@ inline void ExchangeRows(const ffi::AnyBuffer& buf, int64_t* rows, int64_t* row_
   *row_bytes = elems * int64_t(ffi::ByteWidth(buf.element_type()));
 }
 
+// What both handlers find before they join: the device made current, the rank and group read
+// from device memory, the deadline.
+struct ExchangeStart {
+  CurrentDevice on;
+  int device = 0;
+  int32_t rank = 0, group = 0;
+  Clock::time_point deadline;
+};
+
+inline ffi::Error BeginExchange(const char* op, cudaStream_t stream,
+                                ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
+                                int64_t size, int64_t timeout_ms, ExchangeStart* s) {
+  if (timeout_ms <= 0) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": " + p2p::TimeoutError(timeout_ms));
+  }
+  s->deadline = p2p::DeadlineAfter(timeout_ms);
+  return Start(op, stream, rank_buf, group_buf, size, s->deadline, &s->on, &s->device, &s->rank,
+               &s->group);
+}
+
 // The exchange after the handler has joined `me` to a meeting of 3 barriers; `device`, `site`,
 // `group` for the working memory, `deadline` for the host's wait on the offsets.
 template <class P, class Meet>

@@ -204,26 +204,21 @@ ffi::Error P2pExchange(ffi::RunId run, cudaStream_t stream, ffi::AnyBuffer opera
                        ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> out,
                        int64_t size, int64_t site, int64_t timeout_ms) {
   constexpr const char* kOp = "flashcomm_p2p_exchange";
-  if (timeout_ms <= 0) {
-    return ffi::Error::InvalidArgument(std::string(kOp) + ": " + p2p::TimeoutError(timeout_ms));
-  }
-  const auto deadline = p2p::DeadlineAfter(timeout_ms);
-  CurrentDevice on;
-  int device = 0;
-  int32_t rank = 0, group = 0;
-  if (ffi::Error e = protocol::Start(kOp, stream, rank_buf, group_buf, size, deadline, &on,
-                                     &device, &rank, &group);
+  protocol::ExchangeStart s;
+  if (ffi::Error e = protocol::BeginExchange(kOp, stream, rank_buf, group_buf, size, timeout_ms,
+                                             &s);
       e.failure()) {
     return e;
   }
-  Participant me(kOp, device, stream, deadline);
-  if (ffi::Error e = me.Join(run.run_id, site, group, rank, size, 3); e.failure()) return e;
+  Participant me(kOp, s.device, stream, s.deadline);
+  if (ffi::Error e = me.Join(run.run_id, site, s.group, s.rank, size, 3); e.failure()) return e;
   auto meet = [&me](int barrier, const void* data, size_t /*bytes*/) {
     if (ffi::Error e = me.Record(); e.failure()) return e;
     return me.Meet(barrier, data, nullptr, nullptr, 0, 0);
   };
-  return protocol::Exchange(kOp, me, meet, stream, device, site, group, rank, size, operand,
-                            output, input_offsets, send_sizes, output_offsets, recv_sizes, *out);
+  return protocol::Exchange(kOp, me, meet, stream, s.device, site, s.group, s.rank, size,
+                            operand, output, input_offsets, send_sizes, output_offsets,
+                            recv_sizes, *out);
 }
 
 }  // namespace cuda

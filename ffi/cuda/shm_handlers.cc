@@ -104,25 +104,19 @@ ffi::Error ShmExchange(ffi::RunId, cudaStream_t stream, ffi::AnyBuffer operand,
                        ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> out,
                        int64_t size, int64_t site, int64_t timeout_ms, int64_t axes_key) {
   constexpr const char* kOp = "flashcomm_shm_exchange";
-  if (timeout_ms <= 0) {
-    return ffi::Error::InvalidArgument(std::string(kOp) + ": " + p2p::TimeoutError(timeout_ms));
-  }
-  const auto deadline = p2p::DeadlineAfter(timeout_ms);
-  CurrentDevice on;
-  int device = 0;
-  int32_t rank = 0, group = 0;
-  if (ffi::Error e = protocol::Start(kOp, stream, rank_buf, group_buf, size, deadline, &on,
-                                     &device, &rank, &group);
+  protocol::ExchangeStart s;
+  if (ffi::Error e = protocol::BeginExchange(kOp, stream, rank_buf, group_buf, size, timeout_ms,
+                                             &s);
       e.failure()) {
     return e;
   }
   ffi::Error error = ffi::Error::Success();
   const shm::Api* api = ipc::BoundApi(kOp, &error);
   if (!api) return error;
-  IpcParticipant me(api, kOp, stream, deadline, site, group);
+  IpcParticipant me(api, kOp, stream, s.deadline, site, s.group);
   int64_t rows = 0, row_bytes = 0;
   protocol::ExchangeRows(operand, &rows, &row_bytes);
-  if (ffi::Error e = me.Join(axes_key, rank, size, 3,
+  if (ffi::Error e = me.Join(axes_key, s.rank, size, 3,
                              Describe({9, int64_t(operand.element_type()), row_bytes, size}),
                              timeout_ms);
       e.failure()) {
@@ -131,8 +125,9 @@ ffi::Error ShmExchange(ffi::RunId, cudaStream_t stream, ffi::AnyBuffer operand,
   auto meet = [&me](int barrier, const void* data, size_t bytes) {
     return me.MeetRegions(barrier, {Region{data, bytes}, Region{}, Region{}});
   };
-  return protocol::Exchange(kOp, me, meet, stream, device, site, group, rank, size, operand,
-                            output, input_offsets, send_sizes, output_offsets, recv_sizes, *out);
+  return protocol::Exchange(kOp, me, meet, stream, s.device, site, s.group, s.rank, size,
+                            operand, output, input_offsets, send_sizes, output_offsets,
+                            recv_sizes, *out);
 }
 
 void ShmBind(const void* api) {
