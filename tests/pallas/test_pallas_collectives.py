@@ -125,3 +125,41 @@ def test_check_vma_is_a_clear_error():
                       in_specs=P("x"), out_specs=P("x"))
     with pytest.raises(ValueError, match="check_vma=False"):
         jax.jit(f)(x)
+
+
+def _big_operand(n, dtype, shape, scale=1.0):
+    """Normal values, with row 0 at +-1e38..2e38 (+2, +2, -2, -1, ... x 1e38 over the ranks;
+    times ``scale``): the f32 sum in rank order overflows at its second term while the true
+    sum and every chunk are finite, so the sum's scaled fallback gives it."""
+    x = jax.random.normal(jax.random.key(n + 1), (n, *shape), jnp.float32) * 4
+    big = jnp.array([2.0, 2.0, -2.0, -1.0] * (n // 4 + 1))[:n] * 1e38 * scale
+    x = x.at[:, 0].set(big[:, None] + x[:, 0] * 1e35 * scale)
+    return x.astype(dtype)
+
+
+def _check_barrier_free(n, opts, dtype, shape):
+    # rotated, a group of such values overflows in the butterflies: 1/G of them
+    x = _big_operand(n, dtype, shape, 1 / 128 if opts.get("rotation") else 1.0)
+    got = _run(n, lambda a: _ops(a, "pallas", opts), x)
+    want = _run(n, lambda a: _ops(a, "xla", opts), x)
+    if n >= 4 and not opts.get("rotation"):  # the plain sum overflows, the fallback not
+        assert np.isfinite(got[0][:, 0]).all() and np.abs(got[0][:, 0]).max() > 1e37
+    for i, (g, w) in enumerate(zip(got, want)):
+        np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=f"output {i}")
+
+
+def test_barrier_free_codec_bit_equal():
+    """The kernels evaluate the twin without its optimization_barriers (Mosaic has no
+    lowering for them; pallas_kernels.eval_for_mosaic): the sum's overflow fallback still
+    gives the twin's bits (the rotations: the slow variant)."""
+    _check_barrier_free(4, dict(bits=8, rotation=0), jnp.float32, (4, 256))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", [(4, 96), (3, 256), (2, 1000)])
+@pytest.mark.parametrize("opts", [dict(bits=8, rotation=1), dict(bits=4, rotation=2),
+                                  dict(bits=8, rotation=0)], ids=["int8-h", "int4-sh", "int8"])
+def test_barrier_free_codec_bit_equal_shapes(opts, shape, dtype):
+    """As above, over shapes, dtypes, rotations and bit widths (4 devices)."""
+    _check_barrier_free(4, opts, dtype, shape)

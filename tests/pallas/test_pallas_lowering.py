@@ -1,7 +1,8 @@
 """What the installed jaxlib lowers for TPU on a CPU-only machine (jax.export with
-platforms=("tpu",), the kernels compiled for Mosaic, not interpreted): the ring step and the
-exact ring matmul kernels lower to one tpu_custom_call each; the codec kernels stop at the op
-Mosaic's lowering does not take, and the test names it (docs/tpu.md, "TPU lowering")."""
+platforms=("tpu",), the kernels compiled for Mosaic, not interpreted): the ring step, the
+exact ring matmul kernels and the integer codec kernels (int8, int4, rotated; no spikes) lower
+to one tpu_custom_call each; the spike and float-format codec kernels stop at the op Mosaic's
+lowering does not take (spikes, fp8), and the test names it (docs/tpu.md, "TPU lowering")."""
 
 import jax
 import jax.numpy as jnp
@@ -50,26 +51,45 @@ def test_exact_rings_lower_for_tpu(name):
     assert _export(fn, *shapes).count("tpu_custom_call") == 1
 
 
-#: The codec kernels and the first op Mosaic's lowering (this jaxlib) does not take.
-CODEC = {
-    "int8": (dict(bits=8, rotation=0, spikes=0), "Changing bitwidths not supported"),
-    "int4": (dict(bits=4, rotation=0, spikes=0), "Changing bitwidths|unsigned integers"),
-    "int8-hadamard": (dict(bits=8, rotation=1, spikes=0), "optimization_barrier"),
-    "int4-spikes": (dict(bits=4, rotation=0, spikes=1), "float32|bitwidths"),
-    "fp8": (dict(format="fp8", rotation=0, spikes=0), "device kind|bitwidths"),
+#: The integer codec kernels that lower: codes, scale and zero in separate buffers, the twin's
+#: barriers dropped and its unsigned sums signed (pallas_kernels.eval_for_mosaic), 1-D constant
+#: tables (the signed rotation's) passed as (1, G).
+LOWERS = {
+    "int8": dict(bits=8, rotation=0, spikes=0),
+    "int4": dict(bits=4, rotation=0, spikes=0),
+    "int8-hadamard": dict(bits=8, rotation=1, spikes=0),
+    "int4-signed-hadamard": dict(bits=4, rotation=2, spikes=0),
+}
+#: The codec kernels that do not, and the op Mosaic's lowering (this jaxlib) stops at.
+STOPS = {
+    "int4-spikes": (dict(bits=4, rotation=0, spikes=1), "Only float32 is supported"),
+    "fp8": (dict(format="fp8", rotation=0, spikes=0),
+            "Only take_along_axis-like gathers supported"),
+    "mxfp4": (dict(format="mxfp4", rotation=0, spikes=0),
+              "Only take_along_axis-like gathers supported"),
 }
 
 
-@pytest.mark.parametrize("fmt", sorted(CODEC))
+def _codec_op(op, opts):
+    kw = dict(transport="pallas", min_bytes=0, backend="jnp", **opts)
+    return {"psum": lambda a: fc.psum(a, "x", **kw),
+            "psum_scatter": lambda a: fc.psum_scatter(a, "x", scatter_dimension=0, tiled=True,
+                                                      **kw),
+            "all_gather": lambda a: fc.all_gather(a, "x", axis=0, tiled=True, **kw)}[op]
+
+
+@pytest.mark.parametrize("fmt", sorted(LOWERS))
+@pytest.mark.parametrize("op", ["psum", "psum_scatter", "all_gather"])
+def test_int_codec_kernels_lower_for_tpu(op, fmt):
+    """The integer codec kernels (no spikes) lower to one tpu_custom_call each."""
+    assert _export(_codec_op(op, LOWERS[fmt]), X).count("tpu_custom_call") == 1
+
+
+@pytest.mark.parametrize("fmt", sorted(STOPS))
 @pytest.mark.parametrize("op", ["psum", "psum_scatter", "all_gather"])
 def test_codec_kernels_stop_at_a_named_op(op, fmt):
-    """The codec kernels do not lower yet; the error names the op (the jnp twin's byte
-    handling, rotation barrier, sort, or the TPU kind an fp8 type needs)."""
-    opts, reason = CODEC[fmt]
-    kw = dict(transport="pallas", min_bytes=0, backend="jnp", **opts)
-    fns = {"psum": lambda a: fc.psum(a, "x", **kw),
-           "psum_scatter": lambda a: fc.psum_scatter(a, "x", scatter_dimension=0, tiled=True,
-                                                     **kw),
-           "all_gather": lambda a: fc.all_gather(a, "x", axis=0, tiled=True, **kw)}
+    """Spikes and the float formats do not lower yet; the error names why (the spike
+    selection's integer argmax/sort, the fp8 codec's table gather)."""
+    opts, reason = STOPS[fmt]
     with pytest.raises((NotImplementedError, ValueError), match=reason):
-        _export(fns[op], X)
+        _export(_codec_op(op, opts), X)
