@@ -26,7 +26,7 @@ import pytest
 
 from jax_flashcomm import codec
 from jax_flashcomm.codec import fp_kernels, kernels
-from jax_flashcomm.transport import p2p, ring_steps, shm
+from jax_flashcomm.transport import exchange, p2p, ring_steps, shm
 from tests.support.cuda_build import (ARCHS, CODEC_KERNELS, CODEC_TARGETS, EXPECTED_KERNELS,
                                        REQUIRED_FLAGS, _custom_calls, _kernel_base,
                                        _lowered_for_cuda)
@@ -188,5 +188,6 @@ def test_cuda_module_registrations_if_built():
     assert set(_flashcomm_cuda.registrations()) == (set(kernels.TARGETS) | set(p2p.TARGETS)
                                                     | set(fp_kernels.TARGETS)
                                                     | set(ring_steps.TARGETS) | set(shm.TARGETS)
+                                                    | set(exchange.TARGETS)
                                                     | {"flashcomm_shm_ring_start",
                                                        "flashcomm_shm_ring_done"})
