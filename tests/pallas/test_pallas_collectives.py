@@ -3,6 +3,8 @@ all_gather equal the xla transport with the jnp twin (backend="jnp") bit for bit
 results; the race detector finds no race in either DMA execution mode; a non-finite group
 poisons only itself."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -155,11 +157,23 @@ def test_barrier_free_codec_bit_equal():
     _check_barrier_free(4, dict(bits=8, rotation=0), jnp.float32, (4, 256))
 
 
+_BARRIER_OPTS = {"int8-h": dict(bits=8, rotation=1), "int4-sh": dict(bits=4, rotation=2),
+                 "int8": dict(bits=8, rotation=0)}
+_BARRIER_SHAPES = [(4, 96), (3, 256), (2, 1000)]
+_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
+# Every option with every shape and every dtype (18 cases, ~90 s on 2 cores) under
+# FLASHCOMM_TEST_PALLAS_ALL=1; by default each option meets two shapes and both dtypes.
+if os.environ.get("FLASHCOMM_TEST_PALLAS_ALL") == "1":
+    _BARRIER_CASES = [(o, sh, d) for o in _BARRIER_OPTS for sh in _BARRIER_SHAPES
+                      for d in _DTYPES]
+else:
+    _BARRIER_CASES = [("int8-h", (4, 96), "f32"), ("int8-h", (2, 1000), "bf16"),
+                      ("int4-sh", (3, 256), "bf16"), ("int4-sh", (2, 1000), "f32"),
+                      ("int8", (4, 96), "bf16"), ("int8", (3, 256), "f32")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("shape", [(4, 96), (3, 256), (2, 1000)])
-@pytest.mark.parametrize("opts", [dict(bits=8, rotation=1), dict(bits=4, rotation=2),
-                                  dict(bits=8, rotation=0)], ids=["int8-h", "int4-sh", "int8"])
-def test_barrier_free_codec_bit_equal_shapes(opts, shape, dtype):
+@pytest.mark.parametrize("name,shape,dtype_name", _BARRIER_CASES)
+def test_barrier_free_codec_bit_equal_shapes(name, shape, dtype_name):
     """As above, over shapes, dtypes, rotations and bit widths (4 devices)."""
-    _check_barrier_free(4, opts, dtype, shape)
+    _check_barrier_free(4, _BARRIER_OPTS[name], _DTYPES[dtype_name], shape)
