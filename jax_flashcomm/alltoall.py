@@ -107,12 +107,10 @@ def _all_to_all_leaf(x, axes, split, concat, tiled, config, name, bound=False):
         y = lax.all_to_all(x, axes, split, concat, tiled=tiled)
         return y, (jnp.zeros(y.shape, jnp.float32) if bound else None)
     x = _axes.to_varying(x, axes)
-    if not p.quantized:  # the rows as they are over the exchange
-        y = _qa2a(x, axes, split, concat, tiled, p)
-        return y, (jnp.zeros(y.shape, jnp.float32) if bound else None)
-    if bound:
+    if bound and p.quantized:
         return _planned_all_to_all(x, axes, split, concat, tiled, p, bound=True)
-    return _qa2a(x, axes, split, concat, tiled, p), None
+    y = _qa2a(x, axes, split, concat, tiled, p)  # quantized, or the exact rows over the exchange
+    return y, (jnp.zeros(y.shape, jnp.float32) if bound else None)
 
 
 def _pieces(x, n, split, tiled):
@@ -254,12 +252,10 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
         _axes.check_float(operand, "operand")
     p = plan("ragged_all_to_all", axes, operand.shape, operand.dtype, _axes.axis_size(axes),
              config)
+    if operand.size == 0 or output.shape[0] == 0:
+        return _axes.to_varying(output, axes)  # no row can move
     if p.path == "lax":
-        if operand.shape[0] == 0 or output.shape[0] == 0 or operand.size == 0:
-            return _axes.to_varying(output, axes)  # no row can move
         return lax.ragged_all_to_all(operand, output, *metas, axis_name=axes)
-    if operand.shape[0] == 0 or output.shape[0] == 0 or operand.size == 0:
-        return _axes.to_varying(output, axes)
     # varying first: the cotangents the custom VJP returns vary over the axes
     operand, output = _axes.to_varying(operand, axes), _axes.to_varying(output, axes)
     return _ragged(operand, output, *metas, axes, p)
