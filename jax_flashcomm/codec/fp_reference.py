@@ -15,8 +15,8 @@ from jax import lax
 from jax_flashcomm.codec import spec
 from jax_flashcomm.codec.reference import (
     _bits_f32, _f32_bits, _le_bytes, bf16_bits_to_f32, bf16_round_down, bf16_round_up,
-    from_le_bytes, pack, restore_spikes,
-    rotate, saturate, select_spikes, spike_value_bits, unpack, unrotate)
+    from_le_bytes, is_position, pack, restore_spikes, rotate, saturate, select_spikes,
+    spike_value_bits, take_last, unpack, unrotate)
 
 _U32 = jnp.uint32
 E4M3_MAX = np.float32(448.0)
@@ -50,6 +50,36 @@ def e2m1_table() -> np.ndarray:
     """The f32 value of each E2M1 code 0..15."""
     mag = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
     return np.concatenate([mag, -mag]).astype(np.float32)
+
+
+def e4m3_decode(c):
+    """E4M3 (fn) codes ``c`` (uint32 0..255) -> their f32 values, built from the bits (equal
+    to :func:`e4m3_table` at every code; arithmetic, not a table lookup, so that it runs where
+    gathers do not, as in a Mosaic kernel).
+
+    Args:
+      c: the codes.
+    """
+    c = c.astype(_U32)
+    e, m = (c >> 3) & _U32(15), c & _U32(7)
+    sub = m.astype(jnp.float32) * np.float32(2.0**-9)
+    mag = jnp.where(e == 0, sub, _bits_f32(((e + _U32(120)) << 23) | (m << 20)))
+    mag = jnp.where((c & _U32(0x7F)) == _U32(0x7F), np.float32(np.nan), mag)
+    return _bits_f32(_f32_bits(mag) | ((c & _U32(0x80)) << 24))
+
+
+def e2m1_decode(c):
+    """E2M1 codes ``c`` (uint32 0..15) -> their f32 values, built from the bits (equal to
+    :func:`e2m1_table` at every code).
+
+    Args:
+      c: the codes.
+    """
+    c = c.astype(_U32)
+    e, m = (c >> 1) & _U32(3), c & _U32(1)
+    sub = m.astype(jnp.float32) * np.float32(0.5)
+    mag = jnp.where(e == 0, sub, _bits_f32(((e + _U32(126)) << 23) | (m << 22)))
+    return _bits_f32(_f32_bits(mag) | ((c & _U32(8)) << 28))
 
 
 def e4m3_encode(a):
@@ -144,7 +174,7 @@ def encode_groups(v, fmt: str, finite):
     gbyte = _clamp(_exponent_field(gamax).astype(jnp.int32) - 10, *NV_BYTE_RANGE)
     r = (amax * INV_E2M1_MAX) * _pow2(_U32(254) - gbyte)[..., None]
     sb = e4m3_encode(r)                                      # (..., G/B)
-    sval = jnp.asarray(e4m3_table())[sb] * _pow2(gbyte)[..., None]
+    sval = e4m3_decode(sb) * _pow2(gbyte)[..., None]
     safe = jnp.where(sval > 0, sval, np.float32(1))
     q = vb * inverse(safe)[..., None]
     codes = jnp.where((sval > 0)[..., None], _signed(e2m1_encode(jnp.abs(q)), q, 3), _U32(0))
@@ -171,7 +201,7 @@ def block_scales(scale_bytes, fmt: str, group_size: int):
     nb = group_size // spec.FP_BLOCK["nvfp4"]
     gbyte = b[..., nb:nb + 1]
     g = jnp.where(gbyte == E8M0_NAN, np.float32(np.nan), _pow2(gbyte))
-    return jnp.asarray(e4m3_table())[b[..., :nb]] * g
+    return e4m3_decode(b[..., :nb]) * g
 
 
 def decode_groups(codes, fmt: str, group_size: int, spikes: int = 0):
@@ -186,10 +216,10 @@ def decode_groups(codes, fmt: str, group_size: int, spikes: int = 0):
     ns = spec.fp_scale_bytes(fmt, group_size)
     scales = block_scales(codes[..., nc:nc + ns], fmt, group_size)
     if fmt == "fp8":
-        elems = jnp.asarray(e4m3_table())[codes[..., :nc].astype(_U32)]
+        elems = e4m3_decode(codes[..., :nc])
         d = elems * scales
     else:
-        elems = jnp.asarray(e2m1_table())[unpack(codes[..., :nc], 4, group_size)]
+        elems = e2m1_decode(unpack(codes[..., :nc], 4, group_size))
         block = spec.FP_BLOCK[fmt]
         d = (_blocks(elems, block) * scales[..., None]).reshape(elems.shape)
     return restore_spikes(d, codes[..., nc + ns:], group_size, spikes)
@@ -212,8 +242,8 @@ def quantize_groups(v, fmt: str, spikes: int = 0):
     if spikes:
         pos = select_spikes(v, spikes)
         iota = lax.broadcasted_iota(jnp.int32, v.shape, v.ndim - 1)
-        is_spike = jnp.any(iota[..., None] == pos[..., None, :], axis=-1)
-        kept = jnp.take_along_axis(v, pos, axis=-1)
+        is_spike = is_position(iota, pos)
+        kept = take_last(v, pos)
         v = jnp.where(is_spike, np.float32(0), v)
         record = [_le_bytes(spike_value_bits(kept, finite), 2),
                   _le_bytes(pos.astype(_U32), spec.position_bytes(v.shape[-1]))]

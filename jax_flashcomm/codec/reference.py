@@ -195,10 +195,40 @@ def select_spikes(v, spikes: int):
     iota = lax.broadcasted_iota(jnp.int32, v.shape, v.ndim - 1)
     positions = []
     for _ in range(spikes):
-        p = jnp.argmax(keys, axis=-1).astype(jnp.int32)
+        top = jnp.max(keys, axis=-1, keepdims=True)
+        p = first_index(keys == top)
         positions.append(p)
         keys = jnp.where(iota == p[..., None], jnp.int32(-1), keys)
     return jnp.stack(positions, axis=-1)
+
+
+def first_index(mask):
+    """Per row of ``mask`` ``(..., G)``, the first position holding True (0 where none does:
+    ``jnp.argmax``'s answer), int32 ``(...)``; integer min and max reductions only, so it runs
+    where an argmax of integers does not (a Mosaic kernel)."""
+    g = mask.shape[-1]
+    iota = lax.broadcasted_iota(jnp.int32, mask.shape, mask.ndim - 1)
+    first = jnp.min(jnp.where(mask, iota, jnp.int32(g)), axis=-1)
+    return jnp.where(first == g, jnp.int32(0), first)
+
+
+def take_last(v, pos):
+    """``jnp.take_along_axis(v, pos, axis=-1)`` for f32 ``v`` ``(..., G)`` and int32 positions
+    ``(..., k)`` in range: each value's bits picked by an integer sum of one nonzero term
+    (exact, signed zeros and NaN payloads included), so it runs where a gather does not."""
+    bits = lax.bitcast_convert_type(v.astype(jnp.float32), jnp.int32)
+    iota = lax.broadcasted_iota(jnp.int32, v.shape, v.ndim - 1)
+    picked = [jnp.sum(jnp.where(iota == pos[..., j:j + 1], bits, jnp.int32(0)), axis=-1)
+              for j in range(pos.shape[-1])]
+    return lax.bitcast_convert_type(jnp.stack(picked, axis=-1), jnp.float32)
+
+
+def is_position(iota, pos):
+    """Per value, whether its position is one of ``pos`` ``(..., k)``."""
+    hit = iota == pos[..., 0:1]
+    for j in range(1, pos.shape[-1]):
+        hit = hit | (iota == pos[..., j:j + 1])
+    return hit
 
 
 def spike_value_bits(v, finite):
@@ -254,10 +284,9 @@ def quantize_groups(v, bits: int, spikes: int = 0):
     g = v.shape[-1]
     pos = select_spikes(v, spikes)
     iota = lax.broadcasted_iota(jnp.int32, v.shape, v.ndim - 1)
-    is_spike = jnp.any(iota[..., None] == pos[..., None, :], axis=-1)
-    first_kept = jnp.argmax(~is_spike, axis=-1)
-    stand_in = jnp.take_along_axis(v, first_kept[..., None], axis=-1)
-    kept = jnp.take_along_axis(v, pos, axis=-1)
+    is_spike = is_position(iota, pos)
+    stand_in = take_last(v, first_index(~is_spike)[..., None])
+    kept = take_last(v, pos)
     finite = jnp.all(jnp.isfinite(v), axis=-1)
     v = jnp.where(is_spike, stand_in, v)
     scale_bits, zero_bits, zero, pre, inv_scale, finite = group_params(v, bits, finite)

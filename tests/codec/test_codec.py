@@ -240,3 +240,27 @@ def test_transport_record_bytes_and_round_trip():
     np.testing.assert_array_equal(np.asarray(back.codes), np.asarray(codes))
     np.testing.assert_array_equal(np.asarray(back.scale).view(np.uint16), patterns)
     np.testing.assert_array_equal(np.asarray(back.zero).view(np.uint16), patterns[::-1])
+
+
+def test_gather_free_selection_equals_argmax_and_take():
+    """The twin's spike selection runs without argmax or gather (so a Mosaic kernel runs it):
+    first_index is jnp.argmax of a mask (0 where no position holds True) and take_last is
+    take_along_axis, bit for bit (signed zeros and NaN payloads included)."""
+    from jax_flashcomm.codec import reference
+
+    rng = np.random.default_rng(3)
+    mask = rng.random((64, 32)) < 0.1
+    mask[0] = False
+    got = np.asarray(jax.jit(reference.first_index)(jnp.asarray(mask)))
+    assert np.array_equal(got, np.argmax(mask, axis=-1))
+    v = rng.standard_normal((64, 32)).astype(np.float32)
+    v[1, :4] = [-0.0, np.nan, -np.inf, np.float32(1e-45)]
+    v[1, 4] = np.frombuffer(np.uint32(0xFFC00001).tobytes(), np.float32)[0]
+    pos = rng.integers(0, 32, (64, 3)).astype(np.int32)
+    pos[1] = [0, 1, 4]
+    got = np.asarray(jax.jit(reference.take_last)(jnp.asarray(v), jnp.asarray(pos)))
+    assert np.array_equal(got.view(np.uint32), np.take_along_axis(v, pos, -1).view(np.uint32))
+    keys = np.abs(v)
+    keys[2, [5, 9]] = 100.0  # a tie: the lower position first
+    sel = np.asarray(jax.jit(reference.select_spikes, static_argnums=1)(jnp.asarray(keys), 2))
+    assert list(sel[2]) == [5, 9]

@@ -1,8 +1,7 @@
 """What the installed jaxlib lowers for TPU on a CPU-only machine (jax.export with
 platforms=("tpu",), the kernels compiled for Mosaic, not interpreted): the ring step, the
-exact ring matmul kernels and the integer codec kernels (int8, int4, rotated; no spikes) lower
-to one tpu_custom_call each; the spike and float-format codec kernels stop at the op Mosaic's
-lowering does not take (spikes, fp8), and the test names it (docs/tpu.md, "TPU lowering")."""
+exact ring matmul kernels and the codec kernels of every format (integer, fp8, mxfp4, nvfp4;
+rotated; with spikes) lower to one tpu_custom_call each (docs/tpu.md, "TPU lowering")."""
 
 import jax
 import jax.numpy as jnp
@@ -51,22 +50,23 @@ def test_exact_rings_lower_for_tpu(name):
     assert _export(fn, *shapes).count("tpu_custom_call") == 1
 
 
-#: The integer codec kernels that lower: codes, scale and zero in separate buffers, the twin's
-#: barriers dropped and its unsigned sums signed (pallas_kernels.eval_for_mosaic), 1-D constant
-#: tables (the signed rotation's) passed as (1, G).
+#: The codec kernels, every format the twin has: codes, scales and zeros in separate buffers,
+#: the twin's barriers dropped and its unsigned sums signed (pallas_kernels.eval_for_mosaic),
+#: 1-D constant tables (the signed rotation's) passed as (1, G); the spike selection and the
+#: float formats' decode are integer and bit arithmetic (no argmax, no gather).
 LOWERS = {
     "int8": dict(bits=8, rotation=0, spikes=0),
     "int4": dict(bits=4, rotation=0, spikes=0),
     "int8-hadamard": dict(bits=8, rotation=1, spikes=0),
     "int4-signed-hadamard": dict(bits=4, rotation=2, spikes=0),
-}
-#: The codec kernels that do not, and the op Mosaic's lowering (this jaxlib) stops at.
-STOPS = {
-    "int4-spikes": (dict(bits=4, rotation=0, spikes=1), "Only float32 is supported"),
-    "fp8": (dict(format="fp8", rotation=0, spikes=0),
-            "Only take_along_axis-like gathers supported"),
-    "mxfp4": (dict(format="mxfp4", rotation=0, spikes=0),
-              "Only take_along_axis-like gathers supported"),
+    "int4-spikes": dict(bits=4, rotation=0, spikes=1),
+    "int8-2-spikes-hadamard": dict(bits=8, rotation=1, spikes=2),
+    "fp8": dict(format="fp8", rotation=0, spikes=0),
+    "fp8-spikes": dict(format="fp8", rotation=0, spikes=1),
+    "mxfp4": dict(format="mxfp4", rotation=0, spikes=0),
+    "mxfp4-signed-hadamard": dict(format="mxfp4", rotation=2, spikes=0),
+    "nvfp4": dict(format="nvfp4", rotation=0, spikes=0),
+    "rs4-ag8": dict(rs_bits=4, ag_bits=8, rotation=1, spikes=0),
 }
 
 
@@ -80,16 +80,6 @@ def _codec_op(op, opts):
 
 @pytest.mark.parametrize("fmt", sorted(LOWERS))
 @pytest.mark.parametrize("op", ["psum", "psum_scatter", "all_gather"])
-def test_int_codec_kernels_lower_for_tpu(op, fmt):
-    """The integer codec kernels (no spikes) lower to one tpu_custom_call each."""
+def test_codec_kernels_lower_for_tpu(op, fmt):
+    """Each codec kernel lowers to one tpu_custom_call."""
     assert _export(_codec_op(op, LOWERS[fmt]), X).count("tpu_custom_call") == 1
-
-
-@pytest.mark.parametrize("fmt", sorted(STOPS))
-@pytest.mark.parametrize("op", ["psum", "psum_scatter", "all_gather"])
-def test_codec_kernels_stop_at_a_named_op(op, fmt):
-    """Spikes and the float formats do not lower yet; the error names why (the spike
-    selection's integer argmax/sort, the fp8 codec's table gather)."""
-    opts, reason = STOPS[fmt]
-    with pytest.raises((NotImplementedError, ValueError), match=reason):
-        _export(_codec_op(op, opts), X)
