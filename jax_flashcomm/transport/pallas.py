@@ -23,9 +23,10 @@ from jax_flashcomm import _axes, costs
 from jax_flashcomm.costs import Link
 from jax_flashcomm.transport import pallas_kernels, pallas_rings
 from jax_flashcomm.transport.base import Call, Transport
-from jax_flashcomm.transport.pallas_kernels import interpret_params, races_found, use_interpret
+from jax_flashcomm.transport.pallas_base import (interpret_params, races_found, use_interpret,
+                                                 vmem_budget)
 
-__all__ = ["PallasTransport", "use_interpret", "interpret_params", "races_found",
+__all__ = ["PallasTransport", "use_interpret", "interpret_params", "races_found", "vmem_budget",
            "interpret_reason"]
 
 

@@ -1,4 +1,3 @@
-# long file: the three codec kernels share their wire, DMA and codec helpers
 """The pallas transport's quantized collectives: one Pallas TPU (Mosaic) kernel per call.
 
 Each kernel moves the codec's payload between ranks by remote DMA
@@ -6,10 +5,11 @@ Each kernel moves the codec's payload between ranks by remote DMA
 formats the bf16 scale and zero: :func:`_parts`; the returned payloads are the
 :mod:`jax_flashcomm.transport.wire` ones), and runs the codec itself on VMEM values: the
 functions of the jnp twin (:mod:`jax_flashcomm.codec.reference`), traced once outside the kernel
-and evaluated inside it (:func:`eval_for_mosaic`), their constant tables passed in as VMEM
-inputs. The bytes and the
-arithmetic are the twin's, so the results equal the ``xla`` transport with ``backend="jnp"``
-bit for bit.
+and evaluated inside it (:func:`jax_flashcomm.transport.pallas_base.eval_for_mosaic`), their
+constant tables passed in as VMEM inputs. The bytes and the arithmetic are the twin's, so the
+results equal the ``xla`` transport with ``backend="jnp"`` bit for bit. An operand whose buffers
+exceed the VMEM budget (:func:`jax_flashcomm.transport.pallas_base.vmem_budget`) runs as one
+kernel per tile of whole groups.
 
 * :func:`all_reduce`: every rank encodes its N chunks one after the other and starts each
   chunk's DMA to its owner before encoding the next (the codec of chunk s+1 runs while chunk s
@@ -21,14 +21,12 @@ bit for bit.
   payloads as they land.
 
 Where it runs: on a TPU the kernels compile with Mosaic; on any other backend they run in
-Pallas's TPU interpret mode (:func:`interpret_params`), which simulates the DMAs, semaphores and
-VMEM of the chips on CPU devices.
+Pallas's TPU interpret mode (``pallas_base.interpret_params``), which simulates the DMAs,
+semaphores and VMEM of the chips on CPU devices.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 
 import jax
@@ -37,169 +35,13 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.extend import core as jex_core
 
 from jax_flashcomm import _axes, codec
 from jax_flashcomm.transport import wire, xla
+from jax_flashcomm.transport.pallas_base import (Codec, barrier, call_kernel, concat, nbytes,
+                                                 out_type, peer_id, tile_bounds)
 
-__all__ = ["all_reduce", "reduce_scatter", "all_gather", "use_interpret", "interpret_params",
-           "races_found", "Codec", "barrier", "peer_id", "call_kernel", "out_type"]
-
-#: The interpret mode kernels traced in this context run in (None: the platform's default).
-_interpret: contextvars.ContextVar = contextvars.ContextVar("jax_flashcomm_pallas_interpret",
-                                                            default=None)
-
-
-@contextlib.contextmanager
-def use_interpret(params):
-    """Trace the pallas transport's kernels with ``params`` as their ``interpret`` argument.
-
-    Args:
-      params: a ``pltpu.InterpretParams`` (e.g. ``detect_races=True``,
-        ``dma_execution_mode="eager"``), or False: compile for Mosaic (on a CPU-only machine:
-        only ``jax.export(..., platforms=("tpu",))`` can lower it).
-    """
-    token = _interpret.set(params)
-    try:
-        yield
-    finally:
-        _interpret.reset(token)
-
-
-def interpret_params():
-    """The ``interpret`` argument of the kernels traced now: the :func:`use_interpret` one, else
-    False on a TPU (Mosaic) and the default ``pltpu.InterpretParams()`` elsewhere."""
-    params = _interpret.get()
-    if params is not None:
-        return params
-    return False if jax.default_backend() == "tpu" else pltpu.InterpretParams()
-
-
-def races_found() -> bool:
-    """Whether the interpreter's race detector found a race since the interpret state was last
-    reset (``pltpu.reset_tpu_interpret_mode_state``); needs ``detect_races=True``."""
-    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as state
-
-    return bool(state.races is not None and state.races.races_found)
-
-
-class Codec:
-    """The codec functions one kernel runs, traced outside it (:meth:`add`); their constant
-    tables become the kernel's last inputs (:attr:`consts`, VMEM) and :meth:`run` evaluates a
-    function on loaded values inside the kernel (a kernel cannot capture array constants). A
-    constant of fewer than 2 dimensions travels as ``(1, size)`` (Mosaic lays out 1-D VMEM
-    arrays only for a known TPU kind) and is reshaped back when loaded."""
-
-    def __init__(self):
-        self.jaxprs, self.consts = [], []
-
-    def add(self, fn, *avals) -> int:
-        """Trace ``fn`` at ``avals`` (``ShapeDtypeStruct``); returns its index for :meth:`run`."""
-        closed = jax.make_jaxpr(fn)(*avals)
-        self.jaxprs.append((closed.jaxpr, len(self.consts), len(closed.consts)))
-        self.consts.extend(jnp.asarray(c).reshape(1, -1) if jnp.ndim(c) < 2 else jnp.asarray(c)
-                           for c in closed.consts)
-        return len(self.jaxprs) - 1
-
-    def run(self, index: int, const_refs, *args):
-        """Evaluate function ``index`` on ``args`` inside the kernel (``const_refs``: the
-        kernel's refs of :attr:`consts`) with :func:`eval_for_mosaic`; returns its output, a
-        tuple if it has several."""
-        jaxpr, start, count = self.jaxprs[index]
-        consts = [const_refs[start + i][...].reshape(v.aval.shape)
-                  for i, v in enumerate(jaxpr.constvars)]
-        outs = eval_for_mosaic(jaxpr, consts, *args)
-        return outs[0] if len(outs) == 1 else tuple(outs)
-
-
-def _unsigned_sum(x, params):
-    """``reduce_sum`` of unsigned integers as the same-width signed sum (Mosaic reduces no
-    unsigned integers): two's complement addition has the same bits, so this is exact."""
-    signed = jnp.dtype(f"int{8 * x.dtype.itemsize}")
-    total = lax.reduce_sum_p.bind(lax.bitcast_convert_type(x, signed), **params)
-    return lax.bitcast_convert_type(total, x.dtype)
-
-
-def eval_for_mosaic(jaxpr, consts, *args):
-    """``jax.core.eval_jaxpr`` with the twin's two ops Mosaic does not lower rewritten:
-    ``optimization_barrier`` is the identity (it only fences XLA's rewrites; a kernel's
-    ops are not reassociated: the interpret-mode tests hold the bits to the twin's), and a
-    ``reduce_sum`` over unsigned integers is the signed one (:func:`_unsigned_sum`, exact).
-    Nested ``jit`` calls are evaluated the same way."""
-    env = {}
-
-    def read(v):
-        return v.val if isinstance(v, jex_core.Literal) else env[v]
-
-    for v, c in zip(jaxpr.constvars, consts):
-        env[v] = c
-    for v, a in zip(jaxpr.invars, args):
-        env[v] = a
-    for eqn in jaxpr.eqns:
-        ins = [read(v) for v in eqn.invars]
-        name = eqn.primitive.name
-        if name == "optimization_barrier":
-            outs = ins
-        elif name == "reduce_sum" and jnp.issubdtype(ins[0].dtype, jnp.unsignedinteger):
-            outs = [_unsigned_sum(ins[0], eqn.params)]
-        elif name in ("jit", "pjit"):
-            closed = eqn.params["jaxpr"]
-            outs = eval_for_mosaic(closed.jaxpr, closed.consts, *ins)
-        else:
-            outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
-            outs = outs if eqn.primitive.multiple_results else [outs]
-        for v, o in zip(eqn.outvars, outs):
-            env[v] = o
-    return [read(v) for v in jaxpr.outvars]
-
-
-def peer_id(axes: tuple, rank):
-    """The ``device_id`` of rank ``rank`` (numbered as ``lax.axis_index(axes)``): a mesh
-    coordinate over ``axes``, the other mesh axes this device's."""
-    return {axes[0] if len(axes) == 1 else tuple(axes): rank}
-
-
-def barrier(axes: tuple, me, n: int):
-    """Wait until every rank over ``axes`` has entered the kernel (so its VMEM buffers exist
-    before a peer's DMA writes them)."""
-    sem = pltpu.get_barrier_semaphore()
-    for s in range(1, n):
-        pl.semaphore_signal(sem, 1, device_id=peer_id(axes, (me + s) % n),
-                            device_id_type=pl.DeviceIdType.MESH)
-    pl.semaphore_wait(sem, n - 1)
-
-
-def out_type(shape, dtype, like, drop: tuple = ()):
-    """An output's type: ``like``'s varying axes (under check_vma) minus ``drop``."""
-    mat = getattr(jax.typeof(like), "manual_axis_type", None)
-    if mat is not None:
-        mat = type(mat)(varying=frozenset(mat.varying) - frozenset(drop))
-    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
-
-
-def call_kernel(kernel, outs, inputs, scratch, fns: Codec, name: str):
-    """``pl.pallas_call`` of a kernel whose array inputs and outputs stay in HBM (``pl.ANY``:
-    the kernel DMAs what it needs into VMEM) and whose codec constants are VMEM inputs.
-
-    Args:
-      kernel: ``(*input refs, *const refs, *output refs, *scratch refs) -> None``.
-      outs: the output types (:func:`out_type`).
-      inputs: the array inputs.
-      scratch: the scratch shapes (VMEM buffers, semaphores).
-      fns: the kernel's :class:`Codec`.
-      name: the kernel's name in HLO and profiles.
-    """
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    vmem_spec = pl.BlockSpec(memory_space=pltpu.VMEM)
-    # the interpreter checks the kernel's ops for matching varying axes: constants vary as x
-    vary = tuple(sorted(set().union(*(_axes.varying_axes(a) for a in inputs))))
-    consts = [lax.pcast(c, vary, to="varying") if vary else c for c in fns.consts]
-    return pl.pallas_call(
-        kernel, out_shape=tuple(outs),
-        in_specs=[any_spec] * len(inputs) + [vmem_spec] * len(fns.consts),
-        out_specs=tuple(any_spec for _ in outs), scratch_shapes=scratch,
-        compiler_params=pltpu.CompilerParams(collective_id=0, has_side_effects=True),
-        interpret=interpret_params(), name=name)(*inputs, *consts)
+__all__ = ["all_reduce", "reduce_scatter", "all_gather"]
 
 
 def _sds(shape, dtype):
@@ -391,12 +233,44 @@ def _exchange_fns(plan, dtype, shape, gc, xdtype, n, sum_only):
     return fns, enc, tail, dec, p1, p2
 
 
+def _exchange_vmem_bytes(plan, dtype, shape, xdtype, n: int, sum_only: bool) -> int:
+    """The VMEM one group of every rank's chunk takes in :func:`_exchange_tile`: its scratch
+    buffers and, as an estimate of the codec's temporaries, three f32 copies of the N decoded
+    chunks."""
+    g = plan.group_size
+    *_, p1, p2 = _exchange_fns(plan, dtype, shape, 1, xdtype, n, sum_only)
+    own = 2 * g * jnp.dtype(xdtype).itemsize + 2 * n * nbytes(p1) + g * jnp.dtype(dtype).itemsize
+    return own + (1 + n) * nbytes(p2) + 3 * n * g * 4
+
+
 def _exchange(x, axes, plan, dtype, shape, sum_only: bool):
     n = _axes.axis_size(axes)
     g = plan.group_size
     groups = codec.as_groups(x, g, n)
     gc = groups.shape[0] // n
     xg = groups.reshape(n, gc, g)
+    per_group = _exchange_vmem_bytes(plan, dtype, shape, x.dtype, n, sum_only)
+    tiles = [_exchange_tile(xg[:, a:b], axes, plan, dtype, shape, sum_only)
+             for a, b in tile_bounds(gc, per_group)]
+    k1 = tiles[0][1]
+    # every output has its groups on axis 1 ((N, groups, ...)) but the reduce-scatter's sum
+    results = [concat(parts, 0 if sum_only and i == k1 else 1)
+               for i, parts in enumerate(zip(*(t[0] for t in tiles)))]
+    pay1 = _payload(results[:k1], plan, "rs", shape, dtype)
+    if sum_only:
+        return results[k1].reshape(shape), pay1
+    pay2 = _payload([r.reshape(n * gc, *r.shape[2:]) for r in results[k1:-1]], plan,
+                    "ag", shape, dtype)
+    y = codec.restore_shape(results[-1].reshape(n * gc, g), tuple(shape)).astype(dtype)
+    return y, pay1.merge_groups(), pay2
+
+
+def _exchange_tile(xg, axes, plan, dtype, shape, sum_only: bool):
+    """One kernel over the groups ``xg`` ``(N, groups, G)`` of every rank's chunk; returns
+    ``(its outputs, how many are phase-1 parts)``: the phase-1 parts, then the sum
+    (``sum_only``) or the phase-2 parts and the decoded chunks."""
+    n, gc, g = xg.shape
+    x = xg
     fns, enc, tail, dec, p1, p2 = _exchange_fns(plan, dtype, shape, gc, x.dtype, n, sum_only)
     nc, k1, k2 = len(fns.consts), len(p1), len(p2)
 
@@ -446,24 +320,35 @@ def _exchange(x, axes, plan, dtype, shape, sum_only: bool):
         outs += [out_type((n, gc, g), dtype, x, axes)]
         scratch += [pltpu.VMEM(p.shape, p.dtype) for p in p2] + _stacked(p2, n)
         scratch += [pltpu.VMEM((gc, g), dtype), *sems, *[pltpu.SemaphoreType.DMA((k2, n))] * 2]
-    results = call_kernel(kernel, outs, [xg], scratch, fns,
-                          "flashcomm_pallas_" + ("reduce_scatter" if sum_only else "all_reduce"))
-    pay1 = _payload(results[:k1], plan, "rs", shape, dtype)
-    if sum_only:
-        return results[k1].reshape(shape), pay1
-    pay2 = _payload([r.reshape(n * gc, *r.shape[2:]) for r in results[k1:k1 + k2]], plan,
-                    "ag", shape, dtype)
-    y = codec.restore_shape(results[-1].reshape(n * gc, g), tuple(shape)).astype(dtype)
-    return y, pay1.merge_groups(), pay2
+    return call_kernel(kernel, outs, [xg], scratch, fns,
+                       "flashcomm_pallas_" + ("reduce_scatter" if sum_only else "all_reduce")), k1
 
 
 def all_gather(x: jax.Array, axes: tuple, axis: int, tiled: bool, plan):
-    """Quantized all-gather of ``x`` along ``axis`` in one kernel; returns ``(y, this rank's
-    payload)`` as :func:`jax_flashcomm.transport.xla.all_gather`."""
+    """Quantized all-gather of ``x`` along ``axis`` (one kernel per tile of its groups,
+    :func:`vmem_budget`); returns ``(y, this rank's payload)`` as
+    :func:`jax_flashcomm.transport.xla.all_gather`."""
     n = _axes.axis_size(axes)
     _check_shapes(x, plan, n, "all_gather")
     g = plan.group_size
     xg = codec.as_groups(x, g, 1)
+    one = _tuple(jax.eval_shape(_encoder(plan, "ag", x.dtype), _sds((1, g), x.dtype)))
+    per_group = 3 * g * jnp.dtype(x.dtype).itemsize + (1 + n) * nbytes(one) + 2 * g * 4
+    tiles = [_gather_tile(xg[a:b], axes, plan) for a, b in tile_bounds(xg.shape[0], per_group)]
+    results = [concat(parts, 1 if i == len(one) else 0) for i, parts in enumerate(zip(*tiles))]
+    k = len(one)
+    p = _payload(results[:k], plan, "ag", x.shape, x.dtype)
+    size = math.prod(x.shape)
+    stacked = results[k].reshape(n, -1)[:, :size].reshape(n, *x.shape)
+    return xla.arrange_gathered(stacked, axis, tiled), p
+
+
+def _gather_tile(xg, axes, plan):
+    """One all-gather kernel over this rank's groups ``xg`` ``(groups, G)``; returns its
+    outputs: the payload's parts, then every rank's decoded groups ``(N, groups, G)``."""
+    n = _axes.axis_size(axes)
+    g = plan.group_size
+    x = xg
     ng = xg.shape[0]
     fns = Codec()
     enc_fn = _encoder(plan, "ag", x.dtype)
@@ -491,8 +376,4 @@ def all_gather(x: jax.Array, axes: tuple, axis: int, tiled: bool, plan):
                *[pltpu.SemaphoreType.DMA((k, n))] * 2]
     outs = [out_type(p.shape, p.dtype, x) for p in parts]
     outs += [out_type((n, ng, g), x.dtype, x, axes)]
-    results = call_kernel(kernel, outs, [xg], scratch, fns, "flashcomm_pallas_all_gather")
-    p = _payload(results[:k], plan, "ag", x.shape, x.dtype)
-    size = math.prod(x.shape)
-    stacked = results[k].reshape(n, ng * g)[:, :size].reshape(n, *x.shape)
-    return xla.arrange_gathered(stacked, axis, tiled), p
+    return call_kernel(kernel, outs, [xg], scratch, fns, "flashcomm_pallas_all_gather")

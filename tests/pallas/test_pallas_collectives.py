@@ -152,7 +152,7 @@ def _check_barrier_free(n, opts, dtype, shape):
 
 def test_barrier_free_codec_bit_equal():
     """The kernels evaluate the twin without its optimization_barriers (Mosaic has no
-    lowering for them; pallas_kernels.eval_for_mosaic): the sum's overflow fallback still
+    lowering for them; pallas_base.eval_for_mosaic): the sum's overflow fallback still
     gives the twin's bits (the rotations: the slow variant)."""
     _check_barrier_free(4, dict(bits=8, rotation=0), jnp.float32, (4, 256))
 
@@ -177,3 +177,28 @@ else:
 def test_barrier_free_codec_bit_equal_shapes(name, shape, dtype_name):
     """As above, over shapes, dtypes, rotations and bit widths (4 devices)."""
     _check_barrier_free(4, _BARRIER_OPTS[name], _DTYPES[dtype_name], shape)
+
+
+@pytest.mark.parametrize("opts", [dict(bits=8), dict(format="fp8", spikes=1)],
+                         ids=["int8", "fp8-spikes"])
+def test_tiles_of_groups_keep_the_bits(opts):
+    """With a VMEM budget below an operand's buffers, each op runs one kernel per tile of
+    whole groups (uneven tiles included) and every output keeps the xla transport's bits."""
+    x = _operand(2, shape=(8, 176))       # 11 groups of 128 per rank, 6 per chunk
+    mesh = _mesh(2)
+    fn = jax.shard_map(lambda a: _ops(a[0], "pallas", opts), mesh=mesh, in_specs=P("x"),
+                       out_specs=P(), check_vma=False)
+    with pallas.vmem_budget(12_000):
+        xs = jax.device_put(x, NamedSharding(mesh, P("x")))
+        calls = str(jax.make_jaxpr(fn)(xs)).count("pallas_call")
+        got = _run(2, lambda a: _ops(a, "pallas", opts), x)
+    assert calls > 2 * 3, calls           # more than one kernel for psum, scatter and gather
+    want = _run(2, lambda a: _ops(a, "xla", opts), x)
+    for i, (g, w) in enumerate(zip(got, want)):
+        np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=f"output {i}")
+
+
+def test_vmem_budget_must_be_positive():
+    with pytest.raises(ValueError, match="must be > 0"):
+        with pallas.vmem_budget(0):
+            pass

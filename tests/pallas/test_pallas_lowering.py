@@ -51,7 +51,7 @@ def test_exact_rings_lower_for_tpu(name):
 
 
 #: The codec kernels, every format the twin has: codes, scales and zeros in separate buffers,
-#: the twin's barriers dropped and its unsigned sums signed (pallas_kernels.eval_for_mosaic),
+#: the twin's barriers dropped and its unsigned sums signed (pallas_base.eval_for_mosaic),
 #: 1-D constant tables (the signed rotation's) passed as (1, G); the spike selection and the
 #: float formats' decode are integer and bit arithmetic (no argmax, no gather).
 LOWERS = {
