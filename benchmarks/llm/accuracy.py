@@ -134,9 +134,12 @@ def settings(tps, sections, sensitivity: dict | None = None) -> list[Setting]:
     if "layers" in sections:
         if sensitivity is None:
             raise ValueError("the layers section needs --sensitivity (a layer_sensitivity JSON)")
+        options = {k: sensitivity[k] for k in ("group_size", "spikes", "rotation")
+                   if sensitivity.get(k) is not None}
         rows += [Setting("layers", sensitivity["tp"], rs_bits=sensitivity["bits"],
-                         ag_bits=sensitivity["ag_bits"] or sensitivity["bits"], spikes="auto",
-                         default=True, upgraded=r["k"])
+                         ag_bits=sensitivity["ag_bits"] or sensitivity["bits"],
+                         **({"spikes": "auto", "default": True} if not options else options),
+                         upgraded=r["k"])
                  for r in sensitivity["greedy"] if sensitivity["tp"] in tps]
     return rows
 

@@ -38,10 +38,22 @@ from benchmarks.shared.runtime import command_parser
 
 
 
-def base_config(bits: int, ag_bits: int | None):
+def base_config(bits: int, ag_bits: int | None, group_size: int | None = None,
+                spikes: int | None = None, rotation: int | None = None):
+    """The base setting: ``bits`` / ``ag_bits`` and the given codec options (None: the
+    library's defaults)."""
     from jax_flashcomm import CommConfig
 
-    return CommConfig(bits=bits, ag_bits=ag_bits if ag_bits != bits else None, min_bytes=0)
+    options = {k: v for k, v in dict(group_size=group_size, spikes=spikes,
+                                     rotation=rotation).items() if v is not None}
+    return CommConfig(bits=bits, ag_bits=ag_bits if ag_bits != bits else None, min_bytes=0,
+                      **options)
+
+
+def data_base_config(data: dict):
+    """:func:`base_config` of a sensitivity record (older records: defaults)."""
+    return base_config(data["bits"], data["ag_bits"], data.get("group_size"),
+                       data.get("spikes"), data.get("rotation"))
 
 
 def upgrade_config(bits: int):
@@ -105,11 +117,12 @@ def run(args) -> dict:
     if len(windows) < args.calib_windows:
         raise SystemExit(f"the text has too few windows for --calib-first {args.calib_first} "
                          f"--calib-windows {args.calib_windows}")
-    base, upgrade = base_config(args.bits, args.ag_bits), upgrade_config(args.upgrade_bits)
     data.update(machine=first_line(), model=args.model, tp=args.tp, window=args.window,
                 text=f"models.corpus {corpus.DEFAULT}", calib_first=args.calib_first,
                 calib_windows=args.calib_windows, bits=args.bits, ag_bits=args.ag_bits,
+                group_size=args.group_size, spikes=args.spikes, rotation=args.rotation,
                 upgrade_bits=args.upgrade_bits, target=args.target)
+    base, upgrade = data_base_config(data), upgrade_config(args.upgrade_bits)
     data.setdefault("sites", [])
     data.setdefault("greedy", [])
     print(data["machine"], file=sys.stderr)
@@ -148,8 +161,12 @@ def run(args) -> dict:
 
 
 def _mix(data: dict) -> str:
-    return (f"rs{data['bits']}/ag{data['ag_bits']}" if data["ag_bits"] not in (None, data["bits"])
-            else f"int{data['bits']}")
+    mix = (f"rs{data['bits']}/ag{data['ag_bits']}" if data["ag_bits"] not in (None, data["bits"])
+           else f"int{data['bits']}")
+    options = [f"{key}={data[name]}" for key, name in (("G", "group_size"), ("s", "spikes"),
+                                                       ("r", "rotation"))
+               if data.get(name) is not None]
+    return " ".join([mix, *options])
 
 
 def tables(data: dict) -> str:
@@ -191,7 +208,8 @@ def write_report(data: dict, out: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("layer")
     ax.set_ylabel("KL(exact || one site quantized)")
-    ax.set_title(f"SmolLM2-135M, TP={data['tp']}: one all-reduce at {mix}, the rest exact",
+    ax.set_title(f"{data.get('model', 'smollm2')}, TP={data['tp']}: one all-reduce at {mix}, "
+                 "the rest exact",
                  fontsize=10)
     ax.legend()
     greedy = data["greedy"]
@@ -215,6 +233,12 @@ def main(argv=None) -> int:
     parser.add_argument("--tp", type=int, default=3)
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--ag-bits", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=None,
+                        help="the base setting's group size (default: the library's)")
+    parser.add_argument("--spikes", type=int, default=None,
+                        help="the base setting's spikes per group (default: the library's)")
+    parser.add_argument("--rotation", type=int, default=None,
+                        help="the base setting's rotation (default: the library's)")
     parser.add_argument("--upgrade-bits", type=int, default=8)
     parser.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2, 3, 4, 6, 8, 12])
     parser.add_argument("--target", type=float, default=0.005,
