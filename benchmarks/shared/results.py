@@ -40,6 +40,8 @@ fp_codec           fp_formats.md    Floating-point formats: CPU kernel speed
 fused_norm         fused_norm.md    The all-reduce's epilogue fused against the unfused ops
 gpu_model          gpu_model.md     The GPU cost model of the all-reduce and of TTFT
 layer_sensitivity  accuracy.md      Per-site sensitivity of SmolLM2's all-reduces, and policies
+layer_sensitivity_qwen  accuracy.md  Per-site sensitivity of Qwen2.5-1.5B's all-reduces, policies
+load               models.md        Load time and peak memory of a checkpoint, f32 and bf16
 moe_top1           moe.md           Top-1 of a trained tiny MoE LM at EP=4, quantized all-to-alls
 outliers           outliers.md      Quantized all-reduce error per codec option on outlier data
 overlap            overlap.md       Ring collective matmuls against unfused, processes over gloo
