@@ -84,16 +84,18 @@ class Setting:
                                         else "")
         prefix = "overlap+" if self.kind == "flash+overlap" else ""
         group = "per-tensor" if self.coarse else f"G={self.group_size}"
-        return f"{prefix}{bits} {group} s={self.spikes} r={self.rotation}"
+        sites = f" +{self.upgraded} sites" if self.section == "layers" else ""
+        return f"{prefix}{bits} {group} s={self.spikes} r={self.rotation}{sites}"
 
     @property
     def key(self) -> str:
         return f"{self.section}|{self.tp}|{self.label}"
 
 
-def settings(tps, sections, sensitivity: dict | None = None) -> list[Setting]:
+def settings(tps, sections, sensitivity: dict | None = None, layer_ks=None) -> list[Setting]:
     """Every row of the requested sections, exact first at each TP (``sensitivity``: the
-    layer_sensitivity JSON the ``layers`` section needs)."""
+    layer_sensitivity JSON the ``layers`` section needs, its policies scored at every TP;
+    ``layer_ks``: only those of its greedy rows, None: all)."""
     rows, first = [], tps[0]
     for tp in tps:
         rows.append(Setting("exact", tp, kind="exact"))
@@ -136,11 +138,12 @@ def settings(tps, sections, sensitivity: dict | None = None) -> list[Setting]:
             raise ValueError("the layers section needs --sensitivity (a layer_sensitivity JSON)")
         options = {k: sensitivity[k] for k in ("group_size", "spikes", "rotation")
                    if sensitivity.get(k) is not None}
-        rows += [Setting("layers", sensitivity["tp"], rs_bits=sensitivity["bits"],
+        rows += [Setting("layers", tp, rs_bits=sensitivity["bits"],
                          ag_bits=sensitivity["ag_bits"] or sensitivity["bits"],
                          **({"spikes": "auto", "default": True} if not options else options),
                          upgraded=r["k"])
-                 for r in sensitivity["greedy"] if sensitivity["tp"] in tps]
+                 for tp in tps for r in sensitivity["greedy"]
+                 if layer_ks is None or r["k"] in layer_ks]
     return rows
 
 
@@ -206,7 +209,7 @@ def run(args) -> dict:
     done = {f"{r['section']}|{r['tp']}|{r['label']}" for r in data["rows"]}
     sensitivity = (json.loads(Path(args.sensitivity).read_text())
                    if "layers" in args.sections else None)
-    todo = settings(args.tp, args.sections, sensitivity)
+    todo = settings(args.tp, args.sections, sensitivity, args.layer_ks)
     cli.set_devices(max(args.tp))
     import jax
 
@@ -258,6 +261,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(RESULTS / "accuracy"))
     parser.add_argument("--sensitivity", default=str(RESULTS / "layer_sensitivity.json"),
                         help="benchmarks/llm/layer_sensitivity.py's JSON (the layers section)")
+    parser.add_argument("--layer-ks", type=int, nargs="+", default=None,
+                        help="the layers section: only the greedy rows of these k (default: "
+                             "all)")
     parser.add_argument("--resume", action="store_true",
                         help="keep the rows already in OUT.json and run only the others")
     parser.add_argument("--report-only", action="store_true",

@@ -35,11 +35,25 @@ def test_rows_cover_the_grid_once_per_tp():
     assert {s.tp for s in rows if s.section in ("options", "mixes", "overlap")} == {3}
     assert {s.tp for s in rows if s.section == "coarse"} == {3, 9}
     assert {s.tp for s in rows if s.default} == {3, 9}
+    # the policies chosen at the sensitivity's TP are scored at every TP asked for
     layers = [s for s in rows if s.section == "layers"]
-    assert [(s.tp, s.upgraded, s.rs_bits, s.ag_bits) for s in layers] == [(3, 0, 4, 8),
-                                                                          (3, 2, 4, 8)]
+    assert [(s.tp, s.upgraded, s.rs_bits, s.ag_bits) for s in layers] == [
+        (3, 0, 4, 8), (3, 2, 4, 8), (9, 0, 4, 8), (9, 2, 4, 8)]
+    only = accuracy.settings([3], ["layers"], SENSITIVITY, layer_ks=[2])
+    assert [(s.tp, s.upgraded) for s in only if s.section == "layers"] == [(3, 2)]
     with pytest.raises(ValueError, match="sensitivity"):
         accuracy.settings([3], ["layers"])
+
+
+def test_layer_rows_with_codec_options_have_distinct_labels():
+    """A sensitivity record with its own base options (group size, spikes, rotation) gives rows
+    of those options, one label per k."""
+    record = {**SENSITIVITY, "bits": 4, "ag_bits": 4, "group_size": 128, "spikes": 2,
+              "rotation": 1}
+    layers = [s for s in accuracy.settings([2], ["layers"], record) if s.section == "layers"]
+    assert [(s.group_size, s.spikes, s.rotation, s.default) for s in layers] == [
+        (128, 2, 1, False)] * 2
+    assert len({s.label for s in layers}) == 2
 
 
 def test_layer_policy_upgrades_the_most_sensitive_sites():
