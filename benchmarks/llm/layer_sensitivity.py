@@ -99,6 +99,11 @@ def score(model, mesh, windows, reference, overrides: dict, base=None) -> dict:
 def run(args) -> dict:
     out_json = Path(args.out + ".json")
     data = json.loads(out_json.read_text()) if args.resume and out_json.exists() else {}
+    if args.ranking_from:
+        # the sites' ranking measured before (under its own base): only the greedy rows run here
+        ranked = json.loads(Path(args.ranking_from).read_text())
+        data.update(sites=ranked["sites"], ranking_from={
+            "record": Path(args.ranking_from).name, "base": _mix(ranked)})
     cli.set_devices(args.tp)
     import jax
 
@@ -117,7 +122,8 @@ def run(args) -> dict:
     if len(windows) < args.calib_windows:
         raise SystemExit(f"the text has too few windows for --calib-first {args.calib_first} "
                          f"--calib-windows {args.calib_windows}")
-    data.update(machine=first_line(), model=args.model, tp=args.tp, window=args.window,
+    data.update(command=" ".join(["python -m benchmarks.llm.layer_sensitivity", *sys.argv[1:]]),
+                machine=first_line(), model=args.model, tp=args.tp, window=args.window,
                 text=f"models.corpus {corpus.DEFAULT}", calib_first=args.calib_first,
                 calib_windows=args.calib_windows, bits=args.bits, ag_bits=args.ag_bits,
                 group_size=args.group_size, spikes=args.spikes, rotation=args.rotation,
@@ -172,7 +178,10 @@ def _mix(data: dict) -> str:
 def tables(data: dict) -> str:
     """The page's tables: the greedy policies, and the most sensitive sites alone."""
     mix = _mix(data)
-    lines = [f"Calibration: {data['calib_windows']} windows x {data['window']} tokens from "
+    ranking = data.get("ranking_from")
+    lines = [f"Sites ranked by {ranking['record']} (its base {ranking['base']}, one site at a "
+             "time); the greedy rows below measured here.", ""] if ranking else []
+    lines += [f"Calibration: {data['calib_windows']} windows x {data['window']} tokens from "
              f"window {data['calib_first']} of {data['text']}, TP={data['tp']}, exact "
              f"perplexity {data['exact_perplexity']:.4f}. Base {mix} (library defaults "
              f"otherwise), upgraded sites int{data['upgrade_bits']}. {data['machine']}.", "",
@@ -184,7 +193,8 @@ def tables(data: dict) -> str:
         lines.append(f"| {r['k']}{mark} | {100 * r['delta_ppl']:+.2f}% | {r['kl']:.2e} | "
                      f"{r['bytes_per_element']:.3f} | {r['vs_bf16_ring']:.3f}× | {names} |")
     top = sorted(data["sites"], key=lambda r: -r["kl"])[:10]
-    lines += ["", f"The ten most sensitive sites alone ({mix} there, exact elsewhere):", "",
+    alone = ranking["base"] if ranking else mix
+    lines += ["", f"The ten most sensitive sites alone ({alone} there, exact elsewhere):", "",
               "| site | KL | Δ mean NLL |", "|---|---|---|"]
     lines += [f"| {r['layer']}.{r['site']} | {r['kl']:.2e} | {r['delta_nll']:+.5f} |" for r in top]
     return "\n".join(lines) + "\n"
@@ -208,7 +218,8 @@ def write_report(data: dict, out: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("layer")
     ax.set_ylabel("KL(exact || one site quantized)")
-    ax.set_title(f"{data.get('model', 'smollm2')}, TP={data['tp']}: one all-reduce at {mix}, "
+    alone = data["ranking_from"]["base"] if data.get("ranking_from") else mix
+    ax.set_title(f"{data.get('model', 'smollm2')}, TP={data['tp']}: one all-reduce at {alone}, "
                  "the rest exact",
                  fontsize=10)
     ax.legend()
@@ -250,6 +261,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(RESULTS / "layer_sensitivity"))
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--ranking-from", default=None,
+                        help="take the sites' ranking from this record (a layer_sensitivity "
+                             "JSON, measured under its own base) and run only the greedy rows")
     args = parser.parse_args(argv)
     if args.report_only:
         data = json.loads(Path(args.out + ".json").read_text())
