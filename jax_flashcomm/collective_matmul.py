@@ -20,7 +20,9 @@ placement of a product into the output is a ``dynamic-update-slice`` that buffer
 in place, and the accumulate of the reduce-scatter ring is an elementwise add fused into a loop
 fusion. None of that needs an FFI kernel in the exact variant. XLA:CPU executes a
 ``collective-permute`` synchronously on the thread that runs the module, so on CPU the permute and
-the dot of a step run one after the other (see ``docs/overlap.md``).
+the dot of a step run one after the other (see ``docs/overlap.md``). Over ``transport="pallas"``
+a ring that fits one kernel (:func:`jax_flashcomm.transport.pallas_rings.fused_reason`) runs as
+that fused Pallas kernel, its DMAs and dots inside; any other runs a DMA kernel per step.
 
 The custom VJPs use each other: the transpose of all-gather-matmul is matmul-reduce-scatter (for
 dx) plus a local product with the gathered chunks kept from the forward ring (for dw); the
@@ -36,6 +38,7 @@ every step). ``bits=None`` asks for the exact ring whatever the size.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax
@@ -44,10 +47,10 @@ from jax import lax
 
 from jax_flashcomm import _axes
 from jax_flashcomm.config import CommConfig, config_from, takes_options
-from jax_flashcomm.planner import Plan, plan
+from jax_flashcomm.planner import Plan, plan, record_plan
 from jax_flashcomm._rings import ag_ring, rs_ring
 from jax_flashcomm.scatter_gather import psum_scatter
-from jax_flashcomm.transport import ring_steps
+from jax_flashcomm.transport import pallas_rings, ring_steps
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "ring_spec"]
 
@@ -87,8 +90,32 @@ def ring_spec(p: Plan) -> tuple:
     return ring_steps.spec(p.transport, p.timeout_ms)
 
 
+def _fused(op, x, w, axis_name, bidirectional, quant, ring) -> bool:
+    """Whether the ring runs as the pallas transport's fused kernel of ``op``."""
+    return ring[0] == "pallas" and pallas_rings.fused_reason(
+        op, x, w, axis_name, bidirectional=bidirectional, quant=quant) is None
+
+
+def _with_kernel(p: Plan, x, w, axis_name, bidirectional, quant) -> Plan:
+    """``p`` with its reason naming the pallas kernels that run its ring (no change over
+    another transport)."""
+    if p.transport != "pallas":
+        return p
+    if p.axis_size == 1:
+        return dataclasses.replace(p, reason=f"{p.reason}; one rank: the local matmul")
+    why = pallas_rings.fused_reason(p.op, x, w, axis_name, bidirectional=bidirectional,
+                                    quant=quant)
+    how = (f"the fused ring kernel flashcomm_pallas_{p.op}" if why is None
+           else f"a Pallas DMA kernel per ring step, not the fused kernel: {why}")
+    return dataclasses.replace(p, reason=f"{p.reason}; {how}")
+
+
 def _agmm_impl(x, w, axis_name, axis, bidirectional, quant, keep_gathered, ring):
     """Ring all-gather-matmul; also returns the gathered x when ``keep_gathered``."""
+    if _fused("all_gather_matmul", x, w, axis_name, bidirectional, quant, ring):
+        got = pallas_rings.all_gather_matmul(x, w, axis_name, bidirectional=bidirectional,
+                                             quant=quant, keep_gathered=keep_gathered)
+        return got if keep_gathered else (got, None)
     n = _axes.axis_size(_axes.normalize_axes(axis_name))
     rows = x.shape[axis] * n
     out_shape = x.shape[:axis] + (rows,) + x.shape[axis + 1 : -1] + (w.shape[1],)
@@ -109,6 +136,8 @@ def _agmm_impl(x, w, axis_name, axis, bidirectional, quant, keep_gathered, ring)
 
 
 def _mrs_impl(x, w, axis_name, axis, bidirectional, ring):
+    if _fused("matmul_reduce_scatter", x, w, axis_name, bidirectional, None, ring):
+        return pallas_rings.matmul_reduce_scatter(x, w, axis_name, bidirectional=bidirectional)
     n = _axes.axis_size(_axes.normalize_axes(axis_name))
     m_out = x.shape[axis] // n
 
@@ -198,7 +227,10 @@ def all_gather_matmul(x, w, axis_name, *, axis: int = 0, bidirectional: bool = F
       config, bits, ...: :class:`~jax_flashcomm.CommConfig` and its fields (options given
         beside ``config`` update it). ``transport``: how a chunk moves ("xla":
         ``lax.ppermute``; "p2p": start / done FFI calls between the devices of one process;
-        "auto": "xla", docs/transport.md "Ring steps"); the VJP's rings use the same.
+        "pallas": the fused Pallas ring kernel where the call fits it (x 2-D, its buffers in
+        VMEM: :func:`jax_flashcomm.transport.pallas_rings.fused_reason`), else a Pallas DMA
+        kernel per step, the plan's reason says which; "auto": "xla", docs/transport.md
+        "Ring steps"); the VJP's rings use the same.
 
     Returns:
       The ``(..., N * x.shape[axis], ..., n_local)`` product.
@@ -209,10 +241,11 @@ def all_gather_matmul(x, w, axis_name, *, axis: int = 0, bidirectional: bool = F
     axes = _axes.normalize_axes(axis_name, fn)
     if not config.exact:  # whatever the size: the dtype is checked like the collectives'
         _axes.check_float(x, f"{fn}: x (quantized with bits={config.phase2_bits})")
-    p = plan(fn, axes, x.shape, x.dtype, _axes.axis_size(axes), config)
+    p = plan(fn, axes, x.shape, x.dtype, _axes.axis_size(axes), config, record=False)
     quant = None
     if p.quantized:
         quant = (p.ag_bits, p.group_size, p.backend, p.rotation, p.ag_spikes)
+    record_plan(_with_kernel(p, x, w, axes, bool(bidirectional), quant))
     x, w = _axes.match_varying((x, w), axes)
     return _agmm(x, w, axis_name, axis, bool(bidirectional), quant, ring_spec(p))
 
@@ -249,9 +282,11 @@ def matmul_reduce_scatter(x, w, axis_name, *, axis: int = 0, bidirectional: bool
         raise ValueError(f"{fn}: rows not divisible: x.shape[{axis}]={x.shape[axis]} is not a "
                          f"multiple of the size {n} of axis {axis_name!r}")
     out_shape = x.shape[:-1] + (w.shape[1],)
-    p = plan(fn, axes, out_shape, jnp.result_type(x.dtype, w.dtype), n, config)
+    p = plan(fn, axes, out_shape, jnp.result_type(x.dtype, w.dtype), n, config, record=False)
     if p.quantized:
+        record_plan(p)
         return psum_scatter(x @ w, axis_name, scatter_dimension=axis, tiled=True,
                             config=config, min_bytes=0)
+    record_plan(_with_kernel(p, x, w, axes, bool(bidirectional), None))
     x, w = _axes.match_varying((x, w), axes)
     return _mrs(x, w, axis_name, axis, bool(bidirectional), ring_spec(p))

@@ -10,8 +10,9 @@ size policy, the transport, the per-phase formats; under ``min_bytes="auto"`` it
 from jax_flashcomm.planner._choose import (CANDIDATES, EXACT_PREFERENCE, STEP_EXACT_PREFERENCE,
                                            Call, Choice, Profile, choose, profile)
 from jax_flashcomm.planner._plan import (OPS, PATHS, WEIGHED, Plan, as_plan, choice_bits, plan,
-                                         quantized_plan, quantizes, record, size_policy)
+                                         quantized_plan, quantizes, record, record_plan,
+                                         size_policy)
 
-__all__ = ["Plan", "plan", "quantized_plan", "as_plan", "record", "size_policy", "quantizes",
-           "choice_bits", "OPS", "PATHS", "WEIGHED", "Call", "Choice", "Profile", "choose",
-           "profile", "CANDIDATES", "EXACT_PREFERENCE", "STEP_EXACT_PREFERENCE"]
+__all__ = ["Plan", "plan", "quantized_plan", "as_plan", "record", "record_plan", "size_policy",
+           "quantizes", "choice_bits", "OPS", "PATHS", "WEIGHED", "Call", "Choice", "Profile",
+           "choose", "profile", "CANDIDATES", "EXACT_PREFERENCE", "STEP_EXACT_PREFERENCE"]

@@ -66,7 +66,7 @@ from jax_flashcomm.transport import shm as shm_transport
 if TYPE_CHECKING:
     import jax
 
-__all__ = ["Plan", "plan", "quantized_plan", "as_plan", "record", "size_policy",
+__all__ = ["Plan", "plan", "quantized_plan", "as_plan", "record", "record_plan", "size_policy",
            "quantizes", "choice_bits", "OPS", "PATHS", "WEIGHED"]
 
 logger = logging.getLogger("jax_flashcomm")
@@ -455,6 +455,19 @@ def _recorded(result: Plan, record: bool) -> Plan:
         for sink in _recorders.get():
             sink.append(result)
     return result
+
+
+def record_plan(p: Plan) -> Plan:
+    """Send a plan made with ``record=False`` (and completed by its op, e.g. the kernel that
+    runs it) to the active :func:`record` blocks and the log.
+
+    Args:
+      p: the :class:`Plan`.
+
+    Returns:
+      ``p``.
+    """
+    return _recorded(p, True)
 
 
 def quantized_plan(op: str, axes: tuple, shape, dtype, axis_size: int, config: CommConfig, *,

@@ -18,7 +18,8 @@ from jax.extend import core as jex_core
 
 from jax_flashcomm import _axes
 
-__all__ = ["use_interpret", "interpret_params", "vmem_budget", "tile_bounds", "races_found",
+__all__ = ["use_interpret", "interpret_params", "vmem_budget", "vmem_budget_bytes",
+           "tile_bounds", "races_found",
            "Codec", "eval_for_mosaic", "barrier", "peer_id", "call_kernel", "out_type",
            "concat", "nbytes"]
 
@@ -78,6 +79,11 @@ def vmem_budget(nbytes: int):
         _vmem_budget.reset(token)
 
 
+def vmem_budget_bytes() -> int:
+    """The VMEM budget of the kernels traced now (:func:`vmem_budget`)."""
+    return _vmem_budget.get()
+
+
 def tile_bounds(count: int, bytes_each: int) -> list:
     """``[(start, stop), ...]`` cutting ``count`` groups into tiles whose buffers, at
     ``bytes_each`` per group, fit the VMEM budget (at least one group a tile)."""
@@ -123,12 +129,16 @@ class Codec:
 
     def run(self, index: int, const_refs, *args):
         """Evaluate function ``index`` on ``args`` inside the kernel (``const_refs``: the
-        kernel's refs of :attr:`consts`) with :func:`eval_for_mosaic`; returns its output, a
-        tuple if it has several."""
+        kernel's refs of :attr:`consts`); returns its output, a tuple if it has several.
+
+        For Mosaic it is :func:`eval_for_mosaic` (the twin's barriers dropped); interpreted,
+        the twin's jaxpr runs as it is, barriers kept: without them XLA:CPU may reassociate
+        the rotation's arithmetic, which changed a code in some tens of thousands of rotated
+        values (``tests/pallas``), and interpret mode is the check of the twin's bits."""
         jaxpr, start, count = self.jaxprs[index]
         consts = [const_refs[start + i][...].reshape(v.aval.shape)
                   for i, v in enumerate(jaxpr.constvars)]
-        outs = eval_for_mosaic(jaxpr, consts, *args)
+        outs = eval_for_mosaic(jaxpr, consts, *args, mosaic=interpret_params() is False)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
 
@@ -140,12 +150,13 @@ def _unsigned_sum(x, params):
     return lax.bitcast_convert_type(total, x.dtype)
 
 
-def eval_for_mosaic(jaxpr, consts, *args):
-    """``jax.core.eval_jaxpr`` with the twin's two ops Mosaic does not lower rewritten:
-    ``optimization_barrier`` is the identity (it only fences XLA's rewrites; a kernel's
-    ops are not reassociated: the interpret-mode tests hold the bits to the twin's), and a
-    ``reduce_sum`` over unsigned integers is the signed one (:func:`_unsigned_sum`, exact).
-    Nested ``jit`` calls are evaluated the same way."""
+def eval_for_mosaic(jaxpr, consts, *args, mosaic: bool = True):
+    """``jax.core.eval_jaxpr`` with, for ``mosaic``, the twin's two ops Mosaic does not lower
+    rewritten: ``optimization_barrier`` is the identity (it only fences XLA's rewrites; what
+    Mosaic makes of the rotation's arithmetic without it is not checked on a CPU-only
+    machine), and a ``reduce_sum`` over unsigned integers is the signed one
+    (:func:`_unsigned_sum`, exact). Nested ``jit`` calls are evaluated the same way. With
+    ``mosaic=False`` every op is bound as it is."""
     env = {}
 
     def read(v):
@@ -158,13 +169,14 @@ def eval_for_mosaic(jaxpr, consts, *args):
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
         name = eqn.primitive.name
-        if name == "optimization_barrier":
+        if mosaic and name == "optimization_barrier":
             outs = ins
-        elif name == "reduce_sum" and jnp.issubdtype(ins[0].dtype, jnp.unsignedinteger):
+        elif mosaic and name == "reduce_sum" and jnp.issubdtype(ins[0].dtype,
+                                                                 jnp.unsignedinteger):
             outs = [_unsigned_sum(ins[0], eqn.params)]
         elif name in ("jit", "pjit"):
             closed = eqn.params["jaxpr"]
-            outs = eval_for_mosaic(closed.jaxpr, closed.consts, *ins)
+            outs = eval_for_mosaic(closed.jaxpr, closed.consts, *ins, mosaic=mosaic)
         else:
             outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
             outs = outs if eqn.primitive.multiple_results else [outs]

@@ -139,7 +139,7 @@ def _big_operand(n, dtype, shape, scale=1.0):
     return x.astype(dtype)
 
 
-def _check_barrier_free(n, opts, dtype, shape):
+def _check_overflow_fallback(n, opts, dtype, shape):
     # rotated, a group of such values overflows in the butterflies: 1/G of them
     x = _big_operand(n, dtype, shape, 1 / 128 if opts.get("rotation") else 1.0)
     got = _run(n, lambda a: _ops(a, "pallas", opts), x)
@@ -150,11 +150,32 @@ def _check_barrier_free(n, opts, dtype, shape):
         np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=f"output {i}")
 
 
-def test_barrier_free_codec_bit_equal():
-    """The kernels evaluate the twin without its optimization_barriers (Mosaic has no
-    lowering for them; pallas_base.eval_for_mosaic): the sum's overflow fallback still
-    gives the twin's bits (the rotations: the slow variant)."""
-    _check_barrier_free(4, dict(bits=8, rotation=0), jnp.float32, (4, 256))
+def test_overflow_fallback_bit_equal():
+    """Operands whose plain sum overflows: the sum's overflow fallback gives the twin's bits
+    (the rotations: the slow variant)."""
+    _check_overflow_fallback(4, dict(bits=8, rotation=0), jnp.float32, (4, 256))
+
+
+def test_interpreted_codec_keeps_the_twins_barriers():
+    """On data where evaluating the twin without its optimization barriers (as for Mosaic,
+    pallas_base.eval_for_mosaic) changes a rotated code under XLA:CPU, the interpreted kernels
+    keep the barriers and equal the xla transport."""
+    from jax_flashcomm import codec
+    from jax_flashcomm.transport import pallas_base
+
+    x = jax.random.normal(jax.random.key(0), (4, 8, 128), jnp.float32)
+
+    def codes(a):
+        return codec.quantize(a, bits=8, group_size=128, backend="jnp", rotation=1).codes
+
+    closed = jax.make_jaxpr(codes)(x[0])
+    free = jax.jit(lambda a: pallas_base.eval_for_mosaic(closed.jaxpr, closed.consts, a)[0])
+    assert any((np.asarray(jax.jit(codes)(c)) != np.asarray(free(c))).any() for c in x)
+    opts = dict(bits=8, rotation=1)
+    got = _run(4, lambda a: _ops(a, "pallas", opts), x)
+    want = _run(4, lambda a: _ops(a, "xla", opts), x)
+    for i, (g, w) in enumerate(zip(got, want)):
+        np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=f"output {i}")
 
 
 _BARRIER_OPTS = {"int8-h": dict(bits=8, rotation=1), "int4-sh": dict(bits=4, rotation=2),
@@ -174,9 +195,9 @@ else:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,shape,dtype_name", _BARRIER_CASES)
-def test_barrier_free_codec_bit_equal_shapes(name, shape, dtype_name):
+def test_overflow_fallback_bit_equal_shapes(name, shape, dtype_name):
     """As above, over shapes, dtypes, rotations and bit widths (4 devices)."""
-    _check_barrier_free(4, _BARRIER_OPTS[name], _DTYPES[dtype_name], shape)
+    _check_overflow_fallback(4, _BARRIER_OPTS[name], _DTYPES[dtype_name], shape)
 
 
 @pytest.mark.parametrize("opts", [dict(bits=8), dict(format="fp8", spikes=1)],
