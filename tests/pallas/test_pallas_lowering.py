@@ -6,24 +6,17 @@ rotated; with spikes) lower to one tpu_custom_call each (docs/tpu.md, "TPU lower
 import jax
 import jax.numpy as jnp
 import pytest
-from jax import export
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import jax_flashcomm as fc
 from jax_flashcomm.transport import pallas, pallas_rings
+
+from tests.support.tpu_export import export_for_tpu
 
 N = 4
 
 
 def _export(fn, *shapes):
-    mesh = jax.make_mesh((N,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,),
-                         devices=jax.devices()[:N])
-    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=tuple(P("x") for _ in shapes),
-                              out_specs=P("x"), check_vma=False))
-    args = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, P("x"))) for s, d in shapes]
-    with pallas.use_interpret(False):
-        return export.export(f, platforms=("tpu",))(*args).mlir_module()
+    return export_for_tpu(fn, *shapes, n=N)
 
 
 X = ((N * 8, 1024), jnp.bfloat16)
