@@ -220,7 +220,8 @@ def run(args) -> dict:
 
     text = (Path(args.text).read_text(encoding="utf-8") if args.text
             else corpus.load_text(corpus.DEFAULT))
-    data.update(machine=first_line(), model=args.model, window=args.window,
+    data.update(command=" ".join(["python -m benchmarks.llm.accuracy", *sys.argv[1:]]),
+                machine=first_line(), model=args.model, window=args.window,
                 max_windows=args.max_windows, text=args.text or f"models.corpus {corpus.DEFAULT}",
                 tps=sorted(set(data.get("tps", [])) | set(args.tp)))
     print(data["machine"], file=sys.stderr)

@@ -25,6 +25,8 @@ RESULTS = REPO / "docs" / "results"
 #: ``docs/`` that explains its figures, and the page's title.
 _PAGES = """
 accuracy           accuracy.md      Accuracy of quantized communication on SmolLM2
+accuracy_qwen      accuracy.md      Accuracy of quantized communication on Qwen2.5-Coder-1.5B
+accuracy_gemma     accuracy.md      Accuracy of quantized communication on Gemma 3 270M
 all_to_all_inproc  alltoall.md      The expert-parallel all-to-all in one process
 all_to_all_shm     alltoall.md      The expert-parallel all-to-all between processes, emulated link
 all_gather_ring    reliability.md   Quantized all_gather: ring, one-shot gather, lax.all_gather
