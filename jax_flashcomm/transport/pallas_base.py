@@ -21,7 +21,7 @@ from jax_flashcomm import _axes
 __all__ = ["use_interpret", "interpret_params", "vmem_budget", "vmem_budget_bytes",
            "tile_bounds", "races_found",
            "Codec", "eval_for_mosaic", "barrier", "peer_id", "call_kernel", "out_type",
-           "concat", "nbytes"]
+           "concat", "padded_bytes", "vmem_bytes_of", "vmem_per_group"]
 
 
 #: The interpret mode kernels traced in this context run in (None: the platform's default).
@@ -84,6 +84,12 @@ def vmem_budget_bytes() -> int:
     return _vmem_budget.get()
 
 
+def vmem_per_group(scratch, groups: int, temporaries: int) -> int:
+    """VMEM per group of a kernel over ``groups`` groups: its scratch (:func:`vmem_bytes_of`)
+    and the codec's ``temporaries`` (bytes), spread over the groups."""
+    return -(-(vmem_bytes_of(scratch) + temporaries) // groups)
+
+
 def tile_bounds(count: int, bytes_each: int) -> list:
     """``[(start, stop), ...]`` cutting ``count`` groups into tiles whose buffers, at
     ``bytes_each`` per group, fit the VMEM budget (at least one group a tile)."""
@@ -96,9 +102,21 @@ def concat(parts, axis: int):
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=axis)
 
 
-def nbytes(structs) -> int:
-    """The bytes of ``structs`` (arrays or ShapeDtypeStructs) together."""
-    return sum(math.prod(p.shape) * jnp.dtype(p.dtype).itemsize for p in structs)
+def padded_bytes(shape, dtype) -> int:
+    """Bytes of a VMEM buffer, its last two dims padded to Mosaic's tiles."""
+    itemsize = jnp.dtype(dtype).itemsize
+    dims = list(shape) if len(shape) >= 2 else [1, *shape]
+    dims[-1] = -(-dims[-1] // 128) * 128
+    sub = 8 * max(1, 4 // itemsize)
+    dims[-2] = -(-dims[-2] // sub) * sub
+    return math.prod(dims) * itemsize
+
+
+def vmem_bytes_of(scratch, consts=()) -> int:
+    """The VMEM a kernel's VMEM scratch buffers (semaphores skipped) and codec tables take,
+    each padded to Mosaic's tiles."""
+    refs = [s for s in scratch if getattr(s, "memory_space", None) == pltpu.VMEM]
+    return sum(padded_bytes(a.shape, a.dtype) for a in [*refs, *consts])
 
 
 def races_found() -> bool:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
@@ -38,8 +37,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jax_flashcomm import _axes, codec
 from jax_flashcomm.transport import wire, xla
-from jax_flashcomm.transport.pallas_base import (Codec, barrier, call_kernel, concat, nbytes,
-                                                 out_type, peer_id, tile_bounds)
+from jax_flashcomm.transport.pallas_base import (Codec, barrier, call_kernel, concat, out_type,
+                                                 peer_id, tile_bounds, vmem_per_group)
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather"]
 
@@ -207,40 +206,53 @@ def _stacked(parts, n):
     return [pltpu.VMEM((n, *p.shape), p.dtype) for p in parts]
 
 
-def _exchange_fns(plan, dtype, shape, gc, xdtype, n, sum_only):
-    """The kernel's codec: ``(fns, enc, tail, dec, phase-1 parts, phase-2 parts)``: ``tail``
-    sums the N received chunks (sum_only) or sums and re-encodes them."""
-    g = plan.group_size
-    fns = Codec()
-    enc_fn = _encoder(plan, "rs", dtype)
-    enc = fns.add(enc_fn, _sds((gc, g), xdtype))
-    p1 = _tuple(jax.eval_shape(enc_fn, _sds((gc, g), xdtype)))
-    stacked = [_sds((n, *p.shape), p.dtype) for p in p1]
-    if sum_only:
-        def summed(*parts):
-            p = _payload(parts, plan, "rs", (gc, g), dtype)
-            return codec.dequantize_sum(p, backend="jnp").reshape(gc, g)
-        return fns, enc, fns.add(summed, *stacked), None, p1, ()
+def _requantizer(plan, shape, dtype):
+    """``N received phase-1 chunks' parts -> the f32 sum's phase-2 parts``."""
     b2_bits, b2_spikes, b2_fmt = _formats(plan, "ag")
 
     def requant(*parts):
         p = _payload(parts, plan, "rs", shape, dtype)
         return _parts(codec.dequantize_sum_quantize(p, bits=b2_bits, spikes=b2_spikes,
                                                     backend="jnp", format=b2_fmt))
-    tail = fns.add(requant, *stacked)
-    p2 = _tuple(jax.eval_shape(requant, *stacked))
-    dec = fns.add(_decoder(plan, "ag", dtype), *p2)
-    return fns, enc, tail, dec, p1, p2
+    return requant
 
 
-def _exchange_vmem_bytes(plan, dtype, shape, xdtype, n: int, sum_only: bool) -> int:
-    """The VMEM one group of every rank's chunk takes in :func:`_exchange_tile`: its scratch
-    buffers and, as an estimate of the codec's temporaries, three f32 copies of the N decoded
-    chunks."""
+def _exchange_parts(plan, dtype, shape, gc, xdtype, n, sum_only):
+    """``(phase-1 parts, phase-2 parts)`` of ``gc`` groups a chunk (ShapeDtypeStructs)."""
+    p1 = _tuple(jax.eval_shape(_encoder(plan, "rs", dtype), _sds((gc, plan.group_size), xdtype)))
+    if sum_only:
+        return p1, ()
+    stacked = [_sds((n, *p.shape), p.dtype) for p in p1]
+    return p1, _tuple(jax.eval_shape(_requantizer(plan, shape, dtype), *stacked))
+
+
+def _exchange_fns(plan, dtype, shape, gc, xdtype, n, sum_only, p1, p2):
+    """The kernel's codec: ``(fns, enc, tail, dec)``: ``tail`` sums the N received chunks
+    (sum_only) or sums and re-encodes them."""
     g = plan.group_size
-    *_, p1, p2 = _exchange_fns(plan, dtype, shape, 1, xdtype, n, sum_only)
-    own = 2 * g * jnp.dtype(xdtype).itemsize + 2 * n * nbytes(p1) + g * jnp.dtype(dtype).itemsize
-    return own + (1 + n) * nbytes(p2) + 3 * n * g * 4
+    fns = Codec()
+    enc = fns.add(_encoder(plan, "rs", dtype), _sds((gc, g), xdtype))
+    stacked = [_sds((n, *p.shape), p.dtype) for p in p1]
+    if sum_only:
+        def summed(*parts):
+            p = _payload(parts, plan, "rs", (gc, g), dtype)
+            return codec.dequantize_sum(p, backend="jnp").reshape(gc, g)
+        return fns, enc, fns.add(summed, *stacked), None
+    tail = fns.add(_requantizer(plan, shape, dtype), *stacked)
+    return fns, enc, tail, fns.add(_decoder(plan, "ag", dtype), *p2)
+
+
+def _exchange_scratch(xdtype, dtype, gc, g, n, p1, p2, sum_only):
+    """:func:`_exchange_tile`'s scratch: the double-buffered chunk load, the N phase-1 parts
+    sent and received, the decoded rows, and the phase-2 buffers and semaphores."""
+    k1, k2 = len(p1), len(p2)
+    sems = [pltpu.SemaphoreType.DMA((k1, n))] * 2
+    scratch = [pltpu.VMEM((2, gc, g), xdtype), pltpu.SemaphoreType.DMA((2,)),
+               *_stacked(p1, n), *_stacked(p1, n)]
+    if sum_only:
+        return scratch + [pltpu.VMEM((gc, g), dtype), *sems]
+    scratch += [pltpu.VMEM(p.shape, p.dtype) for p in p2] + _stacked(p2, n)
+    return scratch + [pltpu.VMEM((gc, g), dtype), *sems, *[pltpu.SemaphoreType.DMA((k2, n))] * 2]
 
 
 def _exchange(x, axes, plan, dtype, shape, sum_only: bool):
@@ -249,7 +261,10 @@ def _exchange(x, axes, plan, dtype, shape, sum_only: bool):
     groups = codec.as_groups(x, g, n)
     gc = groups.shape[0] // n
     xg = groups.reshape(n, gc, g)
-    per_group = _exchange_vmem_bytes(plan, dtype, shape, x.dtype, n, sum_only)
+    p1, p2 = _exchange_parts(plan, dtype, shape, gc, x.dtype, n, sum_only)
+    # the codec's temporaries, estimated: three f32 copies of the N decoded chunks
+    per_group = vmem_per_group(_exchange_scratch(x.dtype, dtype, gc, g, n, p1, p2, sum_only),
+                                 gc, 3 * n * gc * g * 4)
     tiles = [_exchange_tile(xg[:, a:b], axes, plan, dtype, shape, sum_only)
              for a, b in tile_bounds(gc, per_group)]
     k1 = tiles[0][1]
@@ -270,8 +285,8 @@ def _exchange_tile(xg, axes, plan, dtype, shape, sum_only: bool):
     ``(its outputs, how many are phase-1 parts)``: the phase-1 parts, then the sum
     (``sum_only``) or the phase-2 parts and the decoded chunks."""
     n, gc, g = xg.shape
-    x = xg
-    fns, enc, tail, dec, p1, p2 = _exchange_fns(plan, dtype, shape, gc, x.dtype, n, sum_only)
+    p1, p2 = _exchange_parts(plan, dtype, shape, gc, xg.dtype, n, sum_only)
+    fns, enc, tail, dec = _exchange_fns(plan, dtype, shape, gc, xg.dtype, n, sum_only, p1, p2)
     nc, k1, k2 = len(fns.consts), len(p1), len(p2)
 
     def kernel(*refs):
@@ -308,18 +323,13 @@ def _exchange_tile(xg, axes, plan, dtype, shape, sum_only: bool):
                 pltpu.sync_copy(sb.at[s], o.at[(me + s) % n])
             pltpu.sync_copy(rb.at[me], o.at[me])
 
-    scratch = [pltpu.VMEM((2, gc, g), x.dtype), pltpu.SemaphoreType.DMA((2,)),
-               *_stacked(p1, n), *_stacked(p1, n)]
-    outs = [out_type((n, *p.shape), p.dtype, x) for p in p1]
-    sems = [pltpu.SemaphoreType.DMA((k1, n))] * 2
+    scratch = _exchange_scratch(xg.dtype, dtype, gc, g, n, p1, p2, sum_only)
+    outs = [out_type((n, *p.shape), p.dtype, xg) for p in p1]
     if sum_only:
-        outs += [out_type((gc, g), dtype, x)]
-        scratch += [pltpu.VMEM((gc, g), dtype), *sems]
+        outs += [out_type((gc, g), dtype, xg)]
     else:
-        outs += [out_type((n, *p.shape), p.dtype, x, axes) for p in p2]
-        outs += [out_type((n, gc, g), dtype, x, axes)]
-        scratch += [pltpu.VMEM(p.shape, p.dtype) for p in p2] + _stacked(p2, n)
-        scratch += [pltpu.VMEM((gc, g), dtype), *sems, *[pltpu.SemaphoreType.DMA((k2, n))] * 2]
+        outs += [out_type((n, *p.shape), p.dtype, xg, axes) for p in p2]
+        outs += [out_type((n, gc, g), dtype, xg, axes)]
     return call_kernel(kernel, outs, [xg], scratch, fns,
                        "flashcomm_pallas_" + ("reduce_scatter" if sum_only else "all_reduce")), k1
 
@@ -332,15 +342,30 @@ def all_gather(x: jax.Array, axes: tuple, axis: int, tiled: bool, plan):
     _check_shapes(x, plan, n, "all_gather")
     g = plan.group_size
     xg = codec.as_groups(x, g, 1)
-    one = _tuple(jax.eval_shape(_encoder(plan, "ag", x.dtype), _sds((1, g), x.dtype)))
-    per_group = 3 * g * jnp.dtype(x.dtype).itemsize + (1 + n) * nbytes(one) + 2 * g * 4
-    tiles = [_gather_tile(xg[a:b], axes, plan) for a, b in tile_bounds(xg.shape[0], per_group)]
-    results = [concat(parts, 1 if i == len(one) else 0) for i, parts in enumerate(zip(*tiles))]
-    k = len(one)
+    ng = xg.shape[0]
+    parts = _gather_parts(plan, ng, x.dtype)
+    # the codec's temporaries, estimated: two f32 copies of the decoded groups
+    per_group = vmem_per_group(_gather_scratch(x.dtype, ng, g, n, parts), ng, 2 * ng * g * 4)
+    tiles = [_gather_tile(xg[a:b], axes, plan) for a, b in tile_bounds(ng, per_group)]
+    k = len(parts)
+    results = [concat(parts, 1 if i == k else 0) for i, parts in enumerate(zip(*tiles))]
     p = _payload(results[:k], plan, "ag", x.shape, x.dtype)
     size = math.prod(x.shape)
     stacked = results[k].reshape(n, -1)[:, :size].reshape(n, *x.shape)
     return xla.arrange_gathered(stacked, axis, tiled), p
+
+
+def _gather_parts(plan, ng: int, dtype):
+    """The payload's parts of ``ng`` groups (ShapeDtypeStructs)."""
+    return _tuple(jax.eval_shape(_encoder(plan, "ag", dtype), _sds((ng, plan.group_size), dtype)))
+
+
+def _gather_scratch(dtype, ng, g, n, parts):
+    """:func:`_gather_tile`'s scratch: the groups, their parts, every rank's parts, the decoded
+    rows, the semaphores."""
+    return [pltpu.VMEM((ng, g), dtype), *[pltpu.VMEM(p.shape, p.dtype) for p in parts],
+            *_stacked(parts, n), pltpu.VMEM((ng, g), dtype),
+            *[pltpu.SemaphoreType.DMA((len(parts), n))] * 2]
 
 
 def _gather_tile(xg, axes, plan):
@@ -348,13 +373,11 @@ def _gather_tile(xg, axes, plan):
     outputs: the payload's parts, then every rank's decoded groups ``(N, groups, G)``."""
     n = _axes.axis_size(axes)
     g = plan.group_size
-    x = xg
     ng = xg.shape[0]
     fns = Codec()
-    enc_fn = _encoder(plan, "ag", x.dtype)
-    enc = fns.add(enc_fn, _sds((ng, g), x.dtype))
-    parts = _tuple(jax.eval_shape(enc_fn, _sds((ng, g), x.dtype)))
-    dec = fns.add(_decoder(plan, "ag", x.dtype), *parts)
+    enc = fns.add(_encoder(plan, "ag", xg.dtype), _sds((ng, g), xg.dtype))
+    parts = _gather_parts(plan, ng, xg.dtype)
+    dec = fns.add(_decoder(plan, "ag", xg.dtype), *parts)
     nc, k = len(fns.consts), len(parts)
 
     def kernel(*refs):
@@ -371,9 +394,7 @@ def _gather_tile(xg, axes, plan):
         for o, r in zip(own, p_ref):
             pltpu.sync_copy(o, r)
 
-    scratch = [pltpu.VMEM((ng, g), x.dtype), *[pltpu.VMEM(p.shape, p.dtype) for p in parts],
-               *_stacked(parts, n), pltpu.VMEM((ng, g), x.dtype),
-               *[pltpu.SemaphoreType.DMA((k, n))] * 2]
-    outs = [out_type(p.shape, p.dtype, x) for p in parts]
-    outs += [out_type((n, ng, g), x.dtype, x, axes)]
-    return call_kernel(kernel, outs, [xg], scratch, fns, "flashcomm_pallas_all_gather")
+    outs = [out_type(p.shape, p.dtype, xg) for p in parts]
+    outs += [out_type((n, ng, g), xg.dtype, xg, axes)]
+    return call_kernel(kernel, outs, [xg], _gather_scratch(xg.dtype, ng, g, n, parts), fns,
+                       "flashcomm_pallas_all_gather")

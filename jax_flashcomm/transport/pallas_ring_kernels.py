@@ -13,7 +13,6 @@ between widths, which Mosaic does not lower). :func:`vmem_bytes` is what their b
 
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +21,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jax_flashcomm import _axes, codec
-from jax_flashcomm.transport.pallas_base import Codec, barrier, call_kernel, out_type, peer_id
+from jax_flashcomm.transport.pallas_base import (Codec, barrier, call_kernel, out_type, peer_id,
+                                                 vmem_bytes_of)
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "vmem_bytes"]
 
@@ -166,16 +166,6 @@ class _AgmmLayout:
             self.counts.append(len(parts) + 3)
 
 
-def _padded_bytes(shape, dtype) -> int:
-    """Bytes of a VMEM buffer, its last two dims padded to Mosaic's tiles."""
-    itemsize = jnp.dtype(dtype).itemsize
-    dims = list(shape) if len(shape) >= 2 else [1, *shape]
-    dims[-1] = -(-dims[-1] // 128) * 128
-    sub = 8 * max(1, 4 // itemsize)
-    dims[-2] = -(-dims[-2] // sub) * sub
-    return math.prod(dims) * itemsize
-
-
 def vmem_bytes(op: str, x, w, n: int, *, bidirectional: bool = False, quant=None) -> int:
     """The VMEM the fused kernel of ``op`` takes for its buffers and codec tables, each padded to
     Mosaic's tiles (``all_gather_matmul``: the variant that keeps the gathered chunks).
@@ -194,8 +184,7 @@ def vmem_bytes(op: str, x, w, n: int, *, bidirectional: bool = False, quant=None
         scratch, consts = layout.scratch, layout.fns.consts
     else:
         scratch, consts = _mrs_scratch(x, w, n, bidirectional), []
-    refs = [s for s in scratch if getattr(s, "memory_space", None) == pltpu.VMEM]
-    return sum(_padded_bytes(a.shape, a.dtype) for a in [*refs, *consts])
+    return vmem_bytes_of(scratch, consts)
 
 
 def all_gather_matmul(x, w, axis_name, *, bidirectional: bool = False, quant=None,
