@@ -10,10 +10,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cpu/cpu_p2p_protocol.h"
@@ -23,37 +25,102 @@
 namespace flashcomm {
 namespace cpu {
 
-// Values [begin, end) of every rank's x (xs, rank order) summed into each of `ys`: per block
-// of kBlock values, acc = load(x_0), then acc = acc + load(x_j) for j = 1..N-1 in order, and
-// store(acc) written to every y. T: the stored type; A: the accumulator (f32 for the 16-bit
-// floats; for integers T itself, wrapping as XLA's do: unsigned arithmetic, two's complement).
-template <typename T, typename A, typename Load, typename Store>
-void SumBlocks(const std::vector<const void*>& xs, int64_t begin, int64_t end,
-               const std::vector<void*>& ys, Load load, Store store) {
-  constexpr int64_t kBlock = 2048;  // the partial sums of one block, kept in L1
-  A acc[kBlock];
-  for (int64_t lo = begin; lo < end; lo += kBlock) {
-    const int64_t len = std::min(kBlock, end - lo);
-    const T* x0 = static_cast<const T*>(xs[0]) + lo;
-    for (int64_t i = 0; i < len; ++i) acc[i] = load(x0[i]);
-    for (size_t j = 1; j < xs.size(); ++j) {
-      const T* xj = static_cast<const T*>(xs[j]) + lo;
-      for (int64_t i = 0; i < len; ++i) acc[i] = A(acc[i] + load(xj[i]));
-    }
-    T* first = static_cast<T*>(ys[0]) + lo;
-    for (int64_t i = 0; i < len; ++i) first[i] = store(acc[i]);
-  }
-  // the other copies in one pass each (a long memcpy streams faster than many short ones)
+// 64 bytes of lanes (GCC / Clang vector extensions: every target lowers them, SSE2 to AVX-512
+// and NEON, one instruction or several per operation).
+typedef float F32x16 __attribute__((vector_size(64)));
+typedef double F64x8 __attribute__((vector_size(64)));
+typedef uint8_t U8x64 __attribute__((vector_size(64)));
+typedef uint16_t U16x32 __attribute__((vector_size(64)));
+typedef uint32_t U32x16 __attribute__((vector_size(64)));
+typedef uint64_t U64x8 __attribute__((vector_size(64)));
+typedef uint16_t U16x16 __attribute__((vector_size(32)));
+
+template <typename V, typename T>
+inline V LoadLanes(const T* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(V));
+  return v;
+}
+
+// The first y's values [begin, end) copied into every other y, one pass each (a long memcpy
+// streams faster than many short ones).
+template <typename T>
+void CopyToOthers(int64_t begin, int64_t end, const std::vector<void*>& ys) {
   for (size_t k = 1; k < ys.size(); ++k) {
     std::memcpy(static_cast<T*>(ys[k]) + begin, static_cast<const T*>(ys[0]) + begin,
                 size_t(end - begin) * sizeof(T));
   }
 }
 
-template <typename T>
+// Values [begin, end) of every rank's x (xs, rank order) summed into each of `ys`, element by
+// element: acc = load(x_0), then acc = acc + load(x_j) for j = 1..N-1 in order, and store(acc)
+// written to every y. T: the stored type; A: the accumulator (f32 for the 16-bit floats; for
+// integers T itself, wrapping as XLA's do: unsigned arithmetic, two's complement). One element
+// at a time: the dtypes without lanes below (f16) and the tails.
+template <typename T, typename A, typename Load, typename Store>
+void SumElements(const std::vector<const void*>& xs, int64_t begin, int64_t end,
+                 const std::vector<void*>& ys, Load load, Store store) {
+  T* first = static_cast<T*>(ys[0]);
+  for (int64_t i = begin; i < end; ++i) {
+    A acc = load(static_cast<const T*>(xs[0])[i]);
+    for (size_t j = 1; j < xs.size(); ++j) acc = A(acc + load(static_cast<const T*>(xs[j])[i]));
+    first[i] = store(acc);
+  }
+}
+
+// The same sums, a vector V of T's lanes at a time (T summed as itself: f32, f64, the unsigned
+// integers), a block of kBlockBytes at a time: the block's partial sums stay in L1 while each
+// rank's x streams past in turn (one read stream at a time, as the prefetchers like). The order
+// of each element's sum is the scalar one, so are its bits.
+constexpr int64_t kBlockBytes = 16 * 1024;
+
+template <typename T, typename V>
 void SumNative(const std::vector<const void*>& xs, int64_t begin, int64_t end,
                const std::vector<void*>& ys) {
-  SumBlocks<T, T>(xs, begin, end, ys, [](T v) { return v; }, [](T v) { return v; });
+  constexpr int64_t kLanes = int64_t(sizeof(V) / sizeof(T));
+  constexpr int64_t kBlock = kBlockBytes / int64_t(sizeof(V));  // vectors per block
+  T* first = static_cast<T*>(ys[0]);
+  V acc[kBlock];
+  int64_t i = begin;
+  while (i + kLanes <= end) {
+    const int64_t vectors = std::min<int64_t>(kBlock, (end - i) / kLanes);
+    const T* x0 = static_cast<const T*>(xs[0]) + i;
+    for (int64_t v = 0; v < vectors; ++v) acc[v] = LoadLanes<V>(x0 + v * kLanes);
+    for (size_t j = 1; j < xs.size(); ++j) {
+      const T* xj = static_cast<const T*>(xs[j]) + i;
+      for (int64_t v = 0; v < vectors; ++v) acc[v] += LoadLanes<V>(xj + v * kLanes);
+    }
+    std::memcpy(first + i, acc, size_t(vectors) * sizeof(V));
+    i += vectors * kLanes;
+  }
+  SumElements<T, T>(xs, i, end, ys, [](T v) { return v; }, [](T v) { return v; });
+  CopyToOthers<T>(begin, end, ys);
+}
+
+// bf16 summed in f32, 16 lanes at a time, rounded once (bf16_from_float's rounding, lane by
+// lane: nearest even, NaN kept quiet).
+inline void SumBf16(const std::vector<const void*>& xs, int64_t begin, int64_t end,
+                    const std::vector<void*>& ys) {
+  constexpr int64_t kLanes = 16;
+  auto widen = [](const uint16_t* p) {
+    return F32x16(__builtin_convertvector(LoadLanes<U16x16>(p), U32x16) << 16);
+  };
+  uint16_t* first = static_cast<uint16_t*>(ys[0]);
+  int64_t i = begin;
+  for (; i + kLanes <= end; i += kLanes) {
+    F32x16 acc = widen(static_cast<const uint16_t*>(xs[0]) + i);
+    for (size_t j = 1; j < xs.size(); ++j) acc += widen(static_cast<const uint16_t*>(xs[j]) + i);
+    const U32x16 u = U32x16(acc);
+    const U32x16 nearest = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    const U32x16 quiet = (u >> 16) | 0x0040u;
+    const U32x16 bits = ((u & 0x7FFFFFFFu) > 0x7F800000u) ? quiet : nearest;
+    const U16x16 out = __builtin_convertvector(bits, U16x16);
+    std::memcpy(first + i, &out, sizeof(out));
+  }
+  SumElements<uint16_t, float>(
+      xs, i, end, ys, [](uint16_t v) { return bf16_to_float(v); },
+      [](float v) { return bf16_from_float(v); });
+  CopyToOthers<uint16_t>(begin, end, ys);
 }
 
 // The element types the exact all-reduce sums, and how many components of a summed type one
@@ -76,27 +143,105 @@ inline int SumComponents(ffi::DataType type) {
 inline void SumRanks(ffi::DataType type, const std::vector<const void*>& xs, int64_t begin,
                      int64_t end, const std::vector<void*>& ys) {
   switch (type) {
-    case ffi::F32: return SumNative<float>(xs, begin, end, ys);
-    case ffi::BF16:
-      return SumBlocks<uint16_t, float>(
-          xs, begin, end, ys, [](uint16_t v) { return bf16_to_float(v); },
-          [](float v) { return bf16_from_float(v); });
+    case ffi::F32: return SumNative<float, F32x16>(xs, begin, end, ys);
+    case ffi::BF16: return SumBf16(xs, begin, end, ys);
     case ffi::F16:
-      return SumBlocks<uint16_t, float>(
+      SumElements<uint16_t, float>(
           xs, begin, end, ys, [](uint16_t v) { return f16_to_float(v); },
           [](float v) { return f16_from_float(v); });
-    case ffi::F64: return SumNative<double>(xs, begin, end, ys);
-    case ffi::C64: return SumNative<float>(xs, 2 * begin, 2 * end, ys);
-    case ffi::C128: return SumNative<double>(xs, 2 * begin, 2 * end, ys);
-    case ffi::S8: case ffi::U8: return SumNative<uint8_t>(xs, begin, end, ys);
-    case ffi::S16: case ffi::U16: return SumNative<uint16_t>(xs, begin, end, ys);
-    case ffi::S32: case ffi::U32: return SumNative<uint32_t>(xs, begin, end, ys);
-    default: return SumNative<uint64_t>(xs, begin, end, ys);  // S64, U64
+      return CopyToOthers<uint16_t>(begin, end, ys);
+    case ffi::F64: return SumNative<double, F64x8>(xs, begin, end, ys);
+    case ffi::C64: return SumNative<float, F32x16>(xs, 2 * begin, 2 * end, ys);
+    case ffi::C128: return SumNative<double, F64x8>(xs, 2 * begin, 2 * end, ys);
+    case ffi::S8: case ffi::U8: return SumNative<uint8_t, U8x64>(xs, begin, end, ys);
+    case ffi::S16: case ffi::U16: return SumNative<uint16_t, U16x32>(xs, begin, end, ys);
+    case ffi::S32: case ffi::U32: return SumNative<uint32_t, U32x16>(xs, begin, end, ys);
+    default: return SumNative<uint64_t, U64x8>(xs, begin, end, ys);  // S64, U64
   }
 }
 
 // The values of one piece of the in-process two-shot sum (ExactAllReduceProtocol).
 constexpr int64_t kPieceBytes = 16 * 1024;
+
+// The in-process two-shot sum's shared state, rank 0's (published at barrier 0). Every rank's
+// barrier-0 continuation runs in the thread that opened the barrier (Gang::Arrive's inline_then)
+// and only registers its call; the last to run starts the sum: it offers the other ranks'
+// handler threads, which await their calls (Call::AwaitInHandler), a share of the work, and sums
+// pieces itself, each piece taken from one counter by whichever thread asks next. Whoever sums
+// the last piece passes barrier 1 for every rank, so no thread waits for another's work, and a
+// thread that comes late finds no piece and touches nothing else.
+class PushSum : public std::enable_shared_from_this<PushSum> {
+ public:
+  PushSum(ffi::DataType dtype, int64_t count, int64_t per_piece, int64_t size)
+      : dtype_(dtype), count_(count), per_piece_(per_piece),
+        pieces_((count + per_piece - 1) / per_piece), left_(pieces_ + 1), calls_(size) {}
+
+  // Rank `rank`'s barrier-0 continuation (`peers`: every rank's x, y and rank 0's state);
+  // `share`: offer the others a share. Never throws: a failed allocation fails this rank's call
+  // (its peers learn of it at barrier 1) and the pieces nobody took are dropped.
+  void Join(int32_t rank, std::shared_ptr<Call> call, const std::vector<Published>& peers,
+            bool share) noexcept {
+    calls_[rank] = std::move(call);
+    if (joined_.fetch_add(1, std::memory_order_acq_rel) + 1 < int64_t(calls_.size())) return;
+    try {
+      std::vector<const void*> xs(peers.size());
+      std::vector<void*> ys(peers.size());
+      for (size_t j = 0; j < peers.size(); ++j) {
+        xs[j] = peers[j][0];
+        ys[j] = const_cast<void*>(peers[j][1]);
+      }
+      for (size_t r = 0; share && r < calls_.size() && int64_t(r) < pieces_; ++r) {
+        if (int32_t(r) == rank) continue;
+        calls_[r]->Offer([self = shared_from_this(), xs, ys] { self->Sum(xs, ys); });
+      }
+      Sum(xs, ys);
+    } catch (const std::exception& e) {
+      calls_[rank]->Fail(ffi::ErrorCode::kInternal, e.what());
+      int64_t dropped = 0;
+      while (next_.fetch_add(1) < pieces_) ++dropped;
+      if (dropped > 0) Done(dropped);
+    }
+    Done(1);
+  }
+
+ private:
+  void Sum(const std::vector<const void*>& xs, const std::vector<void*>& ys) noexcept {
+    int64_t summed = 0;
+    for (int64_t k = next_.fetch_add(1); k < pieces_; k = next_.fetch_add(1), ++summed) {
+      SumRanks(dtype_, xs, k * per_piece_, std::min(count_, (k + 1) * per_piece_), ys);
+    }
+    if (summed > 0) Done(summed);
+  }
+  // `n` more pieces summed (or the start done); the one that ends the count passes barrier 1
+  // for every rank (the last barrier: its last arrival finishes every call, here).
+  void Done(int64_t n) noexcept {
+    if (left_.fetch_sub(n, std::memory_order_acq_rel) != n) return;
+    const std::vector<std::shared_ptr<Call>> calls = std::move(calls_);
+    for (const auto& call : calls) {
+      try {
+        call->Arrive(1, Spans{}, [call](const std::vector<Published>&) { call->Finish(); });
+      } catch (const std::exception& e) {
+        call->Abort(e.what());  // fails the meeting: the other ranks' calls end with the error
+      }
+    }
+  }
+  const ffi::DataType dtype_;
+  const int64_t count_, per_piece_, pieces_;
+  std::atomic<int64_t> next_{0}, left_, joined_{0};
+  std::vector<std::shared_ptr<Call>> calls_;
+};
+
+// The other ranks' threads are offered a share of an in-process two-shot sum once it reads
+// this many bytes of x (every rank's).
+constexpr int64_t kSharedSumBytes = 128 * 1024;
+
+// How long a handler of the in-process two-shot sum of `bytes` of x (every rank's) waits for
+// its call before it returns the future open (Call::AwaitInHandler): 2 ms, and the time to read
+// those bytes at 4 GB/s (peers in step come within it; a wait for peers that reach collectives
+// in another order costs no more than that).
+inline std::chrono::microseconds AwaitInHandlerLimit(int64_t bytes) {
+  return std::chrono::microseconds(2000 + bytes / 4000);
+}
 
 // two_shot: 0 one shot, 1 two shots, 2 two shots from two_shot_bytes of x per rank
 // (jax_flashcomm.transport.p2p.TWO_SHOT_BYTES).
@@ -159,25 +304,17 @@ inline ffi::Future ExactAllReduceProtocol(const char* op, const GangFactory& joi
   }
   auto bound = [count, size](int64_t j) { return count * j / size; };
   if (push) {
-    // The values in pieces of kPieceBytes, handed out by rank 0's counter to whichever rank's
-    // continuation asks next (the last rank to arrive starts at once; the others join as their
-    // threads wake): each piece of every x summed into every rank's y. The order of each sum is
-    // rank order whoever computes it, so the bits do not depend on who did which piece.
-    auto counter = std::make_shared<std::atomic<int64_t>>(0);
-    const Spans published{mine[0], Span{out, y.size_bytes()}, Span{counter.get(), 0}, Span{}};
     const int64_t per_piece = std::max<int64_t>(1, kPieceBytes / int64_t(item));
-    const int64_t pieces = (count + per_piece - 1) / per_piece;
+    std::shared_ptr<PushSum> sum;
+    if (rank == 0) sum = std::make_shared<PushSum>(dtype, count, per_piece, size);
+    const Spans published{mine[0], Span{out, y.size_bytes()}, Span{sum.get(), 0}, Span{}};
+    const bool share = size * bytes >= kSharedSumBytes;
+    call->ExpectAwait();
     call->Arrive(0, published, [=](const std::vector<Published>& peers) {
-      std::vector<void*> ys(size);
-      for (int64_t j = 0; j < size; ++j) ys[j] = const_cast<void*>(peers[j][1]);
-      auto* next = static_cast<std::atomic<int64_t>*>(const_cast<void*>(peers[0][2]));
-      const std::vector<const void*> xs = inputs(peers);
-      for (int64_t k = next->fetch_add(1); k < pieces && !call->failed(); k = next->fetch_add(1)) {
-        SumRanks(dtype, xs, k * per_piece, std::min(count, (k + 1) * per_piece), ys);
-      }
-      // rank 0's counter lives until every rank has passed the last barrier
-      call->Arrive(1, Spans{}, [call, counter](const std::vector<Published>&) { call->Finish(); });
-    });
+      (void)sum;
+      static_cast<PushSum*>(const_cast<void*>(peers[0][2]))->Join(rank, call, peers, share);
+    }, 0, /*inline_next=*/true);
+    call->AwaitInHandler(AwaitInHandlerLimit(size * bytes));
     return done;
   }
   call->Arrive(0, mine, [=](const std::vector<Published>& peers) {

@@ -7,7 +7,8 @@
 //
 // The protocols are asynchronous (they return an ffi::Future): a call quantizes on XLA's thread,
 // arrives at the first barrier and returns; each later step is a continuation that runs when
-// every peer has arrived, and the last one completes the future. No thread waits for a peer.
+// every peer has arrived, and the last one completes the future. No thread waits for a peer
+// (one bounded exception: the in-process exact sum's handler, Call::AwaitInHandler).
 #ifndef FLASHCOMM_CPU_P2P_PROTOCOL_H_
 #define FLASHCOMM_CPU_P2P_PROTOCOL_H_
 
@@ -24,6 +25,7 @@
 
 #include "flashcomm/codec.h"
 #include "cpu/cpu_alloc.h"
+#include "cpu/cpu_call.h"
 #include "cpu/cpu_dispatch.h"
 #include "cpu/cpu_ops.h"
 #include "flashcomm/ffi_checks.h"
@@ -53,123 +55,6 @@ inline void CompleteLater(ffi::Promise promise, std::string error,
     }
   });
 }
-
-// One rank's part in one call, as its transport carries it.
-class Gang {
- public:
-  virtual ~Gang() = default;
-  // Publish `mine` at `barrier` (`failed`: this rank's own work failed; `wire_bytes`: the bytes
-  // of it the peers will read, which an emulated link paces); `then` gets every rank's
-  // pointers (a failed rank's [3] is &p2p::kRankFailed) or the error that ended the call.
-  virtual void Arrive(int barrier, const Spans& mine, bool failed, p2p::Continuation then,
-                      int64_t wire_bytes) = 0;
-  // End the call for every rank now.
-  virtual void Abort(const std::string& why) = 0;
-  // Done with the call (after its last barrier, or an error); called once.
-  virtual void Leave() = 0;
-};
-
-// Makes the gang of this call: `barriers` of the protocol, `descriptor` of its shapes and
-// options (ranks that disagree fail); nullptr and `error` when it cannot.
-using GangFactory =
-    std::function<std::unique_ptr<Gang>(int barriers, uint64_t descriptor, std::string* error)>;
-
-using shm::Describe;  // the descriptor of a call (JoinArgs::descriptor)
-
-// One rank's part in one call: joined on creation, left when the call completes (success or
-// error), which completes the call's future.
-//
-// A failure of this rank's codec work (Fail) does not leave the protocol: the rank skips the
-// work that is left, passes its remaining barriers marked failed (peers may still read the
-// buffers it published), and completes with the error; a peer that sees the mark completes with
-// an error naming the rank. Continuations of one call run one after another, so the failure
-// state needs no lock.
-class Call : public std::enable_shared_from_this<Call> {
- public:
-  static std::shared_ptr<Call> Join(const char* op, int32_t rank, const GangFactory& join,
-                                    int barriers, uint64_t descriptor, std::string* error) {
-    auto call = std::shared_ptr<Call>(new Call(op, rank));
-    call->gang_ = join(barriers, descriptor, error);
-    return call->gang_ ? call : nullptr;
-  }
-  ~Call() {
-    if (gang_) gang_->Leave();
-  }
-  ffi::Future future() const { return ffi::Future(promise_); }
-  // Publish `mine` at `barrier` (`wire_bytes` of it read by the peers); `next` gets every
-  // rank's pointers once all have arrived. On a failed meeting the call completes with the
-  // error instead.
-  void Arrive(int barrier, const Spans& mine,
-              std::function<void(const std::vector<Published>&)> next, int64_t wire_bytes = 0) {
-    auto self = shared_from_this();
-    gang_->Arrive(barrier, mine, failed(),
-                  [self, next = std::move(next)](const std::vector<Published>& peers,
-                                                 const std::string& error) {
-                    if (!error.empty()) return self->Finish(error);
-                    for (size_t j = 0; j < peers.size() && !self->failed(); ++j) {
-                      if (peers[j][3] == &p2p::kRankFailed) {
-                        self->Fail(ffi::ErrorCode::kInternal,
-                                   "rank " + std::to_string(j) +
-                                       " failed (its own error says why)");
-                      }
-                    }
-                    try {
-                      next(peers);
-                    } catch (const std::exception& e) {
-                      // A small allocation of the protocol itself: fail the meeting, so that
-                      // the peers do not wait for the deadline.
-                      self->Abort(std::string("rank ") + std::to_string(self->rank_) + ": " +
-                                  e.what());
-                    }
-                  },
-                  wire_bytes);
-  }
-  // This rank's codec work failed: remember the first failure (Finish reports it).
-  void Fail(ffi::ErrorCode code, const std::string& why) {
-    if (failure_.empty()) {
-      failure_ = why;
-      failure_code_ = code;
-    }
-  }
-  bool failed() const { return !failure_.empty(); }
-  // Fail the whole meeting now (nothing of this rank's is published, or the protocol cannot go
-  // on), then complete this call with `why`.
-  void Abort(const std::string& why) {
-    if (gang_) gang_->Abort("peer-to-peer collective: " + why);
-    Fail(ffi::ErrorCode::kInternal, why);
-    Finish();
-  }
-  // Complete the call (after its last barrier): leave the meeting, then set the future, with
-  // `error` (a failed meeting) or this rank's failure (Fail) if any.
-  void Finish(const std::string& error = std::string()) {
-    if (gang_) {
-      gang_->Leave();
-      gang_ = nullptr;
-    }
-    // Never on a worker: XLA continues the program on the completing thread.
-    ffi::Promise promise = promise_;
-    const std::string& why = error.empty() ? failure_ : error;
-    const ffi::ErrorCode code = error.empty() ? failure_code_ : ffi::ErrorCode::kInternal;
-    std::string message = why.empty() ? why : std::string(op_) + ": " + why;
-    p2p::ThreadPool::Completions().Schedule([promise, message, code]() mutable {
-      if (message.empty()) {
-        promise.SetAvailable();
-      } else {
-        promise.SetError(ffi::Error(code, message));
-      }
-    });
-  }
-
- private:
-  Call(const char* op, int rank) : op_(op), rank_(rank) {}
-
-  const char* op_;
-  int rank_;
-  std::unique_ptr<Gang> gang_;
-  ffi::Promise promise_;
-  std::string failure_;
-  ffi::ErrorCode failure_code_ = ffi::ErrorCode::kOk;
-};
 
 // The message of a kernel's failed scratch allocation (cpu_dispatch.h).
 inline std::string ScratchMessage(size_t bytes, int rank) {

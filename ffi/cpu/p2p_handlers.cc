@@ -30,10 +30,11 @@ class InProcessGang : public Gang {
   InProcessGang(std::shared_ptr<p2p::Meeting> meeting, int rank)
       : meeting_(std::move(meeting)), rank_(rank) {}
   void Arrive(int barrier, const Spans& mine, bool failed, p2p::Continuation then,
-              int64_t /*wire_bytes: no link emulation in one process*/) override {
+              int64_t /*wire_bytes: no link emulation in one process*/,
+              bool inline_then) override {
     const Published published{mine[0].data, mine[1].data, mine[2].data,
                               failed ? &p2p::kRankFailed : nullptr};
-    meeting_->Arrive(barrier, rank_, published, std::move(then));
+    meeting_->Arrive(barrier, rank_, published, std::move(then), inline_then);
   }
   void Abort(const std::string& why) override { meeting_->Abort(why); }
   void Leave() override {

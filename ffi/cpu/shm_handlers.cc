@@ -30,7 +30,7 @@ class ShmGang : public Gang {
  public:
   explicit ShmGang(std::shared_ptr<shm::Meeting> meeting) : meeting_(std::move(meeting)) {}
   void Arrive(int barrier, const Spans& mine, bool failed, p2p::Continuation then,
-              int64_t wire_bytes) override {
+              int64_t wire_bytes, bool /*inline_then: the engine's threads run them*/) override {
     shm::Arrive(meeting_, barrier, mine, failed, std::move(then), wire_bytes);
   }
   void Abort(const std::string& why) override { shm::Abort(meeting_, why); }

@@ -69,6 +69,45 @@ def test_f16_sums_in_f32_and_rounds_once(two_shot):
     np.testing.assert_array_equal(np.asarray(y), want.astype(np.float16))
 
 
+def _bf16_rne(f32):
+    """f32 -> bf16 bits, round to nearest even, NaN kept quiet (XLA's convert)."""
+    u = f32.view(np.uint32).astype(np.uint64)
+    nearest = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    quiet = ((u >> 16) | 0x40).astype(np.uint16)
+    return np.where((u & 0x7FFFFFFF) > 0x7F800000, quiet, nearest)
+
+
+@pytest.mark.parametrize("two_shot", [False, True])
+@pytest.mark.parametrize("n", [3, 8])
+def test_bf16_rounds_ties_and_keeps_nan_and_inf(n, two_shot):
+    # the vector lanes and the scalar tail (per rank 16 * 1000 + 7 values), ties to even,
+    # overflow to inf, inf - inf and NaN inputs
+    per_rank = 16 * 1000 + 7
+    rng = np.random.default_rng(n)
+    host = (rng.standard_normal((n, per_rank)) * 30).astype(np.float32)
+    host[:, :64] = np.float32(1.0)
+    host[0, :64] = np.float32(1.0) + np.float32(2.0 ** -7) * np.arange(64) / 64
+    host[:, 64] = np.float32(3.0e38)                   # sums past bf16's range: inf
+    host[0, 65], host[1, 65] = np.inf, -np.inf         # inf - inf: NaN
+    host[1, 66] = np.nan
+    host[:, per_rank - 1] = np.float32(-3.0e38)        # -inf, in the tail
+    x = jnp.asarray(host.reshape(-1)).astype(jnp.bfloat16)
+    mesh = _mesh(n)
+    y = _run(mesh, lambda v: p2p.exact_all_reduce(v, ("i",), 60_000, two_shot),
+             _sharded(mesh, x))
+    bits = _shards_bits(y)
+    assert all(b == bits[0] for b in bits), "ranks differ"
+    rows = np.asarray(x).astype(np.float32).reshape(n, -1)
+    acc = rows[0].copy()
+    with np.errstate(invalid="ignore", over="ignore"):
+        for j in range(1, n):
+            acc = acc + rows[j]                        # f32, in rank order
+    got = np.frombuffer(bits[0], np.uint16)
+    np.testing.assert_array_equal(got, _bf16_rne(acc))
+    assert got[64] == 0x7F80 and got[per_rank - 1] == 0xFF80
+    assert np.isnan(np.asarray(y)[65]) and np.isnan(np.asarray(y)[66])
+
+
 def test_run_to_run_identical_and_pytrees():
     mesh = _mesh(3)
     x = _sharded(mesh, jnp.asarray(np.random.default_rng(1).standard_normal((3 * 64, 40)),

@@ -176,9 +176,11 @@ class Meeting {
         came_(barriers, std::vector<bool>(size, false)), waiting_(barriers) {}
 
   // Arrive at `barrier` with `mine`; `then` runs once every rank has arrived: inline when this
-  // rank is the last, else on a worker (at the last barrier inline in the last rank's thread).
-  // Never blocks.
-  void Arrive(int barrier, int rank, const Published& mine, Continuation then) {
+  // rank is the last, else on a worker (at the last barrier, or when `inline_then`, inline in
+  // the last rank's thread: continuations that only hand work out or complete their calls,
+  // which a worker's wake-up would only delay). Never blocks.
+  void Arrive(int barrier, int rank, const Published& mine, Continuation then,
+              bool inline_then = false) {
     std::vector<Continuation> ready;
     std::vector<Published> peers;
     std::string error;
@@ -202,9 +204,9 @@ class Meeting {
     // The last barrier's continuations only complete their calls (every protocol ends with a
     // barrier whose continuation is Finish): they run here, in the last rank's thread, rather
     // than waking a worker each first.
-    const bool last_barrier = barrier + 1 == int(arrived_.size());
+    const bool here = inline_then || barrier + 1 == int(arrived_.size());
     for (auto& cont : ready) {
-      if (last_barrier) {
+      if (here) {
         cont(peers, std::string());
       } else {
         ThreadPool::Workers().Schedule(
