@@ -18,6 +18,10 @@
 #include <thread>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "cpu/cpu_p2p_protocol.h"
 #include "flashcomm/codec.h"
 #include "xla/ffi/api/ffi.h"
@@ -68,15 +72,37 @@ void SumElements(const std::vector<const void*>& xs, int64_t begin, int64_t end,
   }
 }
 
+// `bytes` from `src` (16-byte aligned) to `dst` with stores that bypass the caches (x86's
+// non-temporal stores; elsewhere, or unaligned, a memcpy). Followed by StreamFence before the
+// values are handed on.
+inline void StreamCopy(void* dst, const void* src, size_t bytes) {
+#if defined(__SSE2__)
+  if ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes) % 16 == 0) {
+    auto* d = static_cast<__m128i*>(dst);
+    const auto* s = static_cast<const __m128i*>(src);
+    for (size_t q = 0; q < bytes / 16; ++q) _mm_stream_si128(d + q, _mm_load_si128(s + q));
+    return;
+  }
+#endif
+  std::memcpy(dst, src, bytes);
+}
+
+inline void StreamFence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
 // The same sums, a vector V of T's lanes at a time (T summed as itself: f32, f64, the unsigned
 // integers), a block of kBlockBytes at a time: the block's partial sums stay in L1 while each
 // rank's x streams past in turn (one read stream at a time, as the prefetchers like). The order
-// of each element's sum is the scalar one, so are its bits.
+// of each element's sum is the scalar one, so are its bits. `stream`: write every y's block
+// past the caches (StreamCopy: no read for ownership of lines that would not stay cached).
 constexpr int64_t kBlockBytes = 16 * 1024;
 
 template <typename T, typename V>
 void SumNative(const std::vector<const void*>& xs, int64_t begin, int64_t end,
-               const std::vector<void*>& ys) {
+               const std::vector<void*>& ys, bool stream) {
   constexpr int64_t kLanes = int64_t(sizeof(V) / sizeof(T));
   constexpr int64_t kBlock = kBlockBytes / int64_t(sizeof(V));  // vectors per block
   T* first = static_cast<T*>(ys[0]);
@@ -90,11 +116,14 @@ void SumNative(const std::vector<const void*>& xs, int64_t begin, int64_t end,
       const T* xj = static_cast<const T*>(xs[j]) + i;
       for (int64_t v = 0; v < vectors; ++v) acc[v] += LoadLanes<V>(xj + v * kLanes);
     }
-    std::memcpy(first + i, acc, size_t(vectors) * sizeof(V));
+    const size_t block = size_t(vectors) * sizeof(V);
+    for (size_t k = 0; stream && k < ys.size(); ++k) StreamCopy(static_cast<T*>(ys[k]) + i, acc, block);
+    if (!stream) std::memcpy(first + i, acc, block);
     i += vectors * kLanes;
   }
   SumElements<T, T>(xs, i, end, ys, [](T v) { return v; }, [](T v) { return v; });
-  CopyToOthers<T>(begin, end, ys);
+  if (stream) StreamFence();
+  CopyToOthers<T>(stream ? i : begin, end, ys);
 }
 
 // bf16 summed in f32, 16 lanes at a time, rounded once (bf16_from_float's rounding, lane by
@@ -139,24 +168,25 @@ inline int SumComponents(ffi::DataType type) {
 }
 
 // Elements [begin, end) of every rank's x summed in rank order (16-bit floats in f32, rounded
-// once) into each of `ys`, for any type SumComponents takes.
+// once) into each of `ys`, for any type SumComponents takes (`stream`: SumNative's, where it
+// applies).
 inline void SumRanks(ffi::DataType type, const std::vector<const void*>& xs, int64_t begin,
-                     int64_t end, const std::vector<void*>& ys) {
+                     int64_t end, const std::vector<void*>& ys, bool stream = false) {
   switch (type) {
-    case ffi::F32: return SumNative<float, F32x16>(xs, begin, end, ys);
+    case ffi::F32: return SumNative<float, F32x16>(xs, begin, end, ys, stream);
     case ffi::BF16: return SumBf16(xs, begin, end, ys);
     case ffi::F16:
       SumElements<uint16_t, float>(
           xs, begin, end, ys, [](uint16_t v) { return f16_to_float(v); },
           [](float v) { return f16_from_float(v); });
       return CopyToOthers<uint16_t>(begin, end, ys);
-    case ffi::F64: return SumNative<double, F64x8>(xs, begin, end, ys);
-    case ffi::C64: return SumNative<float, F32x16>(xs, 2 * begin, 2 * end, ys);
-    case ffi::C128: return SumNative<double, F64x8>(xs, 2 * begin, 2 * end, ys);
-    case ffi::S8: case ffi::U8: return SumNative<uint8_t, U8x64>(xs, begin, end, ys);
-    case ffi::S16: case ffi::U16: return SumNative<uint16_t, U16x32>(xs, begin, end, ys);
-    case ffi::S32: case ffi::U32: return SumNative<uint32_t, U32x16>(xs, begin, end, ys);
-    default: return SumNative<uint64_t, U64x8>(xs, begin, end, ys);  // S64, U64
+    case ffi::F64: return SumNative<double, F64x8>(xs, begin, end, ys, stream);
+    case ffi::C64: return SumNative<float, F32x16>(xs, 2 * begin, 2 * end, ys, stream);
+    case ffi::C128: return SumNative<double, F64x8>(xs, 2 * begin, 2 * end, ys, stream);
+    case ffi::S8: case ffi::U8: return SumNative<uint8_t, U8x64>(xs, begin, end, ys, stream);
+    case ffi::S16: case ffi::U16: return SumNative<uint16_t, U16x32>(xs, begin, end, ys, stream);
+    case ffi::S32: case ffi::U32: return SumNative<uint32_t, U32x16>(xs, begin, end, ys, stream);
+    default: return SumNative<uint64_t, U64x8>(xs, begin, end, ys, stream);  // S64, U64
   }
 }
 
@@ -172,8 +202,9 @@ constexpr int64_t kPieceBytes = 16 * 1024;
 // thread that comes late finds no piece and touches nothing else.
 class PushSum : public std::enable_shared_from_this<PushSum> {
  public:
-  PushSum(ffi::DataType dtype, int64_t count, int64_t per_piece, int64_t size)
-      : dtype_(dtype), count_(count), per_piece_(per_piece),
+  // `stream`: write the sums past the caches (SumNative).
+  PushSum(ffi::DataType dtype, int64_t count, int64_t per_piece, int64_t size, bool stream)
+      : dtype_(dtype), stream_(stream), count_(count), per_piece_(per_piece),
         pieces_((count + per_piece - 1) / per_piece), left_(pieces_ + 1), calls_(size) {}
 
   // Rank `rank`'s barrier-0 continuation (`peers`: every rank's x, y and rank 0's state);
@@ -190,9 +221,12 @@ class PushSum : public std::enable_shared_from_this<PushSum> {
         xs[j] = peers[j][0];
         ys[j] = const_cast<void*>(peers[j][1]);
       }
-      for (size_t r = 0; share && r < calls_.size() && int64_t(r) < pieces_; ++r) {
+      // every other rank's thread (one per piece at most): each is woken at the end anyway, and
+      // one that is awake then sees the end sooner (more offers measured faster, not slower)
+      int64_t offers = share ? std::min<int64_t>(pieces_, int64_t(calls_.size())) - 1 : 0;
+      for (size_t r = 0; r < calls_.size() && offers > 0; ++r) {
         if (int32_t(r) == rank) continue;
-        calls_[r]->Offer([self = shared_from_this(), xs, ys] { self->Sum(xs, ys); });
+        offers -= calls_[r]->Offer([self = shared_from_this(), xs, ys] { self->Sum(xs, ys); });
       }
       Sum(xs, ys);
     } catch (const std::exception& e) {
@@ -208,7 +242,7 @@ class PushSum : public std::enable_shared_from_this<PushSum> {
   void Sum(const std::vector<const void*>& xs, const std::vector<void*>& ys) noexcept {
     int64_t summed = 0;
     for (int64_t k = next_.fetch_add(1); k < pieces_; k = next_.fetch_add(1), ++summed) {
-      SumRanks(dtype_, xs, k * per_piece_, std::min(count_, (k + 1) * per_piece_), ys);
+      SumRanks(dtype_, xs, k * per_piece_, std::min(count_, (k + 1) * per_piece_), ys, stream_);
     }
     if (summed > 0) Done(summed);
   }
@@ -226,6 +260,7 @@ class PushSum : public std::enable_shared_from_this<PushSum> {
     }
   }
   const ffi::DataType dtype_;
+  const bool stream_;
   const int64_t count_, per_piece_, pieces_;
   std::atomic<int64_t> next_{0}, left_, joined_{0};
   std::vector<std::shared_ptr<Call>> calls_;
@@ -234,6 +269,11 @@ class PushSum : public std::enable_shared_from_this<PushSum> {
 // The other ranks' threads are offered a share of an in-process two-shot sum once it reads
 // this many bytes of x (every rank's).
 constexpr int64_t kSharedSumBytes = 128 * 1024;
+
+// An in-process two-shot sum of this many bytes of x (every rank's) or more writes its sums past
+// the caches: its ranks' y would not stay cached for the program's next reads anyway, and the
+// stores then skip reading every line first (measured: docs/results/exact_p2p.md).
+constexpr int64_t kStreamedSumBytes = 64 * 1024 * 1024;
 
 // How long a handler of the in-process two-shot sum of `bytes` of x (every rank's) waits for
 // its call before it returns the future open (Call::AwaitInHandler): 2 ms, and the time to read
@@ -306,7 +346,10 @@ inline ffi::Future ExactAllReduceProtocol(const char* op, const GangFactory& joi
   if (push) {
     const int64_t per_piece = std::max<int64_t>(1, kPieceBytes / int64_t(item));
     std::shared_ptr<PushSum> sum;
-    if (rank == 0) sum = std::make_shared<PushSum>(dtype, count, per_piece, size);
+    if (rank == 0) {
+      sum = std::make_shared<PushSum>(dtype, count, per_piece, size,
+                                      size * bytes >= kStreamedSumBytes);
+    }
     const Spans published{mine[0], Span{out, y.size_bytes()}, Span{sum.get(), 0}, Span{}};
     const bool share = size * bytes >= kSharedSumBytes;
     call->ExpectAwait();

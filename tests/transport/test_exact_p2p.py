@@ -57,6 +57,20 @@ def test_ranks_identical_and_lax_bits(n, dtype, two_shot, per_rank):
     assert bits[0] == _shards_bits(ref)[0], "not lax.psum's bits"
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.int32])
+def test_sums_written_past_the_caches_keep_the_bits(dtype):
+    # 8 ranks of 2**21 + 5 values: 64 MiB of x in all, where the in-process two-shot sum writes
+    # past the caches (cpu_exact_sum.h kStreamedSumBytes), with a tail of scalar elements
+    n, per_rank = 8, 2 ** 21 + 5
+    mesh = _mesh(n)
+    host = (np.random.default_rng(7).standard_normal(n * per_rank) * 1e3).astype(dtype)
+    x = _sharded(mesh, jnp.asarray(host))
+    y = _run(mesh, lambda v: p2p.exact_all_reduce(v, ("i",), 60_000, True), x)
+    bits = _shards_bits(y)
+    assert all(b == bits[0] for b in bits), "ranks differ"
+    assert bits[0] == _shards_bits(_run(mesh, lambda v: lax.psum(v, "i"), x))[0]
+
+
 @pytest.mark.parametrize("two_shot", [False, True])
 def test_f16_sums_in_f32_and_rounds_once(two_shot):
     mesh = _mesh(8)
