@@ -102,25 +102,18 @@ class P2pTransport(_Collectives):
     SHM_LINK = Link(2.2e9, "shared", 110e-6, 0.0)
 
     #: The in-process exact all-reduce against ``lax.psum`` where no table measured it, from
-    #: benchmarks/collectives/allreduce_exact_p2p.py (Intel Xeon, 2 cores, 3 and 8 devices;
-    #: docs/transport.md, "The exact all-reduce"): up to :data:`EXACT_SMALL_BYTES` per rank
-    #: (:data:`EXACT_SMALL_BYTES_16` for 16-bit floats) lax's time times
-    #: :data:`EXACT_SMALL_RATIO` (measured 1.07-1.65x faster there in every run); 16-bit floats
-    #: from :data:`EXACT_NARROW_BYTES` at their own bytes, which lax moves as f32 (1.13-2.3x
-    #: faster); other dtypes from :data:`EXACT_WIDE_BYTES` over at most
-    #: :data:`EXACT_WIDE_RANKS` ranks lax's time times :data:`EXACT_WIDE_RATIO` (f32 measured
-    #: 1.00-1.20x at 512 KiB-64 MiB on 3 devices, and the 553 KB prefill all-reduces of
-    #: SmolLM2 at TP=3 ran faster in the model, benchmarks/autotune/auto_vs_fixed.py; on 8
-    #: devices 0.94-1.01x); elsewhere lax's time times :data:`EXACT_LARGE_RATIO` (f32 at
-    #: 128 KiB 0.87-1.01x, bf16 at 32 KiB 0.71-0.76x on 3 devices): lax is kept there.
+    #: benchmarks/collectives/allreduce_exact_p2p.py (Intel Xeon, 2 cores, 3 and 8 devices, two
+    #: runs; docs/transport.md, "The exact all-reduce"): up to :data:`EXACT_SMALL_BYTES` per
+    #: rank (:data:`EXACT_SMALL_BYTES_16` for 16-bit floats) lax's time times
+    #: :data:`EXACT_SMALL_RATIO` (measured 1.36-2.46x faster there); 16-bit floats from
+    #: :data:`EXACT_NARROW_BYTES` at their own bytes, which lax moves as f32 (1.19-2.21x
+    #: faster); elsewhere lax's time times :data:`EXACT_RATIO` (1.01-1.45x faster, the least
+    #: at 128 KiB-2 MiB).
     EXACT_SMALL_BYTES = 32 * 1024
     EXACT_SMALL_BYTES_16 = 8 * 1024
-    EXACT_NARROW_BYTES = 128 * 1024
-    EXACT_WIDE_BYTES = 256 * 1024
-    EXACT_WIDE_RANKS = 4
-    EXACT_SMALL_RATIO = 0.94
-    EXACT_WIDE_RATIO = 0.97
-    EXACT_LARGE_RATIO = 1.05
+    EXACT_NARROW_BYTES = 512 * 1024
+    EXACT_SMALL_RATIO = 0.75
+    EXACT_RATIO = 0.97
 
     def unavailable(self, call: Call, exact: bool) -> str | None:
         if exact:
@@ -140,9 +133,7 @@ class P2pTransport(_Collectives):
         if narrow and call.nbytes >= self.EXACT_NARROW_BYTES:
             as_is = dataclasses.replace(call, dtype="float32")
             return xla.model_s(as_is, True, lax_link, codec_pass_s)
-        if call.nbytes >= self.EXACT_WIDE_BYTES and call.n <= self.EXACT_WIDE_RANKS:
-            return xla.model_s(call, True, lax_link, codec_pass_s) * self.EXACT_WIDE_RATIO
-        return xla.model_s(call, True, lax_link, codec_pass_s) * self.EXACT_LARGE_RATIO
+        return xla.model_s(call, True, lax_link, codec_pass_s) * self.EXACT_RATIO
 
     def link(self, call: Call, table) -> Link:
         if call.platform != "cpu":
