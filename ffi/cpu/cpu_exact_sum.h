@@ -275,6 +275,12 @@ constexpr int64_t kSharedSumBytes = 128 * 1024;
 // stores then skip reading every line first (measured: docs/results/exact_p2p.md).
 constexpr int64_t kStreamedSumBytes = 64 * 1024 * 1024;
 
+// The handlers of an in-process two-shot sum of this many bytes of x (every rank's) or more
+// await their calls (Call::AwaitInHandler); below it they return at once and the calls complete
+// on the completion threads (measured faster in a model's decode step, where the ranks' steps
+// between two all-reduces are short and a blocked handler thread costs more than a hand-over).
+constexpr int64_t kAwaitedSumBytes = 64 * 1024;
+
 // How long a handler of the in-process two-shot sum of `bytes` of x (every rank's) waits for
 // its call before it returns the future open (Call::AwaitInHandler): 2 ms, and the time to read
 // those bytes at 4 GB/s (peers in step come within it; a wait for peers that reach collectives
@@ -352,12 +358,13 @@ inline ffi::Future ExactAllReduceProtocol(const char* op, const GangFactory& joi
     }
     const Spans published{mine[0], Span{out, y.size_bytes()}, Span{sum.get(), 0}, Span{}};
     const bool share = size * bytes >= kSharedSumBytes;
-    call->ExpectAwait();
+    const bool await = size * bytes >= kAwaitedSumBytes;
+    if (await) call->ExpectAwait();
     call->Arrive(0, published, [=](const std::vector<Published>& peers) {
       (void)sum;
       static_cast<PushSum*>(const_cast<void*>(peers[0][2]))->Join(rank, call, peers, share);
     }, 0, /*inline_next=*/true);
-    call->AwaitInHandler(AwaitInHandlerLimit(size * bytes));
+    if (await) call->AwaitInHandler(AwaitInHandlerLimit(size * bytes));
     return done;
   }
   call->Arrive(0, mine, [=](const std::vector<Published>& peers) {
