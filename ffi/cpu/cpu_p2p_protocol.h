@@ -36,10 +36,7 @@
 namespace flashcomm {
 namespace cpu {
 
-namespace ffi = xla::ffi;
-using p2p::Published;
-using shm::Span;
-using shm::Spans;
+// ffi, Published, Span and Spans: cpu_call.h
 
 // Completes `promise` from the completion threads (XLA continues the program on the thread
 // that completes the future: never a copy thread): with Internal(`error`), or available when
