@@ -21,6 +21,10 @@ namespace cpu {
 
 enum class DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
+// What the exact all-reduce sums (cpu_sum_lanes.h): the signed integers as the unsigned ones
+// of their width (two's complement wraps alike), complex as its components.
+enum class SumType : int32_t { kF32, kBF16, kF16, kF64, kU8, kU16, kU32, kU64 };
+
 // The fused epilogue of the all-reduce (docs/fused_norm.md): a decoded payload of rows * hidden
 // values (plus padding) + residual -> new residual; RMSNorm with weight -> out, or (out null)
 // the normalised rows quantized to out_bits in groups of out_group_size (no rotation, no
@@ -99,6 +103,11 @@ struct CodecKernels {
   // The same sums (no rotation back) re-quantized in out_format with out_spikes.
   size_t (*fp_dequantize_sum_quantize)(const FpChunks& in, int32_t out_format, int out_spikes,
                                        uint8_t* records, int64_t begin, int64_t end);
+  // The exact all-reduce's sum: values [begin, end) of the n_xs ranks' x (xs, rank order)
+  // summed in rank order (16-bit floats in f32, rounded once) into every one of the n_ys ys;
+  // `stream`: written past the caches (x86 non-temporal stores). Allocates nothing.
+  void (*sum_ranks)(SumType type, const void* const* xs, int64_t n_xs, int64_t begin,
+                    int64_t end, void* const* ys, int64_t n_ys, bool stream);
 };
 
 // The table in use (chosen on first use; see set_isa).

@@ -4,7 +4,8 @@
 // chunk r of every rank's x into its own y, then every rank copies the other chunks from their
 // owners' y.
 // Written once over a Gang: the devices of one process (p2p_handlers.cc) and processes of one
-// host over shared memory (shm_handlers.cc) run it alike.
+// host over shared memory (shm_handlers.cc) run it alike. The sums themselves are the
+// instruction-set builds' (cpu_sum_lanes.h, through cpu_dispatch.h's table).
 #ifndef FLASHCOMM_CPU_EXACT_SUM_H_
 #define FLASHCOMM_CPU_EXACT_SUM_H_
 
@@ -17,139 +18,12 @@
 #include <string>
 #include <vector>
 
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
-
+#include "cpu/cpu_dispatch.h"
 #include "cpu/cpu_p2p_protocol.h"
-#include "flashcomm/codec.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace flashcomm {
 namespace cpu {
-
-// 64 bytes of lanes (GCC / Clang vector extensions: every target lowers them, SSE2 to AVX-512
-// and NEON, one instruction or several per operation).
-typedef float F32x16 __attribute__((vector_size(64)));
-typedef double F64x8 __attribute__((vector_size(64)));
-typedef uint8_t U8x64 __attribute__((vector_size(64)));
-typedef uint16_t U16x32 __attribute__((vector_size(64)));
-typedef uint32_t U32x16 __attribute__((vector_size(64)));
-typedef uint64_t U64x8 __attribute__((vector_size(64)));
-typedef uint16_t U16x16 __attribute__((vector_size(32)));
-
-template <typename V, typename T>
-inline V LoadLanes(const T* p) {
-  V v;
-  std::memcpy(&v, p, sizeof(V));
-  return v;
-}
-
-// The first y's values [begin, end) copied into every other y, one pass each (a long memcpy
-// streams faster than many short ones).
-template <typename T>
-void CopyToOthers(int64_t begin, int64_t end, const std::vector<void*>& ys) {
-  for (size_t k = 1; k < ys.size(); ++k) {
-    std::memcpy(static_cast<T*>(ys[k]) + begin, static_cast<const T*>(ys[0]) + begin,
-                size_t(end - begin) * sizeof(T));
-  }
-}
-
-// Values [begin, end) of every rank's x (xs, rank order) summed into each of `ys`, element by
-// element: acc = load(x_0), then acc = acc + load(x_j) for j = 1..N-1 in order, and store(acc)
-// written to every y. T: the stored type; A: the accumulator (f32 for the 16-bit floats; for
-// integers T itself, wrapping as XLA's do: unsigned arithmetic, two's complement). One element
-// at a time: the dtypes without lanes below (f16) and the tails.
-template <typename T, typename A, typename Load, typename Store>
-void SumElements(const std::vector<const void*>& xs, int64_t begin, int64_t end,
-                 const std::vector<void*>& ys, Load load, Store store) {
-  T* first = static_cast<T*>(ys[0]);
-  for (int64_t i = begin; i < end; ++i) {
-    A acc = load(static_cast<const T*>(xs[0])[i]);
-    for (size_t j = 1; j < xs.size(); ++j) acc = A(acc + load(static_cast<const T*>(xs[j])[i]));
-    first[i] = store(acc);
-  }
-}
-
-// `bytes` from `src` (16-byte aligned) to `dst` with stores that bypass the caches (x86's
-// non-temporal stores; elsewhere, or unaligned, a memcpy). Followed by StreamFence before the
-// values are handed on.
-inline void StreamCopy(void* dst, const void* src, size_t bytes) {
-#if defined(__SSE2__)
-  if ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes) % 16 == 0) {
-    auto* d = static_cast<__m128i*>(dst);
-    const auto* s = static_cast<const __m128i*>(src);
-    for (size_t q = 0; q < bytes / 16; ++q) _mm_stream_si128(d + q, _mm_load_si128(s + q));
-    return;
-  }
-#endif
-  std::memcpy(dst, src, bytes);
-}
-
-inline void StreamFence() {
-#if defined(__SSE2__)
-  _mm_sfence();
-#endif
-}
-
-// The same sums, a vector V of T's lanes at a time (T summed as itself: f32, f64, the unsigned
-// integers), a block of kBlockBytes at a time: the block's partial sums stay in L1 while each
-// rank's x streams past in turn (one read stream at a time, as the prefetchers like). The order
-// of each element's sum is the scalar one, so are its bits. `stream`: write every y's block
-// past the caches (StreamCopy: no read for ownership of lines that would not stay cached).
-constexpr int64_t kBlockBytes = 16 * 1024;
-
-template <typename T, typename V>
-void SumNative(const std::vector<const void*>& xs, int64_t begin, int64_t end,
-               const std::vector<void*>& ys, bool stream) {
-  constexpr int64_t kLanes = int64_t(sizeof(V) / sizeof(T));
-  constexpr int64_t kBlock = kBlockBytes / int64_t(sizeof(V));  // vectors per block
-  T* first = static_cast<T*>(ys[0]);
-  V acc[kBlock];
-  int64_t i = begin;
-  while (i + kLanes <= end) {
-    const int64_t vectors = std::min<int64_t>(kBlock, (end - i) / kLanes);
-    const T* x0 = static_cast<const T*>(xs[0]) + i;
-    for (int64_t v = 0; v < vectors; ++v) acc[v] = LoadLanes<V>(x0 + v * kLanes);
-    for (size_t j = 1; j < xs.size(); ++j) {
-      const T* xj = static_cast<const T*>(xs[j]) + i;
-      for (int64_t v = 0; v < vectors; ++v) acc[v] += LoadLanes<V>(xj + v * kLanes);
-    }
-    const size_t block = size_t(vectors) * sizeof(V);
-    for (size_t k = 0; stream && k < ys.size(); ++k) StreamCopy(static_cast<T*>(ys[k]) + i, acc, block);
-    if (!stream) std::memcpy(first + i, acc, block);
-    i += vectors * kLanes;
-  }
-  SumElements<T, T>(xs, i, end, ys, [](T v) { return v; }, [](T v) { return v; });
-  if (stream) StreamFence();
-  CopyToOthers<T>(stream ? i : begin, end, ys);
-}
-
-// bf16 summed in f32, 16 lanes at a time, rounded once (bf16_from_float's rounding, lane by
-// lane: nearest even, NaN kept quiet).
-inline void SumBf16(const std::vector<const void*>& xs, int64_t begin, int64_t end,
-                    const std::vector<void*>& ys) {
-  constexpr int64_t kLanes = 16;
-  auto widen = [](const uint16_t* p) {
-    return F32x16(__builtin_convertvector(LoadLanes<U16x16>(p), U32x16) << 16);
-  };
-  uint16_t* first = static_cast<uint16_t*>(ys[0]);
-  int64_t i = begin;
-  for (; i + kLanes <= end; i += kLanes) {
-    F32x16 acc = widen(static_cast<const uint16_t*>(xs[0]) + i);
-    for (size_t j = 1; j < xs.size(); ++j) acc += widen(static_cast<const uint16_t*>(xs[j]) + i);
-    const U32x16 u = U32x16(acc);
-    const U32x16 nearest = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    const U32x16 quiet = (u >> 16) | 0x0040u;
-    const U32x16 bits = ((u & 0x7FFFFFFFu) > 0x7F800000u) ? quiet : nearest;
-    const U16x16 out = __builtin_convertvector(bits, U16x16);
-    std::memcpy(first + i, &out, sizeof(out));
-  }
-  SumElements<uint16_t, float>(
-      xs, i, end, ys, [](uint16_t v) { return bf16_to_float(v); },
-      [](float v) { return bf16_from_float(v); });
-  CopyToOthers<uint16_t>(begin, end, ys);
-}
 
 // The element types the exact all-reduce sums, and how many components of a summed type one
 // element is (complex: 2); 0 for a type it does not take.
@@ -166,27 +40,28 @@ inline int SumComponents(ffi::DataType type) {
   }
 }
 
+// What `type` is summed as (SumType; complex: its components). SumComponents(type) > 0.
+inline SumType SumTypeOf(ffi::DataType type) {
+  switch (type) {
+    case ffi::F32: case ffi::C64: return SumType::kF32;
+    case ffi::BF16: return SumType::kBF16;
+    case ffi::F16: return SumType::kF16;
+    case ffi::F64: case ffi::C128: return SumType::kF64;
+    case ffi::S8: case ffi::U8: return SumType::kU8;
+    case ffi::S16: case ffi::U16: return SumType::kU16;
+    case ffi::S32: case ffi::U32: return SumType::kU32;
+    default: return SumType::kU64;  // S64, U64
+  }
+}
+
 // Elements [begin, end) of every rank's x summed in rank order (16-bit floats in f32, rounded
-// once) into each of `ys`, for any type SumComponents takes (`stream`: SumNative's, where it
-// applies).
+// once) into each of `ys`, for any type SumComponents takes, by the instruction-set build in
+// use (cpu_dispatch.h; `stream`: written past the caches).
 inline void SumRanks(ffi::DataType type, const std::vector<const void*>& xs, int64_t begin,
                      int64_t end, const std::vector<void*>& ys, bool stream = false) {
-  switch (type) {
-    case ffi::F32: return SumNative<float, F32x16>(xs, begin, end, ys, stream);
-    case ffi::BF16: return SumBf16(xs, begin, end, ys);
-    case ffi::F16:
-      SumElements<uint16_t, float>(
-          xs, begin, end, ys, [](uint16_t v) { return f16_to_float(v); },
-          [](float v) { return f16_from_float(v); });
-      return CopyToOthers<uint16_t>(begin, end, ys);
-    case ffi::F64: return SumNative<double, F64x8>(xs, begin, end, ys, stream);
-    case ffi::C64: return SumNative<float, F32x16>(xs, 2 * begin, 2 * end, ys, stream);
-    case ffi::C128: return SumNative<double, F64x8>(xs, 2 * begin, 2 * end, ys, stream);
-    case ffi::S8: case ffi::U8: return SumNative<uint8_t, U8x64>(xs, begin, end, ys, stream);
-    case ffi::S16: case ffi::U16: return SumNative<uint16_t, U16x32>(xs, begin, end, ys, stream);
-    case ffi::S32: case ffi::U32: return SumNative<uint32_t, U32x16>(xs, begin, end, ys, stream);
-    default: return SumNative<uint64_t, U64x8>(xs, begin, end, ys, stream);  // S64, U64
-  }
+  const int64_t components = SumComponents(type);
+  kernels().sum_ranks(SumTypeOf(type), xs.data(), int64_t(xs.size()), components * begin,
+                      components * end, ys.data(), int64_t(ys.size()), stream);
 }
 
 // The values of one piece of the in-process two-shot sum (ExactAllReduceProtocol).

@@ -26,6 +26,7 @@
 #include "cpu/cpu_norm.h"
 #include "cpu/cpu_rotation.h"
 #include "cpu/cpu_spikes.h"
+#include "cpu/cpu_sum_lanes.h"
 
 #if !defined(FLASHCOMM_ISA) || !defined(FLASHCOMM_LANES)
 #error "compile with -DFLASHCOMM_ISA=isa_<name> -DFLASHCOMM_LANES=<16, 8 or 4>"
@@ -590,7 +591,7 @@ const CodecKernels& isa_kernels() {
   static const CodecKernels table = {FC_STRING(FLASHCOMM_ISA) + 4, Quantize, Dequantize, DequantizeSum,
                                      DequantizeSumQuantize, DequantizeInto,
                                      AddRmsNorm, FpQuantize, FpDequantize,
-                                     FpDequantizeSum, FpDequantizeSumQuantize};
+                                     FpDequantizeSum, FpDequantizeSumQuantize, sum_ranks};
   return table;
 }
 
