@@ -6,8 +6,9 @@
 
 Per mesh size (CPU devices of this process), dtype and message size (bytes per rank, 2 KiB to
 64 MiB by default) it times three programs, each ``k`` chained calls in a ``fori_loop`` (the
-cost of a call inside a model's program, not of a program's launch; ``k`` = 1 MiB / size, 1 to
-32): ``lax.psum``, :func:`jax_flashcomm.transport.p2p.exact_all_reduce` with one shot and with
+cost of a call inside a model's program, not of a program's launch; ``k`` = 1 MiB / size, 4 to
+32: a single call would also time the program's copy of its argument and the allocation of its
+result): ``lax.psum``, :func:`jax_flashcomm.transport.p2p.exact_all_reduce` with one shot and with
 two shots. The three run in turn, round after round, for ``--seconds`` per size (at least 3
 rounds; so a slow spell of the machine hits all three alike); each reports its median. Every
 size also checks that every rank's result has the same bits, and whether they are
@@ -92,7 +93,7 @@ def run(args) -> list:
         for dtype in args.dtypes:
             for size in args.sizes:
                 m = max(size // np.dtype(dtype).itemsize, 1)
-                k = max(1, min(32, MIB // size))
+                k = max(4, min(32, MIB // size))
                 host = np.random.default_rng(0).standard_normal((n * m,)).astype(dtype)
                 x = jax.device_put(jnp.asarray(host), NamedSharding(mesh, P("x")))
                 chained, once = _programs(mesh, k)

@@ -104,10 +104,11 @@ struct CodecKernels {
   size_t (*fp_dequantize_sum_quantize)(const FpChunks& in, int32_t out_format, int out_spikes,
                                        uint8_t* records, int64_t begin, int64_t end);
   // The exact all-reduce's sum: values [begin, end) of the n_xs ranks' x (xs, rank order)
-  // summed in rank order (16-bit floats in f32, rounded once) into every one of the n_ys ys;
-  // `stream`: written past the caches (x86 non-temporal stores). Allocates nothing.
+  // summed in rank order (16-bit floats in f32, rounded once) into every one of the n_ys ys
+  // (which may be the xs: each block is read from every x before any y is written). Allocates
+  // nothing.
   void (*sum_ranks)(SumType type, const void* const* xs, int64_t n_xs, int64_t begin,
-                    int64_t end, void* const* ys, int64_t n_ys, bool stream);
+                    int64_t end, void* const* ys, int64_t n_ys);
 };
 
 // The table in use (chosen on first use; see set_isa).

@@ -55,13 +55,13 @@ inline SumType SumTypeOf(ffi::DataType type) {
 }
 
 // Elements [begin, end) of every rank's x summed in rank order (16-bit floats in f32, rounded
-// once) into each of `ys`, for any type SumComponents takes, by the instruction-set build in
-// use (cpu_dispatch.h; `stream`: written past the caches).
+// once) into each of `ys` (which may be the xs), for any type SumComponents takes, by the
+// instruction-set build in use (cpu_dispatch.h).
 inline void SumRanks(ffi::DataType type, const std::vector<const void*>& xs, int64_t begin,
-                     int64_t end, const std::vector<void*>& ys, bool stream = false) {
+                     int64_t end, const std::vector<void*>& ys) {
   const int64_t components = SumComponents(type);
   kernels().sum_ranks(SumTypeOf(type), xs.data(), int64_t(xs.size()), components * begin,
-                      components * end, ys.data(), int64_t(ys.size()), stream);
+                      components * end, ys.data(), int64_t(ys.size()));
 }
 
 // The values of one piece of the in-process two-shot sum (ExactAllReduceProtocol).
@@ -76,9 +76,8 @@ constexpr int64_t kPieceBytes = 16 * 1024;
 // thread that comes late finds no piece and touches nothing else.
 class PushSum : public std::enable_shared_from_this<PushSum> {
  public:
-  // `stream`: write the sums past the caches (SumNative).
-  PushSum(ffi::DataType dtype, int64_t count, int64_t per_piece, int64_t size, bool stream)
-      : dtype_(dtype), stream_(stream), count_(count), per_piece_(per_piece),
+  PushSum(ffi::DataType dtype, int64_t count, int64_t per_piece, int64_t size)
+      : dtype_(dtype), count_(count), per_piece_(per_piece),
         pieces_((count + per_piece - 1) / per_piece), left_(pieces_ + 1), calls_(size) {}
 
   // Rank `rank`'s barrier-0 continuation (`peers`: every rank's x, y and rank 0's state);
@@ -116,7 +115,7 @@ class PushSum : public std::enable_shared_from_this<PushSum> {
   void Sum(const std::vector<const void*>& xs, const std::vector<void*>& ys) noexcept {
     int64_t summed = 0;
     for (int64_t k = next_.fetch_add(1); k < pieces_; k = next_.fetch_add(1), ++summed) {
-      SumRanks(dtype_, xs, k * per_piece_, std::min(count_, (k + 1) * per_piece_), ys, stream_);
+      SumRanks(dtype_, xs, k * per_piece_, std::min(count_, (k + 1) * per_piece_), ys);
     }
     if (summed > 0) Done(summed);
   }
@@ -134,7 +133,6 @@ class PushSum : public std::enable_shared_from_this<PushSum> {
     }
   }
   const ffi::DataType dtype_;
-  const bool stream_;
   const int64_t count_, per_piece_, pieces_;
   std::atomic<int64_t> next_{0}, left_, joined_{0};
   std::vector<std::shared_ptr<Call>> calls_;
@@ -143,11 +141,6 @@ class PushSum : public std::enable_shared_from_this<PushSum> {
 // The other ranks' threads are offered a share of an in-process two-shot sum once it reads
 // this many bytes of x (every rank's).
 constexpr int64_t kSharedSumBytes = 128 * 1024;
-
-// An in-process two-shot sum of this many bytes of x (every rank's) or more writes its sums past
-// the caches: its ranks' y would not stay cached for the program's next reads anyway, and the
-// stores then skip reading every line first (measured: docs/results/exact_p2p.md).
-constexpr int64_t kStreamedSumBytes = 64 * 1024 * 1024;
 
 // The handlers of an in-process two-shot sum of this many bytes of x (every rank's) or more
 // await their calls (Call::AwaitInHandler); below it they return at once and the calls complete
@@ -173,7 +166,7 @@ inline bool TwoShotBySize(int32_t two_shot, int64_t two_shot_bytes, int64_t byte
 // target in errors). Completes the future once every peer is done with this rank's buffers.
 // `one_space`: the ranks share this address space (devices of one process), so the two-shot
 // sums go straight into every rank's y, piece by piece, by whichever rank takes the piece (two
-// barriers, no second read); else (processes) rank r sums chunk r and every rank copies the
+// barriers, no second read; y may be x: jax_flashcomm.transport.p2p aliases them); else (processes) rank r sums chunk r and every rank copies the
 // other chunks from their owners' published sums.
 inline ffi::Future ExactAllReduceProtocol(const char* op, const GangFactory& join, int32_t rank,
                                           const ffi::AnyBuffer& x, ffi::AnyBuffer& y,
@@ -199,10 +192,15 @@ inline ffi::Future ExactAllReduceProtocol(const char* op, const GangFactory& joi
   if (y.element_count() != x.element_count() || y.element_type() != x.element_type()) {
     return Failed(ffi::Error::InvalidArgument(std::string(op) + ": y must be x's shape"));
   }
+  const bool push = two_shot && one_space;
+  if (y.untyped_data() == x.untyped_data() && !push && x.size_bytes() > 0) {
+    return Failed(ffi::Error::InvalidArgument(
+        std::string(op) + ": y aliases x, and only the two-shot sum of one address space "
+        "runs in place"));
+  }
   const int64_t count = int64_t(x.element_count());
   const size_t item = x.size_bytes() / std::max<size_t>(x.element_count(), 1);
   std::string error;
-  const bool push = two_shot && one_space;
   auto call = Call::Join(op, rank, join, two_shot && !push ? 3 : 2,
                          Describe({4, int64_t(x.element_type()), count, size, two_shot}), &error);
   if (!call) return Failed(ffi::Error::Internal(std::string(op) + ": " + error));
@@ -227,8 +225,7 @@ inline ffi::Future ExactAllReduceProtocol(const char* op, const GangFactory& joi
     const int64_t per_piece = std::max<int64_t>(1, kPieceBytes / int64_t(item));
     std::shared_ptr<PushSum> sum;
     if (rank == 0) {
-      sum = std::make_shared<PushSum>(dtype, count, per_piece, size,
-                                      size * bytes >= kStreamedSumBytes);
+      sum = std::make_shared<PushSum>(dtype, count, per_piece, size);
     }
     const Spans published{mine[0], Span{out, y.size_bytes()}, Span{sum.get(), 0}, Span{}};
     const bool share = size * bytes >= kSharedSumBytes;

@@ -56,27 +56,13 @@ FC_ALWAYS_INLINE void sum_elements(const void* const* xs, int64_t n_xs, int64_t 
   }
 }
 
-// `bytes` from `src` (16-byte aligned) to `dst` with stores that bypass the caches (x86's
-// non-temporal stores; elsewhere, or unaligned, a memcpy); fenced by the caller.
-FC_ALWAYS_INLINE void stream_copy(void* dst, const void* src, size_t bytes) {
-#if defined(FC_X86)
-  if ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes) % 16 == 0) {
-    auto* d = static_cast<__m128i*>(dst);
-    const auto* s = static_cast<const __m128i*>(src);
-    for (size_t q = 0; q < bytes / 16; ++q) _mm_stream_si128(d + q, _mm_load_si128(s + q));
-    return;
-  }
-#endif
-  std::memcpy(dst, src, bytes);
-}
-
 // T summed as itself (f32, f64, the unsigned integers), a vector V at a time, a block of 16 KiB
 // at a time: the block's partial sums stay in L1 while each rank's x streams past in turn (one
-// read stream at a time, as the prefetchers like). `stream`: every y's block written past the
-// caches (no read for ownership of lines that would not stay cached).
+// read stream at a time, as the prefetchers like). A block is read from every x before any y
+// is written, so the ys may be the xs (the in-process sum runs in place).
 template <typename T, typename V>
 FC_ALWAYS_INLINE void sum_native(const void* const* xs, int64_t n_xs, int64_t begin, int64_t end,
-                                 void* const* ys, int64_t n_ys, bool stream) {
+                                 void* const* ys, int64_t n_ys) {
   constexpr int64_t kVectorLanes = int64_t(sizeof(V) / sizeof(T));
   constexpr int64_t kBlock = 16 * 1024 / int64_t(sizeof(V));  // vectors per block
   T* first = static_cast<T*>(ys[0]);
@@ -91,16 +77,11 @@ FC_ALWAYS_INLINE void sum_native(const void* const* xs, int64_t n_xs, int64_t be
       const T* xj = static_cast<const T*>(xs[j]) + i;
       for (int64_t v = 0; v < vectors; ++v) acc[v] += load_vector<V>(xj + v * kVectorLanes);
     }
-    const size_t block = size_t(vectors) * sizeof(V);
-    for (int64_t k = 0; stream && k < n_ys; ++k) stream_copy(static_cast<T*>(ys[k]) + i, acc, block);
-    if (!stream) std::memcpy(first + i, acc, block);
+    std::memcpy(first + i, acc, size_t(vectors) * sizeof(V));
     i += vectors * kVectorLanes;
   }
   sum_elements<T, T>(xs, n_xs, i, end, first, [](T v) { return v; }, [](T v) { return v; });
-#if defined(FC_X86)
-  if (stream) _mm_sfence();
-#endif
-  copy_to_others<T>(stream ? i : begin, end, ys, n_ys);
+  copy_to_others<T>(begin, end, ys, n_ys);
 }
 
 // bf16 summed in f32, kLanes at a time, rounded once (bf16_from_float's rounding, lane by lane:
@@ -124,9 +105,9 @@ FC_ALWAYS_INLINE void sum_bf16(const void* const* xs, int64_t n_xs, int64_t begi
 
 // The sum of `type` (complex: its components, `begin` and `end` counting them) into every y.
 inline void sum_ranks(SumType type, const void* const* xs, int64_t n_xs, int64_t begin,
-                      int64_t end, void* const* ys, int64_t n_ys, bool stream) {
+                      int64_t end, void* const* ys, int64_t n_ys) {
   switch (type) {
-    case SumType::kF32: return sum_native<float, Lanes>(xs, n_xs, begin, end, ys, n_ys, stream);
+    case SumType::kF32: return sum_native<float, Lanes>(xs, n_xs, begin, end, ys, n_ys);
     case SumType::kBF16: return sum_bf16(xs, n_xs, begin, end, ys, n_ys);
     case SumType::kF16:
       sum_elements<uint16_t, float>(
@@ -134,15 +115,15 @@ inline void sum_ranks(SumType type, const void* const* xs, int64_t n_xs, int64_t
           [](float v) { return f16_from_float(v); });
       return copy_to_others<uint16_t>(begin, end, ys, n_ys);
     case SumType::kF64:
-      return sum_native<double, F64Lanes>(xs, n_xs, begin, end, ys, n_ys, stream);
+      return sum_native<double, F64Lanes>(xs, n_xs, begin, end, ys, n_ys);
     case SumType::kU8:
-      return sum_native<uint8_t, U8Lanes>(xs, n_xs, begin, end, ys, n_ys, stream);
+      return sum_native<uint8_t, U8Lanes>(xs, n_xs, begin, end, ys, n_ys);
     case SumType::kU16:
-      return sum_native<uint16_t, U16Lanes>(xs, n_xs, begin, end, ys, n_ys, stream);
+      return sum_native<uint16_t, U16Lanes>(xs, n_xs, begin, end, ys, n_ys);
     case SumType::kU32:
-      return sum_native<uint32_t, ULanes>(xs, n_xs, begin, end, ys, n_ys, stream);
+      return sum_native<uint32_t, ULanes>(xs, n_xs, begin, end, ys, n_ys);
     case SumType::kU64:
-      return sum_native<uint64_t, U64Lanes>(xs, n_xs, begin, end, ys, n_ys, stream);
+      return sum_native<uint64_t, U64Lanes>(xs, n_xs, begin, end, ys, n_ys);
   }
 }
 

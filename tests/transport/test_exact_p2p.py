@@ -58,10 +58,10 @@ def test_ranks_identical_and_lax_bits(n, dtype, two_shot, per_rank):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.int32])
-def test_sums_written_past_the_caches_keep_the_bits(dtype):
-    # 8 ranks of 2**21 + 5 values: 64 MiB of x in all, where the in-process two-shot sum writes
-    # past the caches (cpu_exact_sum.h kStreamedSumBytes), with a tail of scalar elements
-    n, per_rank = 8, 2 ** 21 + 5
+def test_sums_of_many_pieces_with_a_tail_keep_the_bits(dtype):
+    # 8 ranks of 2**19 + 5 values: many 16 KiB pieces (cpu_exact_sum.h kPieceBytes) summed in
+    # place by several threads, and a tail of scalar elements
+    n, per_rank = 8, 2 ** 19 + 5
     mesh = _mesh(n)
     host = (np.random.default_rng(7).standard_normal(n * per_rank) * 1e3).astype(dtype)
     x = _sharded(mesh, jnp.asarray(host))
@@ -69,6 +69,41 @@ def test_sums_written_past_the_caches_keep_the_bits(dtype):
     bits = _shards_bits(y)
     assert all(b == bits[0] for b in bits), "ranks differ"
     assert bits[0] == _shards_bits(_run(mesh, lambda v: lax.psum(v, "i"), x))[0]
+
+
+@pytest.mark.parametrize("per_rank", [1000, 70_000])
+def test_in_place_sum_leaves_an_operand_still_in_use_intact(per_rank):
+    # the in-process two-shot sum writes over its operand: an operand the program reads again
+    # (here: returned, and summed a second time) must be copied for it first
+    n = 8
+    mesh = _mesh(n)
+    host = np.random.default_rng(3).standard_normal(n * per_rank).astype(np.float32)
+    x = _sharded(mesh, jnp.asarray(host))
+
+    def body(v):
+        w = v * 2.0
+        first = p2p.exact_all_reduce(w, ("i",), 60_000, True)
+        second = p2p.exact_all_reduce(w, ("i",), 60_000, True)
+        return first, second, w
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=(P(), P(), P("i"))))
+    first, second, w = f(x)
+    np.testing.assert_array_equal(np.asarray(w), host * 2.0)
+    want = _run(mesh, lambda v: lax.psum(v * 2.0, "i"), x)
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(second), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(x), host)  # the program's argument, too
+
+
+def test_in_place_sum_aliases_its_operand_in_the_program():
+    mesh = _mesh(8)
+    x = _sharded(mesh, jnp.zeros(8 * 1000, jnp.float32))
+    text = jax.jit(jax.shard_map(lambda v: p2p.exact_all_reduce(v * 2.0, ("i",), 60_000, True),
+                                 mesh=mesh, in_specs=P("i"), out_specs=P())).lower(x).as_text()
+    assert "output_operand_aliases" in text or "output_operand_alias" in text
+    one = jax.jit(jax.shard_map(lambda v: p2p.exact_all_reduce(v * 2.0, ("i",), 60_000, False),
+                                mesh=mesh, in_specs=P("i"), out_specs=P())).lower(x).as_text()
+    assert "output_operand_alias" not in one  # one shot: every rank reads every x to the end
 
 
 @pytest.mark.parametrize("two_shot", [False, True])
