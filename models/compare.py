@@ -12,7 +12,7 @@ The weights are loaded once; each setting gets its own compiled engine. For each
 perplexity over the text windows, greedy continuations of the prompts, stopped at EOS (and how
 many of their tokens match the first setting's before the first difference, the table's
 "greedy match", and position by position), TTFT and decode tokens/s of the first prompt (with
-``--rounds R``: its generation timed R times per setting, the settings in turn), and the bytes
+``--rounds R``: R rounds, the settings' generations advanced a token at a time in turn), and the bytes
 each rank sends in one decode step's all-reduces.
 """
 
@@ -55,9 +55,9 @@ def matching(a, b) -> tuple[int, int]:
 def run(model, ckpt, mesh, settings, *, text=None, window=512, max_windows=6, prompts=(),
         max_new_tokens=32, rounds: int = 1, log=sys.stderr) -> list[dict]:
     """One row per setting (module docstring); with ``rounds > 1`` the first prompt's
-    generation runs ``rounds`` times per setting, the settings in turn (the order rotated each
-    round) so that the machine's slow spells hit them alike: TTFT is the median of the rounds,
-    tokens/s of all their decode steps."""
+    generation is timed in ``rounds`` rounds (:func:`interleaved`: the settings advanced a token
+    at a time in turn, the order rotated each round, so that the machine's slow spells hit them
+    alike): TTFT is the median of the rounds' prefills, tokens/s of all their decode steps."""
     from jax_flashcomm import record
     from models.eval import nll_fn, window_tokens
     from models.traffic import plans_wire_vs_bf16
@@ -83,12 +83,15 @@ def run(model, ckpt, mesh, settings, *, text=None, window=512, max_windows=6, pr
             p.choice_source for p in plans if p.choice_source is not None))
         rows[-1]["wire_vs_bf16"], _ = plans_wire_vs_bf16(plans)  # of the calls that ran
     if prompts:
-        for r in range(1, rounds):
+        if rounds > 1:  # the interleaved rounds replace the first timing, taken alone
+            for row in rows:
+                row["ttft_samples_s"], row["decode_samples_s"] = [], []
+        for r in range(rounds if rounds > 1 else 0):
             print(f"timing round {r + 1}/{rounds}", file=log)
-            for i in [(j + r) % len(rows) for j in range(len(rows))]:
-                timings = retimes[i]()
-                rows[i]["ttft_samples_s"].append(timings["ttft"])
-                rows[i]["decode_samples_s"].extend(timings["decode"])
+            order = [(j + r) % len(rows) for j in range(len(rows))]
+            for i, (ttfts, decode) in zip(order, interleaved([retimes[i] for i in order])):
+                rows[i]["ttft_samples_s"].extend(ttfts)
+                rows[i]["decode_samples_s"].extend(decode)
         for row in rows:
             dec = row["decode_samples_s"]
             row["ttft_s"] = statistics.median(row["ttft_samples_s"])
@@ -159,10 +162,56 @@ def _run_setting(label, comm, model, ckpt, mesh, *, engine_args, windows, window
         row["allreduce_bytes_per_token"] = sum(per_site)
     row["traces"] = {str(k): v for k, v in engine.traces.items()}
 
-    def retime():
+    from models.chat_template import prompt_ids
+    from models.engine import Sampling
+
+    ids = prompt_ids(tok, prompts[0]) if prompts else None
+
+    def activate():  # one model, every setting's engine: the engine reads the model's comm
         set_comm(model, comm, overrides=overrides)
-        return greedy(engine, tok, prompts[:1], max_new_tokens, stop)[1]
+
+    def retime(max_new=max_new_tokens):
+        activate()
+        return engine, engine.generate(ids, max_new, sampling=Sampling(), stop_ids=stop), activate
     return row, retime
+
+
+#: Prefills timed per setting and round beside its generation's (TTFT: a prefill is a few
+#: hundred ms, so more samples cost little and steady the median).
+TTFT_REPEATS = 3
+
+
+def interleaved(retimes) -> list[tuple[list[float], list[float]]]:
+    """One round of :func:`run`'s timing: every setting's generation of the first prompt
+    advanced a token at a time, the settings in turn (so that a slow spell of the machine,
+    seconds long, hits every setting alike), then :data:`TTFT_REPEATS` prefills each, in turn.
+
+    Args:
+      retimes: per setting, a function of ``max_new`` returning its engine, the generator of
+        its generation and the function that sets its communication on the model.
+
+    Returns:
+      Per setting (in order), its TTFT samples and decode step times.
+    """
+    started = [retime() for retime in retimes]
+    timings = [None] * len(retimes)
+    active = list(range(len(retimes)))
+    while active:
+        for i in list(active):
+            engine, gen, activate = started[i]
+            activate()
+            try:
+                next(gen)
+            except StopIteration:
+                active.remove(i)
+                timings[i] = dict(engine.last_timings)
+    out = [([t["ttft"]], list(t["decode"])) for t in timings]
+    for _ in range(TTFT_REPEATS):
+        for i, retime in enumerate(retimes):
+            engine, gen, _ = retime(1)
+            list(gen)
+            out[i][0].append(engine.last_timings["ttft"])
+    return out
 
 
 def table(rows, tp: int) -> str:

@@ -7,8 +7,10 @@ table or the cost model predicts faster), side by side.
         [--max-new-tokens 24] [--rounds 3] [--window 256]
 
 Fetches the model on first use (``models/checkpoints/fetch.py``), loads its weights once, and for
-each setting prints the TTFT and decode tokens/s (the median of ``--rounds`` greedy generations,
-the settings in turn with the order rotated each round; tokens/s of the median step), the
+each setting prints the TTFT and decode tokens/s (medians over ``--rounds`` rounds, each
+advancing every setting's greedy generation a token at a time in turn, then timing a few more
+prefills each in turn, so that the machine's slow spells hit every setting alike; tokens/s of
+the median step), the
 perplexity on a short passage (the first window of ``models/corpus.py``'s text), the bytes each
 rank sends in one decode step's all-reduces, and the first words the model answers. The table's
 title names the checkpoint: its own name (a GGUF's ``general.name``), else the ``--model``
@@ -76,8 +78,8 @@ def _main(args) -> int:
                rounds=args.rounds)
     print(f"\n{model_title(ckpt, args.model)}, TP={args.tp} on {args.tp} CPU devices; "
           f"perplexity on {rows[0]['tokens'] + 1} tokens of text; prompt: {args.prompt!r}; "
-          f"TTFT and tok/s: medians of {args.rounds} generation{'s' if args.rounds > 1 else ''} "
-          f"per setting")
+          "TTFT and tok/s: " + (f"medians over {args.rounds} interleaved rounds"
+                                if args.rounds > 1 else "one generation") + " per setting")
     print(f"{'setting':<8}{'TTFT ms':>9}{'tok/s':>7}{'ppl':>9}{'AR bytes/tok':>13}  answer")
     for r in rows:
         words = " ".join(r["texts"][0].split()[:10])

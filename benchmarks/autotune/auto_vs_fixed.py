@@ -80,6 +80,10 @@ def run(args) -> dict:
         rows.append({"setting": name, "comm": comm.kind, "decode_step_s": step,
                      "tokens_per_s": 1 / step, "decode_steps": len(steps[name]),
                      "ttft_s": {str(n): statistics.median(v) for n, v in ttft[name].items()},
+                     "ttft_samples_s": {str(n): v for n, v in ttft[name].items()},
+                     "decode_round_medians_s": [
+                         statistics.median(steps[name][i:i + args.tokens])
+                         for i in range(0, len(steps[name]), args.tokens)],
                      "plans": plans[name]})
     fixed = [r for r in rows if r["comm"] != "auto"]
     best_dec = max(r["tokens_per_s"] for r in fixed)

@@ -1,6 +1,7 @@
 """``models.compare.run``'s timing rounds (``--rounds``, models.demo's default 3): every setting
-timed once per round, the settings in turn, its TTFT the median of the rounds and its tokens/s
-those of all their decode steps; the greedy answers are the first round's."""
+timed in every round, the settings' generations advanced a token at a time in turn, then a few
+prefills each in turn; its TTFT the median of those samples and its tokens/s those of all the
+rounds' decode steps; the greedy answers are the first (untimed-round) generation's."""
 
 import dataclasses
 import statistics
@@ -10,7 +11,7 @@ import pytest
 
 from jax_flashcomm.nn import TPComm
 from models import demo
-from models.compare import run, table
+from models.compare import TTFT_REPEATS, interleaved, run, table
 from models.llama.params import load_model
 from tests.support.tiny_llama import TINY, DictCheckpoint
 
@@ -46,7 +47,7 @@ def test_rounds_time_every_setting_and_take_medians():
     settings = [("exact", TPComm("exact")), ("int8", TPComm("quantized", bits=8, min_bytes=0))]
     rows = _rows(3, settings)
     for row in rows:
-        assert len(row["ttft_samples_s"]) == 3
+        assert len(row["ttft_samples_s"]) == 3 * (1 + TTFT_REPEATS)
         assert len(row["decode_samples_s"]) == 3 * 4      # 5 tokens: the first is the TTFT
         assert row["ttft_s"] == statistics.median(row["ttft_samples_s"])
         assert row["tokens_per_s_median"] == 1 / statistics.median(row["decode_samples_s"])
@@ -78,3 +79,34 @@ def test_the_table_shows_no_nan_and_wire_comes_from_the_plans():
     assert [line.split()[1] for line in text.splitlines()[1:]] == ["-", "-"]  # perplexity
     assert rows[0]["wire_vs_bf16"] == 1.0
     assert 0.5 < rows[1]["wire_vs_bf16"] < 0.6  # int8 codes + bf16 scale and zero per group
+
+
+class _FakeEngine:
+    def __init__(self, name, log):
+        self.name, self.log, self.last_timings = name, log, None
+
+    def generate(self, steps):
+        self.last_timings = {"ttft": 1.0, "decode": []}
+        for k in range(steps):
+            self.log.append((self.name, k))
+            if k:
+                self.last_timings["decode"].append(0.5)
+            yield k
+
+
+def test_interleaved_advances_the_settings_a_token_at_a_time_in_turn():
+    log, active = [], []
+
+    def retimer(name, steps):
+        engine = _FakeEngine(name, log)
+
+        def retime(max_new=steps):
+            return engine, engine.generate(max_new), lambda: active.append(name)
+        return retime
+
+    out = interleaved([retimer("a", 3), retimer("b", 2)])
+    generation = log[:5]
+    assert generation == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2)]
+    assert active[:5] == ["a", "b", "a", "b", "a"]  # each step runs with its own setting set
+    assert log[5:] == [("a", 0), ("b", 0)] * TTFT_REPEATS
+    assert out == [([1.0] * (1 + TTFT_REPEATS), [0.5, 0.5]), ([1.0] * (1 + TTFT_REPEATS), [0.5])]
