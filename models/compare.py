@@ -12,8 +12,8 @@ The weights are loaded once; each setting gets its own compiled engine. For each
 perplexity over the text windows, greedy continuations of the prompts, stopped at EOS (and how
 many of their tokens match the first setting's before the first difference, the table's
 "greedy match", and position by position), TTFT and decode tokens/s of the first prompt (with
-``--rounds R``: R rounds, the settings' generations advanced a token at a time in turn), and the bytes
-each rank sends in one decode step's all-reduces.
+``--rounds R``: R rounds, the settings' generations advanced a token at a time in turn), and
+the bytes each rank sends in one decode step's all-reduces.
 """
 
 from __future__ import annotations

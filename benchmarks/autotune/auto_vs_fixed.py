@@ -12,7 +12,8 @@ the machine hit every setting alike): per prompt length one prefill (TTFT) and, 
 ``--tokens`` greedy decode steps (every step's time kept), the settings' generations of the
 first prompt advanced a token at a time in turn. Reported per setting: the median decode
 step (and its tokens/s), the median TTFT per prompt length, and each against the best fixed
-setting (every setting but ``auto``): ``auto / best`` >= 0.97 is the bar for decode (and TTFT at most 1.05x the best's).
+setting (every setting but ``auto``): ``auto / best`` >= 0.97 is the bar for decode (and
+TTFT at most 1.05x the best's).
 """
 
 from __future__ import annotations

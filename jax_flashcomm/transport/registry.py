@@ -104,8 +104,8 @@ class P2pTransport(_Collectives):
     #: The in-process exact all-reduce against ``lax.psum`` where no table measured it, from
     #: benchmarks/collectives/allreduce_exact_p2p.py (Intel Xeon, 2 cores, 3 and 8 devices, two
     #: runs, before the sum ran in place; docs/transport.md, "The exact all-reduce", has the
-    #: AMD EPYC Zen 4 figures since, above these at every size but one noisy cell): up to :data:`EXACT_SMALL_BYTES` per
-    #: rank (:data:`EXACT_SMALL_BYTES_16` for 16-bit floats) lax's time times
+    #: AMD EPYC Zen 4 figures since, above these at every size): up to :data:`EXACT_SMALL_BYTES`
+    #: per rank (:data:`EXACT_SMALL_BYTES_16` for 16-bit floats) lax's time times
     #: :data:`EXACT_SMALL_RATIO` (measured 1.36-2.46x faster there); 16-bit floats from
     #: :data:`EXACT_NARROW_BYTES` at their own bytes, which lax moves as f32 (1.19-2.21x
     #: faster); elsewhere lax's time times :data:`EXACT_RATIO` (1.01-1.45x faster, the least
