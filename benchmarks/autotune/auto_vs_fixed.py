@@ -2,15 +2,17 @@
 the best fixed setting?
 
     .venv/bin/python -m benchmarks.autotune.auto_vs_fixed [--settings exact,int8,int4,auto] \\
-        [--rounds 8] [--tokens 32] [--prompt-tokens 24,200] [--out docs/results/decode.json]
+        [--rounds 8] [--tokens 32] [--prompt-tokens 24,200] [--ttft-repeats 3] \\
+        [--out docs/results/decode.json]
 
 One process, ``--tp`` CPU devices (the models' in-process layout; ``models.demo`` runs the same
-settings once each, which on 2 cores is too noisy to rank them within a few percent). Each
+settings for 3 rounds, fewer than it takes to rank them within a few percent on 2 cores). Each
 setting gets its compiled engine (prefill buckets and decode step warmed up); then ``--rounds``
 rounds, each running every setting in turn (the order rotated every round, so slow spells of
-the machine hit every setting alike): per prompt length one prefill (TTFT) and, for the first,
-``--tokens`` greedy decode steps (every step's time kept), the settings' generations of the
-first prompt advanced a token at a time in turn. Reported per setting: the median decode
+the machine hit every setting alike): per prompt length ``1 + --ttft-repeats`` prefills (TTFT)
+and, for the first, ``--tokens`` greedy decode steps (every step's time kept), the settings'
+generations of the first prompt advanced a token at a time in turn, then the other prefills
+one setting after another. Reported per setting: the median decode
 step (and its tokens/s), the median TTFT per prompt length, and each against the best fixed
 setting (every setting but ``auto``): ``auto / best`` >= 0.97 is the bar for decode (and
 TTFT at most 1.05x the best's).
@@ -62,9 +64,39 @@ def run(args) -> dict:
                               + (f" over {p.transport}" if p.transport else "")
                               for p in recorded})
         print(f"{name}: compiled; {plans[name]}", file=sys.stderr, flush=True)
-    steps = {name: [] for name, _ in settings}
-    ttft = {name: {n: [] for n in prompts} for name, _ in settings}
     names = [n for n, _ in settings]
+    steps, ttft = _timed_rounds(args, engines, prompts, names, set_comm, progress)
+    rows = []
+    for name, comm in settings:
+        step = statistics.median(steps[name])
+        rows.append({"setting": name, "comm": comm.kind, "decode_step_s": step,
+                     "tokens_per_s": 1 / step, "decode_steps": len(steps[name]),
+                     "ttft_s": {str(n): statistics.median(v) for n, v in ttft[name].items()},
+                     "ttft_samples_s": {str(n): v for n, v in ttft[name].items()},
+                     "decode_round_medians_s": [
+                         statistics.median(steps[name][i:i + args.tokens - 1])
+                         for i in range(0, len(steps[name]), args.tokens - 1)],
+                     "plans": plans[name]})
+    fixed = [r for r in rows if r["comm"] != "auto"]
+    best_dec = max(r["tokens_per_s"] for r in fixed)
+    for r in rows:
+        r["decode_vs_best_fixed"] = r["tokens_per_s"] / best_dec
+        r["ttft_vs_best_fixed"] = {n: min(f["ttft_s"][n] for f in fixed) / t
+                                   for n, t in r["ttft_s"].items()}
+    table = tuning.active()
+    return {"machine": describe(), "tp": args.tp, "rounds": args.rounds, "tokens": args.tokens,
+            "prompt_tokens": list(prompts), "tuning_table": None if table is None else
+            {"created": table.created, "isa": table.codec.get("isa")},
+            "command": ".venv/bin/python -m benchmarks.autotune.auto_vs_fixed "
+                       + " ".join(sys.argv[1:]),
+            "rows": rows}
+
+
+def _timed_rounds(args, engines, prompts, names, set_comm, progress):
+    """``--rounds`` rounds over the settings' engines (module docstring): every decode step's
+    time per setting, and per setting and prompt length every TTFT."""
+    steps = {name: [] for name in names}
+    ttft = {name: {n: [] for n in prompts} for name in names}
     start = time.perf_counter()
     first, *others = prompts
     for r in range(args.rounds):
@@ -82,37 +114,14 @@ def run(args) -> dict:
                     del gens[name]
                     ttft[name][first].append(engine.last_timings["ttft"])
                     steps[name].extend(engine.last_timings["decode"])
-        for n in others:
+        for n in [first] * args.ttft_repeats + others * (1 + args.ttft_repeats):
             for name in order:
                 comm, engine = engines[name]
                 set_comm(engine.model, comm)
                 list(engine.generate(prompts[n], 1))
                 ttft[name][n].append(engine.last_timings["ttft"])
         progress(r + 1, args.rounds, start, sys.stderr, unit="rounds")
-    rows = []
-    for name, comm in settings:
-        step = statistics.median(steps[name])
-        rows.append({"setting": name, "comm": comm.kind, "decode_step_s": step,
-                     "tokens_per_s": 1 / step, "decode_steps": len(steps[name]),
-                     "ttft_s": {str(n): statistics.median(v) for n, v in ttft[name].items()},
-                     "ttft_samples_s": {str(n): v for n, v in ttft[name].items()},
-                     "decode_round_medians_s": [
-                         statistics.median(steps[name][i:i + args.tokens])
-                         for i in range(0, len(steps[name]), args.tokens)],
-                     "plans": plans[name]})
-    fixed = [r for r in rows if r["comm"] != "auto"]
-    best_dec = max(r["tokens_per_s"] for r in fixed)
-    for r in rows:
-        r["decode_vs_best_fixed"] = r["tokens_per_s"] / best_dec
-        r["ttft_vs_best_fixed"] = {n: min(f["ttft_s"][n] for f in fixed) / t
-                                   for n, t in r["ttft_s"].items()}
-    table = tuning.active()
-    return {"machine": describe(), "tp": args.tp, "rounds": args.rounds, "tokens": args.tokens,
-            "prompt_tokens": list(prompts), "tuning_table": None if table is None else
-            {"created": table.created, "isa": table.codec.get("isa")},
-            "command": ".venv/bin/python -m benchmarks.autotune.auto_vs_fixed "
-                       + " ".join(sys.argv[1:]),
-            "rows": rows}
+    return steps, ttft
 
 
 def markdown(data) -> str:
@@ -135,6 +144,8 @@ def main(argv=None) -> int:
     ap.add_argument("--settings", default="exact,int8,int4,auto")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--ttft-repeats", type=int, default=3,
+                    help="more prefills per prompt length, setting and round, in turn")
     ap.add_argument("--prompt-tokens", default="24,200")
     ap.add_argument("--out", default=None, help="write the JSON here")
     args = ap.parse_args(argv)
