@@ -106,6 +106,20 @@ def test_in_place_sum_aliases_its_operand_in_the_program():
     assert "output_operand_alias" not in one  # one shot: every rank reads every x to the end
 
 
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+@pytest.mark.parametrize("two_shot", [False, True])
+def test_negative_zeros_sum_to_negative_zero(dtype, two_shot):
+    # x_0 + x_1 + x_2 in rank order, as IEEE adds signed zeros (lax.psum on XLA:CPU starts from
+    # +0 and gives +0: docs/transport.md, "Bits"); a +0 on any rank makes the sum +0
+    mesh = _mesh(3)
+    host = np.full((3, 8), -0.0, np.float32)
+    host[1, 4:] = 0.0
+    y = _run(mesh, lambda v: p2p.exact_all_reduce(v, ("i",), 60_000, two_shot),
+             _sharded(mesh, jnp.asarray(host.reshape(-1), dtype)))
+    signs = np.signbit(np.asarray(y, np.float32))
+    np.testing.assert_array_equal(signs, [True] * 4 + [False] * 4)
+
+
 @pytest.mark.parametrize("two_shot", [False, True])
 def test_f16_sums_in_f32_and_rounds_once(two_shot):
     mesh = _mesh(8)
