@@ -194,24 +194,34 @@ def interleaved(retimes) -> list[tuple[list[float], list[float]]]:
       Per setting (in order), its TTFT samples and decode step times.
     """
     started = [retime() for retime in retimes]
-    timings = [None] * len(retimes)
-    active = list(range(len(retimes)))
-    while active:
-        for i in list(active):
-            engine, gen, activate = started[i]
-            activate()
-            try:
-                next(gen)
-            except StopIteration:
-                active.remove(i)
-                timings[i] = dict(engine.last_timings)
-    out = [([t["ttft"]], list(t["decode"])) for t in timings]
+    advance_in_turn([(gen, activate) for _, gen, activate in started])
+    out = [([engine.last_timings["ttft"]], list(engine.last_timings["decode"]))
+           for engine, _, _ in started]
     for _ in range(TTFT_REPEATS):
         for i, retime in enumerate(retimes):
             engine, gen, _ = retime(1)
             list(gen)
             out[i][0].append(engine.last_timings["ttft"])
     return out
+
+
+def advance_in_turn(generations) -> None:
+    """Run generators to their ends a step at a time, in turn (each step after its
+    ``activate()``: the setting it needs set on the shared model).
+
+    Args:
+      generations: ``(generator, activate)`` pairs.
+    """
+    active = list(generations)
+    while active:
+        for pair in list(active):
+            gen, activate = pair
+            activate()
+            if next(gen, _END) is _END:
+                active.remove(pair)
+
+
+_END = object()
 
 
 def table(rows, tp: int) -> str:

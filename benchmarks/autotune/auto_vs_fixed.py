@@ -20,6 +20,7 @@ TTFT at most 1.05x the best's).
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import sys
@@ -95,25 +96,22 @@ def run(args) -> dict:
 def _timed_rounds(args, engines, prompts, names, set_comm, progress):
     """``--rounds`` rounds over the settings' engines (module docstring): every decode step's
     time per setting, and per setting and prompt length every TTFT."""
+    from models.compare import advance_in_turn
+
     steps = {name: [] for name in names}
     ttft = {name: {n: [] for n in prompts} for name in names}
     start = time.perf_counter()
     first, *others = prompts
     for r in range(args.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
-        gens = {}
+        # the first prompt's generations a token at a time, the settings in turn
+        advance_in_turn([(engines[name][1].generate(prompts[first], args.tokens),
+                          functools.partial(set_comm, engines[name][1].model, engines[name][0]))
+                         for name in order])
         for name in order:
-            comm, engine = engines[name]
-            set_comm(engine.model, comm)
-            gens[name] = engine.generate(prompts[first], args.tokens)
-        while gens:  # the first prompt's generations a token at a time, the settings in turn
-            for name in list(gens):
-                comm, engine = engines[name]
-                set_comm(engine.model, comm)
-                if next(gens[name], None) is None:
-                    del gens[name]
-                    ttft[name][first].append(engine.last_timings["ttft"])
-                    steps[name].extend(engine.last_timings["decode"])
+            timings = engines[name][1].last_timings
+            ttft[name][first].append(timings["ttft"])
+            steps[name].extend(timings["decode"])
         for n in [first] * args.ttft_repeats + others * (1 + args.ttft_repeats):
             for name in order:
                 comm, engine = engines[name]

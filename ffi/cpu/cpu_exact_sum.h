@@ -163,8 +163,9 @@ inline bool TwoShotBySize(int32_t two_shot, int64_t two_shot_bytes, int64_t byte
 // target in errors). Completes the future once every peer is done with this rank's buffers.
 // `one_space`: the ranks share this address space (devices of one process), so the two-shot
 // sums go straight into every rank's y, piece by piece, by whichever rank takes the piece (two
-// barriers, no second read; y may be x: jax_flashcomm.transport.p2p aliases them); else (processes) rank r sums chunk r and every rank copies the
-// other chunks from their owners' published sums.
+// barriers, no second read; y may be x: jax_flashcomm.transport.p2p aliases them); else
+// (processes) rank r sums chunk r and every rank copies the other chunks from their owners'
+// published sums.
 inline ffi::Future ExactAllReduceProtocol(const char* op, const GangFactory& join, int32_t rank,
                                           const ffi::AnyBuffer& x, ffi::AnyBuffer& y,
                                           int64_t size, int64_t timeout_ms, int32_t two_shot_mode,

@@ -337,13 +337,13 @@ def exact_all_reduce(x: jax.Array, axes: tuple[str, ...], timeout_ms: int,
                         f"(it takes {', '.join(sorted(d.name for d in taken))})")
     rep = _axes.varying_axes(x) - frozenset(axes)
     mode = 2 if two_shot is None else int(bool(two_shot))
-    threshold = TWO_SHOT_BYTES if across_processes() else IN_PROCESS_TWO_SHOT_BYTES
+    processes = across_processes()
+    threshold = TWO_SHOT_BYTES if processes else IN_PROCESS_TWO_SHOT_BYTES
     two = mode == 1 or (mode == 2 and x.size * np.dtype(x.dtype).itemsize >= threshold)
     # the in-process two-shot CPU sum writes every rank's sums over its x (each piece read
     # before it is written): its stores hit lines it has just read, a third less memory
     # traffic than a fresh y (XLA copies an x that is still live)
-    in_place = (two and not across_processes()
-                and kernel_platform_name(jax.default_backend()) == "cpu")
+    in_place = two and not processes and kernel_platform_name(jax.default_backend()) == "cpu"
     call = jax.ffi.ffi_call(target("psum"), result_aval(x, x.shape, x.dtype, rep),
                             vmap_method="sequential",
                             input_output_aliases={0: 0} if in_place else None)
